@@ -1,0 +1,1 @@
+"""The `openjiuwen-rl` command."""

@@ -1,0 +1,1 @@
+"""Thin FastAPI routers, the error envelope and the ASGI guards (auth, body size)."""

@@ -1,0 +1,41 @@
+"""`GET /health`: Redis reachable, counters readable, background parts healthy (CONTRACT §2.3)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from fastapi import APIRouter
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from ..store import keys
+from .errors import JSONBody, envelope
+
+HEALTH_REDIS_TIMEOUT_S = 2.0
+
+
+def build_health_router(
+    redis: Redis, *, model_id: str, extra_checks: list[Callable[[], Awaitable[None] | None]] | None = None
+) -> APIRouter:
+    router = APIRouter()
+    checks = list(extra_checks or [])
+
+    @router.get("/health")
+    async def health() -> JSONBody:
+        try:
+            async with asyncio.timeout(HEALTH_REDIS_TIMEOUT_S):
+                await redis.ping()
+                await redis.hlen(keys.traj_stats(model_id))
+        except (RedisError, OSError, TimeoutError) as exc:
+            return envelope(503, "service_not_ready", f"redis unavailable: {type(exc).__name__}")
+        for check in checks:
+            try:
+                result = check()
+                if result is not None:
+                    await result
+            except Exception as exc:  # a failing background part makes the service not ready, with its cause
+                return envelope(503, "service_not_ready", str(exc) or type(exc).__name__)
+        return JSONBody({"status": "ready", "model_id": model_id})
+
+    return router

@@ -1,0 +1,63 @@
+"""Loopback-only routes the gateway calls: capture hooks, internal finish and abort (CONTRACT §2.8, §2.9)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from ..capture.lifecycle import TaskLifecycle
+from ..capture.pipeline import CapturePipeline
+from ..tasks.models import FinishReason
+from .body import json_object
+from .errors import JSONBody, domain_errors
+from .tasks import reason_from_body
+
+
+def build_hooks_router(pipeline: CapturePipeline, lifecycle: TaskLifecycle) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/internal/v1/completions:before")
+    async def before(request: Request) -> JSONBody:
+        body = await json_object(request)
+        assert body is not None
+        with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
+            injected = await pipeline.before(body)
+        return JSONBody({"request": injected})
+
+    @router.post("/internal/v1/completions:after", status_code=204)
+    async def after(request: Request) -> Response:
+        body = await json_object(request)
+        assert body is not None
+        with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
+            await pipeline.after(body)
+        return Response(status_code=204)
+
+    @router.post("/internal/v1/completions:discard", status_code=204)
+    async def discard(request: Request) -> Response:
+        body = await json_object(request)
+        assert body is not None
+        with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
+            await pipeline.discard(body)
+        return Response(status_code=204)
+
+    @router.post("/internal/v1/rl/tasks/{rl_task_id}:finish")
+    async def finish(rl_task_id: str, request: Request) -> dict[str, Any]:
+        body = await json_object(request)
+        assert body is not None
+        reason = reason_from_body(body, {FinishReason.SERVICE_STOPPED.value}, "invalid_finish_reason")
+        with domain_errors(not_found="task_conflict", conflict="task_conflict"):
+            task = await lifecycle.finish(rl_task_id, reason)
+        return task.public()
+
+    @router.post("/internal/v1/rl/tasks/{rl_task_id}:abort")
+    async def abort(rl_task_id: str, request: Request) -> dict[str, Any]:
+        body = await json_object(request)
+        assert body is not None
+        allowed = {FinishReason.CAPTURE_FAILED.value, FinishReason.TIMEOUT.value}
+        reason = reason_from_body(body, allowed, "invalid_abort_reason")
+        with domain_errors(not_found="task_conflict", conflict="task_conflict"):
+            task = await lifecycle.abort(rl_task_id, reason)
+        return task.public()
+
+    return router

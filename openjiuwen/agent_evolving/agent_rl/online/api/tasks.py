@@ -1,0 +1,61 @@
+"""Public Task routes (CONTRACT §2.4, §2.5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from ..capture.lifecycle import StartHeaders, TaskLifecycle
+from ..capture.rewards import RewardProjector, parse_reward_body
+from ..tasks.models import FinishReason
+from ..tasks.registry import TaskRegistry
+from .body import json_object
+from .errors import ApiError, JSONBody, domain_errors
+
+
+def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards: RewardProjector) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/rl/tasks/start")
+    async def start_task(request: Request) -> JSONBody:
+        body = await json_object(request)
+        assert body is not None
+        h = request.headers
+        headers = StartHeaders(
+            h.get("x-agent-session-id"), h.get("x-aigw-rl-task-id"), h.get("x-aigw-rl-policy-name"),
+            h.get("x-aigw-rl-policy-model"),
+        )
+        with domain_errors(not_found="task_not_found", conflict="task_conflict"):
+            task, created = await lifecycle.start(lifecycle.parse_start(headers, body))
+        return JSONBody(task.public(), status_code=201 if created else 200)
+
+    @router.get("/v1/rl/tasks/{rl_task_id}")
+    async def get_task(rl_task_id: str) -> dict[str, Any]:
+        with domain_errors(not_found="task_not_found", conflict="task_conflict"):
+            task = await registry.require(rl_task_id)
+        return task.public()
+
+    @router.post("/v1/rl/tasks/{rl_task_id}/stop")
+    async def stop_task(rl_task_id: str) -> dict[str, Any]:
+        # The body is ignored (CONTRACT §2.5), so it is never parsed.
+        with domain_errors(not_found="task_not_found", conflict="task_conflict"):
+            task = await lifecycle.finish(rl_task_id, FinishReason.USER_STOPPED)
+        return task.public()
+
+    @router.post("/v1/rl/tasks/{rl_task_id}/reward")
+    async def reward_task(rl_task_id: str, request: Request) -> dict[str, Any]:
+        body = await json_object(request)
+        assert body is not None
+        with domain_errors(not_found="task_not_found", conflict="reward_conflict"):
+            value = parse_reward_body(body)
+            count = await rewards.reward(rl_task_id, value)
+        return {"sample_count": count}
+
+    return router
+
+
+def reason_from_body(body: dict[str, Any], allowed: set[str], code: str) -> FinishReason:
+    if set(body) != {"reason"} or body["reason"] not in allowed:
+        raise ApiError(400, code, f"body must be exactly {{\"reason\": one of {sorted(allowed)}}}")
+    return FinishReason(body["reason"])

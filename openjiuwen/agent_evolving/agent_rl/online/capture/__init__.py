@@ -1,0 +1,1 @@
+"""The capture pipeline: hook body parsing, request normalization, response validation, sample building."""

@@ -1,0 +1,51 @@
+"""Shape validation of the capture hook bodies (CONTRACT §2.8): keys present, types right, ids well-formed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidInput
+from ..ids import is_task_id, is_token_id
+
+
+@dataclass(frozen=True, slots=True)
+class HookBody:
+    rl_task_id: str
+    capture_id: str
+    agent_turn_id: str | None
+    request: Any = None
+    response: Any = None
+
+
+def _invalid(message: str) -> InvalidInput:
+    return InvalidInput("invalid_completion", message)
+
+
+def parse_hook(body: dict[str, Any], *, with_request: bool, with_response: bool) -> HookBody:
+    required = ["rl_task_id", "capture_id"]
+    if with_request:
+        required.append("request")
+    if with_response:
+        required.append("response")
+    for name in required:
+        if name not in body:
+            raise _invalid(f"missing field: {name}")
+    t, c = body["rl_task_id"], body["capture_id"]
+    if not isinstance(t, str) or not isinstance(c, str):
+        raise _invalid("rl_task_id and capture_id must be strings")
+    if not is_task_id(t):
+        raise _invalid("rl_task_id has an invalid format")
+    if not is_token_id(c):
+        raise _invalid("capture_id has an invalid format")
+    turn = body.get("agent_turn_id")
+    if turn is not None:
+        if not isinstance(turn, str):
+            raise _invalid("agent_turn_id must be a string or null")
+        if not is_token_id(turn):
+            raise _invalid("agent_turn_id has an invalid format")
+    if with_request and not isinstance(body["request"], dict):
+        raise _invalid("request must be an object")
+    if with_response and not isinstance(body["response"], dict):
+        raise _invalid("response must be an object")
+    return HookBody(t, c, turn, body.get("request"), body.get("response"))

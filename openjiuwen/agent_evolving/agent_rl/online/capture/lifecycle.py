@@ -1,0 +1,118 @@
+"""Task start, stop, finish and abort, plus startup recovery and shutdown (CONTRACT §2.1, §2.4, §2.5, §2.9)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import Conflict, InvalidInput
+from ..ids import is_task_id, is_token_id, now_iso
+from ..tasks.models import FinishReason, RewardMode, Task, TaskStatus
+from ..tasks.registry import TaskRegistry
+from .turns import TurnPublisher
+
+log = logging.getLogger("openjiuwen.agent_rl.online.lifecycle")
+
+_REWARD_MODES = {m.value for m in RewardMode}
+
+
+@dataclass(frozen=True, slots=True)
+class StartHeaders:
+    session_id: str | None
+    task_id: str | None
+    policy_name: str | None
+    policy_model: str | None
+
+
+def _blank(value: str | None) -> bool:
+    return value is None or not value.strip()
+
+
+class TaskLifecycle:
+    def __init__(
+        self, registry: TaskRegistry, publisher: TurnPublisher, *, model_id: str, judge_configured: bool
+    ) -> None:
+        self._registry = registry
+        self._publisher = publisher
+        self._model_id = model_id
+        self._judge_configured = judge_configured
+
+    def parse_start(self, headers: StartHeaders, body: dict[str, Any]) -> Task:
+        """The requested Task, or the first failing rule of CONTRACT §2.4 in its order."""
+        if _blank(headers.session_id) or not is_token_id(headers.session_id):
+            raise InvalidInput("missing_session_id", "X-Agent-Session-Id is missing or invalid")
+        if set(body) != {"reward_mode"}:
+            raise InvalidInput("invalid_task_request", "body must be exactly {\"reward_mode\": ...}")
+        mode = body["reward_mode"]
+        if not isinstance(mode, str) or mode not in _REWARD_MODES:
+            raise InvalidInput("invalid_reward_mode", "reward_mode must be terminal or delayed_feedback")
+        if mode == RewardMode.DELAYED_FEEDBACK and not self._judge_configured:
+            raise InvalidInput("judge_not_configured", "delayed_feedback Tasks need a configured Judge")
+        if _blank(headers.task_id) or _blank(headers.policy_name) or _blank(headers.policy_model):
+            raise InvalidInput("invalid_gateway_task", "X-AIGW-RL-* headers must not be blank")
+        if not is_task_id(headers.task_id):
+            raise InvalidInput("invalid_gateway_task", "X-AIGW-RL-Task-Id has an invalid format")
+        assert headers.session_id and headers.task_id and headers.policy_name and headers.policy_model
+        return Task(
+            rl_task_id=headers.task_id,
+            agent_session_id=headers.session_id,
+            model_id=self._model_id,
+            policy_lora_name=headers.policy_name,
+            reward_mode=mode,
+            status=TaskStatus.ACTIVE.value,
+            created_at=now_iso(),
+            policy_model=headers.policy_model,
+        )
+
+    async def start(self, requested: Task) -> tuple[Task, bool]:
+        return await self._registry.start(requested)
+
+    async def finish(self, rl_task_id: str, reason: FinishReason) -> Task:
+        """Finalize; delayed mode publishes the current turn first (feedback "", tag `session_done`) without
+        waiting: open captures are a conflict and the Task stays active."""
+        task = await self._registry.require(rl_task_id)
+        if not task.active:
+            return task
+        if task.delayed:
+            current, _ = await self._registry.turn_state(rl_task_id)
+            if current is not None:
+                await self._publisher.publish(task, current, feedback="", tag="session_done", deadline=None)
+        return await self._registry.finalize(rl_task_id, reason)
+
+    async def abort(self, rl_task_id: str, reason: FinishReason) -> Task:
+        return await self._registry.abort(rl_task_id, reason)
+
+    async def recover(self) -> int:
+        """Startup: abort every indexed active Task with `service_restarted`; drop stale index entries."""
+        aborted = 0
+        for t in await self._registry.active_ids():
+            task = await self._registry.get(t)
+            if task is None or not task.active:
+                await self._registry.drop_stale_active(t)
+                continue
+            await self._registry.abort(t, FinishReason.SERVICE_RESTARTED)
+            aborted += 1
+        if aborted:
+            log.info("startup recovery aborted %d active task(s) with service_restarted", aborted)
+        return aborted
+
+    async def shutdown(self) -> None:
+        """Finish every active Task with `service_stopped`, else abort it; one failure never stops the loop."""
+        try:
+            ids = await self._registry.active_ids()
+        except Exception:
+            log.exception("shutdown could not list active tasks")
+            return
+        for t in ids:
+            try:
+                await self.finish(t, FinishReason.SERVICE_STOPPED)
+                continue
+            except Conflict as exc:
+                log.info("task %s could not finish at shutdown (%s); aborting it", t, exc)
+            except Exception:
+                log.exception("task %s could not finish at shutdown; aborting it", t)
+            try:
+                await self._registry.abort(t, FinishReason.SERVICE_STOPPED)
+            except Exception:
+                log.exception("task %s could not be aborted at shutdown", t)

@@ -1,0 +1,88 @@
+"""The capture hooks `:before`, `:after` and `:discard` (CONTRACT §2.8, §4.2, §4.3).
+
+Each hook parses its body once, validates, and touches Redis in a few round trips. Abort rules: at `:before` input
+errors, model mismatch, capture-id reuse and "another turn waiting" leave the Task active, while a closed or closing
+turn and a failed or timed-out publication abort it; at `:after` every rejection past the body shape aborts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..errors import Conflict, InvalidInput
+from ..ids import fingerprint
+from ..judge import feedback_from_request
+from ..tasks.models import FinishReason
+from ..tasks.registry import AbortingConflict, ReserveOutcome, TaskRegistry
+from .hooks import parse_hook
+from .request import RequestModelMismatch, normalize_request, request_fingerprint, validate_request
+from .response import ResponseModelMismatch, validate_response
+from .sample import build_sample
+from .turns import TurnPublisher
+
+
+class CapturePipeline:
+    def __init__(self, registry: TaskRegistry, publisher: TurnPublisher, *, turn_publish_timeout_s: float) -> None:
+        self._registry = registry
+        self._publisher = publisher
+        self._turn_publish_timeout_s = turn_publish_timeout_s
+
+    async def before(self, body: dict[str, Any]) -> dict[str, Any]:
+        hook = parse_hook(body, with_request=True, with_response=False)
+        task = await self._registry.require(hook.rl_task_id)
+        try:
+            validate_request(
+                hook.request, policy_model=task.policy_model, delayed=task.delayed, agent_turn_id=hook.agent_turn_id
+            )
+        except RequestModelMismatch as exc:
+            raise Conflict(str(exc)) from exc
+        injected = normalize_request(hook.request)
+        fp = request_fingerprint(injected)
+        deadline = asyncio.get_running_loop().time() + self._turn_publish_timeout_s
+        while True:
+            try:
+                reservation = await self._registry.reserve(task, hook.capture_id, hook.agent_turn_id, fp)
+            except AbortingConflict:
+                await self._registry.abort(task.rl_task_id, FinishReason.CAPTURE_FAILED)
+                raise
+            if reservation.outcome is not ReserveOutcome.PUBLISH_CURRENT:
+                return injected
+            # Delayed mode: this request opens the next turn, so the current one is published first with this
+            # request's user message as its feedback; then the turn advances and the reservation is retried.
+            current = reservation.current_turn
+            assert current is not None and hook.agent_turn_id is not None
+            await self._publisher.publish(
+                task, current, feedback=feedback_from_request(injected), tag="feedback", deadline=deadline
+            )
+            await self._registry.advance_turn(task.rl_task_id, current, hook.agent_turn_id)
+
+    async def after(self, body: dict[str, Any]) -> None:
+        hook = parse_hook(body, with_request=True, with_response=True)
+        task = await self._registry.require(hook.rl_task_id)
+        try:
+            try:
+                validate_request(
+                    hook.request, policy_model=task.policy_model, delayed=task.delayed,
+                    agent_turn_id=hook.agent_turn_id,
+                )
+                validated = validate_response(hook.response, policy_model=task.policy_model)
+            except (RequestModelMismatch, ResponseModelMismatch) as exc:
+                raise Conflict(str(exc)) from exc
+            injected = normalize_request(hook.request)
+            sample = build_sample(
+                task, capture_id=hook.capture_id, agent_turn_id=hook.agent_turn_id, request=injected,
+                response=hook.response, validated=validated,
+            )
+            await self._registry.commit(
+                task.rl_task_id, hook.capture_id, hook.agent_turn_id, request_fingerprint(injected),
+                fingerprint(hook.response), sample,
+            )
+        except (InvalidInput, Conflict):
+            await self._registry.abort(task.rl_task_id, FinishReason.CAPTURE_FAILED)
+            raise
+
+    async def discard(self, body: dict[str, Any]) -> None:
+        hook = parse_hook(body, with_request=False, with_response=False)
+        await self._registry.require(hook.rl_task_id)
+        await self._registry.discard(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)

@@ -1,0 +1,50 @@
+"""Request validation and normalization for captured completions (CONTRACT §4.2)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from ..errors import InvalidInput
+from ..ids import fingerprint
+
+
+class RequestModelMismatch(ValueError):
+    """`request.model` is not the Task's pinned policy model (a conflict, not an input error)."""
+
+
+def _invalid(message: str) -> InvalidInput:
+    return InvalidInput("invalid_completion", message)
+
+
+def validate_request(request: Any, *, policy_model: str, delayed: bool, agent_turn_id: str | None) -> None:
+    if not isinstance(request, dict):
+        raise _invalid("request must be an object")
+    if not isinstance(request.get("messages"), list):
+        raise _invalid("request.messages must be a list")
+    n = request.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise _invalid("request.n must be absent or 1")
+    if delayed and agent_turn_id is None:
+        raise _invalid("agent_turn_id is required for delayed_feedback Tasks")
+    if request.get("model") != policy_model:
+        raise RequestModelMismatch("request model does not match Task policy")
+
+
+def normalize_request(request: dict[str, Any]) -> dict[str, Any]:
+    """The injected request: a deep copy that asks vLLM for token ids, sampled-token logprobs and, for streams,
+    a usage chunk. Idempotent, so normalizing an already injected request changes nothing."""
+    injected = copy.deepcopy(request)
+    injected["logprobs"] = True
+    injected["top_logprobs"] = 1
+    injected["return_token_ids"] = True
+    if injected.get("stream") is True:
+        options = injected.get("stream_options")
+        options = dict(options) if isinstance(options, dict) else {}
+        options["include_usage"] = True
+        injected["stream_options"] = options
+    return injected
+
+
+def request_fingerprint(normalized: dict[str, Any]) -> str:
+    return fingerprint(normalized)

@@ -1,0 +1,99 @@
+"""Validation of the complete (or stream-aggregated) OpenAI response given to `:after` (CONTRACT §4.2)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidInput
+
+
+class ResponseModelMismatch(ValueError):
+    """`response.model` is not the Task's pinned policy model."""
+
+
+@dataclass(slots=True)
+class ValidatedResponse:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    choice: dict[str, Any]
+    routed_experts: Any
+    routing_metadata: Any
+
+
+def _invalid(message: str) -> InvalidInput:
+    return InvalidInput("invalid_completion", message)
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise _invalid(f"{name} must be a non-empty list of non-negative integers")
+    for x in value:
+        # `type(x) is int` rejects bool (a subclass of int) in the same check.
+        if type(x) is not int or x < 0:
+            raise _invalid(f"{name} must be a non-empty list of non-negative integers")
+    return value
+
+
+def _logprobs(value: Any, expected: int) -> list[float]:
+    if not isinstance(value, dict) or not isinstance(value.get("content"), list):
+        raise _invalid("choices[0].logprobs.content must be a list")
+    out: list[float] = []
+    isfinite = math.isfinite
+    for entry in value["content"]:
+        lp = entry.get("logprob") if isinstance(entry, dict) else None
+        if type(lp) is int:
+            lp = float(lp)
+        if type(lp) is not float or not isfinite(lp) or lp > 0:
+            raise _invalid("every logprob must be a finite number <= 0")
+        out.append(lp)
+    if len(out) != expected:
+        raise _invalid("logprobs are not aligned with the completion token ids")
+    return out
+
+
+def _usage_int(usage: dict[str, Any], name: str) -> int:
+    value = usage.get(name)
+    if type(value) is not int:
+        raise _invalid(f"usage.{name} must be an integer")
+    return value
+
+
+def validate_response(response: Any, *, policy_model: str) -> ValidatedResponse:
+    if not isinstance(response, dict):
+        raise _invalid("response must be an object")
+    if response.get("object") != "chat.completion":
+        raise _invalid("response.object must be chat.completion")
+    choices = response.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1:
+        raise _invalid("response must have exactly one choice")
+    choice = choices[0]
+    if not isinstance(choice, dict) or not isinstance(choice.get("message"), dict):
+        raise _invalid("choices[0].message must be an object")
+    finish = choice.get("finish_reason")
+    if not isinstance(finish, str) or not finish:
+        raise _invalid("choices[0].finish_reason must be a non-empty string")
+    prompt_ids = _token_ids(response.get("prompt_token_ids"), "prompt_token_ids")
+    response_ids = _token_ids(choice.get("token_ids"), "choices[0].token_ids")
+    logprobs = _logprobs(choice.get("logprobs"), len(response_ids))
+    usage = response.get("usage")
+    if not isinstance(usage, dict):
+        raise _invalid("usage must be an object")
+    prompt_tokens = _usage_int(usage, "prompt_tokens")
+    completion_tokens = _usage_int(usage, "completion_tokens")
+    total_tokens = _usage_int(usage, "total_tokens")
+    if prompt_tokens != len(prompt_ids) or completion_tokens != len(response_ids):
+        raise _invalid("usage does not match the token ids")
+    if total_tokens != prompt_tokens + completion_tokens:
+        raise _invalid("usage.total_tokens is not the sum of prompt and completion tokens")
+    if response.get("model") != policy_model:
+        raise ResponseModelMismatch("response model does not match Task policy")
+    routed = choice.get("routed_experts")
+    if routed is None:
+        routed = response.get("routed_experts")
+    routing = choice.get("routing_metadata")
+    if routing is None:
+        routing = response.get("routing_metadata")
+    return ValidatedResponse(prompt_ids, response_ids, logprobs, choice, routed, routing)

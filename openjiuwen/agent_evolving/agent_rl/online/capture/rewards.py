@@ -1,0 +1,113 @@
+"""Terminal rewards: claim, project every staged sample into the trajectory store, complete (CONTRACT §4.4).
+
+The claim writes `projecting` before any sample is inserted, so a crash in between is repaired by the same reward
+call or by the retention sweeper, and insert-if-absent makes the repeat harmless.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from ..errors import Conflict, InvalidInput, NotFound
+from ..ids import now_iso, parse_iso_epoch
+from ..store import keys
+from ..store.codec import PackedSample
+from ..store.trajectories import TrajectoryStore
+from ..store.tx import transact
+from ..tasks.models import RewardMode, Task, TaskStatus
+
+
+def parse_reward_body(body: dict[str, Any]) -> float:
+    if set(body) != {"reward"}:
+        raise InvalidInput("invalid_reward_request", "body must be exactly {\"reward\": <number>}")
+    value = body["reward"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidInput("invalid_reward", "reward must be a number between 0 and 1")
+    value = float(value)
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise InvalidInput("invalid_reward", "reward must be a number between 0 and 1")
+    return value
+
+
+class RewardProjector:
+    def __init__(self, redis: Redis, store: TrajectoryStore) -> None:
+        self._redis = redis
+        self._store = store
+
+    async def reward(self, rl_task_id: str, value: float) -> int:
+        t = rl_task_id
+        task_key, reward_key, committed_key = keys.task(t), keys.reward(t), keys.committed_captures(t)
+
+        async def claim(pipe: Pipeline) -> int | None:
+            raw = await pipe.get(task_key)
+            if raw is None:
+                raise NotFound("RL Task not found")
+            task = Task.from_json(raw)
+            if task.reward_mode != RewardMode.TERMINAL:
+                raise Conflict("terminal reward is not accepted for delayed_feedback Tasks")
+            if task.status != TaskStatus.FINALIZED:
+                raise Conflict("terminal reward requires a finalized Task")
+            if not await pipe.scard(committed_key):
+                raise Conflict("terminal reward requires at least one capture")
+            state_raw = await pipe.get(reward_key)
+            if state_raw is not None:
+                state = orjson.loads(state_raw)
+                if state["status"] == "expired":
+                    raise Conflict("the reward window of this Task expired")
+                if state["reward"] != value:
+                    raise Conflict("RL Task already has a different reward")
+                if state["status"] == "published":
+                    return int(state["sample_count"])
+                return None  # `projecting` with the same reward: finish the interrupted projection
+            pipe.multi()
+            pipe.set(reward_key, orjson.dumps({"reward": value, "status": "projecting", "sample_count": 0}))
+            await pipe.execute()
+            return None
+
+        count = await transact(self._redis, claim, task_key, reward_key, committed_key)
+        if count is not None:
+            return count
+        return await self.project(t, value)
+
+    async def project(self, rl_task_id: str, value: float) -> int:
+        """Copy each staged sample with `judge = {score, source: terminal}` into the store, then complete."""
+        t = rl_task_id
+        committed = sorted(c.decode() for c in await self._redis.smembers(keys.committed_captures(t)))
+        blobs = await self._redis.mget([keys.staged(t, c) for c in committed]) if committed else []
+        samples = []
+        for blob in blobs:
+            if blob is None:
+                continue  # already projected and deleted by a concurrent completion
+            sample = PackedSample.decode_staged(blob)
+            sample.meta["judge"] = {"score": value, "source": "terminal"}
+            samples.append(sample)
+        if samples:
+            await self._store.insert_if_absent(samples)
+        reward_key = keys.reward(t)
+
+        # Invariants 3 and 4: the staged copies disappear in the same step that marks the reward published, and
+        # the Task leaves the awaiting-reward index for the gc index.
+        async def complete(pipe: Pipeline) -> int:
+            state = orjson.loads(await pipe.get(reward_key) or b'{"status": "missing"}')
+            if state.get("status") == "published":
+                return int(state["sample_count"])
+            if state.get("status") != "projecting":
+                raise Conflict("reward projection lost its claim")
+            pipe.multi()
+            pipe.set(
+                reward_key,
+                orjson.dumps({"reward": value, "status": "published", "sample_count": len(committed)}),
+            )
+            if committed:
+                pipe.delete(*(keys.staged(t, c) for c in committed))
+            pipe.zrem(keys.AWAITING_REWARD, t)
+            pipe.zadd(keys.TASKS_GC, {t: parse_iso_epoch(now_iso())})
+            await pipe.execute()
+            return len(committed)
+
+        return await transact(self._redis, complete, reward_key)

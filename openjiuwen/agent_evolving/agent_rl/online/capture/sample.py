@@ -1,0 +1,70 @@
+"""Building the sample document of a committed capture (CONTRACT §4.5), directly in its packed form."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..ids import now_iso
+from ..store.codec import PackedSample, pack_ids, pack_logprobs
+from ..tasks.models import Task
+from .response import ValidatedResponse
+
+
+def response_text(message: dict[str, Any]) -> str:
+    """content, else reasoning (vLLM 0.32 `reasoning`, older `reasoning_content`), else ""."""
+    for key in ("content", "reasoning", "reasoning_content"):
+        value = message.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return ""
+
+
+def stripped_response(response: dict[str, Any]) -> dict[str, Any]:
+    """The response without the three token arrays, which are stored once, packed."""
+    out = {k: v for k, v in response.items() if k != "prompt_token_ids"}
+    choice = {k: v for k, v in response["choices"][0].items() if k not in ("token_ids", "logprobs")}
+    out["choices"] = [choice]
+    return out
+
+
+def build_sample(
+    task: Task,
+    *,
+    capture_id: str,
+    agent_turn_id: str | None,
+    request: dict[str, Any],
+    response: dict[str, Any],
+    validated: ValidatedResponse,
+) -> PackedSample:
+    message = validated.choice["message"]
+    trajectory: dict[str, Any] = {
+        "response_text": response_text(message),
+        "tool_calls": message.get("tool_calls") or [],
+    }
+    if validated.routed_experts is not None:
+        trajectory["routed_experts"] = validated.routed_experts
+    if validated.routing_metadata is not None:
+        trajectory["routing_metadata"] = validated.routing_metadata
+    meta = {
+        "sample_id": capture_id,
+        "trajectory_id": capture_id,
+        "rl_task_id": task.rl_task_id,
+        "task_id": task.rl_task_id,
+        "agent_turn_id": agent_turn_id,
+        "session_id": task.agent_session_id,
+        "user_id": task.model_id,
+        "model": task.model_id,
+        "policy_version": task.policy_lora_name,
+        "source": "rl_task",
+        "mode": "gateway",
+        "io_mode": "gateway",
+        "turn_num": 0,
+        "created_at": now_iso(),
+        "request": request,
+        "response": stripped_response(response),
+        "trajectory": trajectory,
+        "judge": None,
+    }
+    return PackedSample(
+        meta, pack_ids(validated.prompt_ids), pack_ids(validated.response_ids), pack_logprobs(validated.logprobs)
+    )

@@ -1,0 +1,84 @@
+"""Publication of a delayed-feedback turn through the Judge (CONTRACT §4.3).
+
+One caller claims a turn (`publishing`), scores every staged sample of the turn concurrently, inserts them into the
+trajectory store and completes atomically; everyone else waits, event-driven, under one deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from ..errors import Conflict, JudgeFailed
+from ..store.codec import PackedSample
+from ..store.trajectories import TrajectoryStore
+from ..tasks.models import FinishReason, Task
+from ..tasks.registry import TaskRegistry
+
+if TYPE_CHECKING:
+    from ..judge import Judge
+
+log = logging.getLogger("openjiuwen.agent_rl.online.turns")
+
+
+class PublicationTimeout(Conflict):
+    """The turn could not be published before the deadline; the Task has been aborted."""
+
+
+class TurnPublisher:
+    def __init__(self, registry: TaskRegistry, store: TrajectoryStore, judge: "Judge | None") -> None:
+        self._registry = registry
+        self._store = store
+        self._judge = judge
+
+    async def publish(self, task: Task, turn_id: str, *, feedback: str, tag: str, deadline: float | None) -> None:
+        """Publish `turn_id` once. `deadline` (loop time) bounds waiting for open captures and for another
+        publisher; None means do not wait at all (finish: open captures are a conflict right away)."""
+        t = task.rl_task_id
+        loop = asyncio.get_running_loop()
+        while True:
+            state = await self._registry.claim_publish(t, turn_id)
+            if state == "claimed":
+                await self._publish_claimed(task, turn_id, feedback=feedback, tag=tag)
+                return
+            if state == "published":
+                return
+            if state == "failed":
+                raise Conflict(f"publication of turn {turn_id} failed")
+            if deadline is None:
+                raise Conflict("RL Task has open captures" if state == "open" else "turn publication in progress")
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                await self._registry.abort(t, FinishReason.CAPTURE_FAILED)
+                raise PublicationTimeout("turn publication timed out")
+            await self._registry.signals.wait(t, remaining)
+
+    async def _publish_claimed(self, task: Task, turn_id: str, *, feedback: str, tag: str) -> None:
+        t = task.rl_task_id
+        inserted: list[str] = []
+        try:
+            staged = await self._registry.turn_staged(t, turn_id)
+            samples = [PackedSample.decode_staged(blob) for _, blob in staged]
+            if samples:
+                if self._judge is None:
+                    raise JudgeFailed("no Judge is configured")
+                judge = self._judge
+                results = await asyncio.gather(
+                    *(judge.score(s.meta["request"], s.meta["response"], feedback) for s in samples)
+                )
+                for sample, result in zip(samples, results):
+                    sample.meta["judge"] = result.as_sample_judge(tag)
+                inserted = await self._store.insert_if_absent(samples)
+            await self._registry.complete_publish(t, turn_id, [c for c, _ in staged])
+        except BaseException as exc:
+            # Roll back: nothing of a failed publication stays visible, and the Task cannot continue.
+            await asyncio.shield(self._roll_back(t, turn_id, inserted, exc))
+            raise
+
+    async def _roll_back(self, t: str, turn_id: str, inserted: list[str], exc: BaseException) -> None:
+        log.warning("publication of turn %s of task %s failed: %s", turn_id, t, exc)
+        if inserted:
+            await self._store.delete_pending(inserted)
+        await self._registry.fail_publish(t, turn_id)
+        await self._registry.abort(t, FinishReason.CAPTURE_FAILED)

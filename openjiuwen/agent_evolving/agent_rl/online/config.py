@@ -1,0 +1,371 @@
+"""RL Service configuration (CONTRACT §8): one frozen pydantic model and its YAML loader.
+
+The config is parsed once, at the edge; no other module reads files or the environment for settings. Secrets
+(`redis_url`, which may carry a password, and `judge_api_key`) are `SecretStr`, so reprs and logs show asterisks,
+and no error message built here ever contains an input value.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+FORBIDDEN_CONFIG_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
+MAX_CONFIG_BYTES = 1024 * 1024  # a config is a few KiB; refuse to slurp anything huge
+
+
+class ConfigError(ValueError):
+    """The config file cannot be read, parsed or validated. The message names the field, never a secret value."""
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    # A fixed message: pydantic then reports it verbatim, without the "Value error, " prefix or the input.
+    return PydanticCustomError("config_invalid", message)
+
+
+# --- field checks (each gets a value already of the right type) -------------------------------------------------
+
+
+def _check_listen_host(value: str) -> str:
+    if value not in LOOPBACK_HOSTS:
+        raise _invalid("the service binds loopback only; use 127.0.0.1, ::1 or localhost")
+    return value
+
+
+def _check_non_blank(value: str) -> str:
+    if not value.strip():
+        raise _invalid("must not be blank")
+    return value
+
+
+def _check_model_id(value: str) -> str:
+    if not value.strip():
+        raise _invalid("must not be blank")
+    if any(c.isspace() for c in value):
+        raise _invalid("must not contain whitespace")
+    if ":" in value:
+        raise _invalid("must not contain ':'")
+    if value.startswith("/"):
+        raise _invalid("must not start with '/'")
+    if ".." in value.replace("\\", "/").split("/"):
+        raise _invalid("must not contain a '..' path segment")
+    return value
+
+
+def _check_http_url(value: str) -> str:
+    if any(c.isspace() for c in value):
+        raise _invalid("must be an http(s) URL without whitespace")
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError:
+        raise _invalid("must be a valid http(s) URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _invalid("must be an http:// or https:// URL with a host")
+    if parts.query or parts.fragment:
+        raise _invalid("must be a base URL without query or fragment")
+    return value.rstrip("/")
+
+
+def _check_optional_http_url(value: str) -> str:
+    if value == "":
+        return value
+    return _check_http_url(value)
+
+
+def _check_redis_url(value: SecretStr) -> SecretStr:
+    url = value.get_secret_value()
+    if not url.lower().startswith(REDIS_SCHEMES):
+        raise _invalid("must start with redis://, rediss:// or unix://")
+    if any(c.isspace() for c in url):
+        raise _invalid("must not contain whitespace")
+    if url.lower().startswith("unix://") and len(url) == len("unix://"):
+        raise _invalid("unix:// needs a socket path")
+    return value
+
+
+def _check_absolute_path(value: str) -> str:
+    if not value.strip():
+        raise _invalid("must not be blank")
+    if not os.path.isabs(value):
+        raise _invalid("must be an absolute path")
+    return value
+
+
+def _check_gpu_ids(value: str) -> str:
+    if value.strip() == "":
+        return ""
+    items = [item.strip() for item in value.split(",")]
+    if not all(item.isascii() and item.isdigit() for item in items):
+        raise _invalid("must be empty or a comma-separated list of non-negative integers (e.g. '0,1')")
+    ids = [str(int(item)) for item in items]
+    if len(set(ids)) != len(ids):
+        raise _invalid("must not repeat a GPU index")
+    return ",".join(ids)
+
+
+def _check_log_level(value: str) -> str:
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
+        raise _invalid("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+    return level
+
+
+ModelId = Annotated[StrictStr, AfterValidator(_check_model_id)]
+NonBlank = Annotated[StrictStr, AfterValidator(_check_non_blank)]
+HttpUrl = Annotated[StrictStr, AfterValidator(_check_http_url)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+# Strict floats still accept ints (30 → 30.0) but never bools or strings.
+PositiveFloat = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
+Seconds = PositiveFloat
+
+
+class RLServiceConfig(BaseModel):
+    """Every setting of one RL Service process (CONTRACT §8). Unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    # Process and peers.
+    listen_host: Annotated[StrictStr, AfterValidator(_check_listen_host)] = "127.0.0.1"
+    listen_port: Annotated[StrictInt, Field(ge=1, le=65535)] = 18081
+    redis_url: Annotated[SecretStr, AfterValidator(_check_redis_url)]
+    model_id: ModelId
+    base_model_path: NonBlank
+    aigw_endpoint: HttpUrl = "http://127.0.0.1:8080"
+
+    # Judge (configured iff judge_endpoint is non-empty).
+    judge_endpoint: Annotated[StrictStr, AfterValidator(_check_optional_http_url)] = ""
+    judge_model: StrictStr = Field(default="", validate_default=True)
+    judge_api_key: SecretStr = SecretStr("")
+    judge_votes: PositiveInt = 1
+    judge_min_votes: PositiveInt | None = None
+    judge_retries: NonNegativeInt = 2
+    judge_timeout: Seconds = 30.0
+    turn_publish_timeout_seconds: Seconds = 30.0
+
+    # Training and activation.
+    lora_activation_timeout: Seconds = 150.0
+    lora_activation_attempts: PositiveInt = 4
+    min_samples_for_training: PositiveInt = 32
+    max_samples_per_run: PositiveInt = Field(default=32, validate_default=True)
+    max_policy_lag: NonNegativeInt | None = None
+    trainer_backend: Literal["local", "verl", "scripted"] = "local"
+    advantage_estimator: Literal["reinforce_plus_plus", "grpo"] = "reinforce_plus_plus"
+    tis_cap: PositiveFloat | None = None
+    ppo_samples_per_step: NonNegativeInt = 0
+    ppo_config_path: StrictStr | None = None
+    ray_address: StrictStr = ""
+    nproc_per_node: PositiveInt = 1
+    training_gpu_ids: Annotated[StrictStr, AfterValidator(_check_gpu_ids)] = ""
+    training_tmp_root: NonBlank = "/tmp/agent_rl_online"
+    lora_repository_path: Annotated[StrictStr, AfterValidator(_check_absolute_path)]
+
+    # Retention.
+    trajectory_retention_seconds: PositiveInt = 604800
+    task_retention_seconds: PositiveInt = 604800
+    reward_timeout_seconds: PositiveInt = 86400
+    run_retention_seconds: PositiveInt = 2592000
+    retention_sweep_interval_seconds: PositiveInt = 60
+
+    # HTTP and logging.
+    max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432
+    record_dir: StrictStr = "records"
+    log_path: NonBlank = "rl-service.log"
+    log_max_bytes: PositiveInt = 10485760
+    log_backup_count: PositiveInt = 5
+    log_level: Annotated[StrictStr, AfterValidator(_check_log_level)] = "INFO"
+
+    # Cross-field rules are field validators (not a model validator) so each error carries its field name.
+    # They rely on declaration order: info.data holds only the fields declared, and validated, before.
+
+    @field_validator("judge_model")
+    @classmethod
+    def _judge_model_required(cls, value: str, info: ValidationInfo) -> str:
+        if info.data.get("judge_endpoint") and not value.strip():
+            raise _invalid("required when judge_endpoint is set")
+        return value
+
+    @field_validator("judge_min_votes")
+    @classmethod
+    def _min_votes_within_votes(cls, value: int | None, info: ValidationInfo) -> int | None:
+        votes = info.data.get("judge_votes")
+        if value is not None and votes is not None and value > votes:
+            raise _invalid("must be between 1 and judge_votes")
+        return value
+
+    @field_validator("max_samples_per_run")
+    @classmethod
+    def _max_at_least_min(cls, value: int, info: ValidationInfo) -> int:
+        minimum = info.data.get("min_samples_for_training")
+        if minimum is not None and value < minimum:
+            raise _invalid("must be >= min_samples_for_training")
+        return value
+
+    @field_validator("ppo_config_path")
+    @classmethod
+    def _ppo_config_exists(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.strip():
+            raise _invalid("must be null or the path of an existing file")
+        path = Path(value).expanduser()
+        try:
+            is_file = path.is_file()
+        except (OSError, ValueError):
+            is_file = False
+        if not is_file:
+            raise _invalid("must be the path of an existing file")
+        return str(path.resolve())
+
+    @property
+    def judge_configured(self) -> bool:
+        return self.judge_endpoint != ""
+
+    @property
+    def effective_judge_min_votes(self) -> int:
+        """Votes that must succeed for a Judge score: the configured value, else a strict majority."""
+        if self.judge_min_votes is not None:
+            return self.judge_min_votes
+        return self.judge_votes // 2 + 1
+
+
+# --- loader ---------------------------------------------------------------------------------------------------------
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys instead of silently keeping the last one."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`; explicit keys may override merged ones
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+            seen.add(key)
+        except TypeError:  # unhashable key; the default constructor reports it
+            continue
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def _under_forbidden_root(path: Path) -> bool:
+    return any(path == root or root in path.parents for root in FORBIDDEN_CONFIG_ROOTS)
+
+
+def _check_config_path(path: Path, shown: str) -> None:
+    if ".." in path.parts:
+        raise ConfigError(f"config path {shown}: must not contain '..' components")
+    if _under_forbidden_root(path):
+        raise ConfigError(f"config path {shown}: must not lie under /proc, /sys or /dev")
+
+
+def _resolve_config_path(path: str | os.PathLike[str]) -> Path:
+    try:
+        raw = os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise ConfigError("config path must be a string or path-like object") from None
+    if not raw.strip() or "\x00" in raw:
+        raise ConfigError("config path must be a non-empty path")
+    _check_config_path(Path(raw), raw)
+    expanded = Path(os.path.expanduser(raw))
+    _check_config_path(expanded, raw)
+    _check_config_path(Path(os.path.abspath(expanded)), raw)
+    try:
+        resolved = expanded.resolve()  # follows symlinks: the target is checked too
+    except (OSError, RuntimeError) as exc:
+        raise ConfigError(f"config path {raw}: cannot resolve ({type(exc).__name__})") from None
+    _check_config_path(resolved, raw)
+    return resolved
+
+
+def _read_config_text(path: Path) -> str:
+    try:
+        if not path.is_file():
+            raise ConfigError(f"config file {path}: does not exist or is not a regular file")
+        with path.open("rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read ({exc.strerror or type(exc).__name__})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path}: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path}: not valid UTF-8") from None
+
+
+def _parse_yaml(text: str, path: Path) -> Any:
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        # Only the problem and its position: str(exc) would quote the offending line, which may hold a secret.
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(f"config file {path}: invalid YAML{where}: {problem}") from None
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    loc = ".".join(str(part) for part in error.get("loc", ())) or "config"
+    if error.get("type") == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if error.get("type") == "missing":
+        return f"{loc}: required"
+    return f"{loc}: {error.get('msg', 'invalid value')}"
+
+
+def config_from_mapping(data: Any, *, source: str = "config") -> RLServiceConfig:
+    """Validate an already parsed mapping; raise ConfigError naming each offending field (never its value)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: must be a mapping of settings, got {type(data).__name__}")
+    problems: list[str] | None = None
+    try:
+        return RLServiceConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        # Built from loc and msg only: str(exc) would echo input values, the Redis password included.
+        problems = [_describe(e) for e in exc.errors(include_url=False, include_input=False, include_context=False)]
+    raise ConfigError(f"{source}: " + "; ".join(problems))
+
+
+def load_config(path: str | os.PathLike[str]) -> RLServiceConfig:
+    """Read, parse and validate the YAML (or JSON) config at `path`.
+
+    :param path: the config file; `~` is expanded and symlinks resolved. It must not contain `..` components nor
+        lie under /proc, /sys or /dev, before or after resolution.
+    :raises ConfigError: on any I/O, parse or validation error, with a message naming the offending field.
+    """
+    resolved = _resolve_config_path(path)
+    text = _read_config_text(resolved)
+    data = _parse_yaml(text, resolved)
+    return config_from_mapping(data, source=f"config file {resolved}")

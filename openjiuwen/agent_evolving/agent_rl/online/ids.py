@@ -1,0 +1,101 @@
+"""Identifier formats, fingerprints and timestamps shared by every layer (CONTRACT conventions)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from datetime import datetime, timezone
+from typing import Any
+
+import orjson
+
+TASK_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# Session ids, capture ids, agent turn ids and rail session/trajectory ids share one format.
+TOKEN_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+TRAINING_RUN_ID_RE = re.compile(r"run-[0-9a-f]{12}")
+_LORA_SUFFIX_RE = re.compile(r":v([1-9][0-9]*)")
+
+
+class InvalidIdentifier(ValueError):
+    """A key component or identifier does not match its documented format."""
+
+
+def is_task_id(value: object) -> bool:
+    return isinstance(value, str) and TASK_ID_RE.fullmatch(value) is not None
+
+
+def is_token_id(value: object) -> bool:
+    return isinstance(value, str) and TOKEN_ID_RE.fullmatch(value) is not None
+
+
+def is_run_id(value: object) -> bool:
+    return isinstance(value, str) and TRAINING_RUN_ID_RE.fullmatch(value) is not None
+
+
+def require_task_id(value: object) -> str:
+    if not is_task_id(value):
+        raise InvalidIdentifier("invalid rl_task_id")
+    return value  # type: ignore[return-value]
+
+
+def require_token_id(value: object, what: str = "identifier") -> str:
+    if not is_token_id(value):
+        raise InvalidIdentifier(f"invalid {what}")
+    return value  # type: ignore[return-value]
+
+
+def require_run_id(value: object) -> str:
+    if not is_run_id(value):
+        raise InvalidIdentifier("invalid training_run_id")
+    return value  # type: ignore[return-value]
+
+
+def lora_version(name: str, model_id: str) -> int | None:
+    """N of `<model_id>:vN`, else None."""
+    if not name.startswith(model_id):
+        return None
+    m = _LORA_SUFFIX_RE.fullmatch(name, len(model_id))
+    return int(m.group(1)) if m else None
+
+
+def is_policy_name(name: object, model_id: str) -> bool:
+    return isinstance(name, str) and (name == "base" or lora_version(name, model_id) is not None)
+
+
+def policy_lag_version(name: str, model_id: str) -> int:
+    """Version number used for policy lag: base = 0, `<model_id>:vN` = N, anything else = 0."""
+    return lora_version(name, model_id) or 0
+
+
+def canonical_json(value: Any) -> bytes:
+    """Sorted keys, compact separators, non-ASCII kept, UTF-8."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # integers beyond 64 bits: fall back to the stdlib encoder, same canonical form
+        import json
+
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def fingerprint(value: Any) -> str:
+    return hashlib.sha256(canonical_json(value)).hexdigest()
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def iso(dt: datetime) -> str:
+    return dt.isoformat()
+
+
+def now_iso() -> str:
+    return utcnow().isoformat()
+
+
+def parse_iso_epoch(text: str) -> float:
+    """Epoch seconds of an ISO-8601 timestamp carrying an offset."""
+    dt = datetime.fromisoformat(text)
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()

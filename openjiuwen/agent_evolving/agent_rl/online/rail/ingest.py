@@ -1,0 +1,447 @@
+"""Server-side rail-v1 ingestion (CONTRACT §2.9, §4.6, D15).
+
+A batch carries tokenized samples of one rail trajectory. Valid samples are staged per session in
+`pending_judge:{s}:{traj}:{step}` (the staged encoding of a packed sample) indexed by `pending_judge_session:{s}`
+(score = staging time), both with the trajectory retention as TTL. A later batch's `prev_feedback` pops the
+session's earliest staged sample and judges it with that feedback; `session_done` pops every staged sample of the
+session and judges them with "". Pops are atomic, so concurrent uploads never judge one sample twice. Judged samples
+go to the trajectory store as `pending`; a sample whose judging fails is dropped and reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from .. import ids
+from ..errors import InvalidInput, JudgeFailed
+from ..store import keys
+from ..store.codec import PackedSample
+from ..store.trajectories import TrajectoryStore
+from ..store.tx import transact
+
+if TYPE_CHECKING:
+    from ..judge import Judge
+
+log = logging.getLogger("openjiuwen.agent_rl.online.rail")
+
+PROTOCOL_VERSION = "rail-v1"
+INVALID = "invalid_rail_batch"
+_MAX_STEP_INDEX = 2**31 - 1
+_MAX_TOKEN_ID = 2**32 - 1  # token ids are stored as uint32
+_FEEDBACK_KEYS = ("raw_user_text", "text", "feedback")
+# Staging scores of one batch are spaced by this much so that its samples keep their batch order (equal scores
+# would fall back to member order, where "t:10" sorts before "t:2").
+_STAGING_STEP_S = 1e-6
+
+TAG_PREV_FEEDBACK = "prev_feedback"
+TAG_SESSION_DONE = "session_done"
+TAG_SESSION_FLUSH = "session_flush"
+
+
+@dataclass(slots=True)
+class _Batch:
+    session_id: str
+    trajectory_id: str
+    samples: list[Any]
+    feedback: str | None  # None: no prev_feedback in this batch
+    session_done: bool
+    trajectory_meta: dict[str, Any]
+    user_id: Any
+    tenant_id: Any
+    instruction_text: Any
+
+
+@dataclass(slots=True)
+class _Staged:
+    sample_id: str
+    step: int
+    sample: PackedSample
+
+
+@dataclass(slots=True)
+class _Outcome:
+    judged: int = 0
+    failed: int = 0
+
+
+class RailIngestor:
+    """Validates, stages and judges rail-v1 batches for the service's own model."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        store: TrajectoryStore,
+        judge: Judge | None,
+        *,
+        model_id: str,
+        retention_seconds: int,
+    ) -> None:
+        self._redis = redis
+        self._store = store
+        self._judge = judge
+        self._model_id = model_id
+        self._retention_s = retention_seconds
+
+    async def ingest(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Process one upload; returns the `result` object of §2.9. Raises InvalidInput for a 400."""
+        parsed = self._parse_batch(batch)
+        if self._judge is None:
+            raise InvalidInput("judge_not_configured", "rail-v1 uploads need a Judge and none is configured")
+        valid: list[_Staged] = []
+        errors: list[dict[str, str]] = []
+        seen_steps: set[int] = set()
+        policy_version = self._policy_version(parsed.trajectory_meta)
+        for position, raw in enumerate(parsed.samples):
+            try:
+                staged = self._build_sample(parsed, raw, position, policy_version, seen_steps)
+            except InvalidInput as exc:
+                errors.append({"sample_id": _fallback_sample_id(parsed.trajectory_id, raw, position), "error": exc.message})
+                continue
+            seen_steps.add(staged.step)
+            valid.append(staged)
+        if parsed.samples and not valid:
+            # Nothing happens on a rejected batch: no pop, no staging.
+            raise InvalidInput(INVALID, errors[0]["error"])
+
+        outcome = _Outcome()
+        if parsed.feedback is not None:
+            popped = await self._pop(parsed.session_id, first_only=True)
+            await self._judge_and_store(popped, parsed.feedback, outcome, errors, last_tag=TAG_PREV_FEEDBACK)
+        if valid:
+            await self._stage(parsed.session_id, parsed.trajectory_id, valid)
+        flushed = 0
+        if parsed.session_done:
+            popped = await self._pop(parsed.session_id, first_only=False)
+            flushed = len(popped)
+            await self._judge_and_store(popped, "", outcome, errors, last_tag=TAG_SESSION_DONE)
+        return {
+            "protocol_version": PROTOCOL_VERSION,
+            "session_id": parsed.session_id,
+            "trajectory_id": parsed.trajectory_id,
+            "accepted": len(valid),
+            "rejected": len(parsed.samples) - len(valid),
+            "judged": outcome.judged,
+            "judge_failed": outcome.failed,
+            "session_flushed": flushed,
+            "errors": errors,
+        }
+
+    # ------------------------------------------------------------------ validation and sample building
+
+    def _parse_batch(self, batch: dict[str, Any]) -> _Batch:
+        if not isinstance(batch, dict):
+            raise InvalidInput(INVALID, "batch must be a JSON object")
+        if batch.get("protocol_version") != PROTOCOL_VERSION:
+            raise InvalidInput(INVALID, f"protocol_version must be {PROTOCOL_VERSION!r}")
+        for name in ("session_id", "trajectory_id"):
+            if name not in batch:
+                raise InvalidInput(INVALID, f"missing field: {name}")
+            if not ids.is_token_id(batch[name]):
+                raise InvalidInput(INVALID, f"{name} must match [A-Za-z0-9._:-]{{1,128}}")
+        if "samples" not in batch:
+            raise InvalidInput(INVALID, "missing field: samples")
+        samples = batch["samples"]
+        if not isinstance(samples, list):
+            raise InvalidInput(INVALID, "samples must be a list")
+        model_id = batch.get("model_id")
+        if model_id is not None and model_id != self._model_id:
+            raise InvalidInput(INVALID, f"model_id does not match the service model {self._model_id!r}")
+        session_done = batch.get("session_done")
+        if session_done is not None and not isinstance(session_done, bool):
+            raise InvalidInput(INVALID, "session_done must be a boolean")
+        trajectory_meta = batch.get("trajectory_meta")
+        if trajectory_meta is not None and not isinstance(trajectory_meta, dict):
+            raise InvalidInput(INVALID, "trajectory_meta must be an object")
+        for name in ("user_id", "tenant_id", "instruction_text"):
+            if batch.get(name) is not None and not isinstance(batch[name], str):
+                raise InvalidInput(INVALID, f"{name} must be a string")
+        return _Batch(
+            session_id=batch["session_id"],
+            trajectory_id=batch["trajectory_id"],
+            samples=samples,
+            feedback=_feedback_text(batch.get("prev_feedback")),
+            session_done=bool(session_done),
+            trajectory_meta=trajectory_meta or {},
+            user_id=batch.get("user_id"),
+            tenant_id=batch.get("tenant_id"),
+            instruction_text=batch.get("instruction_text"),
+        )
+
+    def _policy_version(self, trajectory_meta: dict[str, Any]) -> str:
+        version = trajectory_meta.get("policy_version")
+        return version if ids.is_policy_name(version, self._model_id) else "base"
+
+    def _build_sample(
+        self, batch: _Batch, raw: Any, position: int, policy_version: str, seen_steps: set[int]
+    ) -> _Staged:
+        where = f"samples[{position}]"
+        if not isinstance(raw, dict):
+            raise InvalidInput(INVALID, f"{where} must be an object")
+        step = raw.get("step_index", position)
+        if step is None:
+            step = position
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= _MAX_STEP_INDEX:
+            raise InvalidInput(INVALID, f"{where}.step_index must be an integer between 0 and {_MAX_STEP_INDEX}")
+        if step in seen_steps:
+            raise InvalidInput(INVALID, f"{where}.step_index {step} repeats an earlier sample of the batch")
+        messages = raw.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise InvalidInput(INVALID, f"{where}.messages must be a non-empty list of objects")
+        prompt_ids = _token_ids(raw, "prompt_ids", where)
+        response_ids = _token_ids(raw, "response_tokens", where)
+        logprobs = _logprobs(raw, len(response_ids), where)
+        response_mask = _response_mask(raw, len(response_ids), where)
+        tools = raw.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise InvalidInput(INVALID, f"{where}.tools must be a list")
+        response_in = raw.get("response")
+        if response_in is not None and not isinstance(response_in, dict):
+            raise InvalidInput(INVALID, f"{where}.response must be an object")
+        response_in = response_in or {}
+        meta = raw.get("meta")
+        if meta is not None and not isinstance(meta, dict):
+            raise InvalidInput(INVALID, f"{where}.meta must be an object")
+        meta = meta or {}
+        expected = raw.get("render_fingerprint_expected", batch.trajectory_meta.get("render_fingerprint_expected"))
+        if expected is not None and raw.get("render_fingerprint") is not None and raw["render_fingerprint"] != expected:
+            raise InvalidInput(INVALID, f"{where}.render_fingerprint does not match render_fingerprint_expected")
+        response_text = _response_text(raw, response_in, where)
+        tool_calls = response_in.get("tool_calls")
+        if tool_calls is not None and not isinstance(tool_calls, list):
+            raise InvalidInput(INVALID, f"{where}.response.tool_calls must be a list")
+
+        sample_id = f"{batch.trajectory_id}:{step}"
+        message: dict[str, Any] = {"role": "assistant", "content": response_in.get("content", response_text)}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        usage = response_in.get("usage")
+        if not isinstance(usage, dict):
+            usage = {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(response_ids),
+                "total_tokens": len(prompt_ids) + len(response_ids),
+            }
+        trajectory: dict[str, Any] = {
+            "prompt_ids": prompt_ids,
+            "response_ids": response_ids,
+            "response_logprobs": logprobs,
+            "response_text": response_text,
+            "tool_calls": tool_calls or [],
+            "routed_experts": meta.get("routed_experts"),
+            "routing_metadata": meta.get("routing_metadata"),
+        }
+        if response_mask is not None:
+            trajectory["response_mask"] = response_mask
+        instruction_text = raw.get("instruction_text", batch.instruction_text)
+        document = {
+            "sample_id": sample_id,
+            "trajectory_id": sample_id,
+            "rl_task_id": None,
+            "task_id": None,
+            "agent_turn_id": None,
+            "session_id": batch.session_id,
+            "user_id": self._model_id,  # the owner is always the service model; the batch's user_id is metadata
+            "model": self._model_id,
+            "policy_version": policy_version,
+            "source": "rail",
+            "mode": PROTOCOL_VERSION,
+            "io_mode": "rail",
+            "turn_num": step + 1,
+            "created_at": ids.now_iso(),
+            "request": {"messages": messages, "tools": tools or []},
+            "response": {
+                "object": "chat.completion",
+                "model": self._model_id,
+                "choices": [{"index": 0, "message": message, "finish_reason": response_in.get("finish_reason")}],
+                "usage": usage,
+            },
+            "trajectory": trajectory,
+            "rail_meta": {
+                "protocol_version": PROTOCOL_VERSION,
+                "user_id": batch.user_id,
+                "tenant_id": batch.tenant_id,
+                "sample_meta": meta,
+                "trajectory_meta": batch.trajectory_meta,
+                "instruction_text": instruction_text if isinstance(instruction_text, str) else None,
+            },
+        }
+        return _Staged(sample_id, step, PackedSample.from_document(document))
+
+    # ------------------------------------------------------------------ staging and atomic pops
+
+    async def _stage(self, session_id: str, trajectory_id: str, samples: list[_Staged]) -> None:
+        index = keys.pending_judge_session(session_id)
+        # A retried upload must not re-judge what is already stored: skip samples the store already holds.
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for staged in samples:
+                pipe.exists(keys.traj(staged.sample_id))
+            stored = await pipe.execute()
+        fresh = [staged for staged, exists in zip(samples, stored) if not exists]
+        if not fresh:
+            return
+
+        async def body(pipe: Pipeline) -> None:
+            last = await pipe.zrange(index, -1, -1, withscores=True)
+            base = max(time.time(), last[0][1] + _STAGING_STEP_S if last else 0.0)
+            # Staged sample and its session index entry appear together (the pop relies on both), with TTLs.
+            pipe.multi()
+            for n, staged in enumerate(fresh):
+                pipe.set(
+                    keys.pending_judge(session_id, trajectory_id, staged.step),
+                    staged.sample.encode_staged(),
+                    ex=self._retention_s,
+                )
+                # NX: a re-uploaded sample keeps its original place in the session order.
+                pipe.zadd(index, {staged.sample_id: base + n * _STAGING_STEP_S}, nx=True)
+            pipe.expire(index, self._retention_s)
+            await pipe.execute()
+
+        await transact(self._redis, body, index)
+
+    async def _pop(self, session_id: str, *, first_only: bool) -> list[_Staged]:
+        """Atomically remove and return the session's earliest staged sample (or all of them), in staging order.
+
+        WATCH on the session index makes two concurrent pops of one member impossible: the loser's EXEC fails and
+        it reads the index again. Entries whose sample expired are dropped on the way."""
+        index = keys.pending_judge_session(session_id)
+        while True:
+
+            async def body(pipe: Pipeline) -> list[tuple[str, int, bytes | None]]:
+                members = await pipe.zrange(index, 0, 0 if first_only else -1)
+                entries = [(m.decode(), *_parse_member(m.decode())) for m in members]
+                if not entries:
+                    return []
+                # CONTRACT §5.3 "rail pop": ZREM + GETDEL of the popped entries in one EXEC.
+                pipe.multi()
+                for _, trajectory_id, step in entries:
+                    if trajectory_id is not None:
+                        pipe.getdel(keys.pending_judge(session_id, trajectory_id, step))
+                pipe.zrem(index, *(member for member, _, _ in entries))
+                replies = iter(await pipe.execute())
+                return [
+                    (member, step, next(replies) if trajectory_id is not None else None)
+                    for member, trajectory_id, step in entries
+                ]
+
+            popped = await transact(self._redis, body, index)
+            out = [_Staged(member, step, PackedSample.decode_staged(blob)) for member, step, blob in popped if blob]
+            if out or not popped or not first_only:
+                return out
+            # The earliest entry had expired (or was unreadable); prev_feedback belongs to the next one.
+
+    # ------------------------------------------------------------------ judging
+
+    async def _judge_and_store(
+        self,
+        popped: list[_Staged],
+        feedback: str,
+        outcome: _Outcome,
+        errors: list[dict[str, str]],
+        *,
+        last_tag: str,
+    ) -> None:
+        if not popped:
+            return
+        tags = [TAG_SESSION_FLUSH] * (len(popped) - 1) + [last_tag]
+        results = await asyncio.gather(*(self._judge_one(s, feedback, tag) for s, tag in zip(popped, tags)))
+        judged: list[PackedSample] = []
+        for staged, result in zip(popped, results):
+            if isinstance(result, str):
+                outcome.failed += 1
+                errors.append({"sample_id": staged.sample_id, "error": result})
+            else:
+                judged.append(result)
+        if judged:
+            outcome.judged += len(judged)
+            await self._store.insert_if_absent(judged)
+
+    async def _judge_one(self, staged: _Staged, feedback: str, tag: str) -> PackedSample | str:
+        """The judged sample, or the failure text when the Judge could not score it."""
+        assert self._judge is not None  # checked before anything was popped
+        meta = staged.sample.meta
+        try:
+            result = await self._judge.score(meta["request"], meta["response"], feedback)
+        except JudgeFailed as exc:
+            log.warning("rail sample %s not judged: %s", staged.sample_id, exc.message)
+            return f"judge failed: {exc.message}"
+        meta["judge"] = result.as_sample_judge(tag)
+        return staged.sample
+
+
+def _feedback_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        for name in _FEEDBACK_KEYS:
+            if isinstance(value.get(name), str):
+                return value[name]
+    raise InvalidInput(INVALID, "prev_feedback must be a string or an object with raw_user_text, text or feedback")
+
+
+def _token_ids(raw: dict[str, Any], name: str, where: str) -> list[int]:
+    if name not in raw:
+        raise InvalidInput(INVALID, f"{where}: missing field: {name}")
+    value = raw[name]
+    if not isinstance(value, list) or not all(
+        type(x) is int and 0 <= x <= _MAX_TOKEN_ID for x in value  # bool is not a token id
+    ):
+        raise InvalidInput(INVALID, f"{where}.{name} must be a list of integers between 0 and {_MAX_TOKEN_ID}")
+    return value
+
+
+def _logprobs(raw: dict[str, Any], length: int, where: str) -> list[float]:
+    if "logprobs" not in raw:
+        raise InvalidInput(INVALID, f"{where}: missing field: logprobs")
+    value = raw["logprobs"]
+    if not isinstance(value, list) or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value
+    ):
+        raise InvalidInput(INVALID, f"{where}.logprobs must be a list of finite numbers")
+    # Aligned with the response: extra values dropped, missing ones zero-padded (§4.6).
+    return [float(x) for x in value[:length]] + [0.0] * max(0, length - len(value))
+
+
+def _response_mask(raw: dict[str, Any], length: int, where: str) -> list[int] | None:
+    value = raw.get("response_mask")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(type(x) is int and x in (0, 1) for x in value):
+        raise InvalidInput(INVALID, f"{where}.response_mask must be a list of 0 and 1")
+    if len(value) != length:
+        raise InvalidInput(INVALID, f"{where}.response_mask must have as many entries as response_tokens")
+    return None if all(value) else value  # all ones is the default, so it is not stored
+
+
+def _response_text(raw: dict[str, Any], response: dict[str, Any], where: str) -> str:
+    text = raw.get("response_text")
+    if text is not None and not isinstance(text, str):
+        raise InvalidInput(INVALID, f"{where}.response_text must be a string")
+    content = response.get("content")
+    if content is not None and not isinstance(content, str):
+        raise InvalidInput(INVALID, f"{where}.response.content must be a string")
+    return text if text is not None else content or ""
+
+
+def _parse_member(member: str) -> tuple[str | None, int]:
+    """(trajectory id, step) of a session index member `<trajectory_id>:<step>`; (None, 0) when malformed."""
+    trajectory_id, _, step = member.rpartition(":")
+    if not ids.is_token_id(trajectory_id) or not step.isdigit() or not step.isascii():
+        return None, 0
+    return trajectory_id, int(step)
+
+
+def _fallback_sample_id(trajectory_id: str, raw: Any, position: int) -> str:
+    step = raw.get("step_index") if isinstance(raw, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        step = position
+    return f"{trajectory_id}:{step}"

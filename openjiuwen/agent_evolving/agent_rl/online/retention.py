@@ -1,0 +1,154 @@
+"""The retention sweeper (CONTRACT §5.5): TTLs for terminal Tasks, expiry of unrewarded staged samples, removal of
+old trained/failed samples. Bounded work per category per tick; safe to run in several processes at once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import orjson
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from .capture.rewards import RewardProjector
+from .store import keys
+from .store.trajectories import TrajectoryStore
+from .store.tx import transact
+
+log = logging.getLogger("openjiuwen.agent_rl.online.retention")
+
+BATCH = 1000
+
+
+def _s(raw: bytes) -> str:
+    return raw.decode()
+
+
+class RetentionSweeper:
+    def __init__(
+        self,
+        redis: Redis,
+        store: TrajectoryStore,
+        rewards: RewardProjector,
+        *,
+        owner: str,
+        task_retention_s: int,
+        reward_timeout_s: int,
+        trajectory_retention_s: int,
+        interval_s: float,
+    ) -> None:
+        self._redis = redis
+        self._store = store
+        self._rewards = rewards
+        self._owner = owner
+        self._task_retention_s = task_retention_s
+        self._reward_timeout_s = reward_timeout_s
+        self._trajectory_retention_s = trajectory_retention_s
+        self._interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def sweep_once(self, *, now: float | None = None) -> dict[str, int]:
+        now = time.time() if now is None else now
+        expired = await self._expire_unrewarded(now)
+        gc = await self._ttl_terminal_tasks()
+        samples = await self._store.sweep_expired(retention_seconds=self._trajectory_retention_s, now=now, limit=BATCH)
+        return {"tasks_ttl": gc, "reward_expired": expired, "samples_removed": samples}
+
+    async def _ttl_terminal_tasks(self) -> int:
+        ids = [_s(t) for t in await self._redis.zrange(keys.TASKS_GC, 0, BATCH - 1)]
+        for t in ids:
+            task_keys = await self._task_keys(t)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key in task_keys:
+                    pipe.expire(key, self._task_retention_s)
+                pipe.zrem(keys.TASKS_GC, t)
+                await pipe.execute()
+        return len(ids)
+
+    async def _task_keys(self, t: str) -> list[str]:
+        """Every key a Task may own, enumerated from its sets and turn pointers."""
+        captures = [_s(c) for c in await self._redis.smembers(keys.captures(t))]
+        closed = [_s(u) for u in await self._redis.smembers(keys.turns_closed(t))]
+        current, transition = await self._redis.mget(keys.turn_current(t), keys.turn_transition(t))
+        turns = set(closed) | {_s(u) for u in (current, transition) if u is not None}
+        out = [
+            keys.task(t), keys.captures(t), keys.open_captures(t), keys.committed_captures(t),
+            keys.turn_current(t), keys.turn_transition(t), keys.turns_closed(t), keys.reward(t), keys.task_events(t),
+        ]
+        out += [keys.capture(t, c) for c in captures]
+        for u in turns:
+            out += [keys.turn_captures(t, u), keys.turn_publish(t, u)]
+        return out
+
+    async def _expire_unrewarded(self, now: float) -> int:
+        cutoff = now - self._reward_timeout_s
+        ids = [_s(t) for t in await self._redis.zrangebyscore(keys.AWAITING_REWARD, "-inf", cutoff, 0, BATCH)]
+        dropped_total = 0
+        for t in ids:
+            state_raw = await self._redis.get(keys.reward(t))
+            state = orjson.loads(state_raw) if state_raw else None
+            if state is None:
+                dropped_total += await self._expire_one(t)
+            elif state.get("status") == "projecting":
+                await self._rewards.project(t, float(state["reward"]))
+            else:
+                await self._move_to_gc(t)
+        return dropped_total
+
+    async def _expire_one(self, t: str) -> int:
+        reward_key, committed_key = keys.reward(t), keys.committed_captures(t)
+        stats_key = keys.traj_stats(self._owner)
+
+        # Invariant 3: the staged samples go with the `expired` state and the move to gc; the counter of dropped
+        # samples moves in the same step, so it never double counts when two sweepers race.
+        async def body(pipe: Pipeline) -> int:
+            if await pipe.exists(reward_key):
+                return 0  # a reward arrived meanwhile; the next tick handles its state
+            committed = [_s(c) for c in await pipe.smembers(committed_key)]
+            staged_keys = [keys.staged(t, c) for c in committed]
+            present = sum(await pipe.exists(k) for k in staged_keys) if staged_keys else 0
+            pipe.multi()
+            pipe.set(reward_key, orjson.dumps({"reward": None, "status": "expired", "sample_count": 0}))
+            if staged_keys:
+                pipe.delete(*staged_keys)
+            if present:
+                pipe.hincrby(stats_key, "expired_unrewarded", present)
+            pipe.zrem(keys.AWAITING_REWARD, t)
+            pipe.zadd(keys.TASKS_GC, {t: time.time()})
+            await pipe.execute()
+            return present
+
+        dropped = await transact(self._redis, body, reward_key, committed_key)
+        log.info("task %s: reward window expired, %d staged sample(s) dropped", t, dropped)
+        return dropped
+
+    async def _move_to_gc(self, t: str) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.zrem(keys.AWAITING_REWARD, t)
+            pipe.zadd(keys.TASKS_GC, {t: time.time()})
+            await pipe.execute()
+
+    # ------------------------------------------------------------ background
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="retention-sweeper")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.sweep_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("retention sweep failed; retrying next interval")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None

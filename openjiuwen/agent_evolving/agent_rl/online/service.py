@@ -1,0 +1,230 @@
+"""RL Service entry point: the one place that reads the environment, builds every part and wires them.
+
+Run it as `python -m openjiuwen.agent_evolving.agent_rl.online.service --config FILE`, or serve the factory
+`openjiuwen.agent_evolving.agent_rl.online.service:create_app` with uvicorn `--factory` and `RL_SERVICE_CONFIG` set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+from redis.asyncio import Redis
+
+from .api.errors import install_error_envelope
+from .api.guards import GuardMiddleware
+from .api.health import build_health_router
+from .api.hooks import build_hooks_router
+from .api.rail import build_rail_router
+from .api.tasks import build_tasks_router
+from .api.trajectories import build_trajectories_router
+from .capture.lifecycle import TaskLifecycle
+from .capture.pipeline import CapturePipeline
+from .capture.rewards import RewardProjector
+from .capture.turns import TurnPublisher
+from .config import ConfigError, RLServiceConfig, load_config
+from .logs import configure_logging
+from .rail.ingest import RailIngestor
+from .retention import RetentionSweeper
+from .store import keys
+from .store.trajectories import TrajectoryStore
+from .tasks.registry import TaskRegistry
+from .tasks.signals import TaskSignals
+from .watchdog import install_parent_death_watchdog
+
+if TYPE_CHECKING:
+    from .judge import Judge
+
+log = logging.getLogger("openjiuwen.agent_rl.online.service")
+
+CONFIG_ENV = "RL_SERVICE_CONFIG"
+TOKEN_ENV = "RL_SERVICE_TOKEN"
+
+
+class OwnerMismatch(RuntimeError):
+    """The Redis database belongs to another model id."""
+
+
+@dataclass
+class ServiceDeps:
+    """Every long-lived part of one service process. Building it does no I/O; `lifespan` connects and recovers."""
+
+    config: RLServiceConfig
+    redis: Redis
+    registry: TaskRegistry
+    store: TrajectoryStore
+    judge: "Judge | None"
+    publisher: TurnPublisher
+    pipeline: CapturePipeline
+    lifecycle: TaskLifecycle
+    rewards: RewardProjector
+    sweeper: RetentionSweeper
+    rail: RailIngestor
+
+    @classmethod
+    def build(cls, config: RLServiceConfig, *, redis: Redis | None = None, judge: "Judge | None" = None) -> "ServiceDeps":
+        redis = redis or Redis.from_url(config.redis_url.get_secret_value(), decode_responses=False)
+        if judge is None and config.judge_configured:
+            from .judge import JudgeScorer
+
+            judge = JudgeScorer(
+                endpoint=config.judge_endpoint,
+                model=config.judge_model,
+                api_key=config.judge_api_key.get_secret_value(),
+                votes=config.judge_votes,
+                min_votes=config.judge_min_votes,
+                retries=config.judge_retries,
+                timeout_s=config.judge_timeout,
+            )
+        registry = TaskRegistry(redis, model_id=config.model_id, signals=TaskSignals())
+        store = TrajectoryStore(
+            redis, owner=config.model_id, model_id=config.model_id, max_policy_lag=config.max_policy_lag
+        )
+        publisher = TurnPublisher(registry, store, judge)
+        rewards = RewardProjector(redis, store)
+        return cls(
+            config=config,
+            redis=redis,
+            registry=registry,
+            store=store,
+            judge=judge,
+            publisher=publisher,
+            pipeline=CapturePipeline(
+                registry, publisher, turn_publish_timeout_s=config.turn_publish_timeout_seconds
+            ),
+            lifecycle=TaskLifecycle(
+                registry, publisher, model_id=config.model_id, judge_configured=judge is not None
+            ),
+            rewards=rewards,
+            sweeper=RetentionSweeper(
+                redis,
+                store,
+                rewards,
+                owner=config.model_id,
+                task_retention_s=config.task_retention_seconds,
+                reward_timeout_s=config.reward_timeout_seconds,
+                trajectory_retention_s=config.trajectory_retention_seconds,
+                interval_s=config.retention_sweep_interval_seconds,
+            ),
+            rail=RailIngestor(
+                redis, store, judge, model_id=config.model_id, retention_seconds=config.trajectory_retention_seconds
+            ),
+        )
+
+    async def claim_owner(self) -> None:
+        """Startup step 1: this database belongs to exactly one model id."""
+        await self.redis.set(keys.OWNER, self.config.model_id, nx=True)
+        owner = await self.redis.get(keys.OWNER)
+        if owner is not None and owner.decode() != self.config.model_id:
+            raise OwnerMismatch("this Redis database belongs to another model id; refusing to start")
+
+    @asynccontextmanager
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        await self.claim_owner()
+        await self.lifecycle.recover()
+        # Training recovery (CONTRACT §4.7) joins here with the Training Runner.
+        await self.sweeper.sweep_once()
+        self.sweeper.start()
+        log.info("RL service ready for model %s", self.config.model_id)
+        try:
+            yield
+        finally:
+            await self.sweeper.stop()
+            await self.lifecycle.shutdown()
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self.judge is not None and hasattr(self.judge, "aclose"):
+            await self.judge.aclose()  # type: ignore[union-attr]
+        await self.redis.aclose()
+
+
+def create_app(
+    config: RLServiceConfig | None = None,
+    *,
+    redis: Redis | None = None,
+    judge: "Judge | None" = None,
+    token: str | None = None,
+) -> FastAPI:
+    """The ASGI app. With no arguments (uvicorn factory) the config comes from `RL_SERVICE_CONFIG` and the bearer
+    token from `RL_SERVICE_TOKEN`."""
+    if config is None:
+        path = os.environ.get(CONFIG_ENV)
+        if not path:
+            raise ConfigError(f"{CONFIG_ENV} is not set and no config was given")
+        config = load_config(path)
+        configure_logging(config)
+    if token is None:
+        token = os.environ.get(TOKEN_ENV) or None
+    deps = ServiceDeps.build(config, redis=redis, judge=judge)
+    app = FastAPI(
+        title="openjiuwen online RL service", lifespan=deps.lifespan, docs_url=None, redoc_url=None,
+    )
+    app.state.deps = deps  # for tests and operators' debugging only; routers get their parts explicitly
+    install_error_envelope(app)
+    app.include_router(build_health_router(deps.redis, model_id=config.model_id))
+    app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards))
+    app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle))
+    app.include_router(build_trajectories_router(deps.store))
+    app.include_router(build_rail_router(lambda: deps.rail))
+    app.add_middleware(GuardMiddleware, token=token, max_body_bytes=config.max_body_bytes)
+    return app
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m openjiuwen.agent_evolving.agent_rl.online.service",
+        description="Run the online RL Service (started by the gateway; binds loopback only).",
+    )
+    parser.add_argument(
+        "--config", help=f"YAML or JSON config file (default: ${CONFIG_ENV}); see docs/configuration.md"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    path = args.config or os.environ.get(CONFIG_ENV)
+    if not path:
+        print(f"error: pass --config FILE or set {CONFIG_ENV}", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config)
+    install_parent_death_watchdog()
+    import uvicorn
+
+    app = create_app(config, token=os.environ.get(TOKEN_ENV) or None)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.listen_host,
+            port=config.listen_port,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=30,
+        )
+    )
+    try:
+        asyncio.run(server.serve())
+    except Exception:
+        log.exception("RL service failed")
+        return 1
+    # uvicorn swallows a lifespan startup failure and just stops: report it as the failure it is.
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Redis keys, the packed sample codec, transactions and the trajectory store."""

@@ -1,0 +1,110 @@
+"""Compact sample storage: token ids as packed uint32 LE, logprobs as packed float32 LE (CONTRACT §4.5, D16).
+
+A logical sample document carries `trajectory.prompt_ids`, `trajectory.response_ids` and
+`trajectory.response_logprobs` as lists. In Redis those three arrays live only as packed bytes; everything else of
+the document is one JSON blob. A staged sample (one STRING) is the same parts framed in one value, so publication can
+move the packed arrays into the trajectory hash without ever decoding them.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+_LITTLE = sys.byteorder == "little"
+_STAGED_MAGIC = b"RLS1"
+_HEADER = struct.Struct("<4sIIII")  # magic, json length, prompt bytes, response bytes, logprob bytes
+
+ARRAY_FIELDS = ("prompt_ids", "response_ids", "response_logprobs")
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    arr = array("I", ids)  # 'I' is 4 bytes on every platform CPython supports today
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    arr = array("I")
+    arr.frombytes(data)
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tolist()
+
+
+def pack_logprobs(values: list[float]) -> bytes:
+    arr = array("f", values)
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_logprobs(data: bytes) -> list[float]:
+    arr = array("f")
+    arr.frombytes(data)
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tolist()
+
+
+@dataclass(slots=True)
+class PackedSample:
+    """A sample split into its JSON part (arrays removed) and its three packed arrays."""
+
+    meta: dict[str, Any]
+    prompt_ids: bytes
+    response_ids: bytes
+    response_logprobs: bytes
+
+    @classmethod
+    def from_document(cls, doc: dict[str, Any]) -> "PackedSample":
+        meta = dict(doc)
+        trajectory = dict(meta.get("trajectory") or {})
+        prompt = trajectory.pop("prompt_ids", [])
+        response = trajectory.pop("response_ids", [])
+        logprobs = trajectory.pop("response_logprobs", [])
+        meta["trajectory"] = trajectory
+        return cls(meta, pack_ids(prompt), pack_ids(response), pack_logprobs(logprobs))
+
+    def to_document(self) -> dict[str, Any]:
+        doc = dict(self.meta)
+        trajectory = dict(doc.get("trajectory") or {})
+        trajectory["prompt_ids"] = unpack_ids(self.prompt_ids)
+        trajectory["response_ids"] = unpack_ids(self.response_ids)
+        trajectory["response_logprobs"] = unpack_logprobs(self.response_logprobs)
+        doc["trajectory"] = trajectory
+        return doc
+
+    def meta_json(self) -> bytes:
+        return orjson.dumps(self.meta)
+
+    def encode_staged(self) -> bytes:
+        body = self.meta_json()
+        header = _HEADER.pack(
+            _STAGED_MAGIC, len(body), len(self.prompt_ids), len(self.response_ids), len(self.response_logprobs)
+        )
+        return b"".join((header, body, self.prompt_ids, self.response_ids, self.response_logprobs))
+
+    @classmethod
+    def decode_staged(cls, blob: bytes) -> "PackedSample":
+        magic, n_json, n_prompt, n_resp, n_lp = _HEADER.unpack_from(blob)
+        if magic != _STAGED_MAGIC:
+            raise ValueError("not a staged sample")
+        pos = _HEADER.size
+        meta = orjson.loads(blob[pos : pos + n_json])
+        pos += n_json
+        prompt = blob[pos : pos + n_prompt]
+        pos += n_prompt
+        resp = blob[pos : pos + n_resp]
+        pos += n_resp
+        lp = blob[pos : pos + n_lp]
+        return cls(meta, prompt, resp, lp)
+
+    def token_count(self) -> int:
+        return (len(self.prompt_ids) + len(self.response_ids)) // 4

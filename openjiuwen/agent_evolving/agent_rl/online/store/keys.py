@@ -1,0 +1,121 @@
+"""Every Redis key of the service, built in one place (CONTRACT §5.2).
+
+Each builder validates the components it puts in a key, so a hostile id can never reach Redis.
+"""
+
+from __future__ import annotations
+
+from ..ids import InvalidIdentifier, require_run_id, require_task_id, require_token_id
+
+PREFIX = "rl:v1:"
+
+OWNER = PREFIX + "owner"
+ACTIVE_TASKS = PREFIX + "tasks:active"
+AWAITING_REWARD = PREFIX + "tasks:awaiting_reward"
+TASKS_GC = PREFIX + "tasks:gc"
+TRAJ_USERS = PREFIX + "traj_users"
+POLICY_OBSERVED = PREFIX + "policy:observed"
+ACTIVE_RUN = PREFIX + "training_run:active"
+
+SAMPLE_STATUSES = ("pending", "training", "trained", "failed")
+
+
+def _owner(owner: str) -> str:
+    # Owners are model ids, validated by the config; still refuse anything that could bend the key space.
+    if not owner or any(c.isspace() for c in owner):
+        raise InvalidIdentifier("invalid owner")
+    return owner
+
+
+def task(t: str) -> str:
+    return f"{PREFIX}task:{require_task_id(t)}"
+
+
+def active_session(s: str) -> str:
+    return f"{PREFIX}active_session:{require_token_id(s, 'session id')}"
+
+
+def capture(t: str, c: str) -> str:
+    return f"{task(t)}:capture:{require_token_id(c, 'capture_id')}"
+
+
+def captures(t: str) -> str:
+    return f"{task(t)}:captures"
+
+
+def open_captures(t: str) -> str:
+    return f"{task(t)}:captures:open"
+
+
+def committed_captures(t: str) -> str:
+    return f"{task(t)}:captures:committed"
+
+
+def turn_captures(t: str, u: str) -> str:
+    return f"{task(t)}:turn:{require_token_id(u, 'agent_turn_id')}:captures"
+
+
+def turn_current(t: str) -> str:
+    return f"{task(t)}:turn:current"
+
+
+def turn_transition(t: str) -> str:
+    return f"{task(t)}:turn:transition"
+
+
+def turns_closed(t: str) -> str:
+    return f"{task(t)}:turns:closed"
+
+
+def turn_publish(t: str, u: str) -> str:
+    return f"{task(t)}:turn:{require_token_id(u, 'agent_turn_id')}:publish"
+
+
+def staged(t: str, c: str) -> str:
+    return f"{task(t)}:pending:{require_token_id(c, 'capture_id')}"
+
+
+def reward(t: str) -> str:
+    return f"{task(t)}:reward"
+
+
+def task_events(t: str) -> str:
+    return f"{task(t)}:events"
+
+
+def traj(sample_id: str) -> str:
+    # Rail sample ids are `<trajectory_id>:<step_index>`, which the token-id format admits up to 128 chars.
+    if not isinstance(sample_id, str) or not sample_id or len(sample_id) > 300 or any(
+        not (ch.isalnum() and ch.isascii()) and ch not in "._:-" for ch in sample_id
+    ):
+        raise InvalidIdentifier("invalid sample id")
+    return f"{PREFIX}traj:{sample_id}"
+
+
+def traj_index(owner: str, status: str) -> str:
+    if status not in SAMPLE_STATUSES:
+        raise InvalidIdentifier("invalid sample status")
+    return f"{PREFIX}traj_idx:{_owner(owner)}:{status}"
+
+
+def traj_stats(owner: str) -> str:
+    return f"{PREFIX}traj_stats:{_owner(owner)}"
+
+
+def pending_judge(s: str, trajectory_id: str, step: int) -> str:
+    return (
+        f"{PREFIX}pending_judge:{require_token_id(s, 'session_id')}:"
+        f"{require_token_id(trajectory_id, 'trajectory_id')}:{int(step)}"
+    )
+
+
+def pending_judge_session(s: str) -> str:
+    return f"{PREFIX}pending_judge_session:{require_token_id(s, 'session_id')}"
+
+
+def training_run(r: str) -> str:
+    return f"{PREFIX}training_run:{require_run_id(r)}"
+
+
+def training_run_events(r: str) -> str:
+    return f"{training_run(r)}:events"

@@ -1,0 +1,444 @@
+"""The Redis trajectory store: one hash per sample, one sorted-set index per status, O(1) counters (CONTRACT §5.2).
+
+A sample lives in `traj:{id}` (index fields, `sample_json` and the three packed arrays), its id in exactly one
+`traj_idx:{owner}:{status}` ZSET, and `traj_stats:{owner}` counts it under `status:<s>`, `source:<src>` and, while
+pending, `pending_policy:<version>`. Every status move changes hash, indexes and counters in one EXEC (invariant 5),
+so the stats route never scans. `queue_move` is the one place that spells such a move; the training side reuses it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from .. import ids
+from ..errors import InvalidInput
+from ..ids import InvalidIdentifier
+from . import keys
+from .codec import PackedSample
+from .tx import transact
+
+PENDING = "pending"
+# Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
+_SUMMARY_FIELDS = (
+    "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at", "status",
+)
+_DOC_FIELDS = ("sample_json", "prompt_ids", "response_ids", "response_logprobs", "status")
+_MAX_CURSOR_CHARS = 1024
+_ALL_BUCKETS = "*"
+
+
+def _text(value: bytes | str | None) -> str | None:
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _status_field(status: str) -> str:
+    return f"status:{status}"
+
+
+def _source_field(source: str) -> str:
+    return f"source:{source}"
+
+
+def _pending_policy_field(policy_version: str) -> str:
+    return f"pending_policy:{policy_version}"
+
+
+class TrajectoryStore:
+    """Samples of one owner (the service `model_id`) in Redis."""
+
+    def __init__(self, redis: Redis, *, owner: str, model_id: str, max_policy_lag: int | None = None) -> None:
+        self._redis = redis
+        self._owner = owner
+        self._model_id = model_id
+        self._max_policy_lag = max_policy_lag
+        self._stats_key = keys.traj_stats(owner)  # validates the owner once
+
+    @property
+    def owner(self) -> str:
+        return self._owner
+
+    def index_key(self, status: str) -> str:
+        return keys.traj_index(self._owner, status)
+
+    # ------------------------------------------------------------------ writes
+
+    async def insert_if_absent(self, samples: Sequence[PackedSample]) -> list[str]:
+        """Insert every sample whose hash has no `status` yet, as `pending`; returns the inserted ids in input order.
+
+        An existing sample is never re-inserted or reset (invariant 4): publication may be repeated safely."""
+        by_id: dict[str, PackedSample] = {}
+        for sample in samples:
+            by_id.setdefault(str(sample.meta["sample_id"]), sample)  # the first of duplicate ids wins
+        if not by_id:
+            return []
+        hash_keys = {sample_id: keys.traj(sample_id) for sample_id in by_id}
+        now = ids.now_iso()
+
+        async def body(pipe: Pipeline) -> list[str]:
+            # Reads go through a plain pipeline on another connection: one round trip for all of them. They happen
+            # after WATCH, so any later change to a hash still fails the EXEC below.
+            async with self._redis.pipeline(transaction=False) as reads:
+                for key in hash_keys.values():
+                    reads.hexists(key, "status")
+                present = await reads.execute()
+            fresh = [sample_id for sample_id, exists in zip(by_id, present) if not exists]
+            if not fresh:
+                return []  # leaving the pipeline context UNWATCHes
+            # Invariant 5 (CONTRACT §5.4): hash status, pending index and counters change together.
+            pipe.multi()
+            for sample_id in fresh:
+                sample = by_id[sample_id]
+                meta = sample.meta
+                source = str(meta.get("source") or "")
+                policy_version = str(meta.get("policy_version") or "base")
+                created_at = str(meta["created_at"])
+                pipe.hset(
+                    hash_keys[sample_id],
+                    mapping={
+                        "sample_id": sample_id,
+                        "user_id": str(meta.get("user_id") or self._owner),
+                        "session_id": str(meta.get("session_id") or ""),
+                        "rl_task_id": str(meta.get("rl_task_id") or ""),
+                        "source": source,
+                        "policy_version": policy_version,
+                        "created_at": created_at,
+                        "status": PENDING,
+                        "updated_at": now,
+                        "run_id": "",
+                        "sample_json": sample.meta_json(),
+                        "prompt_ids": sample.prompt_ids,
+                        "response_ids": sample.response_ids,
+                        "response_logprobs": sample.response_logprobs,
+                    },
+                )
+                pipe.zadd(self.index_key(PENDING), {sample_id: ids.parse_iso_epoch(created_at)})
+                self._queue_counters(pipe, PENDING, source, policy_version, +1)
+            pipe.sadd(keys.TRAJ_USERS, self._owner)
+            await pipe.execute()
+            return fresh
+
+        return await transact(self._redis, body, *hash_keys.values())
+
+    async def delete_pending(self, sample_ids: Sequence[str]) -> int:
+        """Roll back samples inserted by a failed publication: those still `pending` are deleted; returns the count."""
+        hash_keys = {sample_id: keys.traj(sample_id) for sample_id in dict.fromkeys(sample_ids)}
+        if not hash_keys:
+            return 0
+
+        async def body(pipe: Pipeline) -> int:
+            rows = await self._hmget_many(hash_keys.values(), ("status", "source", "policy_version"))
+            doomed = [
+                (sample_id, _text(source) or "", _text(policy) or "base")
+                for sample_id, (status, source, policy) in zip(hash_keys, rows)
+                if _text(status) == PENDING
+            ]
+            if not doomed:
+                return 0
+            # Invariant 5: hash, pending index membership and counters disappear together.
+            pipe.multi()
+            for sample_id, source, policy_version in doomed:
+                pipe.delete(hash_keys[sample_id])
+                pipe.zrem(self.index_key(PENDING), sample_id)
+                self._queue_counters(pipe, PENDING, source, policy_version, -1)
+            await pipe.execute()
+            return len(doomed)
+
+        return await transact(self._redis, body, *hash_keys.values())
+
+    def queue_move(
+        self,
+        pipe: Pipeline,
+        sample_id: str,
+        *,
+        old: str,
+        new: str,
+        score: float,
+        policy_version: str,
+        at: str,
+        run_id: str | None = None,
+    ) -> None:
+        """Queue, inside a caller's MULTI, the writes of one status move (`pending → training`, `training →
+        trained | failed`, `training → pending`): hash `status`/`updated_at` (and `run_id`), index membership and
+        the counters, so the caller's EXEC keeps invariant 5. `score` is `created_at` epoch for `pending`, the
+        transition time otherwise. The caller WATCHes the hash and checked that its status is `old`."""
+        mapping: dict[str, str] = {"status": new, "updated_at": at}
+        if run_id is not None:
+            mapping["run_id"] = run_id
+        pipe.hset(keys.traj(sample_id), mapping=mapping)
+        pipe.zrem(self.index_key(old), sample_id)
+        pipe.zadd(self.index_key(new), {sample_id: score})
+        pipe.hincrby(self._stats_key, _status_field(old), -1)
+        pipe.hincrby(self._stats_key, _status_field(new), +1)
+        if old == PENDING:
+            pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), -1)
+        if new == PENDING:
+            pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), +1)
+        # `source:<src>` counts samples of every status, so a move leaves it alone.
+
+    def _queue_counters(self, pipe: Pipeline, status: str, source: str, policy_version: str, delta: int) -> None:
+        pipe.hincrby(self._stats_key, _status_field(status), delta)
+        pipe.hincrby(self._stats_key, _source_field(source), delta)
+        if status == PENDING:
+            pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), delta)
+
+    async def sweep_expired(self, *, retention_seconds: int, now: float, limit: int = 1000) -> int:
+        """CONTRACT §5.5(c): delete `trained`/`failed` samples whose index score is older than `now − retention`,
+        at most `limit` per status, one EXEC per status. `pending` and `training` samples never expire."""
+        cutoff = now - retention_seconds
+        removed = 0
+        for status in ("trained", "failed"):
+            index = self.index_key(status)
+            members = await self._redis.zrange(index, "-inf", f"({cutoff!r}", byscore=True, offset=0, num=limit)
+            sample_ids = [_text(m) or "" for m in members]
+            if sample_ids:
+                removed += await self._delete_swept(status, sample_ids)
+        return removed
+
+    async def _delete_swept(self, status: str, sample_ids: list[str]) -> int:
+        hash_keys = {sample_id: keys.traj(sample_id) for sample_id in sample_ids}
+        index = self.index_key(status)
+
+        async def body(pipe: Pipeline) -> int:
+            rows = await self._hmget_many(hash_keys.values(), ("status", "source"))
+            pipe.multi()
+            count = 0
+            for sample_id, (stored_status, source) in zip(hash_keys, rows):
+                stored = _text(stored_status)
+                if stored is not None and stored != status:
+                    continue  # moved meanwhile (e.g. another sweeper): not ours to delete
+                # Invariant 5: hash, index membership and counters go together. A member without a hash (never
+                # expected) still left its index, so only its status counter follows it.
+                pipe.zrem(index, sample_id)
+                pipe.hincrby(self._stats_key, _status_field(status), -1)
+                if stored is not None:
+                    pipe.delete(hash_keys[sample_id])
+                    pipe.hincrby(self._stats_key, _source_field(_text(source) or ""), -1)
+                count += 1
+            await pipe.execute()
+            return count
+
+        return await transact(self._redis, body, index, *hash_keys.values())
+
+    # ------------------------------------------------------------------ reads
+
+    async def stats(self) -> dict[str, Any]:
+        """CONTRACT §2.7 counters: one HGETALL and one GET, whatever the number of samples."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self._stats_key)
+            pipe.get(keys.POLICY_OBSERVED)
+            raw_counters, raw_observed = await pipe.execute()
+        counters = {_text(k) or "": max(0, int(v)) for k, v in raw_counters.items()}
+        by_status = {status: counters.get(_status_field(status), 0) for status in keys.SAMPLE_STATUSES}
+        by_source = {
+            name[len("source:"):]: n for name, n in sorted(counters.items()) if name.startswith("source:") and n > 0
+        }
+        return {
+            "total": sum(by_status.values()),
+            "by_status": by_status,
+            "by_source": by_source,
+            "stale": self._stale(counters, raw_observed),
+            "expired_unrewarded": counters.get("expired_unrewarded", 0),
+            "updated_at": ids.now_iso(),
+        }
+
+    def _stale(self, counters: dict[str, int], raw_observed: bytes | None) -> int:
+        if self._max_policy_lag is None or raw_observed is None:
+            return 0
+        try:
+            observed = orjson.loads(raw_observed)
+        except orjson.JSONDecodeError:
+            return 0
+        name = observed.get("lora_name") if isinstance(observed, dict) else None
+        if not isinstance(name, str):
+            return 0
+        observed_version = ids.policy_lag_version(name, self._model_id)
+        stale = 0
+        for field, n in counters.items():
+            if field.startswith("pending_policy:"):
+                version = ids.policy_lag_version(field[len("pending_policy:"):], self._model_id)
+                if observed_version - version > self._max_policy_lag:
+                    stale += n
+        return stale
+
+    async def status_of(self, sample_id: str) -> str | None:
+        try:
+            key = keys.traj(sample_id)
+        except InvalidIdentifier:
+            return None
+        return _text(await self._redis.hget(key, "status"))
+
+    async def get_documents(self, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """Logical documents (§4.5, arrays unpacked) of the samples that exist, in input order."""
+        rows = await self._hmget_many([keys.traj(sample_id) for sample_id in sample_ids], _DOC_FIELDS)
+        return [self._packed(row).to_document() for row in rows if row[-1] is not None]
+
+    async def detail(self, sample_id: str) -> dict[str, Any] | None:
+        """The full view of §4.5 (what the detail route returns), or None when the id is unknown or malformed."""
+        try:
+            key = keys.traj(sample_id)
+        except InvalidIdentifier:
+            return None
+        row = await self._redis.hmget(key, _DOC_FIELDS)
+        status = _text(row[-1])
+        if status is None:
+            return None
+        doc = self._packed(row).to_document()
+        trajectory = doc["trajectory"]
+        prompt, response_ids = trajectory["prompt_ids"], trajectory["response_ids"]
+        logprobs = trajectory["response_logprobs"]
+        response_mask = trajectory.get("response_mask") or [1] * len(response_ids)
+        trajectory["input_ids"] = prompt + response_ids
+        trajectory["attention_mask"] = [1] * (len(prompt) + len(response_ids))
+        trajectory["response_mask"] = [0] * len(prompt) + list(response_mask)
+        trajectory["prompt_text"] = ""
+        response = dict(doc.get("response") or {})
+        response["prompt_token_ids"] = prompt
+        choices = [dict(c) if isinstance(c, dict) else c for c in response.get("choices") or [{}]]
+        if isinstance(choices[0], dict):
+            choices[0]["token_ids"] = response_ids
+            choices[0]["logprobs"] = {"content": [{"logprob": x} for x in logprobs]}
+        response["choices"] = choices
+        doc["response"] = response
+        doc["trajectory_id"] = doc.get("trajectory_id") or sample_id
+        doc["status"] = status
+        doc["_store_status"] = status
+        return doc
+
+    async def list_page(self, status: str | None, limit: int, cursor: str | None) -> dict[str, Any]:
+        """CONTRACT §2.7 listing: buckets in status order, (score, sample id) ascending within a bucket."""
+        if status is not None and status not in keys.SAMPLE_STATUSES:
+            raise InvalidInput("invalid_request", "status must be one of pending, training, trained, failed")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise InvalidInput("invalid_request", "limit must be an integer between 1 and 1000")
+        buckets = (status,) if status is not None else keys.SAMPLE_STATUSES
+        start, after = 0, None
+        if cursor is not None:
+            bucket, score, member = _decode_cursor(cursor, status)
+            start, after = buckets.index(bucket), (score, member)
+        want = limit + 1  # one more than the page tells whether a next page exists
+        entries: list[tuple[str, str, float]] = []
+        for bucket in buckets[start:]:
+            for member, score in await self._bucket_slice(bucket, after, want - len(entries)):
+                entries.append((bucket, member, score))
+            after = None
+            if len(entries) >= want:
+                break
+        next_cursor = None
+        if len(entries) > limit:
+            entries = entries[:limit]
+            bucket, member, score = entries[-1]
+            next_cursor = _encode_cursor(status, bucket, score, member)
+        return {"items": await self._summaries([member for _, member, _ in entries]), "next_cursor": next_cursor}
+
+    async def _bucket_slice(self, status: str, after: tuple[float, str] | None, count: int) -> list[tuple[str, float]]:
+        """Up to `count` (member, score) of one index, strictly after `after` in (score, member) order.
+
+        Redis orders equal scores by member bytes, which for our ASCII ids is Python's string order, so the only
+        work is to find how many members of the cursor's equal-score block precede or equal the cursor id."""
+        index = self.index_key(status)
+        if after is None:
+            raw = await self._redis.zrange(index, 0, count - 1, withscores=True)
+        else:
+            score, member = after
+            skip = await self._block_offset(index, score, member)
+            raw = await self._redis.zrange(
+                index, repr(score), "+inf", byscore=True, offset=skip, num=count, withscores=True
+            )
+        return [(_text(m) or "", s) for m, s in raw]
+
+    async def _block_offset(self, index: str, score: float, member: str) -> int:
+        """Number of members with exactly `score` that sort at or before `member`."""
+        async with self._redis.pipeline(transaction=True) as pipe:  # one consistent view of the three reads
+            pipe.zscore(index, member)
+            pipe.zrank(index, member)
+            pipe.zcount(index, "-inf", f"({score!r}")
+            own_score, rank, below = await pipe.execute()
+        if own_score is not None and own_score == score and rank is not None:
+            return rank - below + 1
+        # The cursor's sample left this index (trained, swept, …): binary-search its place in the block by rank.
+        lo, hi = 0, await self._redis.zcount(index, repr(score), repr(score))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            found = await self._redis.zrange(index, repr(score), repr(score), byscore=True, offset=mid, num=1)
+            if not found:  # the block shrank meanwhile
+                hi = mid
+            elif (_text(found[0]) or "") > member:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    async def _summaries(self, sample_ids: list[str]) -> list[dict[str, Any]]:
+        rows = await self._hmget_many([keys.traj(sample_id) for sample_id in sample_ids], _SUMMARY_FIELDS)
+        items = []
+        for sample_id, row in zip(sample_ids, rows):
+            values = dict(zip(_SUMMARY_FIELDS, (_text(v) for v in row)))
+            if values["status"] is None:
+                continue  # deleted between the index read and this one
+            items.append(
+                {
+                    "trajectory_id": sample_id,
+                    "sample_id": values["sample_id"] or sample_id,
+                    "model_id": self._model_id,
+                    "source": values["source"],
+                    "status": values["status"],
+                    "user_id": values["user_id"],
+                    "session_id": values["session_id"] or None,
+                    "task_id": values["rl_task_id"] or None,
+                    "policy_version": values["policy_version"],
+                    "created_at": values["created_at"],
+                    "updated_at": values["updated_at"],
+                }
+            )
+        return items
+
+    async def _hmget_many(self, hash_keys: Any, fields: Sequence[str]) -> list[list[bytes | None]]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key in hash_keys:
+                pipe.hmget(key, fields)
+            return await pipe.execute()
+
+    @staticmethod
+    def _packed(row: list[bytes | None]) -> PackedSample:
+        sample_json, prompt, response, logprobs = row[0], row[1], row[2], row[3]
+        return PackedSample(orjson.loads(sample_json or b"{}"), prompt or b"", response or b"", logprobs or b"")
+
+
+def _encode_cursor(status: str | None, bucket: str, score: float, member: str) -> str:
+    raw = orjson.dumps([status or _ALL_BUCKETS, bucket, score, member])
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def _decode_cursor(cursor: str, status: str | None) -> tuple[str, float, str]:
+    """(bucket, score, sample id) of a cursor made by `_encode_cursor` for the same `status` filter."""
+    invalid = InvalidInput("invalid_request", "invalid cursor")
+    if not cursor or len(cursor) > _MAX_CURSOR_CHARS or not cursor.isascii():
+        raise invalid
+    try:
+        value = orjson.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (binascii.Error, ValueError):
+        raise invalid from None
+    if not isinstance(value, list) or len(value) != 4:
+        raise invalid
+    scope, bucket, score, member = value
+    if scope != (status or _ALL_BUCKETS) or bucket not in keys.SAMPLE_STATUSES:
+        raise invalid
+    if status is not None and bucket != status:
+        raise invalid
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+        raise invalid
+    try:
+        keys.traj(member)
+    except InvalidIdentifier:
+        raise invalid from None
+    return bucket, float(score), member

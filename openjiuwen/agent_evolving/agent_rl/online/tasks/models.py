@@ -1,0 +1,103 @@
+"""Task and capture records, and their state machines as data (CONTRACT §4.1, §4.2)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+
+class TaskStatus(StrEnum):
+    ACTIVE = "active"
+    FINALIZED = "finalized"
+    ABORTED = "aborted"
+
+
+class FinishReason(StrEnum):
+    USER_STOPPED = "user_stopped"
+    SERVICE_STOPPED = "service_stopped"
+    CAPTURE_FAILED = "capture_failed"
+    TIMEOUT = "timeout"
+    SERVICE_RESTARTED = "service_restarted"
+
+
+class RewardMode(StrEnum):
+    TERMINAL = "terminal"
+    DELAYED_FEEDBACK = "delayed_feedback"
+
+
+class CaptureStatus(StrEnum):
+    OPEN = "open"
+    COMMITTED = "committed"
+
+
+# Terminal states are sticky: finishing or aborting again returns the stored record unchanged.
+NEXT_STATUS: dict[TaskStatus, frozenset[TaskStatus]] = {
+    TaskStatus.ACTIVE: frozenset({TaskStatus.FINALIZED, TaskStatus.ABORTED}),
+    TaskStatus.FINALIZED: frozenset(),
+    TaskStatus.ABORTED: frozenset(),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    rl_task_id: str
+    agent_session_id: str
+    model_id: str
+    policy_lora_name: str
+    reward_mode: str
+    status: str
+    created_at: str
+    finished_at: str | None = None
+    finish_reason: str | None = None
+    policy_model: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.policy_model:
+            object.__setattr__(self, "policy_model", self.policy_lora_name)
+
+    @property
+    def active(self) -> bool:
+        return self.status == TaskStatus.ACTIVE
+
+    @property
+    def delayed(self) -> bool:
+        return self.reward_mode == RewardMode.DELAYED_FEEDBACK
+
+    def spec(self) -> tuple[str, str, str, str, str]:
+        return (self.agent_session_id, self.model_id, self.policy_lora_name, self.reward_mode, self.policy_model)
+
+    def terminal(self, status: TaskStatus, reason: FinishReason, at: str) -> "Task":
+        assert status in NEXT_STATUS[TaskStatus(self.status)], "terminal states are sticky"
+        return replace(self, status=status.value, finish_reason=reason.value, finished_at=at)
+
+    def public(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self), option=orjson.OPT_SORT_KEYS)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "Task":
+        data = orjson.loads(raw)
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureMeta:
+    capture_id: str
+    agent_turn_id: str | None
+    request_fingerprint: str
+    response_fingerprint: str | None
+    status: str
+    created_at: str
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self), option=orjson.OPT_SORT_KEYS)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "CaptureMeta":
+        data = orjson.loads(raw)
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})

@@ -1,0 +1,436 @@
+"""Redis TaskRegistry: every Task, capture and turn transition as one optimistic transaction (CONTRACT §4, §5).
+
+Each method states the invariant of CONTRACT §5.4 it keeps. Methods raise domain errors (NotFound, Conflict) and
+never decide HTTP statuses.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from ..errors import Conflict, NotFound
+from ..ids import now_iso, parse_iso_epoch
+from ..store import keys
+from ..store.codec import PackedSample
+from ..store.tx import transact
+from .models import CaptureMeta, CaptureStatus, FinishReason, RewardMode, Task, TaskStatus
+from .signals import TaskSignals
+
+
+class AbortingConflict(Conflict):
+    """A conflict after which the Task must be aborted `capture_failed` (closed or closing turn)."""
+
+
+class ReserveOutcome(Enum):
+    RESERVED = "reserved"
+    IDEMPOTENT = "idempotent"
+    PUBLISH_CURRENT = "publish_current"  # delayed mode: the current turn must be published first
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    outcome: ReserveOutcome
+    current_turn: str | None = None  # set with PUBLISH_CURRENT
+
+
+def _s(raw: bytes | None) -> str | None:
+    return None if raw is None else raw.decode()
+
+
+class TaskRegistry:
+    def __init__(self, redis: Redis, *, model_id: str, signals: TaskSignals | None = None) -> None:
+        self._redis = redis
+        self._model_id = model_id
+        self.signals = signals or TaskSignals()
+
+    @property
+    def redis(self) -> Redis:
+        return self._redis
+
+    # ------------------------------------------------------------------ Tasks
+
+    async def get(self, rl_task_id: str) -> Task | None:
+        raw = await self._redis.get(keys.task(rl_task_id))
+        return None if raw is None else Task.from_json(raw)
+
+    async def require(self, rl_task_id: str) -> Task:
+        task = await self.get(rl_task_id)
+        if task is None:
+            raise NotFound("RL Task not found")
+        return task
+
+    async def start(self, requested: Task) -> tuple[Task, bool]:
+        """Create or reuse a Task; returns (record, created).
+
+        Invariant 1: at most one active Task per session; the pointer, the record and the active index move
+        together, and concurrent starts on one session (from any number of processes) converge on one Task."""
+        t, s = requested.rl_task_id, requested.agent_session_id
+        task_key, pointer_key = keys.task(t), keys.active_session(s)
+
+        async def body(pipe: Pipeline) -> tuple[Task, bool]:
+            raw = await pipe.get(task_key)
+            if raw is not None:
+                existing = Task.from_json(raw)
+                if existing.spec() != requested.spec():
+                    raise Conflict("RL Task exists with a different spec")
+                return existing, False
+            other_id = _s(await pipe.get(pointer_key))
+            if other_id is not None and other_id != t:
+                other_key = keys.task(other_id)
+                await pipe.watch(other_key)  # the pointed Task must not change under our decision
+                other_raw = await pipe.get(other_key)
+                if other_raw is not None:
+                    other = Task.from_json(other_raw)
+                    if other.active:
+                        return other, False
+            pipe.multi()
+            pipe.set(task_key, requested.to_json())
+            pipe.set(pointer_key, t)
+            pipe.sadd(keys.ACTIVE_TASKS, t)
+            await pipe.execute()
+            return requested, True
+
+        return await transact(self._redis, body, task_key, pointer_key)
+
+    async def finalize(self, rl_task_id: str, reason: FinishReason) -> Task:
+        """active → finalized. Requires zero open captures (Invariant 2); a finalized terminal-mode Task with
+        staged samples waits in the awaiting-reward index, any other goes to the gc index."""
+        t = rl_task_id
+        task_key, open_key, committed_key = keys.task(t), keys.open_captures(t), keys.committed_captures(t)
+
+        async def body(pipe: Pipeline) -> Task:
+            task = await self._read_task(pipe, task_key)
+            if not task.active:
+                return task
+            if await pipe.scard(open_key):
+                raise Conflict("RL Task has open captures")
+            committed = await pipe.scard(committed_key)
+            pointer_key = keys.active_session(task.agent_session_id)
+            await pipe.watch(pointer_key)
+            pointer = _s(await pipe.get(pointer_key))
+            now = now_iso()
+            done = task.terminal(TaskStatus.FINALIZED, reason, now)
+            pipe.multi()
+            pipe.set(task_key, done.to_json())
+            if pointer == t:
+                pipe.delete(pointer_key)
+            pipe.srem(keys.ACTIVE_TASKS, t)
+            if task.reward_mode == RewardMode.TERMINAL and committed:
+                pipe.zadd(keys.AWAITING_REWARD, {t: parse_iso_epoch(now)})
+            else:
+                pipe.zadd(keys.TASKS_GC, {t: parse_iso_epoch(now)})
+            await pipe.execute()
+            return done
+
+        task = await transact(self._redis, body, task_key, open_key, committed_key)
+        self.signals.notify(t)
+        return task
+
+    async def abort(self, rl_task_id: str, reason: FinishReason) -> Task:
+        """active → aborted. Invariants 2 and 3: the open captures (metadata, memberships, open set) and every
+        staged sample go with the transition; published samples stay."""
+        t = rl_task_id
+        task_key, open_key, committed_key = keys.task(t), keys.open_captures(t), keys.committed_captures(t)
+
+        async def body(pipe: Pipeline) -> Task:
+            task = await self._read_task(pipe, task_key)
+            if not task.active:
+                return task
+            open_ids = [_s(c) for c in await pipe.smembers(open_key)]
+            committed_ids = [_s(c) for c in await pipe.smembers(committed_key)]
+            pointer_key = keys.active_session(task.agent_session_id)
+            await pipe.watch(pointer_key)
+            pointer = _s(await pipe.get(pointer_key))
+            now = now_iso()
+            done = task.terminal(TaskStatus.ABORTED, reason, now)
+            pipe.multi()
+            pipe.set(task_key, done.to_json())
+            if pointer == t:
+                pipe.delete(pointer_key)
+            pipe.srem(keys.ACTIVE_TASKS, t)
+            if open_ids:
+                pipe.delete(*(keys.capture(t, c) for c in open_ids))
+                pipe.srem(keys.captures(t), *open_ids)
+            pipe.delete(open_key)
+            if committed_ids:
+                pipe.delete(*(keys.staged(t, c) for c in committed_ids))
+            pipe.zadd(keys.TASKS_GC, {t: parse_iso_epoch(now)})
+            await pipe.execute()
+            return done
+
+        task = await transact(self._redis, body, task_key, open_key, committed_key)
+        self.signals.notify(t)
+        return task
+
+    async def active_ids(self) -> list[str]:
+        return sorted(_s(t) for t in await self._redis.smembers(keys.ACTIVE_TASKS))
+
+    async def drop_stale_active(self, rl_task_id: str) -> None:
+        """Remove an id from the active index whose record is missing or no longer active (lazy repair)."""
+        await self._redis.srem(keys.ACTIVE_TASKS, rl_task_id)
+
+    # --------------------------------------------------------------- Captures
+
+    async def reserve(
+        self, task: Task, capture_id: str, turn_id: str | None, request_fingerprint: str
+    ) -> Reservation:
+        """Reserve an open capture (CONTRACT §4.2 before, §4.3 for delayed mode).
+
+        Invariant 2: the metadata, the `captures` set and the open set change together. Invariant 7: a closed
+        turn never accepts a capture, and the current turn only moves forward through `advance_turn`."""
+        t = task.rl_task_id
+        task_key, capture_key = keys.task(t), keys.capture(t, capture_id)
+        watch = [task_key, capture_key]
+        if task.delayed:
+            assert turn_id is not None
+            watch += [
+                keys.turn_current(t), keys.turn_transition(t), keys.turns_closed(t), keys.turn_publish(t, turn_id),
+            ]
+
+        async def body(pipe: Pipeline) -> Reservation:
+            current_task = await self._read_task(pipe, task_key)
+            raw = await pipe.get(capture_key)
+            if raw is not None:
+                meta = CaptureMeta.from_json(raw)
+                if meta.agent_turn_id == turn_id and meta.request_fingerprint == request_fingerprint:
+                    return Reservation(ReserveOutcome.IDEMPOTENT)
+                raise Conflict("capture_id already used with different input")
+            if not current_task.active:
+                raise Conflict("RL Task is not active")
+            set_current = False
+            if current_task.delayed:
+                assert turn_id is not None
+                if await pipe.sismember(keys.turns_closed(t), turn_id) or await pipe.exists(
+                    keys.turn_publish(t, turn_id)
+                ):
+                    raise AbortingConflict(f"turn {turn_id} is closed")
+                current = _s(await pipe.get(keys.turn_current(t)))
+                transition = _s(await pipe.get(keys.turn_transition(t)))
+                if current is None:
+                    set_current = True
+                elif current == turn_id:
+                    if transition is not None:
+                        raise AbortingConflict(f"turn {turn_id} is closing")
+                else:
+                    if transition is not None and transition != turn_id:
+                        raise Conflict(f"turn {transition} is already waiting for {current}")
+                    if transition is None:
+                        pipe.multi()
+                        pipe.set(keys.turn_transition(t), turn_id)
+                        await pipe.execute()
+                    return Reservation(ReserveOutcome.PUBLISH_CURRENT, current_turn=current)
+            meta = CaptureMeta(capture_id, turn_id, request_fingerprint, None, CaptureStatus.OPEN, now_iso())
+            pipe.multi()
+            if set_current:
+                pipe.set(keys.turn_current(t), turn_id)
+            pipe.set(capture_key, meta.to_json())
+            pipe.sadd(keys.captures(t), capture_id)
+            pipe.sadd(keys.open_captures(t), capture_id)
+            await pipe.execute()
+            return Reservation(ReserveOutcome.RESERVED)
+
+        return await transact(self._redis, body, *watch)
+
+    async def get_capture(self, rl_task_id: str, capture_id: str) -> CaptureMeta | None:
+        raw = await self._redis.get(keys.capture(rl_task_id, capture_id))
+        return None if raw is None else CaptureMeta.from_json(raw)
+
+    async def commit(
+        self,
+        rl_task_id: str,
+        capture_id: str,
+        turn_id: str | None,
+        request_fingerprint: str,
+        response_fingerprint: str,
+        sample: PackedSample | None,
+    ) -> bool:
+        """open → committed with its staged sample; returns False for an idempotent repeat.
+
+        `sample` may be None only when the caller knows the capture is already committed. Invariants 2 and 3:
+        the capture leaves the open set, joins the committed (and turn) set and gains its staged sample at once."""
+        t = rl_task_id
+        task_key, capture_key = keys.task(t), keys.capture(t, capture_id)
+
+        async def body(pipe: Pipeline) -> bool:
+            task = await self._read_task(pipe, task_key)
+            raw = await pipe.get(capture_key)
+            if raw is None:
+                raise Conflict("capture has no matching before")
+            meta = CaptureMeta.from_json(raw)
+            if meta.agent_turn_id != turn_id:
+                raise Conflict("agent_turn_id differs from the one seen at before")
+            if meta.request_fingerprint != request_fingerprint:
+                raise Conflict("request differs from the one seen at before")
+            if meta.status == CaptureStatus.COMMITTED:
+                if meta.response_fingerprint == response_fingerprint:
+                    return False
+                raise Conflict("capture already committed with a different response")
+            if not task.active:
+                raise Conflict("RL Task is not active")
+            if sample is None:
+                raise Conflict("capture is not committed")
+            committed = CaptureMeta(
+                meta.capture_id, meta.agent_turn_id, meta.request_fingerprint, response_fingerprint,
+                CaptureStatus.COMMITTED, meta.created_at,
+            )
+            pipe.multi()
+            pipe.set(capture_key, committed.to_json())
+            pipe.set(keys.staged(t, capture_id), sample.encode_staged())
+            pipe.srem(keys.open_captures(t), capture_id)
+            pipe.sadd(keys.committed_captures(t), capture_id)
+            if turn_id is not None:
+                pipe.sadd(keys.turn_captures(t, turn_id), capture_id)
+            await pipe.execute()
+            return True
+
+        changed = await transact(self._redis, body, task_key, capture_key)
+        if changed:
+            self.signals.notify(t)
+        return changed
+
+    async def discard(self, rl_task_id: str, capture_id: str, turn_id: str | None) -> None:
+        """Drop an open capture. Unknown capture or inactive Task: no-op. Invariant 2 as in `reserve`."""
+        t = rl_task_id
+        task_key, capture_key = keys.task(t), keys.capture(t, capture_id)
+
+        async def body(pipe: Pipeline) -> bool:
+            task = await self._read_task(pipe, task_key)
+            raw = await pipe.get(capture_key)
+            if raw is None or not task.active:
+                return False
+            meta = CaptureMeta.from_json(raw)
+            if meta.status == CaptureStatus.COMMITTED:
+                raise Conflict("capture is already committed")
+            if meta.agent_turn_id != turn_id:
+                raise Conflict("agent_turn_id differs from the one seen at before")
+            pipe.multi()
+            pipe.delete(capture_key)
+            pipe.srem(keys.captures(t), capture_id)
+            pipe.srem(keys.open_captures(t), capture_id)
+            await pipe.execute()
+            return True
+
+        if await transact(self._redis, body, task_key, capture_key):
+            self.signals.notify(t)
+
+    async def open_count(self, rl_task_id: str) -> int:
+        return int(await self._redis.scard(keys.open_captures(rl_task_id)))
+
+    async def committed_ids(self, rl_task_id: str) -> list[str]:
+        return sorted(_s(c) for c in await self._redis.smembers(keys.committed_captures(rl_task_id)))
+
+    # ------------------------------------------------------------------ Turns
+
+    async def turn_state(self, rl_task_id: str) -> tuple[str | None, str | None]:
+        """(current turn, transition turn)."""
+        current, transition = await self._redis.mget(
+            keys.turn_current(rl_task_id), keys.turn_transition(rl_task_id)
+        )
+        return _s(current), _s(transition)
+
+    async def publish_state(self, rl_task_id: str, turn_id: str) -> str | None:
+        return _s(await self._redis.get(keys.turn_publish(rl_task_id, turn_id)))
+
+    async def claim_publish(self, rl_task_id: str, turn_id: str) -> str:
+        """Claim the publication of a turn. Returns "claimed" when this caller must publish, "open" when
+        captures are still open (wait and retry), or the existing state (`publishing`, `published`, `failed`).
+
+        Invariant 7: only one caller publishes a turn; the claim is taken only while no capture is open."""
+        t = rl_task_id
+        task_key, open_key, publish_key = keys.task(t), keys.open_captures(t), keys.turn_publish(t, turn_id)
+
+        async def body(pipe: Pipeline) -> str:
+            task = await self._read_task(pipe, task_key)
+            state = _s(await pipe.get(publish_key))
+            if state is not None:
+                return state
+            if not task.active:
+                raise Conflict("RL Task is not active")
+            if await pipe.scard(open_key):
+                return "open"
+            pipe.multi()
+            pipe.set(publish_key, "publishing")
+            await pipe.execute()
+            return "claimed"
+
+        state = await transact(self._redis, body, task_key, open_key, publish_key)
+        if state == "claimed":
+            self.signals.notify(t)
+        return state
+
+    async def turn_staged(self, rl_task_id: str, turn_id: str) -> list[tuple[str, bytes]]:
+        """Staged sample blobs of a turn's committed captures, by capture id."""
+        t = rl_task_id
+        ids = sorted(_s(c) for c in await self._redis.smembers(keys.turn_captures(t, turn_id)))
+        if not ids:
+            return []
+        blobs = await self._redis.mget([keys.staged(t, c) for c in ids])
+        return [(c, b) for c, b in zip(ids, blobs) if b is not None]
+
+    async def complete_publish(self, rl_task_id: str, turn_id: str, capture_ids: list[str]) -> None:
+        """publishing → published: the turn joins the closed set and its staged samples go, atomically, only while
+        the Task is active and this publication still holds the claim. Invariants 3 and 7."""
+        t = rl_task_id
+        task_key, publish_key = keys.task(t), keys.turn_publish(t, turn_id)
+        turn_set = keys.turn_captures(t, turn_id)
+
+        async def body(pipe: Pipeline) -> None:
+            task = await self._read_task(pipe, task_key)
+            if not task.active:
+                raise Conflict("RL Task was aborted during turn publication")
+            if _s(await pipe.get(publish_key)) != "publishing":
+                raise Conflict("turn publication lost its claim")
+            pipe.multi()
+            pipe.set(publish_key, "published")
+            pipe.sadd(keys.turns_closed(t), turn_id)
+            if capture_ids:
+                pipe.delete(*(keys.staged(t, c) for c in capture_ids))
+            await pipe.execute()
+
+        await transact(self._redis, body, task_key, publish_key, turn_set)
+        self.signals.notify(t)
+
+    async def fail_publish(self, rl_task_id: str, turn_id: str) -> None:
+        await self._redis.set(keys.turn_publish(rl_task_id, turn_id), "failed")
+        self.signals.notify(rl_task_id)
+
+    async def advance_turn(self, rl_task_id: str, from_turn: str, to_turn: str) -> None:
+        """current C (published) → T, transition cleared. Idempotent: a second caller finds current = T.
+        Invariant 7: current only moves forward after its predecessor is published."""
+        t = rl_task_id
+        current_key, transition_key = keys.turn_current(t), keys.turn_transition(t)
+        publish_key = keys.turn_publish(t, from_turn)
+
+        async def body(pipe: Pipeline) -> None:
+            current = _s(await pipe.get(current_key))
+            if current != from_turn:
+                return
+            if _s(await pipe.get(publish_key)) != "published":
+                raise Conflict(f"turn {from_turn} is not published")
+            transition = _s(await pipe.get(transition_key))
+            pipe.multi()
+            pipe.set(current_key, to_turn)
+            if transition == to_turn:
+                pipe.delete(transition_key)
+            await pipe.execute()
+
+        await transact(self._redis, body, current_key, transition_key, publish_key)
+        self.signals.notify(t)
+
+    # -------------------------------------------------------------- internals
+
+    @staticmethod
+    async def _read_task(pipe: Pipeline, task_key: str) -> Task:
+        raw = await pipe.get(task_key)
+        if raw is None:
+            raise NotFound("RL Task not found")
+        return Task.from_json(raw)
+
+
+def epoch_now() -> float:
+    return time.time()

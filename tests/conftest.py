@@ -1,0 +1,54 @@
+"""Shared fixtures: one private redis-server per test session, a clean `rl:v1:` key space per test."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+from redis.asyncio import Redis
+
+from tests.support.redis_server import RedisServer
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-0.32-cpu"
+if not FIXTURES.is_dir():  # CI clones next to shared/; a checkout elsewhere can point at it
+    import os
+
+    FIXTURES = Path(os.environ.get("RL_FIXTURES_DIR", FIXTURES))
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+async def _delete_owned_keys(redis: Redis) -> None:
+    # Only keys under the service prefix, which is all the service may write.
+    async for key in redis.scan_iter(match="rl:v1:*", count=1000):
+        await redis.delete(key)
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    await _delete_owned_keys(client)
+    try:
+        yield client
+    finally:
+        await _delete_owned_keys(client)
+        await client.aclose()
+
+
+def load_fixture(name: str) -> dict:
+    return orjson.loads((FIXTURES / name).read_bytes())
+
+
+def fixture_text(name: str) -> str:
+    return (FIXTURES / name).read_text()
