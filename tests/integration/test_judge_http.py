@@ -231,3 +231,16 @@ def test_fake_judge_is_usable_from_sync_code() -> None:
         assert first.status_code == 503
         assert second.json()["choices"][0]["message"]["content"] == '{"overall": 3, "reason": "fake judge"}'
         assert [r.body["model"] for r in fake.wait_for_requests(2)] == ["m", "m"]
+
+
+async def test_fake_judge_default_can_choose_per_request(judge: FakeJudge) -> None:
+    # Concurrent publications judge samples in no fixed order; a callable default scripts by content instead.
+    judge.default = lambda req: Verdict(9 if "[assistant] 4" in req.prompt else 1)
+    wrong = {**RESPONSE, "choices": [{"index": 0, "message": {"role": "assistant", "content": "5"}}]}
+    scorer = scorer_for(judge)
+    try:
+        right_result, wrong_result = await asyncio.gather(scorer.score(REQUEST, RESPONSE, ""),
+                                                          scorer.score(REQUEST, wrong, ""))
+    finally:
+        await scorer.aclose()
+    assert (right_result.votes, wrong_result.votes) == ([9.0], [1.0])

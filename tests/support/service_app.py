@@ -37,7 +37,7 @@ async def running_app(config: RLServiceConfig, **kwargs: Any) -> AsyncIterator[t
     redis = Redis.from_url(config.redis_url.get_secret_value())
     app = create_app(config, redis=redis, **kwargs)
     async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://rl.test", timeout=30) as client:
             yield app, client
 

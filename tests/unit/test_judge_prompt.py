@@ -196,8 +196,8 @@ def test_dollar_signs_in_text_are_not_substituted() -> None:
         ('{"task_completion": 6, "response_quality": 8}', 7.0),
         ('{"task_completion_score": 4, "response_quality_score": 6, "tool_usage": 8, "coherence_score": 10}', 7.0),
         ('{"overall": "high", "coherence": 5}', 5.0),  # a non-numeric overall falls back to the dimensions
-        ('{"overall": 12}', 12.0),
-        ('[{"overall": 7}]', 7.0),  # whole content is JSON but no object: the scan finds the object inside  # parsed as written; the score clamps later
+        ('{"overall": 12}', 12.0),  # parsed as written; the score clamps later
+        ('[{"overall": 7}]', 7.0),  # whole content is JSON but no object: the scan finds the object inside
     ],
 )
 def test_parse_verdict_accepts(content: str, overall: float) -> None:

@@ -12,7 +12,7 @@ import orjson
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import Conflict, InvalidInput, NotFound
+from ..errors import Conflict, InvalidInput, JudgeFailed, NotFound
 from ..ids import InvalidIdentifier
 
 log = logging.getLogger("openjiuwen.agent_rl.online.api")
@@ -63,6 +63,10 @@ def domain_errors(*, not_found: str, conflict: str, invalid: str | None = None) 
         raise ApiError(404, not_found, exc.message) from exc
     except Conflict as exc:
         raise ApiError(409, exc.code or conflict, exc.message) from exc
+    except JudgeFailed as exc:
+        # The contract answers a Judge failure with the plain 500 envelope; the cause goes to the log only.
+        log.warning("judge failure: %s", exc.message)
+        raise ApiError(500, "internal_error", "internal service error") from exc
 
 
 def install_error_envelope(app: FastAPI) -> None:

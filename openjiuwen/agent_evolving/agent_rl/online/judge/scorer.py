@@ -122,7 +122,7 @@ class JudgeScorer:
             verdict = parse_verdict(answer.content)
             if verdict is None and answer.finish_reason == "length":
                 # The verdict was cut off: once more, deterministic and with room to finish.
-                answer = await self._complete({**body, "temperature": 0, "max_tokens": MAX_TOKENS})
+                answer = await self._complete({**body, "temperature": 0, "max_tokens": MAX_TOKENS * 2})
                 verdict = parse_verdict(answer.content)
             if verdict is None:
                 raise VoteFailed(f"unparsable verdict (finish_reason={answer.finish_reason!r})")
