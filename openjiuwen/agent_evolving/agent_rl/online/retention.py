@@ -107,7 +107,7 @@ class RetentionSweeper:
                 return 0  # a reward arrived meanwhile; the next tick handles its state
             committed = [_s(c) for c in await pipe.smembers(committed_key)]
             staged_keys = [keys.staged(t, c) for c in committed]
-            present = sum(await pipe.exists(k) for k in staged_keys) if staged_keys else 0
+            present = int(await pipe.exists(*staged_keys)) if staged_keys else 0
             pipe.multi()
             pipe.set(reward_key, orjson.dumps({"reward": None, "status": "expired", "sample_count": 0}))
             if staged_keys:

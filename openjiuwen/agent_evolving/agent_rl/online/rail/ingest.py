@@ -103,7 +103,8 @@ class RailIngestor:
             try:
                 staged = self._build_sample(parsed, raw, position, policy_version, seen_steps)
             except InvalidInput as exc:
-                errors.append({"sample_id": _fallback_sample_id(parsed.trajectory_id, raw, position), "error": exc.message})
+                sample_id = _fallback_sample_id(parsed.trajectory_id, raw, position)
+                errors.append({"sample_id": sample_id, "error": exc.message})
                 continue
             seen_steps.add(staged.step)
             valid.append(staged)

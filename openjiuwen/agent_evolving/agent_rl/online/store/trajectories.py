@@ -28,7 +28,8 @@ from .tx import transact
 PENDING = "pending"
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
 _SUMMARY_FIELDS = (
-    "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at", "status",
+    "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at",
+    "status",
 )
 _DOC_FIELDS = ("sample_json", "prompt_ids", "response_ids", "response_logprobs", "status")
 _MAX_CURSOR_CHARS = 1024

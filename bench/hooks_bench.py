@@ -1,0 +1,220 @@
+"""Cost of one captured completion: a `:before` + `:after` pair on a 2,048-prompt + 2,048-completion-token
+response with `top_logprobs=1`, against the RL Service running as a real process on a real socket, plus the Redis
+bytes kept per captured token (staged, then published).
+
+    .venv/bin/python bench/hooks_bench.py [--pairs 200] [--prompt-tokens 2048] [--completion-tokens 2048]
+
+Prints a table and writes bench/results/hooks.json. Loopback only, bounded loop, private redis-server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.support.redis_server import RedisServer, free_port  # noqa: E402
+
+MODEL = "bench-model"
+
+
+def synthetic_exchange(prompt_tokens: int, completion_tokens: int, seed: int) -> tuple[dict, dict]:
+    """A request and a vLLM 0.32-shaped response (see shared/fixtures) of the given sizes."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "tool", "call", "result", "plan", "step", "answer"]
+    prompt_text = " ".join(rng.choice(words) for _ in range(prompt_tokens))
+    request = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a helpful agent."},
+            {"role": "user", "content": prompt_text},
+        ],
+        "max_tokens": completion_tokens,
+        "temperature": 1.0,
+    }
+    tokens = [rng.randrange(0, 151_000) for _ in range(completion_tokens)]
+    pieces = [rng.choice(words) + " " for _ in range(completion_tokens)]
+    content = []
+    for piece in pieces:
+        lp = -rng.random() * 8
+        entry = {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+        content.append(dict(entry, top_logprobs=[dict(entry)]))
+    response = {
+        "id": f"chatcmpl-{seed:016x}",
+        "object": "chat.completion",
+        "created": 1795951800,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(pieces), "refusal": None, "annotations": None,
+                            "audio": None, "function_call": None, "reasoning": None},
+                "logprobs": {"content": content},
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": tokens,
+                "routed_experts": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": "vllm-0.32.0-bench",
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                  "completion_tokens": completion_tokens, "prompt_tokens_details": None},
+        "prompt_logprobs": None,
+        "prompt_token_ids": [rng.randrange(0, 151_000) for _ in range(prompt_tokens)],
+        "prompt_text": None,
+        "kv_transfer_params": None,
+    }
+    return request, response
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict:
+    with RedisServer(workdir / "redis") as redis_server:
+        port = free_port()
+        config = workdir / "rl.yaml"
+        config.write_text(
+            orjson.dumps(
+                {
+                    "listen_port": port, "redis_url": redis_server.url, "model_id": MODEL,
+                    "base_model_path": "/models/bench", "lora_repository_path": str(workdir / "loras"),
+                    "log_path": str(workdir / "rl-service.log"),
+                }
+            ).decode()
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.online.service", "--config", str(config)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(workdir / "service.err", "wb"),
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        if (await client.get("/health")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise RuntimeError((workdir / "service.err").read_text()[-2000:])
+                    await asyncio.sleep(0.1)
+                return await measure(client, redis_server, args)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def measure(client: httpx.AsyncClient, redis_server: RedisServer, args: argparse.Namespace) -> dict:
+    from redis.asyncio import Redis
+
+    request, response = synthetic_exchange(args.prompt_tokens, args.completion_tokens, seed=7)
+    per_task = 10
+    latencies: list[float] = []
+    before_ms: list[float] = []
+    after_ms: list[float] = []
+    body_bytes = 0
+    tasks = []
+    for i in range(args.warmup + args.pairs):
+        if i % per_task == 0:
+            t = f"bench{i // per_task}"
+            headers = {"X-Agent-Session-Id": f"s-{t}", "X-AIGW-RL-Task-Id": t, "X-AIGW-RL-Policy-Name": "base",
+                       "X-AIGW-RL-Policy-Model": MODEL}
+            r = await client.post("/v1/rl/tasks/start", json={"reward_mode": "terminal"}, headers=headers)
+            assert r.status_code == 201, r.text
+            tasks.append(t)
+        c = f"cap-{i}"
+        before_body = orjson.dumps({"rl_task_id": t, "capture_id": c, "agent_turn_id": None, "request": request})
+        t0 = time.perf_counter()
+        r = await client.post("/internal/v1/completions:before", content=before_body,
+                              headers={"content-type": "application/json"})
+        t1 = time.perf_counter()
+        assert r.status_code == 200, r.text
+        injected = orjson.loads(r.content)["request"]
+        after_body = orjson.dumps({"rl_task_id": t, "capture_id": c, "agent_turn_id": None, "request": injected,
+                                   "response": response})
+        t2 = time.perf_counter()
+        r = await client.post("/internal/v1/completions:after", content=after_body,
+                              headers={"content-type": "application/json"})
+        t3 = time.perf_counter()
+        assert r.status_code == 204, r.text
+        if i >= args.warmup:
+            before_ms.append((t1 - t0) * 1000)
+            after_ms.append((t3 - t2) * 1000)
+            latencies.append((t1 - t0 + t3 - t2) * 1000)
+            body_bytes = len(after_body)
+
+    tokens = args.prompt_tokens + args.completion_tokens
+    redis = Redis.from_url(redis_server.url)
+    try:
+        staged = await redis.memory_usage(f"rl:v1:task:{tasks[-1]}:pending:cap-{args.warmup + args.pairs - 1}")
+        for t in tasks:
+            assert (await client.post(f"/v1/rl/tasks/{t}/stop")).status_code == 200
+            assert (await client.post(f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0})).status_code == 200
+        published = await redis.memory_usage(f"rl:v1:traj:cap-{args.warmup + args.pairs - 1}")
+        info = await redis.info("memory")
+    finally:
+        await redis.aclose()
+    return {
+        "pairs": args.pairs,
+        "prompt_tokens": args.prompt_tokens,
+        "completion_tokens": args.completion_tokens,
+        "after_body_bytes": body_bytes,
+        "pair_ms": {"median": statistics.median(latencies), "p99": percentile(latencies, 99),
+                    "mean": statistics.fmean(latencies)},
+        "before_ms_median": statistics.median(before_ms),
+        "after_ms_median": statistics.median(after_ms),
+        "pairs_per_second": 1000 / statistics.fmean(latencies),
+        "redis_bytes_per_token": {"staged": staged / tokens, "published": published / tokens},
+        "redis_used_memory_bytes": info.get("used_memory"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--completion-tokens", type=int, default=2048)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "hooks.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="rl-bench-") as tmp:
+        result = asyncio.run(run(args, Path(tmp)))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    p = result["pair_ms"]
+    print(f"hook pair :before+:after  ({result['prompt_tokens']}+{result['completion_tokens']} tokens, "
+          f"top_logprobs=1, :after body {result['after_body_bytes'] / 1024:.0f} KiB, {result['pairs']} pairs)")
+    print(f"  {'median ms':>12} {'p99 ms':>10} {'mean ms':>10} {'pairs/s':>10} {'before ms':>10} {'after ms':>10}")
+    print(f"  {p['median']:12.2f} {p['p99']:10.2f} {p['mean']:10.2f} {result['pairs_per_second']:10.1f} "
+          f"{result['before_ms_median']:10.2f} {result['after_ms_median']:10.2f}")
+    b = result["redis_bytes_per_token"]
+    print(f"  Redis bytes per captured token: staged {b['staged']:.2f}, published {b['published']:.2f}")
+    print(f"  written to {out}")
+
+
+if __name__ == "__main__":
+    main()
