@@ -173,7 +173,10 @@ async def measure(client: httpx.AsyncClient, redis_server: RedisServer, args: ar
         for t in tasks:
             assert (await client.post(f"/v1/rl/tasks/{t}/stop")).status_code == 200
             assert (await client.post(f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0})).status_code == 200
-        published = await redis.memory_usage(f"rl:v1:traj:cap-{args.warmup + args.pairs - 1}")
+        # SAMPLES 0: measure every field of the hash instead of extrapolating from five.
+        published = await redis.execute_command(
+            "MEMORY", "USAGE", f"rl:v1:traj:cap-{args.warmup + args.pairs - 1}", "SAMPLES", "0"
+        )
         info = await redis.info("memory")
     finally:
         await redis.aclose()

@@ -461,7 +461,7 @@ async def test_redis_bytes_per_token_of_a_4096_token_sample(redis: Redis, store:
     response = [rng.randrange(150_000) for _ in range(2048)]
     logprobs = [-rng.random() * 5 for _ in range(2048)]
     await store.insert_if_absent(packed(make_doc("big", prompt=prompt, response=response, logprobs=logprobs)))
-    usage = await redis.memory_usage(keys.traj("big"))
+    usage = await redis.memory_usage(keys.traj("big"), samples=0)  # every field, not an extrapolated sample
     assert usage is not None and usage / 4096 <= 24
     docs = await store.get_documents(["big"])
     assert docs[0]["trajectory"]["response_ids"] == response

@@ -4,21 +4,31 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+
+
+def _service(argv: list[str]) -> int:
+    from ..online.service import main as service_main
+
+    return service_main(argv)
+
+
+# name → (help, handler taking the remaining argv); each handler parses its own options and --help.
+COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "service": ("run the RL Service (normally started by the gateway): service --config FILE", _service),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]][1](argv[1:])
     parser = argparse.ArgumentParser(prog="openjiuwen-rl", description="Online RL for LLM agents.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    service = sub.add_parser(
-        "service", help="run the RL Service (normally started by the gateway)", add_help=False
-    )
-    service.add_argument("rest", nargs=argparse.REMAINDER)
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "service":
-        from ..online.service import main as service_main
-
-        return service_main(list(args.rest) + rest)
-    parser.error(f"unknown command {args.command}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, _) in COMMANDS.items():
+        sub.add_parser(name, help=help_text)
+    parser.parse_args(argv)
+    parser.print_help()
     return 2
 
 

@@ -104,6 +104,7 @@ class TaskLifecycle:
         except Exception:
             log.exception("shutdown could not list active tasks")
             return
+        log.info("shutdown: finishing %d active task(s) with service_stopped", len(ids))
         for t in ids:
             try:
                 await self.finish(t, FinishReason.SERVICE_STOPPED)

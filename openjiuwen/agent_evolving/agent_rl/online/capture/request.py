@@ -25,6 +25,8 @@ def validate_request(request: Any, *, policy_model: str, delayed: bool, agent_tu
     n = request.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise _invalid("request.n must be absent or 1")
+    if not isinstance(request.get("model"), str):
+        raise _invalid("request.model must be a string")
     if delayed and agent_turn_id is None:
         raise _invalid("agent_turn_id is required for delayed_feedback Tasks")
     if request.get("model") != policy_model:
