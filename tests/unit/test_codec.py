@@ -49,7 +49,21 @@ def test_empty_arrays_round_trip() -> None:
 
 def test_document_without_trajectory_gets_empty_arrays() -> None:
     packed = PackedSample.from_document({"sample_id": "x"})
-    assert packed.to_document()["trajectory"] == {"prompt_ids": [], "response_ids": [], "response_logprobs": []}
+    assert packed.to_document()["trajectory"] == {
+        "prompt_ids": [], "response_ids": [], "response_logprobs": [], "response_text": "",
+    }
+
+
+def test_response_text_is_stored_only_when_it_differs_from_the_content() -> None:
+    response = {"choices": [{"message": {"role": "assistant", "content": "hello", "reasoning": "think"}}]}
+    same = PackedSample.from_document({"response": response, "trajectory": {"response_text": "hello"}})
+    assert "response_text" not in same.meta["trajectory"]
+    assert same.to_document()["trajectory"]["response_text"] == "hello"
+    other = PackedSample.from_document({"response": response, "trajectory": {"response_text": "edited"}})
+    assert other.meta["trajectory"]["response_text"] == "edited"
+    assert other.to_document()["trajectory"]["response_text"] == "edited"
+    reasoning_only = {"choices": [{"message": {"content": None, "reasoning": "think"}}]}
+    assert PackedSample.from_document({"response": reasoning_only}).to_document()["trajectory"]["response_text"] == "think"
 
 
 def test_ids_are_uint32_little_endian_up_to_the_max() -> None:

@@ -10,15 +10,6 @@ from ..tasks.models import Task
 from .response import ValidatedResponse
 
 
-def response_text(message: dict[str, Any]) -> str:
-    """content, else reasoning (vLLM 0.32 `reasoning`, older `reasoning_content`), else ""."""
-    for key in ("content", "reasoning", "reasoning_content"):
-        value = message.get(key)
-        if isinstance(value, str) and value:
-            return value
-    return ""
-
-
 def stripped_response(response: dict[str, Any]) -> dict[str, Any]:
     """The response without the three token arrays, which are stored once, packed."""
     out = {k: v for k, v in response.items() if k != "prompt_token_ids"}
@@ -37,10 +28,8 @@ def build_sample(
     validated: ValidatedResponse,
 ) -> PackedSample:
     message = validated.choice["message"]
-    trajectory: dict[str, Any] = {
-        "response_text": response_text(message),
-        "tool_calls": message.get("tool_calls") or [],
-    }
+    # `response_text` is not stored: it is the response's content (codec.derive_response_text), restored on read.
+    trajectory: dict[str, Any] = {"tool_calls": message.get("tool_calls") or []}
     if validated.routed_experts is not None:
         trajectory["routed_experts"] = validated.routed_experts
     if validated.routing_metadata is not None:

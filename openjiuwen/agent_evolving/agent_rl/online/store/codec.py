@@ -23,6 +23,22 @@ _HEADER = struct.Struct("<4sIIII")  # magic, json length, prompt bytes, response
 ARRAY_FIELDS = ("prompt_ids", "response_ids", "response_logprobs")
 
 
+def derive_response_text(response: Any) -> str:
+    """`trajectory.response_text` as derived from the response: content, else reasoning (vLLM 0.32 `reasoning`,
+    older `reasoning_content`), else ""."""
+    try:
+        message = response["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        return ""
+    if not isinstance(message, dict):
+        return ""
+    for key in ("content", "reasoning", "reasoning_content"):
+        value = message.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return ""
+
+
 def pack_ids(ids: list[int]) -> bytes:
     arr = array("I", ids)  # 'I' is 4 bytes on every platform CPython supports today
     if not _LITTLE:
@@ -69,6 +85,9 @@ class PackedSample:
         prompt = trajectory.pop("prompt_ids", [])
         response = trajectory.pop("response_ids", [])
         logprobs = trajectory.pop("response_logprobs", [])
+        # The response text usually repeats the response's content: keep it only when it says something else.
+        if trajectory.get("response_text") == derive_response_text(meta.get("response")):
+            trajectory.pop("response_text", None)
         meta["trajectory"] = trajectory
         return cls(meta, pack_ids(prompt), pack_ids(response), pack_logprobs(logprobs))
 
@@ -78,6 +97,7 @@ class PackedSample:
         trajectory["prompt_ids"] = unpack_ids(self.prompt_ids)
         trajectory["response_ids"] = unpack_ids(self.response_ids)
         trajectory["response_logprobs"] = unpack_logprobs(self.response_logprobs)
+        trajectory.setdefault("response_text", derive_response_text(doc.get("response")))
         doc["trajectory"] = trajectory
         return doc
 
