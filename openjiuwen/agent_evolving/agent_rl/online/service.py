@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -133,6 +134,11 @@ class ServiceDeps:
         # Training recovery (CONTRACT §4.7) joins here with the Training Runner.
         await self.sweeper.sweep_once()
         self.sweeper.start()
+        # Everything allocated so far (modules, app, clients) lives for the whole process: moving it out of the
+        # collector's generations keeps full collections, which hook bodies with thousands of logprob objects
+        # trigger, from re-scanning it (a tail-latency cost on every capture otherwise).
+        gc.collect()
+        gc.freeze()
         log.info("RL service ready for model %s", self.config.model_id)
         try:
             yield
