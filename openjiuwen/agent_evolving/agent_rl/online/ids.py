@@ -67,14 +67,16 @@ def policy_lag_version(name: str, model_id: str) -> int:
     return lora_version(name, model_id) or 0
 
 
+class NotCanonicalJSON(ValueError):
+    """A value JSON cannot carry faithfully here: nesting deeper than 254 levels, or an integer beyond 64 bits."""
+
+
 def canonical_json(value: Any) -> bytes:
     """Sorted keys, compact separators, non-ASCII kept, UTF-8."""
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-    except TypeError:  # integers beyond 64 bits: fall back to the stdlib encoder, same canonical form
-        import json
-
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    except (TypeError, RecursionError) as exc:
+        raise NotCanonicalJSON(str(exc)) from exc
 
 
 def fingerprint(value: Any) -> str:

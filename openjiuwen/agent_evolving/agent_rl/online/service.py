@@ -11,6 +11,7 @@ import asyncio
 import gc
 import logging
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +27,7 @@ from .api.health import build_health_router
 from .api.hooks import build_hooks_router
 from .api.rail import build_rail_router
 from .api.tasks import build_tasks_router
+from .api.training import build_training_router
 from .api.trajectories import build_trajectories_router
 from .capture.lifecycle import TaskLifecycle
 from .capture.pipeline import CapturePipeline
@@ -33,12 +35,17 @@ from .capture.rewards import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig, load_config
 from .logs import configure_logging
+from .lora.gateway_client import GatewayLoraClient
+from .lora.repository import LoraRepository
 from .rail.ingest import RailIngestor
 from .retention import RetentionSweeper
 from .store import keys
 from .store.trajectories import TrajectoryStore
 from .tasks.registry import TaskRegistry
 from .tasks.signals import TaskSignals
+from .training.backends import TrainerBackend
+from .training.runner import TrainingRunner
+from .training.runs import RunStore
 from .watchdog import install_parent_death_watchdog
 
 if TYPE_CHECKING:
@@ -48,6 +55,7 @@ log = logging.getLogger("openjiuwen.agent_rl.online.service")
 
 CONFIG_ENV = "RL_SERVICE_CONFIG"
 TOKEN_ENV = "RL_SERVICE_TOKEN"
+SCRIPTED_PLAN_ENV = "ONLINE_RL_SCRIPTED_PLAN"  # tests only: the plan file of the scripted backend
 
 
 class OwnerMismatch(RuntimeError):
@@ -69,9 +77,21 @@ class ServiceDeps:
     rewards: RewardProjector
     sweeper: RetentionSweeper
     rail: RailIngestor
+    repository: LoraRepository
+    gateway: GatewayLoraClient
+    backend: TrainerBackend
+    runner: TrainingRunner
 
     @classmethod
-    def build(cls, config: RLServiceConfig, *, redis: Redis | None = None, judge: "Judge | None" = None) -> "ServiceDeps":
+    def build(
+        cls,
+        config: RLServiceConfig,
+        *,
+        redis: Redis | None = None,
+        judge: "Judge | None" = None,
+        backend: TrainerBackend | None = None,
+        token: str | None = None,
+    ) -> "ServiceDeps":
         redis = redis or Redis.from_url(config.redis_url.get_secret_value(), decode_responses=False)
         if judge is None and config.judge_configured:
             from .judge import JudgeScorer
@@ -91,6 +111,28 @@ class ServiceDeps:
         )
         publisher = TurnPublisher(registry, store, judge)
         rewards = RewardProjector(redis, store)
+        repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
+        gateway = GatewayLoraClient(
+            endpoint=config.aigw_endpoint,
+            model_id=config.model_id,
+            timeout_s=config.lora_activation_timeout,
+            attempts=config.lora_activation_attempts,
+            token=token,
+        )
+        backend = backend or make_backend(config, repository)
+        runner = TrainingRunner(
+            RunStore(redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds),
+            store,
+            backend,
+            repository,
+            gateway,
+            model_id=config.model_id,
+            base_model_path=config.base_model_path,
+            min_samples=config.min_samples_for_training,
+            max_samples=config.max_samples_per_run,
+            max_policy_lag=config.max_policy_lag,
+            tmp_root=config.training_tmp_root,
+        )
         return cls(
             config=config,
             redis=redis,
@@ -118,6 +160,10 @@ class ServiceDeps:
             rail=RailIngestor(
                 redis, store, judge, model_id=config.model_id, retention_seconds=config.trajectory_retention_seconds
             ),
+            repository=repository,
+            gateway=gateway,
+            backend=backend,
+            runner=runner,
         )
 
     async def claim_owner(self) -> None:
@@ -131,7 +177,7 @@ class ServiceDeps:
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         await self.claim_owner()
         await self.lifecycle.recover()
-        # Training recovery (CONTRACT §4.7) joins here with the Training Runner.
+        await self.runner.recover()
         await self.sweeper.sweep_once()
         self.sweeper.start()
         # Everything allocated so far (modules, app, clients) lives for the whole process: moving it out of the
@@ -144,13 +190,37 @@ class ServiceDeps:
             yield
         finally:
             await self.sweeper.stop()
+            await self.runner.shutdown()
             await self.lifecycle.shutdown()
             await self.aclose()
 
     async def aclose(self) -> None:
+        await self.backend.close()
+        await self.gateway.aclose()
         if self.judge is not None and hasattr(self.judge, "aclose"):
             await self.judge.aclose()  # type: ignore[union-attr]
         await self.redis.aclose()
+
+
+def make_backend(config: RLServiceConfig, repository: LoraRepository) -> TrainerBackend:
+    """The trainer backend named by `trainer_backend`; heavy imports happen only for the one chosen."""
+    if config.trainer_backend == "scripted":
+        from .training.backends.scripted import ScriptedBackend
+
+        return ScriptedBackend(repository, plan_path=os.environ.get(SCRIPTED_PLAN_ENV) or None)
+    if config.trainer_backend == "local":
+        from .training.backends.local import LocalBackend
+        from .training.ppo_settings import load_ppo_settings
+
+        settings = load_ppo_settings(
+            advantage_estimator=config.advantage_estimator,
+            tis_cap=config.tis_cap,
+            ppo_samples_per_step=config.ppo_samples_per_step,
+            ppo_config_path=config.ppo_config_path,
+            env=os.environ,
+        )
+        return LocalBackend(repository, settings=settings, tmp_root=config.training_tmp_root)
+    raise ConfigError(f"trainer_backend: {config.trainer_backend!r} is not available in this build")
 
 
 def create_app(
@@ -158,6 +228,7 @@ def create_app(
     *,
     redis: Redis | None = None,
     judge: "Judge | None" = None,
+    backend: TrainerBackend | None = None,
     token: str | None = None,
 ) -> FastAPI:
     """The ASGI app. With no arguments (uvicorn factory) the config comes from `RL_SERVICE_CONFIG` and the bearer
@@ -170,17 +241,19 @@ def create_app(
         configure_logging(config)
     if token is None:
         token = os.environ.get(TOKEN_ENV) or None
-    deps = ServiceDeps.build(config, redis=redis, judge=judge)
+    deps = ServiceDeps.build(config, redis=redis, judge=judge, backend=backend, token=token)
     app = FastAPI(
         title="openjiuwen online RL service", lifespan=deps.lifespan, docs_url=None, redoc_url=None,
+        redirect_slashes=False,  # `/v1/rl/trajectories/` is an unknown path (404 envelope), not a 307 to the listing
     )
     app.state.deps = deps  # for tests and operators' debugging only; routers get their parts explicitly
     install_error_envelope(app)
-    app.include_router(build_health_router(deps.redis, model_id=config.model_id))
+    app.include_router(build_health_router(deps.redis, model_id=config.model_id, extra_checks=[deps.runner.check_health]))
     app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards))
     app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle))
     app.include_router(build_trajectories_router(deps.store))
     app.include_router(build_rail_router(lambda: deps.rail))
+    app.include_router(build_training_router(deps.runner))
     app.add_middleware(GuardMiddleware, token=token, max_body_bytes=config.max_body_bytes)
     return app
 
@@ -223,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             timeout_graceful_shutdown=30,
         )
     )
+    # uvicorn re-raises the SIGTERM it handled once shutdown is done; exit 0 then, not "killed by SIGTERM".
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         asyncio.run(server.serve())
     except Exception:

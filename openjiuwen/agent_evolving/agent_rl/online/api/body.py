@@ -10,10 +10,13 @@ from fastapi import Request
 from .errors import ApiError
 
 
-async def json_object(request: Request, *, allow_empty: bool = False) -> dict[str, Any] | None:
+async def json_object(
+    request: Request, *, allow_empty: bool = False, lenient: bool = False
+) -> dict[str, Any] | None:
     """The body as a JSON object. Malformed JSON or a non-object → 400 `invalid_request`.
 
-    With `allow_empty`, an absent body or `null` gives None."""
+    With `allow_empty`, an absent body or `null` gives None. With `lenient`, NaN and Infinity are read as numbers
+    so that the route can refuse them with its own code."""
     raw = await request.body()
     if not raw.strip():
         if allow_empty:
@@ -21,7 +24,9 @@ async def json_object(request: Request, *, allow_empty: bool = False) -> dict[st
         raise ApiError(400, "invalid_request", "request body must be a JSON object")
     try:
         value = orjson.loads(raw)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as exc:
+        if not lenient:
+            raise ApiError(400, "invalid_request", "request body is not valid JSON") from exc
         value = _lenient_loads(raw)
     if value is None and allow_empty:
         return None

@@ -14,29 +14,34 @@ from .errors import JSONBody, domain_errors
 from .tasks import reason_from_body
 
 
+async def _hook_body(request: Request) -> dict[str, Any]:
+    # Lenient: a NaN logprob from an upstream must reach response validation (400 and an aborted Task), not stop
+    # at the parser; values JSON cannot carry are refused when the capture is fingerprinted.
+    body = await json_object(request, lenient=True)
+    assert body is not None
+    return body
+
+
 def build_hooks_router(pipeline: CapturePipeline, lifecycle: TaskLifecycle) -> APIRouter:
     router = APIRouter()
 
     @router.post("/internal/v1/completions:before")
     async def before(request: Request) -> JSONBody:
-        body = await json_object(request)
-        assert body is not None
+        body = await _hook_body(request)
         with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
             injected = await pipeline.before(body)
         return JSONBody({"request": injected})
 
     @router.post("/internal/v1/completions:after", status_code=204)
     async def after(request: Request) -> Response:
-        body = await json_object(request)
-        assert body is not None
+        body = await _hook_body(request)
         with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
             await pipeline.after(body)
         return Response(status_code=204)
 
     @router.post("/internal/v1/completions:discard", status_code=204)
     async def discard(request: Request) -> Response:
-        body = await json_object(request)
-        assert body is not None
+        body = await _hook_body(request)
         with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
             await pipeline.discard(body)
         return Response(status_code=204)

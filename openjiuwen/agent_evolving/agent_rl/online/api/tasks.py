@@ -45,7 +45,7 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
 
     @router.post("/v1/rl/tasks/{rl_task_id}/reward")
     async def reward_task(rl_task_id: str, request: Request) -> dict[str, Any]:
-        body = await json_object(request)
+        body = await json_object(request, lenient=True)  # a NaN reward is `invalid_reward`, not a parse error
         assert body is not None
         with domain_errors(not_found="task_not_found", conflict="reward_conflict"):
             value = parse_reward_body(body)
@@ -56,6 +56,7 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
 
 
 def reason_from_body(body: dict[str, Any], allowed: set[str], code: str) -> FinishReason:
-    if set(body) != {"reason"} or body["reason"] not in allowed:
+    reason = body.get("reason")
+    if set(body) != {"reason"} or not isinstance(reason, str) or reason not in allowed:
         raise ApiError(400, code, f"body must be exactly {{\"reason\": one of {sorted(allowed)}}}")
-    return FinishReason(body["reason"])
+    return FinishReason(reason)

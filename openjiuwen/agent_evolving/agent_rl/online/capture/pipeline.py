@@ -11,12 +11,17 @@ import asyncio
 from typing import Any
 
 from ..errors import Conflict, InvalidInput
-from ..ids import fingerprint
 from ..judge import feedback_from_request
 from ..tasks.models import FinishReason
 from ..tasks.registry import AbortingConflict, ReserveOutcome, TaskRegistry
 from .hooks import parse_hook
-from .request import RequestModelMismatch, normalize_request, request_fingerprint, validate_request
+from .request import (
+    RequestModelMismatch,
+    normalize_request,
+    request_fingerprint,
+    response_fingerprint,
+    validate_request,
+)
 from .response import ResponseModelMismatch, validate_response
 from .sample import build_sample
 from .turns import TurnPublisher
@@ -76,7 +81,7 @@ class CapturePipeline:
             )
             await self._registry.commit(
                 task.rl_task_id, hook.capture_id, hook.agent_turn_id, request_fingerprint(injected),
-                fingerprint(hook.response), sample,
+                response_fingerprint(hook.response), sample,
             )
         except (InvalidInput, Conflict):
             await self._registry.abort(task.rl_task_id, FinishReason.CAPTURE_FAILED)

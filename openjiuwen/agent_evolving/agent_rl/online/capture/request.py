@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from ..errors import InvalidInput
-from ..ids import fingerprint
+from ..ids import NotCanonicalJSON, fingerprint
 
 
 class RequestModelMismatch(ValueError):
@@ -34,9 +33,10 @@ def validate_request(request: Any, *, policy_model: str, delayed: bool, agent_tu
 
 
 def normalize_request(request: dict[str, Any]) -> dict[str, Any]:
-    """The injected request: a deep copy that asks vLLM for token ids, sampled-token logprobs and, for streams,
-    a usage chunk. Idempotent, so normalizing an already injected request changes nothing."""
-    injected = copy.deepcopy(request)
+    """The injected request: a copy that asks vLLM for token ids, sampled-token logprobs and, for streams, a usage
+    chunk. Idempotent, so normalizing an already injected request changes nothing. Only top-level keys change
+    (and `stream_options` is replaced by a new dict), so a shallow copy leaves the caller's request untouched."""
+    injected = dict(request)
     injected["logprobs"] = True
     injected["top_logprobs"] = 1
     injected["return_token_ids"] = True
@@ -49,4 +49,14 @@ def normalize_request(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def request_fingerprint(normalized: dict[str, Any]) -> str:
-    return fingerprint(normalized)
+    try:
+        return fingerprint(normalized)
+    except NotCanonicalJSON as exc:
+        raise _invalid(f"request cannot be stored: {exc}") from exc
+
+
+def response_fingerprint(response: dict[str, Any]) -> str:
+    try:
+        return fingerprint(response)
+    except NotCanonicalJSON as exc:
+        raise _invalid(f"response cannot be stored: {exc}") from exc

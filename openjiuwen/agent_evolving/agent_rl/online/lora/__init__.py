@@ -1,0 +1,1 @@
+"""The versioned LoRA repository and the client of the gateway's LoRA routes."""

@@ -1,0 +1,170 @@
+"""The RL Service's calls to the gateway's LoRA routes (CONTRACT §3.8, D3, D11).
+
+`read_policy` is one request (run start never retries it); `activate` retries 5xx and connection errors with
+exponential backoff inside one deadline, never retries a 4xx, and reconciles with a policy read before reporting a
+failure that is not a 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+log = logging.getLogger("openjiuwen.agent_rl.online.lora")
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_CAP_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    lora_name: str  # "base" or "<model>:vN"
+    lora_path: str  # "" for base
+
+
+class GatewayError(RuntimeError):
+    """A LoRA call failed; the message is the contract's failure text."""
+
+
+class GatewayRejected(GatewayError):
+    """The gateway answered 4xx (e.g. 409 `lora_cas_conflict`): not retried."""
+
+
+class GatewayTransient(GatewayError):
+    """5xx or a transport error: retried within the deadline."""
+
+
+def backoff_delays(*, attempts: int, first_s: float = BACKOFF_FIRST_S, cap_s: float = BACKOFF_CAP_S) -> Iterator[float]:
+    """1, 2, 4 … s capped, one per attempt; 0 after the last one."""
+    delay = first_s
+    for attempt in range(attempts):
+        yield 0.0 if attempt == attempts - 1 else delay
+        delay = min(delay * 2, cap_s)
+
+
+def parse_policy(body: Any) -> Policy:
+    if not isinstance(body, dict):
+        raise GatewayError("query answer is not a JSON object")
+    active = body.get("active_lora")
+    if body.get("status") == "base" or not isinstance(active, dict):
+        return Policy("base", "")
+    name = active.get("lora_name")
+    path = active.get("lora_path")
+    return Policy(name if isinstance(name, str) and name else "base", path if isinstance(path, str) else "")
+
+
+class GatewayLoraClient:
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        model_id: str,
+        timeout_s: float,
+        attempts: int,
+        token: str | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._endpoint = endpoint.rstrip("/")
+        self._model_id = model_id
+        self._timeout_s = timeout_s
+        self._attempts = attempts
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._owns_client = client is None
+        self._client = client or httpx.AsyncClient(headers=headers, trust_env=False)
+        if client is not None and headers:
+            self._client.headers.update(headers)
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def _read_once(self, timeout_s: float) -> Policy:
+        url = f"{self._endpoint}/internal/v1/rl/loras/{self._model_id}"
+        try:
+            resp = await self._client.get(url, timeout=max(timeout_s, 0.001))
+        except httpx.TimeoutException as exc:
+            raise GatewayTransient("LoRA policy query timed out") from exc
+        except httpx.TransportError as exc:
+            raise GatewayTransient(f"LoRA policy query failed: {type(exc).__name__}") from exc
+        if resp.status_code >= 500:
+            raise GatewayTransient(f"query status {resp.status_code}: {resp.text[:500]}")
+        if not resp.is_success:
+            raise GatewayRejected(f"query status {resp.status_code}: {resp.text[:500]}")
+        try:
+            return parse_policy(orjson.loads(resp.content))
+        except orjson.JSONDecodeError as exc:
+            raise GatewayError("query answer is not valid JSON") from exc
+
+    async def read_policy(self) -> Policy:
+        """One request bounded by `lora_activation_timeout` (run start: a failure is 502, never retried)."""
+        return await self._read_once(self._timeout_s)
+
+    async def read_policy_retrying(self, *, timeout_s: float | None = None) -> Policy:
+        """Reconciliation and recovery: retried like activation within one deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout_s or self._timeout_s)
+        last: GatewayError = GatewayTransient("LoRA policy query timed out")
+        for delay in backoff_delays(attempts=self._attempts):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                return await self._read_once(remaining)
+            except GatewayTransient as exc:
+                last = exc
+            if delay and deadline - loop.time() > delay:
+                await asyncio.sleep(delay)
+            elif delay:
+                break
+        raise last
+
+    async def activate(self, *, base_model: str, lora_name: str, lora_path: str, expected: str, run_id: str) -> None:
+        """Activate with compare-and-swap on `expected`; returns on success, raises GatewayError otherwise."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        body = {
+            "base_model": base_model, "lora_name": lora_name, "lora_path": lora_path,
+            "expected_lora_name": expected, "training_run_id": run_id,
+        }
+        url = f"{self._endpoint}/internal/v1/rl/loras/activate"
+        failure = "LoRA activation request timed out"
+        for attempt, delay in enumerate(backoff_delays(attempts=self._attempts), start=1):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                resp = await self._client.post(url, json=body, timeout=remaining)
+            except httpx.TimeoutException:
+                failure = "LoRA activation request timed out"
+            except httpx.TransportError as exc:
+                failure = f"LoRA activation request failed: {type(exc).__name__}"
+            else:
+                if resp.is_success:
+                    return
+                text = f"activation status {resp.status_code}: {resp.text[:500]}"
+                if resp.status_code < 500:
+                    raise GatewayRejected(text)
+                failure = text
+            log.warning("activation of %s attempt %d failed: %s", lora_name, attempt, failure)
+            if delay == 0 or deadline - loop.time() <= delay:
+                break
+            await asyncio.sleep(delay)
+        # Before reporting a failure that may hide a success (timeout, exhausted retries), ask what is active.
+        try:
+            policy = await self._read_once(max(deadline - loop.time(), 1.0))
+        except GatewayError:
+            raise GatewayError(failure) from None
+        if policy.lora_name == lora_name:
+            log.info("activation of %s reconciled: the gateway reports it active", lora_name)
+            return
+        raise GatewayError(failure)

@@ -1,0 +1,1 @@
+"""Training Runs: the fixed-batch runner, its Redis transactions and the trainer backends."""

@@ -1,0 +1,36 @@
+"""Trainer backends behind one interface (CONTRACT §7). Heavy libraries load only inside the backend that uses them."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from ...lora.repository import Artifact
+
+OnProgress = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class TrainingCanceled(RuntimeError):
+    """`train` ended because its run was canceled through `cancel`."""
+
+
+class TrainerBackend(Protocol):
+    name: str
+
+    async def train(
+        self,
+        *,
+        training_run_id: str,
+        model_id: str,
+        base_model_path: str,
+        samples: Sequence[dict[str, Any]],
+        init_lora_name: str,
+        init_lora_path: str,
+        on_progress: OnProgress,
+    ) -> Artifact: ...
+
+    async def cancel(self, training_run_id: str) -> bool: ...  # True only once the worker is gone for good
+
+    def check_health(self) -> None: ...  # raises when the backend cannot continue
+
+    async def close(self) -> None: ...

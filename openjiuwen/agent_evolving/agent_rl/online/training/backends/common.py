@@ -1,0 +1,59 @@
+"""What every backend computes the same way: the repository metadata of an artifact (CONTRACT §4.8)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ...ids import lora_version, now_iso
+
+
+def sample_score(sample: dict[str, Any]) -> float:
+    judge = sample.get("judge")
+    if isinstance(judge, dict) and isinstance(judge.get("score"), (int, float)) and not isinstance(
+        judge.get("score"), bool
+    ):
+        return float(judge["score"])
+    return 0.0
+
+
+def artifact_metadata(
+    *,
+    training_run_id: str,
+    model_id: str,
+    base_model_path: str,
+    samples: Sequence[dict[str, Any]],
+    init_lora_name: str,
+    init_lora_path: str,
+    trainer_backend: str,
+    ppo_samples_per_step: int,
+    metrics: dict[str, Any],
+) -> dict[str, Any]:
+    versions: dict[str, int] = {}
+    for s in samples:
+        v = str(s.get("policy_version") or "base")
+        versions[v] = versions.get(v, 0) + 1
+    scores = [sample_score(s) for s in samples]
+    from_lora = init_lora_name != "base"
+    return {
+        "training_run_id": training_run_id,
+        "created_at": now_iso(),
+        "base_model": base_model_path,
+        "parent_lora_id": init_lora_name if from_lora else "",
+        "parent_lora_version": lora_version(init_lora_name, model_id) if from_lora else None,
+        "parent_lora_path": init_lora_path if from_lora else "",
+        "training_source": "active_lora" if from_lora else "base_model",
+        "trajectory_count": len({s.get("trajectory_id") for s in samples}),
+        "sample_count": len(samples),
+        "reward_avg": sum(scores) / len(scores) if scores else 0.0,
+        "policy_versions": versions,
+        "trainer_backend": trainer_backend,
+        "training_mode": "ppo",
+        "ppo_steps": metrics.get("steps", 0),
+        "ppo_samples_per_step": ppo_samples_per_step,
+        "ppo_metrics": metrics.get("summary", {}),
+        "ppo_step_metrics": metrics.get("step_metrics", []),
+        "dropped_samples": metrics.get("dropped_samples", 0),
+        "prompt_truncated_samples": metrics.get("prompt_truncated_samples", 0),
+        "response_truncated_samples": metrics.get("response_truncated_samples", 0),
+    }

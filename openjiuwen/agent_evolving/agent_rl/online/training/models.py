@@ -1,0 +1,89 @@
+"""The Training Run record and its state machine as data (CONTRACT §4.7)."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+
+class RunStatus(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+
+class RunStage(StrEnum):
+    QUEUED = "queued"
+    TRAINING = "training"
+    ACTIVATING = "activating"
+
+
+TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELED})
+# The stage only moves forward and is not reset when the run ends, so a terminal record tells where it stopped.
+NEXT_STAGE: dict[RunStage, RunStage | None] = {
+    RunStage.QUEUED: RunStage.TRAINING,
+    RunStage.TRAINING: RunStage.ACTIVATING,
+    RunStage.ACTIVATING: None,
+}
+PRIVATE_FIELDS = ("sample_ids", "parent_lora_name", "parent_lora_path")
+
+
+def new_run_id() -> str:
+    return "run-" + secrets.token_hex(6)
+
+
+def empty_metrics() -> dict[str, Any]:
+    return {
+        "steps": 0,
+        "step_metrics": [],
+        "dropped_samples": 0,
+        "prompt_truncated_samples": 0,
+        "response_truncated_samples": 0,
+        "stale_excluded": 0,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingRun:
+    training_run_id: str
+    status: str
+    stage: str
+    sample_count: int
+    policy_versions: dict[str, int]
+    created_at: str
+    started_at: str | None = None
+    finished_at: str | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    failure_reason: str | None = None
+    metrics: dict[str, Any] = field(default_factory=empty_metrics)
+    sample_ids: list[str] = field(default_factory=list)
+    parent_lora_name: str = "base"
+    parent_lora_path: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+    def evolve(self, **changes: Any) -> "TrainingRun":
+        return replace(self, **changes)
+
+    def public(self) -> dict[str, Any]:
+        data = asdict(self)
+        for name in PRIVATE_FIELDS:
+            data.pop(name)
+        return data
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self), option=orjson.OPT_SORT_KEYS)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "TrainingRun":
+        data = orjson.loads(raw)
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})

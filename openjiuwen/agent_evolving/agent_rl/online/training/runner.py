@@ -1,0 +1,306 @@
+"""The Training Runner: one active run per model, from claim to activation (CONTRACT §4.7, D2–D4, D11).
+
+```
+ start ─▶ pending/queued ─▶ running/training ─▶ running/activating ─▶ succeeded
+             │                  │   │                 │   │
+             │ stop             │   │ failure         │   └─ activation failed ─▶ failed (samples stay trained)
+             ▼                  ▼   ▼                 ▼
+          canceled ◀──── stop ──┘  failed          stop: gateway switched? ─▶ succeeded | canceled
+   (samples back to pending for canceled/failed before `activating`)
+```
+Training runs in the backend (a child process or Ray), never on the event loop; this class only awaits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import Conflict, DomainError, NotFound
+from ..ids import now_iso, policy_lag_version
+from ..lora.gateway_client import GatewayError, GatewayLoraClient
+from ..lora.repository import Artifact, LoraRepository
+from ..store.trajectories import TrajectoryStore
+from .backends import TrainerBackend
+from .models import RunStage, RunStatus, TrainingRun, empty_metrics, new_run_id
+from .runs import RunStore
+
+log = logging.getLogger("openjiuwen.agent_rl.online.training")
+
+_SUMMARY_KEYS = ("loss", "kl", "clip_fraction", "grad_norm", "tokens_per_second")
+
+
+class GatewayUnavailable(DomainError):
+    """The active policy could not be read from the gateway at run start (502, no run created)."""
+
+
+class TrainingRunner:
+    def __init__(
+        self,
+        runs: RunStore,
+        store: TrajectoryStore,
+        backend: TrainerBackend,
+        repository: LoraRepository,
+        gateway: GatewayLoraClient,
+        *,
+        model_id: str,
+        base_model_path: str,
+        min_samples: int,
+        max_samples: int,
+        max_policy_lag: int | None,
+        tmp_root: str | Path,
+    ) -> None:
+        self._runs = runs
+        self._store = store
+        self._backend = backend
+        self._repository = repository
+        self._gateway = gateway
+        self._model_id = model_id
+        self._base_model_path = base_model_path
+        self._min_samples = min_samples
+        self._max_samples = max_samples
+        self._max_policy_lag = max_policy_lag
+        self._tmp_root = Path(tmp_root)
+        self._lock = asyncio.Lock()
+        self._executions: dict[str, asyncio.Task[None]] = {}
+        self._stop_requested: set[str] = set()
+        self._failure: str | None = None
+
+    # ------------------------------------------------------------------ API
+
+    async def get(self, run_id: str) -> TrainingRun:
+        run = await self._runs.get(run_id)
+        if run is None:
+            raise NotFound("training run not found")
+        return run
+
+    async def start(self) -> tuple[TrainingRun, bool]:
+        """Return the active run, or claim a fixed batch and launch a new one: (record, created)."""
+        async with self._lock:
+            active = await self._runs.active()
+            if active is not None:
+                return active, False
+            try:
+                parent = await self._gateway.read_policy()
+            except GatewayError as exc:
+                raise GatewayUnavailable(f"cannot read the active policy from the gateway: {exc}") from exc
+            await self._runs.observe_policy(parent.lora_name, parent.lora_path)
+            draft = TrainingRun(
+                training_run_id=new_run_id(),
+                status=RunStatus.PENDING.value,
+                stage=RunStage.QUEUED.value,
+                sample_count=0,
+                policy_versions={},
+                created_at=now_iso(),
+                metrics=empty_metrics(),
+                parent_lora_name=parent.lora_name,
+                parent_lora_path=parent.lora_path,
+            )
+            claim = await self._runs.claim(
+                draft,
+                parent_version=policy_lag_version(parent.lora_name, self._model_id),
+                max_policy_lag=self._max_policy_lag,
+                min_samples=self._min_samples,
+                max_samples=self._max_samples,
+            )
+            if claim.existing:
+                assert claim.run is not None
+                return claim.run, False
+            if claim.run is None:
+                raise Conflict(
+                    f"pending samples {claim.eligible} is below minimum {self._min_samples}",
+                    code="insufficient_samples",
+                )
+            self._launch(claim.run)
+            log.info("training run %s claimed %d sample(s) on parent %s", claim.run.training_run_id,
+                     claim.run.sample_count, parent.lora_name)
+            return claim.run, True
+
+    async def stop(self, run_id: str) -> TrainingRun:
+        """Cancel a run and return its record once settled; the record tells the truth (D4)."""
+        run = await self.get(run_id)
+        if run.terminal:
+            return run
+        self._stop_requested.add(run_id)
+        task = self._executions.get(run_id)
+        if run.stage in (RunStage.QUEUED, RunStage.TRAINING):
+            stopped = await self._backend.cancel(run_id)
+            if task is not None:
+                if not stopped:
+                    task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            run = await self.get(run_id)
+            if not run.terminal and run.stage != RunStage.ACTIVATING:
+                run = await self._runs.finish(run_id, RunStatus.CANCELED, restore_samples=True)
+                await self._cleanup(run_id)
+                return run
+        if not run.terminal:
+            return await self._stop_activation(run_id, task)
+        return run
+
+    async def recover(self) -> TrainingRun | None:
+        """Startup: settle the run named by the active pointer (CONTRACT §4.7 Recover)."""
+        run = await self._runs.active()
+        if run is None:
+            return None
+        if run.stage in (RunStage.QUEUED, RunStage.TRAINING):
+            log.warning("training run %s was interrupted by a restart; its samples go back to pending",
+                        run.training_run_id)
+            run = await self._runs.finish(
+                run.training_run_id, RunStatus.FAILED, failure_reason="service_restarted", restore_samples=True
+            )
+            await self._cleanup(run.training_run_id)
+            return run
+        log.info("training run %s was activating at restart; retrying the activation", run.training_run_id)
+        return await self._activate(run)
+
+    async def shutdown(self) -> None:
+        """Stop the active run of this process as `POST .../stop` would."""
+        for run_id in list(self._executions):
+            try:
+                await self.stop(run_id)
+            except Exception:
+                log.exception("training run %s could not be stopped at shutdown", run_id)
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        self._backend.check_health()
+
+    # ------------------------------------------------------------ execution
+
+    def _launch(self, run: TrainingRun) -> None:
+        run_id = run.training_run_id
+        task = asyncio.create_task(self._execute(run), name=f"training-run:{run_id}")
+        self._executions[run_id] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._executions.pop(run_id, None)
+            self._stop_requested.discard(run_id)
+            if not t.cancelled() and t.exception() is not None:
+                # Sticky until restart: the run's state may be inconsistent with what this process believes.
+                self._failure = f"training run {run_id} execution failed: {t.exception()!r}"
+                log.error("training run %s execution failed", run_id, exc_info=t.exception())
+
+        task.add_done_callback(done)
+
+    async def _execute(self, run: TrainingRun) -> None:
+        run_id = run.training_run_id
+        run = await self._runs.update(
+            run_id,
+            lambda r: r.evolve(status=RunStatus.RUNNING.value, stage=RunStage.TRAINING.value, started_at=now_iso()),
+        )
+        if run.terminal:
+            return
+        try:
+            samples = await self._store.get_documents(run.sample_ids)
+            artifact = await self._backend.train(
+                training_run_id=run_id,
+                model_id=self._model_id,
+                base_model_path=self._base_model_path,
+                samples=samples,
+                init_lora_name=run.parent_lora_name,
+                init_lora_path=run.parent_lora_path,
+                on_progress=self._progress_recorder(run_id),
+            )
+            await asyncio.to_thread(self._repository.validate_artifact, artifact)
+        except asyncio.CancelledError:
+            raise  # `stop` settles the record
+        except Exception as exc:
+            canceled = run_id in self._stop_requested
+            reason = None if canceled else (str(exc) or type(exc).__name__)
+            if not canceled:
+                log.warning("training run %s failed: %s", run_id, reason)
+            await asyncio.shield(
+                self._runs.finish(
+                    run_id, RunStatus.CANCELED if canceled else RunStatus.FAILED, failure_reason=reason,
+                    restore_samples=True,
+                )
+            )
+            await self._cleanup(run_id)
+            return
+        run = await asyncio.shield(self._mark_trained(run_id, artifact))
+        if run.terminal:
+            return
+        if run_id in self._stop_requested:
+            # Stop arrived as training completed: the artifact and the trained samples stay, nothing is activated.
+            await asyncio.shield(self._runs.finish(run_id, RunStatus.CANCELED))
+            return
+        await self._activate(run)
+
+    async def _mark_trained(self, run_id: str, artifact: Artifact) -> TrainingRun:
+        meta = artifact.metadata
+        patch = {
+            k: meta[k] for k in ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples")
+            if k in meta
+        }
+        return await self._runs.mark_trained(
+            run_id, lora_name=artifact.lora_name, lora_path=artifact.lora_path,
+            dropped_ids=list(meta.get("dropped_sample_ids") or []), metrics_patch=patch,
+        )
+
+    def _progress_recorder(self, run_id: str) -> Callable[[dict[str, Any]], Any]:
+        async def record(step: dict[str, Any]) -> None:
+            def change(run: TrainingRun) -> TrainingRun:
+                metrics = dict(run.metrics)
+                metrics["step_metrics"] = list(metrics.get("step_metrics", [])) + [step]
+                metrics["steps"] = len(metrics["step_metrics"])
+                for key in ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples"):
+                    if key in step:
+                        metrics[key] = step[key]
+                return run.evolve(metrics=metrics)
+
+            await self._runs.update(run_id, change)
+
+        return record
+
+    async def _activate(self, run: TrainingRun) -> TrainingRun:
+        assert run.lora_name and run.lora_path
+        try:
+            await self._gateway.activate(
+                base_model=self._base_model_path, lora_name=run.lora_name, lora_path=run.lora_path,
+                expected=run.parent_lora_name, run_id=run.training_run_id,
+            )
+        except GatewayError as exc:
+            log.warning("activation of %s failed: %s", run.lora_name, exc)
+            return await asyncio.shield(
+                self._runs.finish(run.training_run_id, RunStatus.FAILED, failure_reason=str(exc))
+            )
+        return await asyncio.shield(self._succeed(run))
+
+    async def _succeed(self, run: TrainingRun) -> TrainingRun:
+        assert run.lora_name and run.lora_path
+        await self._repository.write_active(run.lora_name, run.lora_path, run.training_run_id)
+        await self._runs.observe_policy(run.lora_name, run.lora_path)
+        log.info("training run %s succeeded: %s active", run.training_run_id, run.lora_name)
+        return await self._runs.finish(run.training_run_id, RunStatus.SUCCEEDED)
+
+    async def _stop_activation(self, run_id: str, task: asyncio.Task[None] | None) -> TrainingRun:
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        run = await self.get(run_id)
+        if run.terminal:
+            return run
+        try:
+            policy = await self._gateway.read_policy_retrying()
+        except GatewayError as exc:
+            return await self._runs.finish(
+                run_id, RunStatus.CANCELED, failure_reason=f"activation outcome unknown: {exc}"
+            )
+        if policy.lora_name == run.lora_name:
+            return await self._succeed(run)
+        return await self._runs.finish(run_id, RunStatus.CANCELED)
+
+    async def _cleanup(self, run_id: str) -> None:
+        await self._repository.remove_temp(run_id)
+        await asyncio.to_thread(self._remove_tmp_dirs, run_id)
+
+    def _remove_tmp_dirs(self, run_id: str) -> None:
+        if self._tmp_root.is_dir():
+            for entry in self._tmp_root.glob(f"{run_id}*"):
+                shutil.rmtree(entry, ignore_errors=True)

@@ -1,0 +1,264 @@
+"""Redis transactions of Training Runs (CONTRACT §5.3): claim, progress, PPO success, restore, terminal.
+
+Each moves the run record, the active pointer and the claimed samples (their hash status, status indexes and
+counters, through `TrajectoryStore.queue_move`) in one EXEC, and names the invariant of §5.4 it keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import orjson
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from ..ids import now_iso, parse_iso_epoch, policy_lag_version
+from ..store import keys
+from ..store.trajectories import TrajectoryStore
+from ..store.tx import transact
+from .models import RunStage, RunStatus, TrainingRun
+
+PENDING, TRAINING, TRAINED, FAILED = "pending", "training", "trained", "failed"
+_SCAN_CHUNK = 512
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    run: TrainingRun | None  # the new run, or the active one when `existing`
+    existing: bool
+    eligible: int
+    stale: int
+
+
+def _s(raw: bytes | None) -> str | None:
+    return None if raw is None else raw.decode()
+
+
+class RunStore:
+    def __init__(self, redis: Redis, store: TrajectoryStore, *, model_id: str, run_retention_s: int) -> None:
+        self._redis = redis
+        self._store = store
+        self._model_id = model_id
+        self._run_retention_s = run_retention_s
+
+    async def get(self, run_id: str) -> TrainingRun | None:
+        raw = await self._redis.get(keys.training_run(run_id))
+        return None if raw is None else TrainingRun.from_json(raw)
+
+    async def active(self) -> TrainingRun | None:
+        run_id = _s(await self._redis.get(keys.ACTIVE_RUN))
+        if run_id is None:
+            return None
+        run = await self.get(run_id)
+        return None if run is None or run.terminal else run
+
+    def _eligible(self, counters: dict[str, int], parent_version: int, max_policy_lag: int | None) -> int:
+        pending = counters.get(f"status:{PENDING}", 0)
+        if max_policy_lag is None:
+            return pending
+        total = 0
+        for name, count in counters.items():
+            if name.startswith("pending_policy:") and count > 0:
+                version = policy_lag_version(name[len("pending_policy:"):], self._model_id)
+                if parent_version - version <= max_policy_lag:
+                    total += count
+        return total
+
+    async def claim(
+        self,
+        draft: TrainingRun,
+        *,
+        parent_version: int,
+        max_policy_lag: int | None,
+        min_samples: int,
+        max_samples: int,
+    ) -> ClaimResult:
+        """Claim the oldest eligible pending samples for `draft`, or return the active run.
+
+        Invariant 6: at most one active run, and every `training` sample belongs to it: the pointer, the record and
+        the pending → training moves happen in one EXEC, under WATCH of the pointer and the pending index."""
+        pending_index = self._store.index_key(PENDING)
+        stats_key = keys.traj_stats(self._store.owner)
+        run_key = keys.training_run(draft.training_run_id)
+
+        async def body(pipe: Pipeline) -> ClaimResult:
+            active_id = _s(await pipe.get(keys.ACTIVE_RUN))
+            if active_id is not None:
+                await pipe.watch(keys.training_run(active_id))
+                raw = await pipe.get(keys.training_run(active_id))
+                if raw is not None:
+                    active = TrainingRun.from_json(raw)
+                    if not active.terminal:
+                        return ClaimResult(active, True, 0, 0)
+            counters = {(_s(k) or ""): int(v) for k, v in (await pipe.hgetall(stats_key)).items()}
+            pending = max(0, counters.get(f"status:{PENDING}", 0))
+            eligible = self._eligible(counters, parent_version, max_policy_lag)
+            stale = max(0, pending - eligible)
+            if eligible < min_samples:
+                return ClaimResult(None, False, eligible, stale)
+            chosen = await self._oldest_eligible(pending_index, parent_version, max_policy_lag, max_samples)
+            if len(chosen) < min_samples:
+                return ClaimResult(None, False, len(chosen), stale)
+            await pipe.watch(*(keys.traj(sample_id) for sample_id, _ in chosen))
+            at = now_iso()
+            score = parse_iso_epoch(at)
+            versions: dict[str, int] = {}
+            for _, version in chosen:
+                versions[version] = versions.get(version, 0) + 1
+            metrics = dict(draft.metrics, stale_excluded=stale)
+            run = draft.evolve(
+                sample_ids=[sample_id for sample_id, _ in chosen],
+                sample_count=len(chosen),
+                policy_versions=versions,
+                metrics=metrics,
+            )
+            pipe.multi()
+            for sample_id, version in chosen:
+                self._store.queue_move(
+                    pipe, sample_id, old=PENDING, new=TRAINING, score=score, policy_version=version, at=at,
+                    run_id=run.training_run_id,
+                )
+            pipe.set(run_key, run.to_json())
+            pipe.set(keys.ACTIVE_RUN, run.training_run_id)
+            await pipe.execute()
+            return ClaimResult(run, False, eligible, stale)
+
+        return await transact(self._redis, body, keys.ACTIVE_RUN, pending_index, stats_key)
+
+    async def _oldest_eligible(
+        self, pending_index: str, parent_version: int, max_policy_lag: int | None, limit: int
+    ) -> list[tuple[str, str]]:
+        """(sample id, policy version) of the oldest eligible pending samples, in index order."""
+        chosen: list[tuple[str, str]] = []
+        offset = 0
+        while len(chosen) < limit:
+            chunk = limit if max_policy_lag is None else _SCAN_CHUNK
+            members = [_s(m) or "" for m in await self._redis.zrange(pending_index, offset, offset + chunk - 1)]
+            if not members:
+                break
+            offset += len(members)
+            async with self._redis.pipeline(transaction=False) as reads:
+                for sample_id in members:
+                    reads.hget(keys.traj(sample_id), "policy_version")
+                versions = [_s(v) or "base" for v in await reads.execute()]
+            for sample_id, version in zip(members, versions):
+                lag = parent_version - policy_lag_version(version, self._model_id)
+                if max_policy_lag is None or lag <= max_policy_lag:
+                    chosen.append((sample_id, version))
+                    if len(chosen) == limit:
+                        break
+        return chosen
+
+    async def update(self, run_id: str, change: Callable[[TrainingRun], TrainingRun]) -> TrainingRun:
+        """Apply `change` to a non-terminal record (progress, stage moves); a terminal record is returned as is."""
+        run_key = keys.training_run(run_id)
+
+        async def body(pipe: Pipeline) -> TrainingRun:
+            raw = await pipe.get(run_key)
+            if raw is None:
+                raise KeyError(run_id)
+            run = TrainingRun.from_json(raw)
+            if run.terminal:
+                return run
+            new = change(run)
+            pipe.multi()
+            pipe.set(run_key, new.to_json())
+            await pipe.execute()
+            return new
+
+        return await transact(self._redis, body, run_key)
+
+    async def mark_trained(
+        self, run_id: str, *, lora_name: str, lora_path: str, dropped_ids: Sequence[str], metrics_patch: dict
+    ) -> TrainingRun:
+        """PPO success, one step: the batch leaves `training` (dropped samples → `failed`, the rest → `trained`)
+        and the record moves to `activating` with its artifact. Invariants 5 and 6."""
+        run_key = keys.training_run(run_id)
+        dropped = set(dropped_ids)
+
+        async def body(pipe: Pipeline) -> TrainingRun:
+            raw = await pipe.get(run_key)
+            if raw is None:
+                raise KeyError(run_id)
+            run = TrainingRun.from_json(raw)
+            if run.terminal:
+                return run
+            moves = await self._training_members(pipe, run)
+            at = now_iso()
+            score = parse_iso_epoch(at)
+            new = run.evolve(
+                stage=RunStage.ACTIVATING.value, lora_name=lora_name, lora_path=lora_path,
+                metrics={**run.metrics, **metrics_patch},
+            )
+            pipe.multi()
+            for sample_id, version, _ in moves:
+                target = FAILED if sample_id in dropped else TRAINED
+                self._store.queue_move(
+                    pipe, sample_id, old=TRAINING, new=target, score=score, policy_version=version, at=at
+                )
+            pipe.set(run_key, new.to_json())
+            await pipe.execute()
+            return new
+
+        return await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+
+    async def finish(
+        self,
+        run_id: str,
+        status: RunStatus,
+        *,
+        failure_reason: str | None = None,
+        restore_samples: bool = False,
+    ) -> TrainingRun:
+        """Terminal transition: record + TTL, pointer deleted; with `restore_samples`, the batch's `training`
+        samples go back to `pending` at their original position in the same EXEC. Invariants 5, 6 and 8."""
+        run_key = keys.training_run(run_id)
+
+        async def body(pipe: Pipeline) -> TrainingRun:
+            raw = await pipe.get(run_key)
+            if raw is None:
+                raise KeyError(run_id)
+            run = TrainingRun.from_json(raw)
+            if run.terminal:
+                return run
+            moves = await self._training_members(pipe, run) if restore_samples else []
+            pointer = _s(await pipe.get(keys.ACTIVE_RUN))
+            at = now_iso()
+            done = run.evolve(status=status.value, finished_at=at, failure_reason=failure_reason)
+            pipe.multi()
+            for sample_id, version, created_at in moves:
+                self._store.queue_move(
+                    pipe, sample_id, old=TRAINING, new=PENDING, score=parse_iso_epoch(created_at),
+                    policy_version=version, at=at, run_id="",
+                )
+            pipe.set(run_key, done.to_json(), ex=self._run_retention_s)
+            if pointer == run_id:
+                pipe.delete(keys.ACTIVE_RUN)
+            await pipe.execute()
+            return done
+
+        return await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+
+    async def _training_members(self, pipe: Pipeline, run: TrainingRun) -> list[tuple[str, str, str]]:
+        """(id, policy version, created_at) of the run's samples still `training` under this run; their hashes are
+        WATCHed so a concurrent move fails the EXEC."""
+        if not run.sample_ids:
+            return []
+        hash_keys = [keys.traj(s) for s in run.sample_ids]
+        await pipe.watch(*hash_keys)
+        async with self._redis.pipeline(transaction=False) as reads:
+            for key in hash_keys:
+                reads.hmget(key, "status", "run_id", "policy_version", "created_at")
+            rows = await reads.execute()
+        out = []
+        for sample_id, (status, owner_run, version, created_at) in zip(run.sample_ids, rows):
+            if _s(status) == TRAINING and _s(owner_run) == run.training_run_id:
+                out.append((sample_id, _s(version) or "base", _s(created_at) or now_iso()))
+        return out
+
+    async def observe_policy(self, lora_name: str, lora_path: str) -> None:
+        """Remember the last active policy read from the gateway (used for `stale` in stats)."""
+        await self._redis.set(
+            keys.POLICY_OBSERVED, orjson.dumps({"lora_name": lora_name, "lora_path": lora_path, "at": now_iso()})
+        )
