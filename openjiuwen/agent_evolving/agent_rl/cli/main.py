@@ -13,9 +13,16 @@ def _service(argv: list[str]) -> int:
     return service_main(argv)
 
 
+def _tiny_model(argv: list[str]) -> int:
+    from ..models.tiny import main as tiny_main
+
+    return tiny_main(argv)
+
+
 # name → (help, handler taking the remaining argv); each handler parses its own options and --help.
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "service": ("run the RL Service (normally started by the gateway): service --config FILE", _service),
+    "tiny-model": ("write a tiny random Qwen2 model + tokenizer offline: tiny-model --out DIR [--seed N]", _tiny_model),
 }
 
 

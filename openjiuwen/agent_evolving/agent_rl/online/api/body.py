@@ -10,6 +10,17 @@ from fastapi import Request
 from .errors import ApiError
 
 
+async def json_value(request: Request) -> Any:
+    """Any JSON value of the body (None when the body is empty). Malformed JSON → 400 `invalid_request`."""
+    raw = await request.body()
+    if not raw.strip():
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, "invalid_request", "request body is not valid JSON") from exc
+
+
 async def json_object(
     request: Request, *, allow_empty: bool = False, lenient: bool = False
 ) -> dict[str, Any] | None:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 
 from ..ids import is_run_id
 from ..training.runner import GatewayUnavailable, TrainingRunner
-from .body import json_object
+from .body import json_value
 from .errors import ApiError, JSONBody, domain_errors
 
 _NOT_FOUND = "training_run_not_found"
@@ -19,8 +19,8 @@ def build_training_router(runner: TrainingRunner) -> APIRouter:
 
     @router.post("/v1/rl/training/runs")
     async def start_run(request: Request) -> JSONBody:
-        body = await json_object(request, allow_empty=True)
-        if body:  # absent, null and {} all mean "start or reuse"
+        body = await json_value(request)
+        if body is not None and body != {}:  # absent, null and {} all mean "start or reuse"
             raise ApiError(400, "invalid_training_request", "body must be absent, null or {}")
         try:
             with domain_errors(not_found=_NOT_FOUND, conflict="insufficient_samples"):

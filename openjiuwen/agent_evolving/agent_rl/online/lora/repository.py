@@ -133,8 +133,12 @@ class LoraRepository:
         temp_dir = Path(temp_dir)
         if temp_dir.parent != self.model_dir or not temp_dir.name.startswith(TMP_PREFIX):
             raise ValueError("publish takes a temporary directory created by this repository")
+        floor = 0
         for _ in range(100):
-            version = (self.complete_versions() or [0])[-1] + 1
+            # 1 + the largest complete version; past any name that was taken on a previous try (a concurrent
+            # publisher, or an incomplete directory that must not be replaced).
+            version = max((self.complete_versions() or [0])[-1] + 1, floor + 1)
+            floor = version
             meta = dict(metadata, version=version, lora_name=self.lora_name(version), model_id=self._model_id,
                         user_id=self._model_id)
             with open(temp_dir / "metadata.json", "wb") as fh:

@@ -166,6 +166,13 @@ class TrainingRunner:
             except Exception:
                 log.exception("training run %s could not be stopped at shutdown", run_id)
 
+    async def wait(self, run_id: str) -> TrainingRun:
+        """Wait for this process's execution of a run to end (tests, shutdown); then return the record."""
+        task = self._executions.get(run_id)
+        if task is not None:
+            await asyncio.gather(asyncio.shield(task), return_exceptions=True)
+        return await self.get(run_id)
+
     def check_health(self) -> None:
         if self._failure is not None:
             raise RuntimeError(self._failure)

@@ -1,0 +1,130 @@
+"""A fake of the gateway's internal LoRA routes (CONTRACT §3.8) on a real socket, scripted per request.
+
+    async with FakeGateway(model_id="tiny") as gw:
+        gw.activate_plan.extend([Fail(503), Ok()])        # first activation 503, then the real CAS semantics
+        gw.activate_plan.append(Hang(5.0, switch=True))   # switch, then answer too late (client times out)
+        gw.policy_plan.append(Fail(500))                  # the next policy read fails
+        gw.active                                         # (lora_name, lora_path) or None
+        gw.activations                                    # bodies of every activation request
+
+`Ok` applies the gateway's semantics: same name and path active → 200; current (name or `base`) ≠
+`expected_lora_name` → 409 `lora_cas_conflict`; else switch → 200. Plans are consumed in arrival order; when empty,
+`Ok` applies. Hangs end early when the fake stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tests.support.asgi_server import ThreadedServer
+
+
+@dataclass(frozen=True)
+class Ok:
+    pass
+
+
+@dataclass(frozen=True)
+class Fail:
+    status: int
+    body: str = '{"error": {"code": "fake_failure", "message": "scripted"}}'
+
+
+@dataclass(frozen=True)
+class Hang:
+    seconds: float
+    switch: bool = False  # apply the activation before hanging (the answer is lost, the switch is not)
+
+
+Behaviour = Ok | Fail | Hang
+
+
+class FakeGateway:
+    def __init__(self, *, model_id: str, active: tuple[str, str] | None = None, token: str | None = None) -> None:
+        self.model_id = model_id
+        self.active = active
+        self.token = token
+        self.activate_plan: deque[Behaviour] = deque()
+        self.policy_plan: deque[Behaviour] = deque()
+        self.activations: list[dict[str, Any]] = []
+        self.policy_reads = 0
+        self.unauthorized = 0
+        self._lock = threading.Lock()
+        self._stopping = asyncio.Event()
+        app = Starlette(routes=[
+            Route(f"/internal/v1/rl/loras/{model_id}", self._policy, methods=["GET"]),
+            Route("/internal/v1/rl/loras/activate", self._activate, methods=["POST"]),
+        ])
+        self._server = ThreadedServer(app, name="fake-gateway")
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    def stop(self) -> None:
+        self._server.stop()
+
+    async def __aenter__(self) -> "FakeGateway":
+        await self._server.astart()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._server.astop()
+
+    def _policy_body(self) -> dict[str, Any]:
+        if self.active is None:
+            return {"status": "base", "active_lora": None, "instances": {"ready": 1, "failed": 0}}
+        name, path = self.active
+        return {"status": "active", "active_lora": {"lora_name": name, "lora_path": path},
+                "instances": {"ready": 1, "failed": 0}}
+
+    def _authorized(self, request: Request) -> bool:
+        if self.token and request.headers.get("authorization") != f"Bearer {self.token}":
+            self.unauthorized += 1
+            return False
+        return True
+
+    async def _policy(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return JSONResponse({"error": {"code": "unauthorized", "message": "x"}}, status_code=401)
+        with self._lock:
+            self.policy_reads += 1
+            behaviour = self.policy_plan.popleft() if self.policy_plan else Ok()
+        if isinstance(behaviour, Fail):
+            return Response(behaviour.body, status_code=behaviour.status, media_type="application/json")
+        if isinstance(behaviour, Hang):
+            await asyncio.sleep(behaviour.seconds)
+        return JSONResponse(self._policy_body())
+
+    async def _activate(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return JSONResponse({"error": {"code": "unauthorized", "message": "x"}}, status_code=401)
+        body = await request.json()
+        with self._lock:
+            self.activations.append(body)
+            behaviour = self.activate_plan.popleft() if self.activate_plan else Ok()
+        if isinstance(behaviour, Fail):
+            return Response(behaviour.body, status_code=behaviour.status, media_type="application/json")
+        if isinstance(behaviour, Hang):
+            if behaviour.switch:
+                self.active = (body["lora_name"], body["lora_path"])
+            await asyncio.sleep(behaviour.seconds)
+            return JSONResponse({"status": "active"})
+        current = self.active[0] if self.active else "base"
+        if self.active == (body["lora_name"], body["lora_path"]):
+            return JSONResponse({"status": "active", "active_lora": self._policy_body()["active_lora"]})
+        if current != body["expected_lora_name"]:
+            return JSONResponse(
+                {"error": {"code": "lora_cas_conflict", "message": f"active is {current}"}}, status_code=409
+            )
+        self.active = (body["lora_name"], body["lora_path"])
+        return JSONResponse({"status": "active", "active_lora": self._policy_body()["active_lora"]})
