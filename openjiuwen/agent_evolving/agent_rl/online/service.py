@@ -175,10 +175,15 @@ class ServiceDeps:
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
-        await self.claim_owner()
-        await self.lifecycle.recover()
-        await self.runner.recover()
-        await self.sweeper.sweep_once()
+        try:
+            await self.claim_owner()
+            await self.lifecycle.recover()
+            await self.runner.recover()
+            await self.sweeper.sweep_once()
+        except Exception as exc:
+            log.error("RL service startup failed: %s", exc, exc_info=True)
+            await self.aclose()
+            raise
         self.sweeper.start()
         # Everything allocated so far (modules, app, clients) lives for the whole process: moving it out of the
         # collector's generations keeps full collections, which hook bodies with thousands of logprob objects

@@ -274,7 +274,12 @@ class RailIngestor:
                 "instruction_text": instruction_text if isinstance(instruction_text, str) else None,
             },
         }
-        return _Staged(sample_id, step, PackedSample.from_document(document))
+        packed = PackedSample.from_document(document)
+        try:
+            packed.meta_json()  # refuse here, per sample, what JSON cannot carry (nesting, huge integers)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidInput(INVALID, f"{where} cannot be stored: {exc}") from exc
+        return _Staged(sample_id, step, packed)
 
     # ------------------------------------------------------------------ staging and atomic pops
 
