@@ -14,10 +14,12 @@ help:
 	@echo "make bench   - run the hook benchmark (bench/hooks_bench.py)"
 	@echo "make clean   - remove .venv and caches"
 
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements.lock requirements-nodeps.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.lock
+	# verl without its (much larger) declared dependency set: requirements.lock holds what we import of it.
+	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.lock
 	$(PY) -m pip install --quiet --no-deps -e .
 	@touch $(STAMP)
 

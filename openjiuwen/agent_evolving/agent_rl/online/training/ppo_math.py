@@ -1,0 +1,138 @@
+"""The PPO objective of CONTRACT §7 on converted batches, with verl's own algorithm functions.
+
+Advantages (REINFORCE++ or GRPO), the KL penalty and the clipped policy loss come from
+`verl.trainer.ppo.core_algos`, so the local and the distributed trainers share the same math. Loaded only inside
+trainer processes (torch and verl are heavy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from verl.trainer.config import AlgoConfig
+from verl.trainer.ppo.core_algos import (
+    agg_loss,
+    compute_grpo_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    get_policy_loss_fn,
+    kl_penalty,
+)
+from verl.workers.config import ActorConfig
+
+from .ppo_settings import PPOSettings
+
+
+@dataclass
+class TokenStats:
+    log_probs: torch.Tensor  # [B, R]
+    entropy: torch.Tensor | None  # [B, R]
+
+
+def response_log_probs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    responses: torch.Tensor,
+    *,
+    with_entropy: bool = False,
+) -> TokenStats:
+    """Log-probabilities (and entropies) of the response tokens under `model`. The logits at position t predict
+    token t + 1, so the response part starts one position before the first response token."""
+    prompt_len = input_ids.shape[1] - responses.shape[1]
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    logits = out.logits[:, prompt_len - 1 : -1, :].float()
+    log_softmax = F.log_softmax(logits, dim=-1)
+    log_probs = log_softmax.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1) if with_entropy else None
+    return TokenStats(log_probs, entropy)
+
+
+def algo_config(settings: PPOSettings) -> AlgoConfig:
+    return AlgoConfig(gamma=settings.gamma, lam=settings.lam, adv_estimator=settings.advantage_estimator)
+
+
+def actor_config(settings: PPOSettings) -> ActorConfig:
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_mini_batch_size=settings.ppo_mini_batch_size,
+        ppo_micro_batch_size_per_gpu=settings.ppo_micro_batch_size,
+        clip_ratio=settings.clip_ratio,
+        clip_ratio_low=settings.clip_ratio_low,
+        clip_ratio_high=settings.clip_ratio_high,
+        loss_agg_mode=settings.loss_agg_mode,
+        entropy_coeff=settings.entropy_coeff,
+    )
+
+
+def token_level_rewards(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    behaviour_log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor | None,
+    settings: PPOSettings,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scores − kl_coef · KL(policy ‖ frozen base) per token; also returns the per-token KL (None without it)."""
+    if ref_log_probs is None or not settings.use_kl_in_reward or settings.kl_coef == 0:
+        return scores * response_mask, None
+    kl = kl_penalty(behaviour_log_probs, ref_log_probs, settings.kl_penalty) * response_mask
+    return (scores - settings.kl_coef * kl) * response_mask, kl
+
+
+def advantages(
+    rewards: torch.Tensor, response_mask: torch.Tensor, uids: list[str], settings: PPOSettings
+) -> torch.Tensor:
+    if settings.advantage_estimator == "grpo":
+        adv, _ = compute_grpo_outcome_advantage(
+            token_level_rewards=rewards, response_mask=response_mask, index=np.array(uids, dtype=object),
+            config=algo_config(settings),
+        )
+        return adv
+    if int(response_mask.sum().item()) < 2:
+        # Whitening needs two valid tokens; a single token has no spread to normalize.
+        return torch.zeros_like(rewards)
+    adv, _ = compute_reinforce_plus_plus_outcome_advantage(
+        token_level_rewards=rewards, response_mask=response_mask, config=algo_config(settings)
+    )
+    return adv
+
+
+def policy_loss(
+    *,
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    adv: torch.Tensor,
+    response_mask: torch.Tensor,
+    entropy: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    actor: ActorConfig,
+    settings: PPOSettings,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's vanilla PPO-clip loss (with the truncated importance weights when given), minus the entropy bonus."""
+    loss_fn = get_policy_loss_fn("vanilla")
+    pg_loss, metrics = loss_fn(
+        old_log_prob=old_log_probs, log_prob=log_probs, advantages=adv, response_mask=response_mask.bool(),
+        loss_agg_mode=settings.loss_agg_mode, config=actor, rollout_is_weights=is_weights,
+    )
+    loss = pg_loss
+    out = {
+        "pg_loss": float(pg_loss.detach()),
+        "clip_fraction": float(metrics.get("actor/pg_clipfrac", 0.0)),
+        "ppo_kl": float(metrics.get("actor/ppo_kl", 0.0)),
+    }
+    if entropy is not None and settings.entropy_coeff:
+        entropy_term = agg_loss(loss_mat=entropy, loss_mask=response_mask, loss_agg_mode=settings.loss_agg_mode)
+        loss = loss - settings.entropy_coeff * entropy_term
+        out["entropy"] = float(entropy_term.detach())
+    return loss, out
+
+
+def truncated_is_weights(pi_old: torch.Tensor, behaviour: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(exp(log π_old − behaviour), cap), detached (CONTRACT §7 `tis_cap`)."""
+    return torch.clamp(torch.exp(torch.clamp(pi_old - behaviour, max=20.0)), max=cap).detach()

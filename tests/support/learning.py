@@ -1,0 +1,78 @@
+"""Helpers of the learning tests: sample from a tiny model with the true logprobs, reward by a rule, measure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def load_model(model_dir: Path, adapter_dir: Path | None = None) -> Any:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    return model
+
+
+def prompt_ids(model_dir: Path, text: str = "Say something.") -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False))
+
+
+@torch.no_grad()
+def sequence_logprobs(model: Any, prompt: list[int], response: list[int]) -> list[float]:
+    ids = torch.tensor([prompt + response])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    return F.log_softmax(logits, -1).gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+@torch.no_grad()
+def sample_responses(model: Any, prompt: list[int], count: int, length: int, seed: int) -> list[list[int]]:
+    """Plain ancestral sampling at temperature 1 (no top-k/top-p), so the logprobs are the behaviour policy's."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([prompt] * count)
+    out: list[list[int]] = [[] for _ in range(count)]
+    for _ in range(length):
+        logits = model(input_ids=ids).logits[:, -1].float()
+        nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=gen)
+        ids = torch.cat([ids, nxt], dim=1)
+        for i, t in enumerate(nxt[:, 0].tolist()):
+            out[i].append(t)
+    return out
+
+
+def target_share(response: list[int]) -> float:
+    """The rule: share of even token ids. Rewarded = the half of the responses richest in them."""
+    return sum(1 for t in response if t % 2 == 0) / len(response)
+
+
+def documents(prompt: list[int], responses: list[list[int]], logprobs: list[list[float]],
+              rewards: list[float], model_id: str) -> list[dict[str, Any]]:
+    docs = []
+    for i, (resp, lps, r) in enumerate(zip(responses, logprobs, rewards)):
+        docs.append({
+            "sample_id": f"learn-{i:03d}", "trajectory_id": f"learn-{i:03d}", "rl_task_id": f"t{i}",
+            "session_id": f"s{i}", "policy_version": "base", "source": "rl_task", "user_id": model_id,
+            "created_at": f"2026-01-01T00:00:00.{i:06d}+00:00", "judge": {"score": r, "source": "terminal"},
+            "request": {"model": model_id, "messages": []}, "response": {"choices": [{"message": {"content": ""}}]},
+            "trajectory": {"prompt_ids": prompt, "response_ids": resp, "response_logprobs": lps},
+        })
+    return docs
+
+
+def margin(model: Any, prompt: list[int], responses: list[list[int]], rewards: list[float]) -> float:
+    """Mean per-token logprob of rewarded responses minus that of unrewarded ones."""
+    good, bad = [], []
+    for resp, r in zip(responses, rewards):
+        lps = sequence_logprobs(model, prompt, resp)
+        (good if r > 0.5 else bad).extend(lps)
+    return sum(good) / len(good) - sum(bad) / len(bad)
