@@ -1,0 +1,104 @@
+"""Training Runs survive a SIGKILL of the service (CONTRACT §4.7 Recover), with real processes: the service, a
+private Redis and a fake gateway on real sockets."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import load_fixture
+from tests.support.fake_gateway import FakeGateway, Hang
+from tests.support.service_process import ServiceProcess
+
+pytestmark = pytest.mark.system
+
+REQUEST = load_fixture("chat_request.json")
+RESPONSE = load_fixture("chat_response.json")
+
+
+def publish_samples(url: str, count: int) -> None:
+    with httpx.Client(base_url=url, timeout=10) as c:
+        headers = {"X-Agent-Session-Id": "s-crash", "X-AIGW-RL-Task-Id": "tcrash",
+                   "X-AIGW-RL-Policy-Name": "base", "X-AIGW-RL-Policy-Model": "tiny"}
+        assert c.post("/v1/rl/tasks/start", json={"reward_mode": "terminal"}, headers=headers).status_code == 201
+        for i in range(count):
+            hook = {"rl_task_id": "tcrash", "capture_id": f"cap{i}", "agent_turn_id": None}
+            injected = c.post("/internal/v1/completions:before", json=dict(hook, request=REQUEST)).json()["request"]
+            r = c.post("/internal/v1/completions:after", json=dict(hook, request=injected, response=RESPONSE))
+            assert r.status_code == 204
+        assert c.post("/v1/rl/tasks/tcrash/stop").status_code == 200
+        assert c.post("/v1/rl/tasks/tcrash/reward", json={"reward": 1.0}).json() == {"sample_count": count}
+
+
+def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def by_status(url: str) -> dict[str, int]:
+    return httpx.get(url + "/v1/rl/trajectories/stats").json()["by_status"]
+
+
+def service(tmp_path, redis_url, gateway, plan_path) -> ServiceProcess:
+    return ServiceProcess(
+        tmp_path, redis_url, env={"ONLINE_RL_SCRIPTED_PLAN": str(plan_path)}, aigw_endpoint=gateway.url,
+        trainer_backend="scripted", min_samples_for_training=3, max_samples_per_run=3,
+        lora_activation_timeout=60.0, training_tmp_root=str(tmp_path / "train-tmp"),
+    )
+
+
+async def test_kill_during_training_then_restart_restores_samples(redis, redis_url, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_bytes(orjson.dumps({"outcome": "block"}))
+    async with FakeGateway(model_id="tiny") as gateway:
+        svc = service(tmp_path, redis_url, gateway, plan)
+        with svc.start():
+            publish_samples(svc.url, 3)
+            run_id = httpx.post(svc.url + "/v1/rl/training/runs").json()["training_run_id"]
+            wait_for(lambda: httpx.get(f"{svc.url}/v1/rl/training/runs/{run_id}").json()["stage"] == "training",
+                     what="stage training")
+            assert by_status(svc.url)["training"] == 3
+            svc.sigkill()
+            svc.wait(10)
+            svc.start()
+            run = httpx.get(f"{svc.url}/v1/rl/training/runs/{run_id}").json()
+            assert (run["status"], run["failure_reason"]) == ("failed", "service_restarted")
+            assert by_status(svc.url) == {"pending": 3, "training": 0, "trained": 0, "failed": 0}
+            assert gateway.activations == []
+            # The restored samples train in the next run.
+            plan.write_bytes(orjson.dumps({"outcome": "succeed"}))
+            nxt = httpx.post(svc.url + "/v1/rl/training/runs")
+            assert nxt.status_code == 201
+            done = wait_for(lambda: (r := httpx.get(f"{svc.url}/v1/rl/training/runs/"
+                                                    f"{nxt.json()['training_run_id']}").json())["status"]
+                            == "succeeded" and r, what="second run")
+            assert done["lora_name"] == "tiny:v1"
+
+
+async def test_kill_during_activation_then_restart_retries_it(redis, redis_url, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_bytes(orjson.dumps({"outcome": "succeed"}))
+    async with FakeGateway(model_id="tiny") as gateway:
+        gateway.activate_plan.append(Hang(30.0, switch=False))
+        svc = service(tmp_path, redis_url, gateway, plan)
+        with svc.start():
+            publish_samples(svc.url, 3)
+            run_id = httpx.post(svc.url + "/v1/rl/training/runs").json()["training_run_id"]
+            wait_for(lambda: gateway.activations, what="the activation call")
+            assert httpx.get(f"{svc.url}/v1/rl/training/runs/{run_id}").json()["stage"] == "activating"
+            svc.sigkill()
+            svc.wait(10)
+            svc.start()  # recovery retries the activation before serving
+            run = httpx.get(f"{svc.url}/v1/rl/training/runs/{run_id}").json()
+            assert (run["status"], run["stage"], run["lora_name"]) == ("succeeded", "activating", "tiny:v1")
+            assert len(gateway.activations) == 2 and gateway.activations[0] == gateway.activations[1]
+            assert gateway.active == (run["lora_name"], run["lora_path"])
+            assert by_status(svc.url)["trained"] == 3
