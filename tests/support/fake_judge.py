@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 from collections import deque
@@ -40,14 +39,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tests.support.asgi_server import ThreadedServer
+
 CHAT_PATH = "/v1/chat/completions"
-_START_TIMEOUT_S = 10.0
 
 
 class Gate:
@@ -197,33 +196,16 @@ class FakeJudge:
         self._requests: list[ReceivedRequest] = []
         self._gates: list[Gate] = []
         self._closing = Gate()  # opened by stop(): ends every Delay and Hold at once
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._sock: socket.socket | None = None
+        self._server: ThreadedServer | None = None
         self.port = 0
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
     def start(self) -> FakeJudge:
         self._closing = Gate()  # a fresh one, so a restarted fake does not cut its delays short
-        # Binding here, not in uvicorn, gives the port before the thread starts and leaves no free-port race.
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
         app = Starlette(routes=[Route(CHAT_PATH, self._chat, methods=["POST"])])
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name=f"fake-judge:{self.port}", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not self._server.started:  # uvicorn offers no start event; this wait is bounded and startup-only
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("fake judge did not start")
-            time.sleep(0.01)
+        self._server = ThreadedServer(app, name="fake-judge").start()
+        self.port = self._server.port
         return self
 
     def stop(self) -> None:
@@ -233,12 +215,8 @@ class FakeJudge:
         for gate in gates:
             gate.open()
         if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        if self._sock is not None:
-            self._sock.close()
-        self._server = self._thread = self._sock = None
+            self._server.stop()
+        self._server = None
 
     def __enter__(self) -> FakeJudge:
         return self.start()
