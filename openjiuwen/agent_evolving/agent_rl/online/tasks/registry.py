@@ -7,6 +7,7 @@ never decide HTTP statuses.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -101,65 +102,67 @@ class TaskRegistry:
         """active → finalized. Requires zero open captures (Invariant 2); a finalized terminal-mode Task with
         staged samples waits in the awaiting-reward index, any other goes to the gc index."""
         t = rl_task_id
-        task_key, open_key, committed_key = keys.task(t), keys.open_captures(t), keys.committed_captures(t)
 
-        async def body(pipe: Pipeline) -> Task:
-            task = await self._read_task(pipe, task_key)
-            if not task.active:
-                return task
-            if await pipe.scard(open_key):
+        async def body(pipe: Pipeline, task: Task) -> tuple[TaskStatus, list[str]]:
+            if await pipe.scard(keys.open_captures(t)):
                 raise Conflict("RL Task has open captures")
-            committed = await pipe.scard(committed_key)
-            pointer_key = keys.active_session(task.agent_session_id)
-            await pipe.watch(pointer_key)
-            pointer = _s(await pipe.get(pointer_key))
-            now = now_iso()
-            done = task.terminal(TaskStatus.FINALIZED, reason, now)
-            pipe.multi()
-            pipe.set(task_key, done.to_json())
-            if pointer == t:
-                pipe.delete(pointer_key)
-            pipe.srem(keys.ACTIVE_TASKS, t)
-            if task.reward_mode == RewardMode.TERMINAL and committed:
-                pipe.zadd(keys.AWAITING_REWARD, {t: parse_iso_epoch(now)})
-            else:
-                pipe.zadd(keys.TASKS_GC, {t: parse_iso_epoch(now)})
-            await pipe.execute()
-            return done
+            awaits_reward = task.reward_mode == RewardMode.TERMINAL and await pipe.scard(keys.committed_captures(t))
+            return TaskStatus.FINALIZED, [keys.AWAITING_REWARD if awaits_reward else keys.TASKS_GC]
 
-        task = await transact(self._redis, body, task_key, open_key, committed_key)
-        self.signals.notify(t)
-        return task
+        return await self._terminal(t, reason, body, lambda pipe: None)
 
     async def abort(self, rl_task_id: str, reason: FinishReason) -> Task:
         """active → aborted. Invariants 2 and 3: the open captures (metadata, memberships, open set) and every
         staged sample go with the transition; published samples stay."""
         t = rl_task_id
+        open_ids: list[str] = []
+        committed_ids: list[str] = []
+
+        async def body(pipe: Pipeline, task: Task) -> tuple[TaskStatus, list[str]]:
+            open_ids[:] = [_s(c) for c in await pipe.smembers(keys.open_captures(t))]
+            committed_ids[:] = [_s(c) for c in await pipe.smembers(keys.committed_captures(t))]
+            return TaskStatus.ABORTED, [keys.TASKS_GC]
+
+        def extra_writes(pipe: Pipeline) -> None:
+            if open_ids:
+                pipe.delete(*(keys.capture(t, c) for c in open_ids))
+                pipe.srem(keys.captures(t), *open_ids)
+            pipe.delete(keys.open_captures(t))
+            if committed_ids:
+                pipe.delete(*(keys.staged(t, c) for c in committed_ids))
+
+        return await self._terminal(t, reason, body, extra_writes)
+
+    async def _terminal(
+        self,
+        t: str,
+        reason: FinishReason,
+        decide: Callable[[Pipeline, Task], Awaitable[tuple[TaskStatus, list[str]]]],
+        extra_writes: Callable[[Pipeline], None],
+    ) -> Task:
+        """One terminal transition (CONTRACT §4.1): a non-active Task is returned unchanged (sticky); else the record,
+        the session pointer (cleared only if it still names this Task), the active index and the retention index
+        change in one EXEC, together with the transition's own writes. Invariant 1."""
         task_key, open_key, committed_key = keys.task(t), keys.open_captures(t), keys.committed_captures(t)
 
         async def body(pipe: Pipeline) -> Task:
             task = await self._read_task(pipe, task_key)
             if not task.active:
                 return task
-            open_ids = [_s(c) for c in await pipe.smembers(open_key)]
-            committed_ids = [_s(c) for c in await pipe.smembers(committed_key)]
+            status, indexes = await decide(pipe, task)
             pointer_key = keys.active_session(task.agent_session_id)
             await pipe.watch(pointer_key)
             pointer = _s(await pipe.get(pointer_key))
             now = now_iso()
-            done = task.terminal(TaskStatus.ABORTED, reason, now)
+            done = task.terminal(status, reason, now)
             pipe.multi()
             pipe.set(task_key, done.to_json())
             if pointer == t:
                 pipe.delete(pointer_key)
             pipe.srem(keys.ACTIVE_TASKS, t)
-            if open_ids:
-                pipe.delete(*(keys.capture(t, c) for c in open_ids))
-                pipe.srem(keys.captures(t), *open_ids)
-            pipe.delete(open_key)
-            if committed_ids:
-                pipe.delete(*(keys.staged(t, c) for c in committed_ids))
-            pipe.zadd(keys.TASKS_GC, {t: parse_iso_epoch(now)})
+            extra_writes(pipe)
+            for index in indexes:
+                pipe.zadd(index, {t: parse_iso_epoch(now)})
             await pipe.execute()
             return done
 

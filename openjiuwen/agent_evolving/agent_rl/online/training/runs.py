@@ -35,6 +35,13 @@ def _s(raw: bytes | None) -> str | None:
     return None if raw is None else raw.decode()
 
 
+async def _read_run(pipe: Pipeline, run_key: str, run_id: str) -> TrainingRun:
+    raw = await pipe.get(run_key)
+    if raw is None:
+        raise KeyError(run_id)
+    return TrainingRun.from_json(raw)
+
+
 class RunStore:
     def __init__(self, redis: Redis, store: TrajectoryStore, *, model_id: str, run_retention_s: int) -> None:
         self._redis = redis
@@ -155,10 +162,7 @@ class RunStore:
         run_key = keys.training_run(run_id)
 
         async def body(pipe: Pipeline) -> TrainingRun:
-            raw = await pipe.get(run_key)
-            if raw is None:
-                raise KeyError(run_id)
-            run = TrainingRun.from_json(raw)
+            run = await _read_run(pipe, run_key, run_id)
             if run.terminal:
                 return run
             new = change(run)
@@ -178,10 +182,7 @@ class RunStore:
         dropped = set(dropped_ids)
 
         async def body(pipe: Pipeline) -> TrainingRun:
-            raw = await pipe.get(run_key)
-            if raw is None:
-                raise KeyError(run_id)
-            run = TrainingRun.from_json(raw)
+            run = await _read_run(pipe, run_key, run_id)
             if run.terminal:
                 return run
             moves = await self._training_members(pipe, run)
@@ -216,10 +217,7 @@ class RunStore:
         run_key = keys.training_run(run_id)
 
         async def body(pipe: Pipeline) -> TrainingRun:
-            raw = await pipe.get(run_key)
-            if raw is None:
-                raise KeyError(run_id)
-            run = TrainingRun.from_json(raw)
+            run = await _read_run(pipe, run_key, run_id)
             if run.terminal:
                 return run
             moves = await self._training_members(pipe, run) if restore_samples else []
