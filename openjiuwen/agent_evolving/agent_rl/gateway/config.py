@@ -1,0 +1,457 @@
+"""Gateway configuration (CONTRACT §3.1): the AIGW JSON shape as frozen pydantic models, and the HMAC key loader.
+
+The config is parsed once, at the edge. Durations are Go strings (`300ms`, `1m30s`) stored as float seconds in
+fields named with `_s`. Every model refuses unknown keys. Error messages name the field, never a value, and the HMAC
+keys (which never sit in the config itself: they come from `global.hmacKeyFile` or `global.cryptoSock`) never
+appear in any message, repr or log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from ipaddress import ip_address
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
+MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is two short strings
+MIN_KEY_BYTES = 32  # CONTRACT §3.1: 32-byte keys
+MAX_KEY_BYTES = 1024
+KEY_SOCKET_TIMEOUT_S = 5.0
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+
+_DURATION_UNITS_S = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,  # U+00B5 MICRO SIGN, as Go accepts
+    "μs": 1e-6,  # U+03BC GREEK SMALL LETTER MU, as Go accepts
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+# One component: a number with at least one digit (`1`, `1.5`, `.5`, `1.`) and a unit. Longest units first.
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
+_HEX_KEY = re.compile(r"[0-9a-fA-F]{64}")
+
+
+class GatewayConfigError(ValueError):
+    """The gateway config or its key source cannot be read, parsed or validated. Names the field, never a value."""
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    # A fixed message: pydantic reports it verbatim, without the "Value error, " prefix or the input.
+    return PydanticCustomError("gateway_config_invalid", message)
+
+
+# --- durations --------------------------------------------------------------------------------------------------
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a Go duration string: `300ms`, `30s`, `2m`, `1h`, `1m30s`, `1.5s`, `500us`, `-1s`.
+
+    Units `ns`, `us` (`µs`, `μs`), `ms`, `s`, `m`, `h`, one or more components, an optional leading sign. A bare
+    number (even `0`, which Go allows) is refused: the unit must always be written.
+
+    :raises ValueError: when `text` is not a Go duration (the message does not quote it).
+    """
+    if not isinstance(text, str):
+        raise ValueError("a duration must be a string such as '30s'")
+    body = text
+    sign = 1.0
+    if body[:1] in ("+", "-"):
+        sign = -1.0 if body[0] == "-" else 1.0
+        body = body[1:]
+    if not body:
+        raise ValueError("a duration must be a number with a unit such as '30s' or '1m30s'")
+    total = 0.0
+    pos = 0
+    while pos < len(body):
+        match = _DURATION_PART.match(body, pos)
+        if match is None:
+            raise ValueError("a duration must be a number with a unit (ns, us, ms, s, m, h) such as '30s' or '1m30s'")
+        total += float(match.group(1)) * _DURATION_UNITS_S[match.group(2)]
+        pos = match.end()
+    return sign * total
+
+
+def format_duration(seconds: float) -> str:
+    """A Go duration string for `seconds` that `parse_duration` reads back (used when dumping a config)."""
+    if float(seconds).is_integer():
+        return f"{int(seconds)}s"
+    ms = seconds * 1000
+    if abs(ms - round(ms)) < 1e-6:
+        return f"{round(ms)}ms"
+    return f"{round(seconds * 1e6)}us"
+
+
+def _duration_input(value: Any) -> float:
+    if not isinstance(value, str):
+        raise _invalid("must be a Go duration string such as '30s'")
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise _invalid(str(exc)) from None
+
+
+def _positive(value: float) -> float:
+    if not value > 0:
+        raise _invalid("must be a positive duration")
+    return value
+
+
+# Validated from a Go string, kept as float seconds, written back as a Go string by model_dump(mode="json").
+Duration = Annotated[
+    float,
+    BeforeValidator(_duration_input),
+    AfterValidator(_positive),
+    PlainSerializer(format_duration, return_type=str, when_used="json"),
+]
+
+
+# --- field checks -----------------------------------------------------------------------------------------------
+
+
+def _non_blank(value: str) -> str:
+    if not value.strip():
+        raise _invalid("must not be blank")
+    return value
+
+
+def _no_whitespace(value: str) -> str:
+    if not value or any(c.isspace() for c in value):
+        raise _invalid("must be non-empty and contain no whitespace")
+    return value
+
+
+def _port(value: Any) -> int:
+    # AIGW writes instance ports as numbers or numeric strings; booleans and other types are refused.
+    if isinstance(value, bool):
+        raise _invalid("must be a port number 1..65535")
+    if isinstance(value, str):
+        if not (value.isascii() and value.isdigit() and len(value) <= 5):
+            raise _invalid("must be a port number 1..65535")
+        value = int(value)
+    if not isinstance(value, int) or not 1 <= value <= 65535:
+        raise _invalid("must be a port number 1..65535")
+    return value
+
+
+def _split_listen(value: str) -> tuple[str, int]:
+    """`host:port`, `[v6]:port`; port 0 asks the OS for a free port (tests)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit() and len(port) <= 5) or int(port) > 65535:
+        raise _invalid("must be 'host:port' with a port 0..65535")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or any(c.isspace() for c in host) or ("]" in host or "[" in host):
+        raise _invalid("must be 'host:port' with a port 0..65535")
+    if ":" in host:  # an IPv6 literal must be bracketed, and valid
+        try:
+            ip_address(host)
+        except ValueError:
+            raise _invalid("must be 'host:port'; write IPv6 hosts as '[::1]:8080'") from None
+        if not value.startswith("["):
+            raise _invalid("must be 'host:port'; write IPv6 hosts as '[::1]:8080'")
+    return host, int(port)
+
+
+def _check_listen(value: str) -> str:
+    _split_listen(value)
+    return value
+
+
+def _check_absolute(value: str) -> str:
+    if not value.strip() or "\x00" in value or not os.path.isabs(value):
+        raise _invalid("must be an absolute path")
+    return value
+
+
+def _check_path(value: str) -> str:
+    if not value.strip() or "\x00" in value:
+        raise _invalid("must be a non-empty path")
+    return value
+
+
+def _check_loopback_url(value: str) -> str:
+    if any(c.isspace() for c in value):
+        raise _invalid("must be an http URL on loopback without whitespace")
+    try:
+        parts = urlsplit(value)
+        host = parts.hostname
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise _invalid("must be an http URL on loopback such as http://127.0.0.1:18081") from None
+    if parts.scheme != "http" or host not in LOOPBACK_HOSTS:
+        raise _invalid("must be an http URL on loopback (127.0.0.1, ::1 or localhost)")
+    if parts.username or parts.password or parts.query or parts.fragment or parts.path not in ("", "/"):
+        raise _invalid("must be a base URL without credentials, path, query or fragment")
+    return value.rstrip("/")
+
+
+NonBlank = Annotated[StrictStr, AfterValidator(_non_blank)]
+Token = Annotated[StrictStr, AfterValidator(_no_whitespace)]
+
+
+class _Model(BaseModel):
+    # Aliases only (the AIGW camelCase names): a snake_case key is as unknown as any other.
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+# --- the models -----------------------------------------------------------------------------------------------
+
+
+class GlobalSection(_Model):
+    listen: Annotated[StrictStr, AfterValidator(_check_listen)] = "127.0.0.1:8080"
+    hmac_key_file: Annotated[StrictStr, AfterValidator(_check_path)] | None = Field(default=None, alias="hmacKeyFile")
+    crypto_sock: Annotated[StrictStr, AfterValidator(_check_path)] | None = Field(default=None, alias="cryptoSock")
+
+    @model_validator(mode="after")
+    def _exactly_one_key_source(self) -> "GlobalSection":
+        if (self.hmac_key_file is None) == (self.crypto_sock is None):
+            raise _invalid("set exactly one of hmacKeyFile and cryptoSock")
+        return self
+
+    @property
+    def listen_host(self) -> str:
+        return _split_listen(self.listen)[0]
+
+    @property
+    def listen_port(self) -> int:
+        return _split_listen(self.listen)[1]
+
+
+class InstanceConfig(_Model):
+    name: Token
+    model: Token
+    instance_ip: Token = Field(alias="instanceIp")
+    port: Annotated[int, BeforeValidator(_port)]
+
+    @property
+    def base_url(self) -> str:
+        ip = self.instance_ip
+        host = f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip  # bare IPv6 literals get brackets
+        return f"http://{host}:{self.port}"
+
+
+class LoraSection(_Model):
+    root: Annotated[StrictStr, AfterValidator(_check_absolute)]
+    state_path: Annotated[StrictStr, AfterValidator(_check_path)] = Field(alias="statePath")
+    operation_timeout_s: Duration = Field(default=60.0, alias="operationTimeout")
+
+
+class OnlineRLSection(_Model):
+    command: list[NonBlank] = Field(min_length=1)
+    config_path: Annotated[StrictStr, AfterValidator(_check_path)] = Field(alias="configPath")
+    endpoint: Annotated[StrictStr, AfterValidator(_check_loopback_url)] = "http://127.0.0.1:18081"
+    hook_timeout_s: Duration = Field(default=30.0, alias="hookTimeout")
+    hook_retries: Annotated[StrictInt, Field(ge=0)] = Field(default=2, alias="hookRetries")
+    drain_timeout_s: Duration = Field(default=120.0, alias="drainTimeout")
+    control_timeout_s: Duration = Field(default=300.0, alias="controlTimeout")
+
+
+class GatewayConfig(_Model):
+    global_: GlobalSection = Field(alias="global")
+    instances: list[InstanceConfig] = Field(default_factory=list)
+    lora: LoraSection
+    online_rl: OnlineRLSection = Field(alias="onlineRL")
+
+    @field_validator("instances")
+    @classmethod
+    def _unique_names(cls, value: list[InstanceConfig]) -> list[InstanceConfig]:
+        names = [i.name for i in value]
+        if len(names) != len(set(names)):
+            raise _invalid("instance names must be unique")
+        return value
+
+    def to_json(self) -> dict[str, Any]:
+        """The AIGW JSON shape again (camelCase, Go durations); `gateway_config_from_mapping` reads it back."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+# --- loader -----------------------------------------------------------------------------------------------------
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    loc = ".".join(str(part) for part in error.get("loc", ())) or "config"
+    if error.get("type") == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if error.get("type") == "missing":
+        return f"{loc}: required"
+    return f"{loc}: {error.get('msg', 'invalid value')}"
+
+
+def gateway_config_from_mapping(data: Any, *, source: str = "gateway config") -> GatewayConfig:
+    """Validate an already parsed JSON object; raise GatewayConfigError naming each offending field."""
+    if not isinstance(data, Mapping):
+        raise GatewayConfigError(f"{source}: must be a JSON object, got {type(data).__name__}")
+    try:
+        return GatewayConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        # Built from loc and msg only: str(exc) would echo the input values.
+        problems = [_describe(e) for e in exc.errors(include_url=False, include_input=False, include_context=False)]
+    raise GatewayConfigError(f"{source}: " + "; ".join(problems))
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise GatewayConfigError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _read_json(path: Path, what: str, limit: int) -> Any:
+    try:
+        if not path.is_file():
+            raise GatewayConfigError(f"{what} {path}: does not exist or is not a regular file")
+        with path.open("rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise GatewayConfigError(f"{what} {path}: cannot read ({exc.strerror or type(exc).__name__})") from None
+    if len(data) > limit:
+        raise GatewayConfigError(f"{what} {path}: larger than {limit} bytes")
+    return _parse_json(data, f"{what} {path}")
+
+
+def _parse_json(data: bytes, where: str) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_unique_object)
+    except UnicodeDecodeError:
+        raise GatewayConfigError(f"{where}: not valid UTF-8") from None
+    except json.JSONDecodeError as exc:
+        # Position and problem only: the document may hold key material.
+        raise GatewayConfigError(f"{where}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except GatewayConfigError as exc:
+        raise GatewayConfigError(f"{where}: {exc}") from None
+
+
+def load_gateway_config(path: str | os.PathLike[str]) -> GatewayConfig:
+    """Read and validate the gateway's JSON config file.
+
+    :param path: the file (`~` expanded); at most 1 MiB of UTF-8 JSON, duplicate keys refused.
+    :raises GatewayConfigError: on any I/O, parse or validation error, naming the offending field.
+    """
+    resolved = Path(os.path.expanduser(os.fspath(path)))
+    data = _read_json(resolved, "gateway config", MAX_CONFIG_BYTES)
+    return gateway_config_from_mapping(data, source=f"gateway config {resolved}")
+
+
+# --- HMAC keys --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HmacKeys:
+    """The two HMAC keys (CONTRACT §3.2). The repr shows only their sizes."""
+
+    api: bytes = field(repr=False)
+    ins: bytes | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        ins = "none" if self.ins is None else f"<{len(self.ins)} bytes>"
+        return f"HmacKeys(api=<{len(self.api)} bytes>, ins={ins})"
+
+
+def decode_key(text: str) -> bytes:
+    """The key bytes of a key string: 64 hex digits are decoded to 32 bytes, any other string is its UTF-8 bytes.
+
+    :raises ValueError: when the result is shorter than 32 or longer than 1024 bytes (the message never quotes it).
+    """
+    key = bytes.fromhex(text) if _HEX_KEY.fullmatch(text) else text.encode("utf-8")
+    if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"must be 64 hex digits or a string of {MIN_KEY_BYTES}..{MAX_KEY_BYTES} bytes")
+    return key
+
+
+def keys_from_document(data: Any, *, source: str) -> HmacKeys:
+    """`{"apiHmacKey": str, "insHmacKey": str?}` → HmacKeys. Other members are ignored (AIGW's crypto socket may
+    send more); an absent, null or empty `insHmacKey` means register-instance accepts only the api key."""
+    if not isinstance(data, Mapping):
+        raise GatewayConfigError(f"{source}: must be a JSON object")
+    api = data.get("apiHmacKey")
+    if not isinstance(api, str) or not api:
+        raise GatewayConfigError(f"{source}: apiHmacKey: required, a non-empty string")
+    ins = data.get("insHmacKey")
+    if ins is not None and not isinstance(ins, str):
+        raise GatewayConfigError(f"{source}: insHmacKey: must be a string")
+    try:
+        api_key = decode_key(api)
+    except ValueError as exc:
+        raise GatewayConfigError(f"{source}: apiHmacKey: {exc}") from None
+    try:
+        ins_key = decode_key(ins) if ins else None
+    except ValueError as exc:
+        raise GatewayConfigError(f"{source}: insHmacKey: {exc}") from None
+    return HmacKeys(api=api_key, ins=ins_key)
+
+
+async def _read_key_socket(path: str, timeout_s: float) -> bytes:
+    """Connect, read until a complete JSON object or EOF, within `timeout_s` and MAX_KEY_DOCUMENT_BYTES."""
+    where = f"cryptoSock {path}"
+    buffer = b""
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_unix_connection(path)
+            try:
+                while len(buffer) <= MAX_KEY_DOCUMENT_BYTES:
+                    chunk = await reader.read(4096)
+                    if not chunk:
+                        return buffer
+                    buffer += chunk
+                    # The socket may keep the connection open after writing: stop at the first complete object.
+                    if buffer.rstrip().endswith(b"}"):
+                        try:
+                            json.loads(buffer)
+                            return buffer
+                        except ValueError:
+                            continue
+            finally:
+                writer.close()
+                try:
+                    await writer.wait_closed()
+                except OSError:
+                    pass  # the peer may already have gone; nothing left to read from it
+    except TimeoutError:
+        raise GatewayConfigError(f"{where}: no complete key document within {timeout_s} s") from None
+    except OSError as exc:
+        raise GatewayConfigError(f"{where}: cannot connect ({exc.strerror or type(exc).__name__})") from None
+    raise GatewayConfigError(f"{where}: key document larger than {MAX_KEY_DOCUMENT_BYTES} bytes")
+
+
+async def load_hmac_keys(config: GatewayConfig, *, timeout_s: float = KEY_SOCKET_TIMEOUT_S) -> HmacKeys:
+    """Load the HMAC keys from `global.hmacKeyFile` (read off the event loop) or `global.cryptoSock`.
+
+    :param timeout_s: bound of the whole socket exchange (connect and read).
+    :raises GatewayConfigError: naming the source and the member, never quoting key material.
+    """
+    section = config.global_
+    if section.hmac_key_file is not None:
+        path = Path(os.path.expanduser(section.hmac_key_file))
+        data = await asyncio.to_thread(_read_json, path, "hmacKeyFile", MAX_KEY_DOCUMENT_BYTES)
+        return keys_from_document(data, source=f"hmacKeyFile {path}")
+    assert section.crypto_sock is not None  # the model guarantees exactly one source
+    raw = await _read_key_socket(section.crypto_sock, timeout_s)
+    data = _parse_json(raw, f"cryptoSock {section.crypto_sock}")
+    return keys_from_document(data, source=f"cryptoSock {section.crypto_sock}")

@@ -1,0 +1,156 @@
+"""The gateway's RL control plane: service start/stop/status, Task start with pinning, Task stop with drain, and the
+proxied public RL routes (CONTRACT §3.3, §3.4)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import httpx
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .inference import envelope, passthrough
+from .lora_manager import LoraManager
+from .rl_client import HookUnreachable, RLAnswer, RLClient
+from .sessions import Binding
+from .supervisor import RLSupervisor, SupervisorError
+from .tasks import TaskTracker
+
+log = logging.getLogger("openjiuwen.agent_rl.gateway.control")
+
+_TERMINAL = {"finalized", "aborted"}
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+class RLControl:
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        supervisor: RLSupervisor,
+        rl: RLClient,
+        tracker: TaskTracker,
+        loras: LoraManager,
+        drain_timeout_s: float,
+    ) -> None:
+        self._model_id = model_id
+        self._supervisor = supervisor
+        self._rl = rl
+        self._tracker = tracker
+        self._sessions = tracker.sessions
+        self._loras = loras
+        self._drain_timeout_s = drain_timeout_s
+
+    def running(self) -> bool:
+        return self._supervisor.status()["status"] == "running"
+
+    # ------------------------------------------------------------ service
+
+    async def service_start(self) -> Response:
+        try:
+            return _json(await self._supervisor.start())
+        except SupervisorError as exc:
+            return envelope(503, "rl_service_unavailable", str(exc))
+
+    async def service_stop(self) -> Response:
+        status = await self._supervisor.stop(drain=self._drain_all)
+        await self._tracker.release_all()
+        return _json(status)
+
+    def service_status(self) -> Response:
+        return _json(self._supervisor.status())
+
+    async def _drain_all(self) -> None:
+        for rl_task_id in self._sessions.all_tasks():
+            if not await self._sessions.drain(rl_task_id, self._drain_timeout_s):
+                log.warning("task %s still had captures in flight when the service stopped", rl_task_id)
+
+    async def on_child_exit(self, reason: str) -> None:
+        log.error("RL Service exited unexpectedly (%s); captures bypass it until it is started again", reason)
+        await self._tracker.release_all()
+
+    # ------------------------------------------------------------ tasks
+
+    async def task_start(self, request: Request, body: bytes) -> Response:
+        if not self.running():
+            return envelope(503, "rl_service_unavailable", "the RL Service is not running")
+        rl_task_id = "t" + uuid.uuid4().hex
+        policy_name, policy_model = self._loras.snapshot(self._model_id)
+        self._tracker.lease(policy_name)
+        headers = {
+            "x-agent-session-id": request.headers.get("x-agent-session-id", ""),
+            "x-aigw-rl-task-id": rl_task_id,
+            "x-aigw-rl-policy-name": policy_name,
+            "x-aigw-rl-policy-model": policy_model,
+        }
+        try:
+            answer = await self._rl.forward("POST", "/v1/rl/tasks/start", body=body, headers=headers)
+        except httpx.HTTPError as exc:
+            await self._tracker.unlease(policy_name)
+            return self._transport_failure(exc)
+        if answer.status not in (200, 201):
+            await self._tracker.unlease(policy_name)
+            return passthrough(answer)
+        record = answer.json()
+        if record.get("status") == "active":
+            binding = Binding(
+                rl_task_id=record["rl_task_id"], session_id=record["agent_session_id"],
+                policy_name=record["policy_lora_name"], policy_model=record["policy_model"],
+                reward_mode=record["reward_mode"],
+            )
+            await self._tracker.adopt(binding, leased_policy=policy_name)
+        else:
+            await self._tracker.unlease(policy_name)
+        return passthrough(answer)
+
+    async def task_stop(self, rl_task_id: str, body: bytes) -> Response:
+        if not self.running():
+            return envelope(503, "rl_service_unavailable", "the RL Service is not running")
+        if not await self._sessions.drain(rl_task_id, self._drain_timeout_s):
+            # The in-flight completion still finishes for its client; its capture is refused once aborted.
+            await self._tracker.release(rl_task_id)
+            try:
+                await self._rl.abort(rl_task_id, "timeout")
+            except HookUnreachable:
+                log.warning("could not abort task %s after its drain timeout", rl_task_id)
+            return envelope(504, "task_drain_timeout", "captures of the Task were still in flight")
+        return await self.forward("POST", f"/v1/rl/tasks/{rl_task_id}/stop", body=body, task_id=rl_task_id)
+
+    # ------------------------------------------------------------ proxy
+
+    async def forward(
+        self, method: str, path: str, *, body: bytes = b"", query: str = "", task_id: str | None = None
+    ) -> Response:
+        if not self.running():
+            return envelope(503, "rl_service_unavailable", "the RL Service is not running")
+        try:
+            answer = await self._rl.forward(method, path, body=body, query=query)
+        except httpx.HTTPError as exc:
+            return self._transport_failure(exc)
+        if task_id is not None:
+            await self._release_if_terminal(task_id, answer)
+        return passthrough(answer)
+
+    async def _release_if_terminal(self, rl_task_id: str, answer: RLAnswer) -> None:
+        if answer.status == 404:
+            await self._tracker.release(rl_task_id)
+            return
+        if answer.ok:
+            try:
+                status = answer.json().get("status")
+            except (orjson.JSONDecodeError, AttributeError):
+                return
+            if status in _TERMINAL:
+                await self._tracker.release(rl_task_id)
+
+    @staticmethod
+    def _transport_failure(exc: httpx.HTTPError) -> Response:
+        if isinstance(exc, httpx.TimeoutException):
+            return envelope(504, "rl_service_timeout", "the RL Service did not answer in time")
+        return envelope(503, "rl_service_unavailable", f"the RL Service is unreachable: {type(exc).__name__}")

@@ -1,0 +1,356 @@
+"""The inference proxy: OpenAI `/v1/chat/completions` and Anthropic `/v1/messages` over the vLLM instances, with
+capture of the completions that belong to an active RL Task (CONTRACT §3.5–§3.7).
+
+A request is captured iff its `X-Agent-Session-Id` maps to an active Task; everything else goes straight to an
+instance. For a captured call: `:before` (the RL Service injects the flags) → upstream → `:after` with the complete
+(or stream-aggregated) response before the client sees the end, or `:discard` on an upstream error, a broken stream
+or a client disconnect. Private fields never reach a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
+from .lora_manager import LoraError, LoraManager
+from .openai_shapes import ClientWants, StreamAggregator, client_view_chunk, client_view_response, client_wants
+from .rl_client import HookUnreachable, RLAnswer, RLClient
+from .sessions import Binding
+from .sse import DONE, encode_sse, iter_sse_events
+from .tasks import TaskTracker
+
+log = logging.getLogger("openjiuwen.agent_rl.gateway.inference")
+
+UPSTREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=60.0, pool=30.0)
+CHAT_PATH = "/v1/chat/completions"
+
+
+def envelope(status: int, code: str, message: str) -> Response:
+    return Response(orjson.dumps({"error": {"code": code, "message": message}}), status_code=status,
+                    media_type="application/json")
+
+
+def passthrough(answer: RLAnswer) -> Response:
+    return Response(answer.body, status_code=answer.status, media_type=answer.content_type)
+
+
+@dataclass
+class Capture:
+    binding: Binding
+    capture_id: str
+    turn_id: str | None
+    request: dict[str, Any]  # the injected request `:before` returned
+
+    def hook_body(self, **extra: Any) -> dict[str, Any]:
+        return {"rl_task_id": self.binding.rl_task_id, "capture_id": self.capture_id,
+                "agent_turn_id": self.turn_id, **extra}
+
+
+class CaptureFailed(Exception):
+    def __init__(self, response: Response) -> None:
+        super().__init__("capture refused")
+        self.response = response
+
+
+class InferenceProxy:
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        tracker: TaskTracker,
+        loras: LoraManager,
+        rl: RLClient,
+        rl_running: Callable[[], bool],
+        upstream: httpx.AsyncClient,
+    ) -> None:
+        self._model_id = model_id
+        self._tracker = tracker
+        self._sessions = tracker.sessions
+        self._loras = loras
+        self._rl = rl
+        self._rl_running = rl_running
+        self._upstream = upstream
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ---------------------------------------------------------------- routes
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._json_body(request)
+        if isinstance(body, Response):
+            return body
+        return await self._serve(request, body, flavor="openai")
+
+    async def messages(self, request: Request) -> Response:
+        body = await self._json_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            converted = anthropic_to_openai_request(body)
+        except ValueError as exc:
+            return envelope(400, "invalid_request", str(exc))
+        return await self._serve(request, converted, flavor="anthropic", client_model=body.get("model"))
+
+    @staticmethod
+    async def _json_body(request: Request) -> dict[str, Any] | Response:
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            return envelope(400, "invalid_request", "request body is not valid JSON")
+        if not isinstance(body, dict):
+            return envelope(400, "invalid_request", "request body must be a JSON object")
+        return body
+
+    async def _serve(
+        self, request: Request, body: dict[str, Any], *, flavor: str, client_model: str | None = None
+    ) -> Response:
+        wants = client_wants(body)
+        if client_model is not None:
+            wants = ClientWants(wants.logprobs, wants.usage, wants.stream, client_model)
+        binding = self._sessions.for_session(request.headers.get("x-agent-session-id"))
+        if binding is None or not self._rl_running():
+            return await self._bypass(body, wants, flavor)
+        return await self._captured(body, wants, flavor, binding, request.headers.get("x-agent-turn-id"))
+
+    # ---------------------------------------------------------------- bypass
+
+    async def _bypass(self, body: dict[str, Any], wants: ClientWants, flavor: str) -> Response:
+        model = body.get("model")
+        try:
+            instance = self._loras.pick(self._model_id, model if isinstance(model, str) else self._model_id)
+        except LoraError as exc:
+            return envelope(exc.status, exc.code, exc.message)
+        return await self._upstream_call(instance.base_url, body, wants, flavor, capture=None)
+
+    # -------------------------------------------------------------- captured
+
+    async def _captured(
+        self, body: dict[str, Any], wants: ClientWants, flavor: str, binding: Binding, turn_id: str | None
+    ) -> Response:
+        t = binding.rl_task_id
+        request = dict(body, model=binding.policy_model)
+        capture_id = "cap-" + uuid.uuid4().hex
+        self._sessions.begin(t)
+        handed_over = False
+        try:
+            try:
+                injected = await self._before(binding, capture_id, turn_id, request)
+            except CaptureFailed as exc:
+                return exc.response
+            capture = Capture(binding, capture_id, turn_id, injected)
+            try:
+                instance = self._loras.pick(self._model_id, binding.policy_model)
+            except LoraError as exc:
+                self._discard_in_background(capture)
+                handed_over = True
+                return envelope(exc.status, exc.code, exc.message)
+            handed_over = True  # from here `_upstream_call` ends the in-flight count
+            return await self._upstream_call(instance.base_url, injected, wants, flavor, capture=capture)
+        finally:
+            if not handed_over:
+                self._sessions.end(t)
+
+    async def _before(
+        self, binding: Binding, capture_id: str, turn_id: str | None, request: dict[str, Any]
+    ) -> dict[str, Any]:
+        t = binding.rl_task_id
+        body = {"rl_task_id": t, "capture_id": capture_id, "agent_turn_id": turn_id, "request": request}
+        try:
+            answer = await self._rl.before(body)
+        except HookUnreachable:
+            self._abort_in_background(t)
+            raise CaptureFailed(envelope(504, "rl_hook_timeout", "the RL Service did not answer the capture hook"))
+        if answer.ok:
+            return answer.json()["request"]
+        if answer.status == 404:
+            await self._tracker.release(t)
+            raise CaptureFailed(envelope(409, "completion_conflict", "the RL Task is no longer active"))
+        if answer.status == 409:
+            self._abort_in_background(t)
+            raise CaptureFailed(passthrough(answer))
+        if answer.status >= 500:
+            self._abort_in_background(t)
+            raise CaptureFailed(envelope(502, "rl_hook_failed", "the RL Service failed the capture hook"))
+        raise CaptureFailed(passthrough(answer))  # other 4xx: the Task stays active
+
+    # -------------------------------------------------------------- upstream
+
+    async def _upstream_call(
+        self, base_url: str, body: dict[str, Any], wants: ClientWants, flavor: str, *, capture: Capture | None
+    ) -> Response:
+        stream = body.get("stream") is True
+        req = self._upstream.build_request(
+            "POST", base_url + CHAT_PATH, content=orjson.dumps(body), headers={"content-type": "application/json"},
+            timeout=UPSTREAM_TIMEOUT,
+        )
+        try:
+            resp = await self._upstream.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            if capture is not None:
+                self._discard_in_background(capture)
+            return envelope(502, "upstream_unavailable", f"vLLM instance unreachable: {type(exc).__name__}")
+        if resp.status_code != 200:
+            content = await resp.aread()
+            await resp.aclose()
+            if capture is not None:
+                self._discard_in_background(capture)
+            return Response(content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type", "application/json"))
+        if stream:
+            return StreamingResponse(
+                self._relay_stream(resp, wants, flavor, capture), media_type="text/event-stream",
+                headers={"cache-control": "no-cache"},
+            )
+        try:
+            content = await resp.aread()
+        except httpx.HTTPError as exc:
+            if capture is not None:
+                self._discard_in_background(capture)
+            return envelope(502, "upstream_unavailable", f"vLLM answer broken: {type(exc).__name__}")
+        finally:
+            await resp.aclose()
+        try:
+            completion = orjson.loads(content)
+            if not isinstance(completion, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            if capture is not None:
+                self._discard_in_background(capture)
+            return envelope(502, "upstream_invalid", "vLLM answered with invalid JSON")
+        if capture is not None:
+            await self._after_shielded(capture, completion)
+        if flavor == "anthropic":
+            try:
+                message = openai_to_anthropic_response(completion, client_model=wants.model)
+            except ValueError as exc:
+                return envelope(502, "upstream_invalid", f"vLLM answer cannot be converted: {exc}")
+            return Response(orjson.dumps(message), media_type="application/json")
+        return Response(orjson.dumps(client_view_response(completion, wants_logprobs=wants.logprobs,
+                                                          client_model=wants.model)),
+                        media_type="application/json")
+
+    async def _relay_stream(
+        self, resp: httpx.Response, wants: ClientWants, flavor: str, capture: Capture | None
+    ) -> AsyncIterator[bytes]:
+        aggregator = StreamAggregator()
+        writer = AnthropicStreamWriter() if flavor == "anthropic" else None
+        finish_reason: str | None = None
+        usage: dict[str, Any] | None = None
+        completed = False
+        started = False
+        try:
+            async for event in iter_sse_events(resp.aiter_raw()):
+                if event.data == DONE:
+                    if aggregator.error is not None:
+                        break  # vLLM reported an error inside the stream: nothing valid to commit
+                    completed = True  # from here the `:after` task owns the capture's ending
+                    if capture is not None:
+                        await self._after_shielded(capture, aggregator.result())
+                    if writer is not None:
+                        for name, data in writer.finish(finish_reason, usage):
+                            yield encode_sse(orjson.dumps(data), event=name)
+                    else:
+                        yield encode_sse(DONE)
+                    break
+                chunk = orjson.loads(event.data)
+                if not isinstance(chunk, dict):
+                    raise ValueError("stream chunk is not a JSON object")
+                aggregator.feed(chunk)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    if choice.get("finish_reason"):
+                        finish_reason = choice["finish_reason"]
+                if writer is not None:
+                    if not started:
+                        started = True
+                        prompt_ids = chunk.get("prompt_token_ids")
+                        for name, data in writer.start(
+                            f"msg_{chunk.get('id', '')}", wants.model or chunk.get("model") or "",
+                            input_tokens=len(prompt_ids) if isinstance(prompt_ids, list) else 0,
+                        ):
+                            yield encode_sse(orjson.dumps(data), event=name)
+                    for name, data in writer.feed(chunk):
+                        yield encode_sse(orjson.dumps(data), event=name)
+                    continue
+                view = client_view_chunk(chunk, wants_logprobs=wants.logprobs, wants_usage=wants.usage,
+                                         client_model=wants.model)
+                if view is not None:
+                    yield encode_sse(orjson.dumps(view))
+        except (httpx.HTTPError, ValueError, RuntimeError) as exc:  # JSONDecodeError is a ValueError
+            log.warning("upstream stream broke: %s: %s", type(exc).__name__, exc)
+        finally:
+            await resp.aclose()
+            if capture is not None and not completed:
+                # A broken stream or a client disconnect: the capture is dropped. In a detached task, because this
+                # generator may be inside a cancelled scope where every await fails at once.
+                self._discard_in_background(capture)
+
+    # --------------------------------------------------------- hook endings
+
+    async def _after(self, capture: Capture, completion: dict[str, Any]) -> None:
+        """Commit the capture; a refusal still gives the client its completion, but the Task is aborted."""
+        t = capture.binding.rl_task_id
+        try:
+            try:
+                answer = await self._rl.after(capture.hook_body(request=capture.request, response=completion))
+            except HookUnreachable:
+                answer = None
+            if answer is None or not answer.ok:
+                log.warning("after hook for task %s failed (%s); aborting it", t,
+                            "unreachable" if answer is None else answer.status)
+                self._abort_in_background(t)
+        finally:
+            self._sessions.end(t)
+
+    def _discard_in_background(self, capture: Capture) -> None:
+        self._spawn(self._discard(capture))
+
+    async def _after_shielded(self, capture: Capture, completion: dict[str, Any]) -> None:
+        """`_after` in its own task: a client that disconnects while it runs cannot cut it in half (which would
+        leave the RL Service unsure whether the capture was committed)."""
+        task = self._spawn(self._after(capture, completion))
+        await asyncio.shield(task)
+
+    async def _discard(self, capture: Capture) -> None:
+        t = capture.binding.rl_task_id
+        try:
+            try:
+                answer = await self._rl.discard(capture.hook_body())
+                ok = answer.ok
+            except HookUnreachable:
+                ok = False
+            if not ok:
+                await self._abort(t)
+        finally:
+            self._sessions.end(t)
+
+    def _abort_in_background(self, rl_task_id: str) -> None:
+        self._spawn(self._abort(rl_task_id))
+
+    async def _abort(self, rl_task_id: str) -> None:
+        """`:abort capture_failed` and unmap; best effort (the RL Service may be gone)."""
+        await self._tracker.release(rl_task_id)
+        try:
+            await self._rl.abort(rl_task_id, "capture_failed")
+        except HookUnreachable:
+            log.warning("could not abort task %s: RL Service unreachable", rl_task_id)
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,58 @@
+"""`openjiuwen-rl gateway --config FILE`: run the reference gateway (the one place that reads its environment)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="openjiuwen-rl gateway",
+        description="Run the reference gateway: inference proxy with capture, LoRA manager, RL Service supervisor.",
+    )
+    parser.add_argument("--config", required=True, help="gateway JSON config (AIGW shape); see docs/gateway.md")
+    parser.add_argument("--log-level", default="INFO", help="log level of the gateway's stderr log (default INFO)")
+    return parser.parse_args(argv)
+
+
+async def _serve(config_path: str) -> int:
+    import uvicorn
+
+    from ..online.config import ConfigError, load_config
+    from .app import build_gateway, create_gateway_app
+    from .config import GatewayConfigError, load_gateway_config, load_hmac_keys
+    from .hmac_auth import HmacVerifier
+
+    try:
+        config = load_gateway_config(config_path)
+        rl_config = load_config(config.online_rl.config_path)
+        keys = await load_hmac_keys(config)
+    except (GatewayConfigError, ConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    verifier = HmacVerifier(keys.api, keys.ins)
+    gateway = build_gateway(config, model_id=rl_config.model_id, verifier=verifier, env=dict(os.environ))
+    app = create_gateway_app(gateway)
+    host, _, port = config.global_.listen.rpartition(":")
+    server = uvicorn.Server(uvicorn.Config(app, host=host.strip("[]") or "127.0.0.1", port=int(port),
+                                           log_config=None, access_log=False, timeout_graceful_shutdown=30))
+    await server.serve()
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # uvicorn re-raises SIGTERM after its graceful shutdown; a requested stop is a clean exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    return asyncio.run(_serve(args.config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""OpenAI chat shapes: stream aggregation (CONTRACT §3.6) and the client-facing views without private fields (§3.7)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Private fields: asked for by the gateway/RL injection (token ids, logprobs, routing) or vLLM internals. They feed
+# the capture hooks only; no client ever sees them, captured or not.
+PRIVATE_TOP_LEVEL = frozenset(
+    {"prompt_token_ids", "prompt_logprobs", "prompt_text", "rl_lora", "routed_experts", "routing_metadata"}
+)
+PRIVATE_CHOICE = frozenset({"token_ids", "routed_experts", "routing_metadata"})
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientWants:
+    """What the client's own request asked for (before any injection)."""
+
+    logprobs: bool  # `logprobs: true`
+    usage: bool  # `stream_options.include_usage: true`
+    stream: bool  # `stream: true`
+    model: str | None  # the client's `model`, echoed back instead of the pinned policy model
+
+
+def client_wants(request: dict[str, Any]) -> ClientWants:
+    """Read from the ORIGINAL client request: the injected one always asks for logprobs and usage."""
+    options = request.get("stream_options")
+    model = request.get("model")
+    return ClientWants(
+        logprobs=request.get("logprobs") is True,
+        usage=isinstance(options, dict) and options.get("include_usage") is True,
+        stream=request.get("stream") is True,
+        model=model if isinstance(model, str) else None,
+    )
+
+
+def _view_choice(choice: Any, wants_logprobs: bool) -> Any:
+    if not isinstance(choice, dict):
+        return choice
+    view = {k: v for k, v in choice.items() if k not in PRIVATE_CHOICE}
+    if not wants_logprobs:
+        view.pop("logprobs", None)
+    return view
+
+
+def _view_usage(usage: Any) -> Any:
+    if not isinstance(usage, dict):
+        return usage  # null stays null
+    return {k: usage[k] for k in USAGE_KEYS if k in usage}
+
+
+def client_view_response(body: dict[str, Any], *, wants_logprobs: bool, client_model: str | None) -> dict[str, Any]:
+    """A non-streamed completion as the client may see it. `body` is not mutated (the capture hook gets it whole)."""
+    view = {k: v for k, v in body.items() if k not in PRIVATE_TOP_LEVEL}
+    choices = body.get("choices")
+    if isinstance(choices, list):
+        view["choices"] = [_view_choice(c, wants_logprobs) for c in choices]
+    if "usage" in view:
+        view["usage"] = _view_usage(view["usage"])
+    if client_model is not None:
+        view["model"] = client_model
+    return view
+
+
+def client_view_chunk(
+    chunk: dict[str, Any], *, wants_logprobs: bool, wants_usage: bool, client_model: str | None
+) -> dict[str, Any] | None:
+    """One SSE chunk as the client may see it, or None when it must not be forwarded at all (the usage-only chunk
+    the client did not ask for). `usage` on other chunks (vLLM continuous usage) follows the same choice."""
+    choices = chunk.get("choices")
+    if choices == [] and chunk.get("usage") is not None and not wants_usage:
+        return None
+    view = {k: v for k, v in chunk.items() if k not in PRIVATE_TOP_LEVEL}
+    if isinstance(choices, list):
+        view["choices"] = [_view_choice(c, wants_logprobs) for c in choices]
+    if "usage" in view:
+        if wants_usage:
+            view["usage"] = _view_usage(view["usage"])
+        else:
+            del view["usage"]
+    if client_model is not None and "model" in view:
+        view["model"] = client_model
+    return view
+
+
+class _ToolCallParts:
+    __slots__ = ("id", "type", "name", "arguments")
+
+    def __init__(self) -> None:
+        self.id: str | None = None
+        self.type: str | None = None
+        self.name: str | None = None
+        self.arguments: list[str] = []
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "id": self.id or "",
+            "type": self.type or "function",
+            "function": {"name": self.name or "", "arguments": "".join(self.arguments)},
+        }
+
+
+class StreamAggregator:
+    """Builds the one `chat.completion` that `:after` receives from the OpenAI chunks of a stream (§3.6).
+
+    Linear in the stream: pieces go to lists and are joined once in `result()`. Only choice index 0 is kept (a
+    captured request has `n` = 1). Chunks are read, never mutated.
+    """
+
+    __slots__ = (
+        "_id", "_model", "_prompt_token_ids", "_final_usage", "_last_usage", "_content", "_content_seen",
+        "_reasoning", "_reasoning_seen", "_token_ids", "_logprobs", "_tool_calls", "_finish_reason",
+        "_routed_experts", "_routing_metadata", "_error",
+    )
+
+    def __init__(self) -> None:
+        self._id = ""
+        self._model = ""
+        self._prompt_token_ids: Any = None
+        self._final_usage: dict[str, Any] | None = None  # from the usage-only chunk (`choices: []`)
+        self._last_usage: dict[str, Any] | None = None  # continuous usage on ordinary chunks, a fallback
+        self._content: list[str] = []
+        self._content_seen = False
+        self._reasoning: list[str] = []
+        self._reasoning_seen = False
+        self._token_ids: list[Any] = []
+        self._logprobs: list[Any] = []
+        self._tool_calls: dict[Any, _ToolCallParts] = {}
+        self._finish_reason: Any = None
+        self._routed_experts: Any = None
+        self._routing_metadata: Any = None
+        self._error: Any = None
+
+    @property
+    def error(self) -> Any:
+        """The `error` object of an in-stream vLLM error chunk, if one arrived (the stream then failed)."""
+        return self._error
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        if not isinstance(chunk, dict):
+            raise ValueError("a stream chunk must be a JSON object")
+        value = chunk.get("id")
+        if isinstance(value, str) and value:
+            self._id = value
+        value = chunk.get("model")
+        if isinstance(value, str) and value:
+            self._model = value
+        if chunk.get("prompt_token_ids") is not None:
+            self._prompt_token_ids = chunk["prompt_token_ids"]
+        if chunk.get("error") is not None:
+            self._error = chunk["error"]
+        choices = chunk.get("choices")
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            if choices == []:
+                self._final_usage = usage
+            else:
+                self._last_usage = usage
+        self._routing(chunk)
+        if isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                    self._feed_choice(choice)
+
+    def _feed_choice(self, choice: dict[str, Any]) -> None:
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            content = delta.get("content")
+            if isinstance(content, str):
+                self._content_seen = True
+                self._content.append(content)
+            # vLLM renamed `reasoning_content` to `reasoning`; some versions send both with the same text.
+            reasoning = delta.get("reasoning_content")
+            if not isinstance(reasoning, str):
+                reasoning = delta.get("reasoning")
+            if isinstance(reasoning, str):
+                self._reasoning_seen = True
+                self._reasoning.append(reasoning)
+            tool_calls = delta.get("tool_calls")
+            if isinstance(tool_calls, list):
+                for call in tool_calls:
+                    if isinstance(call, dict):
+                        self._merge_tool_call(call)
+        token_ids = choice.get("token_ids")
+        if isinstance(token_ids, list):
+            self._token_ids.extend(token_ids)
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+            self._logprobs.extend(logprobs["content"])
+        if choice.get("finish_reason") is not None:
+            self._finish_reason = choice["finish_reason"]
+        self._routing(choice)
+
+    def _merge_tool_call(self, call: dict[str, Any]) -> None:
+        index = call.get("index", 0)
+        parts = self._tool_calls.get(index)
+        if parts is None:
+            parts = self._tool_calls[index] = _ToolCallParts()
+        # Overwrite only with a value: later deltas of a call usually repeat `id`/`name` as null or leave them out.
+        if call.get("id"):
+            parts.id = call["id"]
+        if call.get("type"):
+            parts.type = call["type"]
+        function = call.get("function")
+        if isinstance(function, dict):
+            if function.get("name"):
+                parts.name = function["name"]
+            arguments = function.get("arguments")
+            if isinstance(arguments, str) and arguments:
+                parts.arguments.append(arguments)
+
+    def _routing(self, holder: dict[str, Any]) -> None:
+        # MoE routing travels per chunk (per-token lists, concatenated) or once (any other value, last one wins).
+        routed = holder.get("routed_experts")
+        if routed is not None:
+            if isinstance(routed, list) and isinstance(self._routed_experts, list):
+                self._routed_experts.extend(routed)
+            else:
+                self._routed_experts = list(routed) if isinstance(routed, list) else routed
+        if holder.get("routing_metadata") is not None:
+            self._routing_metadata = holder["routing_metadata"]
+
+    def result(self) -> dict[str, Any]:
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self._content) if self._content_seen else None,
+        }
+        if self._reasoning_seen:
+            message["reasoning_content"] = "".join(self._reasoning)
+        if self._tool_calls:
+            message["tool_calls"] = [self._tool_calls[i].result() for i in sorted(self._tool_calls, key=_index_key)]
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "finish_reason": self._finish_reason,
+            "token_ids": list(self._token_ids),
+            "logprobs": {"content": list(self._logprobs)},
+        }
+        if self._routed_experts is not None:
+            choice["routed_experts"] = (
+                list(self._routed_experts) if isinstance(self._routed_experts, list) else self._routed_experts
+            )
+        if self._routing_metadata is not None:
+            choice["routing_metadata"] = self._routing_metadata
+        return {
+            "id": self._id,
+            "object": "chat.completion",
+            "model": self._model,
+            "prompt_token_ids": self._prompt_token_ids,
+            "choices": [choice],
+            "usage": self._final_usage if self._final_usage is not None else self._last_usage,
+        }
+
+
+def _index_key(index: Any) -> tuple[int, Any]:
+    # Integer indexes in order; anything odd (a malformed upstream) after them, without a TypeError on comparison.
+    return (0, index) if type(index) is int else (1, repr(index))

@@ -1,0 +1,105 @@
+"""Calls from the gateway to its RL Service child: the capture hooks, internal finish/abort, and the proxied public
+routes (CONTRACT §3.3, §3.5). Always with `Authorization: Bearer <RL_SERVICE_TOKEN>` of the current child.
+
+Hooks are retried `hookRetries` times on transport errors and timeouts only — safe, since they are idempotent per
+capture id; an HTTP answer is never retried.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+log = logging.getLogger("openjiuwen.agent_rl.gateway.rl_client")
+
+
+class HookUnreachable(RuntimeError):
+    """No HTTP answer after the retries (transport error or timeout)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RLAnswer:
+    status: int
+    body: bytes
+    content_type: str
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+
+class RLClient:
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        token: Callable[[], str | None],
+        hook_timeout_s: float,
+        hook_retries: int,
+        control_timeout_s: float,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._endpoint = endpoint.rstrip("/")
+        self._token = token
+        self._hook_timeout_s = hook_timeout_s
+        self._hook_retries = hook_retries
+        self._control_timeout_s = control_timeout_s
+        self._client = client or httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=512))
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        token = self._token()
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        if extra:
+            headers.update(extra)
+        return headers
+
+    async def hook(self, path: str, body: dict[str, Any]) -> RLAnswer:
+        """POST a hook with the hook timeout and retries; raises HookUnreachable when nothing answered."""
+        payload = orjson.dumps(body)
+        last: Exception | None = None
+        for attempt in range(self._hook_retries + 1):
+            try:
+                resp = await self._client.post(
+                    self._endpoint + path, content=payload, headers=self._headers(), timeout=self._hook_timeout_s
+                )
+            except httpx.TransportError as exc:  # includes timeouts
+                last = exc
+                log.warning("hook %s attempt %d failed: %s", path, attempt + 1, type(exc).__name__)
+                continue
+            return RLAnswer(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))
+        raise HookUnreachable(f"{path}: {type(last).__name__}")
+
+    async def before(self, body: dict[str, Any]) -> RLAnswer:
+        return await self.hook("/internal/v1/completions:before", body)
+
+    async def after(self, body: dict[str, Any]) -> RLAnswer:
+        return await self.hook("/internal/v1/completions:after", body)
+
+    async def discard(self, body: dict[str, Any]) -> RLAnswer:
+        return await self.hook("/internal/v1/completions:discard", body)
+
+    async def abort(self, rl_task_id: str, reason: str) -> RLAnswer:
+        return await self.hook(f"/internal/v1/rl/tasks/{rl_task_id}:abort", {"reason": reason})
+
+    async def forward(
+        self, method: str, path: str, *, body: bytes = b"", query: str = "", headers: dict[str, str] | None = None
+    ) -> RLAnswer:
+        """A proxied public call, bounded by `controlTimeout`; raises httpx.TimeoutException / TransportError."""
+        url = self._endpoint + path + (f"?{query}" if query else "")
+        resp = await self._client.request(
+            method, url, content=body or None, headers=self._headers(headers), timeout=self._control_timeout_s
+        )
+        return RLAnswer(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))

@@ -1,0 +1,112 @@
+"""Server-Sent Events: incremental parsing from arbitrary byte chunks, and encoding (WHATWG event-stream framing)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+DONE = "[DONE]"  # the OpenAI end-of-stream sentinel, sent as `data: [DONE]`
+
+
+@dataclass(frozen=True, slots=True)
+class SSEEvent:
+    event: str | None  # the `event:` field; None when absent or empty (the spec's default "message")
+    data: str  # the `data:` lines joined by "\n"
+
+
+class SSEDecoder:
+    """Push bytes in any chunking, take complete events out; `close()` flushes a last event that had no blank line.
+
+    Lines end with "\\n", "\\r\\n" or "\\r". Comments (":" lines), `id:` and `retry:` are ignored; a blank line
+    dispatches the pending event if it has data. Invalid UTF-8 is replaced, never fatal.
+    """
+
+    __slots__ = ("_buf", "_event", "_data", "_first_line")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._event: str | None = None
+        self._data: list[str] = []
+        self._first_line = True  # a byte-order mark is stripped from the first line only
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if not chunk:
+            return []
+        self._buf += chunk
+        if b"\n" not in chunk and b"\r" not in chunk:
+            return []  # no line ended here; skipping the split keeps a long line arriving in pieces linear
+        lines = self._buf.splitlines(keepends=True)  # bytes split only on \n, \r\n and \r
+        if lines[-1].endswith(b"\n"):
+            self._buf = bytearray()
+        else:
+            # Unterminated, or ending in a lone "\r" whose "\n" may open the next chunk: keep it for later.
+            self._buf = lines.pop()
+        events: list[SSEEvent] = []
+        for raw in lines:
+            event = self._line(bytes(raw.rstrip(b"\r\n")))
+            if event is not None:
+                events.append(event)
+        return events
+
+    def close(self) -> list[SSEEvent]:
+        """End of stream: the unterminated last line counts, and a pending event is dispatched."""
+        events: list[SSEEvent] = []
+        if self._buf:
+            line, self._buf = bytes(self._buf.rstrip(b"\r\n")), bytearray()
+            event = self._line(line)
+            if event is not None:
+                events.append(event)
+        event = self._dispatch()
+        if event is not None:
+            events.append(event)
+        return events
+
+    def _line(self, line: bytes) -> SSEEvent | None:
+        if not line:
+            self._first_line = False
+            return self._dispatch()
+        text = line.decode("utf-8", "replace")
+        if self._first_line:
+            self._first_line = False
+            text = text.removeprefix("\ufeff")
+        if text.startswith(":"):
+            return None
+        name, colon, value = text.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value or None
+        return None
+
+    def _dispatch(self) -> SSEEvent | None:
+        event, self._event = self._event, None
+        if not self._data:  # the spec drops an event without data (its name is reset all the same)
+            return None
+        data, self._data = "\n".join(self._data), []
+        return SSEEvent(event, data)
+
+
+async def iter_sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[SSEEvent]:
+    """Events from a byte stream as soon as each one is complete; a final event without a blank line is kept."""
+    decoder = SSEDecoder()
+    async for chunk in chunks:
+        for event in decoder.feed(chunk):
+            yield event
+    for event in decoder.close():
+        yield event
+
+
+def encode_sse(data: str | bytes, event: str | None = None) -> bytes:
+    """One event as wire bytes: `event: <name>` (if any), one `data:` line per line of `data`, a blank line."""
+    payload = data.encode() if isinstance(data, str) else bytes(data)
+    head = b""
+    if event is not None:
+        if "\n" in event or "\r" in event:
+            raise ValueError("an SSE event name cannot contain a line break")
+        head = b"event: " + event.encode() + b"\n"
+    if b"\n" not in payload and b"\r" not in payload:  # the common case: one compact JSON document
+        return head + b"data: " + payload + b"\n\n"
+    lines = payload.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+    return head + b"".join(b"data: " + line + b"\n" for line in lines) + b"\n"

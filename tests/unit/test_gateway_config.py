@@ -1,0 +1,359 @@
+"""Gateway configuration (CONTRACT §3.1): Go durations, the AIGW JSON shape, and loading the HMAC keys."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from openjiuwen.agent_evolving.agent_rl.gateway.config import (
+    GatewayConfig,
+    GatewayConfigError,
+    HmacKeys,
+    decode_key,
+    format_duration,
+    gateway_config_from_mapping,
+    load_gateway_config,
+    load_hmac_keys,
+    parse_duration,
+)
+
+API_KEY = "api-key-0123456789abcdef-SECRET-x"  # 33 characters: used as its UTF-8 bytes
+INS_KEY_HEX = "9f" * 32  # 64 hex digits: decoded to 32 bytes
+
+
+def example(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    """The contract's production example values."""
+    data: dict[str, Any] = {
+        "global": {"listen": "127.0.0.1:8080", "hmacKeyFile": str(tmp_path / "keys.json")},
+        "instances": [
+            {"name": "vllm-0", "model": "tiny", "instanceIp": "127.0.0.1", "port": 8000},
+            {"name": "vllm-1", "model": "tiny", "instanceIp": "::1", "port": "8001"},
+        ],
+        "lora": {"root": "/srv/loras", "statePath": str(tmp_path / "lora-state.json"), "operationTimeout": "60s"},
+        "onlineRL": {
+            "command": ["python", "-m", "openjiuwen.agent_evolving.agent_rl.online.service"],
+            "configPath": "/etc/rl-service.yaml",
+            "endpoint": "http://127.0.0.1:18081",
+            "hookTimeout": "30s",
+            "hookRetries": 2,
+            "drainTimeout": "120s",
+            "controlTimeout": "300s",
+        },
+    }
+    data.update(overrides)
+    return data
+
+
+def error_of(data: Any) -> str:
+    with pytest.raises(GatewayConfigError) as info:
+        gateway_config_from_mapping(data)
+    return str(info.value)
+
+
+# --- durations ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("300ms", 0.3), ("30s", 30.0), ("2m", 120.0), ("1h", 3600.0), ("1m30s", 90.0), ("1.5s", 1.5),
+        ("500us", 0.0005), ("500µs", 0.0005), ("250ns", 2.5e-7), ("1h2m3s4ms", 3723.004), (".5s", 0.5),
+        ("+2s", 2.0), ("-1s", -1.0), ("0s", 0.0),
+    ],
+)
+def test_parse_duration_valid(text: str, seconds: float):
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    "text", ["", "30", "0", "1.5", "s", "-", "30 s", " 30s", "30s ", "30sec", "1d", "30S", "1m30", ".s", "1e3s",
+             "ms", "--1s", "٣s"],
+)
+def test_parse_duration_invalid(text: str):
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize("seconds", [0.3, 30.0, 120.0, 0.0005, 1.5, 90.0])
+def test_format_duration_round_trips(seconds: float):
+    assert parse_duration(format_duration(seconds)) == pytest.approx(seconds)
+
+
+# --- the config shape -----------------------------------------------------------------------------------------
+
+
+def test_contract_example_parses(tmp_path: Path):
+    config = gateway_config_from_mapping(example(tmp_path))
+    assert (config.global_.listen_host, config.global_.listen_port) == ("127.0.0.1", 8080)
+    assert config.global_.hmac_key_file == str(tmp_path / "keys.json") and config.global_.crypto_sock is None
+    assert [(i.name, i.model, i.instance_ip, i.port) for i in config.instances] == [
+        ("vllm-0", "tiny", "127.0.0.1", 8000), ("vllm-1", "tiny", "::1", 8001),
+    ]
+    assert [i.base_url for i in config.instances] == ["http://127.0.0.1:8000", "http://[::1]:8001"]
+    assert config.lora.root == "/srv/loras" and config.lora.operation_timeout_s == 60.0
+    rl = config.online_rl
+    assert rl.command[-1] == "openjiuwen.agent_evolving.agent_rl.online.service"
+    assert (rl.config_path, rl.endpoint) == ("/etc/rl-service.yaml", "http://127.0.0.1:18081")
+    assert (rl.hook_timeout_s, rl.hook_retries, rl.drain_timeout_s, rl.control_timeout_s) == (30.0, 2, 120.0, 300.0)
+
+
+def test_test_example_values_and_round_trip(tmp_path: Path):
+    data = example(tmp_path)
+    data["lora"]["operationTimeout"] = "5s"
+    data["onlineRL"].update(hookTimeout="300ms", hookRetries=0, drainTimeout="300ms", controlTimeout="10s")
+    config = gateway_config_from_mapping(data)
+    assert (config.online_rl.hook_timeout_s, config.online_rl.drain_timeout_s) == (0.3, 0.3)
+    assert config.lora.operation_timeout_s == 5.0 and config.online_rl.control_timeout_s == 10.0
+    dumped = config.to_json()
+    assert dumped["onlineRL"]["hookTimeout"] == "300ms" and dumped["lora"]["operationTimeout"] == "5s"
+    assert gateway_config_from_mapping(json.loads(json.dumps(dumped))) == config
+
+
+def test_defaults(tmp_path: Path):
+    config = gateway_config_from_mapping({
+        "global": {"cryptoSock": "/run/aigw/crypto.sock"},
+        "lora": {"root": "/srv/loras", "statePath": "/var/lib/gw/lora.json"},
+        "onlineRL": {"command": ["rl-service"], "configPath": "/etc/rl.yaml"},
+    })
+    assert config.global_.listen == "127.0.0.1:8080" and config.instances == []
+    assert config.lora.operation_timeout_s == 60.0
+    rl = config.online_rl
+    assert (rl.endpoint, rl.hook_timeout_s, rl.hook_retries) == ("http://127.0.0.1:18081", 30.0, 2)
+    assert (rl.drain_timeout_s, rl.control_timeout_s) == (120.0, 300.0)
+
+
+def test_frozen(tmp_path: Path):
+    config = gateway_config_from_mapping(example(tmp_path))
+    with pytest.raises(Exception):
+        config.online_rl.hook_retries = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [(), ("global",), ("instances", 0), ("lora",), ("onlineRL",)],
+)
+def test_unknown_keys_refused_at_every_level(tmp_path: Path, path: tuple):
+    data = example(tmp_path)
+    target: Any = data
+    for part in path:
+        target = target[part]
+    target["surprise"] = 1
+    where = ".".join(str(p) for p in (*path, "surprise"))
+    assert f"{where}: unknown key" in error_of(data)
+
+
+def test_snake_case_names_are_unknown(tmp_path: Path):
+    data = example(tmp_path)
+    data["onlineRL"]["hook_timeout"] = data["onlineRL"].pop("hookTimeout")
+    assert "onlineRL.hook_timeout: unknown key" in error_of(data)
+
+
+@pytest.mark.parametrize("sources", [{}, {"hmacKeyFile": "/k.json", "cryptoSock": "/c.sock"}])
+def test_exactly_one_key_source(tmp_path: Path, sources: dict):
+    data = example(tmp_path)
+    data["global"] = {"listen": "127.0.0.1:8080", **sources}
+    assert "exactly one of hmacKeyFile and cryptoSock" in error_of(data)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "field"),
+    [
+        ("onlineRL", "hookTimeout", "30", "onlineRL.hookTimeout"),
+        ("onlineRL", "hookTimeout", 30, "onlineRL.hookTimeout"),
+        ("onlineRL", "drainTimeout", "0s", "onlineRL.drainTimeout"),
+        ("onlineRL", "controlTimeout", "-1s", "onlineRL.controlTimeout"),
+        ("onlineRL", "hookRetries", -1, "onlineRL.hookRetries"),
+        ("onlineRL", "hookRetries", True, "onlineRL.hookRetries"),
+        ("onlineRL", "hookRetries", "2", "onlineRL.hookRetries"),
+        ("onlineRL", "command", [], "onlineRL.command"),
+        ("onlineRL", "command", "python -m x", "onlineRL.command"),
+        ("onlineRL", "command", ["python", " "], "onlineRL.command.1"),
+        ("onlineRL", "endpoint", "http://10.0.0.5:18081", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "https://127.0.0.1:18081", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://127.0.0.1:18081/v1", "onlineRL.endpoint"),
+        ("onlineRL", "configPath", "", "onlineRL.configPath"),
+        ("lora", "root", "relative/loras", "lora.root"),
+        ("lora", "operationTimeout", "1d", "lora.operationTimeout"),
+        ("global", "listen", "8080", "global.listen"),
+        ("global", "listen", "127.0.0.1:99999", "global.listen"),
+        ("global", "listen", "::1:8080", "global.listen"),
+    ],
+)
+def test_invalid_values_name_the_field(tmp_path: Path, section: str, key: str, value: Any, field: str):
+    data = example(tmp_path)
+    data[section][key] = value
+    message = error_of(data)
+    assert message.startswith(f"gateway config: {field}: "), message
+
+
+def test_errors_do_not_echo_values(tmp_path: Path):
+    data = example(tmp_path)
+    data["onlineRL"]["endpoint"] = "http://user:pw-SECRET@127.0.0.1:18081"
+    data["global"]["listen"] = "host-SECRET"
+    message = error_of(data)
+    assert "onlineRL.endpoint:" in message and "global.listen:" in message and "SECRET" not in message
+
+
+def test_required_sections_and_fields(tmp_path: Path):
+    data = example(tmp_path)
+    del data["onlineRL"]["configPath"]
+    del data["lora"]
+    message = error_of(data)
+    assert "lora: required" in message and "onlineRL.configPath: required" in message
+
+
+@pytest.mark.parametrize("port", [0, 65536, "80a", "", True, 8000.5, "123456"])
+def test_instance_port(tmp_path: Path, port: Any):
+    data = example(tmp_path)
+    data["instances"][0]["port"] = port
+    assert "instances.0.port:" in error_of(data)
+
+
+def test_instance_names_unique(tmp_path: Path):
+    data = example(tmp_path)
+    data["instances"][1]["name"] = "vllm-0"
+    assert "instances: instance names must be unique" in error_of(data)
+
+
+def test_listen_forms(tmp_path: Path):
+    for listen, host, port in [("[::1]:9000", "::1", 9000), ("0.0.0.0:0", "0.0.0.0", 0), ("gw.local:80", "gw.local", 80)]:
+        data = example(tmp_path)
+        data["global"]["listen"] = listen
+        section = gateway_config_from_mapping(data).global_
+        assert (section.listen_host, section.listen_port) == (host, port)
+
+
+def test_load_gateway_config_file(tmp_path: Path):
+    path = tmp_path / "gateway.json"
+    path.write_text(json.dumps(example(tmp_path)))
+    assert load_gateway_config(path) == gateway_config_from_mapping(example(tmp_path))
+
+    path.write_text('{"global": {}, "global": {}}')
+    with pytest.raises(GatewayConfigError, match="duplicate key 'global'"):
+        load_gateway_config(path)
+    path.write_text("[]")
+    with pytest.raises(GatewayConfigError, match="must be a JSON object"):
+        load_gateway_config(path)
+    path.write_text('{"global": ')
+    with pytest.raises(GatewayConfigError, match="invalid JSON at line 1"):
+        load_gateway_config(path)
+    with pytest.raises(GatewayConfigError, match="does not exist"):
+        load_gateway_config(tmp_path / "missing.json")
+
+
+# --- HMAC keys ------------------------------------------------------------------------------------------------
+
+
+def config_with(tmp_path: Path, **global_section: str) -> GatewayConfig:
+    return gateway_config_from_mapping(example(tmp_path, **{"global": global_section}))
+
+
+def test_decode_key():
+    assert decode_key(INS_KEY_HEX) == bytes([0x9F]) * 32
+    assert decode_key("AB" * 32) == bytes([0xAB]) * 32  # hex digits in either case
+    assert decode_key(API_KEY) == API_KEY.encode()
+    assert decode_key("k" * 32) == b"k" * 32
+    assert decode_key("é" * 16) == "é".encode() * 16  # 32 UTF-8 bytes
+    for short in ("k" * 31, "ab" * 15, ""):
+        with pytest.raises(ValueError):
+            decode_key(short)
+
+
+async def test_keys_from_file(tmp_path: Path):
+    key_file = tmp_path / "keys.json"
+    key_file.write_text(json.dumps({"apiHmacKey": API_KEY, "insHmacKey": INS_KEY_HEX, "other": 1}))
+    keys = await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))
+    assert keys == HmacKeys(api=API_KEY.encode(), ins=bytes([0x9F]) * 32)
+    assert API_KEY not in repr(keys) and "9f9f" not in repr(keys) and "32 bytes" in repr(keys)
+
+    key_file.write_text(json.dumps({"apiHmacKey": API_KEY}))
+    assert (await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))).ins is None
+    key_file.write_text(json.dumps({"apiHmacKey": API_KEY, "insHmacKey": ""}))
+    assert (await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))).ins is None
+
+
+async def serve_keys(path: Path, payload: bytes, *, close: bool = True) -> asyncio.AbstractServer:
+    """A UNIX stream socket that writes `payload` to every connection (and keeps it open when `close` is False)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(payload)
+        await writer.drain()
+        if close:
+            writer.close()
+        else:
+            await reader.read()  # until the client hangs up
+            writer.close()
+
+    return await asyncio.start_unix_server(handle, path=str(path))
+
+
+@pytest.mark.parametrize("close", [True, False])
+async def test_keys_from_socket(tmp_path: Path, close: bool):
+    sock = tmp_path / "crypto.sock"
+    payload = json.dumps({"apiHmacKey": INS_KEY_HEX, "insHmacKey": API_KEY}).encode() + b"\n"
+    server = await serve_keys(sock, payload, close=close)
+    async with server:
+        keys = await load_hmac_keys(config_with(tmp_path, cryptoSock=str(sock)), timeout_s=5)
+    assert keys == HmacKeys(api=bytes([0x9F]) * 32, ins=API_KEY.encode())
+
+
+async def test_socket_that_never_completes_times_out(tmp_path: Path):
+    sock = tmp_path / "crypto.sock"
+    server = await serve_keys(sock, b'{"apiHmacKey": "' + API_KEY.encode(), close=False)
+    async with server:
+        with pytest.raises(GatewayConfigError, match="no complete key document within 0.3 s") as info:
+            await load_hmac_keys(config_with(tmp_path, cryptoSock=str(sock)), timeout_s=0.3)
+    assert API_KEY not in str(info.value)
+
+
+async def test_missing_socket(tmp_path: Path):
+    with pytest.raises(GatewayConfigError, match="cannot connect"):
+        await load_hmac_keys(config_with(tmp_path, cryptoSock=str(tmp_path / "absent.sock")), timeout_s=1)
+
+
+@pytest.mark.parametrize(
+    ("document", "expected"),
+    [
+        ({"apiHmacKey": "short-" + "s" * 20}, "apiHmacKey: must be 64 hex digits or a string of 32..1024 bytes"),
+        ({"insHmacKey": API_KEY}, "apiHmacKey: required"),
+        ({"apiHmacKey": API_KEY, "insHmacKey": "tiny-SECRET"}, "insHmacKey: must be 64 hex digits"),
+        ({"apiHmacKey": API_KEY, "insHmacKey": 7}, "insHmacKey: must be a string"),
+        ([API_KEY], "must be a JSON object"),
+    ],
+)
+async def test_key_errors_never_contain_key_material(tmp_path: Path, document: Any, expected: str):
+    key_file = tmp_path / "keys.json"
+    key_file.write_text(json.dumps(document))
+    with pytest.raises(GatewayConfigError) as info:
+        await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))
+    message = str(info.value)
+    assert expected in message and str(key_file) in message
+    for secret in (API_KEY, "short-", "tiny-SECRET", "SECRET"):
+        assert secret not in message
+
+
+async def test_malformed_key_json_is_not_quoted(tmp_path: Path):
+    key_file = tmp_path / "keys.json"
+    key_file.write_text('{"apiHmacKey": "' + API_KEY + '", oops}')
+    with pytest.raises(GatewayConfigError) as info:
+        await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))
+    assert "invalid JSON at line 1" in str(info.value) and "SECRET" not in str(info.value)
+
+    sock = tmp_path / "crypto.sock"
+    server = await serve_keys(sock, b'{"apiHmacKey": "' + API_KEY.encode() + b'" ]')
+    async with server:
+        with pytest.raises(GatewayConfigError) as info:
+            await load_hmac_keys(config_with(tmp_path, cryptoSock=str(sock)), timeout_s=5)
+    assert "invalid JSON" in str(info.value) and "SECRET" not in str(info.value)
+
+
+def test_config_copy_is_independent(tmp_path: Path):
+    data = example(tmp_path)
+    before = copy.deepcopy(data)
+    gateway_config_from_mapping(data)
+    assert data == before
