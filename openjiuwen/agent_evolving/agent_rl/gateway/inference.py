@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
+from .instances import Instance
 from .lora_manager import LoraError, LoraManager
 from .openai_shapes import ClientWants, StreamAggregator, client_view_chunk, client_view_response, client_wants
 from .rl_client import HookUnreachable, RLAnswer, RLClient
@@ -116,20 +117,26 @@ class InferenceProxy:
         wants = client_wants(body)
         if client_model is not None:
             wants = ClientWants(wants.logprobs, wants.usage, wants.stream, client_model)
-        binding = self._sessions.for_session(request.headers.get("x-agent-session-id"))
+        session_id = request.headers.get("x-agent-session-id")
+        binding = self._sessions.for_session(session_id)
         if binding is None or not self._rl_running():
-            return await self._bypass(body, wants, flavor)
+            return await self._bypass(body, wants, flavor, session_id)
         return await self._captured(body, wants, flavor, binding, request.headers.get("x-agent-turn-id"))
 
     # ---------------------------------------------------------------- bypass
 
-    async def _bypass(self, body: dict[str, Any], wants: ClientWants, flavor: str) -> Response:
+    async def _bypass(
+        self, body: dict[str, Any], wants: ClientWants, flavor: str, session_id: str | None
+    ) -> Response:
         model = body.get("model")
         try:
-            instance = self._loras.pick(self._model_id, model if isinstance(model, str) else self._model_id)
+            # Base traffic of one session sticks to one instance (prefix-cache reuse); LoRA traffic never does.
+            instance = self._loras.pick(
+                self._model_id, model if isinstance(model, str) else self._model_id, affinity_key=session_id
+            )
         except LoraError as exc:
             return envelope(exc.status, exc.code, exc.message)
-        return await self._upstream_call(instance.base_url, body, wants, flavor, capture=None)
+        return await self._upstream_call(instance, body, wants, flavor, capture=None)
 
     # -------------------------------------------------------------- captured
 
@@ -148,13 +155,13 @@ class InferenceProxy:
                 return exc.response
             capture = Capture(binding, capture_id, turn_id, injected)
             try:
-                instance = self._loras.pick(self._model_id, binding.policy_model)
+                instance = self._loras.pick(self._model_id, binding.policy_model, affinity_key=binding.session_id)
             except LoraError as exc:
                 self._discard_in_background(capture)
                 handed_over = True
                 return envelope(exc.status, exc.code, exc.message)
             handed_over = True  # from here `_upstream_call` ends the in-flight count
-            return await self._upstream_call(instance.base_url, injected, wants, flavor, capture=capture)
+            return await self._upstream_call(instance, injected, wants, flavor, capture=capture)
         finally:
             if not handed_over:
                 self._sessions.end(t)
@@ -185,11 +192,25 @@ class InferenceProxy:
     # -------------------------------------------------------------- upstream
 
     async def _upstream_call(
-        self, base_url: str, body: dict[str, Any], wants: ClientWants, flavor: str, *, capture: Capture | None
+        self, instance: Instance, body: dict[str, Any], wants: ClientWants, flavor: str, *, capture: Capture | None
+    ) -> Response:
+        """Send to `instance`; the instance counts the call in flight until the answer (or stream) ends."""
+        self._loras.begin(instance)
+        streaming = False
+        try:
+            response = await self._upstream_answer(instance, body, wants, flavor, capture)
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not streaming:
+                self._loras.end(instance)
+
+    async def _upstream_answer(
+        self, instance: Instance, body: dict[str, Any], wants: ClientWants, flavor: str, capture: Capture | None
     ) -> Response:
         stream = body.get("stream") is True
         req = self._upstream.build_request(
-            "POST", base_url + CHAT_PATH, content=orjson.dumps(body), headers={"content-type": "application/json"},
+            "POST", instance.base_url + CHAT_PATH, content=orjson.dumps(body), headers={"content-type": "application/json"},
             timeout=UPSTREAM_TIMEOUT,
         )
         try:
@@ -207,7 +228,7 @@ class InferenceProxy:
                             media_type=resp.headers.get("content-type", "application/json"))
         if stream:
             return StreamingResponse(
-                self._relay_stream(resp, wants, flavor, capture), media_type="text/event-stream",
+                self._relay_stream(instance, resp, wants, flavor, capture), media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
         try:
@@ -239,7 +260,7 @@ class InferenceProxy:
                         media_type="application/json")
 
     async def _relay_stream(
-        self, resp: httpx.Response, wants: ClientWants, flavor: str, capture: Capture | None
+        self, instance: Instance, resp: httpx.Response, wants: ClientWants, flavor: str, capture: Capture | None
     ) -> AsyncIterator[bytes]:
         aggregator = StreamAggregator()
         writer = AnthropicStreamWriter() if flavor == "anthropic" else None
@@ -289,11 +310,12 @@ class InferenceProxy:
         except (httpx.HTTPError, ValueError, RuntimeError) as exc:  # JSONDecodeError is a ValueError
             log.warning("upstream stream broke: %s: %s", type(exc).__name__, exc)
         finally:
-            await resp.aclose()
+            self._loras.end(instance)
             if capture is not None and not completed:
                 # A broken stream or a client disconnect: the capture is dropped. In a detached task, because this
                 # generator may be inside a cancelled scope where every await fails at once.
                 self._discard_in_background(capture)
+            await resp.aclose()
 
     # --------------------------------------------------------- hook endings
 

@@ -1,0 +1,188 @@
+"""The reference gateway as a real process (`openjiuwen-rl gateway --config FILE`) with its RL Service child.
+
+    with GatewayProcess(tmp_path, redis_url, instances=[vllm_a, vllm_b], judge_url=judge.url) as gw:
+        gw.signed("POST", "/v1/rl/service/start")               # HMAC-signed control call (httpx.Response)
+        openai.OpenAI(base_url=gw.url + "/v1", api_key="x")     # agents talk to gw.url, unsigned
+
+It writes the HMAC key file, the RL Service YAML (scripted trainer, the test's Redis and Judge) and the gateway JSON
+config, starts the gateway in its own process group, and waits for `GET /aigw/v1/health`. Leaving the block kills
+the gateway's group and the child's (the child's own parent-death signal covers a gateway SIGKILL too).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import yaml
+
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign
+from tests.support.redis_server import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+API_KEY = b"k" * 32
+INS_KEY = b"i" * 32
+READY_TIMEOUT_S = 30.0
+
+
+class GatewayProcess:
+    def __init__(
+        self,
+        tmp: Path,
+        redis_url: str,
+        *,
+        instances: list[Any],
+        judge_url: str = "",
+        model_id: str = "tiny",
+        rl_overrides: dict[str, Any] | None = None,
+        online_overrides: dict[str, Any] | None = None,
+        lora_overrides: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.dir = Path(tmp) / "gateway"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.rl_port = free_port()
+        self.lora_root = (Path(tmp) / "loras").resolve()
+        self.lora_root.mkdir(parents=True, exist_ok=True)
+        self.model_id = model_id
+        key_file = self.dir / "hmac.json"
+        key_file.write_bytes(orjson.dumps({"apiHmacKey": API_KEY.decode(), "insHmacKey": INS_KEY.decode()}))
+        rl_config = {
+            "listen_port": self.rl_port,
+            "redis_url": redis_url,
+            "model_id": model_id,
+            "base_model_path": "/models/tiny",
+            "aigw_endpoint": f"http://127.0.0.1:{self.port}",
+            "lora_repository_path": str(self.lora_root),
+            "log_path": str(self.dir / "rl-service.log"),
+            "trainer_backend": "scripted",
+            "min_samples_for_training": 1,
+            "max_samples_per_run": 8,
+            "turn_publish_timeout_seconds": 5.0,
+            "lora_activation_timeout": 10.0,
+            "training_tmp_root": str(self.dir / "train-tmp"),
+        }
+        if judge_url:
+            rl_config.update(judge_endpoint=judge_url, judge_model="judge", judge_retries=0, judge_timeout=5.0)
+        rl_config.update(rl_overrides or {})
+        self.rl_config_path = self.dir / "rl-service.yaml"
+        self.rl_config_path.write_text(yaml.safe_dump(rl_config))
+        self.plan_path = self.dir / "scripted-plan.json"
+        self.plan_path.write_bytes(orjson.dumps({"outcome": "succeed"}))
+        online = {
+            "command": [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.online.service"],
+            "configPath": str(self.rl_config_path),
+            "endpoint": f"http://127.0.0.1:{self.rl_port}",
+            "hookTimeout": "5s",
+            "hookRetries": 1,
+            "drainTimeout": "2s",
+            "controlTimeout": "30s",
+            **(online_overrides or {}),
+        }
+        self.config = {
+            "global": {"listen": f"127.0.0.1:{self.port}", "hmacKeyFile": str(key_file)},
+            "instances": [
+                {"name": v.name, "model": model_id, "instanceIp": "127.0.0.1", "port": v.port} for v in instances
+            ],
+            "lora": {"root": str(self.lora_root), "statePath": str(self.dir / "lora-state.json"),
+                     "operationTimeout": "5s", **(lora_overrides or {})},
+            "onlineRL": online,
+        }
+        self.config_path = self.dir / "gateway.json"
+        self.config_path.write_bytes(orjson.dumps(self.config))
+        self.env = {k: v for k, v in os.environ.items() if k not in ("RL_SERVICE_TOKEN", "RL_SERVICE_CONFIG")}
+        self.env["ONLINE_RL_SCRIPTED_PLAN"] = str(self.plan_path)
+        self.env.update(env or {})
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def rl_url(self) -> str:
+        return f"http://127.0.0.1:{self.rl_port}"
+
+    # ------------------------------------------------------------ process
+
+    def start(self) -> "GatewayProcess":
+        stderr = open(self.dir / "gateway.stderr.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.cli.main", "gateway",
+             "--config", str(self.config_path)],
+            cwd=REPO_ROOT, env=self.env, stdout=stderr, stderr=stderr, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        stderr.close()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"gateway exited with {self.proc.returncode}:\n{self.stderr()[-3000:]}")
+            try:
+                if self.http.get("/aigw/v1/health").json().get("status") == "ok":
+                    return self
+            except (httpx.TransportError, ValueError):
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"gateway not ready in {READY_TIMEOUT_S} s:\n{self.stderr()[-3000:]}")
+
+    def stderr(self) -> str:
+        path = self.dir / "gateway.stderr.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def sigkill(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def __enter__(self) -> "GatewayProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self.http.close()
+
+    # ------------------------------------------------------------ calls
+
+    def signed(self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
+               key: bytes = API_KEY, **kwargs: Any) -> httpx.Response:
+        body = b"" if json is None else orjson.dumps(json)
+        h = sign(key, body, now_ms=int(time.time() * 1000))
+        if json is not None:
+            h["content-type"] = "application/json"
+        h.update(headers or {})
+        return self.http.request(method, path, content=body, headers=h, **kwargs)
+
+    def start_service(self) -> None:
+        r = self.signed("POST", "/v1/rl/service/start")
+        assert r.status_code == 200 and r.json()["status"] == "running", r.text
+
+    def start_task(self, session: str, mode: str = "terminal") -> httpx.Response:
+        return self.signed("POST", "/v1/rl/tasks/start", json={"reward_mode": mode},
+                           headers={"X-Agent-Session-Id": session})
+
+    def set_plan(self, plan: dict[str, Any]) -> None:
+        self.plan_path.write_bytes(orjson.dumps(plan))
