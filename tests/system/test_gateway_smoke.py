@@ -56,3 +56,22 @@ def test_bypass_then_capture_reward_and_stream(redis, redis_url, tmp_path, vllm)
         assert stats["by_status"]["pending"] == 2
         # Unsigned control is refused.
         assert gw.http.get("/v1/rl/trajectories/stats").status_code == 401
+
+
+def test_operator_cli_sends_signed_requests(redis, redis_url, tmp_path, vllm):
+    import subprocess
+    import sys
+
+    with GatewayProcess(tmp_path, redis_url, instances=list(vllm)) as gw:
+        command = [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.cli.main", "call", "--url", gw.url,
+                   "--key-file", str(gw.dir / "hmac.json")]
+        out = subprocess.run(command + ["POST", "/v1/rl/service/start"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.startswith("200 ") and '"running"' in out.stdout, out
+        out = subprocess.run(command + ["POST", "/v1/rl/tasks/start", "--data", '{"reward_mode": "terminal"}',
+                                        "-H", "X-Agent-Session-Id: cli-session"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.stdout.startswith("201 "), out
+        bad = subprocess.run([sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.cli.main", "call", "--url",
+                              gw.url, "--key-file", str(tmp_path / "wrong.json"), "GET", "/v1/rl/service"],
+                             capture_output=True, text=True, timeout=60, input="")
+        assert bad.returncode != 0

@@ -13,6 +13,12 @@ def _service(argv: list[str]) -> int:
     return service_main(argv)
 
 
+def _call(argv: list[str]) -> int:
+    from .call import main as call_main
+
+    return call_main(argv)
+
+
 def _gateway(argv: list[str]) -> int:
     from ..gateway.main import main as gateway_main
 
@@ -27,6 +33,7 @@ def _tiny_model(argv: list[str]) -> int:
 
 # name → (help, handler taking the remaining argv); each handler parses its own options and --help.
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "call": ("send one HMAC-signed control request to a gateway: call METHOD PATH --key-file F", _call),
     "gateway": ("run the reference gateway: gateway --config FILE (AIGW JSON shape, see docs/gateway.md)", _gateway),
     "service": ("run the RL Service (normally started by the gateway): service --config FILE", _service),
     "tiny-model": ("write a tiny random Qwen2 model + tokenizer offline: tiny-model --out DIR [--seed N]", _tiny_model),

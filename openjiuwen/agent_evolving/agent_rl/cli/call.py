@@ -1,0 +1,51 @@
+"""`openjiuwen-rl call METHOD PATH`: one HMAC-signed control request to a gateway (CONTRACT §3.2).
+
+    openjiuwen-rl call POST /v1/rl/service/start --key-file /etc/openjiuwen/gateway-keys.json
+    openjiuwen-rl call POST /v1/rl/tasks/start --data '{"reward_mode": "terminal"}' -H 'X-Agent-Session-Id: s1'
+
+Prints the status line and the body; exits 0 for a 2xx answer, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="openjiuwen-rl call", description="Send one HMAC-signed control request.")
+    parser.add_argument("method", help="HTTP method, e.g. GET or POST")
+    parser.add_argument("path", help="path and query, e.g. /v1/rl/trajectories/stats")
+    parser.add_argument("--url", default="http://127.0.0.1:8080", help="gateway base URL (default %(default)s)")
+    parser.add_argument("--key-file", required=True, help='JSON file holding {"apiHmacKey": ...}')
+    parser.add_argument("--data", default="", help="request body (JSON text); empty for bodiless requests")
+    parser.add_argument("-H", "--header", action="append", default=[], help="extra header 'Name: value'")
+    parser.add_argument("--timeout", type=float, default=330.0, help="seconds (default %(default)s)")
+    args = parser.parse_args(argv)
+
+    import httpx
+    import orjson
+
+    from ..gateway.config import keys_from_document
+    from ..gateway.hmac_auth import sign
+
+    with open(args.key_file, "rb") as fh:
+        keys = keys_from_document(orjson.loads(fh.read()), source=args.key_file)
+    body = args.data.encode()
+    headers = sign(keys.api, body, now_ms=int(time.time() * 1000))
+    if body:
+        headers["content-type"] = "application/json"
+    for line in args.header:
+        name, _, value = line.partition(":")
+        headers[name.strip()] = value.strip()
+    resp = httpx.request(args.method.upper(), args.url.rstrip("/") + args.path, content=body, headers=headers,
+                         timeout=args.timeout)
+    print(f"{resp.status_code} {resp.reason_phrase}")
+    if resp.content:
+        print(resp.text)
+    return 0 if resp.is_success else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
