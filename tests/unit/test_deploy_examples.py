@@ -13,3 +13,15 @@ def test_gateway_example_loads() -> None:
     config = load_gateway_config(ROOT / "deploy" / "gateway.example.json")
     assert [i.name for i in config.instances] == ["vllm-0", "vllm-1"]
     assert config.online_rl.hook_timeout_s == 30.0 and config.lora.operation_timeout_s == 60.0
+
+
+def test_deploy_configs_load() -> None:
+    from openjiuwen.agent_evolving.agent_rl.online.config import load_config
+
+    for host in ("one-machine", "gpu-host"):
+        rl = load_config(ROOT / "deploy" / host / "rl-service.yaml")
+        gw = load_gateway_config(ROOT / "deploy" / host / "gateway.json")
+        assert rl.lora_repository_path == str(gw.lora.root)
+        assert rl.model_id == gw.instances[0].model
+        assert gw.online_rl.control_timeout_s > rl.lora_activation_timeout > gw.lora.operation_timeout_s
+    assert load_config(ROOT / "deploy" / "gpu-host" / "rl-service.yaml").trainer_backend == "verl"
