@@ -32,6 +32,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from ..online.config import validation_problems
 from pydantic_core import PydanticCustomError
 
 MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
@@ -293,15 +295,6 @@ class GatewayConfig(_Model):
 # --- loader -----------------------------------------------------------------------------------------------------
 
 
-def _describe(error: Mapping[str, Any]) -> str:
-    loc = ".".join(str(part) for part in error.get("loc", ())) or "config"
-    if error.get("type") == "extra_forbidden":
-        return f"{loc}: unknown key"
-    if error.get("type") == "missing":
-        return f"{loc}: required"
-    return f"{loc}: {error.get('msg', 'invalid value')}"
-
-
 def gateway_config_from_mapping(data: Any, *, source: str = "gateway config") -> GatewayConfig:
     """Validate an already parsed JSON object; raise GatewayConfigError naming each offending field."""
     if not isinstance(data, Mapping):
@@ -309,9 +302,8 @@ def gateway_config_from_mapping(data: Any, *, source: str = "gateway config") ->
     try:
         return GatewayConfig.model_validate(dict(data))
     except ValidationError as exc:
-        # Built from loc and msg only: str(exc) would echo the input values.
-        problems = [_describe(e) for e in exc.errors(include_url=False, include_input=False, include_context=False)]
-    raise GatewayConfigError(f"{source}: " + "; ".join(problems))
+        problems = validation_problems(exc)  # never the values: key material may be one
+    raise GatewayConfigError(f"{source}: {problems}")
 
 
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -345,17 +345,22 @@ def _describe(error: Mapping[str, Any]) -> str:
     return f"{loc}: {error.get('msg', 'invalid value')}"
 
 
+def validation_problems(exc: ValidationError) -> str:
+    """`field: problem; …` built from locations and messages only: str(exc) would echo input values (secrets)."""
+    return "; ".join(
+        _describe(e) for e in exc.errors(include_url=False, include_input=False, include_context=False)
+    )
+
+
 def config_from_mapping(data: Any, *, source: str = "config") -> RLServiceConfig:
     """Validate an already parsed mapping; raise ConfigError naming each offending field (never its value)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: must be a mapping of settings, got {type(data).__name__}")
-    problems: list[str] | None = None
     try:
         return RLServiceConfig.model_validate(dict(data))
     except ValidationError as exc:
-        # Built from loc and msg only: str(exc) would echo input values, the Redis password included.
-        problems = [_describe(e) for e in exc.errors(include_url=False, include_input=False, include_context=False)]
-    raise ConfigError(f"{source}: " + "; ".join(problems))
+        problems = validation_problems(exc)  # never the values: the Redis password may be one
+    raise ConfigError(f"{source}: {problems}")
 
 
 def load_config(path: str | os.PathLike[str]) -> RLServiceConfig:
