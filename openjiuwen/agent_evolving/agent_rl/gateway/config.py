@@ -32,9 +32,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from ..online.config import validation_problems
-from pydantic_core import PydanticCustomError
 
 MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
 MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is two short strings
