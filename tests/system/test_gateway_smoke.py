@@ -32,6 +32,7 @@ def test_bypass_then_capture_reward_and_stream(redis, redis_url, tmp_path, vllm)
         r = gw.start_task("s1")
         assert (r.status_code, r.json()["error"]["code"]) == (503, "rl_service_unavailable")
         gw.start_service()
+        assert (gw.dir / "rl-service.stderr.log").exists()  # the child's own output is kept beside the state
         r = gw.start_task("s1")
         assert r.status_code == 201, r.text
         task = r.json()

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -77,6 +78,8 @@ def build_gateway(config: GatewayConfig, *, model_id: str, verifier: HmacVerifie
     supervisor = RLSupervisor(
         command=list(online.command), config_path=online.config_path, endpoint=online.endpoint,
         control_timeout_s=online.control_timeout_s, env=env, on_exit=on_exit,
+        # The child's own output (a crash before its log file is set up) lands beside the gateway's LoRA state.
+        log_dir=Path(config.lora.state_path).parent,
     )
     rl = RLClient(
         endpoint=online.endpoint, token=lambda: supervisor.token, hook_timeout_s=online.hook_timeout_s,

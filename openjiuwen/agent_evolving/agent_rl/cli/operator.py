@@ -1,0 +1,566 @@
+"""`openjiuwen-rl rl ...`: operator commands against a gateway's HMAC-signed control API (CONTRACT §3.2, §3.3).
+
+    openjiuwen-rl rl service start|stop|status
+    openjiuwen-rl rl task start --session S [--mode terminal|delayed_feedback]
+    openjiuwen-rl rl task stop|get|events ID
+    openjiuwen-rl rl task reward ID VALUE
+    openjiuwen-rl rl train start [--watch]
+    openjiuwen-rl rl train watch|stop|get RUN_ID
+    openjiuwen-rl rl lora status [MODEL]
+    openjiuwen-rl rl lora delete MODEL
+    openjiuwen-rl rl traj stats
+    openjiuwen-rl rl traj list [--status S] [--limit N] [--all]
+    openjiuwen-rl rl traj get ID
+
+Every request is signed anew with the gateway's `apiHmacKey`. Output is human-readable; `--json` prints the raw
+answers. Exit status: 0 on success; 1 for an error answer (its code and message are printed), an unreachable gateway,
+or a watched run that failed or was canceled; 2 for a usage or key problem. This is an edge: it reads its
+environment (see ENVIRONMENT below).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import orjson
+
+from ..gateway.hmac_auth import sign
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+URL_ENV = "OPENJIUWEN_RL_GATEWAY"
+KEY_ENV = "OPENJIUWEN_RL_HMAC_KEY"
+KEY_FILE_ENV = "OPENJIUWEN_RL_KEY_FILE"
+MODEL_ENV = "OPENJIUWEN_RL_MODEL"
+DEFAULT_TIMEOUT_S = 330.0  # above the gateway's production controlTimeout (300 s)
+TERMINAL_RUN = frozenset({"succeeded", "failed", "canceled"})
+WATCH_MAX_ERRORS = 5  # consecutive unanswered polls before `train watch` gives up
+
+ENVIRONMENT = f"""\
+environment:
+  {URL_ENV:<24} gateway base URL when --url is not given (else {DEFAULT_URL})
+  {KEY_ENV:<24} the apiHmacKey string itself, when --key-file is not given
+  {KEY_FILE_ENV:<24} JSON key file {{"apiHmacKey": ...}}, when neither of the above is set
+  {MODEL_ENV:<24} default MODEL of `lora status`
+"""
+
+
+class CliError(Exception):
+    """A failure to report as `error: <message>` with `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class ApiError(CliError):
+    """A non-2xx answer: its status and the envelope's code and message."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        hint = " (check the HMAC key, and that this machine's clock is within 300 s)" if status == 401 else ""
+        super().__init__(f"{status} {code}: {message}{hint}")
+        self.status = status
+        self.code = code
+
+
+def _q(segment: str) -> str:
+    return quote(segment, safe="")  # an id is one path segment, whatever it holds
+
+
+class GatewayClient:
+    """Signed requests to one gateway; each answer is the decoded JSON (None for an empty 2xx body)."""
+
+    def __init__(self, url: str, key: bytes, *, timeout_s: float, transport: httpx.BaseTransport | None = None):
+        self.url = url.rstrip("/")
+        self._key = key
+        self._last_ms = 0
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Any:
+        content = b"" if body is None else orjson.dumps(body)
+        # Strictly increasing timestamps: two bodiless requests in one millisecond would otherwise carry the same
+        # (timestamp, signature) pair, and the gateway refuses the second as a replay.
+        self._last_ms = max(time.time_ns() // 1_000_000, self._last_ms + 1)
+        signed = sign(self._key, content, now_ms=self._last_ms)
+        if body is not None:
+            signed["content-type"] = "application/json"
+        signed.update(headers or {})
+        try:
+            resp = self._http.request(method, path, content=content, params=params, headers=signed)
+        except httpx.TransportError as exc:
+            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise CliError(f"cannot reach the gateway at {self.url} ({detail})") from None
+        if not resp.is_success:
+            try:
+                error = resp.json()["error"]
+                code, message = str(error["code"]), str(error["message"])
+            except (ValueError, KeyError, TypeError):
+                code, message = "http_error", resp.text[:300] or resp.reason_phrase
+            raise ApiError(resp.status_code, code, message)
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except ValueError:
+            raise CliError(f"{method} {path}: the {resp.status_code} answer is not JSON") from None
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    client: GatewayClient
+    as_json: bool
+    env: Mapping[str, str]
+    sleep: Callable[[float], None]
+    clock: Callable[[], float]
+
+    def show(self, data: Any, human: Callable[[Any], None]) -> None:
+        if self.as_json:
+            _out(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+        else:
+            human(data)
+
+
+def _out(text: str = "") -> None:
+    print(text, flush=True)  # flushed per line: `train watch` is read live through pipes
+
+
+def _fields(rows: Sequence[tuple[str, Any]]) -> None:
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        _out(f"{label:<{width}}  {'-' if value is None or value == '' else value}")
+
+
+# ---------------------------------------------------------------------------------------------- human formats
+
+
+def _show_service(data: dict[str, Any]) -> None:
+    reason = data.get("failure_reason")
+    _out(f"RL Service: {data.get('status')}" + (f" ({reason})" if reason else ""))
+
+
+def _show_task(task: dict[str, Any]) -> None:
+    status = task.get("status")
+    if task.get("finish_reason"):
+        status = f"{status} ({task['finish_reason']})"
+    _fields([
+        ("task", task.get("rl_task_id")),
+        ("session", task.get("agent_session_id")),
+        ("status", status),
+        ("reward mode", task.get("reward_mode")),
+        ("policy", f"{task.get('policy_lora_name')} (model {task.get('policy_model')})"),
+        ("created", task.get("created_at")),
+        ("finished", task.get("finished_at")),
+    ])
+
+
+def _show_events(data: dict[str, Any]) -> None:
+    for event in data.get("items", []):
+        _out(f"{event.get('at')}  {event.get('type'):<22} {orjson.dumps(event.get('data')).decode()}")
+
+
+def _show_run(run: dict[str, Any]) -> None:
+    metrics = run.get("metrics") or {}
+    versions = ", ".join(f"{k}={v}" for k, v in (run.get("policy_versions") or {}).items())
+    _fields([
+        ("run", run.get("training_run_id")),
+        ("status", f"{run.get('status')} (stage {run.get('stage')})"),
+        ("samples", f"{run.get('sample_count')}" + (f" ({versions})" if versions else "")),
+        ("lora", " ".join(x for x in (run.get("lora_name"), run.get("lora_path")) if x)),
+        ("failure", run.get("failure_reason")),
+        ("steps", metrics.get("steps")),
+        ("created", run.get("created_at")),
+        ("started", run.get("started_at")),
+        ("finished", run.get("finished_at")),
+    ])
+
+
+def _show_lora(model: str) -> Callable[[dict[str, Any]], None]:
+    def show(data: dict[str, Any]) -> None:
+        active = data.get("active_lora") or {}
+        instances = data.get("instances") or {}
+        line = f"{model}: {data.get('status')}"
+        if active:
+            line += f" {active.get('lora_name')} ({active.get('lora_path')})"
+        _out(f"{line}; instances ready {instances.get('ready', 0)}, failed {instances.get('failed', 0)}")
+
+    return show
+
+
+def _show_stats(stats: dict[str, Any]) -> None:
+    by_status = ", ".join(f"{k} {v}" for k, v in (stats.get("by_status") or {}).items())
+    by_source = ", ".join(f"{k} {v}" for k, v in (stats.get("by_source") or {}).items())
+    _fields([
+        ("total", stats.get("total")),
+        ("by status", by_status),
+        ("by source", by_source),
+        ("stale", stats.get("stale")),
+        ("expired unrewarded", stats.get("expired_unrewarded")),
+        ("updated", stats.get("updated_at")),
+    ])
+
+
+_LIST_COLUMNS = (("SAMPLE_ID", "sample_id"), ("STATUS", "status"), ("SOURCE", "source"),
+                 ("SESSION", "session_id"), ("POLICY", "policy_version"), ("CREATED_AT", "created_at"))
+
+
+def _show_items(items: list[dict[str, Any]]) -> None:
+    rows = [[str(item.get(key) or "-") for _, key in _LIST_COLUMNS] for item in items]
+    widths = [max([len(title)] + [len(row[i]) for row in rows]) for i, (title, _) in enumerate(_LIST_COLUMNS)]
+    for row in [[title for title, _ in _LIST_COLUMNS], *rows]:
+        _out("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def _show_sample(sample: dict[str, Any]) -> None:
+    trajectory = sample.get("trajectory") or {}
+    judge = sample.get("judge") or {}
+    reply = str(trajectory.get("response_text") or "").replace("\n", " ")
+    _fields([
+        ("sample", sample.get("sample_id")),
+        ("status", sample.get("status")),
+        ("source", sample.get("source")),
+        ("session", sample.get("session_id")),
+        ("task", sample.get("rl_task_id")),
+        ("policy", sample.get("policy_version")),
+        ("created", sample.get("created_at")),
+        ("judge", f"score {judge.get('score')} ({judge.get('source')}"
+                  + (f", tag {judge['tag']})" if judge.get("tag") else ")") if judge else None),
+        ("tokens", f"prompt {len(trajectory.get('prompt_ids') or [])}, "
+                   f"response {len(trajectory.get('response_ids') or [])}"),
+        ("reply", reply[:200] + ("…" if len(reply) > 200 else "")),
+    ])
+
+
+# ---------------------------------------------------------------------------------------------- handlers
+
+
+def _service(action: str) -> Callable[[Context], int]:
+    method, path = {"start": ("POST", "/v1/rl/service/start"), "stop": ("POST", "/v1/rl/service/stop"),
+                    "status": ("GET", "/v1/rl/service")}[action]
+
+    def handler(ctx: Context) -> int:
+        ctx.show(ctx.client.request(method, path), _show_service)
+        return 0
+
+    return handler
+
+
+def _task_start(ctx: Context) -> int:
+    task = ctx.client.request("POST", "/v1/rl/tasks/start", body={"reward_mode": ctx.args.mode},
+                              headers={"X-Agent-Session-Id": ctx.args.session})
+    ctx.show(task, _show_task)
+    return 0
+
+
+def _task_stop(ctx: Context) -> int:
+    ctx.show(ctx.client.request("POST", f"/v1/rl/tasks/{_q(ctx.args.id)}/stop"), _show_task)
+    return 0
+
+
+def _task_get(ctx: Context) -> int:
+    ctx.show(ctx.client.request("GET", f"/v1/rl/tasks/{_q(ctx.args.id)}"), _show_task)
+    return 0
+
+
+def _task_events(ctx: Context) -> int:
+    ctx.show(ctx.client.request("GET", f"/v1/rl/tasks/{_q(ctx.args.id)}/events"), _show_events)
+    return 0
+
+
+def _task_reward(ctx: Context) -> int:
+    answer = ctx.client.request("POST", f"/v1/rl/tasks/{_q(ctx.args.id)}/reward", body={"reward": ctx.args.value})
+    ctx.show(answer, lambda a: _out(f"task {ctx.args.id}: reward {ctx.args.value} recorded, "
+                                    f"{a.get('sample_count')} sample(s) published"))
+    return 0
+
+
+def _train_start(ctx: Context) -> int:
+    run = ctx.client.request("POST", "/v1/rl/training/runs")
+    if ctx.args.watch:
+        return _watch(ctx, run["training_run_id"])
+    ctx.show(run, _show_run)
+    return 0
+
+
+def _train_watch(ctx: Context) -> int:
+    return _watch(ctx, ctx.args.run_id)
+
+
+def _train_stop(ctx: Context) -> int:
+    ctx.show(ctx.client.request("POST", f"/v1/rl/training/runs/{_q(ctx.args.run_id)}/stop"), _show_run)
+    return 0
+
+
+def _train_get(ctx: Context) -> int:
+    ctx.show(ctx.client.request("GET", f"/v1/rl/training/runs/{_q(ctx.args.run_id)}"), _show_run)
+    return 0
+
+
+def _run_line(run: dict[str, Any]) -> str:
+    line = (f"{run.get('training_run_id')}: {run.get('status')} "
+            f"(stage {run.get('stage')}, {run.get('sample_count')} samples)")
+    if run.get("status") == "succeeded" or (run.get("lora_name") and run.get("status") in TERMINAL_RUN):
+        line += f" lora {run.get('lora_name')} at {run.get('lora_path')}"
+    if run.get("failure_reason"):
+        line += f": {run['failure_reason']}"
+    return line
+
+
+def _step_line(step: Any) -> str:
+    if not isinstance(step, Mapping):
+        return f"  step: {step}"
+    parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in step.items() if k != "step"]
+    return f"  step {step.get('step', '?')}: " + " ".join(parts)
+
+
+def _watch(ctx: Context, run_id: str) -> int:
+    """Poll the run until it is terminal, printing each status/stage change and each new step's metrics.
+    0 when it succeeded, 1 when it failed or was canceled (or watching had to give up)."""
+    interval_s, timeout_s = ctx.args.interval, ctx.args.watch_timeout
+    deadline = ctx.clock() + timeout_s if timeout_s > 0 else None
+    last_state: tuple[Any, Any] | None = None
+    last_record: Any = None
+    steps_shown = 0
+    failures = 0
+    while True:
+        try:
+            run = ctx.client.request("GET", f"/v1/rl/training/runs/{_q(run_id)}")
+        except ApiError as exc:
+            if exc.status < 500:  # unknown run, bad key: waiting does not help
+                raise
+            problem = str(exc)
+        except CliError as exc:  # unreachable gateway
+            problem = str(exc)
+        else:
+            problem = None
+        if problem is not None:
+            failures += 1
+            print(f"warning: polling {run_id}: {problem}", file=sys.stderr, flush=True)
+            if failures >= WATCH_MAX_ERRORS:
+                raise CliError(f"gave up watching {run_id} after {failures} failed polls")
+        else:
+            failures = 0
+            steps = (run.get("metrics") or {}).get("step_metrics") or []
+            if ctx.as_json:
+                if run != last_record:
+                    _out(orjson.dumps(run).decode())
+            else:
+                for step in steps[steps_shown:]:
+                    _out(_step_line(step))
+                state = (run.get("status"), run.get("stage"))
+                if state != last_state:
+                    _out(_run_line(run))
+                last_state = state
+            last_record, steps_shown = run, len(steps)
+            if run.get("status") in TERMINAL_RUN:
+                return 0 if run["status"] == "succeeded" else 1
+        if deadline is not None and ctx.clock() >= deadline:
+            raise CliError(f"run {run_id} not finished after {timeout_s:g} s (it keeps running)")
+        ctx.sleep(interval_s)
+
+
+def _lora_status(ctx: Context) -> int:
+    model = ctx.args.model or ctx.env.get(MODEL_ENV)
+    if not model:
+        raise CliError(f"name the model: rl lora status MODEL (or set {MODEL_ENV})", exit_code=2)
+    ctx.show(ctx.client.request("GET", f"/v1/loras/{_q(model)}"), _show_lora(model))
+    return 0
+
+
+def _lora_delete(ctx: Context) -> int:
+    ctx.client.request("DELETE", f"/v1/loras/{_q(ctx.args.model)}")
+    ctx.show({"model": ctx.args.model, "status": "base"},
+             lambda _: _out(f"{ctx.args.model}: LoRA deactivated; new Tasks use the base model "
+                            "(running Tasks keep their pinned version)"))
+    return 0
+
+
+def _traj_stats(ctx: Context) -> int:
+    ctx.show(ctx.client.request("GET", "/v1/rl/trajectories/stats"), _show_stats)
+    return 0
+
+
+def _traj_list(ctx: Context) -> int:
+    params: dict[str, Any] = {"limit": ctx.args.limit}
+    if ctx.args.status:
+        params["status"] = ctx.args.status
+    if ctx.args.cursor:
+        params["cursor"] = ctx.args.cursor
+    page = ctx.client.request("GET", "/v1/rl/trajectories", params=params)
+    items = list(page.get("items", []))
+    while ctx.args.all and page.get("next_cursor"):
+        page = ctx.client.request("GET", "/v1/rl/trajectories", params={**params, "cursor": page["next_cursor"]})
+        items += page.get("items", [])
+    result = {"items": items, "next_cursor": page.get("next_cursor")}
+    ctx.show(result, lambda r: _show_items(r["items"]))
+    if not ctx.as_json and result["next_cursor"]:
+        print(f"more: --cursor {result['next_cursor']} (or --all)", file=sys.stderr, flush=True)
+    return 0
+
+
+def _traj_get(ctx: Context) -> int:
+    ctx.show(ctx.client.request("GET", f"/v1/rl/trajectories/{_q(ctx.args.id)}"), _show_sample)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+def _add_common(parser: argparse.ArgumentParser, *, leaf: bool) -> None:
+    # On leaves the defaults are SUPPRESS, so an option given before the command is not overwritten.
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if leaf else value
+
+    parser.add_argument("--url", default=default(None),
+                        help=f"gateway base URL (default ${URL_ENV} or {DEFAULT_URL})")
+    parser.add_argument("--key-file", default=default(None),
+                        help=f'JSON file with {{"apiHmacKey": ...}} (default ${KEY_ENV}, then ${KEY_FILE_ENV})')
+    parser.add_argument("--json", action="store_true", default=default(False), help="print the raw JSON answer")
+    parser.add_argument("--timeout", type=float, default=default(DEFAULT_TIMEOUT_S),
+                        help=f"seconds per request (default {DEFAULT_TIMEOUT_S:g})")
+
+
+def _add_watch_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between polls (default 1)")
+    parser.add_argument("--watch-timeout", type=float, default=0.0,
+                        help="give up watching after this many seconds (default 0: wait until the run ends)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    _add_common(common, leaf=True)
+    parser = argparse.ArgumentParser(
+        prog="openjiuwen-rl rl", description="Operate online RL through a gateway's signed control API.",
+        epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common(parser, leaf=False)
+    groups = parser.add_subparsers(dest="group", metavar="GROUP", required=True)
+
+    def group(name: str, help_text: str) -> argparse._SubParsersAction:
+        sub = groups.add_parser(name, help=help_text, description=help_text)
+        return sub.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    def leaf(actions: argparse._SubParsersAction, name: str, help_text: str,
+             handler: Callable[[Context], int]) -> argparse.ArgumentParser:
+        p = actions.add_parser(name, parents=[common], help=help_text, description=help_text, epilog=ENVIRONMENT,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(handler=handler)
+        return p
+
+    service = group("service", "start, stop or inspect the RL Service child of the gateway")
+    leaf(service, "start", "start the RL Service (idempotent; waits until it is healthy)", _service("start"))
+    leaf(service, "stop", "drain captures and stop the RL Service (idempotent)", _service("stop"))
+    leaf(service, "status", "running, stopped or failed (with the reason)", _service("status"))
+
+    task = group("task", "start, stop, reward and inspect RL Tasks")
+    p = leaf(task, "start", "start (or reuse) the Task of an agent session", _task_start)
+    p.add_argument("--session", required=True, help="the agent's X-Agent-Session-Id")
+    p.add_argument("--mode", choices=("terminal", "delayed_feedback"), default="terminal",
+                   help="reward mode (default terminal)")
+    leaf(task, "stop", "drain in-flight captures and finalize the Task", _task_stop).add_argument("id")
+    leaf(task, "get", "the Task record", _task_get).add_argument("id")
+    leaf(task, "events", "the Task timeline", _task_events).add_argument("id")
+    p = leaf(task, "reward", "the terminal reward of a finalized Task (publishes its samples)", _task_reward)
+    p.add_argument("id")
+    p.add_argument("value", type=float, help="a number between 0 and 1")
+
+    train = group("train", "start, watch and stop Training Runs")
+    p = leaf(train, "start", "start a Training Run (or return the active one)", _train_start)
+    p.add_argument("--watch", action="store_true", help="then follow it like `train watch`")
+    _add_watch_options(p)
+    p = leaf(train, "watch", "follow a run until it ends; exit 1 when it failed or was canceled", _train_watch)
+    p.add_argument("run_id")
+    _add_watch_options(p)
+    leaf(train, "stop", "cancel a run (returns once it settled)", _train_stop).add_argument("run_id")
+    leaf(train, "get", "the run record", _train_get).add_argument("run_id")
+
+    lora = group("lora", "inspect or roll back the active LoRA of a model")
+    leaf(lora, "status", "base, active or degraded, with the active LoRA and instance counts",
+         _lora_status).add_argument("model", nargs="?", help=f"model id (default ${MODEL_ENV})")
+    leaf(lora, "delete", "deactivate the LoRA: new Tasks use the base model, pinned Tasks keep theirs",
+         _lora_delete).add_argument("model")
+
+    traj = group("traj", "trajectory samples: counters, listing, detail")
+    leaf(traj, "stats", "counters by status and source", _traj_stats)
+    p = leaf(traj, "list", "sample summaries, oldest first per status", _traj_list)
+    p.add_argument("--status", choices=("pending", "training", "trained", "failed"), help="one status only")
+    p.add_argument("--limit", type=int, default=100, help="page size, 1..1000 (default 100)")
+    p.add_argument("--cursor", help="continue after a previous page")
+    p.add_argument("--all", action="store_true", help="follow next_cursor to the last page")
+    leaf(traj, "get", "one sample with its token arrays and judge", _traj_get).add_argument("id")
+    return parser
+
+
+def _key(key_file: str | None, env: Mapping[str, str]) -> bytes:
+    from ..gateway.config import GatewayConfigError, decode_key, keys_from_document
+
+    path = key_file
+    if path is None:
+        text = env.get(KEY_ENV, "")
+        if text:
+            try:
+                return decode_key(text)
+            except ValueError as exc:
+                raise CliError(f"{KEY_ENV}: {exc}", exit_code=2) from None
+        path = env.get(KEY_FILE_ENV) or None
+    if path is None:
+        raise CliError(f"no HMAC key: pass --key-file FILE, or set {KEY_ENV} or {KEY_FILE_ENV}", exit_code=2)
+    try:
+        with open(path, "rb") as fh:
+            document = orjson.loads(fh.read())
+    except OSError as exc:
+        raise CliError(f"cannot read key file {path}: {exc.strerror}", exit_code=2) from None
+    except orjson.JSONDecodeError:
+        raise CliError(f"key file {path} is not JSON", exit_code=2) from None
+    try:
+        return keys_from_document(document, source=path).api
+    except GatewayConfigError as exc:
+        raise CliError(str(exc), exit_code=2) from None
+
+
+def main(
+    argv: list[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    transport: httpx.BaseTransport | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
+    """Run one operator command; `env`, `transport`, `sleep` and `clock` are for tests."""
+    args = build_parser().parse_args(argv)
+    env = os.environ if env is None else env
+    try:
+        key = _key(args.key_file, env)
+        url = args.url or env.get(URL_ENV) or DEFAULT_URL
+        client = GatewayClient(url, key, timeout_s=args.timeout, transport=transport)
+        try:
+            return args.handler(Context(args, client, args.json, env, sleep, clock))
+        finally:
+            client.close()
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

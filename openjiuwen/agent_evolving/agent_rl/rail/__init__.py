@@ -1,0 +1,11 @@
+"""Agent-side rail-v1 library: upload per-step samples of agent sessions to a gateway or an RL Service.
+
+`TrajectoryUploader` (uploader.py) queues samples and sends them as rail-v1 batches (CONTRACT §2.9, §4.6) with
+back-pressure and retries; `RLOnlineRail` (hook.py) is the per-turn hook an agent loop calls. Nothing here imports
+the RL Service; the only project import is the HMAC signer of the gateway.
+"""
+
+from .hook import RLOnlineRail
+from .uploader import TrajectoryUploader, UploaderClosed, UploaderMetrics
+
+__all__ = ["RLOnlineRail", "TrajectoryUploader", "UploaderClosed", "UploaderMetrics"]

@@ -1,0 +1,388 @@
+"""`openjiuwen-rl rl ...` against a scripted gateway (httpx.MockTransport): signing, paths and bodies, output,
+error envelopes, key sources, cursor following and `train watch` (the clock and sleep are injected)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from openjiuwen.agent_evolving.agent_rl.cli import main as cli_main
+from openjiuwen.agent_evolving.agent_rl.cli.operator import KEY_ENV, KEY_FILE_ENV, MODEL_ENV, URL_ENV, main
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import HmacVerifier
+
+KEY = b"k" * 32
+HEX_KEY = "ab" * 32  # 64 hex digits: decoded to 32 bytes, as the gateway does
+
+
+Reply = httpx.Response | Callable[[httpx.Request], httpx.Response]
+
+
+class FakeGateway:
+    """Answers (method, path) from scripted replies (a queue per route; the last one repeats) and checks every
+    request's signature with a real verifier, as the gateway would."""
+
+    def __init__(self, key: bytes = KEY) -> None:
+        self.verifier = HmacVerifier(key)
+        self.routes: dict[tuple[str, str], deque[Reply]] = {}
+        self.requests: list[httpx.Request] = []
+
+    def on(self, method: str, path: str, *replies: Reply) -> None:
+        self.routes[(method, path)] = deque(replies)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        body = request.read()
+        ok = self.verifier.verify(request.headers.get("x-timestamp"), body, request.headers.get("x-signature"),
+                                  now_ms=time.time_ns() // 1_000_000)
+        if not ok:
+            return error(401, "invalid_signature", "missing or invalid signature")
+        replies = self.routes.get((request.method, request.url.path))
+        if not replies:
+            return error(404, "request_failed", "Not Found")
+        reply = replies.popleft() if len(replies) > 1 else replies[0]
+        return reply(request) if callable(reply) else reply
+
+    @property
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handle)
+
+
+def ok(data: Any, status: int = 200) -> httpx.Response:
+    return httpx.Response(status, json=data)
+
+
+def error(status: int, code: str, message: str) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"code": code, "message": message}})
+
+
+def run_cli(gw: FakeGateway, *argv: str, env: dict[str, str] | None = None, **kwargs: Any) -> int:
+    environment = {KEY_ENV: KEY.decode()} if env is None else env
+    return main(list(argv), env=environment, transport=gw.transport, **kwargs)
+
+
+def task_record(status: str = "active", **extra: Any) -> dict[str, Any]:
+    return {"rl_task_id": "t1", "agent_session_id": "s1", "model_id": "tiny", "policy_lora_name": "base",
+            "policy_model": "tiny", "reward_mode": "terminal", "status": status,
+            "created_at": "2025-01-01T00:00:00+00:00", "finished_at": None, "finish_reason": None, **extra}
+
+
+def run_record(status: str, stage: str, steps: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+    return {"training_run_id": "run-0123456789ab", "status": status, "stage": stage, "sample_count": 2,
+            "policy_versions": {"base": 2}, "created_at": "2025-01-01T00:00:00+00:00", "started_at": None,
+            "finished_at": None, "lora_name": None, "lora_path": None, "failure_reason": None,
+            "metrics": {"steps": len(steps or []), "step_metrics": steps or []}, **extra}
+
+
+@pytest.fixture
+def gw() -> FakeGateway:
+    return FakeGateway()
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def clock(self) -> float:
+        return self.now
+
+
+# ---------------------------------------------------------------------------------------------- keys and transport
+
+
+def test_requests_are_signed_with_the_key_file(gw: FakeGateway, tmp_path: Path, capsys) -> None:
+    key_file = tmp_path / "keys.json"
+    key_file.write_bytes(orjson.dumps({"apiHmacKey": KEY.decode(), "insHmacKey": "i" * 32}))
+    gw.on("GET", "/v1/rl/service", ok({"status": "running", "failure_reason": None}))
+    assert run_cli(gw, "service", "status", "--key-file", str(key_file), env={}) == 0
+    assert capsys.readouterr().out == "RL Service: running\n"
+    request = gw.requests[0]
+    assert request.url == httpx.URL("http://127.0.0.1:8080/v1/rl/service")
+    assert request.content == b""
+
+
+def test_key_and_url_from_the_environment(tmp_path: Path, capsys) -> None:
+    gw = FakeGateway(key=bytes.fromhex(HEX_KEY))
+    gw.on("POST", "/v1/rl/service/start", ok({"status": "running", "failure_reason": None}))
+    env = {KEY_ENV: HEX_KEY, URL_ENV: "http://gw.example:9000/"}
+    assert run_cli(gw, "service", "start", env=env) == 0
+    assert gw.requests[0].url == httpx.URL("http://gw.example:9000/v1/rl/service/start")
+    # A key file named by the environment works too; an explicit --key-file wins over the key string.
+    key_file = tmp_path / "keys.json"
+    key_file.write_bytes(orjson.dumps({"apiHmacKey": HEX_KEY}))
+    assert run_cli(gw, "service", "start", env={KEY_FILE_ENV: str(key_file)}) == 0
+    assert run_cli(gw, "service", "start", "--key-file", str(key_file), env={KEY_ENV: "z" * 32}) == 0
+    assert run_cli(gw, "service", "start", env={KEY_ENV: "z" * 32}) == 1  # wrong key: the gateway says 401
+    err = capsys.readouterr().err
+    assert "error: 401 invalid_signature: missing or invalid signature (check the HMAC key" in err
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "message"),
+    [
+        ({}, [], "no HMAC key: pass --key-file FILE, or set OPENJIUWEN_RL_HMAC_KEY or OPENJIUWEN_RL_KEY_FILE"),
+        ({KEY_ENV: "short"}, [], "OPENJIUWEN_RL_HMAC_KEY: must be 64 hex digits"),
+        ({}, ["--key-file", "/nonexistent/keys.json"], "cannot read key file /nonexistent/keys.json"),
+    ],
+)
+def test_key_problems_are_usage_errors(gw: FakeGateway, capsys, env, argv, message) -> None:
+    assert run_cli(gw, "traj", "stats", *argv, env=env) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+    assert "short" not in err.replace("OPENJIUWEN", "")  # the key string itself is never echoed
+    assert gw.requests == []
+
+
+def test_key_file_without_api_key(gw: FakeGateway, tmp_path: Path, capsys) -> None:
+    key_file = tmp_path / "keys.json"
+    key_file.write_bytes(b'{"insHmacKey": "x"}')
+    assert run_cli(gw, "traj", "stats", "--key-file", str(key_file), env={}) == 2
+    assert "apiHmacKey: required" in capsys.readouterr().err
+
+
+def test_unreachable_gateway(capsys) -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    code = main(["service", "status"], env={KEY_ENV: KEY.decode()}, transport=httpx.MockTransport(refuse))
+    assert code == 1
+    assert capsys.readouterr().err == (
+        "error: cannot reach the gateway at http://127.0.0.1:8080 (ConnectError: connection refused)\n")
+
+
+def test_error_envelope_is_printed_and_exits_1(gw: FakeGateway, capsys) -> None:
+    gw.on("POST", "/v1/rl/training/runs", error(409, "insufficient_samples", "pending samples 0 is below minimum 1"))
+    assert run_cli(gw, "train", "start") == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "error: 409 insufficient_samples: pending samples 0 is below minimum 1\n"
+
+
+def test_non_envelope_error_body(gw: FakeGateway, capsys) -> None:
+    gw.on("GET", "/v1/rl/trajectories/stats", httpx.Response(502, text="Bad Gateway"))
+    assert run_cli(gw, "traj", "stats") == 1
+    assert capsys.readouterr().err == "error: 502 http_error: Bad Gateway\n"
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+
+def test_task_commands(gw: FakeGateway, capsys) -> None:
+    gw.on("POST", "/v1/rl/tasks/start", ok(task_record(reward_mode="delayed_feedback"), 201))
+    gw.on("POST", "/v1/rl/tasks/t1/stop", ok(task_record("finalized", finish_reason="user_stopped")))
+    gw.on("POST", "/v1/rl/tasks/t1/reward", ok({"sample_count": 3}))
+    gw.on("GET", "/v1/rl/tasks/t1", ok(task_record("finalized", finish_reason="user_stopped")))
+    gw.on("GET", "/v1/rl/tasks/t1/events", ok({"items": [
+        {"id": "1-0", "at": "2025-01-01T00:00:00+00:00", "type": "created", "data": {"reward_mode": "terminal"}}]}))
+
+    assert run_cli(gw, "task", "start", "--session", "s1", "--mode", "delayed_feedback") == 0
+    start = gw.requests[-1]
+    assert orjson.loads(start.content) == {"reward_mode": "delayed_feedback"}
+    assert start.headers["x-agent-session-id"] == "s1"
+    assert start.headers["content-type"] == "application/json"
+    out = capsys.readouterr().out
+    assert "task         t1\n" in out and "reward mode  delayed_feedback\n" in out
+    assert "policy       base (model tiny)\n" in out
+
+    assert run_cli(gw, "task", "stop", "t1") == 0
+    assert "status       finalized (user_stopped)\n" in capsys.readouterr().out
+    assert run_cli(gw, "task", "reward", "t1", "0.5") == 0
+    assert orjson.loads(gw.requests[-1].content) == {"reward": 0.5}
+    assert capsys.readouterr().out == "task t1: reward 0.5 recorded, 3 sample(s) published\n"
+    assert run_cli(gw, "task", "get", "t1") == 0
+    assert "finished     -\n" in capsys.readouterr().out
+    assert run_cli(gw, "task", "events", "t1") == 0
+    assert capsys.readouterr().out.startswith("2025-01-01T00:00:00+00:00  created")
+
+
+def test_ids_are_one_path_segment(gw: FakeGateway, capsys) -> None:
+    assert run_cli(gw, "task", "get", "../service") == 1
+    assert gw.requests[0].url.raw_path == b"/v1/rl/tasks/..%2Fservice"
+    assert "404 request_failed" in capsys.readouterr().err
+
+
+def test_json_output_before_or_after_the_command(gw: FakeGateway, capsys) -> None:
+    stats = {"total": 2, "by_status": {"pending": 2, "training": 0, "trained": 0, "failed": 0},
+             "by_source": {"rail": 2}, "stale": 0, "expired_unrewarded": 0, "updated_at": "2025-01-01T00:00:00+00:00"}
+    gw.on("GET", "/v1/rl/trajectories/stats", ok(stats))
+    assert main(["--json", "traj", "stats"], env={KEY_ENV: KEY.decode()}, transport=gw.transport) == 0
+    assert orjson.loads(capsys.readouterr().out) == stats
+    assert run_cli(gw, "traj", "stats", "--json") == 0
+    assert orjson.loads(capsys.readouterr().out) == stats
+    assert run_cli(gw, "traj", "stats") == 0
+    out = capsys.readouterr().out
+    assert "total               2\n" in out
+    assert "by status           pending 2, training 0, trained 0, failed 0\n" in out
+    assert "by source           rail 2\n" in out
+
+
+def test_traj_list_follows_next_cursor(gw: FakeGateway, capsys) -> None:
+    def page(request: httpx.Request) -> httpx.Response:
+        cursor = request.url.params.get("cursor")
+        start = int(cursor) if cursor else 0
+        items = [{"sample_id": f"tr:{i}", "status": "pending", "source": "rail", "session_id": "s",
+                  "policy_version": "base", "created_at": "2025-01-01T00:00:00+00:00"}
+                 for i in range(start, min(start + 2, 5))]
+        return ok({"items": items, "next_cursor": str(start + 2) if start + 2 < 5 else None})
+
+    gw.on("GET", "/v1/rl/trajectories", page)
+    assert run_cli(gw, "traj", "list", "--status", "pending", "--limit", "2") == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0].split() == ["SAMPLE_ID", "STATUS", "SOURCE", "SESSION", "POLICY",
+                                                     "CREATED_AT"]
+    assert len(captured.out.splitlines()) == 3
+    assert "more: --cursor 2 (or --all)" in captured.err
+    assert dict(gw.requests[0].url.params) == {"limit": "2", "status": "pending"}
+
+    assert run_cli(gw, "traj", "list", "--limit", "2", "--all", "--json") == 0
+    listing = orjson.loads(capsys.readouterr().out)
+    assert [i["sample_id"] for i in listing["items"]] == ["tr:0", "tr:1", "tr:2", "tr:3", "tr:4"]
+    assert listing["next_cursor"] is None
+    assert [r.url.params.get("cursor") for r in gw.requests[1:]] == [None, "2", "4"]
+
+
+def test_traj_get_summary(gw: FakeGateway, capsys) -> None:
+    gw.on("GET", "/v1/rl/trajectories/tr:0", ok({
+        "sample_id": "tr:0", "status": "pending", "source": "rail", "session_id": "s", "rl_task_id": None,
+        "policy_version": "base", "created_at": "2025-01-01T00:00:00+00:00",
+        "judge": {"score": 0.8, "source": "judge", "tag": "prev_feedback"},
+        "trajectory": {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "response_text": "hello"}}))
+    assert run_cli(gw, "traj", "get", "tr:0") == 0
+    out = capsys.readouterr().out
+    assert "judge    score 0.8 (judge, tag prev_feedback)\n" in out
+    assert "tokens   prompt 3, response 2\n" in out and "reply    hello\n" in out
+    assert gw.requests[0].url.raw_path == b"/v1/rl/trajectories/tr%3A0"
+
+
+def test_lora_commands(gw: FakeGateway, capsys) -> None:
+    status = {"status": "active", "active_lora": {"lora_name": "tiny:v1", "lora_path": "/l/tiny/v1"},
+              "instances": {"ready": 2, "failed": 0}}
+    gw.on("GET", "/v1/loras/tiny", ok(status))
+    gw.on("DELETE", "/v1/loras/tiny", httpx.Response(204))
+    assert run_cli(gw, "lora", "status", "tiny") == 0
+    assert capsys.readouterr().out == "tiny: active tiny:v1 (/l/tiny/v1); instances ready 2, failed 0\n"
+    assert run_cli(gw, "lora", "status", env={KEY_ENV: KEY.decode(), MODEL_ENV: "tiny"}) == 0
+    assert run_cli(gw, "lora", "status") == 2
+    assert "name the model" in capsys.readouterr().err
+    assert run_cli(gw, "lora", "delete", "tiny") == 0
+    assert gw.requests[-1].method == "DELETE"
+    assert "tiny: LoRA deactivated; new Tasks use the base model" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- train watch
+
+
+def test_train_start_watch_prints_changes_and_steps(gw: FakeGateway, capsys) -> None:
+    step = {"step": 1, "loss": 0.25, "kl": 0.001, "samples": 2}
+    gw.on("POST", "/v1/rl/training/runs", ok(run_record("pending", "queued"), 201))
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab",
+          ok(run_record("pending", "queued")),
+          ok(run_record("running", "training")),
+          ok(run_record("running", "training")),
+          ok(run_record("running", "training", [step])),
+          ok(run_record("running", "activating", [step], lora_name="tiny:v1", lora_path="/l/tiny/v1")),
+          ok(run_record("succeeded", "activating", [step], lora_name="tiny:v1", lora_path="/l/tiny/v1")))
+    fake = FakeTime()
+    assert run_cli(gw, "train", "start", "--watch", "--interval", "0.5", sleep=fake.sleep, clock=fake.clock) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "run-0123456789ab: pending (stage queued, 2 samples)",
+        "run-0123456789ab: running (stage training, 2 samples)",
+        "  step 1: loss=0.25 kl=0.001 samples=2",
+        "run-0123456789ab: running (stage activating, 2 samples)",
+        "run-0123456789ab: succeeded (stage activating, 2 samples) lora tiny:v1 at /l/tiny/v1",
+    ]
+    assert fake.sleeps == [0.5] * 5
+
+
+@pytest.mark.parametrize("outcome", ["failed", "canceled"])
+def test_watch_exits_1_when_the_run_did_not_succeed(gw: FakeGateway, capsys, outcome: str) -> None:
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab",
+          ok(run_record("running", "training")),
+          ok(run_record(outcome, "training", failure_reason="scripted training failure")))
+    fake = FakeTime()
+    assert run_cli(gw, "train", "watch", "run-0123456789ab", sleep=fake.sleep, clock=fake.clock) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"run-0123456789ab: {outcome} (stage training, 2 samples): scripted training failure")
+
+
+def test_watch_json_prints_each_new_record(gw: FakeGateway, capsys) -> None:
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab",
+          ok(run_record("running", "training")), ok(run_record("running", "training")),
+          ok(run_record("succeeded", "activating")))
+    fake = FakeTime()
+    assert run_cli(gw, "train", "watch", "run-0123456789ab", "--json", sleep=fake.sleep, clock=fake.clock) == 0
+    lines = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["status"] for r in lines] == ["running", "succeeded"]
+
+
+def test_watch_tolerates_a_few_5xx_then_gives_up(gw: FakeGateway, capsys) -> None:
+    unavailable = error(503, "rl_service_unavailable", "RL Service is not running")
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab",
+          unavailable, ok(run_record("running", "training")), unavailable)
+    fake = FakeTime()
+    assert run_cli(gw, "train", "watch", "run-0123456789ab", sleep=fake.sleep, clock=fake.clock) == 1
+    err = capsys.readouterr().err
+    assert err.count("warning: polling run-0123456789ab: 503 rl_service_unavailable") == 6
+    assert err.endswith("error: gave up watching run-0123456789ab after 5 failed polls\n")
+
+
+def test_watch_unknown_run_and_timeout(gw: FakeGateway, capsys) -> None:
+    assert run_cli(gw, "train", "watch", "run-ffffffffffff") == 1
+    assert "error: 404 request_failed" in capsys.readouterr().err
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(run_record("running", "training")))
+    fake = FakeTime()
+    code = run_cli(gw, "train", "watch", "run-0123456789ab", "--watch-timeout", "3", sleep=fake.sleep,
+                   clock=fake.clock)
+    assert code == 1
+    assert "error: run run-0123456789ab not finished after 3 s (it keeps running)" in capsys.readouterr().err
+    assert fake.now == 3.0
+
+
+def test_train_stop_and_get(gw: FakeGateway, capsys) -> None:
+    gw.on("POST", "/v1/rl/training/runs/run-0123456789ab/stop", ok(run_record("canceled", "training")))
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(run_record("canceled", "training")))
+    assert run_cli(gw, "train", "stop", "run-0123456789ab") == 0
+    assert "status    canceled (stage training)\n" in capsys.readouterr().out
+    assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
+    assert "samples   2 (base=2)\n" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- help and dispatch
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["service"], ["service", "start"], ["task"], ["task", "start"], ["task", "reward"], ["train"],
+    ["train", "start"], ["train", "watch"], ["lora"], ["lora", "status"], ["traj"], ["traj", "list"],
+])
+def test_help_everywhere(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"], env={})
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: openjiuwen-rl rl")
+
+
+def test_usage_errors_exit_2(capsys) -> None:
+    for argv in (["service"], ["task", "start"], ["task", "reward", "t1", "lots"], ["nope"]):
+        with pytest.raises(SystemExit) as done:
+            main(argv, env={})
+        assert done.value.code == 2
+    assert "the following arguments are required: --session" in capsys.readouterr().err
+
+
+def test_registered_in_the_openjiuwen_rl_command(capsys) -> None:
+    assert "rl" in cli_main.COMMANDS
+    with pytest.raises(SystemExit) as done:
+        cli_main.main(["rl", "traj", "--help"])
+    assert done.value.code == 0
+    assert "usage: openjiuwen-rl rl traj" in capsys.readouterr().out
