@@ -25,6 +25,18 @@ def _gateway(argv: list[str]) -> int:
     return gateway_main(argv)
 
 
+def _demo(argv: list[str]) -> int:
+    from ..demo.run import main as demo_main
+
+    return demo_main(argv)
+
+
+def _rl(argv: list[str]) -> int:
+    from .operator import main as operator_main
+
+    return operator_main(argv)
+
+
 def _tiny_model(argv: list[str]) -> int:
     from ..models.tiny import main as tiny_main
 
@@ -34,7 +46,10 @@ def _tiny_model(argv: list[str]) -> int:
 # name → (help, handler taking the remaining argv); each handler parses its own options and --help.
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "call": ("send one HMAC-signed control request to a gateway: call METHOD PATH --key-file F", _call),
+    "demo": ("run the online-RL demo on a real vLLM (what `make demo` runs): demo [--rounds N] [--seed N]", _demo),
     "gateway": ("run the reference gateway: gateway --config FILE (AIGW JSON shape, see docs/gateway.md)", _gateway),
+    "rl": ("operate online RL through a gateway (signed): rl service|task|train|lora|traj ACTION, see --help",
+           _rl),
     "service": ("run the RL Service (normally started by the gateway): service --config FILE", _service),
     "tiny-model": ("write a tiny random Qwen2 model + tokenizer offline: tiny-model --out DIR [--seed N]", _tiny_model),
 }
