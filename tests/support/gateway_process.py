@@ -103,6 +103,7 @@ class GatewayProcess:
         self.env.update(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self.http = httpx.Client(base_url=self.url, timeout=60)
+        self._last_signed_ms = 0
 
     @property
     def url(self) -> str:
@@ -170,7 +171,10 @@ class GatewayProcess:
     def signed(self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
                key: bytes = API_KEY, **kwargs: Any) -> httpx.Response:
         body = b"" if json is None else orjson.dumps(json)
-        h = sign(key, body, now_ms=int(time.time() * 1000))
+        # Strictly increasing timestamps: two identical bodiless calls in one millisecond would be a replay.
+        now_ms = max(int(time.time() * 1000), self._last_signed_ms + 1)
+        self._last_signed_ms = now_ms
+        h = sign(key, body, now_ms=now_ms)
         if json is not None:
             h["content-type"] = "application/json"
         h.update(headers or {})

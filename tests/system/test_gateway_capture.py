@@ -176,11 +176,8 @@ def stream_openai(client: openai.OpenAI, messages: list[dict[str, Any]], headers
                     parts["arguments"] += call.function.arguments or ""
             finish = choice.finish_reason or finish
     assert seen.isdisjoint(PRIVATE_OPENAI), seen & PRIVATE_OPENAI
+    assert "usage" not in seen  # the usage chunk goes to the client only when it asked for it
     return {"text": text, "tool_calls": [calls[i] for i in sorted(calls)], "finish_reason": finish}
-
-
-def judge_of(sample: dict[str, Any]) -> dict[str, Any]:
-    return sample["judge"]
 
 
 def feedback_judge(tag: str) -> dict[str, Any]:
@@ -221,8 +218,9 @@ def test_hmac_refuses_unsigned_forged_stale_and_replayed_control_calls(redis, re
         refused(http.post("/v1/rl/service/start", headers=sign(INS_KEY, b"", now_ms=now())))
         assert gw.signed("GET", "/v1/rl/service").json() == {"status": "stopped", "failure_reason": None}
 
-        # A valid pair is accepted once; the same (timestamp, signature) again is a replay, on any path.
-        headers = sign(API_KEY, b"", now_ms=now())
+        # A valid pair is accepted once; the same (timestamp, signature) again is a replay, on any path. (An
+        # offset no other call of this test used, so the first use is surely the first.)
+        headers = sign(API_KEY, b"", now_ms=now() - 12_345)
         assert http.get("/v1/rl/service", headers=headers).status_code == 200
         refused(http.get("/v1/rl/service", headers=headers))
         refused(http.get("/v1/rl/trajectories/stats", headers=headers))
@@ -349,7 +347,7 @@ def test_delayed_feedback_over_openai_sse_with_tool_calls(redis, redis_url, tmp_
         assert (stopped["status"], stopped["finish_reason"]) == ("finalized", "user_stopped")
         assert [feedback_in(r.prompt) for r in judge.requests] == ["Thanks! And in Rome?"] * 2 + ["(no feedback)"]
         found = sorted(samples(gw), key=lambda s: len(s["request"]["messages"]))
-        assert [(s["agent_turn_id"], judge_of(s)) for s in found] == [
+        assert [(s["agent_turn_id"], s["judge"]) for s in found] == [
             ("u1", feedback_judge("feedback")), ("u1", feedback_judge("feedback")),
             ("u2", feedback_judge("session_done"))]
         assert [c["function"]["name"] for c in found[0]["trajectory"]["tool_calls"]] == ["get_weather"]
@@ -390,7 +388,7 @@ def test_delayed_feedback_over_anthropic_stream(redis, redis_url, tmp_path, vllm
         assert gw.signed("POST", f"/v1/rl/tasks/{t}/stop").json()["status"] == "finalized"
         assert feedback_in(judge.requests[-1].prompt) == "(no feedback)"
         found = sorted(samples(gw), key=lambda s: s["agent_turn_id"])
-        assert [(s["agent_turn_id"], judge_of(s)["tag"]) for s in found] == [("u1", "feedback"), ("u2", "session_done")]
+        assert [(s["agent_turn_id"], s["judge"]["tag"]) for s in found] == [("u1", "feedback"), ("u2", "session_done")]
         for sample, message in zip(found, (first, second)):
             assert len(sample["trajectory"]["response_ids"]) == message.usage.output_tokens
             assert sample["trajectory"]["prompt_ids"]
@@ -510,7 +508,8 @@ def test_after_rejected_still_answers_200_and_aborts(redis, redis_url, tmp_path,
         t = start_task(gw, "s-after")
         vllm.fail_next(CHAT, 200, body=completion)
         out = openai_client(gw).chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_headers={SESSION: "s-after"})
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            extra_headers={SESSION: "s-after"})
         assert (out.id, out.choices[0].message.content) == ("chatcmpl-no-ids", "no token ids here")
         assert chat_bodies(vllm)[-1]["return_token_ids"] is True  # it was captured
         assert ended(gw, t) == ("aborted", "capture_failed")
@@ -536,7 +535,7 @@ def test_discard_failing_after_retries_unmaps_and_aborts(redis_server, redis, re
                 assert (r.status_code, r.content) == (503, orjson.dumps(upstream_error))  # unchanged
                 # Past the hook timeout the gateway gives up on `:discard`: the session is unmapped, so the next
                 # call bypasses the (still unreachable) RL Service.
-                time.sleep(1.5)
+                time.sleep(2.0)
                 assert_bypassed(gw, vllm, "s-discard")
             finally:
                 redis_server.resume()

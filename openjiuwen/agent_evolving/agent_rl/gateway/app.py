@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from ..online.api.errors import CatchAllMiddleware
 from .config import GatewayConfig
 from .control import RLControl
 from .hmac_auth import HmacVerifier
@@ -63,8 +64,9 @@ def build_gateway(config: GatewayConfig, *, model_id: str, verifier: HmacVerifie
     registry = InstanceRegistry(
         [Instance(i.name, i.model, i.instance_ip, int(i.port)) for i in config.instances]
     )
-    upstream = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=1024,
-                                                                       max_keepalive_connections=256))
+    # Idle upstream connections close before vLLM's keep-alive timeout (5 s) could race a new request on them.
+    upstream = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(
+        max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0))
     loras = LoraManager(
         registry, lora_root=config.lora.root, state_path=config.lora.state_path,
         operation_timeout_s=config.lora.operation_timeout_s,
@@ -268,10 +270,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     async def framework_error(_: Request, exc: StarletteHTTPException) -> Response:
         return envelope(exc.status_code, "request_failed", str(exc.detail))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return envelope(500, "internal_error", "internal gateway error")
+    app.add_middleware(CatchAllMiddleware, message="internal gateway error", logger=log)
 
     return app
 

@@ -141,6 +141,13 @@ class RLControl:
         if answer.status == 404:
             await self._tracker.release(rl_task_id)
             return
+        if answer.status >= 500:
+            # A failed stop may have aborted the Task (a Judge failure in the final publication) or left it active
+            # (Redis unreachable): ask.
+            try:
+                answer = await self._rl.forward("GET", f"/v1/rl/tasks/{rl_task_id}")
+            except httpx.HTTPError:
+                return
         if answer.ok:
             try:
                 status = answer.json().get("status")

@@ -52,7 +52,11 @@ class RLClient:
         self._hook_timeout_s = hook_timeout_s
         self._hook_retries = hook_retries
         self._control_timeout_s = control_timeout_s
-        self._client = client or httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=512))
+        # Idle connections are dropped well before the RL Service's keep-alive timeout (uvicorn: 5 s), so a call never
+        # lands on a connection the server is closing.
+        self._client = client or httpx.AsyncClient(
+            trust_env=False, limits=httpx.Limits(max_connections=512, keepalive_expiry=2.0)
+        )
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 import orjson
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import Conflict, InvalidInput, JudgeFailed, NotFound
 from ..ids import InvalidIdentifier
@@ -69,6 +70,40 @@ def domain_errors(*, not_found: str, conflict: str, invalid: str | None = None) 
         raise ApiError(500, "internal_error", "internal service error") from exc
 
 
+class CatchAllMiddleware:
+    """Any unhandled exception → exactly the 500 envelope, with the details in the log only.
+
+    A pure ASGI middleware rather than an `exception_handler(Exception)`: Starlette re-raises after such a handler
+    answered, and the server then drops the keep-alive connection under a client that is about to reuse it."""
+
+    def __init__(self, app: ASGIApp, *, message: str, logger: logging.Logger) -> None:
+        self.app = app
+        self._body = envelope_bytes("internal_error", message)
+        self._log = logger
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            self._log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            if started:
+                raise  # the answer is already on its way: nothing sound can be sent any more
+            await send({"type": "http.response.start", "status": 500, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(self._body)).encode())]})
+            await send({"type": "http.response.body", "body": self._body})
+
+
 def install_error_envelope(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONBody:
@@ -86,7 +121,4 @@ def install_error_envelope(app: FastAPI) -> None:
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONBody:
         return envelope(400, "invalid_request", "invalid request parameters")
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> JSONBody:
-        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return envelope(500, "internal_error", "internal service error")
+    app.add_middleware(CatchAllMiddleware, message="internal service error", logger=log)

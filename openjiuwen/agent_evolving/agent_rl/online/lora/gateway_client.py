@@ -76,7 +76,9 @@ class GatewayLoraClient:
         self._attempts = attempts
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._owns_client = client is None
-        self._client = client or httpx.AsyncClient(headers=headers, trust_env=False)
+        self._client = client or httpx.AsyncClient(
+            headers=headers, trust_env=False, limits=httpx.Limits(keepalive_expiry=2.0)
+        )
         if client is not None and headers:
             self._client.headers.update(headers)
 
