@@ -1,0 +1,730 @@
+"""`make demo` / `openjiuwen-rl demo`: the whole online-RL loop on one machine, shown as rounds of rising reward.
+
+Set-up: a tiny random model (`make_tiny_model`), a private `redis-server`, a real vLLM server (CPU build, from its own
+environment, runtime LoRA updating on), the reference gateway (`openjiuwen-rl gateway --config`) with an HMAC key
+file made here, and its RL Service child with the local PPO trainer. Every process runs in its own process group on a
+free loopback port, with its log in the run directory (`demo-run/<timestamp>/`).
+
+Rounds: agents (the official `openai` SDK through the gateway, `X-Agent-Session-Id` per Task) run the Tasks of the
+"answer in plain words" family (`task_family.py`): signed start with a terminal reward → `--turns` completions →
+signed stop → the reward computed from the answers' text → signed reward. Then a Training Run
+(`POST /v1/rl/training/runs`) is watched until it ends; its new LoRA is activated by the gateway on vLLM, and the next
+round's Tasks are pinned to it. Each round is also the evaluation of the policy that served it (the same Tasks, the
+same sampling seeds every round), so the table shows base, v1, v2, … with the mean reward and its 95 % CI.
+
+Outputs: progress bars, the final table, `demo-report.json` and `demo-reward.png` (in `--out-dir` and the run
+directory). Ctrl-C or a failure stops every process the demo started and names the step that failed and its log.
+
+For tests, `--instances URL...` uses running OpenAI-compatible servers (e.g. fake vLLMs) instead of starting vLLM,
+and `--trainer scripted` the deterministic trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from . import report as rep
+from .processes import ManagedProcess, ancestors, children, free_port, pids_mentioning, wait_gone
+from .progress import Bar
+from .task_family import FOLLOW_UP, PROMPTS, word_char_share
+
+TERMINAL_RUN = ("succeeded", "failed", "canceled")
+PPO_DEFAULTS = {"lr": 4.0e-3, "ppo_epochs": 2, "mini_batch": 16, "clip_high": 0.28}
+
+
+class DemoFailed(Exception):
+    """A step failed; the message says why (the step and its log are known to the Demo)."""
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM/SIGHUP reached the driver."""
+
+    def __init__(self, signame: str) -> None:
+        super().__init__(signame)
+        self.signame = signame
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="openjiuwen-rl demo",
+        description="Run rounds of Tasks -> rewards -> Training Run -> LoRA activation on a real vLLM (CPU) and "
+                    "show the mean reward per policy version. See docs/demo.md.",
+    )
+    p.add_argument("--rounds", type=int, default=8, help="Training Runs (default 8: base, v1 … v8 are evaluated)")
+    p.add_argument("--tasks", type=int, default=96, help="Tasks per round (default 96)")
+    p.add_argument("--turns", type=int, default=2, help="completions per Task (default 2)")
+    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each completion (default 16)")
+    p.add_argument("--concurrency", type=int, default=8, help="agents running Tasks at once (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tiny model, the sampling and the trainer")
+    p.add_argument("--run-dir", type=Path, default=None, help="new directory for logs and state "
+                   "(default demo-run/<timestamp>)")
+    p.add_argument("--out-dir", type=Path, default=Path("."), help="where demo-report.json and demo-reward.png go")
+    p.add_argument("--vllm-python", type=Path, default=Path(".venv-vllm/bin/python"),
+                   help="python of the vLLM environment (default .venv-vllm/bin/python, made by `make venv-vllm`)")
+    p.add_argument("--instances", nargs="+", metavar="URL", default=None,
+                   help="use these running OpenAI-compatible vLLM servers (http://127.0.0.1:PORT) instead of "
+                        "starting one; they must serve --model-id with runtime LoRA loading")
+    p.add_argument("--model", type=Path, default=None, help="use this model directory instead of generating one")
+    p.add_argument("--hidden-size", type=int, default=384,
+                   help="hidden size of the generated tiny model (default 384 = 6 heads of 64; see docs/demo.md)")
+    p.add_argument("--model-id", default="tiny", help="served model name = RL Service model_id (default tiny)")
+    p.add_argument("--trainer", choices=("local", "scripted"), default="local",
+                   help="trainer backend (scripted: deterministic, for tests)")
+    p.add_argument("--lr", type=float, default=PPO_DEFAULTS["lr"], help="PPO learning rate (default 4e-3)")
+    p.add_argument("--ppo-epochs", type=int, default=PPO_DEFAULTS["ppo_epochs"], help="PPO epochs (default 2)")
+    p.add_argument("--mini-batch", type=int, default=PPO_DEFAULTS["mini_batch"], help="PPO mini-batch (default 16)")
+    p.add_argument("--clip-high", type=float, default=PPO_DEFAULTS["clip_high"],
+                   help="PPO clip ratio, upper side (default 0.28)")
+    p.add_argument("--vllm-timeout", type=float, default=300.0, help="seconds to wait for vLLM's /health")
+    p.add_argument("--train-timeout", type=float, default=600.0, help="seconds to wait for one Training Run")
+    args = p.parse_args(argv)
+    if args.hidden_size < 64 or args.hidden_size % 64:
+        p.error("--hidden-size must be a positive multiple of 64 (vLLM's CPU attention needs head_dim 64)")
+    for name in ("rounds", "tasks", "turns", "max_tokens", "concurrency", "ppo_epochs", "mini_batch"):
+        minimum = 0 if name == "rounds" else 1
+        if getattr(args, name) < minimum:
+            p.error(f"--{name.replace('_', '-')} must be at least {minimum}")
+    for url in args.instances or ():
+        parts = urlsplit(url)
+        if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost", "::1") or not parts.port:
+            p.error(f"--instances: {url} is not http://127.0.0.1:PORT (loopback only)")
+    return args
+
+
+def sampling_seed(seed: int, round_: int, task: int, turn: int) -> int:
+    """vLLM's per-request seed: reproducible for a demo seed, and fresh in every round, so a round never replays
+    the samples its policy was trained on (the round's rewards are then an honest evaluation of that policy)."""
+    return (seed * 1_000_003 + round_ * 10_007 + task * 101 + turn) % (2**31)
+
+
+def _policy_label(lora_name: str | None) -> str:
+    return "base" if not lora_name or lora_name == "base" else lora_name.rpartition(":")[2]
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.run_dir = (args.run_dir or Path("demo-run") / stamp).resolve()
+        self.out_dir = args.out_dir.resolve()
+        self.procs: dict[str, ManagedProcess] = {}
+        self.pids: dict[str, int] = {}
+        self.step = "start"
+        self.step_log: Path | None = None
+        self.t0 = time.monotonic()
+        self.timings: dict[str, Any] = {"setup": {}, "rounds": [], "training_runs": []}
+        self.versions: list[dict[str, Any]] = []
+        self.status = "running"
+        self._ts_lock = threading.Lock()
+        self._last_ts = 0
+        self._http: Any = None
+        self._agent: Any = None
+        self._executor: futures.ThreadPoolExecutor | None = None
+        self.model_dir: Path | None = None
+        self.gateway_url = ""
+        self.api_key = b""
+        self.ppo_yaml: dict[str, Any] = {}
+        self._owns_run_dir = False
+
+    # ------------------------------------------------------------------------------------------ driver
+
+    def run(self) -> int:
+        try:
+            if self.run_dir.exists() and any(self.run_dir.iterdir()):
+                raise DemoFailed(f"run directory {self.run_dir} exists and is not empty; pass a new --run-dir")
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._owns_run_dir = True
+            print(f"openjiuwen-rl demo: run directory {self.run_dir}", flush=True)
+            self.setup()
+            self.rounds()
+            self.status = "completed"
+            self.finish()
+            return 0
+        except (KeyboardInterrupt, Interrupted) as exc:
+            self.status = "interrupted"
+            name = exc.signame if isinstance(exc, Interrupted) else "SIGINT"
+            print(f"\ninterrupted ({name}) during step '{self.step}'; stopping every process the demo started",
+                  file=sys.stderr, flush=True)
+            self._say_log()
+            return 130
+        except Exception as exc:  # noqa: BLE001 - every failure is reported with its step and log
+            self.status = "failed"
+            print(f"\nerror: step '{self.step}' failed: {exc}", file=sys.stderr, flush=True)
+            self._say_log()
+            return 1
+        finally:
+            self.shutdown()
+
+    def _say_log(self) -> None:
+        if self.step_log is not None:
+            print(f"  its log: {self.step_log}", file=sys.stderr, flush=True)
+        print(f"  all logs: {self.run_dir}", file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def stage(self, name: str, log: Path | None) -> Iterator[None]:
+        self.step, self.step_log = name, log
+        yield
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    def setup(self) -> None:
+        a = self.args
+        bar = Bar("set-up", total=5, unit="steps")
+        try:
+            with self.stage("tiny model", self.run_dir / "demo.log"):
+                t = time.monotonic()
+                if a.model is not None:
+                    self.model_dir = a.model.resolve()
+                    if not (self.model_dir / "config.json").is_file():
+                        raise DemoFailed(f"--model {self.model_dir} has no config.json")
+                elif a.trainer == "local" or a.instances is None:
+                    from ..models.tiny import make_tiny_model
+
+                    bar.note("generating the tiny model")
+                    with self._log_to(self.run_dir / "demo.log"):
+                        self.model_dir = make_tiny_model(self.run_dir / "model", seed=a.seed,
+                                                         hidden_size=a.hidden_size, num_heads=a.hidden_size // 64)
+                else:  # scripted trainer on given instances: nothing reads the weights
+                    self.model_dir = self.run_dir / "model"
+                self.timings["setup"]["model_s"] = round(time.monotonic() - t, 2)
+                bar.update(1, "tiny model ready")
+
+            vllm_started = time.monotonic()
+            if a.instances is None:
+                with self.stage("vLLM start", self.run_dir / "vllm.log"):
+                    instances = [self.start_vllm()]
+            else:
+                instances = [(f"vllm-{n}", urlsplit(u).hostname or "127.0.0.1", urlsplit(u).port or 0)
+                             for n, u in enumerate(a.instances)]
+
+            with self.stage("redis", self.run_dir / "redis" / "redis.log"):
+                t = time.monotonic()
+                redis_url = self.start_redis()
+                self.timings["setup"]["redis_s"] = round(time.monotonic() - t, 2)
+                bar.update(1, "redis ready")
+
+            with self.stage("gateway", self.run_dir / "gateway" / "gateway.log"):
+                t = time.monotonic()
+                self.start_gateway(redis_url, instances)
+                self.timings["setup"]["gateway_s"] = round(time.monotonic() - t, 2)
+                bar.update(1, "gateway ready")
+
+            # The gateway keeps its child's stdout/stderr beside its LoRA state file, i.e. in gateway/.
+            with self.stage("RL Service", self.run_dir / "gateway" / "rl-service.stderr.log"):
+                t = time.monotonic()
+                self.start_rl_service()
+                self.timings["setup"]["rl_service_s"] = round(time.monotonic() - t, 2)
+                bar.update(1, "RL Service running")
+
+            with self.stage("vLLM start", self.run_dir / "vllm.log"):
+                if a.instances is None:
+                    self.wait_vllm(instances[0][2], bar, vllm_started)
+                else:
+                    self.wait_instances(a.instances)
+                self.timings["setup"]["vllm_ready_s"] = round(time.monotonic() - vllm_started, 2)
+                bar.update(1, "vLLM serving")
+        finally:
+            bar.close()
+        self.timings["setup"]["total_s"] = round(time.monotonic() - self.t0, 2)
+
+    @contextlib.contextmanager
+    def _log_to(self, path: Path) -> Iterator[None]:
+        """Send this process's stdout/stderr chatter (e.g. transformers' progress bars) to `path` for a moment."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        with open(path, "ab") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                os.close(saved[0])
+                os.close(saved[1])
+
+    def _spawn(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> ManagedProcess:
+        proc = ManagedProcess(name, argv, log_path=log, env=env, cwd=self.run_dir)
+        self.procs[name] = proc
+        self.pids[name] = proc.pid
+        return proc
+
+    def _check(self, name: str) -> None:
+        proc = self.procs[name]
+        if not proc.alive():
+            tail = "\n    ".join(proc.log_tail(1500).splitlines()[-12:])
+            raise DemoFailed(f"{name} {proc.exit_description()}; last lines of {proc.log_path}:\n    {tail}")
+
+    def start_vllm(self) -> tuple[str, str, int]:
+        python = Path(os.path.abspath(self.args.vllm_python))  # absolute, but not resolved: it is a venv link
+        if not python.exists():
+            raise DemoFailed(f"no vLLM environment at {python}: run `make venv-vllm` (or `make demo`), or pass "
+                             "--vllm-python")
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+        env.update(VLLM_ALLOW_RUNTIME_LORA_UPDATING="true", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+        argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                "--served-model-name", self.args.model_id, "--enable-lora", "--max-lora-rank", "16",
+                "--max-loras", "4", "--dtype", "float32", "--max-model-len", "1024",
+                "--host", "127.0.0.1", "--port", str(port), "--seed", str(self.args.seed)]
+        self._spawn("vllm", argv, self.run_dir / "vllm.log", env)
+        return ("vllm-0", "127.0.0.1", port)
+
+    def wait_vllm(self, port: int, bar: Bar, started: float) -> None:
+        import httpx
+
+        deadline = started + self.args.vllm_timeout
+        with httpx.Client(timeout=5, trust_env=False) as http:
+            while True:
+                self._check("vllm")
+                try:
+                    if http.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise DemoFailed(f"vLLM did not answer /health within {self.args.vllm_timeout:.0f} s")
+                bar.note(f"waiting for vLLM ({time.monotonic() - started:.0f} s)")
+                time.sleep(1)
+
+    def wait_instances(self, urls: list[str]) -> None:
+        import httpx
+
+        with httpx.Client(timeout=5, trust_env=False) as http:
+            for url in urls:
+                deadline = time.monotonic() + self.args.vllm_timeout
+                while True:
+                    try:
+                        if http.get(url.rstrip("/") + "/health").status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise DemoFailed(f"instance {url} did not answer /health")
+                    time.sleep(0.5)
+
+    def start_redis(self) -> str:
+        import socket
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise DemoFailed("redis-server not found on PATH (`make demo` installs it with apt-get when it can)")
+        workdir = self.run_dir / "redis"
+        workdir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", "",
+                "--appendonly", "no", "--logfile", str(workdir / "redis.log"), "--protected-mode", "yes",
+                "--daemonize", "no"]
+        self._spawn("redis", argv, workdir / "redis.stdout.log")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            self._check("redis")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return f"redis://127.0.0.1:{port}/0"
+            except OSError:
+                time.sleep(0.05)
+        raise DemoFailed("redis-server did not answer PING within 15 s")
+
+    def start_gateway(self, redis_url: str, instances: list[tuple[str, str, int]]) -> None:
+        import httpx
+        import yaml
+
+        a = self.args
+        gw_dir = self.run_dir / "gateway"
+        gw_dir.mkdir(parents=True, exist_ok=True)
+        lora_root = self.run_dir / "loras"
+        lora_root.mkdir(exist_ok=True)
+        port, rl_port = free_port(), free_port()
+        while rl_port == port:
+            rl_port = free_port()
+        api_hex = secrets.token_hex(32)
+        key_file = gw_dir / "hmac-keys.json"
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"apiHmacKey": api_hex, "insHmacKey": secrets.token_hex(32)}, f)
+        from ..gateway.config import decode_key
+
+        self.api_key = decode_key(api_hex)
+        samples = a.tasks * a.turns
+        self.ppo_yaml = {
+            "actor_rollout_ref": {"actor": {"optim": {"lr": a.lr}, "ppo_epochs": a.ppo_epochs,
+                                            "ppo_mini_batch_size": min(a.mini_batch, samples),
+                                            "ppo_micro_batch_size_per_gpu": min(a.mini_batch, samples),
+                                            "clip_ratio_high": a.clip_high}},
+            "data": {"max_prompt_length": 512, "max_response_length": max(64, a.max_tokens)},
+        }
+        ppo_path = gw_dir / "ppo.yaml"
+        ppo_path.write_text(yaml.safe_dump(self.ppo_yaml))
+        rl_config = {
+            "listen_host": "127.0.0.1",
+            "listen_port": rl_port,
+            "redis_url": redis_url,
+            "model_id": a.model_id,
+            "base_model_path": str(self.model_dir),
+            "aigw_endpoint": f"http://127.0.0.1:{port}",
+            "judge_endpoint": "",
+            "lora_activation_timeout": 90.0,
+            "lora_activation_attempts": 3,
+            "min_samples_for_training": samples,
+            "max_samples_per_run": samples,
+            "trainer_backend": a.trainer,
+            "advantage_estimator": "reinforce_plus_plus",
+            "ppo_config_path": str(ppo_path),
+            "training_tmp_root": str(self.run_dir / "train-tmp"),
+            "lora_repository_path": str(lora_root),
+            "record_dir": str(self.run_dir / "records"),
+            "log_path": str(gw_dir / "rl-service.log"),
+            "log_level": "INFO",
+        }
+        rl_path = gw_dir / "rl-service.yaml"
+        rl_path.write_text(yaml.safe_dump(rl_config, sort_keys=False))
+        gw_config = {
+            "global": {"listen": f"127.0.0.1:{port}", "hmacKeyFile": str(key_file)},
+            "instances": [{"name": n, "model": a.model_id, "instanceIp": h, "port": p} for n, h, p in instances],
+            "lora": {"root": str(lora_root), "statePath": str(gw_dir / "lora-state.json"), "operationTimeout": "60s"},
+            "onlineRL": {
+                "command": [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.online.service"],
+                "configPath": str(rl_path),
+                "endpoint": f"http://127.0.0.1:{rl_port}",
+                "hookTimeout": "30s",
+                "hookRetries": 1,
+                "drainTimeout": "10s",
+                "controlTimeout": "120s",
+            },
+        }
+        gw_path = gw_dir / "gateway.json"
+        gw_path.write_text(json.dumps(gw_config, indent=2))
+        env = {k: v for k, v in os.environ.items() if k not in ("RL_SERVICE_TOKEN", "RL_SERVICE_CONFIG")}
+        env["ONLINE_RL_DETERMINISTIC_SEED"] = str(a.seed)
+        if a.trainer == "scripted":
+            plan = gw_dir / "scripted-plan.json"
+            if not plan.exists():
+                plan.write_text(json.dumps({"outcome": "succeed"}))
+            env.setdefault("ONLINE_RL_SCRIPTED_PLAN", str(plan))
+        argv = [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.cli.main", "gateway",
+                "--config", str(gw_path)]
+        self._spawn("gateway", argv, gw_dir / "gateway.log", env)
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        self._http = httpx.Client(base_url=self.gateway_url, timeout=120, trust_env=False)
+        deadline = time.monotonic() + 60
+        while True:
+            self._check("gateway")
+            try:
+                if self._http.get("/aigw/v1/health").json().get("status") == "ok":
+                    return
+            except (httpx.TransportError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise DemoFailed("the gateway did not answer /aigw/v1/health within 60 s")
+            time.sleep(0.1)
+
+    def start_rl_service(self) -> None:
+        r = self.signed("POST", "/v1/rl/service/start")
+        if r.status_code != 200 or r.json().get("status") != "running":
+            raise DemoFailed(f"POST /v1/rl/service/start answered {r.status_code}: {r.text[:500]}")
+        kids = children(self.pids["gateway"])
+        if kids:
+            self.pids["rl-service"] = kids[0]
+
+    # ------------------------------------------------------------------------------------------ control calls
+
+    def signed(self, method: str, path: str, *, json_body: Any = None, headers: dict[str, str] | None = None,
+               params: dict[str, Any] | None = None) -> Any:
+        """An HMAC-signed control request; every request gets a fresh, strictly increasing timestamp so that
+        concurrent identical bodies never look like a replay."""
+        import orjson
+
+        from ..gateway.hmac_auth import sign
+
+        body = b"" if json_body is None else orjson.dumps(json_body)
+        with self._ts_lock:
+            now = max(int(time.time() * 1000), self._last_ts + 1)
+            self._last_ts = now
+        h = sign(self.api_key, body, now_ms=now)
+        if json_body is not None:
+            h["content-type"] = "application/json"
+        h.update(headers or {})
+        return self._http.request(method, path, content=body, headers=h, params=params)
+
+    def active_policy(self) -> str | None:
+        r = self.signed("GET", f"/v1/loras/{self.args.model_id}")
+        if r.status_code != 200:
+            raise DemoFailed(f"GET /v1/loras/{self.args.model_id} answered {r.status_code}: {r.text[:300]}")
+        active = r.json().get("active_lora")
+        return active["lora_name"] if active else None
+
+    # ------------------------------------------------------------------------------------------ rounds
+
+    def rounds(self) -> None:
+        import httpx
+        import openai
+
+        a = self.args
+        self._agent = openai.OpenAI(base_url=self.gateway_url + "/v1", api_key="demo-agent", max_retries=0,
+                                    timeout=120, http_client=httpx.Client(trust_env=False, timeout=120))
+        pending_training: dict[str, Any] | None = None
+        for r in range(a.rounds + 1):
+            lora = self.active_policy()
+            label = _policy_label(lora)
+            log = self.run_dir / "gateway" / "gateway.log"
+            with self.stage(f"round {r + 1}/{a.rounds + 1} (policy {label})", log):
+                t = time.monotonic()
+                results = self.run_round(r, lora, label)
+                seconds = round(time.monotonic() - t, 2)
+            rewards = [x["reward"] for x in results]
+            entry = rep.version_entry(
+                label, rewards, sum(x["samples"] for x in results), lora_name=lora, round_seconds=seconds,
+                training_seconds=pending_training["seconds"] if pending_training else None,
+                training_run_id=pending_training["training_run_id"] if pending_training else None,
+                task_rewards=[round(x, 4) for x in rewards], example=results[0]["answers"][0],
+            )
+            self.versions.append(entry)
+            self.timings["rounds"].append({"policy": label, "seconds": seconds})
+            print(f"  {label}: mean reward {entry['mean_reward']:.3f}, 95% CI [{entry['ci95'][0]:.3f}, "
+                  f"{entry['ci95'][1]:.3f}] over {entry['tasks']} Tasks ({entry['samples']} samples) in "
+                  f"{seconds:.1f} s; e.g. {entry['example']!r}", flush=True)
+            self.write_reports(final=False)
+            if r < a.rounds:
+                with self.stage(f"training run {r + 1}/{a.rounds}", self.run_dir / "gateway" / "rl-service.log"):
+                    pending_training = self.train(r, lora)
+
+    def run_round(self, r: int, lora: str | None, label: str) -> list[dict[str, Any]]:
+        a = self.args
+        bar = Bar(f"round {r + 1}/{a.rounds + 1} ({label})", total=a.tasks, unit="tasks")
+        self._executor = futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
+        results: list[dict[str, Any]] = []
+        try:
+            pending = {self._executor.submit(self.run_task, r, i, lora) for i in range(a.tasks)}
+            while pending:
+                done, pending = futures.wait(pending, timeout=1.0, return_when=futures.FIRST_COMPLETED)
+                for fut in done:
+                    results.append(fut.result())  # a Task's failure fails the round
+                if done:
+                    mean = sum(x["reward"] for x in results) / len(results)
+                    bar.update(len(done), f"mean reward {mean:.3f}")
+        finally:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            bar.close()
+        results.sort(key=lambda x: x["task"])
+        with open(self.run_dir / "agents.jsonl", "a") as f:
+            for x in results:
+                f.write(json.dumps(x) + "\n")
+        return results
+
+    def run_task(self, r: int, i: int, lora: str | None) -> dict[str, Any]:
+        a = self.args
+        session = f"demo-r{r}-t{i}-{secrets.token_hex(3)}"
+        t = time.monotonic()
+        started = self.signed("POST", "/v1/rl/tasks/start", json_body={"reward_mode": "terminal"},
+                              headers={"X-Agent-Session-Id": session})
+        if started.status_code != 201:
+            raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
+        task = started.json()
+        task_id = task["rl_task_id"]
+        pinned = task.get("policy_lora_name")
+        if (pinned or "base") != (lora or "base"):
+            raise DemoFailed(f"Task {task_id} is pinned to {pinned}, expected {lora or 'base'}")
+        messages: list[dict[str, str]] = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        answers: list[str] = []
+        for turn in range(a.turns):
+            out = self._agent.chat.completions.create(
+                model=a.model_id, messages=messages, max_tokens=a.max_tokens, temperature=1.0,
+                seed=sampling_seed(a.seed, r, i, turn),
+                extra_headers={"X-Agent-Session-Id": session},
+            )
+            text = out.choices[0].message.content or ""
+            answers.append(text)
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UP}]
+        stopped = self.signed("POST", f"/v1/rl/tasks/{task_id}/stop")
+        if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
+            raise DemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
+        reward = word_char_share(answers)
+        rewarded = self.signed("POST", f"/v1/rl/tasks/{task_id}/reward", json_body={"reward": reward})
+        if rewarded.status_code != 200:
+            raise DemoFailed(f"Task {task_id} reward answered {rewarded.status_code}: {rewarded.text[:300]}")
+        return {"round": r, "task": i, "rl_task_id": task_id, "policy": pinned, "answers": answers,
+                "reward": reward, "samples": rewarded.json().get("sample_count", 0),
+                "seconds": round(time.monotonic() - t, 3)}
+
+    def train(self, r: int, parent: str | None) -> dict[str, Any]:
+        a = self.args
+        bar = Bar(f"training run {r + 1}/{a.rounds}", total=3, unit="stages")
+        t = time.monotonic()
+        try:
+            started = self.signed("POST", "/v1/rl/training/runs")
+            if started.status_code != 201:
+                raise DemoFailed(f"POST /v1/rl/training/runs answered {started.status_code}: {started.text[:300]}")
+            run_id = started.json()["training_run_id"]
+            reached = 0
+            while True:
+                got = self.signed("GET", f"/v1/rl/training/runs/{run_id}")
+                if got.status_code != 200:
+                    raise DemoFailed(f"GET run {run_id} answered {got.status_code}: {got.text[:300]}")
+                run = got.json()
+                status, stage = run["status"], run.get("stage")
+                level = 3 if status == "succeeded" else {"training": 1, "activating": 2}.get(stage or "", 0)
+                if level > reached:
+                    bar.update(level - reached, status if status in TERMINAL_RUN else f"{stage or status}")
+                    reached = level
+                else:
+                    bar.note(f"{stage or status} ({time.monotonic() - t:.0f} s)")
+                if status in TERMINAL_RUN:
+                    break
+                if time.monotonic() - t > a.train_timeout:
+                    raise DemoFailed(f"Training Run {run_id} not finished within {a.train_timeout:.0f} s "
+                                     f"(status {status}, stage {stage})")
+                self._check("gateway")
+                time.sleep(0.5)
+        finally:
+            bar.close()
+        seconds = round(time.monotonic() - t, 2)
+        if status != "succeeded":
+            raise DemoFailed(f"Training Run {run_id} ended {status}: {run.get('failure_reason')}")
+        now_active = self.active_policy()
+        if now_active != run["lora_name"]:
+            raise DemoFailed(f"Training Run {run_id} succeeded with {run['lora_name']} but the gateway's active "
+                             f"policy is {now_active}")
+        steps = run.get("metrics", {}).get("step_metrics") or []
+        record = {"training_run_id": run_id, "parent": parent or "base", "lora_name": run["lora_name"],
+                  "sample_count": run["sample_count"], "seconds": seconds,
+                  "steps": run.get("metrics", {}).get("steps"),
+                  "step_metrics": steps}
+        self.timings["training_runs"].append(record)
+        print(f"  {run['lora_name']} trained on {run['sample_count']} samples and activated in {seconds:.1f} s",
+              flush=True)
+        return record
+
+    # ------------------------------------------------------------------------------------------ output
+
+    def build_report(self) -> dict[str, Any]:
+        a = self.args
+        report: dict[str, Any] = {
+            "versions": self.versions,
+            "settings": {
+                "rounds": a.rounds, "tasks_per_round": a.tasks, "turns_per_task": a.turns,
+                "max_tokens": a.max_tokens, "temperature": 1.0, "concurrency": a.concurrency, "seed": a.seed,
+                "model_id": a.model_id, "model": str(self.model_dir), "hidden_size": a.hidden_size,
+                "trainer": a.trainer, "vllm": "started" if a.instances is None else "given",
+                "instances": a.instances or [], "task_family": "answer in plain words (task_family.py)",
+                "reward": "share of word characters (ASCII letters, space) in the answers' text",
+                "ppo": self.ppo_yaml, "advantage_estimator": "reinforce_plus_plus",
+            },
+            "timings": {**self.timings, "total_seconds": round(time.monotonic() - self.t0, 2)},
+            "status": self.status,
+            "run_dir": str(self.run_dir),
+            "processes": self.pids,
+        }
+        if len(self.versions) >= 2:
+            base, last = self.versions[0]["task_rewards"], self.versions[-1]["task_rewards"]
+            diff, (lo, hi) = rep.diff_ci95(base, last)
+            report["margin"] = {"last_policy": self.versions[-1]["policy"], "last_minus_base": round(diff, 4),
+                                "ci95": [round(lo, 4), round(hi, 4)]}
+        if self.status != "completed":
+            report["failed_step"] = self.step
+        return report
+
+    def write_reports(self, final: bool) -> dict[str, Any]:
+        report = self.build_report()
+        rep.write_json(self.run_dir / "demo-report.json", report)
+        if final:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            rep.write_json(self.out_dir / "demo-report.json", report)
+        return report
+
+    def finish(self) -> None:
+        with self.stage("report", None):
+            report = self.write_reports(final=True)
+            title = (f"openjiuwen-rl demo: {self.args.tasks} Tasks x {self.args.turns} turns per round, "
+                     f"seed {self.args.seed}")
+            plotted = rep.plot(self.run_dir / "demo-reward.png", self.versions, title)
+            if plotted:
+                shutil.copyfile(self.run_dir / "demo-reward.png", self.out_dir / "demo-reward.png")
+        print()
+        print(rep.table(self.versions))
+        margin = report.get("margin")
+        if margin:
+            print(f"\nlast version {margin['last_policy']} vs base: {margin['last_minus_base']:+.3f} "
+                  f"(95% CI [{margin['ci95'][0]:+.3f}, {margin['ci95'][1]:+.3f}])")
+        print(f"total {report['timings']['total_seconds']:.0f} s; report {self.out_dir / 'demo-report.json'}"
+              + (f", plot {self.out_dir / 'demo-reward.png'}" if plotted else " (no matplotlib: no plot)"))
+
+    # ------------------------------------------------------------------------------------------ shutdown
+
+    def shutdown(self) -> None:
+        # A second Ctrl-C (or a SIGTERM) while stopping must not cut the clean-up short.
+        def still_stopping(*_: Any) -> None:
+            print("still stopping the demo's processes ...", file=sys.stderr, flush=True)
+
+        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {sig: signal.signal(sig, still_stopping) for sig in signals}
+        try:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+            if self.status != "completed" and self.run_dir.is_dir():
+                with contextlib.suppress(Exception):
+                    self.write_reports(final=False)
+            live = [p for p in self.procs.values() if p.alive()]
+            if live:
+                print(f"stopping {', '.join(p.name for p in live)} ...", flush=True)
+            for name, grace in (("gateway", 15.0), ("vllm", 10.0), ("redis", 5.0)):
+                proc = self.procs.get(name)
+                if proc is not None:
+                    proc.stop(grace)
+            for client in (self._agent, self._http):
+                with contextlib.suppress(Exception):
+                    if client is not None:
+                        client.close()
+            # Anything still running that the demo (or the gateway for it) started: its command line names a
+            # path inside the fresh run directory (never this process or its ancestors). Stopped by pid.
+            left: list[int] = []
+            if self._owns_run_dir:
+                spared = ancestors(os.getpid())
+                left = [pid for pid in pids_mentioning(f"{self.run_dir}{os.sep}") if pid not in spared]
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            still = wait_gone(left, 10)
+            if still:
+                print(f"warning: processes {still} are still running", file=sys.stderr, flush=True)
+            elif self.procs:
+                print("all demo processes stopped", flush=True)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _raise_interrupted(signum: int, _frame: Any) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupted)
+    return Demo(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""`make demo`'s driver, shortened (one round, a small batch), end to end WITHOUT a real vLLM: the driver starts its
+private Redis and the reference gateway with its RL Service child (scripted trainer) as real processes, its agents
+use the official `openai` SDK through the gateway against a fake vLLM on a loopback socket (`--instances`), and the
+test checks the report, the plot, the pinning of the second round to v1, and that nothing the demo started is left
+running — after a normal end, after Ctrl-C (SIGINT) during a Training Run, and after a failing step.
+
+The full demo on a real vLLM (CPU build) is run by hand: `make demo` (docs/demo.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.fake_vllm import CHAT_PATH, FakeVLLM
+
+pytestmark = pytest.mark.system
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEMO_TIMEOUT_S = 120
+TASKS, TURNS = 4, 2
+
+
+@pytest.fixture
+def vllm() -> Iterator[FakeVLLM]:
+    with FakeVLLM(served_model="tiny", name="vllm-fake") as v:
+        yield v
+
+
+def demo_argv(vllm: FakeVLLM, run_dir: Path, out_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.demo", "--instances", vllm.url,
+            "--trainer", "scripted", "--rounds", "1", "--tasks", str(TASKS), "--turns", str(TURNS),
+            "--concurrency", "2", "--run-dir", str(run_dir), "--out-dir", str(out_dir), *extra]
+
+
+def demo_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RL_SERVICE_TOKEN", "RL_SERVICE_CONFIG",
+                                                            "ONLINE_RL_SCRIPTED_PLAN")}
+    env.update(extra)
+    return env
+
+
+def running_in(run_dir: Path) -> list[str]:
+    """Command lines of live processes (not zombies) that name a path inside `run_dir`."""
+    needle = f"{run_dir}{os.sep}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmdline and state not in ("Z", "X"):
+            found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
+def assert_all_gone(run_dir: Path, report: dict) -> None:
+    for name, pid in report["processes"].items():
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        assert state in ("Z", "X"), f"{name} (pid {pid}) still runs"
+    assert running_in(run_dir) == []
+
+
+def test_short_demo_reports_each_version_and_leaves_nothing_running(tmp_path, vllm):
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+
+    done = subprocess.run(demo_argv(vllm, run_dir, out_dir), cwd=REPO_ROOT, env=demo_env(), capture_output=True,
+                          text=True, timeout=DEMO_TIMEOUT_S)
+
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    report = json.loads((out_dir / "demo-report.json").read_text())
+    assert report == json.loads((run_dir / "demo-report.json").read_text())
+    assert report["status"] == "completed"
+    assert [v["policy"] for v in report["versions"]] == ["base", "v1"]
+    for version in report["versions"]:
+        assert version["tasks"] == TASKS and version["samples"] == TASKS * TURNS
+        lo, hi = version["ci95"]
+        assert lo <= version["mean_reward"] <= hi
+        assert len(version["task_rewards"]) == TASKS
+        assert all(0.0 <= r <= 1.0 for r in version["task_rewards"])
+    base, v1 = report["versions"]
+    assert (base["lora_name"], v1["lora_name"]) == (None, "tiny:v1")
+    assert base["training_seconds"] is None and v1["training_seconds"] > 0
+    assert set(report["margin"]) == {"last_policy", "last_minus_base", "ci95"}
+    assert report["settings"]["rounds"] == 1 and report["settings"]["trainer"] == "scripted"
+    assert set(report["timings"]) >= {"setup", "rounds", "training_runs", "total_seconds"}
+    [run] = report["timings"]["training_runs"]
+    assert (run["lora_name"], run["sample_count"]) == ("tiny:v1", TASKS * TURNS)
+    # Round 1 ran on the base model, round 2 on the activated adapter; every completion was captured.
+    chats = [r.body for r in vllm.requests if r.path == CHAT_PATH]
+    assert [c["model"] for c in chats] == ["tiny"] * (TASKS * TURNS) + ["tiny:v1"] * (TASKS * TURNS)
+    assert all(c["return_token_ids"] is True and c["temperature"] == 1.0 for c in chats)
+    assert "tiny:v1" in vllm.loaded
+    assert (out_dir / "demo-reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "mean reward" in done.stdout and "95% CI" in done.stdout
+    assert {"redis", "gateway", "rl-service"} <= set(report["processes"])
+    assert_all_gone(run_dir, report)
+
+
+def test_sigint_during_a_training_run_stops_everything_and_names_the_step(tmp_path, vllm):
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"outcome": "block"}))  # the Training Run waits until canceled
+    proc = subprocess.Popen(demo_argv(vllm, run_dir, out_dir), cwd=REPO_ROOT,
+                            env=demo_env(ONLINE_RL_SCRIPTED_PLAN=str(plan)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        deadline = time.monotonic() + DEMO_TIMEOUT_S
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("training run 1/1"):
+                break
+            assert time.monotonic() < deadline, "".join(seen)
+        else:
+            pytest.fail("the demo ended before its Training Run:\n" + "".join(seen) + proc.stderr.read())
+        time.sleep(1.0)  # the run is in flight
+
+        proc.send_signal(signal.SIGINT)
+
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, "".join(seen) + out + err
+    assert "interrupted (SIGINT) during step 'training run 1/1'" in err, err
+    assert f"its log: {run_dir / 'gateway' / 'rl-service.log'}" in err, err
+    report = json.loads((run_dir / "demo-report.json").read_text())
+    assert (report["status"], report["failed_step"]) == ("interrupted", "training run 1/1")
+    assert [v["policy"] for v in report["versions"]] == ["base"]
+    assert not (out_dir / "demo-report.json").exists()
+    assert_all_gone(run_dir, report)
+
+
+def test_a_failing_step_is_named_with_its_log_and_nothing_is_left_running(tmp_path, vllm):
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    vllm.fail_next(CHAT_PATH, 500, times=1000)
+
+    done = subprocess.run(demo_argv(vllm, run_dir, out_dir), cwd=REPO_ROOT, env=demo_env(), capture_output=True,
+                          text=True, timeout=DEMO_TIMEOUT_S)
+
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "error: step 'round 1/2 (policy base)' failed:" in done.stderr, done.stderr
+    assert f"its log: {run_dir / 'gateway' / 'gateway.log'}" in done.stderr
+    report = json.loads((run_dir / "demo-report.json").read_text())
+    assert (report["status"], report["failed_step"]) == ("failed", "round 1/2 (policy base)")
+    assert_all_gone(run_dir, report)
