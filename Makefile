@@ -1,5 +1,6 @@
-# `make test` works on a fresh machine: it creates .venv, installs the pinned dependencies, makes sure a
-# redis-server binary exists (installing it with apt when it can), and runs the whole CPU suite.
+# `make test` works on a fresh machine: it creates .venv (and .venv-vllm, the CPU build of vLLM, for the tests that
+# load a trained adapter into a real vLLM server), installs the pinned dependencies, makes sure a redis-server binary
+# exists (installing it with apt when it can), and runs the whole CPU suite.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -21,7 +22,7 @@ VLLM_PIP_ARGS ?=
 DEMO_ARGS ?=
 
 help:
-	@echo "make test    - create .venv, install pinned deps, ensure redis-server, run the CPU test suite"
+	@echo "make test    - create .venv and .venv-vllm, install pinned deps, ensure redis-server, run the CPU suite"
 	@echo "make bench   - run the hook benchmark (bench/hooks_bench.py)"
 	@echo "make demo    - create .venv and .venv-vllm, then run the online-RL demo on a real vLLM (docs/demo.md)"
 	@echo "make clean   - remove .venv and caches"
@@ -49,7 +50,7 @@ redis-server:
 		exit 1; \
 	fi
 
-test: venv redis-server
+test: venv venv-vllm redis-server
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The torchvision wheel pip pulls in beside the CPU torch fails at import; vLLM serves text models without these
