@@ -64,9 +64,6 @@ class SessionMap:
         if event is not None:
             event.set()
 
-    def inflight(self, rl_task_id: str) -> int:
-        return self._inflight.get(rl_task_id, 0)
-
     async def drain(self, rl_task_id: str, timeout_s: float) -> bool:
         """True once the Task has no capture in flight; False when `timeout_s` passes first."""
         if not self._inflight.get(rl_task_id):

@@ -32,7 +32,3 @@ class Conflict(DomainError):
 
 class JudgeFailed(DomainError):
     """Too few Judge votes succeeded; publication could not score a sample."""
-
-
-class ServiceNotReady(DomainError):
-    """A dependency (Redis, trainer) cannot serve right now."""

@@ -87,10 +87,6 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def iso(dt: datetime) -> str:
-    return dt.isoformat()
-
-
 def now_iso() -> str:
     return utcnow().isoformat()
 

@@ -105,7 +105,7 @@ class ServiceDeps:
                 retries=config.judge_retries,
                 timeout_s=config.judge_timeout,
             )
-        registry = TaskRegistry(redis, model_id=config.model_id, signals=TaskSignals())
+        registry = TaskRegistry(redis, signals=TaskSignals())
         store = TrajectoryStore(
             redis, owner=config.model_id, model_id=config.model_id, max_policy_lag=config.max_policy_lag
         )

@@ -20,9 +20,6 @@ _LITTLE = sys.byteorder == "little"
 _STAGED_MAGIC = b"RLS1"
 _HEADER = struct.Struct("<4sIIII")  # magic, json length, prompt bytes, response bytes, logprob bytes
 
-ARRAY_FIELDS = ("prompt_ids", "response_ids", "response_logprobs")
-
-
 def derive_response_text(response: Any) -> str:
     """`trajectory.response_text` as derived from the response: content, else reasoning (vLLM 0.32 `reasoning`,
     older `reasoning_content`), else ""."""

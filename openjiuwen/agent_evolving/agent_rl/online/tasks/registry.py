@@ -6,7 +6,6 @@ never decide HTTP statuses.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -44,14 +43,9 @@ def _s(raw: bytes | None) -> str | None:
 
 
 class TaskRegistry:
-    def __init__(self, redis: Redis, *, model_id: str, signals: TaskSignals | None = None) -> None:
+    def __init__(self, redis: Redis, *, signals: TaskSignals | None = None) -> None:
         self._redis = redis
-        self._model_id = model_id
         self.signals = signals or TaskSignals()
-
-    @property
-    def redis(self) -> Redis:
-        return self._redis
 
     # ------------------------------------------------------------------ Tasks
 
@@ -239,10 +233,6 @@ class TaskRegistry:
 
         return await transact(self._redis, body, *watch)
 
-    async def get_capture(self, rl_task_id: str, capture_id: str) -> CaptureMeta | None:
-        raw = await self._redis.get(keys.capture(rl_task_id, capture_id))
-        return None if raw is None else CaptureMeta.from_json(raw)
-
     async def commit(
         self,
         rl_task_id: str,
@@ -321,9 +311,6 @@ class TaskRegistry:
         if await transact(self._redis, body, task_key, capture_key):
             self.signals.notify(t)
 
-    async def open_count(self, rl_task_id: str) -> int:
-        return int(await self._redis.scard(keys.open_captures(rl_task_id)))
-
     async def committed_ids(self, rl_task_id: str) -> list[str]:
         return sorted(_s(c) for c in await self._redis.smembers(keys.committed_captures(rl_task_id)))
 
@@ -335,9 +322,6 @@ class TaskRegistry:
             keys.turn_current(rl_task_id), keys.turn_transition(rl_task_id)
         )
         return _s(current), _s(transition)
-
-    async def publish_state(self, rl_task_id: str, turn_id: str) -> str | None:
-        return _s(await self._redis.get(keys.turn_publish(rl_task_id, turn_id)))
 
     async def claim_publish(self, rl_task_id: str, turn_id: str) -> str:
         """Claim the publication of a turn. Returns "claimed" when this caller must publish, "open" when
@@ -433,7 +417,3 @@ class TaskRegistry:
         if raw is None:
             raise NotFound("RL Task not found")
         return Task.from_json(raw)
-
-
-def epoch_now() -> float:
-    return time.time()

@@ -44,19 +44,6 @@ class ConvertedBatch:
     def __len__(self) -> int:
         return int(self.prompts.shape[0])
 
-    def select(self, rows: Sequence[int]) -> "ConvertedBatch":
-        index = torch.tensor(list(rows), dtype=torch.long)
-        pick = lambda values: [values[i] for i in rows]  # noqa: E731
-        return ConvertedBatch(
-            prompts=self.prompts[index], responses=self.responses[index], input_ids=self.input_ids[index],
-            attention_mask=self.attention_mask[index], position_ids=self.position_ids[index],
-            response_mask=self.response_mask[index], old_log_probs=self.old_log_probs[index],
-            token_level_scores=self.token_level_scores[index], uid=pick(self.uid),
-            sample_ids=pick(self.sample_ids), rl_task_ids=pick(self.rl_task_ids),
-            session_ids=pick(self.session_ids), policy_versions=pick(self.policy_versions),
-            judge_scores=pick(self.judge_scores), created_at=pick(self.created_at), meta=dict(self.meta),
-        )
-
 
 def _uid(sample: dict[str, Any], advantage_estimator: str) -> str:
     if advantage_estimator == "grpo":

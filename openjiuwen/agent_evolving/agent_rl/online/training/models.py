@@ -25,12 +25,6 @@ class RunStage(StrEnum):
 
 
 TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELED})
-# The stage only moves forward and is not reset when the run ends, so a terminal record tells where it stopped.
-NEXT_STAGE: dict[RunStage, RunStage | None] = {
-    RunStage.QUEUED: RunStage.TRAINING,
-    RunStage.TRAINING: RunStage.ACTIVATING,
-    RunStage.ACTIVATING: None,
-}
 PRIVATE_FIELDS = ("sample_ids", "parent_lora_name", "parent_lora_path")
 
 

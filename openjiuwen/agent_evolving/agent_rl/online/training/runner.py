@@ -31,9 +31,6 @@ from .runs import RunStore
 
 log = logging.getLogger("openjiuwen.agent_rl.online.training")
 
-_SUMMARY_KEYS = ("loss", "kl", "clip_fraction", "grad_norm", "tokens_per_second")
-
-
 class GatewayUnavailable(DomainError):
     """The active policy could not be read from the gateway at run start (502, no run created)."""
 
