@@ -24,14 +24,10 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.hooks_bench import percentile  # noqa: E402
 from tests.support.fake_vllm import FakeVLLM, Reply  # noqa: E402
 from tests.support.gateway_process import GatewayProcess  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 async def measure(url: str, body: bytes, headers: dict[str, str], calls: int, concurrency: int) -> dict:
@@ -50,8 +46,8 @@ async def measure(url: str, body: bytes, headers: dict[str, str], calls: int, co
         started = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(calls)))
         wall = time.perf_counter() - started
-    return {"p50_ms": statistics.median(latencies), "p99_ms": pct(latencies, 99), "mean_ms": statistics.fmean(latencies),
-            "throughput_rps": calls / wall}
+    return {"p50_ms": statistics.median(latencies), "p99_ms": percentile(latencies, 99),
+            "mean_ms": statistics.fmean(latencies), "throughput_rps": calls / wall}
 
 
 def main() -> None:

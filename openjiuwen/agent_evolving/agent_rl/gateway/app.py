@@ -27,9 +27,10 @@ from ..online.api.errors import CatchAllMiddleware
 from .config import GatewayConfig
 from .control import RLControl
 from .hmac_auth import HmacVerifier
-from .inference import InferenceProxy, envelope
+from .inference import InferenceProxy
 from .instances import Instance, InstanceRegistry
 from .lora_manager import LoraError, LoraManager
+from .responses import envelope, json_response
 from .rl_client import RLClient
 from .sessions import SessionMap
 from .supervisor import RLSupervisor
@@ -39,10 +40,6 @@ log = logging.getLogger("openjiuwen.agent_rl.gateway")
 
 RETRY_FAILED_INSTANCES_S = 30.0
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
-
-
-def _json(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
 @dataclass
@@ -147,7 +144,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
 
     @app.get("/aigw/v1/health")
     async def health() -> Response:
-        return _json({"status": "ok" if gw.ready else "starting", "rl_service": gw.supervisor.status()["status"]})
+        return json_response({"status": "ok" if gw.ready else "starting", "rl_service": gw.supervisor.status()["status"]})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -212,7 +209,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     @app.get("/v1/loras/{model}")
     async def lora_status(model: str, request: Request) -> Response:
         body = await signed(request)
-        return body if isinstance(body, Response) else _json(await gw.loras.refresh_status(model))
+        return body if isinstance(body, Response) else json_response(await gw.loras.refresh_status(model))
 
     @app.delete("/v1/loras/{model}")
     async def lora_delete(model: str, request: Request) -> Response:
@@ -240,14 +237,14 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             return envelope(400, "invalid_request", f"invalid registration: {exc}")
         await gw.loras.register_instance(name, model, host, port)
-        return _json({"status": "registered", "name": name})
+        return json_response({"status": "registered", "name": name})
 
     # ---------------------------------------------------------------- internal (RL Service → gateway)
 
     @app.get("/internal/v1/rl/loras/{model}")
     async def internal_lora_status(model: str, request: Request) -> Response:
         refused = internal_allowed(request)
-        return refused or _json(await gw.loras.refresh_status(model))
+        return refused or json_response(await gw.loras.refresh_status(model))
 
     @app.post("/internal/v1/rl/loras/activate")
     async def internal_activate(request: Request) -> Response:
@@ -262,7 +259,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
             return envelope(400, "invalid_lora_request", f"invalid activation request: {exc}")
         try:
-            return _json(await gw.loras.activate(**args))
+            return json_response(await gw.loras.activate(**args))
         except LoraError as exc:
             return envelope(exc.status, exc.code, exc.message)
 

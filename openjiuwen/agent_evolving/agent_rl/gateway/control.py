@@ -12,8 +12,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .inference import envelope, passthrough
 from .lora_manager import LoraManager
+from .responses import envelope, json_response, passthrough
 from .rl_client import HookUnreachable, RLAnswer, RLClient
 from .sessions import Binding
 from .supervisor import RLSupervisor, SupervisorError
@@ -22,10 +22,6 @@ from .tasks import TaskTracker
 log = logging.getLogger("openjiuwen.agent_rl.gateway.control")
 
 _TERMINAL = {"finalized", "aborted"}
-
-
-def _json(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
 class RLControl:
@@ -54,17 +50,17 @@ class RLControl:
 
     async def service_start(self) -> Response:
         try:
-            return _json(await self._supervisor.start())
+            return json_response(await self._supervisor.start())
         except SupervisorError as exc:
             return envelope(503, "rl_service_unavailable", str(exc))
 
     async def service_stop(self) -> Response:
         status = await self._supervisor.stop(drain=self._drain_all)
         await self._tracker.release_all()
-        return _json(status)
+        return json_response(status)
 
     def service_status(self) -> Response:
-        return _json(self._supervisor.status())
+        return json_response(self._supervisor.status())
 
     async def _drain_all(self) -> None:
         for rl_task_id in self._sessions.all_tasks():

@@ -25,7 +25,8 @@ from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, opena
 from .instances import Instance
 from .lora_manager import LoraError, LoraManager
 from .openai_shapes import ClientWants, StreamAggregator, client_view_chunk, client_view_response, client_wants
-from .rl_client import HookUnreachable, RLAnswer, RLClient
+from .responses import envelope, json_response, passthrough
+from .rl_client import HookUnreachable, RLClient
 from .sessions import Binding
 from .sse import DONE, encode_sse, iter_sse_events
 from .tasks import TaskTracker
@@ -34,15 +35,6 @@ log = logging.getLogger("openjiuwen.agent_rl.gateway.inference")
 
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=60.0, pool=30.0)
 CHAT_PATH = "/v1/chat/completions"
-
-
-def envelope(status: int, code: str, message: str) -> Response:
-    return Response(orjson.dumps({"error": {"code": code, "message": message}}), status_code=status,
-                    media_type="application/json")
-
-
-def passthrough(answer: RLAnswer) -> Response:
-    return Response(answer.body, status_code=answer.status, media_type=answer.content_type)
 
 
 @dataclass
@@ -254,10 +246,10 @@ class InferenceProxy:
                 message = openai_to_anthropic_response(completion, client_model=wants.model)
             except ValueError as exc:
                 return envelope(502, "upstream_invalid", f"vLLM answer cannot be converted: {exc}")
-            return Response(orjson.dumps(message), media_type="application/json")
-        return Response(orjson.dumps(client_view_response(completion, wants_logprobs=wants.logprobs,
-                                                          client_model=wants.model)),
-                        media_type="application/json")
+            return json_response(message)
+        return json_response(
+            client_view_response(completion, wants_logprobs=wants.logprobs, client_model=wants.model)
+        )
 
     async def _relay_stream(
         self, instance: Instance, resp: httpx.Response, wants: ClientWants, flavor: str, capture: Capture | None

@@ -13,16 +13,13 @@ from redis.asyncio.client import Pipeline
 
 from .capture.rewards import RewardProjector
 from .store import keys
+from .store.codec import text
 from .store.trajectories import TrajectoryStore
 from .store.tx import transact
 
 log = logging.getLogger("openjiuwen.agent_rl.online.retention")
 
 BATCH = 1000
-
-
-def _s(raw: bytes) -> str:
-    return raw.decode()
 
 
 class RetentionSweeper:
@@ -56,7 +53,7 @@ class RetentionSweeper:
         return {"tasks_ttl": gc, "reward_expired": expired, "samples_removed": samples}
 
     async def _ttl_terminal_tasks(self) -> int:
-        ids = [_s(t) for t in await self._redis.zrange(keys.TASKS_GC, 0, BATCH - 1)]
+        ids = [text(t) for t in await self._redis.zrange(keys.TASKS_GC, 0, BATCH - 1)]
         for t in ids:
             task_keys = await self._task_keys(t)
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -68,10 +65,10 @@ class RetentionSweeper:
 
     async def _task_keys(self, t: str) -> list[str]:
         """Every key a Task may own, enumerated from its sets and turn pointers."""
-        captures = [_s(c) for c in await self._redis.smembers(keys.captures(t))]
-        closed = [_s(u) for u in await self._redis.smembers(keys.turns_closed(t))]
+        captures = [text(c) for c in await self._redis.smembers(keys.captures(t))]
+        closed = [text(u) for u in await self._redis.smembers(keys.turns_closed(t))]
         current, transition = await self._redis.mget(keys.turn_current(t), keys.turn_transition(t))
-        turns = set(closed) | {_s(u) for u in (current, transition) if u is not None}
+        turns = set(closed) | {text(u) for u in (current, transition) if u is not None}
         out = [
             keys.task(t), keys.captures(t), keys.open_captures(t), keys.committed_captures(t),
             keys.turn_current(t), keys.turn_transition(t), keys.turns_closed(t), keys.reward(t), keys.task_events(t),
@@ -83,7 +80,7 @@ class RetentionSweeper:
 
     async def _expire_unrewarded(self, now: float) -> int:
         cutoff = now - self._reward_timeout_s
-        ids = [_s(t) for t in await self._redis.zrangebyscore(keys.AWAITING_REWARD, "-inf", cutoff, 0, BATCH)]
+        ids = [text(t) for t in await self._redis.zrangebyscore(keys.AWAITING_REWARD, "-inf", cutoff, 0, BATCH)]
         dropped_total = 0
         for t in ids:
             state_raw = await self._redis.get(keys.reward(t))
@@ -105,7 +102,7 @@ class RetentionSweeper:
         async def body(pipe: Pipeline) -> int:
             if await pipe.exists(reward_key):
                 return 0  # a reward arrived meanwhile; the next tick handles its state
-            committed = [_s(c) for c in await pipe.smembers(committed_key)]
+            committed = [text(c) for c in await pipe.smembers(committed_key)]
             staged_keys = [keys.staged(t, c) for c in committed]
             present = int(await pipe.exists(*staged_keys)) if staged_keys else 0
             pipe.multi()

@@ -20,6 +20,13 @@ _LITTLE = sys.byteorder == "little"
 _STAGED_MAGIC = b"RLS1"
 _HEADER = struct.Struct("<4sIIII")  # magic, json length, prompt bytes, response bytes, logprob bytes
 
+def text(raw: bytes | str | None) -> str | None:
+    """A Redis value (bytes: the client never decodes, since packed fields are binary) as text; None stays None."""
+    if raw is None:
+        return None
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 def derive_response_text(response: Any) -> str:
     """`trajectory.response_text` as derived from the response: content, else reasoning (vLLM 0.32 `reasoning`,
     older `reasoning_content`), else ""."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -22,7 +22,7 @@ from .. import ids
 from ..errors import InvalidInput
 from ..ids import InvalidIdentifier
 from . import keys
-from .codec import PackedSample
+from .codec import PackedSample, text
 from .tx import transact
 
 PENDING = "pending"
@@ -36,10 +36,19 @@ _MAX_CURSOR_CHARS = 1024
 _ALL_BUCKETS = "*"
 
 
-def _text(value: bytes | str | None) -> str | None:
-    if value is None:
-        return None
-    return value.decode() if isinstance(value, bytes) else value
+def stale_pending(
+    counters: Mapping[str, int], *, model_id: str, current_version: int, max_policy_lag: int | None
+) -> int:
+    """Pending samples whose policy lags `current_version` by more than `max_policy_lag` (none without a limit),
+    counted from the per-version pending counters in O(number of versions)."""
+    if max_policy_lag is None:
+        return 0
+    prefix = "pending_policy:"
+    return sum(
+        n for name, n in counters.items()
+        if name.startswith(prefix) and n > 0
+        and current_version - ids.policy_lag_version(name[len(prefix):], model_id) > max_policy_lag
+    )
 
 
 def _status_field(status: str) -> str:
@@ -139,9 +148,9 @@ class TrajectoryStore:
         async def body(pipe: Pipeline) -> int:
             rows = await self._hmget_many(hash_keys.values(), ("status", "source", "policy_version"))
             doomed = [
-                (sample_id, _text(source) or "", _text(policy) or "base")
+                (sample_id, text(source) or "", text(policy) or "base")
                 for sample_id, (status, source, policy) in zip(hash_keys, rows)
-                if _text(status) == PENDING
+                if text(status) == PENDING
             ]
             if not doomed:
                 return 0
@@ -200,7 +209,7 @@ class TrajectoryStore:
         for status in ("trained", "failed"):
             index = self.index_key(status)
             members = await self._redis.zrange(index, "-inf", f"({cutoff!r}", byscore=True, offset=0, num=limit)
-            sample_ids = [_text(m) or "" for m in members]
+            sample_ids = [text(m) or "" for m in members]
             if sample_ids:
                 removed += await self._delete_swept(status, sample_ids)
         return removed
@@ -214,7 +223,7 @@ class TrajectoryStore:
             pipe.multi()
             count = 0
             for sample_id, (stored_status, source) in zip(hash_keys, rows):
-                stored = _text(stored_status)
+                stored = text(stored_status)
                 if stored is not None and stored != status:
                     continue  # moved meanwhile (e.g. another sweeper): not ours to delete
                 # Invariant 5: hash, index membership and counters go together. A member without a hash (never
@@ -223,7 +232,7 @@ class TrajectoryStore:
                 pipe.hincrby(self._stats_key, _status_field(status), -1)
                 if stored is not None:
                     pipe.delete(hash_keys[sample_id])
-                    pipe.hincrby(self._stats_key, _source_field(_text(source) or ""), -1)
+                    pipe.hincrby(self._stats_key, _source_field(text(source) or ""), -1)
                 count += 1
             await pipe.execute()
             return count
@@ -238,7 +247,7 @@ class TrajectoryStore:
             pipe.hgetall(self._stats_key)
             pipe.get(keys.POLICY_OBSERVED)
             raw_counters, raw_observed = await pipe.execute()
-        counters = {_text(k) or "": max(0, int(v)) for k, v in raw_counters.items()}
+        counters = {text(k) or "": max(0, int(v)) for k, v in raw_counters.items()}
         by_status = {status: counters.get(_status_field(status), 0) for status in keys.SAMPLE_STATUSES}
         by_source = {
             name[len("source:"):]: n for name, n in sorted(counters.items()) if name.startswith("source:") and n > 0
@@ -262,21 +271,17 @@ class TrajectoryStore:
         name = observed.get("lora_name") if isinstance(observed, dict) else None
         if not isinstance(name, str):
             return 0
-        observed_version = ids.policy_lag_version(name, self._model_id)
-        stale = 0
-        for field, n in counters.items():
-            if field.startswith("pending_policy:"):
-                version = ids.policy_lag_version(field[len("pending_policy:"):], self._model_id)
-                if observed_version - version > self._max_policy_lag:
-                    stale += n
-        return stale
+        return stale_pending(
+            counters, model_id=self._model_id, current_version=ids.policy_lag_version(name, self._model_id),
+            max_policy_lag=self._max_policy_lag,
+        )
 
     async def status_of(self, sample_id: str) -> str | None:
         try:
             key = keys.traj(sample_id)
         except InvalidIdentifier:
             return None
-        return _text(await self._redis.hget(key, "status"))
+        return text(await self._redis.hget(key, "status"))
 
     async def get_documents(self, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
         """Logical documents (§4.5, arrays unpacked) of the samples that exist, in input order."""
@@ -290,7 +295,7 @@ class TrajectoryStore:
         except InvalidIdentifier:
             return None
         row = await self._redis.hmget(key, _DOC_FIELDS)
-        status = _text(row[-1])
+        status = text(row[-1])
         if status is None:
             return None
         doc = self._packed(row).to_document()
@@ -355,7 +360,7 @@ class TrajectoryStore:
             raw = await self._redis.zrange(
                 index, repr(score), "+inf", byscore=True, offset=skip, num=count, withscores=True
             )
-        return [(_text(m) or "", s) for m, s in raw]
+        return [(text(m) or "", s) for m, s in raw]
 
     async def _block_offset(self, index: str, score: float, member: str) -> int:
         """Number of members with exactly `score` that sort at or before `member`."""
@@ -373,7 +378,7 @@ class TrajectoryStore:
             found = await self._redis.zrange(index, repr(score), repr(score), byscore=True, offset=mid, num=1)
             if not found:  # the block shrank meanwhile
                 hi = mid
-            elif (_text(found[0]) or "") > member:
+            elif (text(found[0]) or "") > member:
                 hi = mid
             else:
                 lo = mid + 1
@@ -383,7 +388,7 @@ class TrajectoryStore:
         rows = await self._hmget_many([keys.traj(sample_id) for sample_id in sample_ids], _SUMMARY_FIELDS)
         items = []
         for sample_id, row in zip(sample_ids, rows):
-            values = dict(zip(_SUMMARY_FIELDS, (_text(v) for v in row)))
+            values = dict(zip(_SUMMARY_FIELDS, (text(v) for v in row)))
             if values["status"] is None:
                 continue  # deleted between the index read and this one
             items.append(

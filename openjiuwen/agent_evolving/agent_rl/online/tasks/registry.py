@@ -16,7 +16,7 @@ from redis.asyncio.client import Pipeline
 from ..errors import Conflict, NotFound
 from ..ids import now_iso, parse_iso_epoch
 from ..store import keys
-from ..store.codec import PackedSample
+from ..store.codec import PackedSample, text
 from ..store.tx import transact
 from .models import CaptureMeta, CaptureStatus, FinishReason, RewardMode, Task, TaskStatus
 from .signals import TaskSignals
@@ -36,10 +36,6 @@ class ReserveOutcome(Enum):
 class Reservation:
     outcome: ReserveOutcome
     current_turn: str | None = None  # set with PUBLISH_CURRENT
-
-
-def _s(raw: bytes | None) -> str | None:
-    return None if raw is None else raw.decode()
 
 
 class TaskRegistry:
@@ -74,7 +70,7 @@ class TaskRegistry:
                 if existing.spec() != requested.spec():
                     raise Conflict("RL Task exists with a different spec")
                 return existing, False
-            other_id = _s(await pipe.get(pointer_key))
+            other_id = text(await pipe.get(pointer_key))
             if other_id is not None and other_id != t:
                 other_key = keys.task(other_id)
                 await pipe.watch(other_key)  # the pointed Task must not change under our decision
@@ -113,8 +109,8 @@ class TaskRegistry:
         committed_ids: list[str] = []
 
         async def body(pipe: Pipeline, task: Task) -> tuple[TaskStatus, list[str]]:
-            open_ids[:] = [_s(c) for c in await pipe.smembers(keys.open_captures(t))]
-            committed_ids[:] = [_s(c) for c in await pipe.smembers(keys.committed_captures(t))]
+            open_ids[:] = [text(c) for c in await pipe.smembers(keys.open_captures(t))]
+            committed_ids[:] = [text(c) for c in await pipe.smembers(keys.committed_captures(t))]
             return TaskStatus.ABORTED, [keys.TASKS_GC]
 
         def extra_writes(pipe: Pipeline) -> None:
@@ -146,7 +142,7 @@ class TaskRegistry:
             status, indexes = await decide(pipe, task)
             pointer_key = keys.active_session(task.agent_session_id)
             await pipe.watch(pointer_key)
-            pointer = _s(await pipe.get(pointer_key))
+            pointer = text(await pipe.get(pointer_key))
             now = now_iso()
             done = task.terminal(status, reason, now)
             pipe.multi()
@@ -165,7 +161,7 @@ class TaskRegistry:
         return task
 
     async def active_ids(self) -> list[str]:
-        return sorted(_s(t) for t in await self._redis.smembers(keys.ACTIVE_TASKS))
+        return sorted(text(t) for t in await self._redis.smembers(keys.ACTIVE_TASKS))
 
     async def drop_stale_active(self, rl_task_id: str) -> None:
         """Remove an id from the active index whose record is missing or no longer active (lazy repair)."""
@@ -206,8 +202,8 @@ class TaskRegistry:
                     keys.turn_publish(t, turn_id)
                 ):
                     raise AbortingConflict(f"turn {turn_id} is closed")
-                current = _s(await pipe.get(keys.turn_current(t)))
-                transition = _s(await pipe.get(keys.turn_transition(t)))
+                current = text(await pipe.get(keys.turn_current(t)))
+                transition = text(await pipe.get(keys.turn_transition(t)))
                 if current is None:
                     set_current = True
                 elif current == turn_id:
@@ -312,7 +308,7 @@ class TaskRegistry:
             self.signals.notify(t)
 
     async def committed_ids(self, rl_task_id: str) -> list[str]:
-        return sorted(_s(c) for c in await self._redis.smembers(keys.committed_captures(rl_task_id)))
+        return sorted(text(c) for c in await self._redis.smembers(keys.committed_captures(rl_task_id)))
 
     # ------------------------------------------------------------------ Turns
 
@@ -321,7 +317,7 @@ class TaskRegistry:
         current, transition = await self._redis.mget(
             keys.turn_current(rl_task_id), keys.turn_transition(rl_task_id)
         )
-        return _s(current), _s(transition)
+        return text(current), text(transition)
 
     async def claim_publish(self, rl_task_id: str, turn_id: str) -> str:
         """Claim the publication of a turn. Returns "claimed" when this caller must publish, "open" when
@@ -333,7 +329,7 @@ class TaskRegistry:
 
         async def body(pipe: Pipeline) -> str:
             task = await self._read_task(pipe, task_key)
-            state = _s(await pipe.get(publish_key))
+            state = text(await pipe.get(publish_key))
             if state is not None:
                 return state
             if not task.active:
@@ -353,7 +349,7 @@ class TaskRegistry:
     async def turn_staged(self, rl_task_id: str, turn_id: str) -> list[tuple[str, bytes]]:
         """Staged sample blobs of a turn's committed captures, by capture id."""
         t = rl_task_id
-        ids = sorted(_s(c) for c in await self._redis.smembers(keys.turn_captures(t, turn_id)))
+        ids = sorted(text(c) for c in await self._redis.smembers(keys.turn_captures(t, turn_id)))
         if not ids:
             return []
         blobs = await self._redis.mget([keys.staged(t, c) for c in ids])
@@ -370,7 +366,7 @@ class TaskRegistry:
             task = await self._read_task(pipe, task_key)
             if not task.active:
                 raise Conflict("RL Task was aborted during turn publication")
-            if _s(await pipe.get(publish_key)) != "publishing":
+            if text(await pipe.get(publish_key)) != "publishing":
                 raise Conflict("turn publication lost its claim")
             pipe.multi()
             pipe.set(publish_key, "published")
@@ -394,12 +390,12 @@ class TaskRegistry:
         publish_key = keys.turn_publish(t, from_turn)
 
         async def body(pipe: Pipeline) -> None:
-            current = _s(await pipe.get(current_key))
+            current = text(await pipe.get(current_key))
             if current != from_turn:
                 return
-            if _s(await pipe.get(publish_key)) != "published":
+            if text(await pipe.get(publish_key)) != "published":
                 raise Conflict(f"turn {from_turn} is not published")
-            transition = _s(await pipe.get(transition_key))
+            transition = text(await pipe.get(transition_key))
             pipe.multi()
             pipe.set(current_key, to_turn)
             if transition == to_turn:

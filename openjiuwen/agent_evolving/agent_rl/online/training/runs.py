@@ -15,7 +15,8 @@ from redis.asyncio.client import Pipeline
 
 from ..ids import now_iso, parse_iso_epoch, policy_lag_version
 from ..store import keys
-from ..store.trajectories import TrajectoryStore
+from ..store.codec import text
+from ..store.trajectories import TrajectoryStore, stale_pending
 from ..store.tx import transact
 from .models import RunStage, RunStatus, TrainingRun
 
@@ -29,10 +30,6 @@ class ClaimResult:
     existing: bool
     eligible: int
     stale: int
-
-
-def _s(raw: bytes | None) -> str | None:
-    return None if raw is None else raw.decode()
 
 
 async def _read_run(pipe: Pipeline, run_key: str, run_id: str) -> TrainingRun:
@@ -54,23 +51,11 @@ class RunStore:
         return None if raw is None else TrainingRun.from_json(raw)
 
     async def active(self) -> TrainingRun | None:
-        run_id = _s(await self._redis.get(keys.ACTIVE_RUN))
+        run_id = text(await self._redis.get(keys.ACTIVE_RUN))
         if run_id is None:
             return None
         run = await self.get(run_id)
         return None if run is None or run.terminal else run
-
-    def _eligible(self, counters: dict[str, int], parent_version: int, max_policy_lag: int | None) -> int:
-        pending = counters.get(f"status:{PENDING}", 0)
-        if max_policy_lag is None:
-            return pending
-        total = 0
-        for name, count in counters.items():
-            if name.startswith("pending_policy:") and count > 0:
-                version = policy_lag_version(name[len("pending_policy:"):], self._model_id)
-                if parent_version - version <= max_policy_lag:
-                    total += count
-        return total
 
     async def claim(
         self,
@@ -90,7 +75,7 @@ class RunStore:
         run_key = keys.training_run(draft.training_run_id)
 
         async def body(pipe: Pipeline) -> ClaimResult:
-            active_id = _s(await pipe.get(keys.ACTIVE_RUN))
+            active_id = text(await pipe.get(keys.ACTIVE_RUN))
             if active_id is not None:
                 await pipe.watch(keys.training_run(active_id))
                 raw = await pipe.get(keys.training_run(active_id))
@@ -98,10 +83,12 @@ class RunStore:
                     active = TrainingRun.from_json(raw)
                     if not active.terminal:
                         return ClaimResult(active, True, 0, 0)
-            counters = {(_s(k) or ""): int(v) for k, v in (await pipe.hgetall(stats_key)).items()}
+            counters = {(text(k) or ""): int(v) for k, v in (await pipe.hgetall(stats_key)).items()}
             pending = max(0, counters.get(f"status:{PENDING}", 0))
-            eligible = self._eligible(counters, parent_version, max_policy_lag)
-            stale = max(0, pending - eligible)
+            stale = stale_pending(
+                counters, model_id=self._model_id, current_version=parent_version, max_policy_lag=max_policy_lag
+            )
+            eligible = max(0, pending - stale)
             if eligible < min_samples:
                 return ClaimResult(None, False, eligible, stale)
             chosen = await self._oldest_eligible(pending_index, parent_version, max_policy_lag, max_samples)
@@ -141,14 +128,14 @@ class RunStore:
         offset = 0
         while len(chosen) < limit:
             chunk = limit if max_policy_lag is None else _SCAN_CHUNK
-            members = [_s(m) or "" for m in await self._redis.zrange(pending_index, offset, offset + chunk - 1)]
+            members = [text(m) or "" for m in await self._redis.zrange(pending_index, offset, offset + chunk - 1)]
             if not members:
                 break
             offset += len(members)
             async with self._redis.pipeline(transaction=False) as reads:
                 for sample_id in members:
                     reads.hget(keys.traj(sample_id), "policy_version")
-                versions = [_s(v) or "base" for v in await reads.execute()]
+                versions = [text(v) or "base" for v in await reads.execute()]
             for sample_id, version in zip(members, versions):
                 lag = parent_version - policy_lag_version(version, self._model_id)
                 if max_policy_lag is None or lag <= max_policy_lag:
@@ -221,7 +208,7 @@ class RunStore:
             if run.terminal:
                 return run
             moves = await self._training_members(pipe, run) if restore_samples else []
-            pointer = _s(await pipe.get(keys.ACTIVE_RUN))
+            pointer = text(await pipe.get(keys.ACTIVE_RUN))
             at = now_iso()
             done = run.evolve(status=status.value, finished_at=at, failure_reason=failure_reason)
             pipe.multi()
@@ -251,8 +238,8 @@ class RunStore:
             rows = await reads.execute()
         out = []
         for sample_id, (status, owner_run, version, created_at) in zip(run.sample_ids, rows):
-            if _s(status) == TRAINING and _s(owner_run) == run.training_run_id:
-                out.append((sample_id, _s(version) or "base", _s(created_at) or now_iso()))
+            if text(status) == TRAINING and text(owner_run) == run.training_run_id:
+                out.append((sample_id, text(version) or "base", text(created_at) or now_iso()))
         return out
 
     async def observe_policy(self, lora_name: str, lora_path: str) -> None:
