@@ -305,6 +305,21 @@ def test_train_start_watch_prints_changes_and_steps(gw: FakeGateway, capsys) -> 
     assert fake.sleeps == [0.5] * 5
 
 
+def test_train_start_watch_shows_the_created_run_before_steps_of_a_fast_run(gw: FakeGateway, capsys) -> None:
+    step = {"step": 1, "loss": 0.25}
+    gw.on("POST", "/v1/rl/training/runs", ok(run_record("pending", "queued"), 201))
+    # The first poll already finds the run done, with its step recorded.
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab",
+          ok(run_record("succeeded", "activating", [step], lora_name="tiny:v1", lora_path="/l/tiny/v1")))
+    fake = FakeTime()
+    assert run_cli(gw, "train", "start", "--watch", sleep=fake.sleep, clock=fake.clock) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "run-0123456789ab: pending (stage queued, 2 samples)",
+        "  step 1: loss=0.25",
+        "run-0123456789ab: succeeded (stage activating, 2 samples) lora tiny:v1 at /l/tiny/v1",
+    ]
+
+
 @pytest.mark.parametrize("outcome", ["failed", "canceled"])
 def test_watch_exits_1_when_the_run_did_not_succeed(gw: FakeGateway, capsys, outcome: str) -> None:
     gw.on("GET", "/v1/rl/training/runs/run-0123456789ab",

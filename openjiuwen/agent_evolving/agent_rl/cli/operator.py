@@ -295,7 +295,8 @@ def _task_reward(ctx: Context) -> int:
 def _train_start(ctx: Context) -> int:
     run = ctx.client.request("POST", "/v1/rl/training/runs")
     if ctx.args.watch:
-        return _watch(ctx, run["training_run_id"])
+        # The created run is the first state shown: a fast run may already have steps at the first poll.
+        return _watch(ctx, run["training_run_id"], seen=run)
     ctx.show(run, _show_run)
     return 0
 
@@ -331,13 +332,17 @@ def _step_line(step: Any) -> str:
     return f"  step {step.get('step', '?')}: " + " ".join(parts)
 
 
-def _watch(ctx: Context, run_id: str) -> int:
+def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> int:
     """Poll the run until it is terminal, printing each status/stage change and each new step's metrics.
-    0 when it succeeded, 1 when it failed or was canceled (or watching had to give up)."""
+    0 when it succeeded, 1 when it failed or was canceled (or watching had to give up). `seen`: a record of the run
+    already in hand (the start answer), shown first."""
     interval_s, timeout_s = ctx.args.interval, ctx.args.watch_timeout
     deadline = ctx.clock() + timeout_s if timeout_s > 0 else None
     last_state: tuple[Any, Any] | None = None
     last_record: Any = None
+    if seen is not None and seen.get("status") not in TERMINAL_RUN:
+        _out(orjson.dumps(seen).decode() if ctx.as_json else _run_line(seen))
+        last_state, last_record = (seen.get("status"), seen.get("stage")), seen
     steps_shown = 0
     failures = 0
     while True:
