@@ -103,6 +103,13 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def apply_tree(settings: PPOSettings, tree: Mapping[str, Any]) -> PPOSettings:
+    """The settings with every `YAML_PATHS` key present in a verl-layout tree applied (the verl backend passes
+    its whole composed config, the local backend the `ppo_config_path` file)."""
+    flat = _flatten(tree)
+    return replace(settings, **{YAML_PATHS[path]: value for path, value in flat.items() if path in YAML_PATHS})
+
+
 def load_ppo_settings(
     *,
     advantage_estimator: str,
@@ -118,9 +125,7 @@ def load_ppo_settings(
         raw = yaml.safe_load(Path(ppo_config_path).read_text(encoding="utf-8")) or {}
         if not isinstance(raw, Mapping):
             raise ValueError(f"ppo_config_path: {ppo_config_path} must hold a mapping")
-        flat = _flatten(raw)
-        changes = {YAML_PATHS[path]: value for path, value in flat.items() if path in YAML_PATHS}
-        settings = replace(settings, **changes)
+        settings = apply_tree(settings, raw)
     for name, (field_name, kind) in ENV_OVERRIDES.items():
         value = env.get(name)
         if value:
