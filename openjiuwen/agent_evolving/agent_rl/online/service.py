@@ -56,6 +56,7 @@ log = logging.getLogger("openjiuwen.agent_rl.online.service")
 CONFIG_ENV = "RL_SERVICE_CONFIG"
 TOKEN_ENV = "RL_SERVICE_TOKEN"
 SCRIPTED_PLAN_ENV = "ONLINE_RL_SCRIPTED_PLAN"  # tests only: the plan file of the scripted backend
+VISIBLE_DEVICES_ENV = "ONLINE_RL_VISIBLE_DEVICES_ENV"  # verl: the variable training_gpu_ids is exported as
 
 
 class OwnerMismatch(RuntimeError):
@@ -225,7 +226,31 @@ def make_backend(config: RLServiceConfig, repository: LoraRepository) -> Trainer
             env=os.environ,
         )
         return LocalBackend(repository, settings=settings, tmp_root=config.training_tmp_root)
-    raise ConfigError(f"trainer_backend: {config.trainer_backend!r} is not available in this build")
+    from .training.backends.verl import VerlBackend
+    from .training.verl.compose import PPOConfigError, compose_ppo_config, settings_from_config
+
+    try:
+        ppo_config = compose_ppo_config(
+            advantage_estimator=config.advantage_estimator,
+            tis_cap=config.tis_cap,
+            ppo_config_path=config.ppo_config_path,
+            env=os.environ,
+        )
+    except PPOConfigError as exc:
+        raise ConfigError(str(exc)) from exc
+    return VerlBackend(
+        repository,
+        model_id=config.model_id,
+        ppo_config=ppo_config,
+        settings=settings_from_config(
+            ppo_config, tis_cap=config.tis_cap, ppo_samples_per_step=config.ppo_samples_per_step
+        ),
+        ray_address=config.ray_address,
+        nproc_per_node=config.nproc_per_node,
+        training_gpu_ids=config.training_gpu_ids,
+        visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV) or "CUDA_VISIBLE_DEVICES",
+        tmp_root=config.training_tmp_root,
+    )
 
 
 def create_app(

@@ -1,0 +1,294 @@
+"""The `verl` backend: PPO with verl's FSDP engine in Ray actors (CONTRACT §7, D21).
+
+Per run, `nproc_per_node` detached actors (`training/verl/actor.py`) start in namespace `online-rl-<key>`, rank 0
+named `online_ppo_runner-<key>` (others `...-rank<i>`), `<key>` derived from the model id, so services of
+different models share a cluster safely. They receive the claimed samples, the composed PPO config and the parent
+adapter's files; rank 0 returns the trained adapter's PEFT files, which this process publishes through the
+repository like the local backend does. The actors are killed after every run (GPU memory goes back), and a
+leftover actor of the same name (a crashed service) is killed before a new run starts.
+
+Ray is imported only when the first run starts, and no Ray call runs on the event loop: object refs are awaited
+as futures, everything else in worker threads. Cancel kills the actors; an actor that dies on its own or a Ray
+connection that fails makes `check_health` raise until a later run starts its actors again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...lora.repository import Artifact, LoraRepository
+from ..ppo_settings import PPOSettings
+from . import OnProgress, TrainingCanceled
+from .common import artifact_metadata
+
+log = logging.getLogger("openjiuwen.agent_rl.online.training.verl")
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+_KILL_WAIT_S = 30.0
+
+
+def ray_key(model_id: str) -> str:
+    """`<model id with characters outside [A-Za-z0-9_.-] replaced by _>-<8 hex of its SHA-256>` (CONTRACT §7)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", model_id)
+    return f"{safe}-{hashlib.sha256(model_id.encode()).hexdigest()[:8]}"
+
+
+def ray_namespace(model_id: str) -> str:
+    return f"online-rl-{ray_key(model_id)}"
+
+
+def actor_name(model_id: str, rank: int = 0) -> str:
+    base = f"online_ppo_runner-{ray_key(model_id)}"
+    return base if rank == 0 else f"{base}-rank{rank}"
+
+
+@dataclass
+class _Run:
+    actors: list[Any] = field(default_factory=list)
+    done: asyncio.Future[Any] | None = None
+    canceled: bool = False
+
+
+def _short(exc: BaseException) -> str:
+    """The last meaningful line of a (Ray-wrapped) error: a traceback does not belong in `failure_reason`."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:500]
+
+
+class VerlBackend:
+    name = "verl"
+
+    def __init__(
+        self,
+        repository: LoraRepository,
+        *,
+        model_id: str,
+        ppo_config: dict[str, Any],
+        settings: PPOSettings,
+        ray_address: str = "",
+        nproc_per_node: int = 1,
+        training_gpu_ids: str = "",
+        visible_devices_env: str = "CUDA_VISIBLE_DEVICES",
+        tmp_root: str | Path = "/tmp/agent_rl_online",
+        ray_init_kwargs: dict[str, Any] | None = None,
+        progress_interval_s: float = 1.0,
+    ) -> None:
+        self._repository = repository
+        self._model_id = model_id
+        self._ppo_config = ppo_config
+        self._settings = settings
+        self._ray_address = ray_address
+        self._nproc = nproc_per_node
+        self._gpu_ids = training_gpu_ids
+        self._visible_env = visible_devices_env
+        self._tmp_root = str(tmp_root)
+        self._ray_init_kwargs = dict(ray_init_kwargs or {})
+        self._progress_interval_s = progress_interval_s
+        self.namespace = ray_namespace(model_id)
+        self._runs: dict[str, _Run] = {}
+        self._owns_ray = False
+        self._failure: str | None = None
+
+    # --- Ray plumbing (worker threads only) ------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        if not self._ray_address and self._gpu_ids:
+            # A local Ray detects its GPUs from this variable when it starts: the training GPUs only.
+            os.environ[self._visible_env] = self._gpu_ids
+        ray.init(
+            address=self._ray_address or None, namespace=self.namespace, include_dashboard=False,
+            log_to_driver=False, ignore_reinit_error=True, **self._ray_init_kwargs,
+        )
+        self._owns_ray = True
+
+    def _start_actors(self) -> list[Any]:
+        import ray
+
+        from ..verl.actor import PPORunner
+
+        self._kill_named()  # a leftover of a crashed service holds the name (and maybe a GPU)
+        gpus = ray.cluster_resources().get("GPU", 0) >= 1
+        remote = ray.remote(PPORunner)
+        actors = []
+        for rank in range(self._nproc):
+            options: dict[str, Any] = {
+                "name": actor_name(self._model_id, rank), "namespace": self.namespace, "lifetime": "detached",
+                "max_concurrency": 2,  # `progress` answers while `train` runs
+                "max_restarts": 0, "num_cpus": 1,
+            }
+            if gpus:
+                options["num_gpus"] = 1
+            actors.append(
+                remote.options(**options).remote(rank=rank, world_size=self._nproc, tmp_root=self._tmp_root)
+            )
+        return actors
+
+    def _kill_named(self) -> None:
+        import ray
+
+        for rank in range(self._nproc):
+            with suppress(ValueError):  # no actor of that name
+                ray.kill(ray.get_actor(actor_name(self._model_id, rank), namespace=self.namespace), no_restart=True)
+
+    @staticmethod
+    def _kill(actors: Sequence[Any]) -> None:
+        import ray
+        from ray.exceptions import RayError
+
+        for actor in actors:
+            with suppress(RayError):  # its node is gone: nothing left to stop
+                ray.kill(actor, no_restart=True)
+
+    @staticmethod
+    async def _get(ref: Any) -> Any:
+        return await asyncio.wrap_future(ref.future())
+
+    # --- the interface ---------------------------------------------------------------------------------------------
+
+    async def train(
+        self,
+        *,
+        training_run_id: str,
+        model_id: str,
+        base_model_path: str,
+        samples: Sequence[dict[str, Any]],
+        init_lora_name: str,
+        init_lora_path: str,
+        on_progress: OnProgress,
+    ) -> Artifact:
+        run = self._runs[training_run_id] = _Run()
+        try:
+            init_files = (
+                await asyncio.to_thread(self._read_adapter, Path(init_lora_path)) if init_lora_name != "base" else {}
+            )
+            job = {
+                "training_run_id": training_run_id, "config": self._ppo_config, "base_model_path": base_model_path,
+                "samples": list(samples), "settings": self._settings.to_dict(), "init_lora_files": init_files,
+            }
+            result = await self._execute(training_run_id, run, job, on_progress)
+            output = await self._repository.create_temp(training_run_id)
+            await asyncio.to_thread(self._write_adapter, output, result["adapter_files"])
+            metrics = result.get("metrics", {})
+            meta = artifact_metadata(
+                training_run_id=training_run_id, model_id=model_id, base_model_path=base_model_path,
+                samples=samples, init_lora_name=init_lora_name, init_lora_path=init_lora_path,
+                trainer_backend=self.name, ppo_samples_per_step=self._settings.ppo_samples_per_step,
+                metrics=metrics,
+            )
+            meta["dropped_sample_ids"] = list(result.get("dropped_sample_ids", []))
+            meta["settings"] = self._settings.to_dict()
+            meta["ray"] = {"namespace": self.namespace, "actor": actor_name(self._model_id), "nproc": self._nproc}
+            return await self._repository.publish(output, meta)
+        finally:
+            self._runs.pop(training_run_id, None)
+            await self._repository.remove_temp(training_run_id)
+
+    async def _execute(self, run_id: str, run: _Run, job: dict[str, Any], on_progress: OnProgress) -> dict[str, Any]:
+        from ray.exceptions import RayActorError, RayError, RayTaskError
+
+        try:
+            await asyncio.to_thread(self._connect)
+            run.actors = await asyncio.to_thread(self._start_actors)
+            if run.canceled:  # stopped while the actors were starting
+                raise TrainingCanceled(f"run {run_id} canceled")
+            master_addr, master_port = await self._get(run.actors[0].address.remote())
+            self._failure = None  # the cluster answers again
+            refs = [actor.train.remote(job, master_addr, master_port) for actor in run.actors]
+            run.done = asyncio.ensure_future(asyncio.gather(*(self._get(ref) for ref in refs)))
+            results = await self._follow(run, on_progress)
+            return results[0]
+        except RayActorError as exc:
+            if run.canceled:
+                raise TrainingCanceled(f"run {run_id} canceled") from exc
+            self._failure = f"verl trainer actor died: {_short(exc)}"
+            raise RuntimeError(self._failure) from exc
+        except RayTaskError as exc:  # an exception inside the training code: this run fails, the backend is fine
+            if run.canceled:
+                raise TrainingCanceled(f"run {run_id} canceled") from exc
+            raise RuntimeError(f"verl trainer failed: {_short(exc)}") from exc
+        except RayError as exc:  # the cluster itself (connection, scheduling)
+            self._failure = f"ray: {_short(exc)}"
+            raise RuntimeError(self._failure) from exc
+        except ConnectionError as exc:  # ray.init could not reach `ray_address`
+            self._failure = f"ray: cannot connect to {self._ray_address or 'a local Ray'}: {exc}"
+            raise RuntimeError(self._failure) from exc
+        finally:
+            if run.done is not None and not run.done.done():
+                run.done.cancel()
+            await asyncio.to_thread(self._kill, run.actors)
+
+    async def _follow(self, run: _Run, on_progress: OnProgress) -> list[dict[str, Any]]:
+        """Await the ranks, forwarding rank 0's finished steps to `on_progress` as they come."""
+        from ray.exceptions import RayError
+
+        assert run.done is not None
+        seen = 0
+        while True:
+            finished, _ = await asyncio.wait({run.done}, timeout=self._progress_interval_s)
+            if finished:
+                results = run.done.result()
+                for metrics in results[0].get("metrics", {}).get("step_metrics", [])[seen:]:
+                    await on_progress(metrics)
+                return results
+            try:
+                new = await self._get(run.actors[0].progress.remote(seen))
+            except RayError:
+                continue  # the train refs report what happened to the actor
+            for metrics in new:
+                seen += 1
+                await on_progress(metrics)
+
+    @staticmethod
+    def _read_adapter(path: Path) -> dict[str, bytes]:
+        return {name: (path / name).read_bytes() for name in ADAPTER_FILES}
+
+    @staticmethod
+    def _write_adapter(output: Path, files: dict[str, bytes]) -> None:
+        missing = [name for name in ADAPTER_FILES if name not in files]
+        if missing:
+            raise RuntimeError(f"verl trainer returned no {', '.join(missing)}")
+        for name, data in files.items():
+            (output / Path(name).name).write_bytes(data)  # a bare file name: nothing outside the temp dir
+
+    async def cancel(self, training_run_id: str) -> bool:
+        run = self._runs.get(training_run_id)
+        if run is None or not run.actors:
+            if run is not None:
+                run.canceled = True  # still starting: `_execute` stops once the actors exist
+            return False
+        run.canceled = True
+        await asyncio.to_thread(self._kill, run.actors)
+        if run.done is not None:
+            # The ranks' refs fail once the actors are really gone: that is "stopped for good". `wait` neither
+            # raises the (expected) actor error nor cancels the future, which `_execute` still reads.
+            await asyncio.wait({run.done}, timeout=_KILL_WAIT_S)
+        return True
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+
+    async def close(self) -> None:
+        actors = [actor for run in self._runs.values() for actor in run.actors]
+        for run in self._runs.values():
+            run.canceled = True
+        if actors:
+            await asyncio.to_thread(self._kill, actors)
+        if self._owns_ray:
+            import ray
+
+            await asyncio.to_thread(ray.shutdown)
+            self._owns_ray = False
