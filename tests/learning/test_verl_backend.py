@@ -104,3 +104,128 @@ async def test_a_run_through_the_service_trains_publishes_and_learns(redis, redi
     assert list((tmp_path / "train-tmp").iterdir()) == []  # the actor's run directory is gone
     with pytest.raises(ValueError):
         ray.get_actor(actor_name("tiny"), namespace=backend.namespace)  # killed after the run
+
+
+def few_samples(tiny_model: Path, count: int = 4) -> list[dict]:
+    prompt = L.prompt_ids(tiny_model)
+    responses = [[10 + i, 20 + i, 30 + i] for i in range(count)]
+    return L.documents(prompt, responses, [[-1.0, -1.5, -2.0]] * count, [float(i % 2) for i in range(count)], "tiny")
+
+
+async def _noop(_: dict) -> None:
+    return None
+
+
+async def _wait_for_own_actor(backend: VerlBackend, run_id: str) -> None:
+    for _ in range(600):  # the run's actors exist once `_start_actors` returned
+        run = backend._runs.get(run_id)
+        if run is not None and run.actors:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the run's actors never started")
+
+
+async def test_cancel_kills_the_actor_and_a_leftover_of_the_same_name_is_replaced(tmp_path, tiny_model, local_ray):
+    from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+    from openjiuwen.agent_evolving.agent_rl.online.training.verl.actor import PPORunner
+
+    repository = LoraRepository(str(tmp_path / "loras"), model_id="tiny")
+    backend = make_backend(repository, tmp_path)
+    # What a crashed service leaves behind: a detached actor holding the rank-0 name.
+    leftover = ray.remote(PPORunner).options(
+        name=actor_name("tiny"), namespace=backend.namespace, lifetime="detached", num_cpus=0,
+    ).remote(rank=0, world_size=1, tmp_root=str(tmp_path / "train-tmp"))
+    await asyncio.wrap_future(leftover.progress.remote(0).future())
+    task = asyncio.create_task(backend.train(
+        training_run_id="run-cancel", model_id="tiny", base_model_path=str(tiny_model),
+        samples=few_samples(tiny_model), init_lora_name="base", init_lora_path="", on_progress=_noop))
+    await _wait_for_own_actor(backend, "run-cancel")
+    own = ray.get_actor(actor_name("tiny"), namespace=backend.namespace)
+    assert own._actor_id != leftover._actor_id  # the leftover was killed and its name taken over
+    assert await backend.cancel("run-cancel") is True
+    with pytest.raises(TrainingCanceled):
+        await task
+    with pytest.raises(ValueError):
+        ray.get_actor(actor_name("tiny"), namespace=backend.namespace)
+    backend.check_health()  # a cancel is not a failure
+    assert await backend.cancel("run-cancel") is False  # nothing left to stop
+    assert not (tmp_path / "loras" / "tiny").exists() or list((tmp_path / "loras" / "tiny").iterdir()) == []
+
+
+async def test_an_actor_dying_on_its_own_fails_the_run_and_the_health(tmp_path, tiny_model, local_ray):
+    from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+
+    backend = make_backend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), tmp_path)
+    task = asyncio.create_task(backend.train(
+        training_run_id="run-dies", model_id="tiny", base_model_path=str(tiny_model),
+        samples=few_samples(tiny_model), init_lora_name="base", init_lora_path="", on_progress=_noop))
+    await _wait_for_own_actor(backend, "run-dies")
+    ray.kill(ray.get_actor(actor_name("tiny"), namespace=backend.namespace))  # e.g. the node's OOM killer
+    with pytest.raises(RuntimeError, match="verl trainer actor died"):
+        await task
+    with pytest.raises(RuntimeError, match="actor died"):
+        backend.check_health()
+
+
+async def test_a_run_starts_from_the_parent_adapter_and_steps_by_ppo_samples_per_step(tmp_path, tiny_model,
+                                                                                      local_ray):
+    """With lr 0 the exported adapter must equal the parent exactly: proof that training started from it (a fresh
+    LoRA has random A matrices). 5 samples, 3 per step → steps of 3 and 2, each reported through on_progress."""
+    import safetensors.torch as st
+    from peft import LoraConfig, get_peft_model
+
+    from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+
+    parent = tmp_path / "parent"
+    peft_model = get_peft_model(L.load_model(tiny_model), LoraConfig(
+        r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM"))
+    peft_model.save_pretrained(parent)
+    (tmp_path / "ppo.yaml").write_text("actor_rollout_ref: {actor: {optim: {lr: 0.0}}}\n")
+    tree = compose_ppo_config(advantage_estimator="reinforce_plus_plus", tis_cap=None,
+                              ppo_config_path=str(tmp_path / "ppo.yaml"), env={})
+    backend = VerlBackend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), model_id="tiny",
+                          ppo_config=tree, settings=settings_from_config(tree, tis_cap=None, ppo_samples_per_step=3),
+                          tmp_root=tmp_path / "train-tmp", progress_interval_s=0.2)
+    seen: list[dict] = []
+
+    async def on_progress(metrics: dict) -> None:
+        seen.append(metrics)
+
+    artifact = await backend.train(
+        training_run_id="run-parent", model_id="tiny", base_model_path=str(tiny_model),
+        samples=few_samples(tiny_model, 5), init_lora_name="tiny:v7", init_lora_path=str(parent),
+        on_progress=on_progress)
+    assert [(m["step"], m["samples"]) for m in seen] == [(1, 3), (2, 2)]
+    assert (artifact.metadata["training_source"], artifact.metadata["parent_lora_id"]) == ("active_lora", "tiny:v7")
+    assert artifact.metadata["ppo_steps"] == 2 and artifact.metadata["ppo_samples_per_step"] == 3
+    # Bypass mode: the ratio's "old" side is the captured logprobs, so the first step's ppo_kl (mean of old − new
+    # over its tokens) equals captured − parent logprobs, computed here independently.
+    parent_model = L.load_model(tiny_model, parent)
+    docs = few_samples(tiny_model, 5)[:3]
+    gaps = [c - p for d in docs
+            for c, p in zip(d["trajectory"]["response_logprobs"],
+                            L.sequence_logprobs(parent_model, d["trajectory"]["prompt_ids"],
+                                                d["trajectory"]["response_ids"]))]
+    assert seen[0]["ppo_kl"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-3)
+    before = st.load_file(parent / "adapter_model.safetensors")
+    after = st.load_file(Path(artifact.lora_path) / "adapter_model.safetensors")
+    assert sorted(before) == sorted(after)
+    for key in before:
+        assert (before[key] == after[key]).all(), key
+
+
+async def test_tis_cap_trains_against_pi_old_of_the_parent(tmp_path, tiny_model, local_ray):
+    """Decoupled mode: π_old is computed with the parent weights before the update, so the single mini-batch of
+    the step sees a ratio of exactly 1 (ppo_kl 0), whatever the captured logprobs were."""
+    from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+
+    tree = compose_ppo_config(advantage_estimator="reinforce_plus_plus", tis_cap=2.0, ppo_config_path=None, env={})
+    backend = VerlBackend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), model_id="tiny",
+                          ppo_config=tree, settings=settings_from_config(tree, tis_cap=2.0, ppo_samples_per_step=0),
+                          tmp_root=tmp_path / "train-tmp")
+    artifact = await backend.train(
+        training_run_id="run-tis", model_id="tiny", base_model_path=str(tiny_model),
+        samples=few_samples(tiny_model, 4), init_lora_name="base", init_lora_path="", on_progress=_noop)
+    step = artifact.metadata["ppo_step_metrics"][0]
+    assert step["samples"] == 4 and step["ppo_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert step["clip_fraction"] == 0.0

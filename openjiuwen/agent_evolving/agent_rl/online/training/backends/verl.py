@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -140,8 +141,19 @@ class VerlBackend:
         import ray
 
         for rank in range(self._nproc):
-            with suppress(ValueError):  # no actor of that name
-                ray.kill(ray.get_actor(actor_name(self._model_id, rank), namespace=self.namespace), no_restart=True)
+            name = actor_name(self._model_id, rank)
+            try:
+                ray.kill(ray.get_actor(name, namespace=self.namespace), no_restart=True)
+            except ValueError:
+                continue  # no actor of that name
+            # The name is released asynchronously after the kill; a new actor cannot take it before.
+            deadline = time.monotonic() + _KILL_WAIT_S
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(name, namespace=self.namespace)
+                except ValueError:
+                    break
+                time.sleep(0.1)  # a worker thread, never the event loop
 
     @staticmethod
     def _kill(actors: Sequence[Any]) -> None:

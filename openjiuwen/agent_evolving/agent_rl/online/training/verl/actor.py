@@ -265,6 +265,9 @@ class _Trainer:
 
         td = left_right_2_no_padding(self.data.to_tensordict())
         meta: dict[str, Any] = {"calculate_entropy": False, "compute_loss": False, "temperature": 1.0}
+        engine = self.worker.engine_config
+        if not engine.use_dynamic_bsz:
+            meta["micro_batch_size_per_gpu"] = _micro(len(self.data), engine.infer_micro_batch_size_per_gpu)
         if no_adapter:
             meta["no_lora_adapter"] = True
         tu.assign_non_tensor(td, **meta)
@@ -293,6 +296,9 @@ class _Trainer:
                     td, calculate_entropy=bool(s.entropy_coeff), global_batch_size=size, mini_batch_size=size,
                     epochs=1, seed=s.seed, dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=1.0,
                 )
+                engine = self.worker.engine_config
+                if not engine.use_dynamic_bsz:
+                    tu.assign_non_tensor(td, micro_batch_size_per_gpu=_micro(len(piece), engine.micro_batch_size_per_gpu))
                 out = tu.get(self.worker.train_mini_batch(td), "metrics")
                 for ours, theirs in (("loss", "loss"), ("pg_loss", "actor/pg_loss"),
                                      ("clip_fraction", "actor/pg_clipfrac"), ("ppo_kl", "actor/ppo_kl"),
@@ -301,6 +307,13 @@ class _Trainer:
                         sums[ours] = sums.get(ours, 0.0) + _mean(out[theirs])
                 count += 1
         return {k: v / max(1, count) for k, v in sums.items()}
+
+
+def _micro(rows: int, configured: int | None) -> int:
+    """verl splits a batch into equal micro-batches: the largest size ≤ the configured one that divides `rows`
+    (a last partial slice of `ppo_samples_per_step`, or a small batch, is trained rather than refused)."""
+    limit = max(1, min(rows, configured or rows))
+    return max(d for d in range(1, limit + 1) if rows % d == 0)
 
 
 def _mean(value: Any) -> float:
