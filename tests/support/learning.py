@@ -1,4 +1,6 @@
-"""Helpers of the learning tests: sample from a tiny model with the true logprobs, reward by a rule, measure."""
+"""Helpers of the learning tests: sample from a tiny model with the true logprobs, reward by a rule, measure.
+
+Everything runs where the model is (`model.device`): the CPU in tests, a GPU in bench/gpu/verl_run.py."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ import torch
 import torch.nn.functional as F
 
 
-def load_model(model_dir: Path, adapter_dir: Path | None = None) -> Any:
+def load_model(model_dir: Path, adapter_dir: Path | None = None, device: str = "cpu") -> Any:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
+    model.to(device)
     model.eval()
     return model
 
@@ -30,20 +33,21 @@ def prompt_ids(model_dir: Path, text: str = "Say something.") -> list[int]:
 
 @torch.no_grad()
 def sequence_logprobs(model: Any, prompt: list[int], response: list[int]) -> list[float]:
-    ids = torch.tensor([prompt + response])
+    ids = torch.tensor([prompt + response], device=model.device)
     logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    return F.log_softmax(logits, -1).gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1).tolist()
+    picked = torch.tensor(response, device=model.device).unsqueeze(-1)
+    return F.log_softmax(logits, -1).gather(-1, picked).squeeze(-1).tolist()
 
 
 @torch.no_grad()
 def sample_responses(model: Any, prompt: list[int], count: int, length: int, seed: int) -> list[list[int]]:
     """Plain ancestral sampling at temperature 1 (no top-k/top-p), so the logprobs are the behaviour policy's."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([prompt] * count)
+    ids = torch.tensor([prompt] * count, device=model.device)
     out: list[list[int]] = [[] for _ in range(count)]
     for _ in range(length):
-        logits = model(input_ids=ids).logits[:, -1].float()
-        nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=gen)
+        logits = model(input_ids=ids).logits[:, -1].float().cpu()  # draws on the CPU: same seed, same samples
+        nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=gen).to(ids.device)
         ids = torch.cat([ids, nxt], dim=1)
         for i, t in enumerate(nxt[:, 0].tolist()):
             out[i].append(t)

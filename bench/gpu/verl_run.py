@@ -1,0 +1,165 @@
+"""One full Training Run through the service with the verl backend; prints wall time, tokens/s and the margin.
+
+    python bench/gpu/verl_run.py --size gpu      # on a GPU host (bench/gpu/verl_run.sh sets it up and runs this)
+    python bench/gpu/verl_run.py --size cpu      # CPU-sized: the tiny model (what the learning test runs)
+
+Steps: generate a random Qwen2-architecture model locally (`--size gpu`: 24 layers, hidden 1024, ≈ 0.3 B
+parameters; `cpu`: the 1.5 MB tiny model); sample responses from it at temperature 1 with their true logprobs;
+reward the half richest in even token ids; start the RL Service app (private redis-server, a fake gateway for the
+activation call, `trainer_backend: verl`, a local Ray); insert the samples; POST a Training Run and wait for it —
+claim, verl PPO in Ray actors, PEFT export, repository publish, activation. Then measure the learning margin: mean
+per-token logprob of rewarded minus unrewarded responses under the base model (before) and the new adapter
+(after). Results go to stdout and, with `--out`, to a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model  # noqa: E402
+from tests.support import learning as L  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Size:
+    model: dict[str, int]
+    samples: int
+    response_tokens: int
+    lr: float
+    epochs: int
+    mini_batch: int
+    micro_batch: int
+
+
+SIZES = {
+    # ≈ 0.30 B parameters: 24 × (attention 1024² × 2.5 with 4 KV heads + MLP 3 × 1024 × 4096) + embeddings.
+    "gpu": Size(model={"hidden_size": 1024, "num_layers": 24, "num_heads": 16, "num_kv_heads": 4,
+                       "intermediate_size": 4096}, samples=64, response_tokens=48, lr=5e-4, epochs=4,
+                mini_batch=16, micro_batch=8),
+    # The tiny model and the learning test's scenario (32 × 12 tokens, lr 2e-3, 4 epochs, mini-batch 4).
+    "cpu": Size(model={}, samples=32, response_tokens=12, lr=2e-3, epochs=4, mini_batch=4, micro_batch=2),
+}
+
+
+def ppo_yaml(size: Size) -> str:
+    return (
+        "actor_rollout_ref:\n"
+        f"  actor: {{optim: {{lr: {size.lr}}}, ppo_epochs: {size.epochs}, ppo_mini_batch_size: {size.mini_batch},"
+        f" ppo_micro_batch_size_per_gpu: {size.micro_batch}}}\n"
+        f"  rollout: {{log_prob_micro_batch_size_per_gpu: {size.samples // 2}}}\n"
+        "data: {max_prompt_length: 256, max_response_length: 256}\n"
+    )
+
+
+def parameter_count(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+async def run(size_name: str, workdir: Path, *, redis_url: str | None = None, device: str | None = None,
+              log: Any = print) -> dict[str, Any]:
+    import torch
+
+    from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
+    from tests.support.fake_gateway import FakeGateway
+    from tests.support.redis_server import RedisServer
+    from tests.support.service_app import make_config, running_app
+
+    size = SIZES[size_name]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.perf_counter()
+    model_dir = make_tiny_model(workdir / "model", seed=0, **size.model)
+    base = L.load_model(model_dir, device=device)
+    params = parameter_count(base)
+    log(f"model: {params / 1e6:.1f} M parameters ({model_dir}), device {device}, "
+        f"made in {time.perf_counter() - started:.1f} s")
+    prompt = L.prompt_ids(model_dir)
+    responses = L.sample_responses(base, prompt, size.samples, size.response_tokens, seed=0)
+    logprobs = [L.sequence_logprobs(base, prompt, r) for r in responses]
+    order = sorted(range(size.samples), key=lambda i: L.target_share(responses[i]))
+    rewards = [1.0 if i in order[size.samples // 2:] else 0.0 for i in range(size.samples)]
+    before = L.margin(base, prompt, responses, rewards)
+    del base
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the trainer actor needs the GPU next
+    (workdir / "ppo.yaml").write_text(ppo_yaml(size))
+    tmp_root = workdir / "train-tmp"
+    async with AsyncExitStack() as stack:
+        if redis_url is None:
+            redis_url = stack.enter_context(RedisServer(workdir / "redis")).url
+        gateway = await stack.enter_async_context(FakeGateway(model_id="tiny"))
+        config = make_config(
+            redis_url, workdir, aigw_endpoint=gateway.url, trainer_backend="verl", base_model_path=str(model_dir),
+            ppo_config_path=str(workdir / "ppo.yaml"), min_samples_for_training=size.samples,
+            max_samples_per_run=size.samples, training_tmp_root=str(tmp_root), lora_activation_timeout=60.0,
+        )
+        app, client = await stack.enter_async_context(running_app(config))
+        deps = app.state.deps
+        docs = L.documents(prompt, responses, logprobs, rewards, "tiny")
+        await deps.store.insert_if_absent([PackedSample.from_document(d) for d in docs])
+        run_started = time.perf_counter()
+        answer = await client.post("/v1/rl/training/runs")
+        if answer.status_code != 201:
+            raise RuntimeError(f"run start answered {answer.status_code}: {answer.text}")
+        record = await deps.runner.wait(answer.json()["training_run_id"])
+        wall = time.perf_counter() - run_started
+        activated = gateway.active == (record.lora_name, record.lora_path)
+    if record.status != "succeeded":
+        raise RuntimeError(f"training run {record.status}: {record.failure_reason}")
+    after_model = L.load_model(model_dir, Path(record.lora_path), device=device)
+    after = L.margin(after_model, prompt, responses, rewards)
+    steps = record.metrics.get("step_metrics", [])
+    response_tokens = sum(len(r) for r in responses)
+    sequence_tokens = size.samples * len(prompt) + response_tokens
+    result = {
+        "size": size_name, "device": device, "parameters": params, "samples": size.samples,
+        "prompt_tokens": len(prompt), "response_tokens": size.response_tokens, "lr": size.lr,
+        "ppo_epochs": size.epochs, "status": record.status, "lora_name": record.lora_name,
+        "lora_path": record.lora_path, "activated": activated, "run_wall_seconds": wall,
+        "ppo_seconds": sum(s.get("seconds", 0.0) for s in steps),
+        "ppo_response_tokens_per_second": steps[0].get("tokens_per_second", 0.0) if steps else 0.0,
+        "run_sequence_tokens_per_second": sequence_tokens / wall if wall > 0 else 0.0,
+        "margin_before": before, "margin_after": after, "margin_gain": after - before,
+        "leftover_tmp": sorted(p.name for p in tmp_root.iterdir()) if tmp_root.exists() else [],
+        "step_metrics": steps, "total_seconds": time.perf_counter() - started,
+    }
+    log(f"training run {record.training_run_id}: {record.status} -> {record.lora_name} (activated: {activated})")
+    log(f"run wall time {wall:.1f} s (PPO {result['ppo_seconds']:.2f} s); "
+        f"PPO {result['ppo_response_tokens_per_second']:.0f} response tokens/s; "
+        f"run {result['run_sequence_tokens_per_second']:.0f} sequence tokens/s")
+    log(f"learning margin (rewarded - unrewarded mean logprob): before {before:.3f}, after {after:.3f}, "
+        f"gain {after - before:+.3f}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="gpu")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the model, repository and logs here")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="verl-run-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        result = asyncio.run(run(args.size, workdir, device=args.device))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
