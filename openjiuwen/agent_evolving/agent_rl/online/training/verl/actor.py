@@ -346,7 +346,8 @@ def _export_adapter(worker: Any, out_dir: Path) -> dict[str, bytes]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     module = worker.engine.module
-    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with worker.engine.eval_mode():  # brings offloaded parameters back to the device for the gather
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() != 0:
         return {}
     peft_model = getattr(module, "_fsdp_wrapped_module", module)
