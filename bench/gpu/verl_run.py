@@ -45,7 +45,7 @@ class Size:
 
 
 SIZES = {
-    # ≈ 0.30 B parameters: 24 × (attention 1024² × 2.5 with 4 KV heads + MLP 3 × 1024 × 4096) + embeddings.
+    # ≈ 0.37 B parameters: 24 layers × (attention 2.6 M with 4 KV heads + MLP 3 × 1024 × 4096) + embeddings.
     "gpu": Size(model={"hidden_size": 1024, "num_layers": 24, "num_heads": 16, "num_kv_heads": 4,
                        "intermediate_size": 4096}, samples=64, response_tokens=48, lr=5e-4, epochs=4,
                 mini_batch=16, micro_batch=8),
