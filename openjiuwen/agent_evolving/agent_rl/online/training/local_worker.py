@@ -35,6 +35,7 @@ def train(spec: dict[str, Any], emit: Any) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import ppo_math
+    from .adapter_files import save_peft_adapter
     from .batch import chunk_rows, convert_samples
     from .ppo_settings import PPOSettings
 
@@ -144,37 +145,17 @@ def train(spec: dict[str, Any], emit: Any) -> dict[str, Any]:
                 grad_norms.append(float(grad_norm))
                 optimizer.step()
         elapsed = time.perf_counter() - started
-        tokens = int(slice_mask.sum().item())
-        metrics = {key: value / max(1, micro_count) for key, value in totals.items()}
-        metrics.update(
-            step=step,
-            samples=len(rows),
-            tokens=tokens,
-            grad_norm=sum(grad_norms) / max(1, len(grad_norms)),
-            kl=float((kl.sum() / slice_mask.sum()).item()) if kl is not None else metrics.get("ppo_kl", 0.0),
-            reward_mean=float(batch.token_level_scores[idx].sum(-1).mean().item()),
-            tokens_per_second=tokens * settings.ppo_epochs / elapsed if elapsed > 0 else 0.0,
-            seconds=elapsed,
-            **{k: batch.meta[k] for k in ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples")},
+        totals = {key: value / max(1, micro_count) for key, value in totals.items()}
+        totals["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
+        metrics = ppo_math.step_record(
+            totals, step=step, samples=len(rows), response_mask=slice_mask, kl=kl,
+            scores=batch.token_level_scores[idx], epochs=settings.ppo_epochs, elapsed_s=elapsed, meta=batch.meta,
         )
         step_metrics.append(metrics)
         emit({"event": "step", "metrics": metrics})
-    output = Path(spec["output_dir"])
-    model.save_pretrained(output)
-    readme = output / "README.md"  # peft's model card: not part of the adapter vLLM loads
-    if readme.exists():
-        readme.unlink()
-    summary_keys = ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm", "tokens_per_second", "entropy")
-    summary = {
-        k: sum(m.get(k, 0.0) for m in step_metrics) / len(step_metrics) for k in summary_keys
-    } if step_metrics else {}
+    save_peft_adapter(model, Path(spec["output_dir"]))
     return {
-        "metrics": {
-            "steps": len(step_metrics),
-            "step_metrics": step_metrics,
-            "summary": summary,
-            **{k: batch.meta[k] for k in ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples")},
-        },
+        "metrics": ppo_math.run_record(step_metrics, batch.meta),
         "dropped_sample_ids": batch.dropped_sample_ids,
     }
 

@@ -136,3 +136,41 @@ def policy_loss(
 def truncated_is_weights(pi_old: torch.Tensor, behaviour: torch.Tensor, cap: float) -> torch.Tensor:
     """min(exp(log π_old − behaviour), cap), detached (CONTRACT §7 `tis_cap`)."""
     return torch.clamp(torch.exp(torch.clamp(pi_old - behaviour, max=20.0)), max=cap).detach()
+
+
+COUNTER_KEYS = ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples")
+SUMMARY_KEYS = ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm", "tokens_per_second", "entropy")
+
+
+def step_record(
+    totals: dict[str, float],
+    *,
+    step: int,
+    samples: int,
+    response_mask: torch.Tensor,
+    kl: torch.Tensor | None,
+    scores: torch.Tensor,
+    epochs: int,
+    elapsed_s: float,
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    """One PPO step's metrics as both backends report them (`on_progress`, the run record, the artifact)."""
+    tokens = int(response_mask.sum().item())
+    return {
+        **totals,
+        "step": step,
+        "samples": samples,
+        "tokens": tokens,
+        "kl": float((kl.sum() / response_mask.sum()).item()) if kl is not None else totals.get("ppo_kl", 0.0),
+        "reward_mean": float(scores.sum(-1).mean().item()),
+        "tokens_per_second": tokens * epochs / elapsed_s if elapsed_s > 0 else 0.0,
+        "seconds": elapsed_s,
+        **{k: meta[k] for k in COUNTER_KEYS},
+    }
+
+
+def run_record(steps: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """The run's metrics: every step, their means, and the conversion counters."""
+    summary = {k: sum(m.get(k, 0.0) for m in steps) / len(steps) for k in SUMMARY_KEYS} if steps else {}
+    return {"steps": len(steps), "step_metrics": steps, "summary": summary, **{k: meta[k] for k in COUNTER_KEYS}}
+

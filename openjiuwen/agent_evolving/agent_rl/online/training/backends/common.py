@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...ids import lora_version, now_iso
+from ..ppo_settings import PPOSettings
 
 
 def sample_score(sample: dict[str, Any]) -> float:
@@ -57,3 +58,27 @@ def artifact_metadata(
         "prompt_truncated_samples": metrics.get("prompt_truncated_samples", 0),
         "response_truncated_samples": metrics.get("response_truncated_samples", 0),
     }
+
+
+def trained_metadata(
+    result: dict[str, Any],
+    *,
+    settings: PPOSettings,
+    trainer_backend: str,
+    training_run_id: str,
+    model_id: str,
+    base_model_path: str,
+    samples: Sequence[dict[str, Any]],
+    init_lora_name: str,
+    init_lora_path: str,
+) -> dict[str, Any]:
+    """The metadata of a PPO trainer's artifact from its result (`metrics`, `dropped_sample_ids`)."""
+    meta = artifact_metadata(
+        training_run_id=training_run_id, model_id=model_id, base_model_path=base_model_path, samples=samples,
+        init_lora_name=init_lora_name, init_lora_path=init_lora_path, trainer_backend=trainer_backend,
+        ppo_samples_per_step=settings.ppo_samples_per_step, metrics=result.get("metrics", {}),
+    )
+    meta["dropped_sample_ids"] = list(result.get("dropped_sample_ids", []))
+    meta["settings"] = settings.to_dict()
+    return meta
+

@@ -24,7 +24,7 @@ import orjson
 from ...lora.repository import Artifact, LoraRepository
 from ..ppo_settings import PPOSettings
 from . import OnProgress, TrainingCanceled
-from .common import artifact_metadata
+from .common import trained_metadata
 
 log = logging.getLogger("openjiuwen.agent_rl.online.training.local")
 
@@ -76,15 +76,11 @@ class LocalBackend:
             }
             await asyncio.to_thread(self._write_inputs, run_dir, spec, samples)
             result = await self._run_worker(training_run_id, run_dir / "spec.json", on_progress)
-            metrics = result.get("metrics", {})
-            meta = artifact_metadata(
-                training_run_id=training_run_id, model_id=model_id, base_model_path=base_model_path,
-                samples=samples, init_lora_name=init_lora_name, init_lora_path=init_lora_path,
-                trainer_backend=self.name, ppo_samples_per_step=self._settings.ppo_samples_per_step,
-                metrics=metrics,
+            meta = trained_metadata(
+                result, settings=self._settings, trainer_backend=self.name, training_run_id=training_run_id,
+                model_id=model_id, base_model_path=base_model_path, samples=samples,
+                init_lora_name=init_lora_name, init_lora_path=init_lora_path,
             )
-            meta["dropped_sample_ids"] = list(result.get("dropped_sample_ids", []))
-            meta["settings"] = self._settings.to_dict()
             return await self._repository.publish(output, meta)
         finally:
             self._canceled.discard(training_run_id)

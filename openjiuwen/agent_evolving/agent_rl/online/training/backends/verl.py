@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from ...lora.repository import Artifact, LoraRepository
+from ..adapter_files import ADAPTER_FILES
 from ..ppo_settings import PPOSettings
 from . import OnProgress, TrainingCanceled
-from .common import artifact_metadata
+from .common import trained_metadata
 
 log = logging.getLogger("openjiuwen.agent_rl.online.training.verl")
 
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _KILL_WAIT_S = 30.0
 
 
@@ -193,15 +193,11 @@ class VerlBackend:
             result = await self._execute(training_run_id, run, job, on_progress)
             output = await self._repository.create_temp(training_run_id)
             await asyncio.to_thread(self._write_adapter, output, result["adapter_files"])
-            metrics = result.get("metrics", {})
-            meta = artifact_metadata(
-                training_run_id=training_run_id, model_id=model_id, base_model_path=base_model_path,
-                samples=samples, init_lora_name=init_lora_name, init_lora_path=init_lora_path,
-                trainer_backend=self.name, ppo_samples_per_step=self._settings.ppo_samples_per_step,
-                metrics=metrics,
+            meta = trained_metadata(
+                result, settings=self._settings, trainer_backend=self.name, training_run_id=training_run_id,
+                model_id=model_id, base_model_path=base_model_path, samples=samples,
+                init_lora_name=init_lora_name, init_lora_path=init_lora_path,
             )
-            meta["dropped_sample_ids"] = list(result.get("dropped_sample_ids", []))
-            meta["settings"] = self._settings.to_dict()
             meta["ray"] = {"namespace": self.namespace, "actor": actor_name(self._model_id), "nproc": self._nproc}
             return await self._repository.publish(output, meta)
         finally:

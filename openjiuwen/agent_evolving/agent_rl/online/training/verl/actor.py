@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+from ..adapter_files import ADAPTER_FILES, save_peft_adapter
+
 
 
 def free_port() -> int:
@@ -92,6 +93,7 @@ class PPORunner:
         from omegaconf import OmegaConf
 
         from ..batch import convert_samples
+        from ..ppo_math import run_record
         from ..ppo_settings import PPOSettings
 
         cfg = OmegaConf.create(job["config"])
@@ -120,17 +122,9 @@ class PPORunner:
         steps = _Trainer(worker, cfg, settings, batch, rank=self._rank, world_size=self._world_size,
                          record=self._record).run()
         files = _export_adapter(worker, run_dir / "adapter")  # collective: every rank; files on rank 0 only
-        summary_keys = ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm", "tokens_per_second", "entropy")
-        counters = {k: batch.meta[k] for k in ("dropped_samples", "prompt_truncated_samples",
-                                               "response_truncated_samples")}
         return {
             "adapter_files": files,
-            "metrics": {
-                "steps": len(steps),
-                "step_metrics": steps,
-                "summary": {k: sum(m.get(k, 0.0) for m in steps) / len(steps) for k in summary_keys} if steps else {},
-                **counters,
-            },
+            "metrics": run_record(steps, batch.meta),
             "dropped_sample_ids": batch.dropped_sample_ids,
         }
 
@@ -208,20 +202,11 @@ class _Trainer:
             part.batch["advantages"] = ppo_math.advantages(rewards, mask, [self.batch.uid[i] for i in rows], s)
             part = self._old_log_probs(part, None if pi_old is None else pi_old[rows])
             totals = self._update(part)
-            elapsed = time.perf_counter() - started
-            tokens = int(mask.sum().item())
-            metrics = {
-                **totals,
-                "step": number,
-                "samples": len(rows),
-                "tokens": tokens,
-                "kl": float((kl.sum() / mask.sum()).item()) if kl is not None else totals.get("ppo_kl", 0.0),
-                "reward_mean": float(part.batch["token_level_scores"].sum(-1).mean().item()),
-                "tokens_per_second": tokens * s.ppo_epochs / elapsed if elapsed > 0 else 0.0,
-                "seconds": elapsed,
-                **{k: self.batch.meta[k] for k in ("dropped_samples", "prompt_truncated_samples",
-                                                   "response_truncated_samples")},
-            }
+            metrics = ppo_math.step_record(
+                totals, step=number, samples=len(rows), response_mask=mask, kl=kl,
+                scores=part.batch["token_level_scores"], epochs=s.ppo_epochs,
+                elapsed_s=time.perf_counter() - started, meta=self.batch.meta,
+            )
             steps.append(metrics)
             self.record(metrics)
         return steps
@@ -350,9 +335,5 @@ def _export_adapter(worker: Any, out_dir: Path) -> dict[str, bytes]:
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() != 0:
         return {}
-    peft_model = getattr(module, "_fsdp_wrapped_module", module)
-    peft_model.save_pretrained(str(out_dir), state_dict=state)
-    readme = out_dir / "README.md"  # peft's model card: not part of the adapter vLLM loads
-    if readme.exists():
-        readme.unlink()
+    save_peft_adapter(getattr(module, "_fsdp_wrapped_module", module), out_dir, state_dict=state)
     return {name: (out_dir / name).read_bytes() for name in ADAPTER_FILES}
