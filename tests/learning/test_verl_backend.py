@@ -121,6 +121,23 @@ async def test_cancel_kills_the_actor_and_a_leftover_of_the_same_name_is_replace
     assert not (tmp_path / "loras" / "tiny").exists() or list((tmp_path / "loras" / "tiny").iterdir()) == []
 
 
+async def test_canceling_the_train_call_while_actors_start_leaves_no_actor(tmp_path, tiny_model, local_ray):
+    """The runner cancels the execution task when `cancel` found no actor yet: nothing may outlive it."""
+    from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+
+    backend = make_backend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), tmp_path)
+    task = asyncio.create_task(backend.train(
+        training_run_id="run-early", model_id="tiny", base_model_path=str(tiny_model),
+        samples=few_samples(tiny_model), init_lora_name="base", init_lora_path="", on_progress=_noop))
+    await asyncio.sleep(0.05)  # the starter thread is under way (it may or may not have created the actor yet)
+    await backend.cancel("run-early")
+    task.cancel()
+    with pytest.raises((asyncio.CancelledError, TrainingCanceled)):
+        await task
+    with pytest.raises(ValueError):
+        ray.get_actor(actor_name("tiny"), namespace=backend.namespace)
+
+
 async def test_an_actor_dying_on_its_own_fails_the_run_and_the_health(tmp_path, tiny_model, local_ray):
     from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 

@@ -9,7 +9,7 @@ from openjiuwen.agent_evolving.agent_rl.online.training.batch import EmptyBatch,
 
 pytest.importorskip("verl")
 
-from openjiuwen.agent_evolving.agent_rl.online.training.verl.actor import _micro, _shard  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.online.training.verl.engine import micro_batch_size, shard_rows  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.training.verl.data import to_data_proto  # noqa: E402
 
 PAD = 99
@@ -87,8 +87,8 @@ def test_data_proto_carries_the_captured_logprobs_as_old_and_rollout_log_probs()
 
 def test_ranks_split_a_mini_batch_and_padding_rows_add_no_token() -> None:
     data = to_data_proto(convert_samples(SAMPLES, pad_token_id=PAD, max_prompt_length=3, max_response_length=3))
-    assert _shard(data, 0, 1) is data
-    first, second = _shard(data, 0, 2), _shard(data, 1, 2)
+    assert shard_rows(data, 0, 1) is data
+    first, second = shard_rows(data, 0, 2), shard_rows(data, 1, 2)
     assert first.batch["input_ids"].tolist() == data.batch["input_ids"][:2].tolist()
     assert second.batch["input_ids"].tolist() == [data.batch["input_ids"][2].tolist()] * 2  # c, then its filler
     assert second.batch["response_mask"].tolist() == [[1, 0, 0], [0, 0, 0]]
@@ -97,4 +97,4 @@ def test_ranks_split_a_mini_batch_and_padding_rows_add_no_token() -> None:
 @pytest.mark.parametrize(("rows", "configured", "micro"), [(32, 16, 16), (3, 2, 1), (6, 4, 3), (5, None, 5),
                                                            (1, 2, 1)])
 def test_micro_batches_divide_the_rows(rows: int, configured: int | None, micro: int) -> None:
-    assert _micro(rows, configured) == micro
+    assert micro_batch_size(rows, configured) == micro

@@ -115,16 +115,20 @@ class VerlBackend:
         )
         self._owns_ray = True
 
-    def _start_actors(self) -> list[Any]:
+    def _prepare(self, run: _Run) -> None:
+        """Connect, then start the run's actors, each recorded in `run.actors` as soon as it exists, so whatever
+        happens next (a cancel, an error) kills every actor this started."""
         import ray
 
         from ..verl.actor import PPORunner
 
+        self._connect()
         self._kill_named()  # a leftover of a crashed service holds the name (and maybe a GPU)
         gpus = ray.cluster_resources().get("GPU", 0) >= 1
         remote = ray.remote(PPORunner)
-        actors = []
         for rank in range(self._nproc):
+            if run.canceled:
+                return
             options: dict[str, Any] = {
                 "name": actor_name(self._model_id, rank), "namespace": self.namespace, "lifetime": "detached",
                 "max_concurrency": 2,  # `progress` answers while `train` runs
@@ -132,10 +136,9 @@ class VerlBackend:
             }
             if gpus:
                 options["num_gpus"] = 1
-            actors.append(
+            run.actors.append(
                 remote.options(**options).remote(rank=rank, world_size=self._nproc, tmp_root=self._tmp_root)
             )
-        return actors
 
     def _kill_named(self) -> None:
         import ray
@@ -207,9 +210,9 @@ class VerlBackend:
     async def _execute(self, run_id: str, run: _Run, job: dict[str, Any], on_progress: OnProgress) -> dict[str, Any]:
         from ray.exceptions import RayActorError, RayError, RayTaskError
 
+        prepared = asyncio.ensure_future(asyncio.to_thread(self._prepare, run))
         try:
-            await asyncio.to_thread(self._connect)
-            run.actors = await asyncio.to_thread(self._start_actors)
+            await asyncio.shield(prepared)  # a cancel of this task must not leave the thread starting actors unseen
             if run.canceled:  # stopped while the actors were starting
                 raise TrainingCanceled(f"run {run_id} canceled")
             master_addr, master_port = await self._get(run.actors[0].address.remote())
@@ -234,6 +237,10 @@ class VerlBackend:
             self._failure = f"ray: cannot connect to {self._ray_address or 'a local Ray'}: {exc}"
             raise RuntimeError(self._failure) from exc
         finally:
+            run.canceled = run.canceled or not prepared.done()  # the thread stops before its next actor
+            await asyncio.wait({prepared})  # then every actor it started is in run.actors
+            if not prepared.cancelled():
+                prepared.exception()  # retrieved (raised above when it mattered)
             if run.done is not None and not run.done.done():
                 run.done.cancel()
             await asyncio.to_thread(self._kill, run.actors)

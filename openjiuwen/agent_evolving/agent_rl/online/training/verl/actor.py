@@ -3,12 +3,9 @@
 `VerlBackend` starts `nproc_per_node` of these per run (rank 0 named `online_ppo_runner-<key>`), calls `train` on
 all of them and kills them afterwards. Each rank builds verl's `TrainingWorker` (FSDP engine + optimizer, LoRA from
 the parent adapter or fresh), converts the claimed samples (`training/batch.py`, captured token ids never
-re-tokenized) into a `DataProto`, computes the frozen-base reference logprobs with the adapter disabled, rewards
-and advantages with verl's core_algos (`training/ppo_math.py`, shared with the local backend), lets verl's
-rollout-correction helpers set the captured logprobs as the PPO "old" logprobs (bypass mode) or compute π_old and
-truncated IS weights (`tis_cap`), and runs verl's `train_mini_batch` with verl's `ppo_loss`, one update per
-mini-batch of each `ppo_samples_per_step` slice. Rank 0 returns the trained adapter as PEFT files (bytes), so the
-service publishes it without a filesystem shared with the cluster.
+re-tokenized) and runs the PPO steps (`engine.py`). Rank 0 returns the trained adapter as PEFT files (bytes), so the
+service publishes it without a filesystem shared with the cluster. The process-group rendezvous is at rank 0's
+node (`address`); gloo on a CPU-only node, NCCL (and gloo for CPU tensors) with GPUs.
 
 Everything heavy is imported inside the methods: this module is importable by the service without torch.
 """
@@ -20,11 +17,9 @@ import shutil
 import socket
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from ..adapter_files import ADAPTER_FILES, save_peft_adapter
 
 
 
@@ -51,12 +46,6 @@ class PPORunner:
         import ray
 
         return ray.util.get_node_ip_address(), free_port()
-
-    def describe(self) -> dict[str, Any]:
-        import torch
-
-        return {"rank": self._rank, "pid": os.getpid(), "cuda": torch.cuda.is_available(),
-                "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
 
     def progress(self, since: int) -> list[dict[str, Any]]:
         with self._lock:
@@ -95,6 +84,7 @@ class PPORunner:
         from ..batch import convert_samples
         from ..ppo_math import run_record
         from ..ppo_settings import PPOSettings
+        from .engine import PPOSteps, build_worker, export_adapter
 
         cfg = OmegaConf.create(job["config"])
         OmegaConf.update(cfg, "actor_rollout_ref.model.path", job["base_model_path"], merge=False)
@@ -102,7 +92,7 @@ class PPORunner:
             parent = run_dir / "parent"
             parent.mkdir()
             for name, data in job["init_lora_files"].items():
-                (parent / name).write_bytes(data)
+                (parent / Path(name).name).write_bytes(data)  # a bare file name: nothing outside the run dir
             OmegaConf.update(cfg, "actor_rollout_ref.model.lora_adapter_path", str(parent), merge=False)
         if on_cpu and cfg.actor_rollout_ref.actor.fsdp_config.get("mixed_precision") is None:
             # verl's default (bf16 params, fp32 reduce) fails in FSDP2's gloo gradient reduce; fp32 throughout.
@@ -110,7 +100,7 @@ class PPORunner:
                              {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}, merge=False)
         settings = PPOSettings.from_dict(job["settings"])
         torch.manual_seed(settings.seed)
-        worker = _build_worker(cfg)
+        worker = build_worker(cfg)
         tokenizer = worker.model_config.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         batch = convert_samples(
@@ -119,9 +109,9 @@ class PPORunner:
             filter_overlong_prompts=settings.filter_overlong_prompts,
             advantage_estimator=settings.advantage_estimator,
         )
-        steps = _Trainer(worker, cfg, settings, batch, rank=self._rank, world_size=self._world_size,
+        steps = PPOSteps(worker, cfg, settings, batch, rank=self._rank, world_size=self._world_size,
                          record=self._record).run()
-        files = _export_adapter(worker, run_dir / "adapter")  # collective: every rank; files on rank 0 only
+        files = export_adapter(worker, run_dir / "adapter")  # collective: every rank; files on rank 0 only
         return {
             "adapter_files": files,
             "metrics": run_record(steps, batch.meta),
@@ -131,209 +121,3 @@ class PPORunner:
     def _record(self, metrics: dict[str, Any]) -> None:
         with self._lock:
             self._steps.append(metrics)
-
-
-def _build_worker(cfg: Any) -> Any:
-    """verl's TrainingWorker for the actor role, from the composed config (as verl's ActorRolloutRefWorker does)."""
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config import TrainingWorkerConfig
-    from verl.workers.engine_workers import TrainingWorker
-
-    actor_cfg = cfg.actor_rollout_ref.actor
-    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
-    actor_config = omega_conf_to_dataclass(actor_cfg)
-    worker_config = TrainingWorkerConfig(
-        model_type="language_model", model_config=model_config, engine_config=actor_config.engine,
-        optimizer_config=actor_config.optim, checkpoint_config=actor_config.checkpoint,
-    )
-    engine = worker_config.engine_config
-    engine.use_dynamic_bsz = bool(actor_cfg.use_dynamic_bsz)
-    engine.max_token_len_per_gpu = actor_cfg.ppo_max_token_len_per_gpu
-    engine.micro_batch_size_per_gpu = actor_cfg.ppo_micro_batch_size_per_gpu
-    engine.infer_max_token_len_per_gpu = cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu
-    engine.infer_micro_batch_size_per_gpu = (
-        cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu or actor_cfg.ppo_micro_batch_size_per_gpu
-    )
-    engine.use_remove_padding = bool(model_config.get("use_remove_padding", False))
-    worker = TrainingWorker(worker_config)
-    worker.reset()
-    return worker
-
-
-class _Trainer:
-    """The PPO steps of one run on one rank."""
-
-    def __init__(self, worker: Any, cfg: Any, settings: Any, batch: Any, *, rank: int, world_size: int,
-                 record: Any) -> None:
-        from .data import to_data_proto
-
-        self.worker = worker
-        self.cfg = cfg
-        self.settings = settings
-        self.batch = batch
-        self.rank = rank
-        self.world_size = world_size
-        self.record = record
-        self.data = to_data_proto(batch)
-        self.loss_ready = False
-
-    def run(self) -> list[dict[str, Any]]:
-        from .. import ppo_math
-        from ..batch import chunk_rows
-
-        s = self.settings
-        want_kl = s.use_kl_in_reward and s.kl_coef > 0
-        ref = self._infer(no_adapter=True) if want_kl else None  # the frozen base: verl's LoRA reference
-        bypass = bool(self.cfg.algorithm.rollout_correction.get("bypass_mode", False))
-        pi_old = None if bypass else self._infer(no_adapter=False)  # parent weights, before any update
-        grpo = s.advantage_estimator == "grpo"
-        slices = chunk_rows(len(self.batch), s.ppo_samples_per_step, uids=self.batch.uid if grpo else None,
-                            created_at=self.batch.created_at if grpo else None)
-        steps: list[dict[str, Any]] = []
-        for number, rows in enumerate(slices, start=1):
-            started = time.perf_counter()
-            part = self.data.select_idxs(rows)
-            mask = part.batch["response_mask"]
-            rewards, kl = ppo_math.token_level_rewards(
-                part.batch["token_level_scores"], mask, behaviour_log_probs=part.batch["rollout_log_probs"],
-                ref_log_probs=None if ref is None else ref[rows], settings=s,
-            )
-            part.batch["token_level_rewards"] = rewards
-            part.batch["advantages"] = ppo_math.advantages(rewards, mask, [self.batch.uid[i] for i in rows], s)
-            part = self._old_log_probs(part, None if pi_old is None else pi_old[rows])
-            totals = self._update(part)
-            metrics = ppo_math.step_record(
-                totals, step=number, samples=len(rows), response_mask=mask, kl=kl,
-                scores=part.batch["token_level_scores"], epochs=s.ppo_epochs,
-                elapsed_s=time.perf_counter() - started, meta=self.batch.meta,
-            )
-            steps.append(metrics)
-            self.record(metrics)
-        return steps
-
-    def _old_log_probs(self, part: Any, pi_old: Any) -> Any:
-        """verl's own mechanisms: bypass mode sets old = rollout (captured) logprobs; decoupled mode keeps π_old
-        and adds token-level truncated IS weights against the captured behaviour logprobs."""
-        from verl.trainer.config import RolloutCorrectionConfig
-        from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode, compute_rollout_correction_and_add_to_batch
-
-        rc = self.cfg.algorithm.rollout_correction
-        if pi_old is None:
-            apply_bypass_mode(part, rollout_corr_config=rc, policy_loss_config=self.cfg.actor_rollout_ref.actor.policy_loss)
-        else:
-            part.batch["old_log_probs"] = pi_old
-            from omegaconf import OmegaConf
-
-            rc_fields = OmegaConf.to_container(rc, resolve=True)
-            rc_fields.pop("_target_", None)
-            part, _ = compute_rollout_correction_and_add_to_batch(part, RolloutCorrectionConfig(**rc_fields))
-        if not self.loss_ready:
-            self._set_loss()
-        return part
-
-    def _set_loss(self) -> None:
-        # After apply_bypass_mode: it switches the policy loss to verl's bypass_mode loss in the config.
-        from functools import partial
-
-        from verl.utils.config import omega_conf_to_dataclass
-        from verl.workers.utils.losses import ppo_loss
-
-        actor_config = omega_conf_to_dataclass(self.cfg.actor_rollout_ref.actor)
-        self.worker.set_loss_fn(partial(ppo_loss, config=actor_config))
-        self.loss_ready = True
-
-    def _infer(self, *, no_adapter: bool) -> Any:
-        """Per-token logprobs of every response token under the current (or, adapter disabled, base) weights.
-        Every rank runs the whole batch: FSDP forwards are collective."""
-        from verl.utils import tensordict_utils as tu
-        from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
-
-        td = left_right_2_no_padding(self.data.to_tensordict())
-        meta: dict[str, Any] = {"calculate_entropy": False, "compute_loss": False, "temperature": 1.0}
-        engine = self.worker.engine_config
-        if not engine.use_dynamic_bsz:
-            meta["micro_batch_size_per_gpu"] = _micro(len(self.data), engine.infer_micro_batch_size_per_gpu)
-        if no_adapter:
-            meta["no_lora_adapter"] = True
-        tu.assign_non_tensor(td, **meta)
-        out = self.worker.infer_batch(td)
-        return no_padding_2_padding(tu.get(out, "log_probs"), td).float().cpu()
-
-    def _update(self, part: Any) -> dict[str, float]:
-        """One optimizer step per mini-batch of the slice (verl's train_mini_batch), `ppo_epochs` times."""
-        from verl.utils import tensordict_utils as tu
-        from verl.workers.utils.padding import left_right_2_no_padding
-
-        s = self.settings
-        mini = max(1, s.ppo_mini_batch_size)
-        keep = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_probs",
-                "advantages", "rollout_is_weights", "prompts")
-        sums: dict[str, float] = {}
-        count = 0
-        for _ in range(s.ppo_epochs):
-            for start in range(0, len(part), mini):
-                piece = part.select_idxs(list(range(start, min(start + mini, len(part)))))
-                piece = _shard(piece, self.rank, self.world_size)
-                piece = piece.select(batch_keys=[k for k in keep if k in piece.batch.keys()])
-                td = left_right_2_no_padding(piece.to_tensordict())
-                size = len(piece) * self.world_size
-                tu.assign_non_tensor(
-                    td, calculate_entropy=bool(s.entropy_coeff), global_batch_size=size, mini_batch_size=size,
-                    epochs=1, seed=s.seed, dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=1.0,
-                )
-                engine = self.worker.engine_config
-                if not engine.use_dynamic_bsz:
-                    tu.assign_non_tensor(td, micro_batch_size_per_gpu=_micro(len(piece), engine.micro_batch_size_per_gpu))
-                out = tu.get(self.worker.train_mini_batch(td), "metrics")
-                for ours, theirs in (("loss", "loss"), ("pg_loss", "actor/pg_loss"),
-                                     ("clip_fraction", "actor/pg_clipfrac"), ("ppo_kl", "actor/ppo_kl"),
-                                     ("entropy", "actor/entropy_loss"), ("grad_norm", "grad_norm")):
-                    if theirs in out:
-                        sums[ours] = sums.get(ours, 0.0) + _mean(out[theirs])
-                count += 1
-        return {k: v / max(1, count) for k, v in sums.items()}
-
-
-def _micro(rows: int, configured: int | None) -> int:
-    """verl splits a batch into equal micro-batches: the largest size ≤ the configured one that divides `rows`
-    (a last partial slice of `ppo_samples_per_step`, or a small batch, is trained rather than refused)."""
-    limit = max(1, min(rows, configured or rows))
-    return max(d for d in range(1, limit + 1) if rows % d == 0)
-
-
-def _mean(value: Any) -> float:
-    values = value if isinstance(value, (list, tuple)) else [value]
-    floats = [float(getattr(v, "value", v)) for v in values]
-    return sum(floats) / len(floats) if floats else 0.0
-
-
-def _shard(piece: Any, rank: int, world_size: int) -> Any:
-    """This rank's rows of a mini-batch. With several ranks the mini-batch is first padded to a multiple of the
-    world size with copies of its last row whose response mask is zero: they add no token to the loss."""
-    if world_size == 1:
-        return piece
-    import torch
-    from verl import DataProto
-
-    missing = (-len(piece)) % world_size
-    if missing:
-        filler = piece.select_idxs([len(piece) - 1] * missing)
-        filler.batch["response_mask"] = torch.zeros_like(filler.batch["response_mask"])
-        piece = DataProto.concat([piece, filler])
-    per = len(piece) // world_size
-    return piece.select_idxs(list(range(rank * per, (rank + 1) * per)))
-
-
-def _export_adapter(worker: Any, out_dir: Path) -> dict[str, bytes]:
-    """The trained LoRA in PEFT format (what vLLM's /v1/load_lora_adapter reads). Gathering the full state dict
-    is collective, so every rank calls this; rank 0 gets the tensors and writes the files."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    module = worker.engine.module
-    with worker.engine.eval_mode():  # brings offloaded parameters back to the device for the gather
-        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
-        return {}
-    save_peft_adapter(getattr(module, "_fsdp_wrapped_module", module), out_dir, state_dict=state)
-    return {name: (out_dir / name).read_bytes() for name in ADAPTER_FILES}
