@@ -215,3 +215,26 @@ async def test_tis_cap_trains_against_pi_old_of_the_parent(tmp_path, tiny_model,
     step = artifact.metadata["ppo_step_metrics"][0]
     assert step["samples"] == 4 and step["ppo_kl"] == pytest.approx(0.0, abs=1e-5)
     assert step["clip_fraction"] == 0.0
+
+
+async def test_two_ranks_shard_the_batch_and_export_one_adapter(tmp_path, tiny_model, local_ray):
+    """nproc_per_node 2 on CPU: two actors, a gloo process group with the rendezvous at rank 0, FSDP2 sharding the
+    model over both, 5 samples (mini-batches of 4 and 1: the second is padded for rank 1), one adapter from rank 0."""
+    from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+
+    backend = make_backend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), tmp_path, nproc_per_node=2)
+    seen: list[dict] = []
+
+    async def on_progress(metrics: dict) -> None:
+        seen.append(metrics)
+
+    artifact = await backend.train(
+        training_run_id="run-two", model_id="tiny", base_model_path=str(tiny_model),
+        samples=few_samples(tiny_model, 5), init_lora_name="base", init_lora_path="", on_progress=on_progress)
+    assert [(m["step"], m["samples"]) for m in seen] == [(1, 5)]
+    assert sorted(p.name for p in Path(artifact.lora_path).iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "metadata.json"]
+    assert artifact.metadata["ray"]["nproc"] == 2
+    for rank in (0, 1):
+        with pytest.raises(ValueError):
+            ray.get_actor(actor_name("tiny", rank), namespace=backend.namespace)

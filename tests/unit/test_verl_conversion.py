@@ -85,13 +85,16 @@ def test_data_proto_carries_the_captured_logprobs_as_old_and_rollout_log_probs()
     assert data.meta_info["dropped_samples"] == 2 and data.meta_info["response_truncated_samples"] == 1
 
 
-def test_ranks_split_a_mini_batch_and_padding_rows_add_no_token() -> None:
-    data = to_data_proto(convert_samples(SAMPLES, pad_token_id=PAD, max_prompt_length=3, max_response_length=3))
+def test_ranks_split_a_mini_batch_and_padding_rows_carry_no_advantage() -> None:
+    b = convert_samples(SAMPLES, pad_token_id=PAD, max_prompt_length=3, max_response_length=3)
+    data = to_data_proto(b)
+    data.batch["advantages"] = torch.ones_like(b.response_mask)
     assert shard_rows(data, 0, 1) is data
     first, second = shard_rows(data, 0, 2), shard_rows(data, 1, 2)
     assert first.batch["input_ids"].tolist() == data.batch["input_ids"][:2].tolist()
     assert second.batch["input_ids"].tolist() == [data.batch["input_ids"][2].tolist()] * 2  # c, then its filler
-    assert second.batch["response_mask"].tolist() == [[1, 0, 0], [0, 0, 0]]
+    assert second.batch["response_mask"].tolist() == [[1, 0, 0], [1, 0, 0]]  # one token: verl needs one per row
+    assert second.batch["advantages"].tolist() == [[1, 1, 1], [0, 0, 0]]  # ... that pushes nothing
 
 
 @pytest.mark.parametrize(("rows", "configured", "micro"), [(32, 16, 16), (3, 2, 1), (6, 4, 3), (5, None, 5),

@@ -190,8 +190,10 @@ def _mean(value: Any) -> float:
 
 
 def shard_rows(piece: Any, rank: int, world_size: int) -> Any:
-    """This rank's rows of a mini-batch. With several ranks the mini-batch is first padded to a multiple of the
-    world size with copies of its last row whose response mask is zero: they add no token to the loss."""
+    """This rank's rows of a mini-batch. With several ranks a mini-batch whose size does not divide is first
+    padded with copies of its last row that keep one response token with advantage 0: no policy-gradient
+    contribution (verl refuses micro-batches without any valid token); they add one token to the token-mean's
+    denominator and to the entropy bonus. Mini-batch sizes that are multiples of `nproc_per_node` avoid it."""
     if world_size == 1:
         return piece
     import torch
@@ -200,7 +202,11 @@ def shard_rows(piece: Any, rank: int, world_size: int) -> Any:
     missing = (-len(piece)) % world_size
     if missing:
         filler = piece.select_idxs([len(piece) - 1] * missing)
-        filler.batch["response_mask"] = torch.zeros_like(filler.batch["response_mask"])
+        mask = torch.zeros_like(filler.batch["response_mask"])
+        mask[:, 0] = 1
+        filler.batch["response_mask"] = mask
+        if "advantages" in filler.batch.keys():
+            filler.batch["advantages"] = torch.zeros_like(filler.batch["advantages"])
         piece = DataProto.concat([piece, filler])
     per = len(piece) // world_size
     return piece.select_idxs(list(range(rank * per, (rank + 1) * per)))
