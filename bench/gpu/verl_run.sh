@@ -12,13 +12,14 @@
 #   - Python 3.12 (PYTHON, default python3.12), an NVIDIA GPU with its driver (nvidia-smi), and torch with CUDA
 #     either installed for that Python (the venv sees system site-packages) or as a wheel in the wheel folder;
 #   - a redis-server binary on PATH (or in REDIS_BIN_DIR);
-#   - the wheel folder WHEELS (default bench/gpu/wheels) holding, for cp312 / manylinux x86_64, every package of
-#     requirements.lock except torch, and verl from requirements-nodeps.lock. Fill it on a connected machine:
+#   - the wheel folder WHEELS (default bench/gpu/wheels) holding cp312 / x86_64 wheels of every package of
+#     requirements.lock except torch (and of what they depend on), and of verl (requirements-nodeps.lock). Fill it
+#     on a connected x86_64 Linux machine with Python 3.12 (`pip wheel` also builds the few sdist-only packages,
+#     e.g. antlr4-python3-runtime):
 #       grep -v '^torch==' requirements.lock > /tmp/req-gpu.txt
-#       pip download -d bench/gpu/wheels --python-version 3.12 --platform manylinux2014_x86_64 \
-#           --platform manylinux_2_28_x86_64 --only-binary=:all: -r /tmp/req-gpu.txt
-#       pip download -d bench/gpu/wheels --no-deps --python-version 3.12 --only-binary=:all: -r requirements-nodeps.lock
-#     (and a CUDA torch wheel, e.g. torch==2.13.0 from the PyTorch CUDA index, if the machine has none).
+#       python3.12 -m pip wheel -w bench/gpu/wheels -r /tmp/req-gpu.txt
+#       python3.12 -m pip wheel -w bench/gpu/wheels --no-deps -r requirements-nodeps.lock
+#     (the first command also brings a CUDA torch wheel, which the setup installs only if the machine has none).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -27,7 +28,7 @@ case "${1:-}" in
     "") ;;
     --check) MODE=check ;;
     --dry-run) MODE=dry-run ;;
-    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "usage: $0 [--check | --dry-run | --help]" >&2; exit 2 ;;
 esac
 
