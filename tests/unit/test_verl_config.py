@@ -123,8 +123,19 @@ def test_the_service_builds_the_verl_backend(tmp_path: Path, monkeypatch: pytest
     backend = make_backend(cfg, LoraRepository(str(tmp_path), model_id="m1"))
     assert isinstance(backend, VerlBackend) and backend.name == "verl" and backend.namespace == ray_namespace("m1")
     assert (backend._ray_address, backend._nproc, backend._gpu_ids, backend._visible_env) == (
-        "ray://head:10001", 2, "2,3", "MY_DEVICES")
+        "ray://head:10001", 2, ["2", "3"], "MY_DEVICES")
     backend.check_health()  # nothing connected yet: healthy
+    # training_gpu_ids: rank i sees exactly GPU ids[i], in the variable ONLINE_RL_VISIBLE_DEVICES_ENV names.
+    rank1 = backend.actor_options(1, cluster_has_gpus=True)
+    assert (rank1["name"], rank1["namespace"], rank1["lifetime"]) == (actor_name("m1", 1), ray_namespace("m1"),
+                                                                       "detached")
+    assert rank1["runtime_env"] == {"env_vars": {"MY_DEVICES": "3"}} and "num_gpus" not in rank1
+    plain = make_backend(config(nproc_per_node=2), LoraRepository(str(tmp_path), model_id="m1"))
+    assert plain.actor_options(0, cluster_has_gpus=True)["num_gpus"] == 1  # Ray picks the GPU
+    assert "num_gpus" not in plain.actor_options(0, cluster_has_gpus=False) and "runtime_env" not in plain.actor_options(
+        0, cluster_has_gpus=False)
+    with pytest.raises(ConfigError, match="training_gpu_ids: names 1 GPU"):
+        make_backend(config(nproc_per_node=2, training_gpu_ids="0"), LoraRepository(str(tmp_path), model_id="m1"))
     bad = tmp_path / "bad.yaml"
     bad.write_text("actor_rollout_ref: [unclosed\n")
     with pytest.raises(ConfigError, match="ppo_config_path"):

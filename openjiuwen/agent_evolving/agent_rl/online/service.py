@@ -227,30 +227,30 @@ def make_backend(config: RLServiceConfig, repository: LoraRepository) -> Trainer
         )
         return LocalBackend(repository, settings=settings, tmp_root=config.training_tmp_root)
     from .training.backends.verl import VerlBackend
-    from .training.verl.compose import PPOConfigError, compose_ppo_config, settings_from_config
+    from .training.verl.compose import compose_ppo_config, settings_from_config
 
-    try:
+    try:  # PPOConfigError (a broken ppo_config_path or override) and GPU/rank mismatches are ValueErrors
         ppo_config = compose_ppo_config(
             advantage_estimator=config.advantage_estimator,
             tis_cap=config.tis_cap,
             ppo_config_path=config.ppo_config_path,
             env=os.environ,
         )
-    except PPOConfigError as exc:
+        return VerlBackend(
+            repository,
+            model_id=config.model_id,
+            ppo_config=ppo_config,
+            settings=settings_from_config(
+                ppo_config, tis_cap=config.tis_cap, ppo_samples_per_step=config.ppo_samples_per_step
+            ),
+            ray_address=config.ray_address,
+            nproc_per_node=config.nproc_per_node,
+            training_gpu_ids=config.training_gpu_ids,
+            visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV) or "CUDA_VISIBLE_DEVICES",
+            tmp_root=config.training_tmp_root,
+        )
+    except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    return VerlBackend(
-        repository,
-        model_id=config.model_id,
-        ppo_config=ppo_config,
-        settings=settings_from_config(
-            ppo_config, tis_cap=config.tis_cap, ppo_samples_per_step=config.ppo_samples_per_step
-        ),
-        ray_address=config.ray_address,
-        nproc_per_node=config.nproc_per_node,
-        training_gpu_ids=config.training_gpu_ids,
-        visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV) or "CUDA_VISIBLE_DEVICES",
-        tmp_root=config.training_tmp_root,
-    )
 
 
 def create_app(

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import re
 import time
 from collections.abc import Sequence
@@ -89,7 +88,11 @@ class VerlBackend:
         self._settings = settings
         self._ray_address = ray_address
         self._nproc = nproc_per_node
-        self._gpu_ids = training_gpu_ids
+        self._gpu_ids = [gpu for gpu in training_gpu_ids.split(",") if gpu]
+        if self._gpu_ids and len(self._gpu_ids) < nproc_per_node:
+            raise ValueError(
+                f"training_gpu_ids: names {len(self._gpu_ids)} GPU(s), nproc_per_node {nproc_per_node} needs one each"
+            )
         self._visible_env = visible_devices_env
         self._tmp_root = str(tmp_root)
         self._ray_init_kwargs = dict(ray_init_kwargs or {})
@@ -106,9 +109,6 @@ class VerlBackend:
 
         if ray.is_initialized():
             return
-        if not self._ray_address and self._gpu_ids:
-            # A local Ray detects its GPUs from this variable when it starts: the training GPUs only.
-            os.environ[self._visible_env] = self._gpu_ids
         ray.init(
             address=self._ray_address or None, namespace=self.namespace, include_dashboard=False,
             log_to_driver=False, ignore_reinit_error=True, **self._ray_init_kwargs,
@@ -129,16 +129,26 @@ class VerlBackend:
         for rank in range(self._nproc):
             if run.canceled:
                 return
-            options: dict[str, Any] = {
-                "name": actor_name(self._model_id, rank), "namespace": self.namespace, "lifetime": "detached",
-                "max_concurrency": 2,  # `progress` answers while `train` runs
-                "max_restarts": 0, "num_cpus": 1,
-            }
-            if gpus:
-                options["num_gpus"] = 1
             run.actors.append(
-                remote.options(**options).remote(rank=rank, world_size=self._nproc, tmp_root=self._tmp_root)
+                remote.options(**self.actor_options(rank, cluster_has_gpus=gpus)).remote(
+                    rank=rank, world_size=self._nproc, tmp_root=self._tmp_root
+                )
             )
+
+    def actor_options(self, rank: int, *, cluster_has_gpus: bool) -> dict[str, Any]:
+        """Ray options of rank `rank`. With `training_gpu_ids` the rank sees exactly GPU ids[rank] (exported in
+        the visible-devices variable; Ray leaves it alone for an actor that asks no GPU); otherwise Ray assigns one
+        GPU per rank when the cluster has any."""
+        options: dict[str, Any] = {
+            "name": actor_name(self._model_id, rank), "namespace": self.namespace, "lifetime": "detached",
+            "max_concurrency": 2,  # `progress` answers while `train` runs
+            "max_restarts": 0, "num_cpus": 1,
+        }
+        if self._gpu_ids:
+            options["runtime_env"] = {"env_vars": {self._visible_env: self._gpu_ids[rank]}}
+        elif cluster_has_gpus:
+            options["num_gpus"] = 1
+        return options
 
     def _kill_named(self) -> None:
         import ray
