@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import ray
 
 from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model
 from openjiuwen.agent_evolving.agent_rl.online.training.backends import TrainingCanceled
@@ -18,7 +19,6 @@ from openjiuwen.agent_evolving.agent_rl.online.training.backends.verl import Ver
 from openjiuwen.agent_evolving.agent_rl.online.training.verl.compose import compose_ppo_config, settings_from_config
 from tests.support import learning as L
 
-ray = pytest.importorskip("ray")
 
 SAMPLES, LENGTH = 32, 12  # bench/gpu/verl_run.py's "cpu" size
 PPO_YAML = "data: {max_prompt_length: 64, max_response_length: 64}\n"

@@ -23,8 +23,6 @@ from openjiuwen.agent_evolving.agent_rl.online.training.verl.compose import (
     settings_from_config,
 )
 
-pytest.importorskip("hydra")
-
 
 def compose(tmp_path: Path | None = None, yaml_text: str | None = None, env: dict[str, str] | None = None,
             **kw):

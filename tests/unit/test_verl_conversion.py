@@ -7,10 +7,8 @@ import torch
 
 from openjiuwen.agent_evolving.agent_rl.online.training.batch import EmptyBatch, convert_samples
 
-pytest.importorskip("verl")
-
-from openjiuwen.agent_evolving.agent_rl.online.training.verl.engine import micro_batch_size, shard_rows  # noqa: E402
-from openjiuwen.agent_evolving.agent_rl.online.training.verl.data import to_data_proto  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.online.training.verl.data import to_data_proto
+from openjiuwen.agent_evolving.agent_rl.online.training.verl.engine import micro_batch_size, shard_rows
 
 PAD = 99
 
