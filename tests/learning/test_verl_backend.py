@@ -238,3 +238,28 @@ async def test_two_ranks_shard_the_batch_and_export_one_adapter(tmp_path, tiny_m
     for rank in (0, 1):
         with pytest.raises(ValueError):
             ray.get_actor(actor_name("tiny", rank), namespace=backend.namespace)
+
+
+async def test_stop_through_the_service_kills_the_actor_and_restores_the_samples(redis, redis_url, tmp_path,
+                                                                                  tiny_model, local_ray):
+    from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+    from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
+    from tests.support.fake_gateway import FakeGateway
+    from tests.support.service_app import make_config, running_app
+
+    async with FakeGateway(model_id="tiny") as gateway:
+        config = make_config(redis_url, tmp_path, aigw_endpoint=gateway.url, trainer_backend="scripted",
+                             base_model_path=str(tiny_model), min_samples_for_training=4, max_samples_per_run=4)
+        backend = make_backend(LoraRepository(config.lora_repository_path, model_id="tiny"), tmp_path)
+        async with running_app(config, backend=backend) as (app, client):
+            deps = app.state.deps
+            await deps.store.insert_if_absent([PackedSample.from_document(d) for d in few_samples(tiny_model)])
+            run_id = (await client.post("/v1/rl/training/runs")).json()["training_run_id"]
+            await _wait_for_own_actor(backend, run_id)
+            stopped = await client.post(f"/v1/rl/training/runs/{run_id}/stop")
+            assert (stopped.json()["status"], stopped.json()["stage"]) == ("canceled", "training")
+            stats = (await client.get("/v1/rl/trajectories/stats")).json()
+    assert stats["by_status"]["pending"] == 4 and stats["by_status"].get("training", 0) == 0, stats
+    with pytest.raises(ValueError):
+        ray.get_actor(actor_name("tiny"), namespace=backend.namespace)
+    assert gateway.activations == []
