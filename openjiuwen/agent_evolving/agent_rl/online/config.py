@@ -28,6 +28,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .rewards.config import RewardPolicyConfig
+
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -188,6 +190,9 @@ class RLServiceConfig(BaseModel):
     reward_timeout_seconds: PositiveInt = 86400
     run_retention_seconds: PositiveInt = 2592000
     retention_sweep_interval_seconds: PositiveInt = 60
+
+    # Rewards from several, possibly late, sources (docs/rewards.md); null = one score at publication, as always.
+    reward_policy: RewardPolicyConfig | None = None
 
     # HTTP and logging.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432

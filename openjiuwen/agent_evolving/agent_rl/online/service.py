@@ -26,6 +26,7 @@ from .api.guards import GuardMiddleware
 from .api.health import build_health_router
 from .api.hooks import build_hooks_router
 from .api.rail import build_rail_router
+from .api.rewards import build_rewards_router
 from .api.tasks import build_tasks_router
 from .api.training import build_training_router
 from .api.trajectories import build_trajectories_router
@@ -39,6 +40,9 @@ from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
 from .rail.ingest import RailIngestor
 from .retention import RetentionSweeper
+from .rewards.ledger import RewardLedger
+from .rewards.policy import RewardPolicy
+from .rewards.sweeper import RewardDeadlineSweeper
 from .store import keys
 from .store.trajectories import TrajectoryStore
 from .tasks.registry import TaskRegistry
@@ -76,6 +80,8 @@ class ServiceDeps:
     lifecycle: TaskLifecycle
     rewards: RewardProjector
     sweeper: RetentionSweeper
+    reward_ledger: RewardLedger
+    reward_sweeper: RewardDeadlineSweeper
     rail: RailIngestor
     repository: LoraRepository
     gateway: GatewayLoraClient
@@ -106,9 +112,12 @@ class ServiceDeps:
                 timeout_s=config.judge_timeout,
             )
         registry = TaskRegistry(redis, signals=TaskSignals())
+        reward_policy = RewardPolicy(config.reward_policy)  # empty (unconfigured) when the section is absent
         store = TrajectoryStore(
-            redis, owner=config.model_id, model_id=config.model_id, max_policy_lag=config.max_policy_lag
+            redis, owner=config.model_id, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
+            reward_policy=reward_policy,
         )
+        reward_ledger = RewardLedger(redis, store, reward_policy, owner=config.model_id)
         publisher = TurnPublisher(registry, store, judge)
         rewards = RewardProjector(redis, store)
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
@@ -157,6 +166,8 @@ class ServiceDeps:
                 trajectory_retention_s=config.trajectory_retention_seconds,
                 interval_s=config.retention_sweep_interval_seconds,
             ),
+            reward_ledger=reward_ledger,
+            reward_sweeper=RewardDeadlineSweeper(reward_ledger, interval_s=reward_policy.sweep_interval_s),
             rail=RailIngestor(
                 redis, store, judge, model_id=config.model_id, retention_seconds=config.trajectory_retention_seconds
             ),
@@ -180,11 +191,18 @@ class ServiceDeps:
             await self.lifecycle.recover()
             await self.runner.recover()
             await self.sweeper.sweep_once()
+            # Without a policy the reward sweeper runs only to release samples that still wait from a time a policy
+            # was configured (their open sources are gone, so each is released at its next deadline).
+            run_reward_sweeper = self.reward_ledger.policy.configured or await self.reward_ledger.waiting() > 0
+            if run_reward_sweeper:
+                await self.reward_sweeper.sweep_once()
         except Exception as exc:
             log.error("RL service startup failed: %s", exc, exc_info=True)
             await self.aclose()
             raise
         self.sweeper.start()
+        if run_reward_sweeper:
+            self.reward_sweeper.start()
         # Everything allocated so far (modules, app, clients) lives for the whole process: moving it out of the
         # collector's generations keeps full collections, which hook bodies with thousands of logprob objects
         # trigger, from re-scanning it (a tail-latency cost on every capture otherwise).
@@ -194,6 +212,7 @@ class ServiceDeps:
         try:
             yield
         finally:
+            await self.reward_sweeper.stop()
             await self.sweeper.stop()
             await self.runner.shutdown()
             await self.lifecycle.shutdown()
@@ -256,7 +275,9 @@ def create_app(
     app.include_router(build_health_router(deps.redis, model_id=config.model_id, extra_checks=[deps.runner.check_health]))
     app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards))
     app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle))
-    app.include_router(build_trajectories_router(deps.store))
+    app.include_router(build_rewards_router(deps.reward_ledger))
+    reward_stats = deps.reward_ledger.stats if deps.reward_ledger.policy.configured else None
+    app.include_router(build_trajectories_router(deps.store, reward_stats=reward_stats))
     app.include_router(build_rail_router(lambda: deps.rail))
     app.include_router(build_training_router(deps.runner))
     app.add_middleware(GuardMiddleware, token=token, max_body_bytes=config.max_body_bytes)

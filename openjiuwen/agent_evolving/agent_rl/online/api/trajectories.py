@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,14 +17,20 @@ MAX_LIMIT = 1000
 _DIGITS = re.compile(r"[0-9]{1,4}")
 
 
-def build_trajectories_router(store: TrajectoryStore) -> APIRouter:
+def build_trajectories_router(
+    store: TrajectoryStore, *, reward_stats: Callable[[], Awaitable[dict[str, Any]]] | None = None
+) -> APIRouter:
+    """`reward_stats`, given only under a reward policy, adds the `rewards` section to the counters."""
     router = APIRouter()
 
     # Declared before `/{trajectory_id}`, which would otherwise capture "stats" as an id (§2.1).
     @router.get("/v1/rl/trajectories/stats")
     async def trajectory_stats() -> dict[str, Any]:
         """Counters read in O(1) from the transactional stats hash."""
-        return await store.stats()
+        stats = await store.stats()
+        if reward_stats is not None:
+            stats["rewards"] = await reward_stats()
+        return stats
 
     @router.get("/v1/rl/trajectories")
     async def list_trajectories(request: Request) -> dict[str, Any]:
@@ -47,7 +54,7 @@ def _listing_params(request: Request) -> tuple[str | None, int, str | None]:
     params = request.query_params
     status = params.get("status") or None  # an empty value means absent, like a missing parameter
     if status is not None and status not in SAMPLE_STATUSES:
-        raise ApiError(400, "invalid_request", "status must be one of pending, training, trained, failed")
+        raise ApiError(400, "invalid_request", "status must be one of awaiting_rewards, pending, training, trained, failed")
     raw_limit = params.get("limit") or None
     limit = DEFAULT_LIMIT
     if raw_limit is not None:

@@ -17,7 +17,9 @@ TRAJ_USERS = PREFIX + "traj_users"
 POLICY_OBSERVED = PREFIX + "policy:observed"
 ACTIVE_RUN = PREFIX + "training_run:active"
 
-SAMPLE_STATUSES = ("pending", "training", "trained", "failed")
+SAMPLE_STATUSES = ("awaiting_rewards", "pending", "training", "trained", "failed")
+# The statuses every deployment has; `awaiting_rewards` exists only under a reward policy (docs/rewards.md).
+CLASSIC_SAMPLE_STATUSES = SAMPLE_STATUSES[1:]
 
 
 def _owner(owner: str) -> str:
@@ -100,6 +102,20 @@ def traj_index(owner: str, status: str) -> str:
 
 def traj_stats(owner: str) -> str:
     return f"{PREFIX}traj_stats:{_owner(owner)}"
+
+
+def reward_deadlines(owner: str) -> str:
+    """ZSET of `awaiting_rewards` sample ids; score = the earliest deadline (epoch) of a source still open."""
+    return f"{PREFIX}reward_deadlines:{_owner(owner)}"
+
+
+def reward_latency(owner: str, source: str) -> str:
+    """LIST of the lateness (seconds after publication) of the last arrivals of one reward source, newest first."""
+    if not isinstance(source, str) or not 1 <= len(source) <= 32 or not all(
+        (c.isascii() and (c.islower() or c.isdigit())) or c in "_-" for c in source
+    ):
+        raise InvalidIdentifier("invalid reward source")
+    return f"{PREFIX}reward_latency:{_owner(owner)}:{source}"
 
 
 def pending_judge(s: str, trajectory_id: str, step: int) -> str:

@@ -23,15 +23,17 @@ from ..errors import InvalidInput
 from ..ids import InvalidIdentifier
 from . import keys
 from .codec import PackedSample, text
+from ..rewards.policy import RewardPolicy, breakdown
 from .tx import transact
 
 PENDING = "pending"
+AWAITING_REWARDS = "awaiting_rewards"
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
 _SUMMARY_FIELDS = (
     "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at",
     "status",
 )
-_DOC_FIELDS = ("sample_json", "prompt_ids", "response_ids", "response_logprobs", "status")
+_DOC_FIELDS = ("sample_json", "prompt_ids", "response_ids", "response_logprobs", "rewards", "status")
 _MAX_CURSOR_CHARS = 1024
 _ALL_BUCKETS = "*"
 
@@ -66,12 +68,24 @@ def _pending_policy_field(policy_version: str) -> str:
 class TrajectoryStore:
     """Samples of one owner (the service `model_id`) in Redis."""
 
-    def __init__(self, redis: Redis, *, owner: str, model_id: str, max_policy_lag: int | None = None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        owner: str,
+        model_id: str,
+        max_policy_lag: int | None = None,
+        reward_policy: RewardPolicy | None = None,
+    ) -> None:
         self._redis = redis
         self._owner = owner
         self._model_id = model_id
         self._max_policy_lag = max_policy_lag
+        # With a configured reward policy, publication starts each sample's reward state and may park it in
+        # `awaiting_rewards` (docs/rewards.md); without one every published sample is `pending` at once.
+        self._reward_policy = reward_policy if reward_policy is not None and reward_policy.configured else None
         self._stats_key = keys.traj_stats(owner)  # validates the owner once
+        self._deadlines_key = keys.reward_deadlines(owner)
 
     @property
     def owner(self) -> str:
@@ -83,7 +97,8 @@ class TrajectoryStore:
     # ------------------------------------------------------------------ writes
 
     async def insert_if_absent(self, samples: Sequence[PackedSample]) -> list[str]:
-        """Insert every sample whose hash has no `status` yet, as `pending`; returns the inserted ids in input order.
+        """Insert every sample whose hash has no `status` yet, as `pending` (or, under a reward policy with
+        external sources, `awaiting_rewards`); returns the inserted ids in input order.
 
         An existing sample is never re-inserted or reset (invariant 4): publication may be repeated safely."""
         by_id: dict[str, PackedSample] = {}
@@ -104,14 +119,23 @@ class TrajectoryStore:
             fresh = [sample_id for sample_id, exists in zip(by_id, present) if not exists]
             if not fresh:
                 return []  # leaving the pipeline context UNWATCHes
-            # Invariant 5 (CONTRACT §5.4): hash status, pending index and counters change together.
+            # Invariant 5 (CONTRACT §5.4): hash status, status index and counters change together; an
+            # `awaiting_rewards` sample enters the deadline index in the same EXEC (docs/rewards.md invariants).
             pipe.multi()
+            now_epoch = ids.parse_iso_epoch(now)
             for sample_id in fresh:
                 sample = by_id[sample_id]
                 meta = sample.meta
                 source = str(meta.get("source") or "")
                 policy_version = str(meta.get("policy_version") or "base")
                 created_at = str(meta["created_at"])
+                status, extra = PENDING, {}
+                if self._reward_policy is not None:
+                    state = self._reward_policy.initial(meta.get("judge"), now_epoch)
+                    status = self._reward_policy.status(state)
+                    extra = {"rewards": orjson.dumps(state)}
+                    if status == AWAITING_REWARDS:
+                        pipe.zadd(self._deadlines_key, {sample_id: self._reward_policy.next_deadline(state)})
                 pipe.hset(
                     hash_keys[sample_id],
                     mapping={
@@ -122,17 +146,18 @@ class TrajectoryStore:
                         "source": source,
                         "policy_version": policy_version,
                         "created_at": created_at,
-                        "status": PENDING,
+                        "status": status,
                         "updated_at": now,
                         "run_id": "",
                         "sample_json": sample.meta_json(),
                         "prompt_ids": sample.prompt_ids,
                         "response_ids": sample.response_ids,
                         "response_logprobs": sample.response_logprobs,
+                        **extra,
                     },
                 )
-                pipe.zadd(self.index_key(PENDING), {sample_id: ids.parse_iso_epoch(created_at)})
-                self._queue_counters(pipe, PENDING, source, policy_version, +1)
+                pipe.zadd(self.index_key(status), {sample_id: ids.parse_iso_epoch(created_at)})
+                self._queue_counters(pipe, status, source, policy_version, +1)
             pipe.sadd(keys.TRAJ_USERS, self._owner)
             await pipe.execute()
             return fresh
@@ -140,7 +165,8 @@ class TrajectoryStore:
         return await transact(self._redis, body, *hash_keys.values())
 
     async def delete_pending(self, sample_ids: Sequence[str]) -> int:
-        """Roll back samples inserted by a failed publication: those still `pending` are deleted; returns the count."""
+        """Roll back samples inserted by a failed publication: those still `pending` or `awaiting_rewards` are
+        deleted; returns the count."""
         hash_keys = {sample_id: keys.traj(sample_id) for sample_id in dict.fromkeys(sample_ids)}
         if not hash_keys:
             return 0
@@ -148,18 +174,20 @@ class TrajectoryStore:
         async def body(pipe: Pipeline) -> int:
             rows = await self._hmget_many(hash_keys.values(), ("status", "source", "policy_version"))
             doomed = [
-                (sample_id, text(source) or "", text(policy) or "base")
+                (sample_id, text(status) or "", text(source) or "", text(policy) or "base")
                 for sample_id, (status, source, policy) in zip(hash_keys, rows)
-                if text(status) == PENDING
+                if text(status) in (PENDING, AWAITING_REWARDS)
             ]
             if not doomed:
                 return 0
-            # Invariant 5: hash, pending index membership and counters disappear together.
+            # Invariant 5: hash, status index membership (and deadline index entry) and counters disappear together.
             pipe.multi()
-            for sample_id, source, policy_version in doomed:
+            for sample_id, status, source, policy_version in doomed:
                 pipe.delete(hash_keys[sample_id])
-                pipe.zrem(self.index_key(PENDING), sample_id)
-                self._queue_counters(pipe, PENDING, source, policy_version, -1)
+                pipe.zrem(self.index_key(status), sample_id)
+                if status == AWAITING_REWARDS:
+                    pipe.zrem(self._deadlines_key, sample_id)
+                self._queue_counters(pipe, status, source, policy_version, -1)
             await pipe.execute()
             return len(doomed)
 
@@ -178,7 +206,7 @@ class TrajectoryStore:
         run_id: str | None = None,
     ) -> None:
         """Queue, inside a caller's MULTI, the writes of one status move (`pending → training`, `training →
-        trained | failed`, `training → pending`): hash `status`/`updated_at` (and `run_id`), index membership and
+        trained | failed`, `training → pending`, `awaiting_rewards → pending`): hash `status`/`updated_at` (and `run_id`), index membership and
         the counters, so the caller's EXEC keeps invariant 5. `score` is `created_at` epoch for `pending`, the
         transition time otherwise. The caller WATCHes the hash and checked that its status is `old`."""
         mapping: dict[str, str] = {"status": new, "updated_at": at}
@@ -194,6 +222,10 @@ class TrajectoryStore:
         if new == PENDING:
             pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), +1)
         # `source:<src>` counts samples of every status, so a move leaves it alone.
+
+    def queue_counters(self, pipe: Pipeline, status: str, source: str, policy_version: str, delta: int) -> None:
+        """Queue the counter changes of a sample of `status` entering (+1) or leaving (-1) the store."""
+        self._queue_counters(pipe, status, source, policy_version, delta)
 
     def _queue_counters(self, pipe: Pipeline, status: str, source: str, policy_version: str, delta: int) -> None:
         pipe.hincrby(self._stats_key, _status_field(status), delta)
@@ -248,7 +280,8 @@ class TrajectoryStore:
             pipe.get(keys.POLICY_OBSERVED)
             raw_counters, raw_observed = await pipe.execute()
         counters = {text(k) or "": max(0, int(v)) for k, v in raw_counters.items()}
-        by_status = {status: counters.get(_status_field(status), 0) for status in keys.SAMPLE_STATUSES}
+        shown = keys.SAMPLE_STATUSES if self._reward_policy is not None else keys.CLASSIC_SAMPLE_STATUSES
+        by_status = {status: counters.get(_status_field(status), 0) for status in shown}
         by_source = {
             name[len("source:"):]: n for name, n in sorted(counters.items()) if name.startswith("source:") and n > 0
         }
@@ -286,7 +319,7 @@ class TrajectoryStore:
     async def get_documents(self, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
         """Logical documents (§4.5, arrays unpacked) of the samples that exist, in input order."""
         rows = await self._hmget_many([keys.traj(sample_id) for sample_id in sample_ids], _DOC_FIELDS)
-        return [self._packed(row).to_document() for row in rows if row[-1] is not None]
+        return [self._document(row) for row in rows if row[-1] is not None]
 
     async def detail(self, sample_id: str) -> dict[str, Any] | None:
         """The full view of §4.5 (what the detail route returns), or None when the id is unknown or malformed."""
@@ -298,7 +331,7 @@ class TrajectoryStore:
         status = text(row[-1])
         if status is None:
             return None
-        doc = self._packed(row).to_document()
+        doc = self._document(row)
         trajectory = doc["trajectory"]
         prompt, response_ids = trajectory["prompt_ids"], trajectory["response_ids"]
         logprobs = trajectory["response_logprobs"]
@@ -323,7 +356,9 @@ class TrajectoryStore:
     async def list_page(self, status: str | None, limit: int, cursor: str | None) -> dict[str, Any]:
         """CONTRACT §2.7 listing: buckets in status order, (score, sample id) ascending within a bucket."""
         if status is not None and status not in keys.SAMPLE_STATUSES:
-            raise InvalidInput("invalid_request", "status must be one of pending, training, trained, failed")
+            raise InvalidInput(
+                "invalid_request", "status must be one of awaiting_rewards, pending, training, trained, failed"
+            )
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
             raise InvalidInput("invalid_request", "limit must be an integer between 1 and 1000")
         buckets = (status,) if status is not None else keys.SAMPLE_STATUSES
@@ -413,6 +448,20 @@ class TrajectoryStore:
             for key in hash_keys:
                 pipe.hmget(key, fields)
             return await pipe.execute()
+
+    def _document(self, row: list[bytes | None]) -> dict[str, Any]:
+        """The logical document; under a reward policy `judge.score` is the aggregated score and `rewards` the
+        per-source breakdown (the trainer reads `judge.score`)."""
+        doc = self._packed(row).to_document()
+        raw_rewards = row[4]
+        if raw_rewards:
+            state = orjson.loads(raw_rewards)
+            policy = self._reward_policy
+            # Without a policy (it was removed from the config) the recorded breakdown is still shown.
+            doc["rewards"] = policy.view(state) if policy is not None else breakdown(state, "weighted_mean")
+            if state.get("score") is not None and isinstance(doc.get("judge"), dict):
+                doc["judge"] = {**doc["judge"], "score": state["score"]}
+        return doc
 
     @staticmethod
     def _packed(row: list[bytes | None]) -> PackedSample:
