@@ -87,6 +87,7 @@ def test_defaults_match_the_contract() -> None:
         "reward_timeout_seconds": 86400,
         "run_retention_seconds": 2592000,
         "retention_sweep_interval_seconds": 60,
+        "reward_policy": None,
         "max_body_bytes": 33554432,
         "record_dir": "records",
         "log_path": "rl-service.log",

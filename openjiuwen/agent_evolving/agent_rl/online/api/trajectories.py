@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ..store.keys import SAMPLE_STATUSES
+from ..store.keys import ALL_SAMPLE_STATUSES
 from ..store.trajectories import TrajectoryStore
 from .errors import ApiError, domain_errors
 
@@ -53,7 +53,7 @@ def build_trajectories_router(
 def _listing_params(request: Request) -> tuple[str | None, int, str | None]:
     params = request.query_params
     status = params.get("status") or None  # an empty value means absent, like a missing parameter
-    if status is not None and status not in SAMPLE_STATUSES:
+    if status is not None and status not in ALL_SAMPLE_STATUSES:
         raise ApiError(400, "invalid_request", "status must be one of awaiting_rewards, pending, training, trained, failed")
     raw_limit = params.get("limit") or None
     limit = DEFAULT_LIMIT

@@ -17,9 +17,10 @@ TRAJ_USERS = PREFIX + "traj_users"
 POLICY_OBSERVED = PREFIX + "policy:observed"
 ACTIVE_RUN = PREFIX + "training_run:active"
 
-SAMPLE_STATUSES = ("awaiting_rewards", "pending", "training", "trained", "failed")
-# The statuses every deployment has; `awaiting_rewards` exists only under a reward policy (docs/rewards.md).
-CLASSIC_SAMPLE_STATUSES = SAMPLE_STATUSES[1:]
+SAMPLE_STATUSES = ("pending", "training", "trained", "failed")
+# A sample waits in `awaiting_rewards` (before `pending`) only under a reward policy (docs/rewards.md).
+AWAITING_REWARDS = "awaiting_rewards"
+ALL_SAMPLE_STATUSES = (AWAITING_REWARDS, *SAMPLE_STATUSES)
 
 
 def _owner(owner: str) -> str:
@@ -95,7 +96,7 @@ def traj(sample_id: str) -> str:
 
 
 def traj_index(owner: str, status: str) -> str:
-    if status not in SAMPLE_STATUSES:
+    if status not in ALL_SAMPLE_STATUSES:
         raise InvalidIdentifier("invalid sample status")
     return f"{PREFIX}traj_idx:{_owner(owner)}:{status}"
 

@@ -27,7 +27,7 @@ from ..rewards.policy import RewardPolicy, breakdown
 from .tx import transact
 
 PENDING = "pending"
-AWAITING_REWARDS = "awaiting_rewards"
+AWAITING_REWARDS = keys.AWAITING_REWARDS
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
 _SUMMARY_FIELDS = (
     "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at",
@@ -280,7 +280,7 @@ class TrajectoryStore:
             pipe.get(keys.POLICY_OBSERVED)
             raw_counters, raw_observed = await pipe.execute()
         counters = {text(k) or "": max(0, int(v)) for k, v in raw_counters.items()}
-        shown = keys.SAMPLE_STATUSES if self._reward_policy is not None else keys.CLASSIC_SAMPLE_STATUSES
+        shown = keys.ALL_SAMPLE_STATUSES if self._reward_policy is not None else keys.SAMPLE_STATUSES
         by_status = {status: counters.get(_status_field(status), 0) for status in shown}
         by_source = {
             name[len("source:"):]: n for name, n in sorted(counters.items()) if name.startswith("source:") and n > 0
@@ -355,13 +355,13 @@ class TrajectoryStore:
 
     async def list_page(self, status: str | None, limit: int, cursor: str | None) -> dict[str, Any]:
         """CONTRACT §2.7 listing: buckets in status order, (score, sample id) ascending within a bucket."""
-        if status is not None and status not in keys.SAMPLE_STATUSES:
+        if status is not None and status not in keys.ALL_SAMPLE_STATUSES:
             raise InvalidInput(
                 "invalid_request", "status must be one of awaiting_rewards, pending, training, trained, failed"
             )
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
             raise InvalidInput("invalid_request", "limit must be an integer between 1 and 1000")
-        buckets = (status,) if status is not None else keys.SAMPLE_STATUSES
+        buckets = (status,) if status is not None else keys.ALL_SAMPLE_STATUSES
         start, after = 0, None
         if cursor is not None:
             bucket, score, member = _decode_cursor(cursor, status)
@@ -486,7 +486,7 @@ def _decode_cursor(cursor: str, status: str | None) -> tuple[str, float, str]:
     if not isinstance(value, list) or len(value) != 4:
         raise invalid
     scope, bucket, score, member = value
-    if scope != (status or _ALL_BUCKETS) or bucket not in keys.SAMPLE_STATUSES:
+    if scope != (status or _ALL_BUCKETS) or bucket not in keys.ALL_SAMPLE_STATUSES:
         raise invalid
     if status is not None and bucket != status:
         raise invalid
