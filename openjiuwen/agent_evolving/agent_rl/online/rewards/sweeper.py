@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import suppress
 
 from .ledger import RewardLedger, SweepResult
 
@@ -27,6 +28,7 @@ class RewardDeadlineSweeper:
         self._interval_s = interval_s
         self._batch = batch
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     async def sweep_once(self, *, now: float | None = None) -> SweepResult:
         result = await self._ledger.sweep_due(now=now, limit=self._batch)
@@ -48,6 +50,7 @@ class RewardDeadlineSweeper:
     # ------------------------------------------------------------ background
 
     def start(self) -> None:
+        self._stopping = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="reward-deadline-sweeper")
 
     @property
@@ -55,7 +58,9 @@ class RewardDeadlineSweeper:
         return self._task is not None and not self._task.done()
 
     async def _run(self) -> None:
-        while True:
+        # The stop event, not only the cancellation, ends the loop: redis-py (8.1 here) can swallow a cancellation
+        # that lands inside a command, which would otherwise leave stop() awaiting a loop that never ends.
+        while not self._stopping.is_set():
             try:
                 delay = await self._delay(await self.sweep_once())
             except asyncio.CancelledError:
@@ -63,13 +68,13 @@ class RewardDeadlineSweeper:
             except Exception:
                 log.exception("reward deadline sweep failed; retrying in %.1f s", self._interval_s)
                 delay = self._interval_s
-            await asyncio.sleep(delay)
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
 
     async def stop(self) -> None:
         if self._task is not None:
+            self._stopping.set()
             self._task.cancel()
-            try:
+            with suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
