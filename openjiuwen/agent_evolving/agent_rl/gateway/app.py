@@ -200,6 +200,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         ("GET", "/v1/rl/trajectories/stats"),
         ("GET", "/v1/rl/trajectories"),
         ("GET", "/v1/rl/trajectories/{trajectory_id}"),
+        ("POST", "/v1/rl/trajectories/rewards"),
+        ("POST", "/v1/rl/trajectories/{trajectory_id}/rewards"),
         ("POST", "/v1/gateway/upload/batch"),
     ):
         app.add_api_route(path, proxied, methods=[method])
