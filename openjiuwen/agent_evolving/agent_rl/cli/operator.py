@@ -214,8 +214,24 @@ def _show_stats(stats: dict[str, Any]) -> None:
         ("by source", by_source),
         ("stale", stats.get("stale")),
         ("expired unrewarded", stats.get("expired_unrewarded")),
+        *_reward_rows(stats.get("rewards")),
         ("updated", stats.get("updated_at")),
     ])
+
+
+def _reward_rows(rewards: Any) -> list[tuple[str, Any]]:
+    """The reward-policy part of the stats (present only when the service has a reward policy)."""
+    if not isinstance(rewards, dict):
+        return []
+    rows: list[tuple[str, Any]] = [
+        ("rewards", f"{rewards.get('aggregation')}; waiting {rewards.get('waiting')}, "
+                    f"dropped {rewards.get('dropped')}, next deadline {rewards.get('next_deadline_at') or '-'}"),
+    ]
+    for name, source in (rewards.get("sources") or {}).items():
+        p50, p95 = source.get("late_p50_seconds"), source.get("late_p95_seconds")
+        late = "-" if p50 is None else f"p50 {p50:g} s, p95 {p95:g} s"
+        rows.append((f"  {name}", f"arrived {source.get('arrived')}, fallback {source.get('fallback')}, late {late}"))
+    return rows
 
 
 _LIST_COLUMNS = (("SAMPLE_ID", "sample_id"), ("STATUS", "status"), ("SOURCE", "source"),
@@ -421,6 +437,16 @@ def _traj_list(ctx: Context) -> int:
     return 0
 
 
+def _traj_reward(ctx: Context) -> int:
+    body = {"source": ctx.args.source, "score": ctx.args.score}
+    answer = ctx.client.request("POST", f"/v1/rl/trajectories/{_q(ctx.args.id)}/rewards", body=body)
+    ctx.show(answer, lambda a: _out(
+        f"sample {ctx.args.id}: {ctx.args.source} {ctx.args.score:g} "
+        f"{'recorded' if a.get('recorded') else 'already recorded'}; status {a.get('status')}, "
+        f"score {(a.get('rewards') or {}).get('score')}"))
+    return 0
+
+
 def _traj_get(ctx: Context) -> int:
     ctx.show(ctx.client.request("GET", f"/v1/rl/trajectories/{_q(ctx.args.id)}"), _show_sample)
     return 0
@@ -503,14 +529,20 @@ def build_parser() -> argparse.ArgumentParser:
     leaf(lora, "delete", "deactivate the LoRA: new Tasks use the base model, pinned Tasks keep theirs",
          _lora_delete).add_argument("model")
 
-    traj = group("traj", "trajectory samples: counters, listing, detail")
+    traj = group("traj", "trajectory samples: counters, listing, detail, external rewards")
     leaf(traj, "stats", "counters by status and source", _traj_stats)
     p = leaf(traj, "list", "sample summaries, oldest first per status", _traj_list)
-    p.add_argument("--status", choices=("pending", "training", "trained", "failed"), help="one status only")
+    p.add_argument("--status", choices=("awaiting_rewards", "pending", "training", "trained", "failed"),
+                   help="one status only")
     p.add_argument("--limit", type=int, default=100, help="page size, 1..1000 (default 100)")
     p.add_argument("--cursor", help="continue after a previous page")
     p.add_argument("--all", action="store_true", help="follow next_cursor to the last page")
     leaf(traj, "get", "one sample with its token arrays and judge", _traj_get).add_argument("id")
+    p = leaf(traj, "reward", "attach a score of an external reward source (needs a reward policy; docs/rewards.md)",
+             _traj_reward)
+    p.add_argument("id", help="the sample (trajectory) id")
+    p.add_argument("source", help="an external source of the service's reward_policy")
+    p.add_argument("score", type=float, help="a number between 0 and 1")
     return parser
 
 
