@@ -359,3 +359,40 @@ async def test_restart_in_the_middle_of_a_deadline_sweep(redis, redis_url, tmp_p
     assert {n: s["fallback"] for n, s in stats["rewards"]["sources"].items()} == {"business": 30, "audit": 15}
     assert stats["by_source"] == {"rl_task": 15}
     await consistent(redis)
+
+
+async def test_delayed_feedback_turns_wait_for_the_human_review(redis, redis_url, tmp_path):
+    from tests.support.fake_judge import FakeJudge, Verdict
+    from tests.support.service_app import with_user
+
+    policy = {"aggregation": "last", "sources": {"human": {"deadline_seconds": 86400, "fallback": "skip"}}}
+    async with FakeJudge() as judge:
+        config = make_config(redis_url, tmp_path, judge_endpoint=judge.url, judge_model="judge", judge_retries=0,
+                             judge_timeout=5.0, reward_policy=policy)
+        async with running_app(config) as (_, client):
+            await start_task(client, "s1", "t1", mode="delayed_feedback")
+            await capture(client, "t1", "c1", REQUEST, RESPONSE, turn="u1")
+            judge.enqueue(Verdict(9))
+            await capture(client, "t1", "c2", with_user(REQUEST, "thanks"), RESPONSE, turn="u2")
+            sample = (await client.get("/v1/rl/trajectories/c1")).json()
+            assert (sample["status"], sample["judge"]["source"], sample["judge"]["score"]) == (
+                "awaiting_rewards", "judge", 0.9)
+            r = await client.post("/v1/rl/trajectories/c1/rewards", json={"source": "human", "score": 0.3})
+            assert (r.json()["status"], r.json()["rewards"]["score"]) == ("pending", 0.3)
+            sample = (await client.get("/v1/rl/trajectories/c1")).json()
+            assert (sample["judge"]["score"], sample["judge"]["tag"]) == (0.3, "feedback")  # overridden, rest kept
+            assert sample["rewards"]["sources"]["judge"] == {"score": 0.9, "kind": "published", "late_seconds": 0.0}
+    await consistent(redis)
+
+
+async def test_a_sample_published_before_the_policy_accepts_rewards(redis):
+    plain, _ = make_store(redis, None)
+    await plain.insert_if_absent(packed(doc("old", score=0.4, source="terminal")))
+    assert not await redis.hexists(keys.traj("old"), "rewards")
+    store, ledger = make_store(redis)
+    answer = await ledger.attach("old", "business", 0.8)
+    assert (answer["status"], answer["recorded"]) == ("pending", True)
+    (document,) = await store.get_documents(["old"])
+    assert document["judge"]["score"] == pytest.approx((0.4 + 0.8 * 3) / 4)
+    assert set(document["rewards"]["sources"]) == {"terminal", "business"}
+    await consistent(redis)
