@@ -155,6 +155,7 @@ class ServiceDeps:
                 task_retention_s=config.task_retention_seconds,
                 reward_timeout_s=config.reward_timeout_seconds,
                 trajectory_retention_s=config.trajectory_retention_seconds,
+                run_retention_s=config.run_retention_seconds,
                 interval_s=config.retention_sweep_interval_seconds,
             ),
             rail=RailIngestor(
