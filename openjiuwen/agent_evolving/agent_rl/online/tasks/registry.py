@@ -315,6 +315,10 @@ class TaskRegistry:
                 raise Conflict("RL Task is not active")
             if sample is None:
                 raise Conflict("capture is not committed")
+            # Completion latency: from the reservation at `:before` to this commit (per-version evaluation).
+            sample.meta["completion_latency_ms"] = round(
+                max(0.0, (parse_iso_epoch(now_iso()) - parse_iso_epoch(meta.created_at)) * 1000.0), 3
+            )
             committed = CaptureMeta(
                 meta.capture_id, meta.agent_turn_id, meta.request_fingerprint, response_fingerprint,
                 CaptureStatus.COMMITTED, meta.created_at,
