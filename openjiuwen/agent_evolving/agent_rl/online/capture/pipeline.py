@@ -62,7 +62,8 @@ class CapturePipeline:
             )
             await self._registry.advance_turn(task.rl_task_id, current, hook.agent_turn_id)
 
-    async def after(self, body: dict[str, Any]) -> None:
+    async def after(self, body: dict[str, Any]) -> bool:
+        """Commit a capture; True when this call committed it (False for an idempotent repeat)."""
         hook = parse_hook(body, with_request=True, with_response=True)
         task = await self._registry.require(hook.rl_task_id)
         try:
@@ -79,7 +80,7 @@ class CapturePipeline:
                 task, capture_id=hook.capture_id, agent_turn_id=hook.agent_turn_id, request=injected,
                 response=hook.response, validated=validated,
             )
-            await self._registry.commit(
+            return await self._registry.commit(
                 task.rl_task_id, hook.capture_id, hook.agent_turn_id, request_fingerprint(injected),
                 response_fingerprint(hook.response), sample,
             )
@@ -87,7 +88,8 @@ class CapturePipeline:
             await self._registry.abort(task.rl_task_id, FinishReason.CAPTURE_FAILED)
             raise
 
-    async def discard(self, body: dict[str, Any]) -> None:
+    async def discard(self, body: dict[str, Any]) -> bool:
+        """Drop an open capture; True when this call dropped one."""
         hook = parse_hook(body, with_request=False, with_response=False)
         await self._registry.require(hook.rl_task_id)
-        await self._registry.discard(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)
+        return await self._registry.discard(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)
