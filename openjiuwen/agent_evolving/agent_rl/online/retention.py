@@ -155,7 +155,7 @@ class RetentionSweeper:
             return present
 
         dropped = await transact(self._redis, body, reward_key, committed_key)
-        log.info("task %s: reward window expired, %d staged sample(s) dropped", t, dropped)
+        log.info("task %s: reward window expired, %d staged sample(s) dropped", t, dropped, extra={"rl_task_id": t})
         return dropped
 
     async def _move_to_gc(self, t: str) -> None:

@@ -8,6 +8,7 @@ turn and a failed or timed-out publication abort it; at `:after` every rejection
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from ..errors import Conflict, InvalidInput
@@ -25,6 +26,9 @@ from .request import (
 from .response import ResponseModelMismatch, validate_response
 from .sample import build_sample
 from .turns import TurnPublisher
+
+
+log = logging.getLogger("openjiuwen.agent_rl.online.capture")
 
 
 class CapturePipeline:
@@ -84,7 +88,10 @@ class CapturePipeline:
                 task.rl_task_id, hook.capture_id, hook.agent_turn_id, request_fingerprint(injected),
                 response_fingerprint(hook.response), sample,
             )
-        except (InvalidInput, Conflict):
+        except (InvalidInput, Conflict) as exc:
+            log.warning("capture %s of task %s rejected at after: %s", hook.capture_id, task.rl_task_id, exc,
+                        extra={"rl_task_id": task.rl_task_id, "capture_id": hook.capture_id,
+                               "agent_turn_id": hook.agent_turn_id})
             await self._registry.abort(task.rl_task_id, FinishReason.CAPTURE_FAILED)
             raise
 

@@ -6,6 +6,7 @@ never decide HTTP statuses.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -26,6 +27,9 @@ from .signals import TaskSignals
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
+
+
+log = logging.getLogger("openjiuwen.agent_rl.online.tasks")
 
 
 class AbortingConflict(Conflict):
@@ -107,8 +111,11 @@ class TaskRegistry:
             return requested, True
 
         task, created = await transact(self._redis, body, task_key, pointer_key)
-        if created and self._metrics is not None:
-            self._metrics.task_created(task.reward_mode)
+        if created:
+            log.info("task %s created for session %s on %s (%s)", t, s, task.policy_lora_name, task.reward_mode,
+                     extra={"rl_task_id": t})
+            if self._metrics is not None:
+                self._metrics.task_created(task.reward_mode)
         return task, created
 
     async def finalize(self, rl_task_id: str, reason: FinishReason) -> Task:
@@ -187,8 +194,10 @@ class TaskRegistry:
         transitioned: list[bool] = []
         task = await transact(self._redis, body, task_key, open_key, committed_key)
         self.signals.notify(t)
-        if transitioned and self._metrics is not None:
-            self._metrics.task_finished(task.status, reason.value)
+        if transitioned:
+            log.info("task %s %s (%s)", t, task.status, reason.value, extra={"rl_task_id": t})
+            if self._metrics is not None:
+                self._metrics.task_finished(task.status, reason.value)
         return task
 
     async def list_page(self, status: str | None, limit: int, cursor: str | None) -> dict[str, Any]:
@@ -351,6 +360,8 @@ class TaskRegistry:
         changed = await transact(self._redis, body, task_key, capture_key)
         if changed:
             self.signals.notify(t)
+            log.debug("capture %s of task %s committed", capture_id, t,
+                      extra={"rl_task_id": t, "capture_id": capture_id, "agent_turn_id": turn_id})
         return changed
 
     async def discard(self, rl_task_id: str, capture_id: str, turn_id: str | None) -> bool:

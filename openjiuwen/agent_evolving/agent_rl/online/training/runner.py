@@ -129,7 +129,7 @@ class TrainingRunner:
                 )
             self._launch(claim.run)
             log.info("training run %s claimed %d sample(s) on parent %s", claim.run.training_run_id,
-                     claim.run.sample_count, parent.lora_name)
+                     claim.run.sample_count, parent.lora_name, extra={"training_run_id": claim.run.training_run_id})
             return claim.run, True
 
     async def stop(self, run_id: str) -> TrainingRun:
@@ -163,13 +163,14 @@ class TrainingRunner:
         await self._runs.append_event(run.training_run_id, "recovered", {"stage": run.stage})
         if run.stage in (RunStage.QUEUED, RunStage.TRAINING):
             log.warning("training run %s was interrupted by a restart; its samples go back to pending",
-                        run.training_run_id)
+                        run.training_run_id, extra={"training_run_id": run.training_run_id})
             run = await self._runs.finish(
                 run.training_run_id, RunStatus.FAILED, failure_reason="service_restarted", restore_samples=True
             )
             await self._cleanup(run.training_run_id)
             return run
-        log.info("training run %s was activating at restart; retrying the activation", run.training_run_id)
+        log.info("training run %s was activating at restart; retrying the activation", run.training_run_id,
+                 extra={"training_run_id": run.training_run_id})
         return await self._activate(run)
 
     async def shutdown(self) -> None:
@@ -178,7 +179,8 @@ class TrainingRunner:
             try:
                 await self.stop(run_id)
             except Exception:
-                log.exception("training run %s could not be stopped at shutdown", run_id)
+                log.exception("training run %s could not be stopped at shutdown", run_id,
+                              extra={"training_run_id": run_id})
 
     async def wait(self, run_id: str) -> TrainingRun:
         """Wait for this process's execution of a run to end (tests, shutdown); then return the record."""
@@ -205,7 +207,8 @@ class TrainingRunner:
             if not t.cancelled() and t.exception() is not None:
                 # Sticky until restart: the run's state may be inconsistent with what this process believes.
                 self._failure = f"training run {run_id} execution failed: {t.exception()!r}"
-                log.error("training run %s execution failed", run_id, exc_info=t.exception())
+                log.error("training run %s execution failed", run_id, exc_info=t.exception(),
+                          extra={"training_run_id": run_id})
 
         task.add_done_callback(done)
 
@@ -303,7 +306,7 @@ class TrainingRunner:
         except GatewayError as exc:
             self._activation_done("failed", time.perf_counter() - started)
             log.warning("activation of %s failed: %s", run.lora_name, exc,
-                        extra={"training_run_id": run.training_run_id})
+                        extra={"training_run_id": run.training_run_id, "lora_name": run.lora_name})
             return await asyncio.shield(
                 self._runs.finish(
                     run.training_run_id, RunStatus.FAILED, failure_reason=str(exc),
@@ -326,7 +329,8 @@ class TrainingRunner:
         assert run.lora_name and run.lora_path
         await self._repository.write_active(run.lora_name, run.lora_path, run.training_run_id)
         await self._runs.observe_policy(run.lora_name, run.lora_path)
-        log.info("training run %s succeeded: %s active", run.training_run_id, run.lora_name)
+        log.info("training run %s succeeded: %s active", run.training_run_id, run.lora_name,
+                 extra={"training_run_id": run.training_run_id, "lora_name": run.lora_name})
         return await self._runs.finish(
             run.training_run_id, RunStatus.SUCCEEDED,
             before=[("activation_succeeded", {"lora_name": run.lora_name})],
