@@ -37,15 +37,17 @@ async def service(redis, redis_url, tmp_path):
             yield app, client
 
 
-async def rewarded_task(client, n: int, policy: str, reward: float) -> None:
+async def rewarded_task(client, n: int, policy: str, reward: float, captures: int = 1) -> None:
     model = MODEL_ID if policy == "base" else policy
     request = dict(REQUEST, model=model)
     response = dict(RESPONSE, model=model)
     assert (await start_task(client, f"s{n}", f"t{n}", policy=policy, model=model)).status_code == 201
-    _, after = await capture(client, f"t{n}", f"c{n}", request, response)
-    assert after is not None and after.status_code == 204
+    for k in range(captures):
+        _, after = await capture(client, f"t{n}", f"c{n}-{k}", request, response)
+        assert after is not None and after.status_code == 204
     assert (await client.post(f"/v1/rl/tasks/t{n}/stop")).status_code == 200
-    assert (await client.post(f"/v1/rl/tasks/t{n}/reward", json={"reward": reward})).json() == {"sample_count": 1}
+    answer = await client.post(f"/v1/rl/tasks/t{n}/reward", json={"reward": reward})
+    assert answer.json() == {"sample_count": captures}
 
 
 async def test_versions_rewards_and_comparison(service, redis):
@@ -53,7 +55,7 @@ async def test_versions_rewards_and_comparison(service, redis):
     assert (await client.get("/v1/rl/policies")).json() == {"items": [], "comparison": None}
     base_rewards = [0.2, 0.4, 0.3]
     for i, r in enumerate(base_rewards):
-        await rewarded_task(client, i, "base", r)
+        await rewarded_task(client, i, "base", r, captures=2 if i == 0 else 1)
     await start_task(client, "s-idle", "t-idle")  # a Task without samples still counts
     # A training run on two of them publishes v1 with base as its parent.
     run = (await client.post("/v1/rl/training/runs")).json()
@@ -65,12 +67,13 @@ async def test_versions_rewards_and_comparison(service, redis):
     base, v1 = body["items"]
     assert (base["policy_version"], base["lora_name"], base["parent_version"]) == ("base", None, None)
     assert (v1["policy_version"], v1["lora_name"], v1["parent_version"]) == (V1, V1, "base")
-    assert (base["tasks"], base["samples"], v1["tasks"], v1["samples"]) == (4, 3, 2, 2)
+    assert (base["tasks"], base["samples"], v1["tasks"], v1["samples"]) == (4, 4, 2, 2)
+    # A terminal reward is one observation per Task, however many completions share it.
     mean, sd = statistics.mean(base_rewards), statistics.stdev(base_rewards)
     assert base["reward"]["n"] == 3 and math.isclose(base["reward"]["mean"], mean)
     half = 4.303 * sd / math.sqrt(3)
     assert all(math.isclose(a, b, abs_tol=1e-9) for a, b in zip(base["reward"]["ci95"], [mean - half, mean + half]))
-    assert base["reward_sources"] == {"terminal": 3} and base["judge_agreement"] is None
+    assert base["reward_sources"] == {"terminal": 4} and base["judge_agreement"] is None
     assert base["tokens_per_completion"] == TOKENS
     latency = base["completion_latency_ms"]
     assert latency["mean"] >= 0 and latency["p50"] is not None and latency["p95"] >= latency["p50"]
@@ -95,17 +98,20 @@ def judged_sample(n: int, votes: list, score: float):
 async def test_judge_agreement_and_rollback(service, redis):
     app, client = service
     store = app.state.deps.store
-    await store.insert_if_absent([judged_sample(1, [8, 6, "fail"], 0.7), judged_sample(2, [9, 9], 0.9)])
-    await publish(app.state.deps, 1, score=0.8)
+    await store.insert_if_absent([judged_sample(1, [8, 6, "fail"], 0.7), judged_sample(2, [9, 9], 0.9),
+                                  judged_sample(3, [5], 0.5)])
+    await publish(app.state.deps, 1, score=0.8)  # a terminal sample outside a reward: no reward observation
     item = (await client.get("/v1/rl/policies")).json()["items"][0]
-    assert item["reward_sources"] == {"judge": 2, "terminal": 1}
-    assert item["judge_agreement"] == pytest.approx(1 - (0.2 + 0.0) / 2)
+    assert item["reward_sources"] == {"judge": 3, "terminal": 1}
+    assert (item["samples"], item["reward"]["n"], item["reward"]["mean"]) == (4, 3, pytest.approx(0.7))
+    assert item["judge_agreement"] == pytest.approx(1 - (0.2 + 0.0) / 2)  # single-vote samples do not count
     assert item["completion_latency_ms"] is None  # built outside a capture: no reservation time
     # A rolled-back publication takes its contribution away in the same EXEC that deletes the samples.
     assert await store.delete_pending(["j1", "j2"]) == 2
     item = (await client.get("/v1/rl/policies")).json()["items"][0]
-    assert (item["samples"], item["reward"]["n"], item["reward"]["mean"]) == (1, 1, pytest.approx(0.8))
-    assert (item["reward_sources"], item["judge_agreement"], item["reward"]["ci95"]) == ({"terminal": 1}, None, None)
+    assert (item["samples"], item["reward"]["n"], item["reward"]["mean"]) == (2, 1, pytest.approx(0.5))
+    assert (item["reward_sources"], item["judge_agreement"], item["reward"]["ci95"]) == (
+        {"judge": 1, "terminal": 1}, None, None)
 
 
 def test_contribution_of_a_judged_sample() -> None:
@@ -116,6 +122,9 @@ def test_contribution_of_a_judged_sample() -> None:
     assert floats == pytest.approx({"reward_sum": 0.7, "reward_sq": 0.49, "judge_spread": 0.2, "lat_sum_ms": 120.0})
     ints, floats = contribution({"judge": None}, 3)
     assert (ints, floats) == ({"samples": 1, "tokens": 3}, {})
+    # A terminal reward is counted per Task by the reward transaction, not per sample.
+    ints, floats = contribution({"judge": {"score": 1.0, "source": "terminal"}}, 3)
+    assert (ints, floats) == ({"samples": 1, "tokens": 3, "source:terminal": 1}, {})
 
 
 def test_summaries() -> None:

@@ -15,9 +15,10 @@ from redis.asyncio.client import Pipeline
 
 from .. import events
 from ..errors import Conflict, InvalidInput, NotFound
-from ..ids import now_iso, parse_iso_epoch
+from ..ids import is_token_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import PackedSample
+from ..store.policy_stats import add_task_reward
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
 from ..tasks.models import RewardMode, Task, TaskStatus
@@ -99,7 +100,13 @@ class RewardProjector:
                 return int(state["sample_count"])
             if state.get("status") != "projecting":
                 raise Conflict("reward projection lost its claim")
+            raw_task = await pipe.get(keys.task(t))
+            policy = Task.from_json(raw_task).policy_lora_name if raw_task is not None else None
             pipe.multi()
+            if policy is not None and is_token_id(policy):
+                # The version's reward statistics gain this Task's reward exactly once, with its publication.
+                add_task_reward(pipe, keys.policy_stats(policy), value)
+                pipe.sadd(keys.POLICY_VERSIONS, policy)
             pipe.set(
                 reward_key,
                 orjson.dumps({"reward": value, "status": "published", "sample_count": len(committed)}),
