@@ -74,7 +74,8 @@ async def test_capture_task_and_http_metrics(service, redis, redis_url, tmp_path
     assert (await start_task(client, "s1", "t1")).status_code == 201
     await capture(client, "t1", "c1", REQUEST, RESPONSE)
     await capture(client, "t1", "c1", REQUEST, RESPONSE)  # idempotent repeat: one committed capture
-    await client.post("/internal/v1/completions:before", json={"rl_task_id": "t1", "capture_id": "c2", "request": REQUEST})
+    await client.post("/internal/v1/completions:before",
+                      json={"rl_task_id": "t1", "capture_id": "c2", "request": REQUEST})
     await client.post("/internal/v1/completions:discard", json={"rl_task_id": "t1", "capture_id": "c2"})
     await client.post("/v1/rl/tasks/t1/stop")
     await client.post("/v1/rl/tasks/t1/reward", json={"reward": 1.0})

@@ -43,7 +43,8 @@ async def test_task_timeline_follows_capture_stop_and_reward(app_client, redis):
     assert (await start_task(client, "s1", "t1")).status_code == 201
     before, after = await capture(client, "t1", "c1", REQUEST, RESPONSE)
     assert after is not None and after.status_code == 204
-    await client.post("/internal/v1/completions:before", json={"rl_task_id": "t1", "capture_id": "c2", "request": REQUEST})
+    await client.post("/internal/v1/completions:before",
+                      json={"rl_task_id": "t1", "capture_id": "c2", "request": REQUEST})
     assert (await client.post("/internal/v1/completions:discard", json={"rl_task_id": "t1", "capture_id": "c2"})
             ).status_code == 204
     assert (await client.post("/v1/rl/tasks/t1/stop")).status_code == 200

@@ -80,7 +80,8 @@ class ServiceMetrics:
         self.tasks_created = Counter("rl_tasks_total", "Tasks created", m + ("reward_mode",), registry=r)
         self.tasks_finished = Counter("rl_tasks_finished_total", "Tasks that reached a terminal status",
                                       m + ("status", "reason"), registry=r)
-        self.tasks = Gauge("rl_tasks_by_status", "Tasks by status (active: the recovery index; terminal: still retained)",
+        self.tasks = Gauge("rl_tasks_by_status",
+                           "Tasks by status (active: the recovery index; terminal: still retained)",
                            m + ("status",), registry=r)
         self.turn_publish = Histogram("rl_turn_publish_duration_seconds", "Delayed-feedback turn publication time",
                                       m, buckets=FAST_BUCKETS_S[4:] + (60.0, 120.0), registry=r)

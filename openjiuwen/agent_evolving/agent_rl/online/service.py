@@ -173,7 +173,8 @@ class ServiceDeps:
                 on_error=metrics.exception,
             ),
             rail=RailIngestor(
-                redis, store, metered_judge, model_id=config.model_id, retention_seconds=config.trajectory_retention_seconds
+                redis, store, metered_judge, model_id=config.model_id,
+                retention_seconds=config.trajectory_retention_seconds,
             ),
             repository=repository,
             gateway=gateway,

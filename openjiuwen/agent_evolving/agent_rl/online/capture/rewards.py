@@ -115,7 +115,8 @@ class RewardProjector:
                 pipe.delete(*(keys.staged(t, c) for c in committed))
             pipe.zrem(keys.AWAITING_REWARD, t)
             pipe.zadd(keys.TASKS_GC, {t: parse_iso_epoch(now_iso())})
-            events.queue(pipe, keys.task_events(t), "reward_recorded", {"reward": value, "sample_count": len(committed)})
+            events.queue(pipe, keys.task_events(t), "reward_recorded",
+                         {"reward": value, "sample_count": len(committed)})
             await pipe.execute()
             return len(committed)
 

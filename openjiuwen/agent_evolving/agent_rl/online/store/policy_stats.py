@@ -3,11 +3,13 @@
 A sample adds its contribution in the same MULTI that publishes it (`TrajectoryStore.insert_if_absent`) and a
 rolled-back publication takes it away again, so `GET /v1/rl/policies` reads O(versions) hashes and never scans
 samples. The reward statistics count independent rewards: a Judge-scored sample is one, while a terminal reward is
-one per Task (all its completions share it), added by the reward's completing MULTI (`add_task_reward`). Fields: `tasks` (added at Task start), `samples`, `reward_n`, `reward_sum`, `reward_sq`, `source:<s>`,
-`tokens`, `judge_multi` / `judge_spread` (samples with ≥ 2 successful votes, and the sum of their vote spread on
-[0, 1]), `lat_n`, `lat_sum_ms`, `lat_le:<bound>` (completion latency histogram, per bucket, not cumulative), and the
-lineage `parent` / `training_run_id` written when a run publishes the version. Samples removed by retention stay
-counted: the aggregates describe what each version produced.
+one per Task (all its completions share it), added by the reward's completing MULTI (`add_task_reward`).
+
+Fields: `tasks` (added at Task start), `samples`, `reward_n`, `reward_sum`, `reward_sq`, `source:<s>`, `tokens`,
+`judge_multi` / `judge_spread` (samples with ≥ 2 successful votes, and the sum of their vote spread on [0, 1]),
+`lat_n`, `lat_sum_ms`, `lat_le:<bound>` (completion latency histogram, per bucket, not cumulative), and the lineage
+`parent` / `training_run_id` written when a run publishes the version. Samples removed by retention stay counted:
+the aggregates describe what each version produced.
 """
 
 from __future__ import annotations
