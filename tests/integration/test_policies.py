@@ -65,6 +65,11 @@ async def test_versions_rewards_and_comparison(service, redis):
         await rewarded_task(client, i, V1, r)
     body = (await client.get("/v1/rl/policies")).json()
     base, v1 = body["items"]
+    assert set(body) == {"items", "comparison"}
+    assert set(base) == {"policy_version", "lora_name", "parent_version", "tasks", "samples", "reward",
+                         "reward_sources", "judge_agreement", "tokens_per_completion", "completion_latency_ms"}
+    assert set(base["reward"]) == {"n", "mean", "ci95"} and set(base["completion_latency_ms"]) == {"mean", "p50", "p95"}
+    assert set(body["comparison"]) == {"latest", "parent", "reward_delta", "ci95"}
     assert (base["policy_version"], base["lora_name"], base["parent_version"]) == ("base", None, None)
     assert (v1["policy_version"], v1["lora_name"], v1["parent_version"]) == (V1, V1, "base")
     assert (base["tasks"], base["samples"], v1["tasks"], v1["samples"]) == (4, 4, 2, 2)
