@@ -119,19 +119,25 @@ async def test_task_listing_newest_first_by_status_and_paged(app_client, redis):
 
 async def test_expired_task_records_leave_the_listing(app_client, redis):
     app, client = app_client
+    sweeper = app.state.deps.sweeper
     for i in range(3):
         await start_task(client, f"s{i}", f"t{i}")
     await client.post("/v1/rl/tasks/t0/stop")
     await client.post("/v1/rl/tasks/t1/stop")
+    await sweeper.sweep_once()  # terminal Tasks get their TTLs, and a due date in the listing-expiry index
+    assert 0 < await redis.ttl(keys.task("t0")) <= 604800
+    due = dict(await redis.zrange(keys.TASKS_LISTING_EXPIRY, 0, -1, withscores=True))
+    assert set(due) == {b"t0", b"t1"} and all(time.time() + 604000 < v <= time.time() + 604800 for v in due.values())
     await redis.delete(keys.task("t1"))  # as its TTL would
     assert [t["rl_task_id"] for t in (await client.get("/v1/rl/tasks")).json()["items"]] == ["t2", "t0"]
     assert await redis.zscore(keys.TASKS_BY_CREATION, "t1") is None  # dropped lazily by the listing
+    assert await redis.zscore(keys.TASKS_LISTING_EXPIRY, "t1") is None
     await redis.delete(keys.task("t0"))
-    # The sweeper removes entries of expired records once they are older than the retention.
-    removed = (await app.state.deps.sweeper.sweep_once(now=time.time() + 10 * 604800))["listings_removed"]
-    assert removed == 1
+    assert (await sweeper.sweep_once())["listings_removed"] == 0  # not due yet
+    assert (await sweeper.sweep_once(now=time.time() + 604801))["listings_removed"] == 1
     assert await redis.zrange(keys.TASKS_BY_CREATION, 0, -1) == [b"t2"]
     assert await redis.zrange(keys.tasks_by_status("finalized"), 0, -1) == []
+    assert await redis.zcard(keys.TASKS_LISTING_EXPIRY) == 0
 
 
 @pytest.fixture
@@ -162,6 +168,7 @@ async def test_run_timeline_listing_and_ttl(training, redis):
     assert items[0]["data"]["sample_count"] == 2 and items[0]["data"]["parent_lora_name"] == "base"
     assert items[-4]["data"] == {"trained": 2, "failed": 0}
     assert 0 < await redis.ttl(keys.training_run_events(first)) <= 2592000
+    assert await redis.zcard(keys.RUNS_LISTING_EXPIRY) == 2
     listing = (await client.get("/v1/rl/training/runs")).json()
     assert [r["training_run_id"] for r in listing["items"]] == [second, first]
     assert listing["items"][1] == (await client.get(f"/v1/rl/training/runs/{first}")).json()
@@ -170,6 +177,9 @@ async def test_run_timeline_listing_and_ttl(training, redis):
     rest = (await client.get("/v1/rl/training/runs", params={"limit": 1, "cursor": page["next_cursor"]})).json()
     assert ([r["training_run_id"] for r in rest["items"]], rest["next_cursor"]) == ([first], None)
     assert code(await client.get("/v1/rl/training/runs", params={"limit": "0"})) == (400, "invalid_request")
+    await redis.delete(keys.training_run(first))  # as its TTL would, 30 days after it ended
+    assert (await deps.sweeper.sweep_once(now=time.time() + 2592001))["listings_removed"] == 1
+    assert await redis.zrange(keys.RUNS_BY_CREATION, 0, -1) == [second.encode()]
     assert code(await client.get("/v1/rl/training/runs/run-000000000000/events")) == (404, "training_run_not_found")
     assert code(await client.get("/v1/rl/training/runs/bogus/events")) == (404, "training_run_not_found")
 

@@ -60,20 +60,15 @@ class RetentionSweeper:
         return {"tasks_ttl": gc, "reward_expired": expired, "samples_removed": samples, "listings_removed": listings}
 
     async def _forget_expired_listings(self, now: float) -> int:
-        """Remove from the listing indexes the ids whose records have expired. A record lives at least its
-        retention after creation (terminal Tasks: TTL set after they finish; runs: TTL set when terminal), so only
-        entries created before `now − retention` are checked, oldest first, at most BATCH per index."""
+        """Remove from the listing indexes the ids whose records have expired: those due in the listing-expiry
+        ZSETs (at most BATCH each) whose record is gone; one still present (clock skew) waits for the next tick."""
         removed = 0
-        candidates = [
-            (keys.tasks_by_status(status), now - self._task_retention_s, keys.task,
-             (keys.TASKS_BY_CREATION, keys.tasks_by_status(status)))
-            for status in ("finalized", "aborted")
-        ]
-        candidates.append(
-            (keys.RUNS_BY_CREATION, now - self._run_retention_s, keys.training_run, (keys.RUNS_BY_CREATION,))
-        )
-        for index, cutoff, record_key, indexes in candidates:
-            ids = [text(m) or "" for m in await self._redis.zrangebyscore(index, "-inf", cutoff, 0, BATCH)]
+        task_indexes = (keys.TASKS_BY_CREATION, *(keys.tasks_by_status(s) for s in keys.TASK_STATUSES))
+        for expiry, record_key, indexes in (
+            (keys.TASKS_LISTING_EXPIRY, keys.task, task_indexes),
+            (keys.RUNS_LISTING_EXPIRY, keys.training_run, (keys.RUNS_BY_CREATION,)),
+        ):
+            ids = [text(m) or "" for m in await self._redis.zrangebyscore(expiry, "-inf", now, 0, BATCH)]
             if not ids:
                 continue
             async with self._redis.pipeline(transaction=False) as reads:
@@ -82,8 +77,9 @@ class RetentionSweeper:
                 present = await reads.execute()
             gone = [member for member, exists in zip(ids, present) if not exists]
             if gone:
+                # Index entries only: a crash between these removals leaves entries the next tick removes.
                 async with self._redis.pipeline(transaction=False) as pipe:
-                    for listing in indexes:
+                    for listing in (*indexes, expiry):
                         pipe.zrem(listing, *gone)
                     await pipe.execute()
                 removed += len(gone)
@@ -96,6 +92,8 @@ class RetentionSweeper:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for key in task_keys:
                     pipe.expire(key, self._task_retention_s)
+                # The listing entry goes once the record has expired (`_forget_expired_listings`).
+                pipe.zadd(keys.TASKS_LISTING_EXPIRY, {t: time.time() + self._task_retention_s})
                 pipe.zrem(keys.TASKS_GC, t)
                 await pipe.execute()
         return len(ids)

@@ -17,9 +17,13 @@ TRAJ_USERS = PREFIX + "traj_users"
 POLICY_OBSERVED = PREFIX + "policy:observed"
 ACTIVE_RUN = PREFIX + "training_run:active"
 # Listing indexes (newest first): ZSETs of ids scored by creation epoch. Tasks are indexed once overall and once
-# under their current status; the entries of expired records are removed by the retention sweeper (and lazily).
+# under their current status. When a record gets its TTL, its id joins a listing-expiry ZSET scored by the epoch
+# the record expires; the retention sweeper then removes it from the listing indexes (and listings drop ids whose
+# record is gone on the way).
 TASKS_BY_CREATION = PREFIX + "tasks:by_created"
 RUNS_BY_CREATION = PREFIX + "training_runs:by_created"
+TASKS_LISTING_EXPIRY = PREFIX + "tasks:listing_expiry"
+RUNS_LISTING_EXPIRY = PREFIX + "training_runs:listing_expiry"
 POLICY_VERSIONS = PREFIX + "policy_versions"  # SET of policy versions with aggregates (`policy_stats:{version}`)
 
 TASK_STATUSES = ("active", "finalized", "aborted")

@@ -223,7 +223,8 @@ class TaskRegistry:
     async def forget(self, rl_task_ids: list[str]) -> None:
         """Drop ids whose records expired from every listing index (the record, not the index, is the truth)."""
         async with self._redis.pipeline(transaction=False) as pipe:
-            for index in (keys.TASKS_BY_CREATION, *(keys.tasks_by_status(s) for s in keys.TASK_STATUSES)):
+            for index in (keys.TASKS_BY_CREATION, *(keys.tasks_by_status(s) for s in keys.TASK_STATUSES),
+                          keys.TASKS_LISTING_EXPIRY):
                 pipe.zrem(index, *rl_task_ids)
             await pipe.execute()
 

@@ -250,6 +250,7 @@ class RunStore:
                     policy_version=version, at=at, run_id="",
                 )
             pipe.set(run_key, done.to_json(), ex=self._run_retention_s)
+            pipe.zadd(keys.RUNS_LISTING_EXPIRY, {run_id: parse_iso_epoch(at) + self._run_retention_s})
             if pointer == run_id:
                 pipe.delete(keys.ACTIVE_RUN)
             stream = keys.training_run_events(run_id)
@@ -294,7 +295,10 @@ class RunStore:
         raws = await self._redis.mget([keys.training_run(r) for r in ids]) if ids else []
         gone = [r for r, raw in zip(ids, raws) if raw is None]
         if gone:
-            await self._redis.zrem(keys.RUNS_BY_CREATION, *gone)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(keys.RUNS_BY_CREATION, *gone)
+                pipe.zrem(keys.RUNS_LISTING_EXPIRY, *gone)
+                await pipe.execute()
         items = [TrainingRun.from_json(raw).public() for raw in raws if raw is not None]
         return {"items": items, "next_cursor": next_cursor}
 
