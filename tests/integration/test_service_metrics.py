@@ -14,6 +14,7 @@ from tests.conftest import load_fixture
 from tests.integration.test_training_runs import publish
 from tests.support.fake_gateway import FakeGateway
 from tests.support.fake_judge import FakeJudge, Status, Verdict
+from tests.support.redis_server import RedisServer
 from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_task, with_user
 
 REQUEST, RESPONSE = load_fixture("chat_request.json"), load_fixture("chat_response.json")
@@ -158,6 +159,22 @@ async def test_delayed_turn_judge_metrics_and_timeline(service, judge):
     m = await scrape(client)
     assert value(m, "rl_judge_requests_total", result="failed") == 1
     assert value(m, "rl_tasks_finished_total", status="aborted", reason="capture_failed") == 1
+
+
+async def test_redis_errors_are_counted_and_the_scrape_still_answers(tmp_path):
+    own = RedisServer(tmp_path / "own-redis").start()  # a Redis of its own, stopped below
+    try:
+        async with running_app(make_config(own.url, tmp_path)) as (_, client):
+            assert value(await scrape(client), "rl_redis_errors_total") == 0
+            own.stop()
+            r = await client.get("/v1/rl/tasks/t1")
+            assert (r.status_code, r.json()["error"]["code"]) == (500, "internal_error")
+            assert (await client.get("/health")).status_code == 503
+            m = await scrape(client)  # its own refresh fails too, and is counted
+            assert value(m, "rl_redis_errors_total") == 3
+            assert value(m, "rl_http_requests_total", route="/v1/rl/tasks/{rl_task_id}", status="500") == 1
+    finally:
+        own.stop()
 
 
 async def test_scrape_survives_redis_errors_and_counts_them(redis_url):

@@ -270,7 +270,10 @@ def create_app(
     )
     app.state.deps = deps  # for tests and operators' debugging only; routers get their parts explicitly
     install_error_envelope(app, on_error=deps.metrics.exception)
-    app.include_router(build_health_router(deps.redis, model_id=config.model_id, extra_checks=[deps.runner.check_health]))
+    app.include_router(build_health_router(
+        deps.redis, model_id=config.model_id, extra_checks=[deps.runner.check_health],
+        on_redis_error=deps.metrics.redis_error,
+    ))
     app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards))
     app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle, deps.metrics))
     app.include_router(build_trajectories_router(deps.store))
