@@ -197,9 +197,11 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         return await gw.control.forward(request.method, request.url.path, body=body, query=request.url.query)
 
     for method, path in (
+        ("GET", "/v1/rl/tasks"),
         ("GET", "/v1/rl/tasks/{rl_task_id}"),
         ("POST", "/v1/rl/tasks/{rl_task_id}/reward"),
         ("GET", "/v1/rl/tasks/{rl_task_id}/events"),
+        ("GET", "/v1/rl/training/runs"),
         ("POST", "/v1/rl/training/runs"),
         ("GET", "/v1/rl/training/runs/{training_run_id}"),
         ("POST", "/v1/rl/training/runs/{training_run_id}/stop"),
@@ -207,6 +209,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         ("GET", "/v1/rl/trajectories/stats"),
         ("GET", "/v1/rl/trajectories"),
         ("GET", "/v1/rl/trajectories/{trajectory_id}"),
+        ("GET", "/v1/rl/policies"),
         ("POST", "/v1/gateway/upload/batch"),
     ):
         app.add_api_route(path, proxied, methods=[method])

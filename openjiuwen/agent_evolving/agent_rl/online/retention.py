@@ -11,6 +11,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from . import events
 from .capture.rewards import RewardProjector
 from .store import keys
 from .store.codec import text
@@ -33,6 +34,7 @@ class RetentionSweeper:
         task_retention_s: int,
         reward_timeout_s: int,
         trajectory_retention_s: int,
+        run_retention_s: int,
         interval_s: float,
     ) -> None:
         self._redis = redis
@@ -42,6 +44,7 @@ class RetentionSweeper:
         self._task_retention_s = task_retention_s
         self._reward_timeout_s = reward_timeout_s
         self._trajectory_retention_s = trajectory_retention_s
+        self._run_retention_s = run_retention_s
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
 
@@ -50,7 +53,38 @@ class RetentionSweeper:
         expired = await self._expire_unrewarded(now)
         gc = await self._ttl_terminal_tasks()
         samples = await self._store.sweep_expired(retention_seconds=self._trajectory_retention_s, now=now, limit=BATCH)
-        return {"tasks_ttl": gc, "reward_expired": expired, "samples_removed": samples}
+        listings = await self._forget_expired_listings(now)
+        return {"tasks_ttl": gc, "reward_expired": expired, "samples_removed": samples, "listings_removed": listings}
+
+    async def _forget_expired_listings(self, now: float) -> int:
+        """Remove from the listing indexes the ids whose records have expired. A record lives at least its
+        retention after creation (terminal Tasks: TTL set after they finish; runs: TTL set when terminal), so only
+        entries created before `now − retention` are checked, oldest first, at most BATCH per index."""
+        removed = 0
+        candidates = [
+            (keys.tasks_by_status(status), now - self._task_retention_s, keys.task,
+             (keys.TASKS_BY_CREATION, keys.tasks_by_status(status)))
+            for status in ("finalized", "aborted")
+        ]
+        candidates.append(
+            (keys.RUNS_BY_CREATION, now - self._run_retention_s, keys.training_run, (keys.RUNS_BY_CREATION,))
+        )
+        for index, cutoff, record_key, indexes in candidates:
+            ids = [text(m) or "" for m in await self._redis.zrangebyscore(index, "-inf", cutoff, 0, BATCH)]
+            if not ids:
+                continue
+            async with self._redis.pipeline(transaction=False) as reads:
+                for member in ids:
+                    reads.exists(record_key(member))
+                present = await reads.execute()
+            gone = [member for member, exists in zip(ids, present) if not exists]
+            if gone:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for listing in indexes:
+                        pipe.zrem(listing, *gone)
+                    await pipe.execute()
+                removed += len(gone)
+        return removed
 
     async def _ttl_terminal_tasks(self) -> int:
         ids = [text(t) for t in await self._redis.zrange(keys.TASKS_GC, 0, BATCH - 1)]
@@ -113,6 +147,7 @@ class RetentionSweeper:
                 pipe.hincrby(stats_key, "expired_unrewarded", present)
             pipe.zrem(keys.AWAITING_REWARD, t)
             pipe.zadd(keys.TASKS_GC, {t: time.time()})
+            events.queue(pipe, keys.task_events(t), "reward_expired", {"dropped_samples": present})
             await pipe.execute()
             return present
 

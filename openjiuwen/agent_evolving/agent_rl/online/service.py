@@ -25,6 +25,7 @@ from .api.errors import install_error_envelope
 from .api.guards import GuardMiddleware
 from .api.health import build_health_router
 from .api.hooks import build_hooks_router
+from .api.policies import build_policies_router
 from .api.rail import build_rail_router
 from .api.tasks import build_tasks_router
 from .api.training import build_training_router
@@ -37,6 +38,7 @@ from .config import ConfigError, RLServiceConfig, load_config
 from .logs import configure_logging
 from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
+from .policies import PolicyReport
 from .rail.ingest import RailIngestor
 from .retention import RetentionSweeper
 from .store import keys
@@ -155,6 +157,7 @@ class ServiceDeps:
                 task_retention_s=config.task_retention_seconds,
                 reward_timeout_s=config.reward_timeout_seconds,
                 trajectory_retention_s=config.trajectory_retention_seconds,
+                run_retention_s=config.run_retention_seconds,
                 interval_s=config.retention_sweep_interval_seconds,
             ),
             rail=RailIngestor(
@@ -259,6 +262,7 @@ def create_app(
     app.include_router(build_trajectories_router(deps.store))
     app.include_router(build_rail_router(lambda: deps.rail))
     app.include_router(build_training_router(deps.runner))
+    app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id)))
     app.add_middleware(GuardMiddleware, token=token, max_body_bytes=config.max_body_bytes)
     return app
 

@@ -13,6 +13,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from .. import events
 from ..errors import Conflict, InvalidInput, NotFound
 from ..ids import now_iso, parse_iso_epoch
 from ..store import keys
@@ -107,6 +108,7 @@ class RewardProjector:
                 pipe.delete(*(keys.staged(t, c) for c in committed))
             pipe.zrem(keys.AWAITING_REWARD, t)
             pipe.zadd(keys.TASKS_GC, {t: parse_iso_epoch(now_iso())})
+            events.queue(pipe, keys.task_events(t), "reward_recorded", {"reward": value, "sample_count": len(committed)})
             await pipe.execute()
             return len(committed)
 

@@ -16,8 +16,26 @@ TASKS_GC = PREFIX + "tasks:gc"
 TRAJ_USERS = PREFIX + "traj_users"
 POLICY_OBSERVED = PREFIX + "policy:observed"
 ACTIVE_RUN = PREFIX + "training_run:active"
+# Listing indexes (newest first): ZSETs of ids scored by creation epoch. Tasks are indexed once overall and once
+# under their current status; the entries of expired records are removed by the retention sweeper (and lazily).
+TASKS_BY_CREATION = PREFIX + "tasks:by_created"
+RUNS_BY_CREATION = PREFIX + "training_runs:by_created"
+POLICY_VERSIONS = PREFIX + "policy_versions"  # SET of policy versions with aggregates (`policy_stats:{version}`)
+
+TASK_STATUSES = ("active", "finalized", "aborted")
 
 SAMPLE_STATUSES = ("pending", "training", "trained", "failed")
+
+
+def tasks_by_status(status: str) -> str:
+    if status not in TASK_STATUSES:
+        raise InvalidIdentifier("invalid task status")
+    return f"{PREFIX}tasks:by_created:{status}"
+
+
+def policy_stats(version: str) -> str:
+    """Per-policy-version aggregates (HASH): tasks, samples, reward sums, sources, tokens, latency buckets."""
+    return f"{PREFIX}policy_stats:{require_token_id(version, 'policy version')}"
 
 
 def _owner(owner: str) -> str:

@@ -23,6 +23,7 @@ from ..errors import InvalidInput
 from ..ids import InvalidIdentifier
 from . import keys
 from .codec import PackedSample, text
+from .policy_stats import queue_contribution
 from .tx import transact
 
 PENDING = "pending"
@@ -133,6 +134,7 @@ class TrajectoryStore:
                 )
                 pipe.zadd(self.index_key(PENDING), {sample_id: ids.parse_iso_epoch(created_at)})
                 self._queue_counters(pipe, PENDING, source, policy_version, +1)
+                self._queue_policy_stats(pipe, policy_version, meta, sample.response_ids, +1)
             pipe.sadd(keys.TRAJ_USERS, self._owner)
             await pipe.execute()
             return fresh
@@ -146,20 +148,25 @@ class TrajectoryStore:
             return 0
 
         async def body(pipe: Pipeline) -> int:
-            rows = await self._hmget_many(hash_keys.values(), ("status", "source", "policy_version"))
+            rows = await self._hmget_many(
+                hash_keys.values(), ("status", "source", "policy_version", "sample_json", "response_ids")
+            )
             doomed = [
-                (sample_id, text(source) or "", text(policy) or "base")
-                for sample_id, (status, source, policy) in zip(hash_keys, rows)
+                (sample_id, text(source) or "", text(policy) or "base", sample_json, response_ids)
+                for sample_id, (status, source, policy, sample_json, response_ids) in zip(hash_keys, rows)
                 if text(status) == PENDING
             ]
             if not doomed:
                 return 0
-            # Invariant 5: hash, pending index membership and counters disappear together.
+            # Invariant 5: hash, pending index membership and counters disappear together (and the sample's
+            # contribution to its version's aggregates with them).
             pipe.multi()
-            for sample_id, source, policy_version in doomed:
+            for sample_id, source, policy_version, sample_json, response_ids in doomed:
                 pipe.delete(hash_keys[sample_id])
                 pipe.zrem(self.index_key(PENDING), sample_id)
                 self._queue_counters(pipe, PENDING, source, policy_version, -1)
+                meta = orjson.loads(sample_json or b"{}")
+                self._queue_policy_stats(pipe, policy_version, meta, response_ids or b"", -1)
             await pipe.execute()
             return len(doomed)
 
@@ -194,6 +201,15 @@ class TrajectoryStore:
         if new == PENDING:
             pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), +1)
         # `source:<src>` counts samples of every status, so a move leaves it alone.
+
+    @staticmethod
+    def _queue_policy_stats(pipe: Pipeline, policy_version: str, meta: dict[str, Any], response_ids: bytes,
+                            sign: int) -> None:
+        if not ids.is_token_id(policy_version):
+            return  # not a name a key may carry; such a version is simply not reported
+        queue_contribution(pipe, keys.policy_stats(policy_version), meta, len(response_ids) // 4, sign)
+        if sign > 0:
+            pipe.sadd(keys.POLICY_VERSIONS, policy_version)
 
     def _queue_counters(self, pipe: Pipeline, status: str, source: str, policy_version: str, delta: int) -> None:
         pipe.hincrby(self._stats_key, _status_field(status), delta)

@@ -69,6 +69,15 @@ class TrainingRunner:
 
     # ------------------------------------------------------------------ API
 
+    async def list_runs(self, limit: int, cursor: str | None) -> dict[str, Any]:
+        return await self._runs.list_page(limit, cursor)
+
+    async def events(self, run_id: str) -> list[dict[str, Any]]:
+        items = await self._runs.events(run_id)
+        if items is None:
+            raise NotFound("training run not found")
+        return items
+
     async def get(self, run_id: str) -> TrainingRun:
         run = await self._runs.get(run_id)
         if run is None:
@@ -123,6 +132,7 @@ class TrainingRunner:
         if run.terminal:
             return run
         self._stop_requested.add(run_id)
+        await self._runs.append_event(run_id, "stop_requested", {"stage": run.stage})
         task = self._executions.get(run_id)
         if run.stage in (RunStage.QUEUED, RunStage.TRAINING):
             stopped = await self._backend.cancel(run_id)
@@ -144,6 +154,7 @@ class TrainingRunner:
         run = await self._runs.active()
         if run is None:
             return None
+        await self._runs.append_event(run.training_run_id, "recovered", {"stage": run.stage})
         if run.stage in (RunStage.QUEUED, RunStage.TRAINING):
             log.warning("training run %s was interrupted by a restart; its samples go back to pending",
                         run.training_run_id)
@@ -197,6 +208,7 @@ class TrainingRunner:
         run = await self._runs.update(
             run_id,
             lambda r: r.evolve(status=RunStatus.RUNNING.value, stage=RunStage.TRAINING.value, started_at=now_iso()),
+            event=("training_started", {}),
         )
         if run.terminal:
             return
@@ -258,12 +270,15 @@ class TrainingRunner:
                         metrics[key] = step[key]
                 return run.evolve(metrics=metrics)
 
-            await self._runs.update(run_id, change)
+            await self._runs.update(run_id, change, event=("ppo_step", step))
 
         return record
 
     async def _activate(self, run: TrainingRun) -> TrainingRun:
         assert run.lora_name and run.lora_path
+        await self._runs.append_event(run.training_run_id, "activation_attempt", {
+            "lora_name": run.lora_name, "expected_lora_name": run.parent_lora_name,
+        })
         try:
             await self._gateway.activate(
                 base_model=self._base_model_path, lora_name=run.lora_name, lora_path=run.lora_path,
@@ -272,7 +287,10 @@ class TrainingRunner:
         except GatewayError as exc:
             log.warning("activation of %s failed: %s", run.lora_name, exc)
             return await asyncio.shield(
-                self._runs.finish(run.training_run_id, RunStatus.FAILED, failure_reason=str(exc))
+                self._runs.finish(
+                    run.training_run_id, RunStatus.FAILED, failure_reason=str(exc),
+                    before=[("activation_failed", {"lora_name": run.lora_name, "error": str(exc)})],
+                )
             )
         return await asyncio.shield(self._succeed(run))
 
@@ -281,7 +299,10 @@ class TrainingRunner:
         await self._repository.write_active(run.lora_name, run.lora_path, run.training_run_id)
         await self._runs.observe_policy(run.lora_name, run.lora_path)
         log.info("training run %s succeeded: %s active", run.training_run_id, run.lora_name)
-        return await self._runs.finish(run.training_run_id, RunStatus.SUCCEEDED)
+        return await self._runs.finish(
+            run.training_run_id, RunStatus.SUCCEEDED,
+            before=[("activation_succeeded", {"lora_name": run.lora_name})],
+        )
 
     async def _stop_activation(self, run_id: str, task: asyncio.Task[None] | None) -> TrainingRun:
         if task is not None and not task.done():
