@@ -101,6 +101,9 @@ def run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Co
         out = ConsoleRun(gw)
         out.base_tasks = [rewarded_task(gw, client, f"base-{i}", reward, chats=i + 1)
                           for i, reward in enumerate((0.2, 0.5, 0.3))]
+        gw.set_plan({"outcome": "succeed", "steps": [  # a few PPO steps for the run's metric charts
+            {"step": i + 1, "loss": round(0.9 - 0.15 * i, 3), "kl": round(0.01 * i, 3), "grad_norm": 1.0 - 0.1 * i,
+             "samples": 6} for i in range(5)]})
         r = gw.signed("POST", "/v1/rl/training/runs")
         assert r.status_code == 201, r.text
         record = wait_run(gw, r.json()["training_run_id"])
@@ -198,7 +201,7 @@ def test_the_console_api_is_read_only_and_allow_listed(run: ConsoleRun) -> None:
         assert [e["type"] for e in events][0] == "created" and events[-1]["type"] == "succeeded"
         # Only the allow-listed RL reads: no trajectory detail, no path tricks, no writes.
         sample = run.gw.signed("GET", "/v1/rl/trajectories", params={"limit": 1}).json()["items"][0]
-        for path in (f"rl/trajectories/{sample['trajectory_id']}", "rl/tasks/../trajectories/stats",
+        for path in (f"rl/trajectories/{sample['trajectory_id']}", "rl/tasks/%2E%2E",
                      "rl/tasks/%2E%2E/trajectories", "rl/service", "nothing"):
             assert client.get("/console/api/" + path).status_code == 404, path
         assert client.post(f"/console/api/rl/tasks/{run.active_task}/stop").status_code == 405
@@ -236,8 +239,11 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
     page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
     page.on("response", lambda r: problems.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None)
 
+    def show(route: str) -> None:
+        page.goto(f"{run.gw.url}/console/#{route}")
+        page.wait_for_function("r => document.getElementById('view').dataset.route === r", arg=route)
+
     def shot(name: str) -> None:
-        page.wait_for_selector("#view[aria-busy=false]")
         page.screenshot(path=str(ARTIFACTS / f"console-{name}.png"), full_page=True)
 
     def text() -> str:
@@ -254,44 +260,40 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
         assert page.evaluate("document.cookie") == ""  # HttpOnly: scripts cannot read it
 
-        page.wait_for_selector("#view[data-page=overview] .cards")
+        page.wait_for_function("document.getElementById('view').dataset.route === '/'")
         shot("overview")
         assert "running" in text() and "tiny:v1" in text()
 
-        page.goto(run.gw.url + "/console/#/tasks")
-        page.wait_for_selector(f"text={run.active_task}")
+        show("/tasks")
         shot("tasks")
         for t in run.base_tasks + run.v1_tasks + [run.delayed_task]:
             assert t in text()
 
-        page.goto(f"{run.gw.url}/console/#/tasks/{run.base_tasks[2]}")
-        page.wait_for_selector("text=Capture timeline")
+        show(f"/tasks/{run.base_tasks[2]}")
         shot("task")
         body = text()
         assert "capture_committed" in body and "reward_recorded" in body and "after finalize" in body
         assert page.locator("svg.chart rect").count() >= 6  # created, 3 × reserved + committed, finalized, reward
 
-        page.goto(f"{run.gw.url}/console/#/tasks/{run.delayed_task}")
-        page.wait_for_selector("text=Reward flow")
+        show(f"/tasks/{run.delayed_task}")
         body = text()
         assert "judge" in body and "turn u1" in body and "turn u2" in body and "after last capture" in body
 
-        page.goto(f"{run.gw.url}/console/#/runs/{run.run_id}")
-        page.wait_for_selector("text=Stage timeline")
+        show(f"/runs/{run.run_id}")
         shot("run")
         body = text()
-        for word in ("succeeded", "tiny:v1", "queued", "training", "activating", "activation_succeeded"):
+        for word in ("succeeded", "tiny:v1", "queued", "training", "activating", "activation_succeeded",
+                     "loss per step"):
             assert word in body, word
+        assert page.locator("svg.chart circle.dot").count() == 4 * 5  # loss, kl, grad_norm, samples × 5 steps
 
-        page.goto(run.gw.url + "/console/#/policies")
-        page.wait_for_selector("text=Tasks per version")
+        show("/policies")
         shot("policies")
         body = text()
         assert "tiny:v1" in body and "base" in body
         assert page.locator("svg.chart circle.dot").count() == 2  # base and v1 carry rewards
 
-        page.goto(run.gw.url + "/console/#/loras")
-        page.wait_for_selector("text=Instances")
+        show("/loras")
         shot("loras")
         body = text()
         assert "vllm-a" in body and "vllm-b" in body and "tiny:v1" in body

@@ -55,6 +55,10 @@
     const v = ms(t);
     return v === null ? "-" : new Date(v).toISOString().replace("T", " ").replace(/\.\d+Z$/, "Z");
   }
+  function short(t) {  // tables: month-day and UTC time
+    const v = ms(t);
+    return v === null ? "-" : new Date(v).toISOString().slice(5, 19).replace("T", " ");
+  }
   function secs(delta) {
     if (delta === null || delta === undefined || Number.isNaN(delta)) return "-";
     const v = delta / 1000;
@@ -90,7 +94,8 @@
       sub ? h("div", { class: "s" }, sub) : null);
   }
   function setView() {
-    view.replaceChildren.apply(view, Array.from(arguments).filter(Boolean));
+    view.replaceChildren();
+    append(view, Array.from(arguments));
     document.getElementById("updated").textContent = "Loaded " + new Date().toISOString().replace(/\.\d+Z$/, "Z");
   }
   function problem(answer) {
@@ -118,7 +123,7 @@
 
   function lineChart(title, points, opts) {
     // points: [{x: label, y: number, lo?, hi?}]
-    const W = 560, H = 220, L = 48, R = 16, T = 26, B = 34;
+    const W = (opts && opts.width) || 560, H = (opts && opts.height) || 220, L = 48, R = 40, T = 26, B = 34;
     const svg = s("svg", { class: "chart", viewBox: "0 0 " + W + " " + H, role: "img", "aria-label": title });
     svg.appendChild(s("text", { x: L, y: 16, text: title }));
     const ys = [];
@@ -199,24 +204,23 @@
         card("Instances", lora.instances.ready + " ready", lora.instances.failed + " failed"),
         card("Samples", num(traj.total), "pending " + num(byStatus.pending) + " · trained " + num(byStatus.trained)),
         card("Stale / expired", num(traj.stale) + " / " + num(traj.expired_unrewarded), "pending excluded / unrewarded")),
-      h("div", { class: "two" },
-        h("div", {}, h("h2", {}, link("#/tasks", "Latest Tasks")), tasks.ok ? taskTable(tasks.body.items) : problem(tasks)),
-        h("div", {}, h("h2", {}, link("#/runs", "Latest Training Runs")), runs.ok ? runTable(runs.body.items) : problem(runs))));
+      h("h2", {}, link("#/runs", "Latest Training Runs")), runs.ok ? runTable(runs.body.items) : problem(runs),
+      h("h2", {}, link("#/tasks", "Latest Tasks")), tasks.ok ? taskTable(tasks.body.items) : problem(tasks));
   }
 
   function taskTable(items) {
-    return table(["Task", "status", "policy", "mode", "created", "finished", "reason"], items.map(function (t) {
+    return table(["Task", "status", "policy", "mode", "created (UTC)", "finished", "reason"], items.map(function (t) {
       return [link("#/tasks/" + encodeURIComponent(t.rl_task_id), t.rl_task_id, "mono"), pill(t.status),
-        h("span", { class: "mono", text: t.policy_lora_name }), t.reward_mode, when(t.created_at), when(t.finished_at),
+        h("span", { class: "mono", text: t.policy_lora_name }), t.reward_mode, short(t.created_at), short(t.finished_at),
         t.finish_reason || "-"];
     }), "No Tasks yet.");
   }
 
   function runTable(items) {
-    return table(["Run", "status", "stage", "samples#", "LoRA", "created", "finished"], items.map(function (r) {
+    return table(["Run", "status", "stage", "samples#", "LoRA", "created (UTC)", "finished"], items.map(function (r) {
       return [link("#/runs/" + encodeURIComponent(r.training_run_id), r.training_run_id, "mono"), pill(r.status),
-        r.stage, num(r.sample_count), h("span", { class: "mono", text: r.lora_name || "-" }), when(r.created_at),
-        when(r.finished_at)];
+        r.stage, num(r.sample_count), h("span", { class: "mono", text: r.lora_name || "-" }), short(r.created_at),
+        short(r.finished_at)];
     }), "No Training Runs yet.");
   }
 
@@ -254,14 +258,14 @@
       if (e.type === "capture_committed") lastCommit[d.agent_turn_id || ""] = ms(e.at);
       if (e.type === "reward_recorded") {
         const ref = finalized ? ms(finalized.at) : null;
-        rows.push([when(e.at), d.source || "terminal (POST /reward)", num(d.reward), num(d.sample_count),
+        rows.push([short(e.at), d.source || "terminal (POST /reward)", num(d.reward), num(d.sample_count),
           ref === null ? "-" : secs(ms(e.at) - ref) + " after finalize"]);
       } else if (e.type === "turn_published") {
         const ref = lastCommit[d.agent_turn_id || ""];
-        rows.push([when(e.at), d.source || "judge (delayed feedback, turn " + (d.agent_turn_id || "?") + ")",
+        rows.push([short(e.at), d.source || "judge (delayed feedback, turn " + (d.agent_turn_id || "?") + ")",
           num(d.reward), num(d.samples), ref === undefined ? "-" : secs(ms(e.at) - ref) + " after last capture"]);
       } else if (e.type === "reward_expired" || e.type === "turn_failed") {
-        rows.push([when(e.at), e.type.replace("_", " "), "-", num(d.dropped_samples), "-"]);
+        rows.push([short(e.at), e.type.replace("_", " "), "-", num(d.dropped_samples), "-"]);
       }
     });
     return table(["at", "source", "reward#", "samples#", "latency"], rows,
@@ -369,7 +373,8 @@
     const lat = function (l) { return l ? num(l.p50, 0) + " / " + num(l.p95, 0) : "-"; };
     setView(
       h("h1", { text: "Policies" }),
-      lineChart("mean reward per policy version (bars: 95% CI)", points, { min: 0, max: 1 }),
+      h("div", { class: "wide" }, lineChart("mean reward per policy version (bars: 95% CI)", points,
+        { min: 0, max: 1, width: 900, height: 260 })),
       cmp ? h("p", {}, "Latest ", h("span", { class: "mono", text: cmp.latest }), " vs parent ",
         h("span", { class: "mono", text: cmp.parent }), ": reward delta ", h("b", { text: num(cmp.reward_delta) }),
         Array.isArray(cmp.ci95) ? " (95% CI " + num(cmp.ci95[0]) + " … " + num(cmp.ci95[1]) + ")" : "") : null,
@@ -384,9 +389,9 @@
           num((leases || {})[p.policy_version] || 0)];
       }), "No policy versions yet."),
       h("h2", { text: "Tasks per version" }),
-      items.length ? items.map(function (p) {
+      items.length ? items.map(function (p, i) {
         const own = byPolicy[p.policy_version] || [];
-        return h("details", { class: "panel" }, h("summary", {}, h("span", { class: "mono", text: p.policy_version }),
+        return h("details", { class: "panel", open: i === items.length - 1 ? "" : null }, h("summary", {}, h("span", { class: "mono", text: p.policy_version }),
           " — " + own.length + " recent Tasks, " + own.filter(function (t) { return t.status === "active"; }).length + " active (pinned)"),
         taskTable(own));
       }) : h("p", { class: "muted", text: "No Tasks yet." }));
@@ -436,12 +441,14 @@
       document.querySelectorAll("#nav a").forEach(function (a) { a.classList.toggle("on", a.dataset.page === page); });
       view.setAttribute("data-page", page);
       view.setAttribute("aria-busy", "true");
+      delete view.dataset.route;
       try {
         await render(m);
       } catch (err) {
         if (String(err && err.message) !== "session expired") setView(h("p", { class: "bad", text: "Could not load: " + err }));
       }
       view.setAttribute("aria-busy", "false");
+      view.dataset.route = path;  // what is on screen (tests wait for it)
       return;
     }
     setView(h("p", { class: "bad", text: "No such page." }));
