@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from ..online.api.errors import CatchAllMiddleware
+from ..online.metrics import CONTENT_TYPE, HttpMetricsMiddleware
 from .config import GatewayConfig
 from .console import Console
 from .console_auth import ConsoleAuth
@@ -33,6 +34,7 @@ from .hmac_auth import HmacVerifier
 from .inference import InferenceProxy
 from .instances import Instance, InstanceRegistry
 from .lora_manager import LoraError, LoraManager
+from .metrics import GatewayMetrics
 from .responses import envelope, json_response
 from .rl_client import RLClient
 from .sessions import SessionMap
@@ -42,6 +44,7 @@ from .tasks import TaskTracker
 log = logging.getLogger("openjiuwen.agent_rl.gateway")
 
 RETRY_FAILED_INSTANCES_S = 30.0
+RL_SCRAPE_TIMEOUT_S = 5.0
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
@@ -57,6 +60,8 @@ class Gateway:
     control: RLControl
     inference: InferenceProxy
     upstream: httpx.AsyncClient
+    registry: InstanceRegistry
+    metrics: GatewayMetrics
     console: Console
     ready: bool = False
 
@@ -64,6 +69,7 @@ class Gateway:
 def build_gateway(
     config: GatewayConfig, *, model_id: str, verifier: HmacVerifier, console_auth: ConsoleAuth, env: dict[str, str]
 ) -> Gateway:
+    metrics = GatewayMetrics()  # per app: its own CollectorRegistry
     registry = InstanceRegistry(
         [Instance(i.name, i.model, i.instance_ip, int(i.port)) for i in config.instances]
     )
@@ -88,7 +94,7 @@ def build_gateway(
     )
     rl = RLClient(
         endpoint=online.endpoint, token=lambda: supervisor.token, hook_timeout_s=online.hook_timeout_s,
-        hook_retries=online.hook_retries, control_timeout_s=online.control_timeout_s,
+        hook_retries=online.hook_retries, control_timeout_s=online.control_timeout_s, metrics=metrics,
     )
     tracker = TaskTracker(SessionMap(), loras)
     control = RLControl(
@@ -98,9 +104,13 @@ def build_gateway(
     holder["control"] = control
     inference = InferenceProxy(
         model_id=model_id, tracker=tracker, loras=loras, rl=rl, rl_running=control.running, upstream=upstream,
+        metrics=metrics,
     )
     console = Console(auth=console_auth, control=control, loras=loras, supervisor=supervisor, model_id=model_id)
-    return Gateway(config, model_id, verifier, loras, supervisor, rl, tracker, control, inference, upstream, console)
+    return Gateway(
+        config, model_id, verifier, loras, supervisor, rl, tracker, control, inference, upstream, registry, metrics,
+        console,
+    )
 
 
 def create_gateway_app(gw: Gateway) -> FastAPI:
@@ -152,6 +162,22 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     @app.get("/aigw/v1/health")
     async def health() -> Response:
         return json_response({"status": "ok" if gw.ready else "starting", "rl_service": gw.supervisor.status()["status"]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Unsigned (CONTRACT §3.2): the gateway's `gw_*` series, then the RL Service child's `rl_*` series while it
+        runs (its own /metrics sits behind the child's random bearer token on loopback)."""
+        running = gw.control.running()
+        gw.metrics.refresh(loras=gw.loras, instances=gw.registry, sessions=gw.tracker.sessions,
+                           model_id=gw.model_id, rl_running=running)
+        child = b""
+        if running:
+            try:
+                child = await gw.rl.metrics_text(RL_SCRAPE_TIMEOUT_S)
+            except httpx.HTTPError as exc:
+                gw.metrics.rl_scrape_errors.inc()
+                log.warning("could not read the RL Service metrics: %s", type(exc).__name__)
+        return Response(gw.metrics.render() + child, media_type=CONTENT_TYPE)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -312,6 +338,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         return envelope(exc.status_code, "request_failed", str(exc.detail))
 
     app.add_middleware(CatchAllMiddleware, message="internal gateway error", logger=log)
+    app.add_middleware(HttpMetricsMiddleware, observe=gw.metrics.http)  # outermost: every answer is counted
 
     return app
 

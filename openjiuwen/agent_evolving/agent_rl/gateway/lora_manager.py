@@ -331,6 +331,10 @@ class LoraManager:
         finally:
             await self.release(lora_name)
 
+    def leases(self) -> dict[str, int]:
+        """Lease count per leased version (metrics)."""
+        return {name: n for name, n in self._leases.items() if n > 0}
+
     def lease_count(self, lora_name: str) -> int:
         return self._leases.get(lora_name, 0)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import orjson
 from redis.asyncio import Redis
@@ -36,6 +37,7 @@ class RetentionSweeper:
         trajectory_retention_s: int,
         run_retention_s: int,
         interval_s: float,
+        on_error: Callable[[Exception], None] | None = None,
     ) -> None:
         self._redis = redis
         self._store = store
@@ -45,6 +47,7 @@ class RetentionSweeper:
         self._reward_timeout_s = reward_timeout_s
         self._trajectory_retention_s = trajectory_retention_s
         self._run_retention_s = run_retention_s
+        self._on_error = on_error
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
 
@@ -152,7 +155,7 @@ class RetentionSweeper:
             return present
 
         dropped = await transact(self._redis, body, reward_key, committed_key)
-        log.info("task %s: reward window expired, %d staged sample(s) dropped", t, dropped)
+        log.info("task %s: reward window expired, %d staged sample(s) dropped", t, dropped, extra={"rl_task_id": t})
         return dropped
 
     async def _move_to_gc(self, t: str) -> None:
@@ -173,8 +176,10 @@ class RetentionSweeper:
                 await self.sweep_once()
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
                 log.exception("retention sweep failed; retrying next interval")
+                if self._on_error is not None:
+                    self._on_error(exc)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -12,7 +12,7 @@ import base64
 import binascii
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from redis.asyncio import Redis
@@ -25,6 +25,9 @@ from . import keys
 from .codec import PackedSample, text
 from .policy_stats import queue_contribution
 from .tx import transact
+
+if TYPE_CHECKING:
+    from ..metrics import ServiceMetrics
 
 PENDING = "pending"
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
@@ -67,8 +70,12 @@ def _pending_policy_field(policy_version: str) -> str:
 class TrajectoryStore:
     """Samples of one owner (the service `model_id`) in Redis."""
 
-    def __init__(self, redis: Redis, *, owner: str, model_id: str, max_policy_lag: int | None = None) -> None:
+    def __init__(
+        self, redis: Redis, *, owner: str, model_id: str, max_policy_lag: int | None = None,
+        metrics: "ServiceMetrics | None" = None,
+    ) -> None:
         self._redis = redis
+        self._metrics = metrics
         self._owner = owner
         self._model_id = model_id
         self._max_policy_lag = max_policy_lag
@@ -139,7 +146,11 @@ class TrajectoryStore:
             await pipe.execute()
             return fresh
 
-        return await transact(self._redis, body, *hash_keys.values())
+        fresh = await transact(self._redis, body, *hash_keys.values())
+        if self._metrics is not None:
+            for sample_id in fresh:
+                self._metrics.published(str(by_id[sample_id].meta.get("source") or ""))
+        return fresh
 
     async def delete_pending(self, sample_ids: Sequence[str]) -> int:
         """Roll back samples inserted by a failed publication: those still `pending` are deleted; returns the count."""

@@ -6,10 +6,11 @@ never decide HTTP statuses.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -23,6 +24,12 @@ from ..store.listing import newest_first
 from ..store.tx import transact
 from .models import CaptureMeta, CaptureStatus, FinishReason, RewardMode, Task, TaskStatus
 from .signals import TaskSignals
+
+if TYPE_CHECKING:
+    from ..metrics import ServiceMetrics
+
+
+log = logging.getLogger("openjiuwen.agent_rl.online.tasks")
 
 
 class AbortingConflict(Conflict):
@@ -42,9 +49,12 @@ class Reservation:
 
 
 class TaskRegistry:
-    def __init__(self, redis: Redis, *, signals: TaskSignals | None = None) -> None:
+    def __init__(
+        self, redis: Redis, *, signals: TaskSignals | None = None, metrics: "ServiceMetrics | None" = None
+    ) -> None:
         self._redis = redis
         self.signals = signals or TaskSignals()
+        self._metrics = metrics
 
     # ------------------------------------------------------------------ Tasks
 
@@ -100,7 +110,13 @@ class TaskRegistry:
             await pipe.execute()
             return requested, True
 
-        return await transact(self._redis, body, task_key, pointer_key)
+        task, created = await transact(self._redis, body, task_key, pointer_key)
+        if created:
+            log.info("task %s created for session %s on %s (%s)", t, s, task.policy_lora_name, task.reward_mode,
+                     extra={"rl_task_id": t})
+            if self._metrics is not None:
+                self._metrics.task_created(task.reward_mode)
+        return task, created
 
     async def finalize(self, rl_task_id: str, reason: FinishReason) -> Task:
         """active → finalized. Requires zero open captures (Invariant 2); a finalized terminal-mode Task with
@@ -172,10 +188,16 @@ class TaskRegistry:
             pipe.zadd(keys.tasks_by_status(status), {t: parse_iso_epoch(task.created_at)})
             events.queue(pipe, keys.task_events(t), status.value, {"reason": reason.value}, at=now)
             await pipe.execute()
+            transitioned.append(True)
             return done
 
+        transitioned: list[bool] = []
         task = await transact(self._redis, body, task_key, open_key, committed_key)
         self.signals.notify(t)
+        if transitioned:
+            log.info("task %s %s (%s)", t, task.status, reason.value, extra={"rl_task_id": t})
+            if self._metrics is not None:
+                self._metrics.task_finished(task.status, reason.value)
         return task
 
     async def list_page(self, status: str | None, limit: int, cursor: str | None) -> dict[str, Any]:
@@ -338,10 +360,13 @@ class TaskRegistry:
         changed = await transact(self._redis, body, task_key, capture_key)
         if changed:
             self.signals.notify(t)
+            log.debug("capture %s of task %s committed", capture_id, t,
+                      extra={"rl_task_id": t, "capture_id": capture_id, "agent_turn_id": turn_id})
         return changed
 
-    async def discard(self, rl_task_id: str, capture_id: str, turn_id: str | None) -> None:
-        """Drop an open capture. Unknown capture or inactive Task: no-op. Invariant 2 as in `reserve`."""
+    async def discard(self, rl_task_id: str, capture_id: str, turn_id: str | None) -> bool:
+        """Drop an open capture (True when dropped). Unknown capture or inactive Task: no-op. Invariant 2 as in
+        `reserve`."""
         t = rl_task_id
         task_key, capture_key = keys.task(t), keys.capture(t, capture_id)
 
@@ -366,6 +391,8 @@ class TaskRegistry:
 
         if await transact(self._redis, body, task_key, capture_key):
             self.signals.notify(t)
+            return True
+        return False
 
     async def committed_ids(self, rl_task_id: str) -> list[str]:
         return sorted(text(c) for c in await self._redis.smembers(keys.committed_captures(rl_task_id)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from redis.asyncio import Redis
@@ -22,6 +22,9 @@ from ..store.listing import newest_first
 from ..store.trajectories import TrajectoryStore, stale_pending
 from ..store.tx import transact
 from .models import RunStage, RunStatus, TrainingRun
+
+if TYPE_CHECKING:
+    from ..metrics import ServiceMetrics
 
 PENDING, TRAINING, TRAINED, FAILED = "pending", "training", "trained", "failed"
 Event = tuple[str, dict[str, Any]]  # (event type, data) queued with a transition
@@ -44,8 +47,12 @@ async def _read_run(pipe: Pipeline, run_key: str, run_id: str) -> TrainingRun:
 
 
 class RunStore:
-    def __init__(self, redis: Redis, store: TrajectoryStore, *, model_id: str, run_retention_s: int) -> None:
+    def __init__(
+        self, redis: Redis, store: TrajectoryStore, *, model_id: str, run_retention_s: int,
+        metrics: "ServiceMetrics | None" = None,
+    ) -> None:
         self._redis = redis
+        self._metrics = metrics
         self._store = store
         self._model_id = model_id
         self._run_retention_s = run_retention_s
@@ -253,9 +260,14 @@ class RunStore:
             }, at=at)
             pipe.expire(stream, self._run_retention_s)
             await pipe.execute()
+            transitioned.append(True)
             return done
 
-        return await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+        transitioned: list[bool] = []
+        done = await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+        if transitioned and self._metrics is not None:
+            self._metrics.run_finished(done.status)
+        return done
 
     async def _training_members(self, pipe: Pipeline, run: TrainingRun) -> list[tuple[str, str, str]]:
         """(id, policy version, created_at) of the run's samples still `training` under this run; their hashes are
