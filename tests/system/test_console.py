@@ -90,9 +90,7 @@ def wait_run(gw: GatewayProcess, run_id: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConsoleRun]:
-    with redis_sync.Redis.from_url(redis_url) as r:  # a clean key space: other modules' tests clean up per test
-        for key in r.scan_iter(match="rl:v1:*", count=1000):
-            r.delete(key)
+    clear_keys(redis_url)  # a clean key space before and after: the suite shares one redis-server
     tmp = tmp_path_factory.mktemp("console")
     with FakeVLLM(served_model="tiny", name="vllm-a") as a, FakeVLLM(served_model="tiny", name="vllm-b") as b, \
             FakeJudge() as judge, GatewayProcess(tmp, redis_url, instances=[a, b], judge_url=judge.url) as gw:
@@ -118,6 +116,13 @@ def run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Co
         chat(client, "still-active")
         yield out
         gw.signed("POST", f"/v1/rl/tasks/{out.active_task}/stop")
+    clear_keys(redis_url)
+
+
+def clear_keys(redis_url: str) -> None:
+    with redis_sync.Redis.from_url(redis_url) as r:  # only the service's own prefix, never FLUSHDB
+        for key in r.scan_iter(match="rl:v1:*", count=1000):
+            r.delete(key)
 
 
 @contextmanager
@@ -276,6 +281,7 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         assert page.locator("svg.chart rect").count() >= 6  # created, 3 × reserved + committed, finalized, reward
 
         show(f"/tasks/{run.delayed_task}")
+        shot("task-delayed")
         body = text()
         assert "judge" in body and "turn u1" in body and "turn u2" in body and "after last capture" in body
 
