@@ -115,7 +115,6 @@ def run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Co
         out.active_task = start(gw, "still-active")
         chat(client, "still-active")
         yield out
-        gw.signed("POST", f"/v1/rl/tasks/{out.active_task}/stop")
     clear_keys(redis_url)
 
 
@@ -139,6 +138,8 @@ def login(gw: GatewayProcess) -> Iterator[httpx.Client]:
 
 def test_without_a_session_the_console_shows_the_login_page_and_the_api_refuses(run: ConsoleRun) -> None:
     http = run.gw.http
+    bare = http.get("/console", follow_redirects=False)
+    assert (bare.status_code, bare.headers["location"]) == (308, "/console/")
     page = http.get("/console/")
     assert page.status_code == 200 and "Console login" in page.text and "console.js" not in page.text
     for path in ("/console/api/overview", "/console/api/rl/tasks", f"/console/api/rl/runs/{run.run_id}"):
@@ -311,3 +312,15 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         context.close()
     assert problems == []
 
+
+
+def test_with_the_rl_service_stopped_the_console_still_shows_the_lora_state(run: ConsoleRun) -> None:
+    """Runs last in this module: it stops the RL Service of the shared run."""
+    r = run.gw.signed("POST", "/v1/rl/service/stop")
+    assert r.status_code == 200, r.text
+    with login(run.gw) as client:
+        overview = client.get("/console/api/overview").json()
+        assert overview["service"]["status"] == "stopped" and overview["trajectories"] is None
+        assert overview["lora"]["active_lora"]["lora_name"] == "tiny:v1"
+        r = client.get("/console/api/rl/tasks")
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "rl_service_unavailable")
