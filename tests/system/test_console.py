@@ -172,6 +172,10 @@ def test_a_login_token_opens_one_session_and_only_once(run: ConsoleRun) -> None:
         assert (r.status_code, r.json()["error"]["code"]) == (401, "console_unauthorized"), bad
         assert "set-cookie" not in r.headers
     assert http.post("/console/login", content=b"not json").status_code == 400
+    assert http.post("/console/login", content=b"x" * 5000).status_code == 413
+    assert http.post("/console/login", content=iter([b"x" * 600, b"x" * 600])).status_code == 413  # chunked
+    assert token not in run.gw.stderr()  # the gateway's log names the login, never the token
+    assert "console session opened" in run.gw.stderr()
 
 
 def test_forged_tampered_and_expired_cookies_are_refused(run: ConsoleRun) -> None:

@@ -14,6 +14,7 @@ Every API answer needs the cookie (else 401 `console_unauthorized`) and only GET
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from importlib import resources
@@ -29,6 +30,8 @@ from .control import RLControl
 from .lora_manager import LoraManager
 from .responses import envelope, json_response
 from .supervisor import RLSupervisor
+
+log = logging.getLogger("openjiuwen.agent_rl.gateway.console")
 
 ASSET_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                ".html": "text/html; charset=utf-8", ".svg": "image/svg+xml"}
@@ -62,6 +65,20 @@ def _load_assets() -> dict[str, bytes]:
     folder = resources.files(__package__).joinpath("console_assets")
     return {entry.name: entry.read_bytes() for entry in folder.iterdir()
             if entry.is_file() and any(entry.name.endswith(ext) for ext in ASSET_TYPES)}
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes | None:
+    """The body, or None as soon as it is known to exceed `limit` bytes (declared or streamed)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _now_ms() -> int:
@@ -101,16 +118,19 @@ class Console:
     # ------------------------------------------------------------ session
 
     async def login(self, request: Request) -> Response:
-        body = await request.body()
-        if len(body) > MAX_LOGIN_BODY_BYTES:
+        body = await _bounded_body(request, MAX_LOGIN_BODY_BYTES)  # unauthenticated: never read more than this
+        if body is None:
             return envelope(413, "payload_too_large", "login body too large")
         try:
             token = orjson.loads(body).get("token")
         except (orjson.JSONDecodeError, AttributeError):
             return envelope(400, "invalid_request", 'body must be {"token": "..."}')
         now_ms = _now_ms()
+        client = request.client.host if request.client else "?"
         if not self._auth.redeem(token, now_ms=now_ms):
+            log.warning("console login refused for %s (invalid, expired or reused token)", client)
             return envelope(401, "console_unauthorized", "invalid, expired or already used login token")
+        log.info("console session opened for %s", client)  # never the token or the cookie
         value, max_age_s = self._auth.issue(now_ms=now_ms)
         response = Response(status_code=204, headers={"cache-control": "no-store"})
         response.set_cookie(COOKIE_NAME, value, max_age=max_age_s, path="/console", httponly=True,
