@@ -308,6 +308,10 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         shot("loras")
         body = text()
         assert "vllm-a" in body and "vllm-b" in body and "tiny:v1" in body
+        before = page.get_attribute("#view", "data-loads")
+        page.click("#refresh")  # reads the page again
+        page.wait_for_function("b => document.getElementById('view').dataset.loads !== b", arg=before)
+        assert "vllm-a" in text()
 
         page.click("#logout")
         page.wait_for_url(run.gw.url + "/console/login")

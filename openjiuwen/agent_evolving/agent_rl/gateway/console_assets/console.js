@@ -96,6 +96,7 @@
   function setView() {
     view.replaceChildren();
     append(view, Array.from(arguments));
+    view.dataset.loads = String(Number(view.dataset.loads || 0) + 1);
     document.getElementById("updated").textContent = "Loaded " + new Date().toISOString().replace(/\.\d+Z$/, "Z");
   }
   function problem(answer) {
@@ -459,6 +460,7 @@
       window.location.replace("/console/login");
     });
   });
+  document.getElementById("refresh").addEventListener("click", route);  // the console never polls on its own
   window.addEventListener("hashchange", route);
   api("overview").then(function (a) { if (a.ok) document.getElementById("model").textContent = "model " + a.body.model_id; }, function () {});
   route();
