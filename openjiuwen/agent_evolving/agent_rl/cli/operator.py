@@ -11,6 +11,7 @@
     openjiuwen-rl rl traj stats
     openjiuwen-rl rl traj list [--status S] [--limit N] [--all]
     openjiuwen-rl rl traj get ID
+    openjiuwen-rl rl console url [--ttl SECONDS]
 
 Every request is signed anew with the gateway's `apiHmacKey`. Output is human-readable; `--json` prints the raw
 answers. Exit status: 0 on success; 1 for an error answer (its code and message are printed), an unreachable gateway,
@@ -32,6 +33,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 
+from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS, login_token
 from ..gateway.hmac_auth import sign
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -85,6 +87,11 @@ class GatewayClient:
 
     def close(self) -> None:
         self._http.close()
+
+    def console_login_url(self, *, expires_ms: int) -> str:
+        """The web console's single-use login link. The token sits in the fragment: browsers never send it, so no
+        access log or proxy sees it."""
+        return f"{self.url}/console/login#token={login_token(self._key, expires_ms=expires_ms)}"
 
     def request(
         self,
@@ -501,6 +508,18 @@ def _traj_get(ctx: Context) -> int:
     return 0
 
 
+def _console_url(ctx: Context) -> int:
+    ttl_s = ctx.args.ttl
+    if not 0 < ttl_s * 1000 <= MAX_LOGIN_TTL_MS:
+        raise CliError(f"--ttl must be between 1 and {MAX_LOGIN_TTL_MS // 1000} seconds", exit_code=2)
+    expires_ms = time.time_ns() // 1_000_000 + int(ttl_s * 1000)
+    url = ctx.client.console_login_url(expires_ms=expires_ms)
+    expires_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires_ms / 1000))
+    ctx.show({"url": url, "expires_at": expires_at},
+             lambda d: (_out(d["url"]), print(f"single use; open it before {d['expires_at']}", file=sys.stderr)))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- parsing
 
 
@@ -599,6 +618,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status", choices=("pending", "training", "trained", "failed"), help="one status only")
     _add_page_options(p)
     leaf(traj, "get", "one sample with its token arrays and judge", _traj_get).add_argument("id")
+
+    console = group("console", "the gateway's read-only web console")
+    p = leaf(console, "url", "print a single-use login link for the web console (signed here; no request is sent)",
+             _console_url)
+    p.add_argument("--ttl", type=float, default=float(DEFAULT_LOGIN_TTL_S),
+                   help=f"seconds the link stays valid (default {DEFAULT_LOGIN_TTL_S}, at most "
+                        f"{MAX_LOGIN_TTL_MS // 1000})")
     return parser
 
 

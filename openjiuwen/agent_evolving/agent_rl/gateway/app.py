@@ -2,7 +2,8 @@
 
 Route families: unsigned inference (`/v1/chat/completions`, `/v1/messages`) and health; HMAC-signed control
 (service, Tasks, Training Runs, trajectories, rail upload, LoRA status/delete, instance registration); loopback-only
-internal LoRA routes for the RL Service child, checked against its bearer token.
+internal LoRA routes for the RL Service child, checked against its bearer token; the read-only web console under
+`/console` (a login token signed with the api key, exchanged for a session cookie; see console.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from starlette.responses import Response
 from ..online.api.errors import CatchAllMiddleware
 from ..online.metrics import CONTENT_TYPE, HttpMetricsMiddleware
 from .config import GatewayConfig
+from .console import Console
+from .console_auth import ConsoleAuth
 from .control import RLControl
 from .hmac_auth import HmacVerifier
 from .inference import InferenceProxy
@@ -59,10 +62,13 @@ class Gateway:
     upstream: httpx.AsyncClient
     registry: InstanceRegistry
     metrics: GatewayMetrics
+    console: Console
     ready: bool = False
 
 
-def build_gateway(config: GatewayConfig, *, model_id: str, verifier: HmacVerifier, env: dict[str, str]) -> Gateway:
+def build_gateway(
+    config: GatewayConfig, *, model_id: str, verifier: HmacVerifier, console_auth: ConsoleAuth, env: dict[str, str]
+) -> Gateway:
     metrics = GatewayMetrics()  # per app: its own CollectorRegistry
     registry = InstanceRegistry(
         [Instance(i.name, i.model, i.instance_ip, int(i.port)) for i in config.instances]
@@ -100,8 +106,10 @@ def build_gateway(config: GatewayConfig, *, model_id: str, verifier: HmacVerifie
         model_id=model_id, tracker=tracker, loras=loras, rl=rl, rl_running=control.running, upstream=upstream,
         metrics=metrics,
     )
+    console = Console(auth=console_auth, control=control, loras=loras, supervisor=supervisor, model_id=model_id)
     return Gateway(
-        config, model_id, verifier, loras, supervisor, rl, tracker, control, inference, upstream, registry, metrics
+        config, model_id, verifier, loras, supervisor, rl, tracker, control, inference, upstream, registry, metrics,
+        console,
     )
 
 
@@ -290,6 +298,40 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             return json_response(await gw.loras.activate(**args))
         except LoraError as exc:
             return envelope(exc.status, exc.code, exc.message)
+
+    # ---------------------------------------------------------------- web console (session cookie, read-only)
+
+    @app.get("/console")
+    async def console_bare() -> Response:
+        return Response(status_code=308, headers={"location": "/console/"})  # the assets' relative paths need the /
+
+    @app.get("/console/")
+    async def console_page(request: Request) -> Response:
+        return gw.console.page(request)
+
+    @app.get("/console/login")
+    async def console_login_page() -> Response:
+        return gw.console.login_page()
+
+    @app.post("/console/login")
+    async def console_login(request: Request) -> Response:
+        return await gw.console.login(request)
+
+    @app.post("/console/logout")
+    async def console_logout() -> Response:
+        return gw.console.logout()
+
+    @app.get("/console/assets/{name}")
+    async def console_asset(name: str) -> Response:
+        return gw.console.asset(name)
+
+    @app.get("/console/api/overview")
+    async def console_overview(request: Request) -> Response:
+        return await gw.console.overview(request)
+
+    @app.get("/console/api/rl/{path:path}")
+    async def console_rl(path: str, request: Request) -> Response:
+        return await gw.console.rl_read(request, path)
 
     @app.exception_handler(StarletteHTTPException)
     async def framework_error(_: Request, exc: StarletteHTTPException) -> Response:
