@@ -94,6 +94,7 @@ def test_defaults_match_the_contract() -> None:
         "log_max_bytes": 10485760,
         "log_backup_count": 5,
         "log_level": "INFO",
+        "log_format": "text",
     }
     assert {name: getattr(config, name) for name in expected} == expected
     assert set(RLServiceConfig.model_fields) == set(expected) | {"redis_url", "judge_api_key"}

@@ -201,6 +201,7 @@ class RLServiceConfig(BaseModel):
     log_max_bytes: PositiveInt = 10485760
     log_backup_count: PositiveInt = 5
     log_level: Annotated[StrictStr, AfterValidator(_check_log_level)] = "INFO"
+    log_format: Literal["text", "json"] = "text"  # json: one object per line with rl_task_id / capture_id / run id
 
     # Cross-field rules are field validators (not a model validator) so each error carries its field name.
     # They rely on declaration order: info.data holds only the fields declared, and validated, before.

@@ -12,7 +12,7 @@ import base64
 import binascii
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from redis.asyncio import Redis
@@ -21,10 +21,14 @@ from redis.asyncio.client import Pipeline
 from .. import ids
 from ..errors import InvalidInput
 from ..ids import InvalidIdentifier
+from ..rewards.policy import RewardPolicy, breakdown
 from . import keys
 from .codec import PackedSample, text
-from ..rewards.policy import RewardPolicy, breakdown
+from .policy_stats import queue_contribution
 from .tx import transact
+
+if TYPE_CHECKING:
+    from ..metrics import ServiceMetrics
 
 PENDING = "pending"
 AWAITING_REWARDS = keys.AWAITING_REWARDS
@@ -76,8 +80,10 @@ class TrajectoryStore:
         model_id: str,
         max_policy_lag: int | None = None,
         reward_policy: RewardPolicy | None = None,
+        metrics: "ServiceMetrics | None" = None,
     ) -> None:
         self._redis = redis
+        self._metrics = metrics
         self._owner = owner
         self._model_id = model_id
         self._max_policy_lag = max_policy_lag
@@ -158,11 +164,16 @@ class TrajectoryStore:
                 )
                 pipe.zadd(self.index_key(status), {sample_id: ids.parse_iso_epoch(created_at)})
                 self._queue_counters(pipe, status, source, policy_version, +1)
+                self._queue_policy_stats(pipe, policy_version, meta, sample.response_ids, +1)
             pipe.sadd(keys.TRAJ_USERS, self._owner)
             await pipe.execute()
             return fresh
 
-        return await transact(self._redis, body, *hash_keys.values())
+        fresh = await transact(self._redis, body, *hash_keys.values())
+        if self._metrics is not None:
+            for sample_id in fresh:
+                self._metrics.published(str(by_id[sample_id].meta.get("source") or ""))
+        return fresh
 
     async def delete_pending(self, sample_ids: Sequence[str]) -> int:
         """Roll back samples inserted by a failed publication: those still `pending` or `awaiting_rewards` are
@@ -172,22 +183,28 @@ class TrajectoryStore:
             return 0
 
         async def body(pipe: Pipeline) -> int:
-            rows = await self._hmget_many(hash_keys.values(), ("status", "source", "policy_version"))
+            rows = await self._hmget_many(
+                hash_keys.values(), ("status", "source", "policy_version", "sample_json", "response_ids")
+            )
             doomed = [
-                (sample_id, text(status) or "", text(source) or "", text(policy) or "base")
-                for sample_id, (status, source, policy) in zip(hash_keys, rows)
+                (sample_id, text(status) or "", text(source) or "", text(policy) or "base", sample_json,
+                 response_ids)
+                for sample_id, (status, source, policy, sample_json, response_ids) in zip(hash_keys, rows)
                 if text(status) in (PENDING, AWAITING_REWARDS)
             ]
             if not doomed:
                 return 0
-            # Invariant 5: hash, status index membership (and deadline index entry) and counters disappear together.
+            # Invariant 5: hash, status index membership (and the deadline index entry) and counters disappear
+            # together, and the sample's contribution to its version's aggregates with them.
             pipe.multi()
-            for sample_id, status, source, policy_version in doomed:
+            for sample_id, status, source, policy_version, sample_json, response_ids in doomed:
                 pipe.delete(hash_keys[sample_id])
                 pipe.zrem(self.index_key(status), sample_id)
                 if status == AWAITING_REWARDS:
                     pipe.zrem(self._deadlines_key, sample_id)
                 self._queue_counters(pipe, status, source, policy_version, -1)
+                meta = orjson.loads(sample_json or b"{}")
+                self._queue_policy_stats(pipe, policy_version, meta, response_ids or b"", -1)
             await pipe.execute()
             return len(doomed)
 
@@ -206,8 +223,8 @@ class TrajectoryStore:
         run_id: str | None = None,
     ) -> None:
         """Queue, inside a caller's MULTI, the writes of one status move (`pending → training`, `training →
-        trained | failed`, `training → pending`, `awaiting_rewards → pending`): hash `status`/`updated_at` (and `run_id`), index membership and
-        the counters, so the caller's EXEC keeps invariant 5. `score` is `created_at` epoch for `pending`, the
+        trained | failed`, `training → pending`, `awaiting_rewards → pending`): hash `status`/`updated_at` (and
+        `run_id`), index membership and the counters, so the caller's EXEC keeps invariant 5. `score` is `created_at` epoch for `pending`, the
         transition time otherwise. The caller WATCHes the hash and checked that its status is `old`."""
         mapping: dict[str, str] = {"status": new, "updated_at": at}
         if run_id is not None:
@@ -222,6 +239,15 @@ class TrajectoryStore:
         if new == PENDING:
             pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), +1)
         # `source:<src>` counts samples of every status, so a move leaves it alone.
+
+    @staticmethod
+    def _queue_policy_stats(pipe: Pipeline, policy_version: str, meta: dict[str, Any], response_ids: bytes,
+                            sign: int) -> None:
+        if not ids.is_token_id(policy_version):
+            return  # not a name a key may carry; such a version is simply not reported
+        queue_contribution(pipe, keys.policy_stats(policy_version), meta, len(response_ids) // 4, sign)
+        if sign > 0:
+            pipe.sadd(keys.POLICY_VERSIONS, policy_version)
 
     def queue_counters(self, pipe: Pipeline, status: str, source: str, policy_version: str, delta: int) -> None:
         """Queue the counter changes of a sample of `status` entering (+1) or leaving (-1) the store."""
