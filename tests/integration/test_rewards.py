@@ -396,3 +396,23 @@ async def test_a_sample_published_before_the_policy_accepts_rewards(redis):
     assert document["judge"]["score"] == pytest.approx((0.4 + 0.8 * 3) / 4)
     assert set(document["rewards"]["sources"]) == {"terminal", "business"}
     await consistent(redis)
+
+
+async def test_samples_waiting_when_the_policy_is_removed_are_released(redis, redis_url, tmp_path):
+    policy = {"sources": {"business": {"deadline_seconds": 1, "fallback": "drop"}}}
+    store, _ = make_store(redis, policy)
+    await store.insert_if_absent(packed(doc("a", score=0.7)))
+    async with running_app(make_config(redis_url, tmp_path)) as (app, client):
+        assert app.state.deps.reward_sweeper.running  # it runs while samples wait, policy or not
+        stats = (await client.get("/v1/rl/trajectories/stats")).json()
+        assert stats["by_status"]["awaiting_rewards"] == 1 and "rewards" not in stats
+        # Its source is no longer part of any policy: at the deadline it is released, not dropped.
+        deadline = time.monotonic() + 5
+        while (await client.get("/v1/rl/trajectories/a")).json()["status"] != "pending":
+            assert time.monotonic() < deadline, "the waiting sample was not released"
+            await asyncio.sleep(0.05)
+        detail = (await client.get("/v1/rl/trajectories/a")).json()
+        assert detail["judge"]["score"] == 0.7 and detail["rewards"]["sources"] == {
+            "judge": {"score": 0.7, "kind": "published", "late_seconds": 0.0}}
+        assert set((await client.get("/v1/rl/trajectories/stats")).json()["by_status"]) == set(keys.SAMPLE_STATUSES)
+    await consistent(redis)

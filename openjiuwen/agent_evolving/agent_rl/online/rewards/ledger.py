@@ -83,7 +83,9 @@ class RewardLedger:
             pipe.multi()
             pipe.hset(key, mapping={"rewards": orjson.dumps(new), "updated_at": at})
             if status == AWAITING:
-                self._queue_after_change(pipe, sample_id, new, new_status, sample_source, policy_version, created_at, at)
+                self._queue_after_change(
+                    pipe, sample_id, new, new_status, sample_source, policy_version, created_at, at
+                )
             latency_key = keys.reward_latency(self._owner, source)
             pipe.lpush(latency_key, f"{max(0.0, now - float(new['published_at'])):.3f}")
             pipe.ltrim(latency_key, 0, LATENCY_WINDOW - 1)

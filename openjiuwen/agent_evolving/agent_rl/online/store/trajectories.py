@@ -224,8 +224,8 @@ class TrajectoryStore:
     ) -> None:
         """Queue, inside a caller's MULTI, the writes of one status move (`pending → training`, `training →
         trained | failed`, `training → pending`, `awaiting_rewards → pending`): hash `status`/`updated_at` (and
-        `run_id`), index membership and the counters, so the caller's EXEC keeps invariant 5. `score` is `created_at` epoch for `pending`, the
-        transition time otherwise. The caller WATCHes the hash and checked that its status is `old`."""
+        `run_id`), index membership and the counters, so the caller's EXEC keeps invariant 5. `score` is
+        `created_at` epoch for `pending`, the transition time otherwise. The caller WATCHes the hash and checked that its status is `old`."""
         mapping: dict[str, str] = {"status": new, "updated_at": at}
         if run_id is not None:
             mapping["run_id"] = run_id
@@ -306,7 +306,10 @@ class TrajectoryStore:
             pipe.get(keys.POLICY_OBSERVED)
             raw_counters, raw_observed = await pipe.execute()
         counters = {text(k) or "": max(0, int(v)) for k, v in raw_counters.items()}
-        shown = keys.ALL_SAMPLE_STATUSES if self._reward_policy is not None else keys.SAMPLE_STATUSES
+        # `awaiting_rewards` is shown under a reward policy, or while samples still wait from one (else the shape
+        # stays that of CONTRACT §2.7).
+        waiting = counters.get(_status_field(AWAITING_REWARDS), 0) > 0
+        shown = keys.ALL_SAMPLE_STATUSES if self._reward_policy is not None or waiting else keys.SAMPLE_STATUSES
         by_status = {status: counters.get(_status_field(status), 0) for status in shown}
         by_source = {
             name[len("source:"):]: n for name, n in sorted(counters.items()) if name.startswith("source:") and n > 0
