@@ -416,3 +416,36 @@ async def test_samples_waiting_when_the_policy_is_removed_are_released(redis, re
             "judge": {"score": 0.7, "kind": "published", "late_seconds": 0.0}}
         assert set((await client.get("/v1/rl/trajectories/stats")).json()["by_status"]) == set(keys.SAMPLE_STATUSES)
     await consistent(redis)
+
+
+def _random_json(rng: Any, depth: int = 0) -> Any:
+    choices = [None, True, False, 0, -1, 0.5, 1.5, 1e308, "", "human", "business", "judge", "c1", "x" * 300,
+               "\u0000", "é", [], {}]
+    if depth < 3 and rng.random() < 0.4:
+        if rng.random() < 0.5:
+            return [_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+        keys_ = ["source", "score", "trajectory_id", "rewards", "x"]
+        return {rng.choice(keys_): _random_json(rng, depth + 1) for _ in range(rng.randrange(4))}
+    return rng.choice(choices)
+
+
+async def test_fuzzed_bodies_never_give_a_5xx(service, redis):
+    import random
+
+    deps, client = service
+    await deps.store.insert_if_absent(packed(doc("c1")))
+    rng = random.Random(10)
+    for i in range(300):
+        body = _random_json(rng)
+        if i % 3 == 0:
+            body = {"source": rng.choice(["human", "business", "nope"]), "score": _random_json(rng)}
+        path = rng.choice(["/v1/rl/trajectories/c1/rewards", "/v1/rl/trajectories/rewards",
+                           "/v1/rl/trajectories/%2e%2e/rewards", "/v1/rl/trajectories/zz/rewards"])
+        if path.endswith("/trajectories/rewards") and i % 2:
+            body = {"rewards": [body] if not isinstance(body, list) else body}
+        r = await client.post(path, content=orjson.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code in (200, 400, 404, 409), (path, body, r.status_code, r.text)
+        if r.status_code != 200:
+            error = r.json()["error"]
+            assert set(error) == {"code", "message"} and isinstance(error["code"], str)
+    await consistent(redis)

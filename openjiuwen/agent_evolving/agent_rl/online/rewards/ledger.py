@@ -163,13 +163,15 @@ class RewardLedger:
         async def body(pipe: Pipeline) -> tuple[str, int]:
             row = await pipe.hmget(key, _FIELDS)
             status, raw_state, source, policy_version, created_at = (text(v) for v in row)
-            pipe.multi()
-            if status != AWAITING or not raw_state:
+            if status != AWAITING:
                 # Deadline-index invariant: only `awaiting_rewards` samples have an entry.
+                pipe.multi()
                 pipe.zrem(self._deadlines_key, sample_id)
                 await pipe.execute()
                 return "stale", 0
-            expiry = self._policy.expire(orjson.loads(raw_state), now)
+            state = orjson.loads(raw_state) if raw_state else await self._state_before_policy(pipe, key, created_at)
+            expiry = self._policy.expire(state, now)
+            pipe.multi()
             for name in expiry.fallbacks:
                 pipe.hincrby(self._stats_key, f"reward_fallback:{name}", 1)
             if expiry.drop:
