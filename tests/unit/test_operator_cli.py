@@ -252,6 +252,45 @@ def test_traj_list_follows_next_cursor(gw: FakeGateway, capsys) -> None:
     assert [r.url.params.get("cursor") for r in gw.requests[1:]] == [None, "2", "4"]
 
 
+def test_task_and_run_listings_timeline_and_policy_report(gw: FakeGateway, capsys) -> None:
+    gw.on("GET", "/v1/rl/tasks", ok({"items": [task_record("finalized", finish_reason="user_stopped")],
+                                     "next_cursor": "c2"}))
+    assert run_cli(gw, "task", "list", "--status", "finalized", "--limit", "1") == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0].split() == ["TASK", "STATUS", "REASON", "MODE", "POLICY", "SESSION",
+                                                     "CREATED_AT"]
+    assert captured.out.splitlines()[1].split()[:3] == ["t1", "finalized", "user_stopped"]
+    assert "more: --cursor c2 (or --all)" in captured.err
+    assert dict(gw.requests[-1].url.params) == {"limit": "1", "status": "finalized"}
+
+    gw.on("GET", "/v1/rl/training/runs", ok({"items": [run_record("succeeded", "activating", lora_name="tiny:v1")],
+                                              "next_cursor": None}))
+    assert run_cli(gw, "train", "list") == 0
+    assert capsys.readouterr().out.splitlines()[1].split() == [
+        "run-0123456789ab", "succeeded", "activating", "2", "tiny:v1", "2025-01-01T00:00:00+00:00"]
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab/events", ok({"items": [
+        {"id": "1-0", "at": "2025-01-01T00:00:00+00:00", "type": "created", "data": {"sample_count": 2}}]}))
+    assert run_cli(gw, "train", "events", "run-0123456789ab") == 0
+    assert capsys.readouterr().out.split() == ["2025-01-01T00:00:00+00:00", "created", '{"sample_count":2}']
+
+    gw.on("GET", "/v1/rl/policies", ok({"items": [
+        {"policy_version": "base", "lora_name": None, "parent_version": None, "tasks": 3, "samples": 3,
+         "reward": {"n": 3, "mean": 0.3, "ci95": [0.05, 0.55]}, "reward_sources": {"terminal": 3},
+         "judge_agreement": None, "tokens_per_completion": 12.0,
+         "completion_latency_ms": {"mean": 40.0, "p50": 30.0, "p95": 90.0}},
+        {"policy_version": "tiny:v1", "lora_name": "tiny:v1", "parent_version": "base", "tasks": 2, "samples": 2,
+         "reward": {"n": 2, "mean": 0.8, "ci95": None}, "reward_sources": {"judge": 2}, "judge_agreement": 0.9,
+         "tokens_per_completion": 10.5, "completion_latency_ms": None}],
+        "comparison": {"latest": "tiny:v1", "parent": "base", "reward_delta": 0.5, "ci95": [0.1, 0.9]}}))
+    assert run_cli(gw, "policy", "report") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:5] == ["VERSION", "PARENT", "TASKS", "SAMPLES", "REWARD"]
+    assert lines[1].split() == ["base", "-", "3", "3", "0.300", "[0.050,", "0.550]", "terminal", "3", "-", "12.0",
+                                "30", "90"]
+    assert lines[2].split()[:5] == ["tiny:v1", "base", "2", "2", "0.800"]
+    assert lines[3] == "tiny:v1 vs base: reward +0.500 (95% CI +0.100 .. +0.900)"
+
+
 def test_traj_get_summary(gw: FakeGateway, capsys) -> None:
     gw.on("GET", "/v1/rl/trajectories/tr:0", ok({
         "sample_id": "tr:0", "status": "pending", "source": "rail", "session_id": "s", "rl_task_id": None,
@@ -379,6 +418,7 @@ def test_train_stop_and_get(gw: FakeGateway, capsys) -> None:
 @pytest.mark.parametrize("argv", [
     [], ["service"], ["service", "start"], ["task"], ["task", "start"], ["task", "reward"], ["train"],
     ["train", "start"], ["train", "watch"], ["lora"], ["lora", "status"], ["traj"], ["traj", "list"],
+    ["task", "list"], ["train", "list"], ["train", "events"], ["policy"], ["policy", "report"],
 ])
 def test_help_everywhere(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as done:

@@ -11,6 +11,7 @@
     openjiuwen-rl rl traj stats
     openjiuwen-rl rl traj list [--status S] [--limit N] [--all]
     openjiuwen-rl rl traj get ID
+    openjiuwen-rl rl console url [--ttl SECONDS]
 
 Every request is signed anew with the gateway's `apiHmacKey`. Output is human-readable; `--json` prints the raw
 answers. Exit status: 0 on success; 1 for an error answer (its code and message are printed), an unreachable gateway,
@@ -32,6 +33,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 
+from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS, login_token
 from ..gateway.hmac_auth import sign
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -85,6 +87,11 @@ class GatewayClient:
 
     def close(self) -> None:
         self._http.close()
+
+    def console_login_url(self, *, expires_ms: int) -> str:
+        """The web console's single-use login link. The token sits in the fragment: browsers never send it, so no
+        access log or proxy sees it."""
+        return f"{self.url}/console/login#token={login_token(self._key, expires_ms=expires_ms)}"
 
     def request(
         self,
@@ -214,8 +221,24 @@ def _show_stats(stats: dict[str, Any]) -> None:
         ("by source", by_source),
         ("stale", stats.get("stale")),
         ("expired unrewarded", stats.get("expired_unrewarded")),
+        *_reward_rows(stats.get("rewards")),
         ("updated", stats.get("updated_at")),
     ])
+
+
+def _reward_rows(rewards: Any) -> list[tuple[str, Any]]:
+    """The reward-policy part of the stats (present only when the service has a reward policy)."""
+    if not isinstance(rewards, dict):
+        return []
+    rows: list[tuple[str, Any]] = [
+        ("rewards", f"{rewards.get('aggregation')}; waiting {rewards.get('waiting')}, "
+                    f"dropped {rewards.get('dropped')}, next deadline {rewards.get('next_deadline_at') or '-'}"),
+    ]
+    for name, source in (rewards.get("sources") or {}).items():
+        p50, p95 = source.get("late_p50_seconds"), source.get("late_p95_seconds")
+        late = "-" if p50 is None else f"p50 {p50:g} s, p95 {p95:g} s"
+        rows.append((f"  {name}", f"arrived {source.get('arrived')}, fallback {source.get('fallback')}, late {late}"))
+    return rows
 
 
 _LIST_COLUMNS = (("SAMPLE_ID", "sample_id"), ("STATUS", "status"), ("SOURCE", "source"),
@@ -223,10 +246,53 @@ _LIST_COLUMNS = (("SAMPLE_ID", "sample_id"), ("STATUS", "status"), ("SOURCE", "s
 
 
 def _show_items(items: list[dict[str, Any]]) -> None:
-    rows = [[str(item.get(key) or "-") for _, key in _LIST_COLUMNS] for item in items]
-    widths = [max([len(title)] + [len(row[i]) for row in rows]) for i, (title, _) in enumerate(_LIST_COLUMNS)]
-    for row in [[title for title, _ in _LIST_COLUMNS], *rows]:
+    _table([[str(item.get(key) or "-") for _, key in _LIST_COLUMNS] for item in items],
+           [title for title, _ in _LIST_COLUMNS])
+
+
+def _table(rows: list[list[str]], titles: list[str]) -> None:
+    widths = [max([len(title)] + [len(row[i]) for row in rows]) for i, title in enumerate(titles)]
+    for row in [titles, *rows]:
         _out("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def _show_task_rows(items: list[dict[str, Any]]) -> None:
+    _table([[str(t.get("rl_task_id")), str(t.get("status")), str(t.get("finish_reason") or "-"),
+             str(t.get("reward_mode")), str(t.get("policy_lora_name")), str(t.get("agent_session_id")),
+             str(t.get("created_at"))] for t in items],
+           ["TASK", "STATUS", "REASON", "MODE", "POLICY", "SESSION", "CREATED_AT"])
+
+
+def _show_run_rows(items: list[dict[str, Any]]) -> None:
+    _table([[str(r.get("training_run_id")), str(r.get("status")), str(r.get("stage")), str(r.get("sample_count")),
+             str(r.get("lora_name") or "-"), str(r.get("created_at"))] for r in items],
+           ["RUN", "STATUS", "STAGE", "SAMPLES", "LORA", "CREATED_AT"])
+
+
+def _num(value: Any, fmt: str = ".3f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _show_policies(report: dict[str, Any]) -> None:
+    rows = []
+    for p in report.get("items", []):
+        reward = p.get("reward") or {}
+        ci = reward.get("ci95")
+        latency = p.get("completion_latency_ms") or {}
+        rows.append([
+            str(p.get("policy_version")), str(p.get("parent_version") or "-"), str(p.get("tasks")),
+            str(p.get("samples")), _num(reward.get("mean")), f"[{_num(ci[0])}, {_num(ci[1])}]" if ci else "-",
+            ", ".join(f"{k} {v}" for k, v in (p.get("reward_sources") or {}).items()) or "-",
+            _num(p.get("judge_agreement"), ".2f"), _num(p.get("tokens_per_completion"), ".1f"),
+            _num(latency.get("p50"), ".0f"), _num(latency.get("p95"), ".0f"),
+        ])
+    _table(rows, ["VERSION", "PARENT", "TASKS", "SAMPLES", "REWARD", "CI95", "SOURCES", "AGREE", "TOKENS",
+                  "P50_MS", "P95_MS"])
+    comparison = report.get("comparison")
+    if comparison:
+        ci = comparison.get("ci95")
+        _out(f"{comparison['latest']} vs {comparison['parent']}: reward {comparison['reward_delta']:+.3f}"
+             + (f" (95% CI {ci[0]:+.3f} .. {ci[1]:+.3f})" if ci else ""))
 
 
 def _show_sample(sample: dict[str, Any]) -> None:
@@ -282,6 +348,50 @@ def _task_get(ctx: Context) -> int:
 
 def _task_events(ctx: Context) -> int:
     ctx.show(ctx.client.request("GET", f"/v1/rl/tasks/{_q(ctx.args.id)}/events"), _show_events)
+    return 0
+
+
+def _pages(ctx: Context, path: str, params: dict[str, Any]) -> dict[str, Any]:
+    """One page, or every page with `--all`; a hint for the next page goes to stderr."""
+    page = ctx.client.request("GET", path, params=params)
+    items = list(page.get("items", []))
+    while ctx.args.all and page.get("next_cursor"):
+        page = ctx.client.request("GET", path, params={**params, "cursor": page["next_cursor"]})
+        items += page.get("items", [])
+    result = {"items": items, "next_cursor": page.get("next_cursor")}
+    if not ctx.as_json and result["next_cursor"]:
+        print(f"more: --cursor {result['next_cursor']} (or --all)", file=sys.stderr, flush=True)
+    return result
+
+
+def _page_params(ctx: Context) -> dict[str, Any]:
+    params: dict[str, Any] = {"limit": ctx.args.limit}
+    if getattr(ctx.args, "status", None):
+        params["status"] = ctx.args.status
+    if ctx.args.cursor:
+        params["cursor"] = ctx.args.cursor
+    return params
+
+
+def _task_list(ctx: Context) -> int:
+    result = _pages(ctx, "/v1/rl/tasks", _page_params(ctx))
+    ctx.show(result, lambda r: _show_task_rows(r["items"]))
+    return 0
+
+
+def _train_list(ctx: Context) -> int:
+    result = _pages(ctx, "/v1/rl/training/runs", _page_params(ctx))
+    ctx.show(result, lambda r: _show_run_rows(r["items"]))
+    return 0
+
+
+def _train_events(ctx: Context) -> int:
+    ctx.show(ctx.client.request("GET", f"/v1/rl/training/runs/{_q(ctx.args.run_id)}/events"), _show_events)
+    return 0
+
+
+def _policy_report(ctx: Context) -> int:
+    ctx.show(ctx.client.request("GET", "/v1/rl/policies"), _show_policies)
     return 0
 
 
@@ -404,25 +514,35 @@ def _traj_stats(ctx: Context) -> int:
 
 
 def _traj_list(ctx: Context) -> int:
-    params: dict[str, Any] = {"limit": ctx.args.limit}
-    if ctx.args.status:
-        params["status"] = ctx.args.status
-    if ctx.args.cursor:
-        params["cursor"] = ctx.args.cursor
-    page = ctx.client.request("GET", "/v1/rl/trajectories", params=params)
-    items = list(page.get("items", []))
-    while ctx.args.all and page.get("next_cursor"):
-        page = ctx.client.request("GET", "/v1/rl/trajectories", params={**params, "cursor": page["next_cursor"]})
-        items += page.get("items", [])
-    result = {"items": items, "next_cursor": page.get("next_cursor")}
+    result = _pages(ctx, "/v1/rl/trajectories", _page_params(ctx))
     ctx.show(result, lambda r: _show_items(r["items"]))
-    if not ctx.as_json and result["next_cursor"]:
-        print(f"more: --cursor {result['next_cursor']} (or --all)", file=sys.stderr, flush=True)
+    return 0
+
+
+def _traj_reward(ctx: Context) -> int:
+    body = {"source": ctx.args.source, "score": ctx.args.score}
+    answer = ctx.client.request("POST", f"/v1/rl/trajectories/{_q(ctx.args.id)}/rewards", body=body)
+    ctx.show(answer, lambda a: _out(
+        f"sample {ctx.args.id}: {ctx.args.source} {ctx.args.score:g} "
+        f"{'recorded' if a.get('recorded') else 'already recorded'}; status {a.get('status')}, "
+        f"score {(a.get('rewards') or {}).get('score')}"))
     return 0
 
 
 def _traj_get(ctx: Context) -> int:
     ctx.show(ctx.client.request("GET", f"/v1/rl/trajectories/{_q(ctx.args.id)}"), _show_sample)
+    return 0
+
+
+def _console_url(ctx: Context) -> int:
+    ttl_s = ctx.args.ttl
+    if not 0 < ttl_s * 1000 <= MAX_LOGIN_TTL_MS:
+        raise CliError(f"--ttl must be between 1 and {MAX_LOGIN_TTL_MS // 1000} seconds", exit_code=2)
+    expires_ms = time.time_ns() // 1_000_000 + int(ttl_s * 1000)
+    url = ctx.client.console_login_url(expires_ms=expires_ms)
+    expires_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires_ms / 1000))
+    ctx.show({"url": url, "expires_at": expires_at},
+             lambda d: (_out(d["url"]), print(f"single use; open it before {d['expires_at']}", file=sys.stderr)))
     return 0
 
 
@@ -441,6 +561,12 @@ def _add_common(parser: argparse.ArgumentParser, *, leaf: bool) -> None:
     parser.add_argument("--json", action="store_true", default=default(False), help="print the raw JSON answer")
     parser.add_argument("--timeout", type=float, default=default(DEFAULT_TIMEOUT_S),
                         help=f"seconds per request (default {DEFAULT_TIMEOUT_S:g})")
+
+
+def _add_page_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--limit", type=int, default=100, help="page size, 1..1000 (default 100)")
+    parser.add_argument("--cursor", help="continue after a previous page")
+    parser.add_argument("--all", action="store_true", help="follow next_cursor to the last page")
 
 
 def _add_watch_options(parser: argparse.ArgumentParser) -> None:
@@ -483,6 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
     leaf(task, "stop", "drain in-flight captures and finalize the Task", _task_stop).add_argument("id")
     leaf(task, "get", "the Task record", _task_get).add_argument("id")
     leaf(task, "events", "the Task timeline", _task_events).add_argument("id")
+    p = leaf(task, "list", "Tasks newest first", _task_list)
+    p.add_argument("--status", choices=("active", "finalized", "aborted"), help="one status only")
+    _add_page_options(p)
     p = leaf(task, "reward", "the terminal reward of a finalized Task (publishes its samples)", _task_reward)
     p.add_argument("id")
     p.add_argument("value", type=float, help="a number between 0 and 1")
@@ -496,6 +625,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_watch_options(p)
     leaf(train, "stop", "cancel a run (returns once it settled)", _train_stop).add_argument("run_id")
     leaf(train, "get", "the run record", _train_get).add_argument("run_id")
+    leaf(train, "events", "the run timeline", _train_events).add_argument("run_id")
+    _add_page_options(leaf(train, "list", "Training Runs newest first", _train_list))
+
+    policy = group("policy", "per-version evaluation of the trained policies")
+    leaf(policy, "report", "Tasks, samples, reward with its confidence interval, sources, judge agreement, tokens "
+                           "and latency per version, and the latest version against its parent", _policy_report)
 
     lora = group("lora", "inspect or roll back the active LoRA of a model")
     leaf(lora, "status", "base, active or degraded, with the active LoRA and instance counts",
@@ -503,14 +638,25 @@ def build_parser() -> argparse.ArgumentParser:
     leaf(lora, "delete", "deactivate the LoRA: new Tasks use the base model, pinned Tasks keep theirs",
          _lora_delete).add_argument("model")
 
-    traj = group("traj", "trajectory samples: counters, listing, detail")
+    traj = group("traj", "trajectory samples: counters, listing, detail, external rewards")
     leaf(traj, "stats", "counters by status and source", _traj_stats)
     p = leaf(traj, "list", "sample summaries, oldest first per status", _traj_list)
-    p.add_argument("--status", choices=("pending", "training", "trained", "failed"), help="one status only")
-    p.add_argument("--limit", type=int, default=100, help="page size, 1..1000 (default 100)")
-    p.add_argument("--cursor", help="continue after a previous page")
-    p.add_argument("--all", action="store_true", help="follow next_cursor to the last page")
+    p.add_argument("--status", choices=("awaiting_rewards", "pending", "training", "trained", "failed"),
+                   help="one status only")
+    _add_page_options(p)
     leaf(traj, "get", "one sample with its token arrays and judge", _traj_get).add_argument("id")
+    p = leaf(traj, "reward", "attach a score of an external reward source (needs a reward policy; docs/rewards.md)",
+             _traj_reward)
+    p.add_argument("id", help="the sample (trajectory) id")
+    p.add_argument("source", help="an external source of the service's reward_policy")
+    p.add_argument("score", type=float, help="a number between 0 and 1")
+
+    console = group("console", "the gateway's read-only web console")
+    p = leaf(console, "url", "print a single-use login link for the web console (signed here; no request is sent)",
+             _console_url)
+    p.add_argument("--ttl", type=float, default=float(DEFAULT_LOGIN_TTL_S),
+                   help=f"seconds the link stays valid (default {DEFAULT_LOGIN_TTL_S}, at most "
+                        f"{MAX_LOGIN_TTL_MS // 1000})")
     return parser
 
 

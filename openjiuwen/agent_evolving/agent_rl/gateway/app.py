@@ -2,7 +2,8 @@
 
 Route families: unsigned inference (`/v1/chat/completions`, `/v1/messages`) and health; HMAC-signed control
 (service, Tasks, Training Runs, trajectories, rail upload, LoRA status/delete, instance registration); loopback-only
-internal LoRA routes for the RL Service child, checked against its bearer token.
+internal LoRA routes for the RL Service child, checked against its bearer token; the read-only web console under
+`/console` (a login token signed with the api key, exchanged for a session cookie; see console.py).
 """
 
 from __future__ import annotations
@@ -24,12 +25,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from ..online.api.errors import CatchAllMiddleware
+from ..online.metrics import CONTENT_TYPE, HttpMetricsMiddleware
 from .config import GatewayConfig
+from .console import Console
+from .console_auth import ConsoleAuth
 from .control import RLControl
 from .hmac_auth import HmacVerifier
 from .inference import InferenceProxy
 from .instances import Instance, InstanceRegistry
 from .lora_manager import LoraError, LoraManager
+from .metrics import GatewayMetrics
 from .responses import envelope, json_response
 from .rl_client import RLClient
 from .sessions import SessionMap
@@ -39,6 +44,7 @@ from .tasks import TaskTracker
 log = logging.getLogger("openjiuwen.agent_rl.gateway")
 
 RETRY_FAILED_INSTANCES_S = 30.0
+RL_SCRAPE_TIMEOUT_S = 5.0
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
@@ -54,10 +60,16 @@ class Gateway:
     control: RLControl
     inference: InferenceProxy
     upstream: httpx.AsyncClient
+    registry: InstanceRegistry
+    metrics: GatewayMetrics
+    console: Console
     ready: bool = False
 
 
-def build_gateway(config: GatewayConfig, *, model_id: str, verifier: HmacVerifier, env: dict[str, str]) -> Gateway:
+def build_gateway(
+    config: GatewayConfig, *, model_id: str, verifier: HmacVerifier, console_auth: ConsoleAuth, env: dict[str, str]
+) -> Gateway:
+    metrics = GatewayMetrics()  # per app: its own CollectorRegistry
     registry = InstanceRegistry(
         [Instance(i.name, i.model, i.instance_ip, int(i.port)) for i in config.instances]
     )
@@ -82,7 +94,7 @@ def build_gateway(config: GatewayConfig, *, model_id: str, verifier: HmacVerifie
     )
     rl = RLClient(
         endpoint=online.endpoint, token=lambda: supervisor.token, hook_timeout_s=online.hook_timeout_s,
-        hook_retries=online.hook_retries, control_timeout_s=online.control_timeout_s,
+        hook_retries=online.hook_retries, control_timeout_s=online.control_timeout_s, metrics=metrics,
     )
     tracker = TaskTracker(SessionMap(), loras)
     control = RLControl(
@@ -92,8 +104,13 @@ def build_gateway(config: GatewayConfig, *, model_id: str, verifier: HmacVerifie
     holder["control"] = control
     inference = InferenceProxy(
         model_id=model_id, tracker=tracker, loras=loras, rl=rl, rl_running=control.running, upstream=upstream,
+        metrics=metrics,
     )
-    return Gateway(config, model_id, verifier, loras, supervisor, rl, tracker, control, inference, upstream)
+    console = Console(auth=console_auth, control=control, loras=loras, supervisor=supervisor, model_id=model_id)
+    return Gateway(
+        config, model_id, verifier, loras, supervisor, rl, tracker, control, inference, upstream, registry, metrics,
+        console,
+    )
 
 
 def create_gateway_app(gw: Gateway) -> FastAPI:
@@ -146,6 +163,22 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     async def health() -> Response:
         return json_response({"status": "ok" if gw.ready else "starting", "rl_service": gw.supervisor.status()["status"]})
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Unsigned (CONTRACT §3.2): the gateway's `gw_*` series, then the RL Service child's `rl_*` series while it
+        runs (its own /metrics sits behind the child's random bearer token on loopback)."""
+        running = gw.control.running()
+        gw.metrics.refresh(loras=gw.loras, instances=gw.registry, sessions=gw.tracker.sessions,
+                           model_id=gw.model_id, rl_running=running)
+        child = b""
+        if running:
+            try:
+                child = await gw.rl.metrics_text(RL_SCRAPE_TIMEOUT_S)
+            except httpx.HTTPError as exc:
+                gw.metrics.rl_scrape_errors.inc()
+                log.warning("could not read the RL Service metrics: %s", type(exc).__name__)
+        return Response(gw.metrics.render() + child, media_type=CONTENT_TYPE)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await gw.inference.chat(request)
@@ -190,9 +223,11 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         return await gw.control.forward(request.method, request.url.path, body=body, query=request.url.query)
 
     for method, path in (
+        ("GET", "/v1/rl/tasks"),
         ("GET", "/v1/rl/tasks/{rl_task_id}"),
         ("POST", "/v1/rl/tasks/{rl_task_id}/reward"),
         ("GET", "/v1/rl/tasks/{rl_task_id}/events"),
+        ("GET", "/v1/rl/training/runs"),
         ("POST", "/v1/rl/training/runs"),
         ("GET", "/v1/rl/training/runs/{training_run_id}"),
         ("POST", "/v1/rl/training/runs/{training_run_id}/stop"),
@@ -200,6 +235,9 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         ("GET", "/v1/rl/trajectories/stats"),
         ("GET", "/v1/rl/trajectories"),
         ("GET", "/v1/rl/trajectories/{trajectory_id}"),
+        ("POST", "/v1/rl/trajectories/rewards"),
+        ("POST", "/v1/rl/trajectories/{trajectory_id}/rewards"),
+        ("GET", "/v1/rl/policies"),
         ("POST", "/v1/gateway/upload/batch"),
     ):
         app.add_api_route(path, proxied, methods=[method])
@@ -263,11 +301,46 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         except LoraError as exc:
             return envelope(exc.status, exc.code, exc.message)
 
+    # ---------------------------------------------------------------- web console (session cookie, read-only)
+
+    @app.get("/console")
+    async def console_bare() -> Response:
+        return Response(status_code=308, headers={"location": "/console/"})  # the assets' relative paths need the /
+
+    @app.get("/console/")
+    async def console_page(request: Request) -> Response:
+        return gw.console.page(request)
+
+    @app.get("/console/login")
+    async def console_login_page() -> Response:
+        return gw.console.login_page()
+
+    @app.post("/console/login")
+    async def console_login(request: Request) -> Response:
+        return await gw.console.login(request)
+
+    @app.post("/console/logout")
+    async def console_logout() -> Response:
+        return gw.console.logout()
+
+    @app.get("/console/assets/{name}")
+    async def console_asset(name: str) -> Response:
+        return gw.console.asset(name)
+
+    @app.get("/console/api/overview")
+    async def console_overview(request: Request) -> Response:
+        return await gw.console.overview(request)
+
+    @app.get("/console/api/rl/{path:path}")
+    async def console_rl(path: str, request: Request) -> Response:
+        return await gw.console.rl_read(request, path)
+
     @app.exception_handler(StarletteHTTPException)
     async def framework_error(_: Request, exc: StarletteHTTPException) -> Response:
         return envelope(exc.status_code, "request_failed", str(exc.detail))
 
     app.add_middleware(CatchAllMiddleware, message="internal gateway error", logger=log)
+    app.add_middleware(HttpMetricsMiddleware, observe=gw.metrics.http)  # outermost: every answer is counted
 
     return app
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -30,6 +31,9 @@ from .rl_client import HookUnreachable, RLClient
 from .sessions import Binding
 from .sse import DONE, encode_sse, iter_sse_events
 from .tasks import TaskTracker
+
+if TYPE_CHECKING:
+    from .metrics import GatewayMetrics
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.inference")
 
@@ -65,7 +69,9 @@ class InferenceProxy:
         rl: RLClient,
         rl_running: Callable[[], bool],
         upstream: httpx.AsyncClient,
+        metrics: "GatewayMetrics | None" = None,
     ) -> None:
+        self._metrics = metrics
         self._model_id = model_id
         self._tracker = tracker
         self._sessions = tracker.sessions
@@ -205,12 +211,17 @@ class InferenceProxy:
             "POST", instance.base_url + CHAT_PATH, content=orjson.dumps(body), headers={"content-type": "application/json"},
             timeout=UPSTREAM_TIMEOUT,
         )
+        started = time.perf_counter()
         try:
             resp = await self._upstream.send(req, stream=True)
         except httpx.HTTPError as exc:
+            if self._metrics is not None:
+                self._metrics.upstream_answered(instance.name, "error", time.perf_counter() - started)
             if capture is not None:
                 self._discard_in_background(capture)
             return envelope(502, "upstream_unavailable", f"vLLM instance unreachable: {type(exc).__name__}")
+        if self._metrics is not None:
+            self._metrics.upstream_answered(instance.name, str(resp.status_code), time.perf_counter() - started)
         if resp.status_code != 200:
             content = await resp.aread()
             await resp.aclose()

@@ -256,6 +256,20 @@ class LoraManager:
         status = "degraded" if failed or state.artifact_missing else "active"
         return {"status": status, "active_lora": state.active.public(), "instances": {"ready": ready, "failed": failed}}
 
+    def describe(self, model: str) -> dict[str, Any]:
+        """The web console's view of a model: `status(model)`, each instance with the adapters confirmed loaded on it
+        and its requests in flight, and the leases (Tasks pinned to a version) of the model's versions."""
+        state = self._models.get(model)
+        failed = state.failed if state is not None else set()
+        instances = [
+            {"name": i.name, "address": f"{i.host}:{i.port}", "loaded": sorted(self._loaded.get(i.name, ())),
+             "failed": i.name in failed, "inflight": self._inflight[i.name]}
+            for i in self._registry.for_model(model)
+        ]
+        leases = {name: n for name, n in sorted(self._leases.items())
+                  if n > 0 and (parsed := parse_lora_name(name)) is not None and parsed[0] == model}
+        return {**self.status(model), "model": model, "instance_list": instances, "leases": leases}
+
     async def refresh_status(self, model: str) -> dict[str, Any]:
         """Retry loading the active adapter where it is missing, then `status(model)`."""
         if self._needs_converge(model):
@@ -316,6 +330,10 @@ class LoraManager:
             yield
         finally:
             await self.release(lora_name)
+
+    def leases(self) -> dict[str, int]:
+        """Lease count per leased version (metrics)."""
+        return {name: n for name, n in self._leases.items() if n > 0}
 
     def lease_count(self, lora_name: str) -> int:
         return self._leases.get(lora_name, 0)

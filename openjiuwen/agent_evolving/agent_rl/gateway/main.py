@@ -26,6 +26,7 @@ async def _serve(config_path: str) -> int:
     from ..online.config import ConfigError, load_config
     from .app import build_gateway, create_gateway_app
     from .config import GatewayConfigError, load_gateway_config, load_hmac_keys
+    from .console_auth import ConsoleAuth
     from .hmac_auth import HmacVerifier
 
     try:
@@ -36,7 +37,8 @@ async def _serve(config_path: str) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     verifier = HmacVerifier(keys.api, keys.ins)
-    gateway = build_gateway(config, model_id=rl_config.model_id, verifier=verifier, env=dict(os.environ))
+    gateway = build_gateway(config, model_id=rl_config.model_id, verifier=verifier,
+                            console_auth=ConsoleAuth(keys.api), env=dict(os.environ))
     app = create_gateway_app(gateway)
     host, _, port = config.global_.listen.rpartition(":")
     server = uvicorn.Server(uvicorn.Config(app, host=host.strip("[]") or "127.0.0.1", port=int(port),

@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
+
+if TYPE_CHECKING:
+    from .metrics import GatewayMetrics
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.rl_client")
 
@@ -46,7 +49,9 @@ class RLClient:
         hook_retries: int,
         control_timeout_s: float,
         client: httpx.AsyncClient | None = None,
+        metrics: "GatewayMetrics | None" = None,
     ) -> None:
+        self._metrics = metrics
         self._endpoint = endpoint.rstrip("/")
         self._token = token
         self._hook_timeout_s = hook_timeout_s
@@ -72,6 +77,20 @@ class RLClient:
 
     async def hook(self, path: str, body: dict[str, Any]) -> RLAnswer:
         """POST a hook with the hook timeout and retries; raises HookUnreachable when nothing answered."""
+        if self._metrics is None:
+            return await self._hook(path, body)
+        name = path.rsplit(":", 1)[-1]  # before, after, discard, abort
+        with self._metrics.hook(name):
+            try:
+                answer = await self._hook(path, body)
+            except HookUnreachable:
+                self._metrics.hook_error(name, "unreachable")
+                raise
+        if not answer.ok:
+            self._metrics.hook_error(name, str(answer.status))
+        return answer
+
+    async def _hook(self, path: str, body: dict[str, Any]) -> RLAnswer:
         payload = orjson.dumps(body)
         last: Exception | None = None
         for attempt in range(self._hook_retries + 1):
@@ -97,6 +116,12 @@ class RLClient:
 
     async def abort(self, rl_task_id: str, reason: str) -> RLAnswer:
         return await self.hook(f"/internal/v1/rl/tasks/{rl_task_id}:abort", {"reason": reason})
+
+    async def metrics_text(self, timeout_s: float) -> bytes:
+        """The RL Service's own `/metrics` (federated into the gateway's scrape); raises httpx errors."""
+        resp = await self._client.get(self._endpoint + "/metrics", headers=self._headers(), timeout=timeout_s)
+        resp.raise_for_status()
+        return resp.content
 
     async def forward(
         self, method: str, path: str, *, body: bytes = b"", query: str = "", headers: dict[str, str] | None = None

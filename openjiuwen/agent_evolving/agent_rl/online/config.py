@@ -28,6 +28,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .rewards.config import RewardPolicyConfig
+
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -189,6 +191,9 @@ class RLServiceConfig(BaseModel):
     run_retention_seconds: PositiveInt = 2592000
     retention_sweep_interval_seconds: PositiveInt = 60
 
+    # Rewards from several, possibly late, sources (docs/rewards.md); null = one score at publication, as always.
+    reward_policy: RewardPolicyConfig | None = None
+
     # HTTP and logging.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432
     record_dir: StrictStr = "records"
@@ -196,6 +201,7 @@ class RLServiceConfig(BaseModel):
     log_max_bytes: PositiveInt = 10485760
     log_backup_count: PositiveInt = 5
     log_level: Annotated[StrictStr, AfterValidator(_check_log_level)] = "INFO"
+    log_format: Literal["text", "json"] = "text"  # json: one object per line with rl_task_id / capture_id / run id
 
     # Cross-field rules are field validators (not a model validator) so each error carries its field name.
     # They rely on declaration order: info.data holds only the fields declared, and validated, before.

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from . import events
 from .capture.rewards import RewardProjector
 from .store import keys
 from .store.codec import text
@@ -33,7 +35,9 @@ class RetentionSweeper:
         task_retention_s: int,
         reward_timeout_s: int,
         trajectory_retention_s: int,
+        run_retention_s: int,
         interval_s: float,
+        on_error: Callable[[Exception], None] | None = None,
     ) -> None:
         self._redis = redis
         self._store = store
@@ -42,6 +46,8 @@ class RetentionSweeper:
         self._task_retention_s = task_retention_s
         self._reward_timeout_s = reward_timeout_s
         self._trajectory_retention_s = trajectory_retention_s
+        self._run_retention_s = run_retention_s
+        self._on_error = on_error
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
 
@@ -50,7 +56,34 @@ class RetentionSweeper:
         expired = await self._expire_unrewarded(now)
         gc = await self._ttl_terminal_tasks()
         samples = await self._store.sweep_expired(retention_seconds=self._trajectory_retention_s, now=now, limit=BATCH)
-        return {"tasks_ttl": gc, "reward_expired": expired, "samples_removed": samples}
+        listings = await self._forget_expired_listings(now)
+        return {"tasks_ttl": gc, "reward_expired": expired, "samples_removed": samples, "listings_removed": listings}
+
+    async def _forget_expired_listings(self, now: float) -> int:
+        """Remove from the listing indexes the ids whose records have expired: those due in the listing-expiry
+        ZSETs (at most BATCH each) whose record is gone; one still present (clock skew) waits for the next tick."""
+        removed = 0
+        task_indexes = (keys.TASKS_BY_CREATION, *(keys.tasks_by_status(s) for s in keys.TASK_STATUSES))
+        for expiry, record_key, indexes in (
+            (keys.TASKS_LISTING_EXPIRY, keys.task, task_indexes),
+            (keys.RUNS_LISTING_EXPIRY, keys.training_run, (keys.RUNS_BY_CREATION,)),
+        ):
+            ids = [text(m) or "" for m in await self._redis.zrangebyscore(expiry, "-inf", now, 0, BATCH)]
+            if not ids:
+                continue
+            async with self._redis.pipeline(transaction=False) as reads:
+                for member in ids:
+                    reads.exists(record_key(member))
+                present = await reads.execute()
+            gone = [member for member, exists in zip(ids, present) if not exists]
+            if gone:
+                # Index entries only: a crash between these removals leaves entries the next tick removes.
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for listing in (*indexes, expiry):
+                        pipe.zrem(listing, *gone)
+                    await pipe.execute()
+                removed += len(gone)
+        return removed
 
     async def _ttl_terminal_tasks(self) -> int:
         ids = [text(t) for t in await self._redis.zrange(keys.TASKS_GC, 0, BATCH - 1)]
@@ -59,6 +92,8 @@ class RetentionSweeper:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for key in task_keys:
                     pipe.expire(key, self._task_retention_s)
+                # The listing entry goes once the record has expired (`_forget_expired_listings`).
+                pipe.zadd(keys.TASKS_LISTING_EXPIRY, {t: time.time() + self._task_retention_s})
                 pipe.zrem(keys.TASKS_GC, t)
                 await pipe.execute()
         return len(ids)
@@ -113,11 +148,12 @@ class RetentionSweeper:
                 pipe.hincrby(stats_key, "expired_unrewarded", present)
             pipe.zrem(keys.AWAITING_REWARD, t)
             pipe.zadd(keys.TASKS_GC, {t: time.time()})
+            events.queue(pipe, keys.task_events(t), "reward_expired", {"dropped_samples": present})
             await pipe.execute()
             return present
 
         dropped = await transact(self._redis, body, reward_key, committed_key)
-        log.info("task %s: reward window expired, %d staged sample(s) dropped", t, dropped)
+        log.info("task %s: reward window expired, %d staged sample(s) dropped", t, dropped, extra={"rl_task_id": t})
         return dropped
 
     async def _move_to_gc(self, t: str) -> None:
@@ -138,8 +174,10 @@ class RetentionSweeper:
                 await self.sweep_once()
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
                 log.exception("retention sweep failed; retrying next interval")
+                if self._on_error is not None:
+                    self._on_error(exc)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -25,7 +25,10 @@ from .api.errors import install_error_envelope
 from .api.guards import GuardMiddleware
 from .api.health import build_health_router
 from .api.hooks import build_hooks_router
+from .api.metrics import build_metrics_router
+from .api.policies import build_policies_router
 from .api.rail import build_rail_router
+from .api.rewards import build_rewards_router
 from .api.tasks import build_tasks_router
 from .api.training import build_training_router
 from .api.trajectories import build_trajectories_router
@@ -35,10 +38,15 @@ from .capture.rewards import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig, load_config
 from .logs import configure_logging
+from .metrics import HttpMetricsMiddleware, MeteredJudge, ServiceMetrics
 from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
+from .policies import PolicyReport
 from .rail.ingest import RailIngestor
 from .retention import RetentionSweeper
+from .rewards.ledger import RewardLedger
+from .rewards.policy import RewardPolicy
+from .rewards.sweeper import RewardDeadlineSweeper
 from .store import keys
 from .store.trajectories import TrajectoryStore
 from .tasks.registry import TaskRegistry
@@ -77,11 +85,14 @@ class ServiceDeps:
     lifecycle: TaskLifecycle
     rewards: RewardProjector
     sweeper: RetentionSweeper
+    reward_ledger: RewardLedger
+    reward_sweeper: RewardDeadlineSweeper
     rail: RailIngestor
     repository: LoraRepository
     gateway: GatewayLoraClient
     backend: TrainerBackend
     runner: TrainingRunner
+    metrics: ServiceMetrics
 
     @classmethod
     def build(
@@ -106,11 +117,16 @@ class ServiceDeps:
                 retries=config.judge_retries,
                 timeout_s=config.judge_timeout,
             )
-        registry = TaskRegistry(redis, signals=TaskSignals())
+        metrics = ServiceMetrics(config.model_id)  # per app: its own CollectorRegistry
+        metered_judge = MeteredJudge(judge, metrics) if judge is not None else None
+        registry = TaskRegistry(redis, signals=TaskSignals(), metrics=metrics)
+        reward_policy = RewardPolicy(config.reward_policy)  # empty (unconfigured) when the section is absent
         store = TrajectoryStore(
-            redis, owner=config.model_id, model_id=config.model_id, max_policy_lag=config.max_policy_lag
+            redis, owner=config.model_id, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
+            reward_policy=reward_policy, metrics=metrics,
         )
-        publisher = TurnPublisher(registry, store, judge)
+        reward_ledger = RewardLedger(redis, store, reward_policy, owner=config.model_id)
+        publisher = TurnPublisher(registry, store, metered_judge, metrics=metrics)
         rewards = RewardProjector(redis, store)
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
         gateway = GatewayLoraClient(
@@ -119,10 +135,14 @@ class ServiceDeps:
             timeout_s=config.lora_activation_timeout,
             attempts=config.lora_activation_attempts,
             token=token,
+            on_attempt=metrics.activation_attempt,
         )
         backend = backend or make_backend(config, repository)
         runner = TrainingRunner(
-            RunStore(redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds),
+            RunStore(
+                redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds,
+                metrics=metrics,
+            ),
             store,
             backend,
             repository,
@@ -133,6 +153,7 @@ class ServiceDeps:
             max_samples=config.max_samples_per_run,
             max_policy_lag=config.max_policy_lag,
             tmp_root=config.training_tmp_root,
+            metrics=metrics,
         )
         return cls(
             config=config,
@@ -156,15 +177,21 @@ class ServiceDeps:
                 task_retention_s=config.task_retention_seconds,
                 reward_timeout_s=config.reward_timeout_seconds,
                 trajectory_retention_s=config.trajectory_retention_seconds,
+                run_retention_s=config.run_retention_seconds,
                 interval_s=config.retention_sweep_interval_seconds,
+                on_error=metrics.exception,
             ),
+            reward_ledger=reward_ledger,
+            reward_sweeper=RewardDeadlineSweeper(reward_ledger, interval_s=reward_policy.sweep_interval_s),
             rail=RailIngestor(
-                redis, store, judge, model_id=config.model_id, retention_seconds=config.trajectory_retention_seconds
+                redis, store, metered_judge, model_id=config.model_id,
+                retention_seconds=config.trajectory_retention_seconds,
             ),
             repository=repository,
             gateway=gateway,
             backend=backend,
             runner=runner,
+            metrics=metrics,
         )
 
     async def claim_owner(self) -> None:
@@ -181,11 +208,18 @@ class ServiceDeps:
             await self.lifecycle.recover()
             await self.runner.recover()
             await self.sweeper.sweep_once()
+            # Without a policy the reward sweeper runs only to release samples that still wait from a time a policy
+            # was configured (their open sources are gone, so each is released at its next deadline).
+            run_reward_sweeper = self.reward_ledger.policy.configured or await self.reward_ledger.waiting() > 0
+            if run_reward_sweeper:
+                await self.reward_sweeper.sweep_once()
         except Exception as exc:
             log.error("RL service startup failed: %s", exc, exc_info=True)
             await self.aclose()
             raise
         self.sweeper.start()
+        if run_reward_sweeper:
+            self.reward_sweeper.start()
         # Everything allocated so far (modules, app, clients) lives for the whole process: moving it out of the
         # collector's generations keeps full collections, which hook bodies with thousands of logprob objects
         # trigger, from re-scanning it (a tail-latency cost on every capture otherwise).
@@ -195,6 +229,7 @@ class ServiceDeps:
         try:
             yield
         finally:
+            await self.reward_sweeper.stop()
             await self.sweeper.stop()
             await self.runner.shutdown()
             await self.lifecycle.shutdown()
@@ -277,14 +312,23 @@ def create_app(
         redirect_slashes=False,  # `/v1/rl/trajectories/` is an unknown path (404 envelope), not a 307 to the listing
     )
     app.state.deps = deps  # for tests and operators' debugging only; routers get their parts explicitly
-    install_error_envelope(app)
-    app.include_router(build_health_router(deps.redis, model_id=config.model_id, extra_checks=[deps.runner.check_health]))
+    install_error_envelope(app, on_error=deps.metrics.exception)
+    app.include_router(build_health_router(
+        deps.redis, model_id=config.model_id, extra_checks=[deps.runner.check_health],
+        on_redis_error=deps.metrics.redis_error,
+    ))
     app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards))
-    app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle))
-    app.include_router(build_trajectories_router(deps.store))
+    app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle, deps.metrics))
+    app.include_router(build_rewards_router(deps.reward_ledger))
+    reward_stats = deps.reward_ledger.stats if deps.reward_ledger.policy.configured else None
+    app.include_router(build_trajectories_router(deps.store, reward_stats=reward_stats))
     app.include_router(build_rail_router(lambda: deps.rail))
     app.include_router(build_training_router(deps.runner))
+    app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id)))
     app.add_middleware(GuardMiddleware, token=token, max_body_bytes=config.max_body_bytes)
+    app.include_router(build_metrics_router(deps.metrics, deps.redis, deps.store.stats))
+    # Outermost: every answer is counted, the guards' 401/413 included.
+    app.add_middleware(HttpMetricsMiddleware, observe=deps.metrics.http)
     return app
 
 

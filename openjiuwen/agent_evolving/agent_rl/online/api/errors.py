@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
@@ -76,10 +76,14 @@ class CatchAllMiddleware:
     A pure ASGI middleware rather than an `exception_handler(Exception)`: Starlette re-raises after such a handler
     answered, and the server then drops the keep-alive connection under a client that is about to reuse it."""
 
-    def __init__(self, app: ASGIApp, *, message: str, logger: logging.Logger) -> None:
+    def __init__(
+        self, app: ASGIApp, *, message: str, logger: logging.Logger,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
         self.app = app
         self._body = envelope_bytes("internal_error", message)
         self._log = logger
+        self._on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -97,6 +101,8 @@ class CatchAllMiddleware:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
             self._log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            if self._on_error is not None:
+                self._on_error(exc)  # e.g. counting Redis errors
             if started:
                 raise  # the answer is already on its way: nothing sound can be sent any more
             await send({"type": "http.response.start", "status": 500, "headers": [
@@ -104,7 +110,7 @@ class CatchAllMiddleware:
             await send({"type": "http.response.body", "body": self._body})
 
 
-def install_error_envelope(app: FastAPI) -> None:
+def install_error_envelope(app: FastAPI, *, on_error: Callable[[Exception], None] | None = None) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONBody:
         return envelope(exc.status, exc.code, exc.message)
@@ -121,4 +127,4 @@ def install_error_envelope(app: FastAPI) -> None:
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONBody:
         return envelope(400, "invalid_request", "invalid request parameters")
 
-    app.add_middleware(CatchAllMiddleware, message="internal service error", logger=log)
+    app.add_middleware(CatchAllMiddleware, message="internal service error", logger=log, on_error=on_error)

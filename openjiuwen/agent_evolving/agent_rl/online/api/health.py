@@ -16,7 +16,8 @@ HEALTH_REDIS_TIMEOUT_S = 2.0
 
 
 def build_health_router(
-    redis: Redis, *, model_id: str, extra_checks: list[Callable[[], Awaitable[None] | None]] | None = None
+    redis: Redis, *, model_id: str, extra_checks: list[Callable[[], Awaitable[None] | None]] | None = None,
+    on_redis_error: Callable[[], None] | None = None,
 ) -> APIRouter:
     router = APIRouter()
     checks = list(extra_checks or [])
@@ -28,6 +29,8 @@ def build_health_router(
                 await redis.ping()
                 await redis.hlen(keys.traj_stats(model_id))
         except (RedisError, OSError, TimeoutError) as exc:
+            if on_redis_error is not None:
+                on_redis_error()
             return envelope(503, "service_not_ready", f"redis unavailable: {type(exc).__name__}")
         for check in checks:
             try:

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request, Response
 
 from ..capture.lifecycle import TaskLifecycle
 from ..capture.pipeline import CapturePipeline
+from ..metrics import ServiceMetrics
 from ..tasks.models import FinishReason
 from .body import json_object
 from .errors import JSONBody, domain_errors
@@ -22,28 +23,35 @@ async def _hook_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def build_hooks_router(pipeline: CapturePipeline, lifecycle: TaskLifecycle) -> APIRouter:
+def build_hooks_router(pipeline: CapturePipeline, lifecycle: TaskLifecycle, metrics: ServiceMetrics) -> APIRouter:
     router = APIRouter()
 
     @router.post("/internal/v1/completions:before")
     async def before(request: Request) -> JSONBody:
-        body = await _hook_body(request)
-        with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
-            injected = await pipeline.before(body)
+        with metrics.hook("before"):
+            body = await _hook_body(request)
+            with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
+                injected = await pipeline.before(body)
         return JSONBody({"request": injected})
 
     @router.post("/internal/v1/completions:after", status_code=204)
     async def after(request: Request) -> Response:
-        body = await _hook_body(request)
-        with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
-            await pipeline.after(body)
+        with metrics.hook("after"):
+            body = await _hook_body(request)
+            with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
+                committed = await pipeline.after(body)
+        if committed:  # an idempotent repeat is not a second capture
+            metrics.capture("committed")
         return Response(status_code=204)
 
     @router.post("/internal/v1/completions:discard", status_code=204)
     async def discard(request: Request) -> Response:
-        body = await _hook_body(request)
-        with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
-            await pipeline.discard(body)
+        with metrics.hook("discard"):
+            body = await _hook_body(request)
+            with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
+                dropped = await pipeline.discard(body)
+        if dropped:
+            metrics.capture("discarded")
         return Response(status_code=204)
 
     @router.post("/internal/v1/rl/tasks/{rl_task_id}:finish")

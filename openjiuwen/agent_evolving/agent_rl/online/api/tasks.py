@@ -9,9 +9,11 @@ from fastapi import APIRouter, Request
 from ..capture.lifecycle import StartHeaders, TaskLifecycle
 from ..capture.rewards import RewardProjector, parse_reward_body
 from ..tasks.models import FinishReason
+from ..store.keys import TASK_STATUSES
 from ..tasks.registry import TaskRegistry
 from .body import json_object
 from .errors import ApiError, JSONBody, domain_errors
+from .paging import cursor_param, limit_param, status_param
 
 
 def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards: RewardProjector) -> APIRouter:
@@ -29,6 +31,20 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
             task, created = await lifecycle.start(lifecycle.parse_start(headers, body))
         return JSONBody(task.public(), status_code=201 if created else 200)
+
+    @router.get("/v1/rl/tasks")
+    async def list_tasks(request: Request) -> JSONBody:
+        """Task records newest first by creation, optionally one status; `next_cursor` is null on the last page."""
+        params = request.query_params
+        status, limit, cursor = status_param(params, TASK_STATUSES), limit_param(params), cursor_param(params)
+        with domain_errors(not_found="task_not_found", conflict="task_conflict"):
+            return JSONBody(await registry.list_page(status, limit, cursor))
+
+    @router.get("/v1/rl/tasks/{rl_task_id}/events")
+    async def task_events(rl_task_id: str) -> JSONBody:
+        """The Task timeline, oldest first (bounded to about 1000 entries)."""
+        with domain_errors(not_found="task_not_found", conflict="task_conflict"):
+            return JSONBody({"items": await registry.events(rl_task_id)})
 
     @router.get("/v1/rl/tasks/{rl_task_id}")
     async def get_task(rl_task_id: str) -> dict[str, Any]:

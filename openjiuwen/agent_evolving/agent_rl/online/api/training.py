@@ -10,6 +10,7 @@ from ..ids import is_run_id
 from ..training.runner import GatewayUnavailable, TrainingRunner
 from .body import json_value
 from .errors import ApiError, JSONBody, domain_errors
+from .paging import cursor_param, limit_param
 
 _NOT_FOUND = "training_run_not_found"
 
@@ -28,6 +29,22 @@ def build_training_router(runner: TrainingRunner) -> APIRouter:
         except GatewayUnavailable as exc:
             raise ApiError(502, "gateway_unavailable", exc.message) from exc
         return JSONBody(run.public(), status_code=201 if created else 200)
+
+    @router.get("/v1/rl/training/runs")
+    async def list_runs(request: Request) -> JSONBody:
+        """Public run records newest first by creation; `next_cursor` is null on the last page."""
+        params = request.query_params
+        limit, cursor = limit_param(params), cursor_param(params)
+        with domain_errors(not_found=_NOT_FOUND, conflict="training_run_conflict"):
+            return JSONBody(await runner.list_runs(limit, cursor))
+
+    @router.get("/v1/rl/training/runs/{training_run_id}/events")
+    async def run_events(training_run_id: str) -> JSONBody:
+        """The run timeline, oldest first (bounded to about 1000 entries)."""
+        if not is_run_id(training_run_id):
+            raise ApiError(404, _NOT_FOUND, "training run not found")
+        with domain_errors(not_found=_NOT_FOUND, conflict="training_run_conflict"):
+            return JSONBody({"items": await runner.events(training_run_id)})
 
     @router.get("/v1/rl/training/runs/{training_run_id}")
     async def get_run(training_run_id: str) -> dict[str, Any]:

@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
-import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ..store.keys import SAMPLE_STATUSES
+from ..store.keys import ALL_SAMPLE_STATUSES
 from ..store.trajectories import TrajectoryStore
 from .errors import ApiError, domain_errors
-
-DEFAULT_LIMIT = 100
-MAX_LIMIT = 1000
-_DIGITS = re.compile(r"[0-9]{1,4}")
+from .paging import cursor_param, limit_param, status_param
 
 
-def build_trajectories_router(store: TrajectoryStore) -> APIRouter:
+def build_trajectories_router(
+    store: TrajectoryStore, *, reward_stats: Callable[[], Awaitable[dict[str, Any]]] | None = None
+) -> APIRouter:
+    """`reward_stats`, given only under a reward policy, adds the `rewards` section to the counters."""
     router = APIRouter()
 
     # Declared before `/{trajectory_id}`, which would otherwise capture "stats" as an id (§2.1).
     @router.get("/v1/rl/trajectories/stats")
     async def trajectory_stats() -> dict[str, Any]:
         """Counters read in O(1) from the transactional stats hash."""
-        return await store.stats()
+        stats = await store.stats()
+        if reward_stats is not None:
+            stats["rewards"] = await reward_stats()
+        return stats
 
     @router.get("/v1/rl/trajectories")
     async def list_trajectories(request: Request) -> dict[str, Any]:
@@ -45,14 +48,4 @@ def build_trajectories_router(store: TrajectoryStore) -> APIRouter:
 
 def _listing_params(request: Request) -> tuple[str | None, int, str | None]:
     params = request.query_params
-    status = params.get("status") or None  # an empty value means absent, like a missing parameter
-    if status is not None and status not in SAMPLE_STATUSES:
-        raise ApiError(400, "invalid_request", "status must be one of pending, training, trained, failed")
-    raw_limit = params.get("limit") or None
-    limit = DEFAULT_LIMIT
-    if raw_limit is not None:
-        if not _DIGITS.fullmatch(raw_limit) or not 1 <= int(raw_limit) <= MAX_LIMIT:
-            raise ApiError(400, "invalid_request", f"limit must be an integer between 1 and {MAX_LIMIT}")
-        limit = int(raw_limit)
-    cursor = params.get("cursor") or None
-    return status, limit, cursor
+    return status_param(params, ALL_SAMPLE_STATUSES), limit_param(params), cursor_param(params)

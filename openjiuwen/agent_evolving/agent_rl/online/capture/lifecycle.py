@@ -110,10 +110,10 @@ class TaskLifecycle:
                 await self.finish(t, FinishReason.SERVICE_STOPPED)
                 continue
             except Conflict as exc:
-                log.info("task %s could not finish at shutdown (%s); aborting it", t, exc)
+                log.info("task %s could not finish at shutdown (%s); aborting it", t, exc, extra={"rl_task_id": t})
             except Exception:
-                log.exception("task %s could not finish at shutdown; aborting it", t)
+                log.exception("task %s could not finish at shutdown; aborting it", t, extra={"rl_task_id": t})
             try:
                 await self._registry.abort(t, FinishReason.SERVICE_STOPPED)
             except Exception:
-                log.exception("task %s could not be aborted at shutdown", t)
+                log.exception("task %s could not be aborted at shutdown", t, extra={"rl_task_id": t})

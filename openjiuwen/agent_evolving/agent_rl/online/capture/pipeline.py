@@ -8,6 +8,7 @@ turn and a failed or timed-out publication abort it; at `:after` every rejection
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from ..errors import Conflict, InvalidInput
@@ -25,6 +26,9 @@ from .request import (
 from .response import ResponseModelMismatch, validate_response
 from .sample import build_sample
 from .turns import TurnPublisher
+
+
+log = logging.getLogger("openjiuwen.agent_rl.online.capture")
 
 
 class CapturePipeline:
@@ -62,7 +66,8 @@ class CapturePipeline:
             )
             await self._registry.advance_turn(task.rl_task_id, current, hook.agent_turn_id)
 
-    async def after(self, body: dict[str, Any]) -> None:
+    async def after(self, body: dict[str, Any]) -> bool:
+        """Commit a capture; True when this call committed it (False for an idempotent repeat)."""
         hook = parse_hook(body, with_request=True, with_response=True)
         task = await self._registry.require(hook.rl_task_id)
         try:
@@ -79,15 +84,19 @@ class CapturePipeline:
                 task, capture_id=hook.capture_id, agent_turn_id=hook.agent_turn_id, request=injected,
                 response=hook.response, validated=validated,
             )
-            await self._registry.commit(
+            return await self._registry.commit(
                 task.rl_task_id, hook.capture_id, hook.agent_turn_id, request_fingerprint(injected),
                 response_fingerprint(hook.response), sample,
             )
-        except (InvalidInput, Conflict):
+        except (InvalidInput, Conflict) as exc:
+            log.warning("capture %s of task %s rejected at after: %s", hook.capture_id, task.rl_task_id, exc,
+                        extra={"rl_task_id": task.rl_task_id, "capture_id": hook.capture_id,
+                               "agent_turn_id": hook.agent_turn_id})
             await self._registry.abort(task.rl_task_id, FinishReason.CAPTURE_FAILED)
             raise
 
-    async def discard(self, body: dict[str, Any]) -> None:
+    async def discard(self, body: dict[str, Any]) -> bool:
+        """Drop an open capture; True when this call dropped one."""
         hook = parse_hook(body, with_request=False, with_response=False)
         await self._registry.require(hook.rl_task_id)
-        await self._registry.discard(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)
+        return await self._registry.discard(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)

@@ -13,10 +13,12 @@ import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from .. import events
 from ..errors import Conflict, InvalidInput, NotFound
-from ..ids import now_iso, parse_iso_epoch
+from ..ids import is_token_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import PackedSample
+from ..store.policy_stats import add_task_reward
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
 from ..tasks.models import RewardMode, Task, TaskStatus
@@ -98,7 +100,13 @@ class RewardProjector:
                 return int(state["sample_count"])
             if state.get("status") != "projecting":
                 raise Conflict("reward projection lost its claim")
+            raw_task = await pipe.get(keys.task(t))
+            policy = Task.from_json(raw_task).policy_lora_name if raw_task is not None else None
             pipe.multi()
+            if policy is not None and is_token_id(policy):
+                # The version's reward statistics gain this Task's reward exactly once, with its publication.
+                add_task_reward(pipe, keys.policy_stats(policy), value)
+                pipe.sadd(keys.POLICY_VERSIONS, policy)
             pipe.set(
                 reward_key,
                 orjson.dumps({"reward": value, "status": "published", "sample_count": len(committed)}),
@@ -107,6 +115,8 @@ class RewardProjector:
                 pipe.delete(*(keys.staged(t, c) for c in committed))
             pipe.zrem(keys.AWAITING_REWARD, t)
             pipe.zadd(keys.TASKS_GC, {t: parse_iso_epoch(now_iso())})
+            events.queue(pipe, keys.task_events(t), "reward_recorded",
+                         {"reward": value, "sample_count": len(committed)})
             await pipe.execute()
             return len(committed)
 

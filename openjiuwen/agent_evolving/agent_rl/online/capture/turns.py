@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from ..errors import Conflict, JudgeFailed
@@ -18,6 +19,7 @@ from ..tasks.registry import TaskRegistry
 
 if TYPE_CHECKING:
     from ..judge import Judge
+    from ..metrics import ServiceMetrics
 
 log = logging.getLogger("openjiuwen.agent_rl.online.turns")
 
@@ -27,10 +29,14 @@ class PublicationTimeout(Conflict):
 
 
 class TurnPublisher:
-    def __init__(self, registry: TaskRegistry, store: TrajectoryStore, judge: "Judge | None") -> None:
+    def __init__(
+        self, registry: TaskRegistry, store: TrajectoryStore, judge: "Judge | None", *,
+        metrics: "ServiceMetrics | None" = None,
+    ) -> None:
         self._registry = registry
         self._store = store
         self._judge = judge
+        self._metrics = metrics
 
     async def publish(self, task: Task, turn_id: str, *, feedback: str, tag: str, deadline: float | None) -> None:
         """Publish `turn_id` once. `deadline` (loop time) bounds waiting for open captures and for another
@@ -57,6 +63,7 @@ class TurnPublisher:
     async def _publish_claimed(self, task: Task, turn_id: str, *, feedback: str, tag: str) -> None:
         t = task.rl_task_id
         inserted: list[str] = []
+        started = time.perf_counter()
         try:
             staged = await self._registry.turn_staged(t, turn_id)
             samples = [PackedSample.decode_staged(blob) for _, blob in staged]
@@ -71,13 +78,16 @@ class TurnPublisher:
                     sample.meta["judge"] = result.as_sample_judge(tag)
                 inserted = await self._store.insert_if_absent(samples)
             await self._registry.complete_publish(t, turn_id, [c for c, _ in staged])
+            if self._metrics is not None:
+                self._metrics.turn_published(time.perf_counter() - started)
         except BaseException as exc:
             # Roll back: nothing of a failed publication stays visible, and the Task cannot continue.
             await asyncio.shield(self._roll_back(t, turn_id, inserted, exc))
             raise
 
     async def _roll_back(self, t: str, turn_id: str, inserted: list[str], exc: BaseException) -> None:
-        log.warning("publication of turn %s of task %s failed: %s", turn_id, t, exc)
+        log.warning("publication of turn %s of task %s failed: %s", turn_id, t, exc,
+                    extra={"rl_task_id": t, "agent_turn_id": turn_id})
         if inserted:
             await self._store.delete_pending(inserted)
         await self._registry.fail_publish(t, turn_id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +69,9 @@ class GatewayLoraClient:
         attempts: int,
         token: str | None = None,
         client: httpx.AsyncClient | None = None,
+        on_attempt: Callable[[str], None] | None = None,
     ) -> None:
+        self._on_attempt = on_attempt or (lambda result: None)  # metrics: one call per activation request
         self._endpoint = endpoint.rstrip("/")
         self._model_id = model_id
         self._timeout_s = timeout_s
@@ -147,15 +149,20 @@ class GatewayLoraClient:
             try:
                 resp = await self._client.post(url, json=body, timeout=remaining)
             except httpx.TimeoutException:
+                self._on_attempt("timeout")
                 failure = "LoRA activation request timed out"
             except httpx.TransportError as exc:
+                self._on_attempt("transport_error")
                 failure = f"LoRA activation request failed: {type(exc).__name__}"
             else:
                 if resp.is_success:
+                    self._on_attempt("success")
                     return
                 text = f"activation status {resp.status_code}: {resp.text[:500]}"
                 if resp.status_code < 500:
+                    self._on_attempt("rejected")
                     raise GatewayRejected(text)
+                self._on_attempt("server_error")
                 failure = text
             log.warning("activation of %s attempt %d failed: %s", lora_name, attempt, failure)
             if delay == 0 or deadline - loop.time() <= delay:

@@ -16,8 +16,33 @@ TASKS_GC = PREFIX + "tasks:gc"
 TRAJ_USERS = PREFIX + "traj_users"
 POLICY_OBSERVED = PREFIX + "policy:observed"
 ACTIVE_RUN = PREFIX + "training_run:active"
+# Listing indexes (newest first): ZSETs of ids scored by creation epoch. Tasks are indexed once overall and once
+# under their current status. When a record gets its TTL, its id joins a listing-expiry ZSET scored by the epoch
+# the record expires; the retention sweeper then removes it from the listing indexes (and listings drop ids whose
+# record is gone on the way).
+TASKS_BY_CREATION = PREFIX + "tasks:by_created"
+RUNS_BY_CREATION = PREFIX + "training_runs:by_created"
+TASKS_LISTING_EXPIRY = PREFIX + "tasks:listing_expiry"
+RUNS_LISTING_EXPIRY = PREFIX + "training_runs:listing_expiry"
+POLICY_VERSIONS = PREFIX + "policy_versions"  # SET of policy versions with aggregates (`policy_stats:{version}`)
+
+TASK_STATUSES = ("active", "finalized", "aborted")
 
 SAMPLE_STATUSES = ("pending", "training", "trained", "failed")
+# A sample waits in `awaiting_rewards` (before `pending`) only under a reward policy (docs/rewards.md).
+AWAITING_REWARDS = "awaiting_rewards"
+ALL_SAMPLE_STATUSES = (AWAITING_REWARDS, *SAMPLE_STATUSES)
+
+
+def tasks_by_status(status: str) -> str:
+    if status not in TASK_STATUSES:
+        raise InvalidIdentifier("invalid task status")
+    return f"{PREFIX}tasks:by_created:{status}"
+
+
+def policy_stats(version: str) -> str:
+    """Per-policy-version aggregates (HASH): tasks, samples, reward sums, sources, tokens, latency buckets."""
+    return f"{PREFIX}policy_stats:{require_token_id(version, 'policy version')}"
 
 
 def _owner(owner: str) -> str:
@@ -93,13 +118,27 @@ def traj(sample_id: str) -> str:
 
 
 def traj_index(owner: str, status: str) -> str:
-    if status not in SAMPLE_STATUSES:
+    if status not in ALL_SAMPLE_STATUSES:
         raise InvalidIdentifier("invalid sample status")
     return f"{PREFIX}traj_idx:{_owner(owner)}:{status}"
 
 
 def traj_stats(owner: str) -> str:
     return f"{PREFIX}traj_stats:{_owner(owner)}"
+
+
+def reward_deadlines(owner: str) -> str:
+    """ZSET of `awaiting_rewards` sample ids; score = the earliest deadline (epoch) of a source still open."""
+    return f"{PREFIX}reward_deadlines:{_owner(owner)}"
+
+
+def reward_latency(owner: str, source: str) -> str:
+    """LIST of the lateness (seconds after publication) of the last arrivals of one reward source, newest first."""
+    if not isinstance(source, str) or not 1 <= len(source) <= 32 or not all(
+        (c.isascii() and (c.islower() or c.isdigit())) or c in "_-" for c in source
+    ):
+        raise InvalidIdentifier("invalid reward source")
+    return f"{PREFIX}reward_latency:{_owner(owner)}:{source}"
 
 
 def pending_judge(s: str, trajectory_id: str, step: int) -> str:

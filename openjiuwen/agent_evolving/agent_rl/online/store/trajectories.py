@@ -12,7 +12,7 @@ import base64
 import binascii
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from redis.asyncio import Redis
@@ -21,17 +21,23 @@ from redis.asyncio.client import Pipeline
 from .. import ids
 from ..errors import InvalidInput
 from ..ids import InvalidIdentifier
+from ..rewards.policy import RewardPolicy, breakdown
 from . import keys
 from .codec import PackedSample, text
+from .policy_stats import queue_contribution
 from .tx import transact
 
+if TYPE_CHECKING:
+    from ..metrics import ServiceMetrics
+
 PENDING = "pending"
+AWAITING_REWARDS = keys.AWAITING_REWARDS
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
 _SUMMARY_FIELDS = (
     "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at",
     "status",
 )
-_DOC_FIELDS = ("sample_json", "prompt_ids", "response_ids", "response_logprobs", "status")
+_DOC_FIELDS = ("sample_json", "prompt_ids", "response_ids", "response_logprobs", "rewards", "status")
 _MAX_CURSOR_CHARS = 1024
 _ALL_BUCKETS = "*"
 
@@ -66,12 +72,26 @@ def _pending_policy_field(policy_version: str) -> str:
 class TrajectoryStore:
     """Samples of one owner (the service `model_id`) in Redis."""
 
-    def __init__(self, redis: Redis, *, owner: str, model_id: str, max_policy_lag: int | None = None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        owner: str,
+        model_id: str,
+        max_policy_lag: int | None = None,
+        reward_policy: RewardPolicy | None = None,
+        metrics: "ServiceMetrics | None" = None,
+    ) -> None:
         self._redis = redis
+        self._metrics = metrics
         self._owner = owner
         self._model_id = model_id
         self._max_policy_lag = max_policy_lag
+        # With a configured reward policy, publication starts each sample's reward state and may park it in
+        # `awaiting_rewards` (docs/rewards.md); without one every published sample is `pending` at once.
+        self._reward_policy = reward_policy if reward_policy is not None and reward_policy.configured else None
         self._stats_key = keys.traj_stats(owner)  # validates the owner once
+        self._deadlines_key = keys.reward_deadlines(owner)
 
     @property
     def owner(self) -> str:
@@ -83,7 +103,8 @@ class TrajectoryStore:
     # ------------------------------------------------------------------ writes
 
     async def insert_if_absent(self, samples: Sequence[PackedSample]) -> list[str]:
-        """Insert every sample whose hash has no `status` yet, as `pending`; returns the inserted ids in input order.
+        """Insert every sample whose hash has no `status` yet, as `pending` (or, under a reward policy with
+        external sources, `awaiting_rewards`); returns the inserted ids in input order.
 
         An existing sample is never re-inserted or reset (invariant 4): publication may be repeated safely."""
         by_id: dict[str, PackedSample] = {}
@@ -104,14 +125,23 @@ class TrajectoryStore:
             fresh = [sample_id for sample_id, exists in zip(by_id, present) if not exists]
             if not fresh:
                 return []  # leaving the pipeline context UNWATCHes
-            # Invariant 5 (CONTRACT §5.4): hash status, pending index and counters change together.
+            # Invariant 5 (CONTRACT §5.4): hash status, status index and counters change together; an
+            # `awaiting_rewards` sample enters the deadline index in the same EXEC (docs/rewards.md invariants).
             pipe.multi()
+            now_epoch = ids.parse_iso_epoch(now)
             for sample_id in fresh:
                 sample = by_id[sample_id]
                 meta = sample.meta
                 source = str(meta.get("source") or "")
                 policy_version = str(meta.get("policy_version") or "base")
                 created_at = str(meta["created_at"])
+                status, extra = PENDING, {}
+                if self._reward_policy is not None:
+                    state = self._reward_policy.initial(meta.get("judge"), now_epoch)
+                    status = self._reward_policy.status(state)
+                    extra = {"rewards": orjson.dumps(state)}
+                    if status == AWAITING_REWARDS:
+                        pipe.zadd(self._deadlines_key, {sample_id: self._reward_policy.next_deadline(state)})
                 pipe.hset(
                     hash_keys[sample_id],
                     mapping={
@@ -122,44 +152,59 @@ class TrajectoryStore:
                         "source": source,
                         "policy_version": policy_version,
                         "created_at": created_at,
-                        "status": PENDING,
+                        "status": status,
                         "updated_at": now,
                         "run_id": "",
                         "sample_json": sample.meta_json(),
                         "prompt_ids": sample.prompt_ids,
                         "response_ids": sample.response_ids,
                         "response_logprobs": sample.response_logprobs,
+                        **extra,
                     },
                 )
-                pipe.zadd(self.index_key(PENDING), {sample_id: ids.parse_iso_epoch(created_at)})
-                self._queue_counters(pipe, PENDING, source, policy_version, +1)
+                pipe.zadd(self.index_key(status), {sample_id: ids.parse_iso_epoch(created_at)})
+                self._queue_counters(pipe, status, source, policy_version, +1)
+                self._queue_policy_stats(pipe, policy_version, meta, sample.response_ids, +1)
             pipe.sadd(keys.TRAJ_USERS, self._owner)
             await pipe.execute()
             return fresh
 
-        return await transact(self._redis, body, *hash_keys.values())
+        fresh = await transact(self._redis, body, *hash_keys.values())
+        if self._metrics is not None:
+            for sample_id in fresh:
+                self._metrics.published(str(by_id[sample_id].meta.get("source") or ""))
+        return fresh
 
     async def delete_pending(self, sample_ids: Sequence[str]) -> int:
-        """Roll back samples inserted by a failed publication: those still `pending` are deleted; returns the count."""
+        """Roll back samples inserted by a failed publication: those still `pending` or `awaiting_rewards` are
+        deleted; returns the count."""
         hash_keys = {sample_id: keys.traj(sample_id) for sample_id in dict.fromkeys(sample_ids)}
         if not hash_keys:
             return 0
 
         async def body(pipe: Pipeline) -> int:
-            rows = await self._hmget_many(hash_keys.values(), ("status", "source", "policy_version"))
+            rows = await self._hmget_many(
+                hash_keys.values(), ("status", "source", "policy_version", "sample_json", "response_ids")
+            )
             doomed = [
-                (sample_id, text(source) or "", text(policy) or "base")
-                for sample_id, (status, source, policy) in zip(hash_keys, rows)
-                if text(status) == PENDING
+                (sample_id, text(status) or "", text(source) or "", text(policy) or "base", sample_json,
+                 response_ids)
+                for sample_id, (status, source, policy, sample_json, response_ids) in zip(hash_keys, rows)
+                if text(status) in (PENDING, AWAITING_REWARDS)
             ]
             if not doomed:
                 return 0
-            # Invariant 5: hash, pending index membership and counters disappear together.
+            # Invariant 5: hash, status index membership (and the deadline index entry) and counters disappear
+            # together, and the sample's contribution to its version's aggregates with them.
             pipe.multi()
-            for sample_id, source, policy_version in doomed:
+            for sample_id, status, source, policy_version, sample_json, response_ids in doomed:
                 pipe.delete(hash_keys[sample_id])
-                pipe.zrem(self.index_key(PENDING), sample_id)
-                self._queue_counters(pipe, PENDING, source, policy_version, -1)
+                pipe.zrem(self.index_key(status), sample_id)
+                if status == AWAITING_REWARDS:
+                    pipe.zrem(self._deadlines_key, sample_id)
+                self._queue_counters(pipe, status, source, policy_version, -1)
+                meta = orjson.loads(sample_json or b"{}")
+                self._queue_policy_stats(pipe, policy_version, meta, response_ids or b"", -1)
             await pipe.execute()
             return len(doomed)
 
@@ -178,9 +223,9 @@ class TrajectoryStore:
         run_id: str | None = None,
     ) -> None:
         """Queue, inside a caller's MULTI, the writes of one status move (`pending → training`, `training →
-        trained | failed`, `training → pending`): hash `status`/`updated_at` (and `run_id`), index membership and
-        the counters, so the caller's EXEC keeps invariant 5. `score` is `created_at` epoch for `pending`, the
-        transition time otherwise. The caller WATCHes the hash and checked that its status is `old`."""
+        trained | failed`, `training → pending`, `awaiting_rewards → pending`): hash `status`/`updated_at` (and
+        `run_id`), index membership and the counters, so the caller's EXEC keeps invariant 5. `score` is
+        `created_at` epoch for `pending`, the transition time otherwise. The caller WATCHes the hash and checked that its status is `old`."""
         mapping: dict[str, str] = {"status": new, "updated_at": at}
         if run_id is not None:
             mapping["run_id"] = run_id
@@ -194,6 +239,19 @@ class TrajectoryStore:
         if new == PENDING:
             pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), +1)
         # `source:<src>` counts samples of every status, so a move leaves it alone.
+
+    @staticmethod
+    def _queue_policy_stats(pipe: Pipeline, policy_version: str, meta: dict[str, Any], response_ids: bytes,
+                            sign: int) -> None:
+        if not ids.is_token_id(policy_version):
+            return  # not a name a key may carry; such a version is simply not reported
+        queue_contribution(pipe, keys.policy_stats(policy_version), meta, len(response_ids) // 4, sign)
+        if sign > 0:
+            pipe.sadd(keys.POLICY_VERSIONS, policy_version)
+
+    def queue_counters(self, pipe: Pipeline, status: str, source: str, policy_version: str, delta: int) -> None:
+        """Queue the counter changes of a sample of `status` entering (+1) or leaving (-1) the store."""
+        self._queue_counters(pipe, status, source, policy_version, delta)
 
     def _queue_counters(self, pipe: Pipeline, status: str, source: str, policy_version: str, delta: int) -> None:
         pipe.hincrby(self._stats_key, _status_field(status), delta)
@@ -248,7 +306,11 @@ class TrajectoryStore:
             pipe.get(keys.POLICY_OBSERVED)
             raw_counters, raw_observed = await pipe.execute()
         counters = {text(k) or "": max(0, int(v)) for k, v in raw_counters.items()}
-        by_status = {status: counters.get(_status_field(status), 0) for status in keys.SAMPLE_STATUSES}
+        # `awaiting_rewards` is shown under a reward policy, or while samples still wait from one (else the shape
+        # stays that of CONTRACT §2.7).
+        waiting = counters.get(_status_field(AWAITING_REWARDS), 0) > 0
+        shown = keys.ALL_SAMPLE_STATUSES if self._reward_policy is not None or waiting else keys.SAMPLE_STATUSES
+        by_status = {status: counters.get(_status_field(status), 0) for status in shown}
         by_source = {
             name[len("source:"):]: n for name, n in sorted(counters.items()) if name.startswith("source:") and n > 0
         }
@@ -286,7 +348,7 @@ class TrajectoryStore:
     async def get_documents(self, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
         """Logical documents (§4.5, arrays unpacked) of the samples that exist, in input order."""
         rows = await self._hmget_many([keys.traj(sample_id) for sample_id in sample_ids], _DOC_FIELDS)
-        return [self._packed(row).to_document() for row in rows if row[-1] is not None]
+        return [self._document(row) for row in rows if row[-1] is not None]
 
     async def detail(self, sample_id: str) -> dict[str, Any] | None:
         """The full view of §4.5 (what the detail route returns), or None when the id is unknown or malformed."""
@@ -298,7 +360,7 @@ class TrajectoryStore:
         status = text(row[-1])
         if status is None:
             return None
-        doc = self._packed(row).to_document()
+        doc = self._document(row)
         trajectory = doc["trajectory"]
         prompt, response_ids = trajectory["prompt_ids"], trajectory["response_ids"]
         logprobs = trajectory["response_logprobs"]
@@ -322,11 +384,13 @@ class TrajectoryStore:
 
     async def list_page(self, status: str | None, limit: int, cursor: str | None) -> dict[str, Any]:
         """CONTRACT §2.7 listing: buckets in status order, (score, sample id) ascending within a bucket."""
-        if status is not None and status not in keys.SAMPLE_STATUSES:
-            raise InvalidInput("invalid_request", "status must be one of pending, training, trained, failed")
+        if status is not None and status not in keys.ALL_SAMPLE_STATUSES:
+            raise InvalidInput(
+                "invalid_request", "status must be one of awaiting_rewards, pending, training, trained, failed"
+            )
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
             raise InvalidInput("invalid_request", "limit must be an integer between 1 and 1000")
-        buckets = (status,) if status is not None else keys.SAMPLE_STATUSES
+        buckets = (status,) if status is not None else keys.ALL_SAMPLE_STATUSES
         start, after = 0, None
         if cursor is not None:
             bucket, score, member = _decode_cursor(cursor, status)
@@ -414,6 +478,20 @@ class TrajectoryStore:
                 pipe.hmget(key, fields)
             return await pipe.execute()
 
+    def _document(self, row: list[bytes | None]) -> dict[str, Any]:
+        """The logical document; under a reward policy `judge.score` is the aggregated score and `rewards` the
+        per-source breakdown (the trainer reads `judge.score`)."""
+        doc = self._packed(row).to_document()
+        raw_rewards = row[4]
+        if raw_rewards:
+            state = orjson.loads(raw_rewards)
+            policy = self._reward_policy
+            # Without a policy (it was removed from the config) the recorded breakdown is still shown.
+            doc["rewards"] = policy.view(state) if policy is not None else breakdown(state, "weighted_mean")
+            if state.get("score") is not None and isinstance(doc.get("judge"), dict):
+                doc["judge"] = {**doc["judge"], "score": state["score"]}
+        return doc
+
     @staticmethod
     def _packed(row: list[bytes | None]) -> PackedSample:
         sample_json, prompt, response, logprobs = row[0], row[1], row[2], row[3]
@@ -437,7 +515,7 @@ def _decode_cursor(cursor: str, status: str | None) -> tuple[str, float, str]:
     if not isinstance(value, list) or len(value) != 4:
         raise invalid
     scope, bucket, score, member = value
-    if scope != (status or _ALL_BUCKETS) or bucket not in keys.SAMPLE_STATUSES:
+    if scope != (status or _ALL_BUCKETS) or bucket not in keys.ALL_SAMPLE_STATUSES:
         raise invalid
     if status is not None and bucket != status:
         raise invalid

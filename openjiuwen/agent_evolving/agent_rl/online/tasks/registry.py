@@ -6,20 +6,30 @@ never decide HTTP statuses.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from .. import events
 from ..errors import Conflict, NotFound
-from ..ids import now_iso, parse_iso_epoch
+from ..ids import is_token_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import PackedSample, text
+from ..store.listing import newest_first
 from ..store.tx import transact
 from .models import CaptureMeta, CaptureStatus, FinishReason, RewardMode, Task, TaskStatus
 from .signals import TaskSignals
+
+if TYPE_CHECKING:
+    from ..metrics import ServiceMetrics
+
+
+log = logging.getLogger("openjiuwen.agent_rl.online.tasks")
 
 
 class AbortingConflict(Conflict):
@@ -39,9 +49,12 @@ class Reservation:
 
 
 class TaskRegistry:
-    def __init__(self, redis: Redis, *, signals: TaskSignals | None = None) -> None:
+    def __init__(
+        self, redis: Redis, *, signals: TaskSignals | None = None, metrics: "ServiceMetrics | None" = None
+    ) -> None:
         self._redis = redis
         self.signals = signals or TaskSignals()
+        self._metrics = metrics
 
     # ------------------------------------------------------------------ Tasks
 
@@ -79,14 +92,31 @@ class TaskRegistry:
                     other = Task.from_json(other_raw)
                     if other.active:
                         return other, False
+            created = parse_iso_epoch(requested.created_at)
             pipe.multi()
             pipe.set(task_key, requested.to_json())
             pipe.set(pointer_key, t)
             pipe.sadd(keys.ACTIVE_TASKS, t)
+            # The listing indexes and the timeline start with the record (one EXEC: a listed Task always exists).
+            pipe.zadd(keys.TASKS_BY_CREATION, {t: created})
+            pipe.zadd(keys.tasks_by_status(TaskStatus.ACTIVE), {t: created})
+            if is_token_id(requested.policy_lora_name):  # per-version Task count (GET /v1/rl/policies)
+                pipe.hincrby(keys.policy_stats(requested.policy_lora_name), "tasks", 1)
+                pipe.sadd(keys.POLICY_VERSIONS, requested.policy_lora_name)
+            events.queue(pipe, keys.task_events(t), "created", {
+                "agent_session_id": s, "reward_mode": requested.reward_mode,
+                "policy_lora_name": requested.policy_lora_name,
+            }, at=requested.created_at)
             await pipe.execute()
             return requested, True
 
-        return await transact(self._redis, body, task_key, pointer_key)
+        task, created = await transact(self._redis, body, task_key, pointer_key)
+        if created:
+            log.info("task %s created for session %s on %s (%s)", t, s, task.policy_lora_name, task.reward_mode,
+                     extra={"rl_task_id": t})
+            if self._metrics is not None:
+                self._metrics.task_created(task.reward_mode)
+        return task, created
 
     async def finalize(self, rl_task_id: str, reason: FinishReason) -> Task:
         """active → finalized. Requires zero open captures (Invariant 2); a finalized terminal-mode Task with
@@ -153,12 +183,55 @@ class TaskRegistry:
             extra_writes(pipe)
             for index in indexes:
                 pipe.zadd(index, {t: parse_iso_epoch(now)})
+            # The status listing index and the timeline move with the record.
+            pipe.zrem(keys.tasks_by_status(TaskStatus.ACTIVE), t)
+            pipe.zadd(keys.tasks_by_status(status), {t: parse_iso_epoch(task.created_at)})
+            events.queue(pipe, keys.task_events(t), status.value, {"reason": reason.value}, at=now)
             await pipe.execute()
+            transitioned.append(True)
             return done
 
+        transitioned: list[bool] = []
         task = await transact(self._redis, body, task_key, open_key, committed_key)
         self.signals.notify(t)
+        if transitioned:
+            log.info("task %s %s (%s)", t, task.status, reason.value, extra={"rl_task_id": t})
+            if self._metrics is not None:
+                self._metrics.task_finished(task.status, reason.value)
         return task
+
+    async def list_page(self, status: str | None, limit: int, cursor: str | None) -> dict[str, Any]:
+        """Task records newest first by creation (`GET /v1/rl/tasks`), from the creation-time listing indexes.
+
+        An id whose record is gone (expired by retention) is dropped from the indexes on the way; a record whose
+        status changed between the index read and the record read is left out of a filtered page."""
+        index = keys.TASKS_BY_CREATION if status is None else keys.tasks_by_status(status)
+        ids, next_cursor = await newest_first(self._redis, index, limit=limit, cursor=cursor, scope=status or "*")
+        raws = await self._redis.mget([keys.task(t) for t in ids]) if ids else []
+        items, gone = [], []
+        for t, raw in zip(ids, raws):
+            if raw is None:
+                gone.append(t)
+                continue
+            task = Task.from_json(raw)
+            if status is None or task.status == status:
+                items.append(task.public())
+        if gone:
+            await self.forget(gone)
+        return {"items": items, "next_cursor": next_cursor}
+
+    async def forget(self, rl_task_ids: list[str]) -> None:
+        """Drop ids whose records expired from every listing index (the record, not the index, is the truth)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for index in (keys.TASKS_BY_CREATION, *(keys.tasks_by_status(s) for s in keys.TASK_STATUSES),
+                          keys.TASKS_LISTING_EXPIRY):
+                pipe.zrem(index, *rl_task_ids)
+            await pipe.execute()
+
+    async def events(self, rl_task_id: str) -> list[dict[str, Any]]:
+        """The Task timeline oldest first; NotFound for an unknown Task."""
+        await self.require(rl_task_id)
+        return await events.EventLog(self._redis).read(keys.task_events(rl_task_id))
 
     async def active_ids(self) -> list[str]:
         return sorted(text(t) for t in await self._redis.smembers(keys.ACTIVE_TASKS))
@@ -224,6 +297,8 @@ class TaskRegistry:
             pipe.set(capture_key, meta.to_json())
             pipe.sadd(keys.captures(t), capture_id)
             pipe.sadd(keys.open_captures(t), capture_id)
+            events.queue(pipe, keys.task_events(t), "capture_reserved",
+                         {"capture_id": capture_id, "agent_turn_id": turn_id}, at=meta.created_at)
             await pipe.execute()
             return Reservation(ReserveOutcome.RESERVED)
 
@@ -263,6 +338,10 @@ class TaskRegistry:
                 raise Conflict("RL Task is not active")
             if sample is None:
                 raise Conflict("capture is not committed")
+            # Completion latency: from the reservation at `:before` to this commit (per-version evaluation).
+            sample.meta["completion_latency_ms"] = round(
+                max(0.0, (parse_iso_epoch(now_iso()) - parse_iso_epoch(meta.created_at)) * 1000.0), 3
+            )
             committed = CaptureMeta(
                 meta.capture_id, meta.agent_turn_id, meta.request_fingerprint, response_fingerprint,
                 CaptureStatus.COMMITTED, meta.created_at,
@@ -274,16 +353,21 @@ class TaskRegistry:
             pipe.sadd(keys.committed_captures(t), capture_id)
             if turn_id is not None:
                 pipe.sadd(keys.turn_captures(t, turn_id), capture_id)
+            events.queue(pipe, keys.task_events(t), "capture_committed",
+                         {"capture_id": capture_id, "agent_turn_id": turn_id})
             await pipe.execute()
             return True
 
         changed = await transact(self._redis, body, task_key, capture_key)
         if changed:
             self.signals.notify(t)
+            log.debug("capture %s of task %s committed", capture_id, t,
+                      extra={"rl_task_id": t, "capture_id": capture_id, "agent_turn_id": turn_id})
         return changed
 
-    async def discard(self, rl_task_id: str, capture_id: str, turn_id: str | None) -> None:
-        """Drop an open capture. Unknown capture or inactive Task: no-op. Invariant 2 as in `reserve`."""
+    async def discard(self, rl_task_id: str, capture_id: str, turn_id: str | None) -> bool:
+        """Drop an open capture (True when dropped). Unknown capture or inactive Task: no-op. Invariant 2 as in
+        `reserve`."""
         t = rl_task_id
         task_key, capture_key = keys.task(t), keys.capture(t, capture_id)
 
@@ -301,11 +385,15 @@ class TaskRegistry:
             pipe.delete(capture_key)
             pipe.srem(keys.captures(t), capture_id)
             pipe.srem(keys.open_captures(t), capture_id)
+            events.queue(pipe, keys.task_events(t), "capture_discarded",
+                         {"capture_id": capture_id, "agent_turn_id": turn_id})
             await pipe.execute()
             return True
 
         if await transact(self._redis, body, task_key, capture_key):
             self.signals.notify(t)
+            return True
+        return False
 
     async def committed_ids(self, rl_task_id: str) -> list[str]:
         return sorted(text(c) for c in await self._redis.smembers(keys.committed_captures(rl_task_id)))
@@ -338,6 +426,7 @@ class TaskRegistry:
                 return "open"
             pipe.multi()
             pipe.set(publish_key, "publishing")
+            events.queue(pipe, keys.task_events(t), "turn_publishing", {"agent_turn_id": turn_id})
             await pipe.execute()
             return "claimed"
 
@@ -373,14 +462,20 @@ class TaskRegistry:
             pipe.sadd(keys.turns_closed(t), turn_id)
             if capture_ids:
                 pipe.delete(*(keys.staged(t, c) for c in capture_ids))
+            events.queue(pipe, keys.task_events(t), "turn_published",
+                         {"agent_turn_id": turn_id, "samples": len(capture_ids)})
             await pipe.execute()
 
         await transact(self._redis, body, task_key, publish_key, turn_set)
         self.signals.notify(t)
 
     async def fail_publish(self, rl_task_id: str, turn_id: str) -> None:
-        await self._redis.set(keys.turn_publish(rl_task_id, turn_id), "failed")
-        self.signals.notify(rl_task_id)
+        t = rl_task_id
+        async with self._redis.pipeline(transaction=True) as pipe:  # the state and its event together
+            pipe.set(keys.turn_publish(t, turn_id), "failed")
+            events.queue(pipe, keys.task_events(t), "turn_failed", {"agent_turn_id": turn_id})
+            await pipe.execute()
+        self.signals.notify(t)
 
     async def advance_turn(self, rl_task_id: str, from_turn: str, to_turn: str) -> None:
         """current C (published) → T, transition cleared. Idempotent: a second caller finds current = T.

@@ -16,18 +16,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import Conflict, DomainError, NotFound
-from ..ids import now_iso, policy_lag_version
+from ..ids import now_iso, parse_iso_epoch, policy_lag_version
 from ..lora.gateway_client import GatewayError, GatewayLoraClient
 from ..lora.repository import Artifact, LoraRepository
 from ..store.trajectories import TrajectoryStore
 from .backends import TrainerBackend
 from .models import RunStage, RunStatus, TrainingRun, empty_metrics, new_run_id
 from .runs import RunStore
+
+if TYPE_CHECKING:
+    from ..metrics import ServiceMetrics
 
 log = logging.getLogger("openjiuwen.agent_rl.online.training")
 
@@ -50,6 +54,7 @@ class TrainingRunner:
         max_samples: int,
         max_policy_lag: int | None,
         tmp_root: str | Path,
+        metrics: "ServiceMetrics | None" = None,
     ) -> None:
         self._runs = runs
         self._store = store
@@ -62,12 +67,22 @@ class TrainingRunner:
         self._max_samples = max_samples
         self._max_policy_lag = max_policy_lag
         self._tmp_root = Path(tmp_root)
+        self._metrics = metrics
         self._lock = asyncio.Lock()
         self._executions: dict[str, asyncio.Task[None]] = {}
         self._stop_requested: set[str] = set()
         self._failure: str | None = None
 
     # ------------------------------------------------------------------ API
+
+    async def list_runs(self, limit: int, cursor: str | None) -> dict[str, Any]:
+        return await self._runs.list_page(limit, cursor)
+
+    async def events(self, run_id: str) -> list[dict[str, Any]]:
+        items = await self._runs.events(run_id)
+        if items is None:
+            raise NotFound("training run not found")
+        return items
 
     async def get(self, run_id: str) -> TrainingRun:
         run = await self._runs.get(run_id)
@@ -114,7 +129,7 @@ class TrainingRunner:
                 )
             self._launch(claim.run)
             log.info("training run %s claimed %d sample(s) on parent %s", claim.run.training_run_id,
-                     claim.run.sample_count, parent.lora_name)
+                     claim.run.sample_count, parent.lora_name, extra={"training_run_id": claim.run.training_run_id})
             return claim.run, True
 
     async def stop(self, run_id: str) -> TrainingRun:
@@ -123,6 +138,7 @@ class TrainingRunner:
         if run.terminal:
             return run
         self._stop_requested.add(run_id)
+        await self._runs.append_event(run_id, "stop_requested", {"stage": run.stage})
         task = self._executions.get(run_id)
         if run.stage in (RunStage.QUEUED, RunStage.TRAINING):
             stopped = await self._backend.cancel(run_id)
@@ -144,15 +160,17 @@ class TrainingRunner:
         run = await self._runs.active()
         if run is None:
             return None
+        await self._runs.append_event(run.training_run_id, "recovered", {"stage": run.stage})
         if run.stage in (RunStage.QUEUED, RunStage.TRAINING):
             log.warning("training run %s was interrupted by a restart; its samples go back to pending",
-                        run.training_run_id)
+                        run.training_run_id, extra={"training_run_id": run.training_run_id})
             run = await self._runs.finish(
                 run.training_run_id, RunStatus.FAILED, failure_reason="service_restarted", restore_samples=True
             )
             await self._cleanup(run.training_run_id)
             return run
-        log.info("training run %s was activating at restart; retrying the activation", run.training_run_id)
+        log.info("training run %s was activating at restart; retrying the activation", run.training_run_id,
+                 extra={"training_run_id": run.training_run_id})
         return await self._activate(run)
 
     async def shutdown(self) -> None:
@@ -161,7 +179,8 @@ class TrainingRunner:
             try:
                 await self.stop(run_id)
             except Exception:
-                log.exception("training run %s could not be stopped at shutdown", run_id)
+                log.exception("training run %s could not be stopped at shutdown", run_id,
+                              extra={"training_run_id": run_id})
 
     async def wait(self, run_id: str) -> TrainingRun:
         """Wait for this process's execution of a run to end (tests, shutdown); then return the record."""
@@ -188,7 +207,8 @@ class TrainingRunner:
             if not t.cancelled() and t.exception() is not None:
                 # Sticky until restart: the run's state may be inconsistent with what this process believes.
                 self._failure = f"training run {run_id} execution failed: {t.exception()!r}"
-                log.error("training run %s execution failed", run_id, exc_info=t.exception())
+                log.error("training run %s execution failed", run_id, exc_info=t.exception(),
+                          extra={"training_run_id": run_id})
 
         task.add_done_callback(done)
 
@@ -197,9 +217,13 @@ class TrainingRunner:
         run = await self._runs.update(
             run_id,
             lambda r: r.evolve(status=RunStatus.RUNNING.value, stage=RunStage.TRAINING.value, started_at=now_iso()),
+            event=("training_started", {}),
         )
         if run.terminal:
             return
+        if run.started_at:
+            self._stage("queued", "ok", parse_iso_epoch(run.started_at) - parse_iso_epoch(run.created_at))
+        started = time.perf_counter()
         try:
             samples = await self._store.get_documents(run.sample_ids)
             artifact = await self._backend.train(
@@ -213,12 +237,14 @@ class TrainingRunner:
             )
             await asyncio.to_thread(self._repository.validate_artifact, artifact)
         except asyncio.CancelledError:
+            self._stage("training", "canceled", time.perf_counter() - started)
             raise  # `stop` settles the record
         except Exception as exc:
             canceled = run_id in self._stop_requested
+            self._stage("training", "canceled" if canceled else "failed", time.perf_counter() - started)
             reason = None if canceled else (str(exc) or type(exc).__name__)
             if not canceled:
-                log.warning("training run %s failed: %s", run_id, reason)
+                log.warning("training run %s failed: %s", run_id, reason, extra={"training_run_id": run_id})
             await asyncio.shield(
                 self._runs.finish(
                     run_id, RunStatus.CANCELED if canceled else RunStatus.FAILED, failure_reason=reason,
@@ -227,6 +253,7 @@ class TrainingRunner:
             )
             await self._cleanup(run_id)
             return
+        self._stage("training", "ok", time.perf_counter() - started)
         run = await asyncio.shield(self._mark_trained(run_id, artifact))
         if run.terminal:
             return
@@ -258,30 +285,56 @@ class TrainingRunner:
                         metrics[key] = step[key]
                 return run.evolve(metrics=metrics)
 
-            await self._runs.update(run_id, change)
+            await self._runs.update(run_id, change, event=("ppo_step", step))
 
         return record
 
     async def _activate(self, run: TrainingRun) -> TrainingRun:
         assert run.lora_name and run.lora_path
+        await self._runs.append_event(run.training_run_id, "activation_attempt", {
+            "lora_name": run.lora_name, "expected_lora_name": run.parent_lora_name,
+        })
+        started = time.perf_counter()
         try:
             await self._gateway.activate(
                 base_model=self._base_model_path, lora_name=run.lora_name, lora_path=run.lora_path,
                 expected=run.parent_lora_name, run_id=run.training_run_id,
             )
+        except asyncio.CancelledError:
+            self._activation_done("canceled", time.perf_counter() - started)
+            raise
         except GatewayError as exc:
-            log.warning("activation of %s failed: %s", run.lora_name, exc)
+            self._activation_done("failed", time.perf_counter() - started)
+            log.warning("activation of %s failed: %s", run.lora_name, exc,
+                        extra={"training_run_id": run.training_run_id, "lora_name": run.lora_name})
             return await asyncio.shield(
-                self._runs.finish(run.training_run_id, RunStatus.FAILED, failure_reason=str(exc))
+                self._runs.finish(
+                    run.training_run_id, RunStatus.FAILED, failure_reason=str(exc),
+                    before=[("activation_failed", {"lora_name": run.lora_name, "error": str(exc)})],
+                )
             )
+        self._activation_done("ok", time.perf_counter() - started)
         return await asyncio.shield(self._succeed(run))
+
+    def _stage(self, stage: str, outcome: str, seconds: float) -> None:
+        if self._metrics is not None:
+            self._metrics.stage(stage, outcome, seconds)
+
+    def _activation_done(self, outcome: str, seconds: float) -> None:
+        self._stage("activating", outcome, seconds)
+        if self._metrics is not None:
+            self._metrics.activation(outcome, seconds)
 
     async def _succeed(self, run: TrainingRun) -> TrainingRun:
         assert run.lora_name and run.lora_path
         await self._repository.write_active(run.lora_name, run.lora_path, run.training_run_id)
         await self._runs.observe_policy(run.lora_name, run.lora_path)
-        log.info("training run %s succeeded: %s active", run.training_run_id, run.lora_name)
-        return await self._runs.finish(run.training_run_id, RunStatus.SUCCEEDED)
+        log.info("training run %s succeeded: %s active", run.training_run_id, run.lora_name,
+                 extra={"training_run_id": run.training_run_id, "lora_name": run.lora_name})
+        return await self._runs.finish(
+            run.training_run_id, RunStatus.SUCCEEDED,
+            before=[("activation_succeeded", {"lora_name": run.lora_name})],
+        )
 
     async def _stop_activation(self, run_id: str, task: asyncio.Task[None] | None) -> TrainingRun:
         if task is not None and not task.done():

@@ -8,19 +8,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from ..ids import now_iso, parse_iso_epoch, policy_lag_version
+from .. import events
+from ..ids import is_token_id, now_iso, parse_iso_epoch, policy_lag_version
 from ..store import keys
 from ..store.codec import text
+from ..store.listing import newest_first
 from ..store.trajectories import TrajectoryStore, stale_pending
 from ..store.tx import transact
 from .models import RunStage, RunStatus, TrainingRun
 
+if TYPE_CHECKING:
+    from ..metrics import ServiceMetrics
+
 PENDING, TRAINING, TRAINED, FAILED = "pending", "training", "trained", "failed"
+Event = tuple[str, dict[str, Any]]  # (event type, data) queued with a transition
 _SCAN_CHUNK = 512
 
 
@@ -40,8 +47,12 @@ async def _read_run(pipe: Pipeline, run_key: str, run_id: str) -> TrainingRun:
 
 
 class RunStore:
-    def __init__(self, redis: Redis, store: TrajectoryStore, *, model_id: str, run_retention_s: int) -> None:
+    def __init__(
+        self, redis: Redis, store: TrajectoryStore, *, model_id: str, run_retention_s: int,
+        metrics: "ServiceMetrics | None" = None,
+    ) -> None:
         self._redis = redis
+        self._metrics = metrics
         self._store = store
         self._model_id = model_id
         self._run_retention_s = run_retention_s
@@ -115,6 +126,11 @@ class RunStore:
                 )
             pipe.set(run_key, run.to_json())
             pipe.set(keys.ACTIVE_RUN, run.training_run_id)
+            pipe.zadd(keys.RUNS_BY_CREATION, {run.training_run_id: parse_iso_epoch(run.created_at)})
+            events.queue(pipe, keys.training_run_events(run.training_run_id), "created", {
+                "sample_count": run.sample_count, "policy_versions": versions,
+                "parent_lora_name": run.parent_lora_name,
+            }, at=run.created_at)
             await pipe.execute()
             return ClaimResult(run, False, eligible, stale)
 
@@ -144,8 +160,11 @@ class RunStore:
                         break
         return chosen
 
-    async def update(self, run_id: str, change: Callable[[TrainingRun], TrainingRun]) -> TrainingRun:
-        """Apply `change` to a non-terminal record (progress, stage moves); a terminal record is returned as is."""
+    async def update(
+        self, run_id: str, change: Callable[[TrainingRun], TrainingRun], *, event: Event | None = None
+    ) -> TrainingRun:
+        """Apply `change` to a non-terminal record (progress, stage moves) with its timeline event, in one EXEC; a
+        terminal record is returned as is."""
         run_key = keys.training_run(run_id)
 
         async def body(pipe: Pipeline) -> TrainingRun:
@@ -155,6 +174,8 @@ class RunStore:
             new = change(run)
             pipe.multi()
             pipe.set(run_key, new.to_json())
+            if event is not None:
+                events.queue(pipe, keys.training_run_events(run_id), *event)
             await pipe.execute()
             return new
 
@@ -179,6 +200,7 @@ class RunStore:
                 stage=RunStage.ACTIVATING.value, lora_name=lora_name, lora_path=lora_path,
                 metrics={**run.metrics, **metrics_patch},
             )
+            failed = sum(1 for sample_id, _, _ in moves if sample_id in dropped)
             pipe.multi()
             for sample_id, version, _ in moves:
                 target = FAILED if sample_id in dropped else TRAINED
@@ -186,6 +208,14 @@ class RunStore:
                     pipe, sample_id, old=TRAINING, new=target, score=score, policy_version=version, at=at
                 )
             pipe.set(run_key, new.to_json())
+            if is_token_id(lora_name):  # the new version's lineage, for GET /v1/rl/policies
+                pipe.hset(keys.policy_stats(lora_name), mapping={
+                    "parent": run.parent_lora_name, "training_run_id": run_id,
+                })
+                pipe.sadd(keys.POLICY_VERSIONS, lora_name)
+            stream = keys.training_run_events(run_id)
+            events.queue(pipe, stream, "artifact_published", {"lora_name": lora_name, "lora_path": lora_path}, at=at)
+            events.queue(pipe, stream, "samples_trained", {"trained": len(moves) - failed, "failed": failed}, at=at)
             await pipe.execute()
             return new
 
@@ -198,9 +228,11 @@ class RunStore:
         *,
         failure_reason: str | None = None,
         restore_samples: bool = False,
+        before: Sequence[Event] = (),
     ) -> TrainingRun:
-        """Terminal transition: record + TTL, pointer deleted; with `restore_samples`, the batch's `training`
-        samples go back to `pending` at their original position in the same EXEC. Invariants 5, 6 and 8."""
+        """Terminal transition: record + TTL, pointer deleted, the `before` events and the terminal event appended
+        (the timeline gets the record's TTL); with `restore_samples`, the batch's `training` samples go back to
+        `pending` at their original position in the same EXEC. Invariants 5, 6 and 8."""
         run_key = keys.training_run(run_id)
 
         async def body(pipe: Pipeline) -> TrainingRun:
@@ -218,12 +250,25 @@ class RunStore:
                     policy_version=version, at=at, run_id="",
                 )
             pipe.set(run_key, done.to_json(), ex=self._run_retention_s)
+            pipe.zadd(keys.RUNS_LISTING_EXPIRY, {run_id: parse_iso_epoch(at) + self._run_retention_s})
             if pointer == run_id:
                 pipe.delete(keys.ACTIVE_RUN)
+            stream = keys.training_run_events(run_id)
+            for event_type, data in before:
+                events.queue(pipe, stream, event_type, data, at=at)
+            events.queue(pipe, stream, status.value, {
+                "failure_reason": failure_reason, "restored_samples": len(moves),
+            }, at=at)
+            pipe.expire(stream, self._run_retention_s)
             await pipe.execute()
+            transitioned.append(True)
             return done
 
-        return await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+        transitioned: list[bool] = []
+        done = await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+        if transitioned and self._metrics is not None:
+            self._metrics.run_finished(done.status)
+        return done
 
     async def _training_members(self, pipe: Pipeline, run: TrainingRun) -> list[tuple[str, str, str]]:
         """(id, policy version, created_at) of the run's samples still `training` under this run; their hashes are
@@ -241,6 +286,31 @@ class RunStore:
             if text(status) == TRAINING and text(owner_run) == run.training_run_id:
                 out.append((sample_id, text(version) or "base", text(created_at) or now_iso()))
         return out
+
+    async def list_page(self, limit: int, cursor: str | None) -> dict[str, Any]:
+        """Public run records newest first (`GET /v1/rl/training/runs`); ids of expired records leave the index."""
+        ids, next_cursor = await newest_first(
+            self._redis, keys.RUNS_BY_CREATION, limit=limit, cursor=cursor, scope="runs"
+        )
+        raws = await self._redis.mget([keys.training_run(r) for r in ids]) if ids else []
+        gone = [r for r, raw in zip(ids, raws) if raw is None]
+        if gone:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(keys.RUNS_BY_CREATION, *gone)
+                pipe.zrem(keys.RUNS_LISTING_EXPIRY, *gone)
+                await pipe.execute()
+        items = [TrainingRun.from_json(raw).public() for raw in raws if raw is not None]
+        return {"items": items, "next_cursor": next_cursor}
+
+    async def events(self, run_id: str) -> list[dict[str, Any]] | None:
+        """The run timeline oldest first, or None for an unknown run."""
+        if not await self._redis.exists(keys.training_run(run_id)):
+            return None
+        return await events.EventLog(self._redis).read(keys.training_run_events(run_id))
+
+    async def append_event(self, run_id: str, event_type: str, data: dict[str, Any]) -> None:
+        """A best-effort event that belongs to no transition (activation attempt, stop request, recovery)."""
+        await events.EventLog(self._redis).append(keys.training_run_events(run_id), event_type, data)
 
     async def observe_policy(self, lora_name: str, lora_path: str) -> None:
         """Remember the last active policy read from the gateway (used for `stale` in stats)."""

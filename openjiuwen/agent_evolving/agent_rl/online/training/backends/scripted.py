@@ -1,7 +1,8 @@
 """A deterministic backend for tests and system tests, selected only by `trainer_backend: scripted`.
 
 What it does is read from a plan at every `train` call: `{"outcome": "succeed" | "fail" | "block",
-"delay_seconds": float, "message": str, "drop": [sample ids]}`. The plan is a dict set by in-process tests, or a
+"delay_seconds": float, "message": str, "drop": [sample ids], "steps": [step metrics]}` (`steps` replaces the one
+all-zero step a success reports by default). The plan is a dict set by in-process tests, or a
 JSON file (its path given at construction, from `ONLINE_RL_SCRIPTED_PLAN`) that system tests rewrite between runs.
 `block` waits until the run is canceled. A success publishes a real repository version whose adapter files are
 placeholders in PEFT's layout.
@@ -72,11 +73,13 @@ class ScriptedBackend:
                 raise TrainingCanceled(f"run {training_run_id} canceled")
             if outcome == "fail":
                 raise RuntimeError(plan.get("message", "scripted training failure"))
-            await on_progress({"step": 1, "loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0,
-                               "tokens_per_second": 0.0, "samples": len(samples)})
+            steps = plan.get("steps") or [{"step": 1, "loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0,
+                                           "tokens_per_second": 0.0, "samples": len(samples)}]
+            for step in steps:
+                await on_progress(dict(step))
             temp = await self._repository.create_temp(training_run_id)
             await asyncio.to_thread(self._write_adapter, temp)
-            metrics = {"steps": 1, "step_metrics": [], "dropped_samples": len(plan.get("drop", []))}
+            metrics = {"steps": len(steps), "step_metrics": [], "dropped_samples": len(plan.get("drop", []))}
             meta = artifact_metadata(
                 training_run_id=training_run_id, model_id=model_id, base_model_path=base_model_path,
                 samples=samples, init_lora_name=init_lora_name, init_lora_path=init_lora_path,

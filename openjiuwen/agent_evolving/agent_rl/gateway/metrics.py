@@ -1,0 +1,86 @@
+"""Prometheus metrics of the reference gateway (`gw_` prefix): one `GatewayMetrics` per app on its own
+`CollectorRegistry`. Requests by route and status, upstream (vLLM) latency, capture hook latency and errors are
+recorded in-process as they happen; LoRA state per model and instance, leases and mapped Tasks are read from the
+gateway's own memory at scrape time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..online.metrics import FAST_BUCKETS_S
+from .instances import InstanceRegistry
+from .lora_manager import LoraManager
+from .sessions import SessionMap
+
+UPSTREAM_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+LORA_STATES = ("base", "active", "degraded")
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter("gw_http_requests_total", "Answers by route template and status",
+                                     ("route", "status"), registry=r)
+        self.upstream = Histogram("gw_upstream_duration_seconds",
+                                  "vLLM time to response headers by instance and status",
+                                  ("instance", "status"), buckets=UPSTREAM_BUCKETS_S, registry=r)
+        self.hook_duration = Histogram("gw_capture_hook_duration_seconds",
+                                       "RL Service hook calls (retries included) by hook",
+                                       ("hook",), buckets=FAST_BUCKETS_S, registry=r)
+        self.hook_errors = Counter("gw_capture_hook_errors_total",
+                                   "Hook calls answered non-2xx (status) or not at all (unreachable)",
+                                   ("hook", "status"), registry=r)
+        self.lora_state = Gauge("gw_lora_state", "1 for the model's current LoRA state (base, active, degraded)",
+                                ("model", "state"), registry=r)
+        self.lora_instance_ready = Gauge("gw_lora_instance_ready",
+                                         "1 when the instance serves the model's active policy (base: always)",
+                                         ("model", "instance"), registry=r)
+        self.lora_leases = Gauge("gw_lora_leases", "Task leases held on a LoRA version", ("lora_name",),
+                                 registry=r)
+        self.tasks_mapped = Gauge("gw_tasks_mapped", "Active Tasks whose session the gateway captures", registry=r)
+        self.rl_service_up = Gauge("gw_rl_service_up", "1 while the RL Service child is running", registry=r)
+        self.rl_scrape_errors = Counter("gw_rl_scrape_errors_total",
+                                        "Failed reads of the RL Service's /metrics while scraping", registry=r)
+
+    def http(self, route: str, status: int) -> None:
+        self.http_requests.labels(route, str(status)).inc()
+
+    def upstream_answered(self, instance: str, status: str, seconds: float) -> None:
+        self.upstream.labels(instance, status).observe(seconds)
+
+    @contextmanager
+    def hook(self, hook: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.hook_duration.labels(hook).observe(time.perf_counter() - started)
+
+    def hook_error(self, hook: str, status: str) -> None:
+        self.hook_errors.labels(hook, status).inc()
+
+    def refresh(self, *, loras: LoraManager, instances: InstanceRegistry, sessions: SessionMap, model_id: str,
+                rl_running: bool) -> None:
+        """Set the state gauges from the gateway's memory (no I/O)."""
+        models = list(dict.fromkeys([model_id, *instances.models()]))
+        for model in models:
+            status = loras.status(model)
+            for state in LORA_STATES:
+                self.lora_state.labels(model, state).set(1 if status["status"] == state else 0)
+            active = loras.active(model)
+            for instance in instances.for_model(model):
+                ready = active is None or active.lora_name in loras.loaded_on(instance.name)
+                self.lora_instance_ready.labels(model, instance.name).set(1 if ready else 0)
+        self.lora_leases.clear()
+        for name, count in loras.leases().items():
+            self.lora_leases.labels(name).set(count)
+        self.tasks_mapped.set(len(sessions.all_tasks()))
+        self.rl_service_up.set(1 if rl_running else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

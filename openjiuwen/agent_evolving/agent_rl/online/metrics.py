@@ -1,0 +1,223 @@
+"""Prometheus metrics of the RL Service (CONTRACT §2.3): one `ServiceMetrics` per app, on its own
+`CollectorRegistry` (no process-global registry, so app instances never share series), every series labelled
+`model_id`.
+
+Recording is in-process only (a counter or histogram update, no Redis round trip on the hook path). Gauges that
+describe stored state (`rl_trajectories`, `rl_tasks`, `rl_lora_active_version`) are read at scrape time from the
+O(1) counters and index sizes, in one pipelined round trip.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .ids import lora_version
+from .store import keys
+
+if TYPE_CHECKING:
+    from .judge import Judge, JudgeResult
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # `text/plain; version=0.0.4` (CONTRACT §2.3)
+
+FAST_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SLOW_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)
+UNMATCHED_ROUTE = "unmatched"  # unknown paths share one label, so scanners cannot grow the series count
+
+
+def route_label(scope: Scope) -> str:
+    """The matched route template (`/v1/rl/tasks/{rl_task_id}`), never the raw path."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else UNMATCHED_ROUTE
+
+
+class HttpMetricsMiddleware:
+    """Counts every answer by route template and status, auth and size refusals included (outermost middleware)."""
+
+    def __init__(self, app: ASGIApp, *, observe: Callable[[str, int], None]) -> None:
+        self.app = app
+        self._observe = observe
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        finally:
+            self._observe(route_label(scope), status)
+
+
+class ServiceMetrics:
+    def __init__(self, model_id: str) -> None:
+        self.model_id = model_id
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, m = self.registry, ("model_id",)
+        self.http_requests = Counter("rl_http_requests_total", "HTTP answers by route template and status",
+                                     m + ("route", "status"), registry=r)
+        self.hook_duration = Histogram("rl_hook_duration_seconds", "Capture hook handling time",
+                                       m + ("hook",), buckets=FAST_BUCKETS_S, registry=r)
+        self.captures = Counter("rl_captures_total", "Capture hook outcomes: committed, discarded, rejected",
+                                m + ("result",), registry=r)
+        self.tasks_created = Counter("rl_tasks_total", "Tasks created", m + ("reward_mode",), registry=r)
+        self.tasks_finished = Counter("rl_tasks_finished_total", "Tasks that reached a terminal status",
+                                      m + ("status", "reason"), registry=r)
+        self.tasks = Gauge("rl_tasks_by_status",
+                           "Tasks by status (active: the recovery index; terminal: still retained)",
+                           m + ("status",), registry=r)
+        self.turn_publish = Histogram("rl_turn_publish_duration_seconds", "Delayed-feedback turn publication time",
+                                      m, buckets=FAST_BUCKETS_S[4:] + (60.0, 120.0), registry=r)
+        self.judge_requests = Counter("rl_judge_requests_total", "Judge scorings by result (ok, failed)",
+                                      m + ("result",), registry=r)
+        self.judge_duration = Histogram("rl_judge_duration_seconds", "Time of one Judge scoring (all votes)",
+                                        m, buckets=FAST_BUCKETS_S[5:] + (60.0, 120.0), registry=r)
+        self.judge_votes = Counter("rl_judge_votes_total", "Judge votes by result (ok, fail)", m + ("result",),
+                                   registry=r)
+        self.samples_published = Counter("rl_samples_published_total", "Samples inserted into the trajectory store",
+                                         m + ("source",), registry=r)
+        self.trajectories = Gauge("rl_trajectories", "Samples by status (from the O(1) counters)",
+                                  m + ("status",), registry=r)
+        self.training_runs = Counter("rl_training_runs_total", "Training Runs that reached a terminal status",
+                                     m + ("status",), registry=r)
+        self.stage_duration = Histogram("rl_training_stage_duration_seconds",
+                                        "Time a Training Run spent in a stage, by how the stage ended",
+                                        m + ("stage", "outcome"), buckets=SLOW_BUCKETS_S, registry=r)
+        self.activation_attempts = Counter("rl_lora_activation_attempts_total",
+                                           "Activation requests to the gateway by result", m + ("result",),
+                                           registry=r)
+        self.activation_duration = Histogram("rl_lora_activation_duration_seconds",
+                                             "Activation of a new version, retries included, by result",
+                                             m + ("result",), buckets=SLOW_BUCKETS_S, registry=r)
+        self.lora_active_version = Gauge("rl_lora_active_version",
+                                         "N of the last active policy <model>:vN seen on the gateway (0 = base)",
+                                         m, registry=r)
+        self.redis_errors = Counter("rl_redis_errors_total", "Redis errors seen by requests, sweeps and scrapes",
+                                    m, registry=r)
+
+    # ------------------------------------------------------------ recording (cheap, in-process)
+
+    def http(self, route: str, status: int) -> None:
+        self.http_requests.labels(self.model_id, route, str(status)).inc()
+
+    @contextmanager
+    def hook(self, hook: str) -> Iterator[None]:
+        """Times a hook; a hook that raises (any non-2xx answer) counts its capture as rejected."""
+        started = time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            self.captures.labels(self.model_id, "rejected").inc()
+            raise
+        finally:
+            self.hook_duration.labels(self.model_id, hook).observe(time.perf_counter() - started)
+
+    def capture(self, result: str) -> None:
+        self.captures.labels(self.model_id, result).inc()
+
+    def task_created(self, reward_mode: str) -> None:
+        self.tasks_created.labels(self.model_id, reward_mode).inc()
+
+    def task_finished(self, status: str, reason: str) -> None:
+        self.tasks_finished.labels(self.model_id, status, reason).inc()
+
+    def turn_published(self, seconds: float) -> None:
+        self.turn_publish.labels(self.model_id).observe(seconds)
+
+    def published(self, source: str, n: int = 1) -> None:
+        self.samples_published.labels(self.model_id, source or "unknown").inc(n)
+
+    def run_finished(self, status: str) -> None:
+        self.training_runs.labels(self.model_id, status).inc()
+
+    def stage(self, stage: str, outcome: str, seconds: float) -> None:
+        self.stage_duration.labels(self.model_id, stage, outcome).observe(max(0.0, seconds))
+
+    def activation_attempt(self, result: str) -> None:
+        self.activation_attempts.labels(self.model_id, result).inc()
+
+    def activation(self, result: str, seconds: float) -> None:
+        self.activation_duration.labels(self.model_id, result).observe(seconds)
+
+    def redis_error(self) -> None:
+        self.redis_errors.labels(self.model_id).inc()
+
+    def exception(self, exc: BaseException) -> None:
+        """An exception escaped a request: count it when Redis caused it."""
+        if isinstance(exc, RedisError):
+            self.redis_error()
+
+    # ------------------------------------------------------------ scrape
+
+    async def refresh(self, redis: Redis, stats: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        """Set the state gauges from the O(1) counters and index sizes; a Redis failure leaves them as they were
+        and is counted, and the scrape still answers."""
+        try:
+            counts = await stats()
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.scard(keys.ACTIVE_TASKS)
+                pipe.zcard(keys.tasks_by_status("finalized"))
+                pipe.zcard(keys.tasks_by_status("aborted"))
+                pipe.get(keys.POLICY_OBSERVED)
+                active, finalized, aborted, observed = await pipe.execute()
+        except RedisError:
+            self.redis_error()
+            return
+        for status, n in counts["by_status"].items():
+            self.trajectories.labels(self.model_id, status).set(n)
+        for status, n in (("active", active), ("finalized", finalized), ("aborted", aborted)):
+            self.tasks.labels(self.model_id, status).set(n)
+        name = None
+        if observed:
+            try:
+                name = orjson.loads(observed).get("lora_name")
+            except (orjson.JSONDecodeError, AttributeError):
+                name = None
+        if isinstance(name, str):
+            self.lora_active_version.labels(self.model_id).set(lora_version(name, self.model_id) or 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MeteredJudge:
+    """A Judge that records each scoring's duration, result and votes; everything else is the wrapped Judge."""
+
+    def __init__(self, judge: "Judge", metrics: ServiceMetrics) -> None:
+        self._judge = judge
+        self._metrics = metrics
+
+    async def score(self, request: dict, response: dict, feedback: str) -> "JudgeResult":
+        m = self._metrics
+        started = time.perf_counter()
+        try:
+            result = await self._judge.score(request, response, feedback)
+        except Exception:
+            m.judge_requests.labels(m.model_id, "failed").inc()
+            raise
+        finally:
+            m.judge_duration.labels(m.model_id).observe(time.perf_counter() - started)
+        m.judge_requests.labels(m.model_id, "ok").inc()
+        failed = sum(1 for v in result.votes if isinstance(v, str))
+        if failed:
+            m.judge_votes.labels(m.model_id, "fail").inc(failed)
+        if len(result.votes) > failed:
+            m.judge_votes.labels(m.model_id, "ok").inc(len(result.votes) - failed)
+        return result

@@ -1,0 +1,73 @@
+"""The `reward_policy` section of `RLServiceConfig`: named reward sources and how their scores combine.
+
+`terminal` and `judge` are the built-in sources: the publication path supplies one of them with the sample (Task
+reward projection, delayed-feedback turn or rail-v1 upload), so they carry only a weight. Every other name is an
+external source posted later through `POST /v1/rl/trajectories/{id}/rewards`; it needs a deadline (seconds after
+publication) and a fallback applied when the deadline passes without a score.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic_core import PydanticCustomError
+
+BUILTIN_SOURCES = ("terminal", "judge")
+SOURCE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+MAX_SOURCES = 16
+
+Weight = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
+Score = Annotated[float, Field(ge=0, le=1, strict=True, allow_inf_nan=False)]
+Aggregation = Literal["weighted_mean", "last", "min"]
+Fallback = Literal["skip", "default", "drop"]
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    return PydanticCustomError("config_invalid", message)
+
+
+class RewardSourceConfig(BaseModel):
+    """One reward source. External sources need `deadline_seconds`; `default_score` is set iff `fallback: default`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weight: Weight = 1.0
+    deadline_seconds: Annotated[StrictInt, Field(ge=1)] | None = None
+    fallback: Fallback | None = None
+    default_score: Score | None = None
+
+
+class RewardPolicyConfig(BaseModel):
+    """`reward_policy` (docs/rewards.md). Absent (null) = today's behaviour: a published sample is pending at once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    aggregation: Aggregation = "weighted_mean"
+    sources: dict[str, RewardSourceConfig] = Field(default_factory=dict)
+    # The sweeper wakes at the earliest deadline it knows of, and at least this often to see deadlines of samples
+    # published by other service processes.
+    sweep_interval_seconds: Annotated[float, Field(gt=0, le=3600, strict=True, allow_inf_nan=False)] = 10.0
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> "RewardPolicyConfig":
+        if len(self.sources) > MAX_SOURCES:
+            raise _invalid(f"at most {MAX_SOURCES} sources")
+        for name, source in self.sources.items():
+            if not SOURCE_NAME.fullmatch(name):
+                raise _invalid("source names are 1-32 of [a-z0-9_-], starting with a letter")
+            if name in BUILTIN_SOURCES:
+                if source.deadline_seconds is not None or source.fallback is not None or (
+                    source.default_score is not None
+                ):
+                    raise _invalid(f"sources.{name}: arrives with publication; only weight applies")
+                continue
+            if source.deadline_seconds is None:
+                raise _invalid(f"sources.{name}: deadline_seconds is required for an external source")
+            if (source.fallback == "default") != (source.default_score is not None):
+                raise _invalid(f"sources.{name}: default_score is required with fallback default, and only then")
+        return self
+
+    def external_sources(self) -> tuple[str, ...]:
+        return tuple(name for name in self.sources if name not in BUILTIN_SOURCES)

@@ -1,0 +1,235 @@
+"""Reward arrivals and deadline moves in Redis: the only writer of a sample's reward state after publication.
+
+Both operations end with the same transition (`awaiting_rewards → pending` once no source of the policy is open)
+and run as WATCH(sample hash) → read → decide → MULTI/EXEC. Watching the hash is enough: every write that changes a
+sample's status, index membership or deadline-index entry also writes its hash in the same EXEC (publication,
+arrival, deadline move, run claim, rollback), so any concurrent change to the sample fails this EXEC and the
+decision is made again on fresh state. Several service processes may therefore attach and sweep at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from .. import ids
+from ..errors import InvalidInput, NotFound
+from ..ids import InvalidIdentifier
+from ..store import keys
+from ..store.codec import text
+from ..store.trajectories import TrajectoryStore
+from ..store.tx import transact
+from .policy import AWAITING, PENDING, RewardConflict, RewardPolicy, iso_at
+
+LATENCY_WINDOW = 1000  # lateness samples kept per source for the p50/p95 of the stats
+_FIELDS = ("status", "rewards", "source", "policy_version", "created_at")
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    visited: int = 0
+    released: int = 0  # awaiting_rewards → pending
+    dropped: int = 0  # removed by a `drop` fallback
+    fallbacks: int = 0  # fallbacks applied (skip, default or drop)
+
+
+class RewardLedger:
+    def __init__(self, redis: Redis, store: TrajectoryStore, policy: RewardPolicy, *, owner: str) -> None:
+        self._redis = redis
+        self._store = store
+        self._policy = policy
+        self._owner = owner
+        self._stats_key = keys.traj_stats(owner)
+        self._deadlines_key = keys.reward_deadlines(owner)
+
+    @property
+    def policy(self) -> RewardPolicy:
+        return self._policy
+
+    # ------------------------------------------------------------------ arrivals
+
+    async def attach(self, sample_id: str, source: str, score: float, *, now: float | None = None) -> dict[str, Any]:
+        """Record `score` from the external `source` on a published sample. Idempotent per (sample, source); a
+        different score for a source that arrived is a conflict; a sample claimed by a run or trained refuses it."""
+        if source not in self._policy.external:
+            raise InvalidInput("invalid_reward_source", "source is not an external reward source of the reward policy")
+        try:
+            key = keys.traj(sample_id)
+        except InvalidIdentifier:
+            raise NotFound("trajectory not found") from None
+        now = time.time() if now is None else now
+
+        async def body(pipe: Pipeline) -> dict[str, Any]:
+            row = await pipe.hmget(key, _FIELDS)
+            status, raw_state, sample_source, policy_version, created_at = (text(v) for v in row)
+            if status is None:
+                raise NotFound("trajectory not found")
+            if status not in (AWAITING, PENDING):
+                raise RewardConflict(f"sample is {status}: rewards are refused once it is in a Training Run or trained")
+            state = orjson.loads(raw_state) if raw_state else await self._state_before_policy(pipe, key, created_at)
+            new = self._policy.arrive(state, source, score, now)
+            if new is None:
+                return self._answer(sample_id, source, score, recorded=False, status=status, state=state)
+            new_status = self._policy.status(new) if status == AWAITING else PENDING
+            at = ids.now_iso()
+            # Invariant 5 and the deadline-index invariant: status, index membership, deadline entry and counters
+            # move together with the reward state.
+            pipe.multi()
+            pipe.hset(key, mapping={"rewards": orjson.dumps(new), "updated_at": at})
+            if status == AWAITING:
+                self._queue_after_change(
+                    pipe, sample_id, new, new_status, sample_source, policy_version, created_at, at
+                )
+            latency_key = keys.reward_latency(self._owner, source)
+            pipe.lpush(latency_key, f"{max(0.0, now - float(new['published_at'])):.3f}")
+            pipe.ltrim(latency_key, 0, LATENCY_WINDOW - 1)
+            pipe.hincrby(self._stats_key, f"reward_arrived:{source}", 1)
+            await pipe.execute()
+            return self._answer(sample_id, source, score, recorded=True, status=new_status, state=new)
+
+        return await transact(self._redis, body, key)
+
+    async def _state_before_policy(self, pipe: Pipeline, key: str, created_at: str | None) -> dict[str, Any]:
+        """A sample published before the policy was configured has no state: start one from its `judge`."""
+        doc = orjson.loads(await pipe.hget(key, "sample_json") or b"{}")
+        published = ids.parse_iso_epoch(created_at) if created_at else time.time()
+        return self._policy.initial(doc.get("judge"), published)
+
+    def _queue_after_change(
+        self,
+        pipe: Pipeline,
+        sample_id: str,
+        state: dict[str, Any],
+        new_status: str,
+        source: str | None,
+        policy_version: str | None,
+        created_at: str | None,
+        at: str,
+    ) -> None:
+        """The common end of an arrival and a deadline move on an `awaiting_rewards` sample."""
+        if new_status == PENDING:
+            self._store.queue_move(
+                pipe, sample_id, old=AWAITING, new=PENDING,
+                score=ids.parse_iso_epoch(created_at) if created_at else time.time(),
+                policy_version=policy_version or "base", at=at,
+            )
+            pipe.zrem(self._deadlines_key, sample_id)
+        else:
+            pipe.zadd(self._deadlines_key, {sample_id: self._policy.next_deadline(state)})
+
+    def _answer(
+        self, sample_id: str, source: str, score: float, *, recorded: bool, status: str, state: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
+            "trajectory_id": sample_id,
+            "source": source,
+            "score": score,
+            "recorded": recorded,
+            "status": status,
+            "rewards": self._policy.view(state),
+        }
+
+    # ------------------------------------------------------------------ deadlines
+
+    async def next_deadline(self) -> float | None:
+        first = await self._redis.zrange(self._deadlines_key, 0, 0, withscores=True)
+        return float(first[0][1]) if first else None
+
+    async def sweep_due(self, *, now: float | None = None, limit: int = 500) -> SweepResult:
+        """Apply the fallbacks of every deadline due at `now`, at most `limit` samples, one EXEC per sample."""
+        now = time.time() if now is None else now
+        due = await self._redis.zrange(self._deadlines_key, "-inf", repr(now), byscore=True, offset=0, num=limit)
+        released = dropped = fallbacks = 0
+        for member in due:
+            outcome, fired = await self._expire_one(text(member) or "", now)
+            released += outcome == PENDING
+            dropped += outcome == "dropped"
+            fallbacks += fired
+        return SweepResult(len(due), released, dropped, fallbacks)
+
+    async def _expire_one(self, sample_id: str, now: float) -> tuple[str, int]:
+        try:
+            key = keys.traj(sample_id)
+        except InvalidIdentifier:
+            await self._redis.zrem(self._deadlines_key, sample_id)  # never written by us; keep the index clean
+            return "stale", 0
+
+        async def body(pipe: Pipeline) -> tuple[str, int]:
+            row = await pipe.hmget(key, _FIELDS)
+            status, raw_state, source, policy_version, created_at = (text(v) for v in row)
+            if status != AWAITING:
+                # Deadline-index invariant: only `awaiting_rewards` samples have an entry.
+                pipe.multi()
+                pipe.zrem(self._deadlines_key, sample_id)
+                await pipe.execute()
+                return "stale", 0
+            state = orjson.loads(raw_state) if raw_state else await self._state_before_policy(pipe, key, created_at)
+            expiry = self._policy.expire(state, now)
+            pipe.multi()
+            for name in expiry.fallbacks:
+                pipe.hincrby(self._stats_key, f"reward_fallback:{name}", 1)
+            if expiry.drop:
+                # Invariant 5: hash, index membership, deadline entry and counters leave together; the drop is
+                # counted in the same EXEC, so racing sweepers never count it twice.
+                pipe.delete(key)
+                pipe.zrem(self._store.index_key(AWAITING), sample_id)
+                pipe.zrem(self._deadlines_key, sample_id)
+                self._store.queue_counters(pipe, AWAITING, source or "", policy_version or "base", -1)
+                pipe.hincrby(self._stats_key, "reward_dropped", 1)
+                await pipe.execute()
+                return "dropped", len(expiry.fallbacks)
+            new_status = self._policy.status(expiry.state)
+            at = ids.now_iso()
+            pipe.hset(key, mapping={"rewards": orjson.dumps(expiry.state), "updated_at": at})
+            self._queue_after_change(pipe, sample_id, expiry.state, new_status, source, policy_version, created_at, at)
+            await pipe.execute()
+            return new_status, len(expiry.fallbacks)
+
+        return await transact(self._redis, body, key)
+
+    # ------------------------------------------------------------------ reads
+
+    async def waiting(self) -> int:
+        return int(await self._redis.zcard(self._deadlines_key))
+
+    async def stats(self) -> dict[str, Any]:
+        """The `rewards` part of the trajectory stats: drops, and per source arrivals, fallbacks and lateness
+        percentiles over its last LATENCY_WINDOW arrivals (bounded reads, whatever the number of samples)."""
+        names = list(self._policy.external)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self._stats_key)
+            pipe.zrange(self._deadlines_key, 0, 0, withscores=True)
+            for name in names:
+                pipe.lrange(keys.reward_latency(self._owner, name), 0, -1)
+            raw_counters, first, *latencies = await pipe.execute()
+        counters = {text(k) or "": int(v) for k, v in raw_counters.items()}
+        sources = {}
+        for name, raw in zip(names, latencies):
+            late = sorted(float(v) for v in raw)
+            sources[name] = {
+                "arrived": counters.get(f"reward_arrived:{name}", 0),
+                "fallback": counters.get(f"reward_fallback:{name}", 0),
+                "late_p50_seconds": percentile(late, 0.50),
+                "late_p95_seconds": percentile(late, 0.95),
+            }
+        return {
+            "aggregation": self._policy.aggregation,
+            "waiting": counters.get(f"status:{AWAITING}", 0),
+            "next_deadline_at": iso_at(float(first[0][1])) if first else None,
+            "dropped": counters.get("reward_dropped", 0),
+            "sources": sources,
+        }
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile of an ascending list; None when it is empty."""
+    if not sorted_values:
+        return None
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[rank - 1]

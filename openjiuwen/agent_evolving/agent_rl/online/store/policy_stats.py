@@ -1,0 +1,77 @@
+"""Per-policy-version aggregates, maintained incrementally in Redis (`rl:v1:policy_stats:{version}`, a HASH).
+
+A sample adds its contribution in the same MULTI that publishes it (`TrajectoryStore.insert_if_absent`) and a
+rolled-back publication takes it away again, so `GET /v1/rl/policies` reads O(versions) hashes and never scans
+samples. The reward statistics count independent rewards: a Judge-scored sample is one, while a terminal reward is
+one per Task (all its completions share it), added by the reward's completing MULTI (`add_task_reward`).
+
+Fields: `tasks` (added at Task start), `samples`, `reward_n`, `reward_sum`, `reward_sq`, `source:<s>`, `tokens`,
+`judge_multi` / `judge_spread` (samples with ≥ 2 successful votes, and the sum of their vote spread on [0, 1]),
+`lat_n`, `lat_sum_ms`, `lat_le:<bound>` (completion latency histogram, per bucket, not cumulative), and the lineage
+`parent` / `training_run_id` written when a run publishes the version. Samples removed by retention stay counted:
+the aggregates describe what each version produced.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# Completion latency bucket upper bounds in milliseconds; the last bucket is `+Inf`.
+LATENCY_BOUNDS_MS = (50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
+INF = "+Inf"
+TERMINAL = "terminal"
+
+
+def latency_bucket(ms: float) -> str:
+    for bound in LATENCY_BOUNDS_MS:
+        if ms <= bound:
+            return str(bound)
+    return INF
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def contribution(meta: dict[str, Any], response_tokens: int) -> tuple[dict[str, int], dict[str, float]]:
+    """(integer increments, float increments) one published sample adds to its version's hash."""
+    ints: dict[str, int] = {"samples": 1, "tokens": response_tokens}
+    floats: dict[str, float] = {}
+    judge = meta.get("judge") if isinstance(meta.get("judge"), dict) else None
+    score = _finite(judge.get("score")) if judge else None
+    if judge is not None and score is not None:
+        source = judge.get("source") or "unknown"
+        ints[f"source:{source}"] = 1
+        if source != TERMINAL:  # a terminal reward counts once per Task, see `add_task_reward`
+            ints["reward_n"] = 1
+            floats["reward_sum"] = score
+            floats["reward_sq"] = score * score
+        votes = [v for v in (_finite(x) for x in judge.get("votes") or []) if v is not None]
+        if len(votes) >= 2:
+            ints["judge_multi"] = 1
+            floats["judge_spread"] = min(1.0, max(0.0, (max(votes) - min(votes)) / 10.0))
+    latency = _finite(meta.get("completion_latency_ms"))
+    if latency is not None and latency >= 0:
+        ints["lat_n"] = 1
+        ints[f"lat_le:{latency_bucket(latency)}"] = 1
+        floats["lat_sum_ms"] = latency
+    return ints, floats
+
+
+def add_task_reward(pipe: Any, key: str, reward: float) -> None:
+    """Queue one terminal Task reward (one independent observation, however many samples share it)."""
+    pipe.hincrby(key, "reward_n", 1)
+    pipe.hincrbyfloat(key, "reward_sum", reward)
+    pipe.hincrbyfloat(key, "reward_sq", reward * reward)
+
+
+def queue_contribution(pipe: Any, key: str, meta: dict[str, Any], response_tokens: int, sign: int) -> None:
+    """Queue the HINCRBY / HINCRBYFLOAT of one sample (sign +1 publish, -1 roll back) inside the caller's MULTI."""
+    ints, floats = contribution(meta, response_tokens)
+    for name, n in ints.items():
+        pipe.hincrby(key, name, sign * n)
+    for name, x in floats.items():
+        pipe.hincrbyfloat(key, name, sign * x)
