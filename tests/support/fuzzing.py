@@ -32,16 +32,26 @@ class RedisSnapshot:
         pipe.execute()
 
 
-def assert_envelope(status: int, content: bytes, where: str) -> None:
-    """Never a 5xx; a 204 is empty; every other error is exactly `{"error": {"code": str, "message": str}}`."""
+def assert_envelope(status: int, content: bytes, where: str, *, content_type: str = "application/json",
+                    upstream: bool = False) -> None:
+    """Never a 5xx; a 204 is empty; every other error is exactly `{"error": {"code": str, "message": str}}`; a
+    success is a JSON object (or an event stream, whose events the fuzzing client may not read to the end).
+
+    `upstream`: an inference route, where vLLM's own error body passes through unchanged (CONTRACT §3.5): then the
+    error object may carry vLLM's fields (`message`, `type`, `param`, integer `code`)."""
     assert status < 500, f"{status} {content[:300]!r} for {where}"
     if status == 204:
         assert content == b"", where
+        return
+    if status < 300 and content_type.startswith("text/event-stream"):
         return
     body = orjson.loads(content)
     if status >= 300:
         assert isinstance(body, dict) and set(body) == {"error"}, where
         error = body["error"]
+        if upstream and isinstance(error, dict) and "type" in error:
+            assert isinstance(error.get("message"), str) and error.get("code") == status, where
+            return
         assert isinstance(error, dict) and set(error) == {"code", "message"}, where
         assert isinstance(error["code"], str) and isinstance(error["message"], str), where
     else:

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -187,7 +188,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         body = await signed(request)
         if isinstance(body, Response):
             return body
-        return await gw.control.forward(request.method, request.url.path, body=body, query=request.url.query)
+        return await gw.control.forward(request.method, _raw_path(request), body=body, query=request.url.query)
 
     for method, path in (
         ("GET", "/v1/rl/tasks/{rl_task_id}"),
@@ -236,7 +237,10 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                 raise ValueError("name, model and instanceIp must be non-empty strings")
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             return envelope(400, "invalid_request", f"invalid registration: {exc}")
-        await gw.loras.register_instance(name, model, host, port)
+        try:
+            await gw.loras.register_instance(name, model, host, port)
+        except LoraError as exc:  # an out-of-range port or similar: the client's mistake, never a 500
+            return envelope(exc.status, exc.code, exc.message)
         return json_response({"status": "registered", "name": name})
 
     # ---------------------------------------------------------------- internal (RL Service → gateway)
@@ -270,6 +274,13 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     app.add_middleware(CatchAllMiddleware, message="internal gateway error", logger=log)
 
     return app
+
+
+def _raw_path(request: Request) -> str:
+    """The path as the client encoded it. Forwarding the decoded path would turn an escaped `?`, `#` or control
+    character inside an id into a query, a fragment or an invalid URL on the way to the RL Service."""
+    raw = request.scope.get("raw_path") or request.url.path.encode()
+    return quote(raw, safe="/%:@!$&'()*+,;=-._~")  # escapes kept as they are; anything else escaped
 
 
 async def _retry_failed_forever(gw: Gateway) -> None:
