@@ -44,6 +44,7 @@ class GatewayProcess:
         rl_overrides: dict[str, Any] | None = None,
         online_overrides: dict[str, Any] | None = None,
         lora_overrides: dict[str, Any] | None = None,
+        global_overrides: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         log_level: str = "INFO",
         api_key: bytes = API_KEY,
@@ -93,7 +94,7 @@ class GatewayProcess:
             **(online_overrides or {}),
         }
         self.config = {
-            "global": {"listen": f"127.0.0.1:{self.port}", "hmacKeyFile": str(key_file)},
+            "global": {"listen": f"127.0.0.1:{self.port}", "hmacKeyFile": str(key_file), **(global_overrides or {})},
             "instances": [
                 {"name": v.name, "model": model_id, "instanceIp": "127.0.0.1", "port": v.port} for v in instances
             ],

@@ -357,3 +357,13 @@ def test_config_copy_is_independent(tmp_path: Path):
     before = copy.deepcopy(data)
     gateway_config_from_mapping(data)
     assert data == before
+
+
+def test_max_body_bytes_default_and_bounds(tmp_path: Path):
+    data = example(tmp_path)
+    assert gateway_config_from_mapping(data).global_.max_body_bytes == 33_554_432
+    data["global"]["maxBodyBytes"] = 4096
+    assert gateway_config_from_mapping(data).global_.max_body_bytes == 4096
+    for bad in (1023, 0, -1, "4096", 1.5, True):
+        data["global"]["maxBodyBytes"] = bad
+        assert "maxBodyBytes" in error_of(data), bad

@@ -24,7 +24,8 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from ..online.api.errors import CatchAllMiddleware
+from ..online.api.errors import CatchAllMiddleware, PayloadTooLarge
+from ..online.api.guards import GuardMiddleware
 from .config import GatewayConfig
 from .control import RLControl
 from .hmac_auth import HmacVerifier
@@ -271,7 +272,13 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     async def framework_error(_: Request, exc: StarletteHTTPException) -> Response:
         return envelope(exc.status_code, "request_failed", str(exc.detail))
 
+    @app.exception_handler(PayloadTooLarge)  # a chunked body read inside a route went past the limit
+    async def too_large(_: Request, exc: PayloadTooLarge) -> Response:
+        return envelope(413, "payload_too_large", str(exc))
+
     app.add_middleware(CatchAllMiddleware, message="internal gateway error", logger=log)
+    # Outermost: the size is decided from Content-Length before anything is read (no bearer token at this layer).
+    app.add_middleware(GuardMiddleware, token=None, max_body_bytes=gw.config.global_.max_body_bytes)
 
     return app
 

@@ -228,6 +228,9 @@ class GlobalSection(_Model):
     listen: Annotated[StrictStr, AfterValidator(_check_listen)] = "127.0.0.1:8080"
     hmac_key_file: Annotated[StrictStr, AfterValidator(_check_path)] | None = Field(default=None, alias="hmacKeyFile")
     crypto_sock: Annotated[StrictStr, AfterValidator(_check_path)] | None = Field(default=None, alias="cryptoSock")
+    # Project gateway: a bound on every request body (inference routes are unsigned, so anyone who reaches the port
+    # could otherwise make it buffer any amount). Larger bodies get 413 `payload_too_large`.
+    max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(default=33_554_432, alias="maxBodyBytes")
 
     @model_validator(mode="after")
     def _exactly_one_key_source(self) -> "GlobalSection":
