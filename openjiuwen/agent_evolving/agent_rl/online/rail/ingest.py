@@ -23,7 +23,7 @@ from redis.asyncio.client import Pipeline
 from .. import ids
 from ..errors import InvalidInput, JudgeFailed
 from ..store import keys
-from ..store.codec import PackedSample
+from ..store.codec import MAX_TOKEN_ID, PackedSample
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
 
@@ -35,7 +35,6 @@ log = logging.getLogger("openjiuwen.agent_rl.online.rail")
 PROTOCOL_VERSION = "rail-v1"
 INVALID = "invalid_rail_batch"
 _MAX_STEP_INDEX = 2**31 - 1
-_MAX_TOKEN_ID = 2**32 - 1  # token ids are stored as uint32
 _FEEDBACK_KEYS = ("raw_user_text", "text", "feedback")
 # Staging scores of one batch are spaced by this much so that its samples keep their batch order (equal scores
 # would fall back to member order, where "t:10" sorts before "t:2").
@@ -399,9 +398,9 @@ def _token_ids(raw: dict[str, Any], name: str, where: str) -> list[int]:
         raise InvalidInput(INVALID, f"{where}: missing field: {name}")
     value = raw[name]
     if not isinstance(value, list) or not all(
-        type(x) is int and 0 <= x <= _MAX_TOKEN_ID for x in value  # bool is not a token id
+        type(x) is int and 0 <= x <= MAX_TOKEN_ID for x in value  # bool is not a token id
     ):
-        raise InvalidInput(INVALID, f"{where}.{name} must be a list of integers between 0 and {_MAX_TOKEN_ID}")
+        raise InvalidInput(INVALID, f"{where}.{name} must be a list of integers between 0 and {MAX_TOKEN_ID}")
     return value
 
 
