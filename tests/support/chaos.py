@@ -15,8 +15,9 @@ only what the service acknowledged (`ClientRecord`).
 Faults (`SCENARIOS`):
 - `crash:<point>`: the service `os._exit`s at a named point (`online/faults.py`, n-th hit chosen by the seed) and is
   restarted without the fault;
-- `kill:random`: SIGKILL at seeded random moments (3 kills), restart each time;
-- `redis:pause`: SIGSTOP Redis for 2.5 s twice (once during captures, once during a run claim) with a 1 s Redis
+- `kill:random`: 3 SIGKILLs at seeded random moments during traffic (rounds continue until all landed), restart
+  each time;
+- `redis:pause`: SIGSTOP Redis for `redis_pause_s` (2.5 s) twice (once during captures, once during a run claim) with a 1 s Redis
   socket timeout in the service: requests fail with the contract's codes within a bound, then everything recovers;
 - `redis:restart`: Redis stopped (SIGTERM, AOF flushed) and started again on the same port mid-traffic.
 """
@@ -77,6 +78,7 @@ class Workload:
     min_samples: int = 3
     max_samples: int = 8
     train_delay_s: float = 0.3  # scripted training time, so that kills can land inside it
+    redis_pause_s: float = 2.5  # each SIGSTOP of `redis:pause` (the service's Redis socket timeout is 1 s)
 
 
 @dataclass
@@ -130,12 +132,12 @@ class _Client:
         self.http = httpx.AsyncClient(base_url=harness.svc.url, timeout=REQUEST_TIMEOUT_S)
 
     async def call(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        began = time.monotonic()
+        began, generation = time.monotonic(), self.h.generation
         try:
             r = await self.http.request(method, path, **kw)
         except httpx.TransportError as exc:
             self.h.note_error(f"transport:{type(exc).__name__}", time.monotonic() - began)
-            await self.h.ensure_service(expect_death=True)
+            await self.h.ensure_service(seen_generation=generation)
             raise Interrupted(path) from exc
         if r.status_code >= 500:
             code = _code(r)
@@ -181,6 +183,7 @@ class _Harness:
         self.plan = workdir / "plan.json"
         self.plan.write_bytes(orjson.dumps({"outcome": "succeed", "delay_seconds": workload.train_delay_s}))
         self._restart_lock = asyncio.Lock()
+        self.generation = 0  # service processes started so far, minus one
         self._ids = 0
         self._unexpected: list[str] = []
         self.svc: ServiceProcess  # set in run()
@@ -200,20 +203,26 @@ class _Harness:
         self._ids += 1
         return f"{prefix}{self._ids}"
 
-    async def ensure_service(self, *, expect_death: bool = False) -> None:
-        """Restart the service if it died (a crash point, a SIGKILL). After a transport error the process may still
-        be on its way out: wait for that briefly."""
+    async def ensure_service(self, *, seen_generation: int | None = None) -> None:
+        """Restart the service if it died (a crash point, a SIGKILL). After a transport error on the process the
+        caller talked to (`seen_generation`), that process may still be on its way out: wait for it briefly."""
         async with self._restart_lock:
             assert self.svc.proc is not None
-            deadline = time.monotonic() + (2.0 if expect_death else 0.0)
+            if seen_generation is not None and seen_generation != self.generation:
+                return  # someone already restarted it
+            deadline = time.monotonic() + (2.0 if seen_generation is not None else 0.0)
             while self.svc.proc.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             if self.svc.proc.poll() is None:
                 return
             self.outcome.kills += 1
-            self.svc.env.pop(CRASH_ENV, None)  # the restarted process runs without the fault
-            await asyncio.to_thread(self.svc.start)
-            self.outcome.restarts += 1
+            await self._restart()
+
+    async def _restart(self) -> None:
+        self.svc.env.pop(CRASH_ENV, None)  # the restarted process runs without the fault
+        await asyncio.to_thread(self.svc.start)
+        self.generation += 1
+        self.outcome.restarts += 1
 
     # ------------------------------------------------------------------------------------------------ workload
 
@@ -384,7 +393,7 @@ class _Harness:
     async def _random_kills(self, count: int) -> None:
         """SIGKILL at seeded moments; the killer restarts the service itself, so each kill lands on a live one."""
         for _ in range(count):
-            await asyncio.sleep(self.rng.uniform(0.2, 1.5))
+            await asyncio.sleep(self.rng.uniform(0.05, 0.6))
             async with self._restart_lock:
                 assert self.svc.proc is not None
                 if self.svc.proc.poll() is not None:
@@ -392,8 +401,7 @@ class _Harness:
                 self.svc.sigkill()
                 await asyncio.to_thread(self.svc.wait, 10)
                 self.outcome.kills += 1
-                await asyncio.to_thread(self.svc.start)
-                self.outcome.restarts += 1
+                await self._restart()
 
     async def _pause_redis(self, when: Callable[[], Awaitable[None]], seconds: float) -> None:
         await when()
@@ -468,20 +476,20 @@ class _Harness:
                 await self.claiming.wait()
                 await asyncio.sleep(self.rng.uniform(0.0, 0.03))  # lands in the claim's few round trips
 
-            faults.append(asyncio.create_task(self._pause_redis(mid_captures, 2.5)))
-            faults.append(asyncio.create_task(self._pause_redis(at_claim, 2.5)))
+            faults.append(asyncio.create_task(self._pause_redis(mid_captures, self.w.redis_pause_s)))
+            faults.append(asyncio.create_task(self._pause_redis(at_claim, self.w.redis_pause_s)))
         elif self.scenario == "redis:restart":
             faults.append(asyncio.create_task(self._restart_redis(self.rng.uniform(0.5, 1.5))))
         try:
-            for r in range(self.w.rounds):
+            r = 0
+            # Random kills land during traffic: rounds go on (up to 10) until the last kill has happened.
+            while r < self.w.rounds or (self.scenario == "kill:random" and not faults[0].done() and r < 10):
                 async with asyncio.timeout(ROUND_TIMEOUT_S):
                     await self.round(c, r)
+                r += 1
             for f in faults:  # a fault still waiting for its moment is not a failure of the service
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(f), 5.0)
-            if self.scenario == "kill:random":  # a kill after the last request: finish one more round on top
-                async with asyncio.timeout(ROUND_TIMEOUT_S):
-                    await self.round(c, self.w.rounds)
         finally:
             for f in faults:
                 f.cancel()
