@@ -119,3 +119,29 @@ async def test_training_run_outlives_a_redis_pause(tmp_path):
                     assert report.samples_by_status["trained"] == 3
                 finally:
                     await redis.aclose()
+
+
+async def test_startup_finishes_a_reward_projection_cut_by_a_crash(redis, redis_url, tmp_path):
+    config = make_config(redis_url, tmp_path)
+    async with running_app(config) as (crashed, client):
+        await start_task(client, "s1", "t1")
+        for i in range(2):
+            _, after = await capture(client, "t1", f"c{i}", REQUEST, RESPONSE)
+            assert after is not None and after.status_code == 204
+        assert (await client.post("/v1/rl/tasks/t1/stop")).json()["status"] == "finalized"
+        # The state of a crash between the reward's claim and its completion: `projecting`, one sample inserted.
+        deps = crashed.state.deps
+        await redis.set(keys.reward("t1"), orjson.dumps({"reward": 0.5, "status": "projecting", "sample_count": 0}))
+        first = PackedSample.decode_staged(await redis.get(keys.staged("t1", "c0")))
+        first.meta["judge"] = {"score": 0.5, "source": "terminal"}
+        assert await deps.store.insert_if_absent([first]) == ["c0"]
+        # Nobody repeats the reward: the next process start completes it anyway.
+        async with running_app(config) as (_, restarted):
+            assert orjson.loads(await redis.get(keys.reward("t1"))) == {
+                "reward": 0.5, "status": "published", "sample_count": 2}
+            for c in ("c0", "c1"):
+                detail = (await restarted.get(f"/v1/rl/trajectories/{c}")).json()
+                assert detail["judge"] == {"score": 0.5, "source": "terminal"}
+            assert await redis.zscore(keys.AWAITING_REWARD, "t1") is None
+            assert (await restarted.post("/v1/rl/tasks/t1/reward", json={"reward": 0.5})).json() == {"sample_count": 2}
+            await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)

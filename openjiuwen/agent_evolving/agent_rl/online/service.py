@@ -182,6 +182,7 @@ class ServiceDeps:
         try:
             await self.claim_owner()
             await self.lifecycle.recover()
+            await self.rewards.resume_interrupted()
             await self.runner.recover()
             await self.sweeper.sweep_once()
         except Exception as exc:

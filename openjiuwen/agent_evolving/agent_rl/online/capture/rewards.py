@@ -77,6 +77,24 @@ class RewardProjector:
         self._fault("reward.claimed")
         return await self.project(t, value)
 
+    async def resume_interrupted(self, *, batch: int = 500) -> int:
+        """Startup: finish every projection a crash left `projecting` (its Task waits in the awaiting-reward index),
+        rather than leave it half published until the sweeper's reward timeout. Safe beside a live projection in
+        another process: insert-if-absent and the completion are idempotent. Returns the number resumed."""
+        resumed, start = 0, 0
+        while True:
+            ids = [c.decode() for c in await self._redis.zrange(keys.AWAITING_REWARD, start, start + batch - 1)]
+            if not ids:
+                return resumed
+            done = 0
+            for t, raw in zip(ids, await self._redis.mget([keys.reward(t) for t in ids])):
+                state = orjson.loads(raw) if raw else None
+                if isinstance(state, dict) and state.get("status") == "projecting":
+                    await self.project(t, float(state["reward"]))
+                    done += 1
+            resumed += done
+            start += len(ids) - done  # each completed projection left the index
+
     async def project(self, rl_task_id: str, value: float) -> int:
         """Copy each staged sample with `judge = {score, source: terminal}` into the store, then complete."""
         t = rl_task_id
