@@ -19,7 +19,10 @@ Faults (`SCENARIOS`):
   each time;
 - `redis:pause`: SIGSTOP Redis for `redis_pause_s` (2.5 s) twice (once during captures, once during a run claim) with a 1 s Redis
   socket timeout in the service: requests fail with the contract's codes within a bound, then everything recovers;
-- `redis:restart`: Redis stopped (SIGTERM, AOF flushed) and started again on the same port mid-traffic.
+- `redis:restart`: Redis stopped (SIGTERM, AOF flushed) and started again on the same port mid-traffic;
+- `redis:kill`: Redis SIGKILLed mid-traffic and started again (AOF with `appendfsync always`);
+- `judge:flaky`: a quarter of the Judge's answers fail (500, garbage, not JSON, too slow): the delayed Tasks they
+  hit are aborted with nothing of the turn published, and redone.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ import asyncio
 import contextlib
 import copy
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +46,7 @@ from redis.asyncio import Redis
 from openjiuwen.agent_evolving.agent_rl.online.faults import POINTS
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from tests.support.fake_gateway import FakeGateway
-from tests.support.fake_judge import FakeJudge
+from tests.support.fake_judge import Content, Delay, FakeJudge, Raw, Status, Verdict
 from tests.support.invariants import ClientRecord, check_invariants
 from tests.support.redis_server import RedisServer
 from tests.support.service_process import ServiceProcess
@@ -51,7 +55,8 @@ MODEL_ID = "tiny"
 FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
 CRASH_ENV = "ONLINE_RL_CRASH_AT"
 TERMINAL_RUN = {"succeeded", "failed", "canceled"}
-SCENARIOS = (*(f"crash:{p}" for p in POINTS), "kill:random", "redis:pause", "redis:restart")
+SCENARIOS = (*(f"crash:{p}" for p in POINTS), "kill:random", "redis:pause", "redis:restart", "redis:kill",
+             "judge:flaky")
 # Crash points reached by several operations of one round get a seeded hit count; the others crash at the first hit.
 _CRASH_MAX_HIT = {"capture.committed": 6, "task.finalized": 3, "reward.claimed": 3, "reward.inserted": 3,
                   "turn.inserted": 2, "turn.published": 2, "run.claimed": 2}
@@ -174,12 +179,14 @@ class _Harness:
         self.seed = seed
         self.rng = random.Random(f"{scenario}/{seed}")
         self.workdir = workdir
-        self.w = workload
+        # More delayed Tasks when the Judge is the fault: more publications for it to fail.
+        self.w = replace(workload, delayed_tasks=max(3, workload.delayed_tasks)) if scenario == "judge:flaky" \
+            else workload
         self.outcome = ChaosOutcome(scenario, seed)
         self.record = ClientRecord()
         self.request = _fixture("chat_request.json")
         self.response = _fixture("chat_response.json")
-        self.redis_server = RedisServer(workdir / "redis", appendonly=True)
+        self.redis_server = RedisServer(workdir / "redis", appendonly=True, appendfsync="always")
         self.plan = workdir / "plan.json"
         self.plan.write_bytes(orjson.dumps({"outcome": "succeed", "delay_seconds": workload.train_delay_s}))
         self._restart_lock = asyncio.Lock()
@@ -412,12 +419,25 @@ class _Harness:
         finally:
             self.redis_server.resume()
 
-    async def _restart_redis(self, after_s: float) -> None:
+    async def _restart_redis(self, after_s: float, *, crash: bool) -> None:
         await asyncio.sleep(after_s)
-        await asyncio.to_thread(self.redis_server.stop)
+        await asyncio.to_thread(self.redis_server.kill if crash else self.redis_server.stop)
         self.outcome.redis_faults += 1
         await asyncio.sleep(0.5)
         await asyncio.to_thread(self.redis_server.start)
+
+    def _judge(self) -> Any:
+        """The Judge's behaviour: always a verdict, or under `judge:flaky` a seeded mix of failures."""
+        if self.scenario != "judge:flaky":
+            return Verdict(8)
+        rng, lock = random.Random(f"judge/{self.seed}"), threading.Lock()
+        failures = (Status(500), Content("I cannot rate this."), Raw(), Delay(1.5, Verdict(9)))
+
+        def choose(_: Any) -> Any:
+            with lock:  # the fake Judge answers from its own thread
+                return rng.choice(failures) if rng.random() < 0.25 else Verdict(rng.randint(0, 10))
+
+        return choose
 
     async def _until(self, probe: Callable[[], Awaitable[bool]], timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -438,11 +458,11 @@ class _Harness:
         with self.redis_server:
             redis = Redis.from_url(self.redis_server.url)
             try:
-                async with FakeGateway(model_id=MODEL_ID) as gateway, FakeJudge() as judge:
+                async with FakeGateway(model_id=MODEL_ID) as gateway, FakeJudge(default=self._judge()) as judge:
                     self.svc = ServiceProcess(
                         self.workdir, redis_url, env=env, aigw_endpoint=gateway.url, trainer_backend="scripted",
                         min_samples_for_training=self.w.min_samples, max_samples_per_run=self.w.max_samples,
-                        judge_endpoint=judge.url, judge_model="judge", judge_retries=0, judge_timeout=5.0,
+                        judge_endpoint=judge.url, judge_model="judge", judge_retries=0, judge_timeout=1.0,
                         lora_activation_timeout=10.0, training_tmp_root=str(self.workdir / "train-tmp"),
                         turn_publish_timeout_seconds=3.0,
                     )
@@ -478,8 +498,9 @@ class _Harness:
 
             faults.append(asyncio.create_task(self._pause_redis(mid_captures, self.w.redis_pause_s)))
             faults.append(asyncio.create_task(self._pause_redis(at_claim, self.w.redis_pause_s)))
-        elif self.scenario == "redis:restart":
-            faults.append(asyncio.create_task(self._restart_redis(self.rng.uniform(0.5, 1.5))))
+        elif self.scenario in ("redis:restart", "redis:kill"):
+            after_s = self.rng.uniform(0.3, 1.0)
+            faults.append(asyncio.create_task(self._restart_redis(after_s, crash=self.scenario == "redis:kill")))
         try:
             r = 0
             # Random kills land during traffic: rounds go on (up to 10) until the last kill has happened.

@@ -1,7 +1,7 @@
 """The fast subset of the chaos suite (the full sweep is `bench/chaos/run.py --seeds N`; docs/reliability.md).
 
 Each case runs the seeded workload of tests/support/chaos.py against the RL Service as a real process under one
-fault — a crash at a named point, random SIGKILLs, Redis paused, Redis restarted — then checks every invariant of
+fault — a crash at a named point, random SIGKILLs, Redis paused or killed, a flaky Judge — then checks every invariant of
 CONTRACT §5.4 plus what the client was acknowledged: nothing lost, nothing duplicated, nothing stuck, /health 200,
 the gateway serving the newest succeeded version, a clean SIGTERM at the end.
 """
@@ -21,7 +21,8 @@ FAST = [
     "crash:run.marked",  # between training and activation
     "kill:random",
     "redis:pause",  # during captures and during a run claim
-    "redis:restart",
+    "redis:kill",  # SIGKILL mid-traffic, AOF fsync always (the bench also runs a graceful `redis:restart`)
+    "judge:flaky",  # a quarter of the Judge's answers fail
 ]
 
 
@@ -34,9 +35,11 @@ async def test_fault_scenario_keeps_every_invariant(scenario, tmp_path):
         assert outcome.kills >= 1 and outcome.restarts == outcome.kills, outcome.describe()
         assert sum(n for k, n in outcome.errors.items() if k.startswith("transport:")) >= 1
     else:
-        assert outcome.redis_faults >= 1 and outcome.kills == 0, outcome.describe()
+        assert outcome.kills == 0 and outcome.redis_faults == (kind == "redis") * (1 + (scenario == "redis:pause"))
         # Bounded errors with the contract's code: the service answered 500 internal_error within the Redis socket
-        # timeout (1 s) plus slack, never hung and never died.
+        # timeout (1 s) or the Judge timeout (1 s) plus slack, never hung and never died.
         assert outcome.errors.get("500:internal_error", 0) >= 1, outcome.describe()
         assert outcome.max_error_latency_s < 5.0, outcome.describe()
+    if kind == "judge":
+        assert outcome.tasks_abandoned >= 1, outcome.describe()
     assert outcome.samples_checked >= 1 and outcome.runs_succeeded >= 1, outcome.describe()
