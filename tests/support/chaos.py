@@ -20,7 +20,8 @@ Faults (`SCENARIOS`):
 - `redis:pause`: SIGSTOP Redis for `redis_pause_s` (2.5 s) twice (once during captures, once during a run claim) with a 1 s Redis
   socket timeout in the service: requests fail with the contract's codes within a bound, then everything recovers;
 - `redis:restart`: Redis stopped (SIGTERM, AOF flushed) and started again on the same port mid-traffic;
-- `redis:kill`: Redis SIGKILLed mid-traffic and started again (AOF with `appendfsync always`);
+- `redis:kill`: Redis SIGKILLed mid-traffic and started again (AOF, `appendfsync everysec` as `deploy/` ships it:
+  Redis writes the AOF before it answers, so a crash of the process alone loses nothing acknowledged);
 - `judge:flaky`: a quarter of the Judge's answers fail (500, garbage, not JSON, too slow): the delayed Tasks they
   hit are aborted with nothing of the turn published, and redone.
 """
@@ -186,7 +187,7 @@ class _Harness:
         self.record = ClientRecord()
         self.request = _fixture("chat_request.json")
         self.response = _fixture("chat_response.json")
-        self.redis_server = RedisServer(workdir / "redis", appendonly=True, appendfsync="always")
+        self.redis_server = RedisServer(workdir / "redis", appendonly=True)  # AOF everysec, as deploy/ ships it
         self.plan = workdir / "plan.json"
         self.plan.write_bytes(orjson.dumps({"outcome": "succeed", "delay_seconds": workload.train_delay_s}))
         self._restart_lock = asyncio.Lock()
