@@ -21,9 +21,7 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(
-        self, workdir: Path, *, port: int | None = None, appendonly: bool = False, appendfsync: str = "everysec"
-    ) -> None:
+    def __init__(self, workdir: Path, *, port: int | None = None, appendonly: bool = False) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found on PATH; `make test` installs it (apt-get install redis-server)")
@@ -31,7 +29,6 @@ class RedisServer:
         self.workdir = Path(workdir)
         self.port = port or free_port()
         self.appendonly = appendonly
-        self.appendfsync = appendfsync  # `always`: every acknowledged write survives a SIGKILL of redis-server
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -42,7 +39,7 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-            "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.appendfsync,
+            "--save", "", "--appendonly", "yes" if self.appendonly else "no",
             "--logfile", str(self.workdir / "redis.log"), "--protected-mode", "yes",
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -67,13 +64,6 @@ class RedisServer:
     def resume(self) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGCONT)
-
-    def kill(self) -> None:
-        """SIGKILL (a crash: nothing flushed beyond what `appendfsync` already wrote); `start()` brings it back."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-        self.proc = None
 
     def kill(self) -> None:
         """SIGKILL (a crash: nothing flushed beyond what the AOF already holds); `start()` brings it back."""
