@@ -15,6 +15,8 @@ only what the service acknowledged (`ClientRecord`).
 Faults (`SCENARIOS`):
 - `crash:<point>`: the service `os._exit`s at a named point (`online/faults.py`, n-th hit chosen by the seed) and is
   restarted without the fault;
+- `recrash:<point>`: as `crash:`, then the restarted process crashes at the same point again during its startup
+  recovery (which reaches it: finishing an interrupted projection, re-activating); the third process recovers;
 - `kill:random`: 3 SIGKILLs at seeded random moments during traffic (rounds continue until all landed), restart
   each time;
 - `redis:pause`: SIGSTOP Redis for `redis_pause_s` (2.5 s) twice (once during captures, once during a run claim) with a 1 s Redis
@@ -56,8 +58,10 @@ MODEL_ID = "tiny"
 FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
 CRASH_ENV = "ONLINE_RL_CRASH_AT"
 TERMINAL_RUN = {"succeeded", "failed", "canceled"}
-SCENARIOS = (*(f"crash:{p}" for p in POINTS), "kill:random", "redis:pause", "redis:restart", "redis:kill",
-             "judge:flaky")
+# Points that startup recovery reaches again: `recrash:` crashes there a second time, during the recovery itself.
+RECOVERY_POINTS = ("reward.inserted", "run.activated")
+SCENARIOS = (*(f"crash:{p}" for p in POINTS), *(f"recrash:{p}" for p in RECOVERY_POINTS), "kill:random",
+             "redis:pause", "redis:restart", "redis:kill", "judge:flaky")
 # Crash points reached by several operations of one round get a seeded hit count; the others crash at the first hit.
 _CRASH_MAX_HIT = {"capture.committed": 6, "task.finalized": 3, "reward.claimed": 3, "reward.inserted": 3,
                   "turn.inserted": 2, "turn.published": 2, "run.claimed": 2}
@@ -227,8 +231,18 @@ class _Harness:
             await self._restart()
 
     async def _restart(self) -> None:
-        self.svc.env.pop(CRASH_ENV, None)  # the restarted process runs without the fault
-        await asyncio.to_thread(self.svc.start)
+        if self.scenario.startswith("recrash:") and self.outcome.kills == 1:
+            self.svc.env[CRASH_ENV] = self.scenario.partition(":")[2]  # once more, at its first hit
+        else:
+            self.svc.env.pop(CRASH_ENV, None)  # the restarted process runs without the fault
+        try:
+            await asyncio.to_thread(self.svc.start)
+        except AssertionError:  # it died again before it was ready: only a second crash may do that
+            if not self.scenario.startswith("recrash:") or CRASH_ENV not in self.svc.env:
+                raise
+            self.outcome.kills += 1
+            self.svc.env.pop(CRASH_ENV, None)
+            await asyncio.to_thread(self.svc.start)
         self.generation += 1
         self.outcome.restarts += 1
 
@@ -451,7 +465,7 @@ class _Harness:
         began = time.monotonic()
         kind, _, arg = self.scenario.partition(":")
         env = {"ONLINE_RL_SCRIPTED_PLAN": str(self.plan)}
-        if kind == "crash":
+        if kind in ("crash", "recrash"):
             env[CRASH_ENV] = f"{arg}@{self.rng.randint(1, _CRASH_MAX_HIT.get(arg, 1))}"
         redis_url = self.redis_server.url
         if kind == "redis":

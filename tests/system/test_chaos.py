@@ -18,7 +18,7 @@ FAST = [
     "crash:capture.committed",  # during `:after`
     "crash:turn.inserted",  # during a delayed turn's publication
     "crash:reward.inserted",  # during reward projection
-    "crash:run.marked",  # between training and activation
+    "recrash:run.activated",  # after the gateway switched, then again while startup recovery re-activates
     "kill:random",
     "redis:pause",  # during captures and during a run claim
     "redis:kill",  # SIGKILL mid-traffic, AOF fsync always (the bench also runs a graceful `redis:restart`)
@@ -31,8 +31,11 @@ async def test_fault_scenario_keeps_every_invariant(scenario, tmp_path):
     outcome = await run_scenario(scenario, seed=1, workdir=tmp_path, workload=Workload(rounds=1, redis_pause_s=1.5))
     assert outcome.ok, outcome.describe()
     kind = scenario.split(":")[0]
+    if kind == "recrash":  # the second crash is the restarted process's, inside its startup recovery
+        assert (outcome.kills, outcome.restarts) == (2, 1), outcome.describe()
     if kind in ("crash", "kill"):
         assert outcome.kills >= 1 and outcome.restarts == outcome.kills, outcome.describe()
+    if kind in ("crash", "recrash", "kill"):
         assert sum(n for k, n in outcome.errors.items() if k.startswith("transport:")) >= 1
     else:
         assert outcome.kills == 0 and outcome.redis_faults == (kind == "redis") * (1 + (scenario == "redis:pause"))
