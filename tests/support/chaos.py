@@ -48,6 +48,7 @@ from redis.asyncio import Redis
 
 from openjiuwen.agent_evolving.agent_rl.online.faults import POINTS
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway
 from tests.support.fake_judge import Content, Delay, FakeJudge, Raw, Status, Verdict
 from tests.support.invariants import ClientRecord, check_invariants
@@ -55,7 +56,6 @@ from tests.support.redis_server import RedisServer
 from tests.support.service_process import ServiceProcess
 
 MODEL_ID = "tiny"
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
 CRASH_ENV = "ONLINE_RL_CRASH_AT"
 TERMINAL_RUN = {"succeeded", "failed", "canceled"}
 # Points that startup recovery reaches again: `recrash:` crashes there a second time, during the recovery itself.
@@ -69,13 +69,6 @@ REQUEST_TIMEOUT_S = 20.0
 # 5xx answers a fault may legitimately cause (CONTRACT §2.1, §2.3, §2.6); any other is a finding.
 _EXPECTED_5XX = {(500, "internal_error"), (503, "service_not_ready"), (502, "gateway_unavailable")}
 ROUND_TIMEOUT_S = 90.0
-
-
-def _fixture(name: str) -> dict[str, Any]:
-    import os
-
-    root = FIXTURES if FIXTURES.is_dir() else Path(os.environ.get("RL_FIXTURES_DIR", FIXTURES))
-    return orjson.loads((root / name).read_bytes())
 
 
 @dataclass
@@ -189,8 +182,8 @@ class _Harness:
             else workload
         self.outcome = ChaosOutcome(scenario, seed)
         self.record = ClientRecord()
-        self.request = _fixture("chat_request.json")
-        self.response = _fixture("chat_response.json")
+        self.request = load_fixture("chat_request.json")
+        self.response = load_fixture("chat_response.json")
         self.redis_server = RedisServer(workdir / "redis", appendonly=True)  # AOF everysec, as deploy/ ships it
         self.plan = workdir / "plan.json"
         self.plan.write_bytes(orjson.dumps({"outcome": "succeed", "delay_seconds": workload.train_delay_s}))
@@ -438,8 +431,10 @@ class _Harness:
         await asyncio.sleep(after_s)
         await asyncio.to_thread(self.redis_server.kill if crash else self.redis_server.stop)
         self.outcome.redis_faults += 1
-        await asyncio.sleep(0.5)
-        await asyncio.to_thread(self.redis_server.start)
+        try:
+            await asyncio.sleep(0.5)
+        finally:  # never leave the run without its Redis
+            await asyncio.to_thread(self.redis_server.start)
 
     def _judge(self) -> Any:
         """The Judge's behaviour: always a verdict, or under `judge:flaky` a seeded mix of failures."""
@@ -484,7 +479,7 @@ class _Harness:
                     with self.svc.start():
                         c = _Client(self)
                         try:
-                            await self._drive(c, kind, redis)
+                            await self._drive(c, redis)
                             await self._settle(c)
                         finally:
                             await c.http.aclose()
@@ -499,7 +494,7 @@ class _Harness:
         self.outcome.duration_s = time.monotonic() - began
         return self.outcome
 
-    async def _drive(self, c: _Client, kind: str, redis: Redis) -> None:
+    async def _drive(self, c: _Client, redis: Redis) -> None:
         faults: list[asyncio.Task[None]] = []
         if self.scenario == "kill:random":
             faults.append(asyncio.create_task(self._random_kills(3)))
