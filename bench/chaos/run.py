@@ -1,7 +1,8 @@
 """Chaos sweep: every fault scenario × N seeds against the RL Service as a real process, then the invariant checker.
 
     .venv/bin/python bench/chaos/run.py [--seeds 3] [--first-seed 1] [--scenario crash:run.marked ...]
-                                        [--rounds 2] [--json bench/results/chaos.json]
+                                        [--rounds 2] [--terminal-tasks 3] [--delayed-tasks 1]
+                                        [--json bench/results/chaos.json]
 
 Scenarios (tests/support/chaos.py): `crash:<point>` for each fault injection point of online/faults.py (the service
 exits there, is restarted without the fault and the workload resumes), `kill:random` (3 SIGKILLs at seeded
@@ -41,7 +42,7 @@ async def sweep(args: argparse.Namespace) -> list[ChaosOutcome]:
     outcomes: list[ChaosOutcome] = []
     print(f"{'scenario':<24} {'seed':>4} {'outcome':<9} {'kills':>5} {'redisF':>6} {'tasks':>6} {'redone':>6} "
           f"{'runs':>4} {'samples':>7} {'checked':>7} {'maxErrS':>7} {'secs':>6}  errors seen by the client")
-    workload = Workload(rounds=args.rounds)
+    workload = Workload(rounds=args.rounds, terminal_tasks=args.terminal_tasks, delayed_tasks=args.delayed_tasks)
     with tempfile.TemporaryDirectory(prefix="chaos-bench-") as tmp:
         for scenario in args.scenario or SCENARIOS:
             for seed in range(args.first_seed, args.first_seed + args.seeds):
@@ -63,6 +64,8 @@ def main() -> int:
     parser.add_argument("--first-seed", type=int, default=1)
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="repeatable; default: all")
     parser.add_argument("--rounds", type=int, default=2, help="workload rounds per run (default 2)")
+    parser.add_argument("--terminal-tasks", type=int, default=3, help="concurrent terminal Tasks per round (3)")
+    parser.add_argument("--delayed-tasks", type=int, default=1, help="concurrent delayed-feedback Tasks per round (1)")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
     args = parser.parse_args()
     began = time.monotonic()
