@@ -183,6 +183,7 @@ class ServiceDeps:
             await self.claim_owner()
             await self.lifecycle.recover()
             await self.rewards.resume_interrupted()
+            await self.rail.recover()
             await self.runner.recover()
             await self.sweeper.sweep_once()
         except Exception as exc:
