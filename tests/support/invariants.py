@@ -83,6 +83,8 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("traj_stats", f"traj_stats:(?P<o>{_O})"),
         ("pending_judge", f"pending_judge:{_I}:{_I}:[0-9]+"),
         ("pending_judge_session", f"pending_judge_session:{_I}"),
+        ("rail_inflight_sessions", "rail:inflight_sessions"),
+        ("rail_inflight", f"rail:inflight:(?P<rs>{_I})"),
         ("run", f"training_run:(?P<r>{_R})"),
         ("run_events", f"training_run:(?P<r>{_R}):events"),
     )
@@ -273,6 +275,12 @@ async def check_invariants(
                 index_keys[groups["status"]] = key
         elif name == "traj_stats" and groups["o"] != model_id:
             report.add(f"counters of another owner: {key!r}")
+
+    # Rail samples in flight are found again at startup only through the session list.
+    inflight_sessions = {_s(m) or "" for m in await redis.smembers(keys.RAIL_INFLIGHT_SESSIONS)}
+    for key, groups in typed.get("rail_inflight", []):
+        if await redis.zcard(key) and groups["rs"] not in inflight_sessions:
+            report.add(f"rail samples in flight for session {groups['rs']} but the session is not listed for recovery")
 
     owner = _s(await redis.get(keys.OWNER))
     if owner is not None and owner != model_id:

@@ -34,6 +34,7 @@ from .capture.pipeline import CapturePipeline
 from .capture.rewards import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig, load_config
+from .faults import FaultHook, fault_hook, no_faults
 from .logs import configure_logging
 from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
@@ -56,6 +57,7 @@ log = logging.getLogger("openjiuwen.agent_rl.online.service")
 CONFIG_ENV = "RL_SERVICE_CONFIG"
 TOKEN_ENV = "RL_SERVICE_TOKEN"
 SCRIPTED_PLAN_ENV = "ONLINE_RL_SCRIPTED_PLAN"  # tests only: the plan file of the scripted backend
+CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"  # chaos tests only: `<point>[@<n>]` of faults.POINTS; unset = no fault
 
 
 class OwnerMismatch(RuntimeError):
@@ -91,6 +93,7 @@ class ServiceDeps:
         judge: "Judge | None" = None,
         backend: TrainerBackend | None = None,
         token: str | None = None,
+        fault: FaultHook = no_faults,
     ) -> "ServiceDeps":
         redis = redis or Redis.from_url(config.redis_url.get_secret_value(), decode_responses=False)
         if judge is None and config.judge_configured:
@@ -109,8 +112,8 @@ class ServiceDeps:
         store = TrajectoryStore(
             redis, owner=config.model_id, model_id=config.model_id, max_policy_lag=config.max_policy_lag
         )
-        publisher = TurnPublisher(registry, store, judge)
-        rewards = RewardProjector(redis, store)
+        publisher = TurnPublisher(registry, store, judge, fault=fault)
+        rewards = RewardProjector(redis, store, fault=fault)
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
         gateway = GatewayLoraClient(
             endpoint=config.aigw_endpoint,
@@ -132,6 +135,7 @@ class ServiceDeps:
             max_samples=config.max_samples_per_run,
             max_policy_lag=config.max_policy_lag,
             tmp_root=config.training_tmp_root,
+            fault=fault,
         )
         return cls(
             config=config,
@@ -141,10 +145,10 @@ class ServiceDeps:
             judge=judge,
             publisher=publisher,
             pipeline=CapturePipeline(
-                registry, publisher, turn_publish_timeout_s=config.turn_publish_timeout_seconds
+                registry, publisher, turn_publish_timeout_s=config.turn_publish_timeout_seconds, fault=fault
             ),
             lifecycle=TaskLifecycle(
-                registry, publisher, model_id=config.model_id, judge_configured=judge is not None
+                registry, publisher, model_id=config.model_id, judge_configured=judge is not None, fault=fault
             ),
             rewards=rewards,
             sweeper=RetentionSweeper(
@@ -178,6 +182,8 @@ class ServiceDeps:
         try:
             await self.claim_owner()
             await self.lifecycle.recover()
+            await self.rewards.resume_interrupted()
+            await self.rail.recover()
             await self.runner.recover()
             await self.sweeper.sweep_once()
         except Exception as exc:
@@ -235,9 +241,10 @@ def create_app(
     judge: "Judge | None" = None,
     backend: TrainerBackend | None = None,
     token: str | None = None,
+    fault: FaultHook | None = None,
 ) -> FastAPI:
-    """The ASGI app. With no arguments (uvicorn factory) the config comes from `RL_SERVICE_CONFIG` and the bearer
-    token from `RL_SERVICE_TOKEN`."""
+    """The ASGI app. With no arguments (uvicorn factory) the config comes from `RL_SERVICE_CONFIG`, the bearer
+    token from `RL_SERVICE_TOKEN` and the fault injection point (chaos tests only) from `ONLINE_RL_CRASH_AT`."""
     if config is None:
         path = os.environ.get(CONFIG_ENV)
         if not path:
@@ -246,7 +253,9 @@ def create_app(
         configure_logging(config)
     if token is None:
         token = os.environ.get(TOKEN_ENV) or None
-    deps = ServiceDeps.build(config, redis=redis, judge=judge, backend=backend, token=token)
+    if fault is None:
+        fault = fault_hook(os.environ.get(CRASH_AT_ENV))
+    deps = ServiceDeps.build(config, redis=redis, judge=judge, backend=backend, token=token, fault=fault)
     app = FastAPI(
         title="openjiuwen online RL service", lifespan=deps.lifespan, docs_url=None, redoc_url=None,
         redirect_slashes=False,  # `/v1/rl/trajectories/` is an unknown path (404 envelope), not a 307 to the listing
@@ -285,11 +294,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        fault = fault_hook(os.environ.get(CRASH_AT_ENV))
+    except ValueError as exc:
+        print(f"error: {CRASH_AT_ENV}: {exc}", file=sys.stderr)
+        return 2
     configure_logging(config)
     install_parent_death_watchdog()
     import uvicorn
 
-    app = create_app(config, token=os.environ.get(TOKEN_ENV) or None)
+    app = create_app(config, token=os.environ.get(TOKEN_ENV) or None, fault=fault)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

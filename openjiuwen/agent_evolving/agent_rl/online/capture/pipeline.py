@@ -11,6 +11,7 @@ import asyncio
 from typing import Any
 
 from ..errors import Conflict, InvalidInput
+from ..faults import FaultHook, no_faults
 from ..judge import feedback_from_request
 from ..tasks.models import FinishReason
 from ..tasks.registry import AbortingConflict, ReserveOutcome, TaskRegistry
@@ -28,10 +29,18 @@ from .turns import TurnPublisher
 
 
 class CapturePipeline:
-    def __init__(self, registry: TaskRegistry, publisher: TurnPublisher, *, turn_publish_timeout_s: float) -> None:
+    def __init__(
+        self,
+        registry: TaskRegistry,
+        publisher: TurnPublisher,
+        *,
+        turn_publish_timeout_s: float,
+        fault: FaultHook = no_faults,
+    ) -> None:
         self._registry = registry
         self._publisher = publisher
         self._turn_publish_timeout_s = turn_publish_timeout_s
+        self._fault = fault  # chaos tests only (faults.py)
 
     async def before(self, body: dict[str, Any]) -> dict[str, Any]:
         hook = parse_hook(body, with_request=True, with_response=False)
@@ -60,6 +69,7 @@ class CapturePipeline:
             await self._publisher.publish(
                 task, current, feedback=feedback_from_request(injected), tag="feedback", deadline=deadline
             )
+            self._fault("turn.published")
             await self._registry.advance_turn(task.rl_task_id, current, hook.agent_turn_id)
 
     async def after(self, body: dict[str, Any]) -> None:
@@ -83,6 +93,7 @@ class CapturePipeline:
                 task.rl_task_id, hook.capture_id, hook.agent_turn_id, request_fingerprint(injected),
                 response_fingerprint(hook.response), sample,
             )
+            self._fault("capture.committed")
         except (InvalidInput, Conflict):
             await self._registry.abort(task.rl_task_id, FinishReason.CAPTURE_FAILED)
             raise
