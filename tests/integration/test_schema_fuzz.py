@@ -39,6 +39,7 @@ SETTINGS = settings(
 )
 REQUEST = load_fixture("chat_request.json")
 RESPONSE = load_fixture("chat_response.json")
+INJECTED = dict(REQUEST, logprobs=True, top_logprobs=1, return_token_ids=True)
 
 # Every operation the service publishes; a new route must be added here (and so gets fuzzed).
 OPERATIONS = [
@@ -150,12 +151,16 @@ def _retarget(case: Any, data: st.DataObject) -> None:
     if case.path_parameters and "trajectory_id" in case.path_parameters:
         case.path_parameters["trajectory_id"] = data.draw(st.sampled_from(CAPTURE_IDS))
     if isinstance(case.body, dict):
-        for key, pool in (("rl_task_id", TASK_IDS), ("capture_id", CAPTURE_IDS), ("agent_turn_id", TURN_IDS),
-                          ("session_id", SESSIONS)):
+        if "rl_task_id" in case.body:
+            case.body["rl_task_id"] = data.draw(st.sampled_from(TASK_IDS))
+        for key, pool in (("capture_id", CAPTURE_IDS), ("agent_turn_id", TURN_IDS), ("session_id", SESSIONS)):
             if key in case.body and data.draw(st.booleans()):
                 case.body[key] = data.draw(st.sampled_from(pool))
         if "request" in case.body and data.draw(st.booleans()):
-            case.body["request"] = dict(REQUEST, model="tiny")
+            # The recorded request, as `:before` takes it or as it returned it (what `:after` must repeat).
+            case.body["request"] = data.draw(st.sampled_from([REQUEST, INJECTED]))
+        if "response" in case.body and data.draw(st.booleans()):
+            case.body["response"] = RESPONSE
     if case.headers and "X-AIGW-RL-Task-Id" in case.headers:
         case.headers["X-AIGW-RL-Task-Id"] = data.draw(st.sampled_from([*TASK_IDS, "t9"]))
 
