@@ -35,6 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..online.config import validation_problems
+from .instances import valid_host
 
 MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
 MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is two short strings
@@ -147,6 +148,12 @@ def _no_whitespace(value: str) -> str:
     return value
 
 
+def _host(value: str) -> str:
+    if not valid_host(value):
+        raise _invalid("must be a DNS name or an IP address")
+    return value
+
+
 def _port(value: Any) -> int:
     # AIGW writes instance ports as numbers or numeric strings; booleans and other types are refused.
     if isinstance(value, bool):
@@ -250,7 +257,7 @@ class GlobalSection(_Model):
 class InstanceConfig(_Model):
     name: Token
     model: Token
-    instance_ip: Token = Field(alias="instanceIp")
+    instance_ip: Annotated[StrictStr, AfterValidator(_host)] = Field(alias="instanceIp")
     port: Annotated[int, BeforeValidator(_port)]
 
     @property

@@ -11,14 +11,15 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-# A DNS name (RFC 1123 labels); anything else must be an IP literal. The host ends up in upstream URLs, so a value
-# no URL can carry (spaces, `/`, `@`, control characters) is refused at registration, not when traffic is routed.
-_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+# A DNS name (RFC 1123 labels, plus `_`, which container runtimes use in service names); anything else must be an
+# IP literal. The host ends up in upstream URLs, so a value no URL can carry (spaces, `/`, `@`, control characters)
+# is refused at registration or config load, not when traffic is routed.
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?")
 _MAX_NAME_LENGTH = 256
 
 
-def _valid_host(host: str) -> bool:
+def valid_host(host: str) -> bool:
     if _HOSTNAME.fullmatch(host):
         return True
     try:
@@ -41,7 +42,7 @@ class Instance:
                 raise ValueError(f"instance {field} must be a non-empty string")
         if len(self.name) > _MAX_NAME_LENGTH or not self.name.isprintable():
             raise ValueError(f"instance name must be printable and at most {_MAX_NAME_LENGTH} characters")
-        if not _valid_host(self.host):
+        if not valid_host(self.host):
             raise ValueError("instance host must be a DNS name or an IP address")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
             raise ValueError(f"instance port must be an integer in 1..65535, got {self.port!r}")
