@@ -45,6 +45,7 @@ class GatewayProcess:
         online_overrides: dict[str, Any] | None = None,
         lora_overrides: dict[str, Any] | None = None,
         global_overrides: dict[str, Any] | None = None,
+        listen_host: str = "127.0.0.1",
         env: dict[str, str] | None = None,
         log_level: str = "INFO",
         api_key: bytes = API_KEY,
@@ -94,7 +95,7 @@ class GatewayProcess:
             **(online_overrides or {}),
         }
         self.config = {
-            "global": {"listen": f"127.0.0.1:{self.port}", "hmacKeyFile": str(key_file), **(global_overrides or {})},
+            "global": {"listen": f"{listen_host}:{self.port}", "hmacKeyFile": str(key_file), **(global_overrides or {})},
             "instances": [
                 {"name": v.name, "model": model_id, "instanceIp": "127.0.0.1", "port": v.port} for v in instances
             ],

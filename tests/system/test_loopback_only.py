@@ -21,6 +21,8 @@ import pytest
 import yaml
 
 from openjiuwen.agent_evolving.agent_rl.online.api.guards import GuardMiddleware
+from tests.support.fake_vllm import FakeVLLM
+from tests.support.gateway_process import GatewayProcess
 from tests.support.redis_server import free_port
 
 pytestmark = pytest.mark.system
@@ -109,3 +111,20 @@ async def test_uvicorn_factory_bound_to_all_interfaces_still_serves_loopback_onl
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_the_gateway_listening_on_all_interfaces_serves_the_network(redis, redis_url, tmp_path: Path) -> None:
+    """The body-limit guard the gateway shares with the service must not make the gateway loopback-only."""
+    outward = _own_non_loopback_ipv4()
+    if outward is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to reach the gateway through")
+    with FakeVLLM(served_model="tiny") as vllm, GatewayProcess(
+        tmp_path, redis_url, instances=[vllm], listen_host="0.0.0.0",
+    ) as gw:
+        gw.start_service()
+        with httpx.Client(base_url=f"http://{outward}:{gw.port}", timeout=10, trust_env=False) as client:
+            assert client.get("/aigw/v1/health").json()["status"] == "ok"
+            r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 4,
+                                                         "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+            assert client.post("/v1/rl/tasks/start", json={"reward_mode": "terminal"}).status_code == 401

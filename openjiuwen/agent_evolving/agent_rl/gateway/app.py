@@ -278,7 +278,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
 
     app.add_middleware(CatchAllMiddleware, message="internal gateway error", logger=log)
     # Outermost: the size is decided from Content-Length before anything is read (no bearer token at this layer).
-    app.add_middleware(GuardMiddleware, token=None, max_body_bytes=gw.config.global_.max_body_bytes)
+    app.add_middleware(GuardMiddleware, token=None, max_body_bytes=gw.config.global_.max_body_bytes,
+                       loopback_only=False)
 
     return app
 

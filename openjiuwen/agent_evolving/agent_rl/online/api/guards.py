@@ -48,8 +48,9 @@ class GuardMiddleware:
     """Bearer token on every route but `GET /health` (when a token is set), then the body limit: decided from
     Content-Length before reading, or while reading a chunked body."""
 
-    def __init__(self, app: ASGIApp, *, token: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, token: str | None, max_body_bytes: int, loopback_only: bool = True) -> None:
         self.app = app
+        self._loopback_only = loopback_only  # the RL Service; the gateway serves the network and passes False
         self._token = token.encode() if token else None
         self._max = max_body_bytes
 
@@ -57,7 +58,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if not _arrived_on_loopback(scope):
+        if self._loopback_only and not _arrived_on_loopback(scope):
             await _send_error(send, 403, "forbidden", "the RL Service serves loopback clients only")
             return
         headers = dict(scope.get("headers") or [])
