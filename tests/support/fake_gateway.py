@@ -1,6 +1,6 @@
 """A fake of the gateway's internal LoRA routes (CONTRACT §3.8) on a real socket, scripted per request.
 
-    async with FakeGateway(model_id="tiny") as gw:
+    async with FakeGateway(model_id="tiny") as gw:          # or `with` in sync tests
         gw.activate_plan.extend([Fail(503), Ok()])        # first activation 503, then the real CAS semantics
         gw.activate_plan.append(Hang(5.0, switch=True))   # switch, then answer too late (client times out)
         gw.policy_plan.append(Fail(500))                  # the next policy read fails
@@ -70,8 +70,18 @@ class FakeGateway:
     def url(self) -> str:
         return self._server.url
 
+    def start(self) -> "FakeGateway":
+        self._server.start()
+        return self
+
     def stop(self) -> None:
         self._server.stop()
+
+    def __enter__(self) -> "FakeGateway":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     async def __aenter__(self) -> "FakeGateway":
         await self._server.astart()

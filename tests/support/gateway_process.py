@@ -44,7 +44,12 @@ class GatewayProcess:
         rl_overrides: dict[str, Any] | None = None,
         online_overrides: dict[str, Any] | None = None,
         lora_overrides: dict[str, Any] | None = None,
+        global_overrides: dict[str, Any] | None = None,
+        listen_host: str = "127.0.0.1",
         env: dict[str, str] | None = None,
+        log_level: str = "INFO",
+        api_key: bytes = API_KEY,
+        ins_key: bytes = INS_KEY,
     ) -> None:
         self.dir = Path(tmp) / "gateway"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -54,7 +59,9 @@ class GatewayProcess:
         self.lora_root.mkdir(parents=True, exist_ok=True)
         self.model_id = model_id
         key_file = self.dir / "hmac.json"
-        key_file.write_bytes(orjson.dumps({"apiHmacKey": API_KEY.decode(), "insHmacKey": INS_KEY.decode()}))
+        key_file.write_bytes(orjson.dumps({"apiHmacKey": api_key.decode(), "insHmacKey": ins_key.decode()}))
+        self.api_key = api_key
+        self.log_level = log_level
         rl_config = {
             "listen_port": self.rl_port,
             "redis_url": redis_url,
@@ -88,7 +95,7 @@ class GatewayProcess:
             **(online_overrides or {}),
         }
         self.config = {
-            "global": {"listen": f"127.0.0.1:{self.port}", "hmacKeyFile": str(key_file)},
+            "global": {"listen": f"{listen_host}:{self.port}", "hmacKeyFile": str(key_file), **(global_overrides or {})},
             "instances": [
                 {"name": v.name, "model": model_id, "instanceIp": "127.0.0.1", "port": v.port} for v in instances
             ],
@@ -119,7 +126,7 @@ class GatewayProcess:
         stderr = open(self.dir / "gateway.stderr.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.cli.main", "gateway",
-             "--config", str(self.config_path)],
+             "--config", str(self.config_path), "--log-level", self.log_level],
             cwd=REPO_ROOT, env=self.env, stdout=stderr, stderr=stderr, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
@@ -169,12 +176,12 @@ class GatewayProcess:
     # ------------------------------------------------------------ calls
 
     def signed(self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
-               key: bytes = API_KEY, **kwargs: Any) -> httpx.Response:
+               key: bytes | None = None, **kwargs: Any) -> httpx.Response:
         body = b"" if json is None else orjson.dumps(json)
         # Strictly increasing timestamps: two identical bodiless calls in one millisecond would be a replay.
         now_ms = max(int(time.time() * 1000), self._last_signed_ms + 1)
         self._last_signed_ms = now_ms
-        h = sign(key, body, now_ms=now_ms)
+        h = sign(key or self.api_key, body, now_ms=now_ms)
         if json is not None:
             h["content-type"] = "application/json"
         h.update(headers or {})

@@ -65,6 +65,13 @@ class RedisServer:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGCONT)
 
+    def kill(self) -> None:
+        """SIGKILL (a crash: nothing flushed beyond what the AOF already holds); `start()` brings it back."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self.proc = None
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGCONT)

@@ -357,3 +357,27 @@ def test_config_copy_is_independent(tmp_path: Path):
     before = copy.deepcopy(data)
     gateway_config_from_mapping(data)
     assert data == before
+
+
+def test_max_body_bytes_default_and_bounds(tmp_path: Path):
+    data = example(tmp_path)
+    assert gateway_config_from_mapping(data).global_.max_body_bytes == 33_554_432
+    data["global"]["maxBodyBytes"] = 4096
+    assert gateway_config_from_mapping(data).global_.max_body_bytes == 4096
+    for bad in (1023, 0, -1, "4096", 1.5, True):
+        data["global"]["maxBodyBytes"] = bad
+        assert "maxBodyBytes" in error_of(data), bad
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "[::1]", "vllm-0", "vllm_a", "vllm-0.svc.cluster.local"])
+def test_instance_hosts_accepted(tmp_path: Path, host: str):
+    data = example(tmp_path)
+    data["instances"][0]["instanceIp"] = host
+    assert gateway_config_from_mapping(data).instances[0].instance_ip == host
+
+
+@pytest.mark.parametrize("host", ["", "a b", "x/y", "user@host", "1.2.3.4:80", "\u00e9", "-a", "a" * 64])
+def test_instance_hosts_no_url_can_carry_are_refused(tmp_path: Path, host: str):
+    data = example(tmp_path)
+    data["instances"][0]["instanceIp"] = host
+    assert "instanceIp" in error_of(data)

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -24,7 +25,8 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from ..online.api.errors import CatchAllMiddleware
+from ..online.api.errors import CatchAllMiddleware, PayloadTooLarge
+from ..online.api.guards import GuardMiddleware
 from ..online.metrics import CONTENT_TYPE, HttpMetricsMiddleware
 from .config import GatewayConfig
 from .console import Console
@@ -220,7 +222,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         body = await signed(request)
         if isinstance(body, Response):
             return body
-        return await gw.control.forward(request.method, request.url.path, body=body, query=request.url.query)
+        return await gw.control.forward(request.method, _raw_path(request), body=body, query=request.url.query)
 
     for method, path in (
         ("GET", "/v1/rl/tasks"),
@@ -274,7 +276,10 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                 raise ValueError("name, model and instanceIp must be non-empty strings")
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             return envelope(400, "invalid_request", f"invalid registration: {exc}")
-        await gw.loras.register_instance(name, model, host, port)
+        try:
+            await gw.loras.register_instance(name, model, host, port)
+        except LoraError as exc:  # an out-of-range port or similar: the client's mistake, never a 500
+            return envelope(exc.status, exc.code, exc.message)
         return json_response({"status": "registered", "name": name})
 
     # ---------------------------------------------------------------- internal (RL Service → gateway)
@@ -339,10 +344,24 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     async def framework_error(_: Request, exc: StarletteHTTPException) -> Response:
         return envelope(exc.status_code, "request_failed", str(exc.detail))
 
+    @app.exception_handler(PayloadTooLarge)  # a chunked body read inside a route went past the limit
+    async def too_large(_: Request, exc: PayloadTooLarge) -> Response:
+        return envelope(413, "payload_too_large", str(exc))
+
     app.add_middleware(CatchAllMiddleware, message="internal gateway error", logger=log)
+    # The size is decided from Content-Length before anything is read (no bearer token at this layer).
+    app.add_middleware(GuardMiddleware, token=None, max_body_bytes=gw.config.global_.max_body_bytes,
+                       loopback_only=False)
     app.add_middleware(HttpMetricsMiddleware, observe=gw.metrics.http)  # outermost: every answer is counted
 
     return app
+
+
+def _raw_path(request: Request) -> str:
+    """The path as the client encoded it. Forwarding the decoded path would turn an escaped `?`, `#` or control
+    character inside an id into a query, a fragment or an invalid URL on the way to the RL Service."""
+    raw = request.scope.get("raw_path") or request.url.path.encode()
+    return quote(raw, safe="/%:@!$&'()*+,;=-._~")  # escapes kept as they are; anything else escaped
 
 
 async def _retry_failed_forever(gw: Gateway) -> None:

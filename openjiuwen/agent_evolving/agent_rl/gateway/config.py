@@ -35,6 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..online.config import validation_problems
+from .instances import valid_host
 
 MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
 MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is two short strings
@@ -147,6 +148,12 @@ def _no_whitespace(value: str) -> str:
     return value
 
 
+def _host(value: str) -> str:
+    if not valid_host(value):
+        raise _invalid("must be a DNS name or an IP address")
+    return value
+
+
 def _port(value: Any) -> int:
     # AIGW writes instance ports as numbers or numeric strings; booleans and other types are refused.
     if isinstance(value, bool):
@@ -228,6 +235,9 @@ class GlobalSection(_Model):
     listen: Annotated[StrictStr, AfterValidator(_check_listen)] = "127.0.0.1:8080"
     hmac_key_file: Annotated[StrictStr, AfterValidator(_check_path)] | None = Field(default=None, alias="hmacKeyFile")
     crypto_sock: Annotated[StrictStr, AfterValidator(_check_path)] | None = Field(default=None, alias="cryptoSock")
+    # Project gateway: a bound on every request body (inference routes are unsigned, so anyone who reaches the port
+    # could otherwise make it buffer any amount). Larger bodies get 413 `payload_too_large`.
+    max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(default=33_554_432, alias="maxBodyBytes")
 
     @model_validator(mode="after")
     def _exactly_one_key_source(self) -> "GlobalSection":
@@ -247,7 +257,7 @@ class GlobalSection(_Model):
 class InstanceConfig(_Model):
     name: Token
     model: Token
-    instance_ip: Token = Field(alias="instanceIp")
+    instance_ip: Annotated[StrictStr, AfterValidator(_host)] = Field(alias="instanceIp")
     port: Annotated[int, BeforeValidator(_port)]
 
     @property

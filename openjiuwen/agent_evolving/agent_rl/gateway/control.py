@@ -12,6 +12,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..online.ids import is_task_id
 from .lora_manager import LoraManager
 from .responses import envelope, json_response, passthrough
 from .rl_client import HookUnreachable, RLAnswer, RLClient
@@ -79,8 +80,10 @@ class RLControl:
         rl_task_id = "t" + uuid.uuid4().hex
         policy_name, policy_model = self._loras.snapshot(self._model_id)
         self._tracker.lease(policy_name)
-        headers = {
-            "x-agent-session-id": request.headers.get("x-agent-session-id", ""),
+        headers: dict[str, str | bytes] = {
+            # The bytes as received: the RL Service judges the format (400 `missing_session_id`); re-encoding a
+            # non-ASCII value as text would fail here instead.
+            "x-agent-session-id": request.headers.get("x-agent-session-id", "").encode("latin-1"),
             "x-aigw-rl-task-id": rl_task_id,
             "x-aigw-rl-policy-name": policy_name,
             "x-aigw-rl-policy-model": policy_model,
@@ -108,6 +111,8 @@ class RLControl:
     async def task_stop(self, rl_task_id: str, body: bytes) -> Response:
         if not self.running():
             return envelope(503, "rl_service_unavailable", "the RL Service is not running")
+        if not is_task_id(rl_task_id):  # a malformed id is simply unknown; it never reaches a path or an abort
+            return envelope(404, "task_not_found", "RL Task not found")
         if not await self._sessions.drain(rl_task_id, self._drain_timeout_s):
             # The in-flight completion still finishes for its client; its capture is refused once aborted.
             await self._tracker.release(rl_task_id)
@@ -127,6 +132,8 @@ class RLControl:
             return envelope(503, "rl_service_unavailable", "the RL Service is not running")
         try:
             answer = await self._rl.forward(method, path, body=body, query=query)
+        except httpx.InvalidURL:  # a path or query no URL can carry: the client's mistake
+            return envelope(400, "invalid_request", "the request path or query cannot be forwarded")
         except httpx.HTTPError as exc:
             return self._transport_failure(exc)
         if task_id is not None:

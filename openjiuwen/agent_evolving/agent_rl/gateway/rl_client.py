@@ -66,8 +66,8 @@ class RLClient:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        headers = {"content-type": "application/json"}
+    def _headers(self, extra: dict[str, str | bytes] | None = None) -> dict[str, str | bytes]:
+        headers: dict[str, str | bytes] = {"content-type": "application/json"}
         token = self._token()
         if token:
             headers["authorization"] = f"Bearer {token}"
@@ -124,7 +124,7 @@ class RLClient:
         return resp.content
 
     async def forward(
-        self, method: str, path: str, *, body: bytes = b"", query: str = "", headers: dict[str, str] | None = None
+        self, method: str, path: str, *, body: bytes = b"", query: str = "", headers: dict[str, str | bytes] | None = None
     ) -> RLAnswer:
         """A proxied public call, bounded by `controlTimeout`; raises httpx.TimeoutException / TransportError."""
         url = self._endpoint + path + (f"?{query}" if query else "")

@@ -37,6 +37,7 @@ from .capture.pipeline import CapturePipeline
 from .capture.rewards import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig, load_config
+from .faults import FaultHook, fault_hook, no_faults
 from .logs import configure_logging
 from .metrics import HttpMetricsMiddleware, MeteredJudge, ServiceMetrics
 from .lora.gateway_client import GatewayLoraClient
@@ -65,6 +66,7 @@ CONFIG_ENV = "RL_SERVICE_CONFIG"
 TOKEN_ENV = "RL_SERVICE_TOKEN"
 SCRIPTED_PLAN_ENV = "ONLINE_RL_SCRIPTED_PLAN"  # tests only: the plan file of the scripted backend
 VISIBLE_DEVICES_ENV = "ONLINE_RL_VISIBLE_DEVICES_ENV"  # verl: the variable training_gpu_ids is exported as
+CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"  # chaos tests only: `<point>[@<n>]` of faults.POINTS; unset = no fault
 
 
 class OwnerMismatch(RuntimeError):
@@ -103,6 +105,7 @@ class ServiceDeps:
         judge: "Judge | None" = None,
         backend: TrainerBackend | None = None,
         token: str | None = None,
+        fault: FaultHook = no_faults,
     ) -> "ServiceDeps":
         redis = redis or Redis.from_url(config.redis_url.get_secret_value(), decode_responses=False)
         if judge is None and config.judge_configured:
@@ -126,8 +129,8 @@ class ServiceDeps:
             reward_policy=reward_policy, metrics=metrics,
         )
         reward_ledger = RewardLedger(redis, store, reward_policy, owner=config.model_id)
-        publisher = TurnPublisher(registry, store, metered_judge, metrics=metrics)
-        rewards = RewardProjector(redis, store)
+        publisher = TurnPublisher(registry, store, metered_judge, metrics=metrics, fault=fault)
+        rewards = RewardProjector(redis, store, fault=fault)
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
         gateway = GatewayLoraClient(
             endpoint=config.aigw_endpoint,
@@ -154,6 +157,7 @@ class ServiceDeps:
             max_policy_lag=config.max_policy_lag,
             tmp_root=config.training_tmp_root,
             metrics=metrics,
+            fault=fault,
         )
         return cls(
             config=config,
@@ -163,10 +167,10 @@ class ServiceDeps:
             judge=judge,
             publisher=publisher,
             pipeline=CapturePipeline(
-                registry, publisher, turn_publish_timeout_s=config.turn_publish_timeout_seconds
+                registry, publisher, turn_publish_timeout_s=config.turn_publish_timeout_seconds, fault=fault
             ),
             lifecycle=TaskLifecycle(
-                registry, publisher, model_id=config.model_id, judge_configured=judge is not None
+                registry, publisher, model_id=config.model_id, judge_configured=judge is not None, fault=fault
             ),
             rewards=rewards,
             sweeper=RetentionSweeper(
@@ -206,6 +210,8 @@ class ServiceDeps:
         try:
             await self.claim_owner()
             await self.lifecycle.recover()
+            await self.rewards.resume_interrupted()
+            await self.rail.recover()
             await self.runner.recover()
             await self.sweeper.sweep_once()
             # Without a policy the reward sweeper runs only to release samples that still wait from a time a policy
@@ -295,9 +301,10 @@ def create_app(
     judge: "Judge | None" = None,
     backend: TrainerBackend | None = None,
     token: str | None = None,
+    fault: FaultHook | None = None,
 ) -> FastAPI:
-    """The ASGI app. With no arguments (uvicorn factory) the config comes from `RL_SERVICE_CONFIG` and the bearer
-    token from `RL_SERVICE_TOKEN`."""
+    """The ASGI app. With no arguments (uvicorn factory) the config comes from `RL_SERVICE_CONFIG`, the bearer
+    token from `RL_SERVICE_TOKEN` and the fault injection point (chaos tests only) from `ONLINE_RL_CRASH_AT`."""
     if config is None:
         path = os.environ.get(CONFIG_ENV)
         if not path:
@@ -306,7 +313,9 @@ def create_app(
         configure_logging(config)
     if token is None:
         token = os.environ.get(TOKEN_ENV) or None
-    deps = ServiceDeps.build(config, redis=redis, judge=judge, backend=backend, token=token)
+    if fault is None:
+        fault = fault_hook(os.environ.get(CRASH_AT_ENV))
+    deps = ServiceDeps.build(config, redis=redis, judge=judge, backend=backend, token=token, fault=fault)
     app = FastAPI(
         title="openjiuwen online RL service", lifespan=deps.lifespan, docs_url=None, redoc_url=None,
         redirect_slashes=False,  # `/v1/rl/trajectories/` is an unknown path (404 envelope), not a 307 to the listing
@@ -354,11 +363,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        fault = fault_hook(os.environ.get(CRASH_AT_ENV))
+    except ValueError as exc:
+        print(f"error: {CRASH_AT_ENV}: {exc}", file=sys.stderr)
+        return 2
     configure_logging(config)
     install_parent_death_watchdog()
     import uvicorn
 
-    app = create_app(config, token=os.environ.get(TOKEN_ENV) or None)
+    app = create_app(config, token=os.environ.get(TOKEN_ENV) or None, fault=fault)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

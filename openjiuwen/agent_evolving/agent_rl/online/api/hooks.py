@@ -10,6 +10,7 @@ from ..capture.lifecycle import TaskLifecycle
 from ..capture.pipeline import CapturePipeline
 from ..metrics import ServiceMetrics
 from ..tasks.models import FinishReason
+from . import openapi
 from .body import json_object
 from .errors import JSONBody, domain_errors
 from .tasks import reason_from_body
@@ -26,7 +27,7 @@ async def _hook_body(request: Request) -> dict[str, Any]:
 def build_hooks_router(pipeline: CapturePipeline, lifecycle: TaskLifecycle, metrics: ServiceMetrics) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/internal/v1/completions:before")
+    @router.post("/internal/v1/completions:before", openapi_extra=openapi.HOOK_BEFORE)
     async def before(request: Request) -> JSONBody:
         with metrics.hook("before"):
             body = await _hook_body(request)
@@ -34,7 +35,7 @@ def build_hooks_router(pipeline: CapturePipeline, lifecycle: TaskLifecycle, metr
                 injected = await pipeline.before(body)
         return JSONBody({"request": injected})
 
-    @router.post("/internal/v1/completions:after", status_code=204)
+    @router.post("/internal/v1/completions:after", status_code=204, openapi_extra=openapi.HOOK_AFTER)
     async def after(request: Request) -> Response:
         with metrics.hook("after"):
             body = await _hook_body(request)
@@ -44,7 +45,7 @@ def build_hooks_router(pipeline: CapturePipeline, lifecycle: TaskLifecycle, metr
             metrics.capture("committed")
         return Response(status_code=204)
 
-    @router.post("/internal/v1/completions:discard", status_code=204)
+    @router.post("/internal/v1/completions:discard", status_code=204, openapi_extra=openapi.HOOK_DISCARD)
     async def discard(request: Request) -> Response:
         with metrics.hook("discard"):
             body = await _hook_body(request)
@@ -54,7 +55,7 @@ def build_hooks_router(pipeline: CapturePipeline, lifecycle: TaskLifecycle, metr
             metrics.capture("discarded")
         return Response(status_code=204)
 
-    @router.post("/internal/v1/rl/tasks/{rl_task_id}:finish")
+    @router.post("/internal/v1/rl/tasks/{rl_task_id}:finish", openapi_extra=openapi.TASK_FINISH)
     async def finish(rl_task_id: str, request: Request) -> dict[str, Any]:
         body = await json_object(request)
         assert body is not None
@@ -63,7 +64,7 @@ def build_hooks_router(pipeline: CapturePipeline, lifecycle: TaskLifecycle, metr
             task = await lifecycle.finish(rl_task_id, reason)
         return task.public()
 
-    @router.post("/internal/v1/rl/tasks/{rl_task_id}:abort")
+    @router.post("/internal/v1/rl/tasks/{rl_task_id}:abort", openapi_extra=openapi.TASK_ABORT)
     async def abort(rl_task_id: str, request: Request) -> dict[str, Any]:
         body = await json_object(request)
         assert body is not None

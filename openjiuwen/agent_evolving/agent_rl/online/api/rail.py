@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ..rail.ingest import RailIngestor
+from . import openapi
 from .body import json_object
 from .errors import ApiError, domain_errors
 
@@ -15,7 +16,7 @@ from .errors import ApiError, domain_errors
 def build_rail_router(ingestor_provider: Callable[[], RailIngestor | None]) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/gateway/upload/batch")
+    @router.post("/v1/gateway/upload/batch", openapi_extra=openapi.RAIL_BATCH)
     async def upload_batch(request: Request) -> dict[str, Any]:
         """Stage, judge and store one rail-v1 batch; 400 `invalid_rail_batch` / `judge_not_configured`."""
         body = await json_object(request)

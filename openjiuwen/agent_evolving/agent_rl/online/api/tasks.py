@@ -11,6 +11,7 @@ from ..capture.rewards import RewardProjector, parse_reward_body
 from ..tasks.models import FinishReason
 from ..store.keys import TASK_STATUSES
 from ..tasks.registry import TaskRegistry
+from . import openapi
 from .body import json_object
 from .errors import ApiError, JSONBody, domain_errors
 from .paging import cursor_param, limit_param, status_param
@@ -19,7 +20,7 @@ from .paging import cursor_param, limit_param, status_param
 def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards: RewardProjector) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/rl/tasks/start")
+    @router.post("/v1/rl/tasks/start", openapi_extra=openapi.TASK_START)
     async def start_task(request: Request) -> JSONBody:
         body = await json_object(request)
         assert body is not None
@@ -52,14 +53,14 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
             task = await registry.require(rl_task_id)
         return task.public()
 
-    @router.post("/v1/rl/tasks/{rl_task_id}/stop")
+    @router.post("/v1/rl/tasks/{rl_task_id}/stop", openapi_extra=openapi.TASK_STOP)
     async def stop_task(rl_task_id: str) -> dict[str, Any]:
         # The body is ignored (CONTRACT §2.5), so it is never parsed.
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
             task = await lifecycle.finish(rl_task_id, FinishReason.USER_STOPPED)
         return task.public()
 
-    @router.post("/v1/rl/tasks/{rl_task_id}/reward")
+    @router.post("/v1/rl/tasks/{rl_task_id}/reward", openapi_extra=openapi.TASK_REWARD)
     async def reward_task(rl_task_id: str, request: Request) -> dict[str, Any]:
         body = await json_object(request, lenient=True)  # a NaN reward is `invalid_reward`, not a parse error
         assert body is not None

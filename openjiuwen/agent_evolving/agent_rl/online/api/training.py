@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from ..ids import is_run_id
 from ..training.runner import GatewayUnavailable, TrainingRunner
+from . import openapi
 from .body import json_value
 from .errors import ApiError, JSONBody, domain_errors
 from .paging import cursor_param, limit_param
@@ -18,7 +19,7 @@ _NOT_FOUND = "training_run_not_found"
 def build_training_router(runner: TrainingRunner) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/rl/training/runs")
+    @router.post("/v1/rl/training/runs", openapi_extra=openapi.TRAINING_START)
     async def start_run(request: Request) -> JSONBody:
         body = await json_value(request)
         if body is not None and body != {}:  # absent, null and {} all mean "start or reuse"

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 
 from ..store.keys import ALL_SAMPLE_STATUSES
 from ..store.trajectories import TrajectoryStore
+from . import openapi
 from .errors import ApiError, domain_errors
 from .paging import cursor_param, limit_param, status_param
 
@@ -28,7 +29,7 @@ def build_trajectories_router(
             stats["rewards"] = await reward_stats()
         return stats
 
-    @router.get("/v1/rl/trajectories")
+    @router.get("/v1/rl/trajectories", openapi_extra=openapi.TRAJECTORY_LIST)
     async def list_trajectories(request: Request) -> dict[str, Any]:
         """One page in (bucket, score, sample id) order; `next_cursor` is null on the last page."""
         status, limit, cursor = _listing_params(request)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import Conflict, InvalidInput
+from ..faults import FaultHook, no_faults
 from ..ids import is_task_id, is_token_id, now_iso
 from ..tasks.models import FinishReason, RewardMode, Task, TaskStatus
 from ..tasks.registry import TaskRegistry
@@ -31,12 +32,19 @@ def _blank(value: str | None) -> bool:
 
 class TaskLifecycle:
     def __init__(
-        self, registry: TaskRegistry, publisher: TurnPublisher, *, model_id: str, judge_configured: bool
+        self,
+        registry: TaskRegistry,
+        publisher: TurnPublisher,
+        *,
+        model_id: str,
+        judge_configured: bool,
+        fault: FaultHook = no_faults,
     ) -> None:
         self._registry = registry
         self._publisher = publisher
         self._model_id = model_id
         self._judge_configured = judge_configured
+        self._fault = fault  # chaos tests only (faults.py)
 
     def parse_start(self, headers: StartHeaders, body: dict[str, Any]) -> Task:
         """The requested Task, or the first failing rule of CONTRACT §2.4 in its order."""
@@ -78,19 +86,24 @@ class TaskLifecycle:
             current, _ = await self._registry.turn_state(rl_task_id)
             if current is not None:
                 await self._publisher.publish(task, current, feedback="", tag="session_done", deadline=None)
-        return await self._registry.finalize(rl_task_id, reason)
+        done = await self._registry.finalize(rl_task_id, reason)
+        self._fault("task.finalized")
+        return done
 
     async def abort(self, rl_task_id: str, reason: FinishReason) -> Task:
         return await self._registry.abort(rl_task_id, reason)
 
     async def recover(self) -> int:
-        """Startup: abort every indexed active Task with `service_restarted`; drop stale index entries."""
+        """Startup: abort every indexed active Task with `service_restarted`; drop stale index entries. A delayed
+        Task whose turn publication was cut by the crash first loses what that publication inserted."""
         aborted = 0
         for t in await self._registry.active_ids():
             task = await self._registry.get(t)
             if task is None or not task.active:
                 await self._registry.drop_stale_active(t)
                 continue
+            if task.delayed:
+                await self._publisher.abandon(t)
             await self._registry.abort(t, FinishReason.SERVICE_RESTARTED)
             aborted += 1
         if aborted:

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from ..errors import Conflict, InvalidInput
+from ..faults import FaultHook, no_faults
 from ..judge import feedback_from_request
 from ..tasks.models import FinishReason
 from ..tasks.registry import AbortingConflict, ReserveOutcome, TaskRegistry
@@ -32,10 +33,18 @@ log = logging.getLogger("openjiuwen.agent_rl.online.capture")
 
 
 class CapturePipeline:
-    def __init__(self, registry: TaskRegistry, publisher: TurnPublisher, *, turn_publish_timeout_s: float) -> None:
+    def __init__(
+        self,
+        registry: TaskRegistry,
+        publisher: TurnPublisher,
+        *,
+        turn_publish_timeout_s: float,
+        fault: FaultHook = no_faults,
+    ) -> None:
         self._registry = registry
         self._publisher = publisher
         self._turn_publish_timeout_s = turn_publish_timeout_s
+        self._fault = fault  # chaos tests only (faults.py)
 
     async def before(self, body: dict[str, Any]) -> dict[str, Any]:
         hook = parse_hook(body, with_request=True, with_response=False)
@@ -64,6 +73,7 @@ class CapturePipeline:
             await self._publisher.publish(
                 task, current, feedback=feedback_from_request(injected), tag="feedback", deadline=deadline
             )
+            self._fault("turn.published")
             await self._registry.advance_turn(task.rl_task_id, current, hook.agent_turn_id)
 
     async def after(self, body: dict[str, Any]) -> bool:
@@ -84,10 +94,12 @@ class CapturePipeline:
                 task, capture_id=hook.capture_id, agent_turn_id=hook.agent_turn_id, request=injected,
                 response=hook.response, validated=validated,
             )
-            return await self._registry.commit(
+            committed = await self._registry.commit(
                 task.rl_task_id, hook.capture_id, hook.agent_turn_id, request_fingerprint(injected),
                 response_fingerprint(hook.response), sample,
             )
+            self._fault("capture.committed")
+            return committed
         except (InvalidInput, Conflict) as exc:
             log.warning("capture %s of task %s rejected at after: %s", hook.capture_id, task.rl_task_id, exc,
                         extra={"rl_task_id": task.rl_task_id, "capture_id": hook.capture_id,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInput
+from ..store.codec import MAX_TOKEN_ID
 
 
 class ResponseModelMismatch(ValueError):
@@ -31,9 +32,10 @@ def _token_ids(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not value:
         raise _invalid(f"{name} must be a non-empty list of non-negative integers")
     for x in value:
-        # `type(x) is int` rejects bool (a subclass of int) in the same check.
-        if type(x) is not int or x < 0:
-            raise _invalid(f"{name} must be a non-empty list of non-negative integers")
+        # `type(x) is int` rejects bool (a subclass of int) in the same check; the upper bound is the packed
+        # storage's (uint32), far above any vocabulary, and a larger id would otherwise fail only when stored.
+        if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
+            raise _invalid(f"{name} must be a non-empty list of integers in 0..{MAX_TOKEN_ID}")
     return value
 
 

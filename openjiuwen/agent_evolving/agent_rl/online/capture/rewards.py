@@ -15,6 +15,7 @@ from redis.asyncio.client import Pipeline
 
 from .. import events
 from ..errors import Conflict, InvalidInput, NotFound
+from ..faults import FaultHook, no_faults
 from ..ids import is_token_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import PackedSample
@@ -37,9 +38,10 @@ def parse_reward_body(body: dict[str, Any]) -> float:
 
 
 class RewardProjector:
-    def __init__(self, redis: Redis, store: TrajectoryStore) -> None:
+    def __init__(self, redis: Redis, store: TrajectoryStore, *, fault: FaultHook = no_faults) -> None:
         self._redis = redis
         self._store = store
+        self._fault = fault  # chaos tests only (faults.py)
 
     async def reward(self, rl_task_id: str, value: float) -> int:
         t = rl_task_id
@@ -74,7 +76,26 @@ class RewardProjector:
         count = await transact(self._redis, claim, task_key, reward_key, committed_key)
         if count is not None:
             return count
+        self._fault("reward.claimed")
         return await self.project(t, value)
+
+    async def resume_interrupted(self, *, batch: int = 500) -> int:
+        """Startup: finish every projection a crash left `projecting` (its Task waits in the awaiting-reward index),
+        rather than leave it half published until the sweeper's reward timeout. Safe beside a live projection in
+        another process: insert-if-absent and the completion are idempotent. Returns the number resumed."""
+        resumed, start = 0, 0
+        while True:
+            ids = [c.decode() for c in await self._redis.zrange(keys.AWAITING_REWARD, start, start + batch - 1)]
+            if not ids:
+                return resumed
+            done = 0
+            for t, raw in zip(ids, await self._redis.mget([keys.reward(t) for t in ids])):
+                state = orjson.loads(raw) if raw else None
+                if isinstance(state, dict) and state.get("status") == "projecting":
+                    await self.project(t, float(state["reward"]))
+                    done += 1
+            resumed += done
+            start += len(ids) - done  # each completed projection left the index
 
     async def project(self, rl_task_id: str, value: float) -> int:
         """Copy each staged sample with `judge = {score, source: terminal}` into the store, then complete."""
@@ -90,6 +111,7 @@ class RewardProjector:
             samples.append(sample)
         if samples:
             await self._store.insert_if_absent(samples)
+            self._fault("reward.inserted")
         reward_key = keys.reward(t)
 
         # Invariants 3 and 4: the staged copies disappear in the same step that marks the reward published, and

@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import Conflict, JudgeFailed
+from ..faults import FaultHook, no_faults
 from ..store.codec import PackedSample
 from ..store.trajectories import TrajectoryStore
 from ..tasks.models import FinishReason, Task
@@ -31,12 +32,13 @@ class PublicationTimeout(Conflict):
 class TurnPublisher:
     def __init__(
         self, registry: TaskRegistry, store: TrajectoryStore, judge: "Judge | None", *,
-        metrics: "ServiceMetrics | None" = None,
+        metrics: "ServiceMetrics | None" = None, fault: FaultHook = no_faults,
     ) -> None:
         self._registry = registry
         self._store = store
         self._judge = judge
         self._metrics = metrics
+        self._fault = fault  # chaos tests only (faults.py)
 
     async def publish(self, task: Task, turn_id: str, *, feedback: str, tag: str, deadline: float | None) -> None:
         """Publish `turn_id` once. `deadline` (loop time) bounds waiting for open captures and for another
@@ -56,6 +58,10 @@ class TurnPublisher:
                 raise Conflict("RL Task has open captures" if state == "open" else "turn publication in progress")
             remaining = deadline - loop.time()
             if remaining <= 0:
+                if state == "publishing":
+                    # Its publisher died or hangs (a crash, a Redis outage during its roll-back): nothing of the
+                    # turn may stay visible once the Task is aborted.
+                    await self.abandon(t)
                 await self._registry.abort(t, FinishReason.CAPTURE_FAILED)
                 raise PublicationTimeout("turn publication timed out")
             await self._registry.signals.wait(t, remaining)
@@ -77,6 +83,7 @@ class TurnPublisher:
                 for sample, result in zip(samples, results):
                     sample.meta["judge"] = result.as_sample_judge(tag)
                 inserted = await self._store.insert_if_absent(samples)
+                self._fault("turn.inserted")
             await self._registry.complete_publish(t, turn_id, [c for c, _ in staged])
             if self._metrics is not None:
                 self._metrics.turn_published(time.perf_counter() - started)
@@ -84,6 +91,22 @@ class TurnPublisher:
             # Roll back: nothing of a failed publication stays visible, and the Task cannot continue.
             await asyncio.shield(self._roll_back(t, turn_id, inserted, exc))
             raise
+
+    async def abandon(self, rl_task_id: str) -> list[str]:
+        """Roll back a publication whose publisher is gone: the current turn, if still `publishing`, loses the
+        samples it inserted (those still pending) and becomes `failed`. Used before aborting a Task whose publisher
+        crashed (startup recovery) or never finished (publication deadline). Returns the deleted sample ids.
+
+        Invariant 4 read both ways: a turn's samples exist only once it is `published`."""
+        current, _ = await self._registry.turn_state(rl_task_id)
+        if current is None or await self._registry.publish_state(rl_task_id, current) != "publishing":
+            return []
+        ids = await self._registry.turn_capture_ids(rl_task_id, current)
+        deleted = await self._store.delete_pending(ids) if ids else 0
+        await self._registry.fail_publish(rl_task_id, current)
+        log.warning("abandoned the publication of turn %s of task %s (%d sample(s) rolled back)",
+                    current, rl_task_id, deleted)
+        return ids
 
     async def _roll_back(self, t: str, turn_id: str, inserted: list[str], exc: BaseException) -> None:
         log.warning("publication of turn %s of task %s failed: %s", turn_id, t, exc,

@@ -6,6 +6,11 @@ A batch carries tokenized samples of one rail trajectory. Valid samples are stag
 session's earliest staged sample and judges it with that feedback; `session_done` pops every staged sample of the
 session and judges them with "". Pops are atomic, so concurrent uploads never judge one sample twice. Judged samples
 go to the trajectory store as `pending`; a sample whose judging fails is dropped and reported.
+
+A pop moves the entries from the session index to `rail:inflight:{s}` and leaves the staged samples in place; they
+are deleted only once judged and stored (or reported as failed). An upload that fails on the way (a Redis or store
+error) puts its entries back, and startup puts back whatever a crash left in flight, so the client's retry of the
+same batch pops the same samples again: a crash never loses a staged sample nor pairs its feedback with the next.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from redis.asyncio.client import Pipeline
 from .. import ids
 from ..errors import InvalidInput, JudgeFailed
 from ..store import keys
-from ..store.codec import PackedSample
+from ..store.codec import MAX_TOKEN_ID, PackedSample
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
 
@@ -35,7 +40,6 @@ log = logging.getLogger("openjiuwen.agent_rl.online.rail")
 PROTOCOL_VERSION = "rail-v1"
 INVALID = "invalid_rail_batch"
 _MAX_STEP_INDEX = 2**31 - 1
-_MAX_TOKEN_ID = 2**32 - 1  # token ids are stored as uint32
 _FEEDBACK_KEYS = ("raw_user_text", "text", "feedback")
 # Staging scores of one batch are spaced by this much so that its samples keep their batch order (equal scores
 # would fall back to member order, where "t:10" sorts before "t:2").
@@ -115,14 +119,14 @@ class RailIngestor:
         outcome = _Outcome()
         if parsed.feedback is not None:
             popped = await self._pop(parsed.session_id, first_only=True)
-            await self._judge_and_store(popped, parsed.feedback, outcome, errors, last_tag=TAG_PREV_FEEDBACK)
+            await self._settle(parsed.session_id, popped, parsed.feedback, outcome, errors, TAG_PREV_FEEDBACK)
         if valid:
             await self._stage(parsed.session_id, parsed.trajectory_id, valid)
         flushed = 0
         if parsed.session_done:
             popped = await self._pop(parsed.session_id, first_only=False)
             flushed = len(popped)
-            await self._judge_and_store(popped, "", outcome, errors, last_tag=TAG_SESSION_DONE)
+            await self._settle(parsed.session_id, popped, "", outcome, errors, TAG_SESSION_DONE)
         return {
             "protocol_version": PROTOCOL_VERSION,
             "session_id": parsed.session_id,
@@ -313,35 +317,111 @@ class RailIngestor:
         await transact(self._redis, body, index)
 
     async def _pop(self, session_id: str, *, first_only: bool) -> list[_Staged]:
-        """Atomically remove and return the session's earliest staged sample (or all of them), in staging order.
+        """Atomically take the session's earliest staged sample (or all of them), in staging order, into the
+        session's in-flight set; `_settle` deletes them once stored.
 
         WATCH on the session index makes two concurrent pops of one member impossible: the loser's EXEC fails and
         it reads the index again. Entries whose sample expired are dropped on the way."""
-        index = keys.pending_judge_session(session_id)
+        index, inflight = keys.pending_judge_session(session_id), keys.rail_inflight(session_id)
         while True:
 
             async def body(pipe: Pipeline) -> list[tuple[str, int, bytes | None]]:
-                members = await pipe.zrange(index, 0, 0 if first_only else -1)
-                entries = [(m.decode(), *_parse_member(m.decode())) for m in members]
+                members = await pipe.zrange(index, 0, 0 if first_only else -1, withscores=True)
+                entries = [(m.decode(), score, *_parse_member(m.decode())) for m, score in members]
                 if not entries:
                     return []
-                # CONTRACT §5.3 "rail pop": ZREM + GETDEL of the popped entries in one EXEC.
+                # CONTRACT §5.3 "rail pop", made crash-safe: the entries leave the session index for the in-flight
+                # set in one EXEC, so no other pop takes them and a crash cannot lose them (the staged samples stay).
                 pipe.multi()
-                for _, trajectory_id, step in entries:
+                for _, _, trajectory_id, step in entries:
                     if trajectory_id is not None:
-                        pipe.getdel(keys.pending_judge(session_id, trajectory_id, step))
-                pipe.zrem(index, *(member for member, _, _ in entries))
+                        pipe.get(keys.pending_judge(session_id, trajectory_id, step))
+                pipe.zrem(index, *(member for member, _, _, _ in entries))
+                pipe.zadd(inflight, {member: score for member, score, _, _ in entries})
+                pipe.expire(inflight, self._retention_s)
+                pipe.sadd(keys.RAIL_INFLIGHT_SESSIONS, session_id)
                 replies = iter(await pipe.execute())
                 return [
                     (member, step, next(replies) if trajectory_id is not None else None)
-                    for member, trajectory_id, step in entries
+                    for member, _, trajectory_id, step in entries
                 ]
 
             popped = await transact(self._redis, body, index)
             out = [_Staged(member, step, PackedSample.decode_staged(blob)) for member, step, blob in popped if blob]
+            gone = [member for member, _, blob in popped if not blob]
+            if gone:
+                await self._release(session_id, gone)
             if out or not popped or not first_only:
                 return out
             # The earliest entry had expired (or was unreadable); prev_feedback belongs to the next one.
+
+    async def _settle(
+        self,
+        session_id: str,
+        popped: list[_Staged],
+        feedback: str,
+        outcome: _Outcome,
+        errors: list[dict[str, str]],
+        last_tag: str,
+    ) -> None:
+        """Judge and store popped samples, then delete them; on any error put them back for the client's retry."""
+        if not popped:
+            return
+        members = [staged.sample_id for staged in popped]
+        try:
+            await self._judge_and_store(popped, feedback, outcome, errors, last_tag=last_tag)
+        except BaseException:
+            await asyncio.shield(self._restore(session_id, members))
+            raise
+        await self._release(session_id, members)
+
+    async def _release(self, session_id: str, members: list[str]) -> None:
+        """Stored (or reported as failed): the popped samples and their in-flight entries go together."""
+        inflight = keys.rail_inflight(session_id)
+        staged_keys = [keys.pending_judge(session_id, t, step) for t, step in map(_parse_member, members) if t]
+
+        async def body(pipe: Pipeline) -> None:
+            left = await pipe.zcard(inflight)
+            pipe.multi()
+            if staged_keys:
+                pipe.delete(*staged_keys)
+            pipe.zrem(inflight, *members)
+            if left <= len(members):  # nothing else of this session in flight: off the recovery list
+                pipe.srem(keys.RAIL_INFLIGHT_SESSIONS, session_id)
+            await pipe.execute()
+
+        await transact(self._redis, body, inflight)
+
+    async def _restore(self, session_id: str, members: list[str] | None = None) -> int:
+        """Put popped entries (all of the session's when `members` is None) back into the session index at their
+        original place, so that the next pop takes them again. Returns how many went back."""
+        index, inflight = keys.pending_judge_session(session_id), keys.rail_inflight(session_id)
+
+        async def body(pipe: Pipeline) -> int:
+            entries = await pipe.zrange(inflight, 0, -1, withscores=True)
+            wanted = None if members is None else set(members)
+            back = {m.decode(): score for m, score in entries if wanted is None or m.decode() in wanted}
+            left = len(entries) - len(back)
+            pipe.multi()
+            if back:
+                pipe.zadd(index, back)
+                pipe.expire(index, self._retention_s)
+                pipe.zrem(inflight, *back)
+            if left == 0:
+                pipe.srem(keys.RAIL_INFLIGHT_SESSIONS, session_id)
+            await pipe.execute()
+            return len(back)
+
+        return await transact(self._redis, body, inflight)
+
+    async def recover(self) -> int:
+        """Startup: every rail sample a crash left in flight goes back to its session's staging order."""
+        restored = 0
+        for raw in await self._redis.smembers(keys.RAIL_INFLIGHT_SESSIONS):
+            restored += await self._restore(raw.decode())
+        if restored:
+            log.info("startup recovery put %d in-flight rail sample(s) back into staging", restored)
+        return restored
 
     # ------------------------------------------------------------------ judging
 
@@ -399,9 +479,9 @@ def _token_ids(raw: dict[str, Any], name: str, where: str) -> list[int]:
         raise InvalidInput(INVALID, f"{where}: missing field: {name}")
     value = raw[name]
     if not isinstance(value, list) or not all(
-        type(x) is int and 0 <= x <= _MAX_TOKEN_ID for x in value  # bool is not a token id
+        type(x) is int and 0 <= x <= MAX_TOKEN_ID for x in value  # bool is not a token id
     ):
-        raise InvalidInput(INVALID, f"{where}.{name} must be a list of integers between 0 and {_MAX_TOKEN_ID}")
+        raise InvalidInput(INVALID, f"{where}.{name} must be a list of integers between 0 and {MAX_TOKEN_ID}")
     return value
 
 

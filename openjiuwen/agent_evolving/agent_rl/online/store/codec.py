@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+MAX_TOKEN_ID = 2**32 - 1  # token ids are packed as uint32: validation refuses larger ones before they get here
 _LITTLE = sys.byteorder == "little"
 _STAGED_MAGIC = b"RLS1"
 _HEADER = struct.Struct("<4sIIII")  # magic, json length, prompt bytes, response bytes, logprob bytes

@@ -15,6 +15,7 @@ AWAITING_REWARD = PREFIX + "tasks:awaiting_reward"
 TASKS_GC = PREFIX + "tasks:gc"
 TRAJ_USERS = PREFIX + "traj_users"
 POLICY_OBSERVED = PREFIX + "policy:observed"
+RAIL_INFLIGHT_SESSIONS = PREFIX + "rail:inflight_sessions"  # sessions with popped rail samples not yet stored
 ACTIVE_RUN = PREFIX + "training_run:active"
 # Listing indexes (newest first): ZSETs of ids scored by creation epoch. Tasks are indexed once overall and once
 # under their current status. When a record gets its TTL, its id joins a listing-expiry ZSET scored by the epoch
@@ -150,6 +151,11 @@ def pending_judge(s: str, trajectory_id: str, step: int) -> str:
 
 def pending_judge_session(s: str) -> str:
     return f"{PREFIX}pending_judge_session:{require_token_id(s, 'session_id')}"
+
+
+def rail_inflight(s: str) -> str:
+    """Popped rail samples of session s being judged (members and scores of the session index they left)."""
+    return f"{PREFIX}rail:inflight:{require_token_id(s, 'session_id')}"
 
 
 def training_run(r: str) -> str:

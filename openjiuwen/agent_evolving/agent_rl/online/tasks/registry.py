@@ -435,6 +435,12 @@ class TaskRegistry:
             self.signals.notify(t)
         return state
 
+    async def publish_state(self, rl_task_id: str, turn_id: str) -> str | None:
+        return text(await self._redis.get(keys.turn_publish(rl_task_id, turn_id)))
+
+    async def turn_capture_ids(self, rl_task_id: str, turn_id: str) -> list[str]:
+        return sorted(text(c) or "" for c in await self._redis.smembers(keys.turn_captures(rl_task_id, turn_id)))
+
     async def turn_staged(self, rl_task_id: str, turn_id: str) -> list[tuple[str, bytes]]:
         """Staged sample blobs of a turn's committed captures, by capture id."""
         t = rl_task_id

@@ -17,11 +17,15 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..errors import Conflict, DomainError, NotFound
+from ..faults import FaultHook, no_faults
 from ..ids import now_iso, parse_iso_epoch, policy_lag_version
 from ..lora.gateway_client import GatewayError, GatewayLoraClient
 from ..lora.repository import Artifact, LoraRepository
@@ -34,6 +38,12 @@ if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
 
 log = logging.getLogger("openjiuwen.agent_rl.online.training")
+
+T = TypeVar("T")
+# A run's own state writes outlive a Redis outage of up to this long (then the execution fails for good and health
+# reports it); the backoff between tries doubles from 0.1 s up to 2 s.
+REDIS_OUTAGE_S = 600.0
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 class GatewayUnavailable(DomainError):
     """The active policy could not be read from the gateway at run start (502, no run created)."""
@@ -55,6 +65,8 @@ class TrainingRunner:
         max_policy_lag: int | None,
         tmp_root: str | Path,
         metrics: "ServiceMetrics | None" = None,
+        fault: FaultHook = no_faults,
+        redis_outage_s: float = REDIS_OUTAGE_S,
     ) -> None:
         self._runs = runs
         self._store = store
@@ -72,6 +84,8 @@ class TrainingRunner:
         self._executions: dict[str, asyncio.Task[None]] = {}
         self._stop_requested: set[str] = set()
         self._failure: str | None = None
+        self._fault = fault  # chaos tests only (faults.py)
+        self._redis_outage_s = redis_outage_s
 
     # ------------------------------------------------------------------ API
 
@@ -127,6 +141,7 @@ class TrainingRunner:
                     f"pending samples {claim.eligible} is below minimum {self._min_samples}",
                     code="insufficient_samples",
                 )
+            self._fault("run.claimed")
             self._launch(claim.run)
             log.info("training run %s claimed %d sample(s) on parent %s", claim.run.training_run_id,
                      claim.run.sample_count, parent.lora_name, extra={"training_run_id": claim.run.training_run_id})
@@ -212,13 +227,31 @@ class TrainingRunner:
 
         task.add_done_callback(done)
 
+    async def _durable(self, what: str, write: Callable[[], Awaitable[T]]) -> T:
+        """Run one state write of a run's execution, retried while Redis is unreachable: an execution that gave up
+        on a blip would leave its run non-terminal with its batch claimed until a restart. Every write it wraps is
+        idempotent (a terminal record is returned unchanged, a repeated move finds nothing left to move), so a try
+        that Redis applied although its answer was lost is harmless to repeat."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._redis_outage_s
+        delay = 0.1
+        while True:
+            try:
+                return await write()
+            except _REDIS_DOWN as exc:
+                if loop.time() + delay > deadline:
+                    raise
+                log.warning("%s: Redis unavailable (%s); retrying in %.1f s", what, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
     async def _execute(self, run: TrainingRun) -> None:
         run_id = run.training_run_id
-        run = await self._runs.update(
+        run = await self._durable(f"run {run_id} start", lambda: self._runs.update(
             run_id,
             lambda r: r.evolve(status=RunStatus.RUNNING.value, stage=RunStage.TRAINING.value, started_at=now_iso()),
             event=("training_started", {}),
-        )
+        ))
         if run.terminal:
             return
         if run.started_at:
@@ -236,6 +269,7 @@ class TrainingRunner:
                 on_progress=self._progress_recorder(run_id),
             )
             await asyncio.to_thread(self._repository.validate_artifact, artifact)
+            self._fault("run.trained")
         except asyncio.CancelledError:
             self._stage("training", "canceled", time.perf_counter() - started)
             raise  # `stop` settles the record
@@ -245,22 +279,23 @@ class TrainingRunner:
             reason = None if canceled else (str(exc) or type(exc).__name__)
             if not canceled:
                 log.warning("training run %s failed: %s", run_id, reason, extra={"training_run_id": run_id})
-            await asyncio.shield(
-                self._runs.finish(
-                    run_id, RunStatus.CANCELED if canceled else RunStatus.FAILED, failure_reason=reason,
-                    restore_samples=True,
-                )
-            )
+            status = RunStatus.CANCELED if canceled else RunStatus.FAILED
+            await asyncio.shield(self._durable(f"run {run_id} {status.value}", lambda: self._runs.finish(
+                run_id, status, failure_reason=reason, restore_samples=True,
+            )))
             await self._cleanup(run_id)
             return
         self._stage("training", "ok", time.perf_counter() - started)
-        run = await asyncio.shield(self._mark_trained(run_id, artifact))
+        run = await asyncio.shield(self._durable(f"run {run_id} trained", lambda: self._mark_trained(run_id, artifact)))
         if run.terminal:
             return
         if run_id in self._stop_requested:
             # Stop arrived as training completed: the artifact and the trained samples stay, nothing is activated.
-            await asyncio.shield(self._runs.finish(run_id, RunStatus.CANCELED))
+            await asyncio.shield(
+                self._durable(f"run {run_id} canceled", lambda: self._runs.finish(run_id, RunStatus.CANCELED))
+            )
             return
+        self._fault("run.marked")
         await self._activate(run)
 
     async def _mark_trained(self, run_id: str, artifact: Artifact) -> TrainingRun:
@@ -285,7 +320,10 @@ class TrainingRunner:
                         metrics[key] = step[key]
                 return run.evolve(metrics=metrics)
 
-            await self._runs.update(run_id, change, event=("ppo_step", step))
+            try:
+                await self._runs.update(run_id, change, event=("ppo_step", step))
+            except _REDIS_DOWN as exc:  # progress is informational: a lost step never fails the training
+                log.warning("run %s: progress step not recorded (%s)", run_id, exc)
 
         return record
 
@@ -307,13 +345,12 @@ class TrainingRunner:
             self._activation_done("failed", time.perf_counter() - started)
             log.warning("activation of %s failed: %s", run.lora_name, exc,
                         extra={"training_run_id": run.training_run_id, "lora_name": run.lora_name})
-            return await asyncio.shield(
-                self._runs.finish(
-                    run.training_run_id, RunStatus.FAILED, failure_reason=str(exc),
-                    before=[("activation_failed", {"lora_name": run.lora_name, "error": str(exc)})],
-                )
-            )
+            return await asyncio.shield(self._durable(f"run {run.training_run_id} failed", lambda: self._runs.finish(
+                run.training_run_id, RunStatus.FAILED, failure_reason=str(exc),
+                before=[("activation_failed", {"lora_name": run.lora_name, "error": str(exc)})],
+            )))
         self._activation_done("ok", time.perf_counter() - started)
+        self._fault("run.activated")
         return await asyncio.shield(self._succeed(run))
 
     def _stage(self, stage: str, outcome: str, seconds: float) -> None:
@@ -327,14 +364,14 @@ class TrainingRunner:
 
     async def _succeed(self, run: TrainingRun) -> TrainingRun:
         assert run.lora_name and run.lora_path
-        await self._repository.write_active(run.lora_name, run.lora_path, run.training_run_id)
-        await self._runs.observe_policy(run.lora_name, run.lora_path)
-        log.info("training run %s succeeded: %s active", run.training_run_id, run.lora_name,
-                 extra={"training_run_id": run.training_run_id, "lora_name": run.lora_name})
-        return await self._runs.finish(
-            run.training_run_id, RunStatus.SUCCEEDED,
-            before=[("activation_succeeded", {"lora_name": run.lora_name})],
-        )
+        run_id = run.training_run_id
+        await self._repository.write_active(run.lora_name, run.lora_path, run_id)
+        await self._durable(f"run {run_id} policy", lambda: self._runs.observe_policy(run.lora_name, run.lora_path))
+        log.info("training run %s succeeded: %s active", run_id, run.lora_name,
+                 extra={"training_run_id": run_id, "lora_name": run.lora_name})
+        return await self._durable(f"run {run_id} succeeded", lambda: self._runs.finish(
+            run_id, RunStatus.SUCCEEDED, before=[("activation_succeeded", {"lora_name": run.lora_name})],
+        ))
 
     async def _stop_activation(self, run_id: str, task: asyncio.Task[None] | None) -> TrainingRun:
         if task is not None and not task.done():

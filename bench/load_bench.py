@@ -1,0 +1,109 @@
+"""Sustained load of concurrent agent sessions through the reference gateway and its RL Service.
+
+    .venv/bin/python bench/load_bench.py [--sessions 32] [--turns 4] [--duration 60] [--instances 2]
+
+Real processes: the gateway, its RL Service child and a private redis-server; `--instances` fake vLLM servers
+(recorded shapes, no model) and a fake Judge in this process. Each session loops: signed Task start (a share in
+delayed-feedback mode), `--turns` chat completions (JSON or SSE), signed stop, signed reward for terminal Tasks, until
+`--duration` has passed after a warm-up. Prints requests, errors, latency percentiles, the RSS of both processes
+after the warm-up and at the end, and the result of the Redis invariant checker (tests/support/invariants.py);
+writes bench/results/load.json. Exits non-zero when a request failed or an invariant does not hold. Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+import orjson
+from redis.asyncio import Redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.support.fake_judge import FakeJudge  # noqa: E402
+from tests.support.fake_vllm import FakeVLLM, Reply  # noqa: E402
+from tests.support.gateway_process import API_KEY, GatewayProcess  # noqa: E402
+from tests.support.invariants import check_invariants  # noqa: E402
+from tests.support.load import LoadResult, LoadSpec, Pids, child_pid, run_load  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
+
+SERVICE_MODULE = "openjiuwen.agent_evolving.agent_rl.online.service"
+
+
+async def _invariants(redis_url: str) -> dict:
+    redis = Redis.from_url(redis_url)
+    try:
+        report = await check_invariants(redis, model_id="tiny", raise_on_violation=False)
+    finally:
+        await redis.aclose()
+    return {**report.summary(), "violations": report.violations[:20]}
+
+
+def _print(result: LoadResult, invariants: dict, stats: dict, out: Path) -> None:
+    s = result.summary()
+    print(f"load: {s['sessions']} sessions x {s['turns']} turns, {s['duration_s']} s "
+          f"(warm-up {result.spec.warmup_s} s included), fake vLLM and Judge")
+    print(f"  requests {s['requests']} ({s['requests_per_s']}/s), errors {s['errors']}, tasks {s['tasks']}, "
+          f"completions {s['completions']}, samples stored {stats.get('total')}")
+    print(f"  {'kind':<12} {'count':>7} {'p50 ms':>8} {'p99 ms':>8}")
+    for kind, lat in s["latency_ms"].items():
+        print(f"  {kind:<12} {s['requests_by_kind'].get(kind, 0):>7} {lat['p50']:>8.1f} {lat['p99']:>8.1f}")
+    print(f"  {'process':<12} {'RSS before':>11} {'after':>8} {'growth':>8}  (MiB)")
+    for name, rss in s["rss_mib"].items():
+        print(f"  {name:<12} {rss['before']:>11.1f} {rss['after']:>8.1f} {rss['growth']:>8.1f}")
+    print(f"  invariants: {'ok' if invariants['ok'] else 'VIOLATED'} "
+          f"({invariants.get('keys')} keys, {invariants.get('samples')} samples, {invariants.get('tasks')} tasks)")
+    for violation in invariants["violations"]:
+        print(f"    {violation}")
+    for error in result.errors[:10]:
+        print(f"  error: {error}")
+    print(f"  written to {out}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=32, help="concurrent agent sessions (default 32)")
+    parser.add_argument("--turns", type=int, default=4, help="chat completions per Task (default 4)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load after the warm-up (60)")
+    parser.add_argument("--warmup", type=float, default=5.0, help="seconds before the first RSS reading (5)")
+    parser.add_argument("--instances", type=int, default=2, help="fake vLLM instances (default 2)")
+    parser.add_argument("--delayed-share", type=float, default=0.25, help="share of delayed-feedback Tasks")
+    parser.add_argument("--stream-share", type=float, default=0.5, help="share of SSE completions")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "load.json"))
+    args = parser.parse_args()
+    spec = LoadSpec(sessions=args.sessions, turns=args.turns, duration_s=args.duration, warmup_s=args.warmup,
+                    delayed_share=args.delayed_share, stream_share=args.stream_share)
+    with tempfile.TemporaryDirectory(prefix="rl-load-bench-") as tmp, ExitStack() as stack:
+        redis_server = stack.enter_context(RedisServer(Path(tmp) / "redis"))
+        judge = stack.enter_context(FakeJudge())
+        vllms = [stack.enter_context(FakeVLLM(served_model="tiny", name=f"bench-vllm-{i}"))
+                 for i in range(args.instances)]
+        for v in vllms:
+            v.reply = Reply(content="A short answer to the question.")
+        gw = stack.enter_context(GatewayProcess(
+            Path(tmp), redis_server.url, instances=vllms, judge_url=judge.url,
+            online_overrides={"hookTimeout": "30s", "drainTimeout": "30s"},
+        ))
+        gw.start_service()
+        assert gw.proc is not None
+        pids = Pids(gateway=gw.proc.pid, rl_service=child_pid(gw.proc.pid, SERVICE_MODULE))
+        result = asyncio.run(run_load(gw.url, spec, api_key=API_KEY, model_id="tiny", pids=pids))
+        stats = gw.signed("GET", "/v1/rl/trajectories/stats").json()
+        invariants = asyncio.run(_invariants(redis_server.url))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps({**result.summary(), "samples_stored": stats.get("total"),
+                                  "invariants": invariants, "errors_sample": result.errors[:10]},
+                                 option=orjson.OPT_INDENT_2))
+    _print(result, invariants, stats, out)
+    consistent = stats.get("total") == result.completions
+    return 0 if result.error_count == 0 and invariants["ok"] and consistent else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Request shapes of the routes, for the OpenAPI document only (CONTRACT §2.4–§2.9).
+
+Routers read bodies by hand (`api/body.py`) so that every mistake gets the contract's own code and order of checks;
+FastAPI therefore sees no body model and would publish an empty schema. These `openapi_extra` fragments describe
+what a correct request looks like, for readers of `/openapi.json` and for schema-driven fuzzing (schemathesis).
+They are documentation: nothing here validates, so changing them never changes an answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..ids import TASK_ID_RE, TOKEN_ID_RE
+
+TASK_ID = {"type": "string", "pattern": f"^{TASK_ID_RE.pattern}$"}
+TOKEN_ID = {"type": "string", "pattern": f"^{TOKEN_ID_RE.pattern}$"}
+_NON_BLANK = {"type": "string", "minLength": 1}
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {"role": {"type": "string"}, "content": {"type": ["string", "array", "null"]}},
+}
+CHAT_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": _NON_BLANK,
+        "messages": {"type": "array", "items": _MESSAGE},
+        "n": {"type": "integer", "enum": [1]},
+        "stream": {"type": "boolean"},
+        "max_tokens": {"type": "integer", "minimum": 1},
+    },
+}
+_LOGPROB = {"type": "object", "required": ["logprob"], "properties": {"logprob": {"type": "number", "maximum": 0}}}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+CHAT_COMPLETION = {
+    "type": "object",
+    "required": ["object", "model", "choices", "prompt_token_ids", "usage"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"type": "string", "enum": ["chat.completion"]},
+        "model": _NON_BLANK,
+        "prompt_token_ids": _TOKEN_IDS,
+        "choices": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["message", "finish_reason", "token_ids", "logprobs"],
+                "properties": {
+                    "index": {"type": "integer"},
+                    "message": {"type": "object"},
+                    "finish_reason": _NON_BLANK,
+                    "token_ids": _TOKEN_IDS,
+                    "logprobs": {
+                        "type": "object",
+                        "required": ["content"],
+                        "properties": {"content": {"type": "array", "items": _LOGPROB}},
+                    },
+                },
+            },
+        },
+        "usage": {
+            "type": "object",
+            "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+            "properties": {
+                "prompt_tokens": {"type": "integer", "minimum": 0},
+                "completion_tokens": {"type": "integer", "minimum": 0},
+                "total_tokens": {"type": "integer", "minimum": 0},
+            },
+        },
+    },
+}
+
+
+def _object(required: list[str], properties: dict[str, Any], *, closed: bool) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "required": required, "properties": properties}
+    if closed:
+        schema["additionalProperties"] = False
+    return schema
+
+
+def json_body(schema: dict[str, Any], *, required: bool = True) -> dict[str, Any]:
+    """`openapi_extra` declaring a JSON request body of this shape."""
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
+
+
+def header(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "header", "required": True, "schema": schema}
+
+
+def query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema}
+
+
+_HOOK_IDS = {"rl_task_id": TASK_ID, "capture_id": TOKEN_ID, "agent_turn_id": {"anyOf": [TOKEN_ID, {"type": "null"}]}}
+
+TASK_START = {
+    **json_body(_object(["reward_mode"], {"reward_mode": {"enum": ["terminal", "delayed_feedback"]}}, closed=True)),
+    "parameters": [
+        header("X-Agent-Session-Id", TOKEN_ID),
+        header("X-AIGW-RL-Task-Id", TASK_ID),
+        header("X-AIGW-RL-Policy-Name", _NON_BLANK),
+        header("X-AIGW-RL-Policy-Model", _NON_BLANK),
+    ],
+}
+TASK_STOP = json_body({"type": "object"}, required=False)  # ignored by the route
+TASK_REWARD = json_body(_object(["reward"], {"reward": {"type": "number", "minimum": 0, "maximum": 1}}, closed=True))
+HOOK_BEFORE = json_body(_object(["rl_task_id", "capture_id", "request"], {**_HOOK_IDS, "request": CHAT_REQUEST},
+                                closed=True))
+HOOK_AFTER = json_body(_object(["rl_task_id", "capture_id", "request", "response"],
+                               {**_HOOK_IDS, "request": CHAT_REQUEST, "response": CHAT_COMPLETION}, closed=True))
+HOOK_DISCARD = json_body(_object(["rl_task_id", "capture_id"], _HOOK_IDS, closed=True))
+TASK_FINISH = json_body(_object(["reason"], {"reason": {"enum": ["service_stopped"]}}, closed=True))
+TASK_ABORT = json_body(_object(["reason"], {"reason": {"enum": ["capture_failed", "timeout"]}}, closed=True))
+TRAINING_START = json_body({"anyOf": [{"type": "null"}, _object([], {}, closed=True)]}, required=False)
+TRAJECTORY_LIST = {
+    "parameters": [
+        query("status", {"enum": ["pending", "training", "trained", "failed"]}),
+        query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+        query("cursor", {"type": "string"}),
+    ],
+}
+_RAIL_SAMPLE = _object(
+    ["messages", "prompt_ids", "response_tokens", "logprobs", "response"],
+    {
+        "messages": {"type": "array", "items": _MESSAGE},
+        "prompt_ids": _TOKEN_IDS,
+        "response_tokens": _TOKEN_IDS,
+        "logprobs": {"type": "array", "items": {"type": "number", "maximum": 0}},
+        "response": {"type": "object"},
+        "tools": {"type": "array"},
+        "step_index": {"type": "integer", "minimum": 0},
+    },
+    closed=False,
+)
+RAIL_BATCH = json_body(_object(
+    ["protocol_version", "session_id", "trajectory_id", "samples"],
+    {
+        "protocol_version": {"enum": ["rail-v1"]},
+        "session_id": TOKEN_ID,
+        "trajectory_id": TOKEN_ID,
+        "samples": {"type": "array", "items": _RAIL_SAMPLE},
+        "prev_feedback": {"type": "object", "properties": {"text": {"type": "string"}}},
+        "session_done": {"type": "boolean"},
+        "trajectory_meta": {"type": "object"},
+    },
+    closed=False,
+))

@@ -1,0 +1,74 @@
+"""Fault injection, for chaos tests only: end the process abruptly at a named point of a code path.
+
+Off by default. `service.py` builds a `CrashAt` only when the environment variable `ONLINE_RL_CRASH_AT` is set
+(`<point>` or `<point>@<n>`: the n-th time the point is reached, default 1); every other process gets `no_faults`,
+a function that does nothing. A crash is `os._exit(CRASH_EXIT_CODE)`: no `finally`, no shutdown, no flush of
+anything but the log line written just before, so it stands for a SIGKILL at exactly that point.
+
+Each point sits between two durable steps that a real crash could separate; docs/reliability.md says what the
+service guarantees at each and names the test that crashes there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+log = logging.getLogger("openjiuwen.agent_rl.online.faults")
+
+CRASH_EXIT_CODE = 86
+
+POINTS: dict[str, str] = {
+    "capture.committed": "`:after` committed the capture, before its 204",
+    "task.finalized": "stop finalized the Task, before its 200",
+    "turn.inserted": "a delayed turn's judged samples are inserted, before the publication completes",
+    "turn.published": "a delayed turn is published, before the next turn becomes current",
+    "reward.claimed": "the reward is claimed (`projecting`), before any sample is inserted",
+    "reward.inserted": "the reward's samples are inserted, before the projection completes",
+    "run.claimed": "a Training Run claimed its batch, before its execution starts",
+    "run.trained": "the trainer published the artifact, before the batch is marked trained",
+    "run.marked": "the batch is marked trained (`activating`), before the activation call",
+    "run.activated": "the gateway switched to the new version, before the run is recorded succeeded",
+}
+
+FaultHook = Callable[[str], None]
+
+
+def no_faults(point: str) -> None:
+    """The default hook: nothing happens at any point."""
+
+
+class CrashAt:
+    """Exit the process the `after`-th time `point` is reached."""
+
+    def __init__(self, point: str, after: int = 1) -> None:
+        if point not in POINTS:
+            raise ValueError(f"unknown crash point {point!r}; known: {', '.join(sorted(POINTS))}")
+        if after < 1:
+            raise ValueError("a crash point count must be >= 1")
+        self.point = point
+        self.after = after
+        self.hits = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> "CrashAt":
+        point, _, count = spec.strip().partition("@")
+        try:
+            after = int(count) if count else 1
+        except ValueError:
+            raise ValueError(f"invalid crash point count in {spec!r}") from None
+        return cls(point, after)
+
+    def __call__(self, point: str) -> None:
+        if point != self.point:
+            return
+        self.hits += 1
+        if self.hits >= self.after:
+            log.warning("fault injection: crashing at %s (hit %d)", point, self.hits)
+            os._exit(CRASH_EXIT_CODE)
+
+
+def fault_hook(spec: str | None) -> FaultHook:
+    """`no_faults` for an empty spec, else the `CrashAt` it names (ValueError for an unknown point)."""
+    return CrashAt.parse(spec) if spec and spec.strip() else no_faults

@@ -1,0 +1,147 @@
+"""Recovery from faults found by the chaos suite (docs/reliability.md), each reproduced in-process and checked with
+the invariant checker: a turn publication cut by a crash or left by a dead publisher is rolled back, and a Training
+Run's execution outlives a Redis pause instead of leaving its run stuck."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from redis.asyncio import Redis
+
+from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
+from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
+from tests.conftest import load_fixture
+from tests.support.fake_gateway import FakeGateway
+from tests.support.fake_judge import FakeJudge
+from tests.support.invariants import check_invariants
+from tests.support.redis_server import RedisServer
+from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_task, with_user
+
+REQUEST, RESPONSE = load_fixture("chat_request.json"), load_fixture("chat_response.json")
+
+
+async def commit_turn(client, t: str, c: str, turn: str) -> None:
+    before, after = await capture(client, t, c, with_user(REQUEST, turn), RESPONSE, turn=turn)
+    assert before.status_code == 200 and after is not None and after.status_code == 204, before.text
+
+
+async def publication_cut_after_insert(deps, t: str, turn: str) -> str:
+    """The state a publisher leaves when it dies between inserting the turn's judged samples and completing."""
+    assert await deps.registry.claim_publish(t, turn) == "claimed"
+    staged = await deps.registry.turn_staged(t, turn)
+    samples = [PackedSample.decode_staged(blob) for _, blob in staged]
+    for sample in samples:
+        sample.meta["judge"] = {"score": 0.8, "source": "judge", "tag": "feedback"}
+    inserted = await deps.store.insert_if_absent(samples)
+    assert len(inserted) == 1
+    return inserted[0]
+
+
+@pytest.fixture
+async def judge():
+    async with FakeJudge() as j:
+        yield j
+
+
+async def test_recovery_rolls_back_a_turn_publication_cut_by_a_crash(redis, redis_url, tmp_path, judge):
+    config = make_config(redis_url, tmp_path, judge_endpoint=judge.url, judge_model="judge")
+    async with running_app(config) as (crashed, client):
+        await start_task(client, "s1", "t1", mode="delayed_feedback")
+        await commit_turn(client, "t1", "c1", "u1")
+        sample_id = await publication_cut_after_insert(crashed.state.deps, "t1", "u1")
+        # The process "dies" here; another one starts on the same Redis and recovers.
+        async with running_app(config) as (_, restarted):
+            task = (await restarted.get("/v1/rl/tasks/t1")).json()
+            assert (task["status"], task["finish_reason"]) == ("aborted", "service_restarted")
+            assert (await restarted.get(f"/v1/rl/trajectories/{sample_id}")).status_code == 404
+            assert await redis.get(keys.turn_publish("t1", "u1")) == b"failed"
+            assert (await restarted.get("/v1/rl/trajectories/stats")).json()["total"] == 0
+            await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)
+
+
+async def test_publication_deadline_rolls_back_a_dead_publishers_samples(redis, redis_url, tmp_path, judge):
+    config = make_config(redis_url, tmp_path, judge_endpoint=judge.url, judge_model="judge",
+                         turn_publish_timeout_seconds=1.0)
+    async with running_app(config) as (app, client):
+        await start_task(client, "s1", "t1", mode="delayed_feedback")
+        await commit_turn(client, "t1", "c1", "u1")
+        sample_id = await publication_cut_after_insert(app.state.deps, "t1", "u1")
+        before, _ = await capture(client, "t1", "c2", with_user(REQUEST, "u2"), RESPONSE, turn="u2")
+        assert before.status_code == 409 and before.json()["error"]["code"] == "completion_conflict"
+        assert "timed out" in before.json()["error"]["message"]
+        task = (await client.get("/v1/rl/tasks/t1")).json()
+        assert (task["status"], task["finish_reason"]) == ("aborted", "capture_failed")
+        assert await redis.exists(keys.traj(sample_id)) == 0
+        assert await redis.get(keys.turn_publish("t1", "u1")) == b"failed"
+        await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)
+
+
+async def test_training_run_outlives_a_redis_pause(tmp_path):
+    with RedisServer(tmp_path / "redis") as server:
+        async with FakeGateway(model_id=MODEL_ID) as gateway:
+            config = make_config(
+                server.url + "?socket_timeout=0.5", tmp_path, aigw_endpoint=gateway.url, trainer_backend="scripted",
+                min_samples_for_training=3, max_samples_per_run=3, training_tmp_root=str(tmp_path / "train-tmp"),
+            )
+            backend = ScriptedBackend(LoraRepository(config.lora_repository_path, model_id=MODEL_ID))
+            backend.plan = {"outcome": "succeed", "delay_seconds": 0.5}
+            async with running_app(config, backend=backend) as (app, client):
+                await start_task(client, "s1", "t1")
+                for i in range(3):
+                    before, after = await capture(client, "t1", f"c{i}", REQUEST, RESPONSE)
+                    assert after is not None and after.status_code == 204
+                assert (await client.post("/v1/rl/tasks/t1/stop")).status_code == 200
+                assert (await client.post("/v1/rl/tasks/t1/reward", json={"reward": 1.0})).status_code == 200
+                run = await client.post("/v1/rl/training/runs")
+                assert run.status_code == 201
+                while not backend.calls:
+                    await asyncio.sleep(0.01)
+                server.pause()  # training ends inside the pause: its state writes meet a Redis that does not answer
+                try:
+                    await asyncio.sleep(2.0)
+                    health = await client.get("/health")
+                    assert (health.status_code, health.json()["error"]["code"]) == (503, "service_not_ready")
+                finally:
+                    server.resume()
+                done = await asyncio.wait_for(app.state.deps.runner.wait(run.json()["training_run_id"]), 30)
+                assert (done.status, done.lora_name) == ("succeeded", "tiny:v1")
+                assert gateway.active is not None and gateway.active[0] == "tiny:v1"
+                assert (await client.get("/health")).status_code == 200
+                stats = (await client.get("/v1/rl/trajectories/stats")).json()
+                assert stats["by_status"] == {"pending": 0, "training": 0, "trained": 3, "failed": 0}
+                redis = Redis.from_url(server.url)
+                try:
+                    report = await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)
+                    assert report.samples_by_status["trained"] == 3
+                finally:
+                    await redis.aclose()
+
+
+async def test_startup_finishes_a_reward_projection_cut_by_a_crash(redis, redis_url, tmp_path):
+    config = make_config(redis_url, tmp_path)
+    async with running_app(config) as (crashed, client):
+        await start_task(client, "s1", "t1")
+        for i in range(2):
+            _, after = await capture(client, "t1", f"c{i}", REQUEST, RESPONSE)
+            assert after is not None and after.status_code == 204
+        assert (await client.post("/v1/rl/tasks/t1/stop")).json()["status"] == "finalized"
+        # The state of a crash between the reward's claim and its completion: `projecting`, one sample inserted.
+        deps = crashed.state.deps
+        await redis.set(keys.reward("t1"), orjson.dumps({"reward": 0.5, "status": "projecting", "sample_count": 0}))
+        first = PackedSample.decode_staged(await redis.get(keys.staged("t1", "c0")))
+        first.meta["judge"] = {"score": 0.5, "source": "terminal"}
+        assert await deps.store.insert_if_absent([first]) == ["c0"]
+        # Nobody repeats the reward: the next process start completes it anyway.
+        async with running_app(config) as (_, restarted):
+            assert orjson.loads(await redis.get(keys.reward("t1"))) == {
+                "reward": 0.5, "status": "published", "sample_count": 2}
+            for c in ("c0", "c1"):
+                detail = (await restarted.get(f"/v1/rl/trajectories/{c}")).json()
+                assert detail["judge"] == {"score": 0.5, "source": "terminal"}
+            assert await redis.zscore(keys.AWAITING_REWARD, "t1") is None
+            assert (await restarted.post("/v1/rl/tasks/t1/reward", json={"reward": 0.5})).json() == {"sample_count": 2}
+            await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)

@@ -1,0 +1,648 @@
+"""Invariant checker of the RL Service's Redis state (CONTRACT §5.4), for tests and benchmarks.
+
+After any scenario (faults, bad input, load) it reads the whole key space of one service database and checks:
+
+- keys: no key outside `rl:v1:`, and every key has one of the shapes of CONTRACT §5.2 (`KEY_SHAPES`);
+- samples (inv. 5): each sample id is in exactly one status index, matching its hash `status`; every counter of
+  `traj_stats` (`status:*`, `source:*`, `pending_policy:*`) equals what the hashes and indexes hold;
+- runs (inv. 6): at most one non-terminal run, named by the active pointer; every claimed (`training`) sample
+  belongs to that run and is listed in its batch;
+- Tasks (inv. 1–3): the active index, the session pointers and the records agree; `captures` = open ∪ committed
+  and the two are disjoint, each member has its metadata with the matching status; a terminal Task has no open
+  capture; a staged sample exists only for a committed capture whose Task still may publish it;
+- samples of Tasks (inv. 4): every committed capture of a published turn or of a rewarded Task is exactly one
+  sample of that Task, and every Task sample comes from such a capture (nothing published from nowhere);
+- TTLs (inv. 8): none on active Tasks, pending/claimed samples, staged samples awaiting a reward, the active run;
+- the client's view (`ClientRecord`, optional): every capture the client saw committed (204) in a Task whose
+  reward (200) or turn publication it saw acknowledged is exactly one sample with that reward / a Judge score, and
+  the acknowledged `sample_count` equals the Task's committed captures.
+
+    report = await check_invariants(redis, model_id="tiny", sent=record)   # raises InvariantViolation
+    report = await check_invariants(redis, model_id="tiny", raise_on_violation=False)
+    assert report.ok, report.describe()
+
+Sample statuses come from `keys.SAMPLE_STATUSES`, so a new status (e.g. one for samples awaiting their reward)
+is checked as soon as it is added there; `CLAIMED_STATUSES` names those that must belong to the active run.
+Only reads: the checker never writes, deletes or flushes anything.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+
+from openjiuwen.agent_evolving.agent_rl.online.store import keys
+
+PREFIX = keys.PREFIX
+CLAIMED_STATUSES = ("training",)  # statuses whose samples belong to the active run
+NO_TTL_STATUSES = ("pending", "training")  # samples that must never expire
+TERMINAL_RUN_STATUSES = ("succeeded", "failed", "canceled")
+_READ_BATCH = 500
+
+_T = r"[A-Za-z0-9_-]{1,64}"  # rl_task_id
+_I = r"[A-Za-z0-9._:-]{1,128}"  # session, capture, turn ids
+_S = r"[A-Za-z0-9._:-]{1,300}"  # sample ids (rail: `<trajectory_id>:<step>`)
+_O = r"[^\s]+"  # owner = model id
+_R = r"run-[0-9a-f]{12}"
+_P = re.escape(PREFIX)
+
+# Every key shape of CONTRACT §5.2; a new key family is added here with its section of the contract.
+KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (name, re.compile(_P + pattern))
+    for name, pattern in (
+        ("owner", "owner"),
+        ("active_tasks", "tasks:active"),
+        ("awaiting_reward", "tasks:awaiting_reward"),
+        ("tasks_gc", "tasks:gc"),
+        ("traj_users", "traj_users"),
+        ("policy_observed", "policy:observed"),
+        ("active_run", "training_run:active"),
+        ("active_session", f"active_session:{_I}"),
+        ("task", f"task:(?P<t>{_T})"),
+        ("capture", f"task:(?P<t>{_T}):capture:(?P<c>{_I})"),
+        ("captures", f"task:(?P<t>{_T}):captures"),
+        ("open_captures", f"task:(?P<t>{_T}):captures:open"),
+        ("committed_captures", f"task:(?P<t>{_T}):captures:committed"),
+        ("turn_current", f"task:(?P<t>{_T}):turn:current"),
+        ("turn_transition", f"task:(?P<t>{_T}):turn:transition"),
+        ("turns_closed", f"task:(?P<t>{_T}):turns:closed"),
+        ("turn_captures", f"task:(?P<t>{_T}):turn:(?P<u>{_I}):captures"),
+        ("turn_publish", f"task:(?P<t>{_T}):turn:(?P<u>{_I}):publish"),
+        ("staged", f"task:(?P<t>{_T}):pending:(?P<c>{_I})"),
+        ("reward", f"task:(?P<t>{_T}):reward"),
+        ("task_events", f"task:(?P<t>{_T}):events"),
+        ("traj", f"traj:(?P<s>{_S})"),
+        ("traj_index", f"traj_idx:(?P<o>{_O}):(?P<status>[a-z_]+)"),
+        ("traj_stats", f"traj_stats:(?P<o>{_O})"),
+        ("pending_judge", f"pending_judge:{_I}:{_I}:[0-9]+"),
+        ("pending_judge_session", f"pending_judge_session:{_I}"),
+        ("rail_inflight_sessions", "rail:inflight_sessions"),
+        ("rail_inflight", f"rail:inflight:(?P<rs>{_I})"),
+        ("run", f"training_run:(?P<r>{_R})"),
+        ("run_events", f"training_run:(?P<r>{_R}):events"),
+    )
+)
+
+
+class InvariantViolation(AssertionError):
+    """One or more invariants failed; the message lists every violation."""
+
+
+@dataclass
+class ClientRecord:
+    """What a client (test, benchmark, chaos workload) was told by the service, to compare with the stored state.
+
+    Record only acknowledged outcomes: a 201 start, a 204 `:after`, a 200 stop / reward, a turn known published
+    (the 200 `:before` of the next turn, or the 200 stop of a delayed Task). Safe to share between coroutines."""
+
+    tasks: dict[str, str] = field(default_factory=dict)  # rl_task_id -> reward_mode
+    committed: dict[str, dict[str, str | None]] = field(default_factory=lambda: defaultdict(dict))  # t -> c -> turn
+    finalized: set[str] = field(default_factory=set)
+    rewards: dict[str, tuple[float, int]] = field(default_factory=dict)  # t -> (reward, acknowledged sample_count)
+    published_turns: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+
+    def task_started(self, rl_task_id: str, reward_mode: str = "terminal") -> None:
+        self.tasks[rl_task_id] = reward_mode
+
+    def capture_committed(self, rl_task_id: str, capture_id: str, turn: str | None = None) -> None:
+        self.committed[rl_task_id][capture_id] = turn
+
+    def task_finalized(self, rl_task_id: str) -> None:
+        self.finalized.add(rl_task_id)
+
+    def reward_acknowledged(self, rl_task_id: str, reward: float, sample_count: int) -> None:
+        self.rewards[rl_task_id] = (float(reward), int(sample_count))
+
+    def turn_published(self, rl_task_id: str, turn: str) -> None:
+        self.published_turns[rl_task_id].add(turn)
+
+    @property
+    def expected_samples(self) -> int:
+        """Samples the client can prove must exist: committed captures of rewarded Tasks and published turns."""
+        n = sum(len(self.committed.get(t, {})) for t in self.rewards)
+        for t, turns in self.published_turns.items():
+            n += sum(1 for turn in self.committed.get(t, {}).values() if turn in turns)
+        return n
+
+
+@dataclass
+class InvariantReport:
+    violations: list[str] = field(default_factory=list)
+    keys: int = 0
+    samples: int = 0
+    samples_by_status: dict[str, int] = field(default_factory=dict)
+    tasks: int = 0
+    captures: int = 0
+    runs: int = 0
+    client_samples_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def add(self, message: str) -> None:
+        self.violations.append(message)
+
+    def describe(self, limit: int = 50) -> str:
+        head = (f"{len(self.violations)} invariant violation(s) over {self.keys} keys, {self.samples} samples, "
+                f"{self.tasks} tasks, {self.runs} runs")
+        lines = self.violations[:limit]
+        more = [f"... and {len(self.violations) - limit} more"] if len(self.violations) > limit else []
+        return "\n  ".join([head, *lines, *more])
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok, "violations": len(self.violations), "keys": self.keys, "samples": self.samples,
+            "samples_by_status": dict(self.samples_by_status), "tasks": self.tasks, "captures": self.captures,
+            "runs": self.runs, "client_samples_checked": self.client_samples_checked,
+        }
+
+
+def classify_key(key: str) -> tuple[str, dict[str, str]] | None:
+    """(shape name, named groups) of a service key, or None when it has no known shape."""
+    for name, pattern in KEY_SHAPES:
+        m = pattern.fullmatch(key)
+        if m:
+            return name, m.groupdict()
+    return None
+
+
+def _s(raw: bytes | str | None) -> str | None:
+    if raw is None:
+        return None
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+
+
+def _json(raw: bytes | str | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return _UNDECODABLE
+
+
+_UNDECODABLE = object()
+
+
+def _chunks(items: Sequence[Any], n: int = _READ_BATCH) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+async def _pipelined(redis: Redis, items: Sequence[Any], queue: Any) -> list[Any]:
+    """Run `queue(pipe, item)` for every item in batched non-transactional pipelines; results in order."""
+    out: list[Any] = []
+    for chunk in _chunks(items):
+        async with redis.pipeline(transaction=False) as pipe:
+            for item in chunk:
+                queue(pipe, item)
+            out.extend(await pipe.execute())
+    return out
+
+
+@dataclass
+class _TaskState:
+    t: str
+    record: dict[str, Any] | None = None
+    captures: set[str] = field(default_factory=set)
+    open: set[str] = field(default_factory=set)
+    committed: set[str] = field(default_factory=set)
+    metas: dict[str, Any] = field(default_factory=dict)  # capture id -> decoded metadata
+    staged: set[str] = field(default_factory=set)
+    turn_captures: dict[str, set[str]] = field(default_factory=dict)
+    turn_publish: dict[str, str] = field(default_factory=dict)
+    reward: dict[str, Any] | None = None
+    ttl: int = -1
+
+
+async def check_invariants(
+    redis: Redis,
+    *,
+    model_id: str,
+    sent: ClientRecord | None = None,
+    raise_on_violation: bool = True,
+    strict_active_index: bool = False,
+    statuses: Sequence[str] = keys.SAMPLE_STATUSES,
+) -> InvariantReport:
+    """Check every invariant of one service database (owner `model_id`); see the module docstring.
+
+    `strict_active_index`: also flag ids in `tasks:active` whose Task is no longer active (the contract allows
+    their lazy removal; startup recovery drops them). Call it once the workload has settled: operations in flight
+    (a reward being projected, a turn being published) show up as violations."""
+    report = InvariantReport()
+    all_keys = sorted({_s(k) or "" async for k in redis.scan_iter(match="*", count=1000)})
+    report.keys = len(all_keys)
+
+    tasks: dict[str, _TaskState] = {}
+    sample_ids: list[str] = []
+    run_ids: list[str] = []
+    index_keys: dict[str, str] = {}  # status -> key
+
+    def task_state(t: str) -> _TaskState:
+        return tasks.setdefault(t, _TaskState(t))
+
+    typed: dict[str, list[tuple[str, dict[str, str]]]] = defaultdict(list)
+    for key in all_keys:
+        if not key.startswith(PREFIX):
+            report.add(f"key outside the service prefix {PREFIX!r}: {key!r}")
+            continue
+        shape = classify_key(key)
+        if shape is None:
+            report.add(f"key with no known shape (CONTRACT §5.2): {key!r}")
+            continue
+        name, groups = shape
+        typed[name].append((key, groups))
+        if "t" in groups:
+            task_state(groups["t"])
+        if name == "traj":
+            sample_ids.append(groups["s"])
+        elif name == "run":
+            run_ids.append(groups["r"])
+        elif name == "traj_index":
+            if groups["o"] != model_id:
+                report.add(f"status index of another owner: {key!r}")
+            elif groups["status"] not in statuses:
+                report.add(f"status index of an unknown status: {key!r}")
+            else:
+                index_keys[groups["status"]] = key
+        elif name == "traj_stats" and groups["o"] != model_id:
+            report.add(f"counters of another owner: {key!r}")
+
+    # Rail samples in flight are found again at startup only through the session list.
+    inflight_sessions = {_s(m) or "" for m in await redis.smembers(keys.RAIL_INFLIGHT_SESSIONS)}
+    for key, groups in typed.get("rail_inflight", []):
+        if await redis.zcard(key) and groups["rs"] not in inflight_sessions:
+            report.add(f"rail samples in flight for session {groups['rs']} but the session is not listed for recovery")
+
+    owner = _s(await redis.get(keys.OWNER))
+    if owner is not None and owner != model_id:
+        report.add(f"rl:v1:owner is {owner!r}, not {model_id!r}")
+
+    samples = await _check_samples(redis, report, model_id, sample_ids, statuses)
+    active_run = await _check_runs(redis, report, run_ids, samples)
+    await _load_tasks(redis, tasks, typed)
+    await _check_tasks(redis, report, tasks, strict_active_index)
+    _check_task_samples(report, tasks, samples)
+    if sent is not None:
+        _check_client(report, sent, tasks, samples)
+    await _check_ttls(redis, report, tasks, samples, active_run)
+
+    report.tasks = sum(1 for s in tasks.values() if s.record is not None)
+    report.captures = sum(len(s.captures) for s in tasks.values())
+    if raise_on_violation and not report.ok:
+        raise InvariantViolation(report.describe())
+    return report
+
+
+# ------------------------------------------------------------------------------------------------------ samples
+
+
+@dataclass
+class _Sample:
+    sample_id: str
+    status: str | None
+    source: str
+    policy_version: str
+    rl_task_id: str
+    run_id: str
+    judge: Any
+    agent_turn_id: str | None
+    indexes: list[str] = field(default_factory=list)
+
+
+async def _check_samples(
+    redis: Redis, report: InvariantReport, model_id: str, sample_ids: list[str], statuses: Sequence[str]
+) -> dict[str, _Sample]:
+    """Invariant 5: one index per sample, matching its status; counters equal what is stored."""
+    fields = ("status", "source", "policy_version", "rl_task_id", "run_id", "sample_json", "user_id")
+    rows = await _pipelined(redis, sample_ids, lambda p, s: p.hmget(keys.traj(s), fields))
+    samples: dict[str, _Sample] = {}
+    for sample_id, row in zip(sample_ids, rows):
+        status, source, policy, task, run_id, sample_json, user = (_s(v) for v in row)
+        meta = _json(sample_json)
+        if meta is _UNDECODABLE or not isinstance(meta, dict):
+            report.add(f"sample {sample_id}: sample_json is not a JSON object")
+            meta = {}
+        if user is not None and user != model_id:
+            report.add(f"sample {sample_id}: user_id {user!r} is not the service owner {model_id!r}")
+        samples[sample_id] = _Sample(
+            sample_id, status, source or "", policy or "base", task or "", run_id or "", meta.get("judge"),
+            meta.get("agent_turn_id"),
+        )
+        if status is None:
+            report.add(f"sample {sample_id}: hash without a status field")
+        elif status not in statuses:
+            report.add(f"sample {sample_id}: unknown status {status!r}")
+    report.samples = len(samples)
+
+    members: dict[str, list[str]] = {}
+    for status in statuses:
+        members[status] = [_s(m) or "" for m in await redis.zrange(keys.traj_index(model_id, status), 0, -1)]
+        report.samples_by_status[status] = len(members[status])
+        for sample_id in members[status]:
+            sample = samples.get(sample_id)
+            if sample is None:
+                report.add(f"index {status}: member {sample_id} has no sample hash")
+                continue
+            sample.indexes.append(status)
+    for sample in samples.values():
+        if len(sample.indexes) > 1:
+            report.add(f"sample {sample.sample_id} is in {len(sample.indexes)} status indexes: {sample.indexes}")
+        elif not sample.indexes:
+            report.add(f"sample {sample.sample_id} (status {sample.status}) is in no status index")
+        elif sample.status is not None and sample.indexes[0] != sample.status:
+            report.add(f"sample {sample.sample_id}: hash status {sample.status!r} but in index {sample.indexes[0]!r}")
+
+    raw = await redis.hgetall(keys.traj_stats(model_id))
+    counters = {_s(k) or "": int(v) for k, v in raw.items()}
+    expected: Counter[str] = Counter()
+    for status in statuses:
+        expected[f"status:{status}"] = len(members[status])
+    for sample in samples.values():
+        expected[f"source:{sample.source}"] += 1
+        if sample.status == "pending":
+            expected[f"pending_policy:{sample.policy_version}"] += 1
+    for name in sorted(set(expected) | {n for n in counters if n != "expired_unrewarded"}):
+        have, want = counters.get(name, 0), expected.get(name, 0)
+        if have != want:
+            report.add(f"counter {name} = {have}, but the store holds {want}")
+    if counters.get("expired_unrewarded", 0) < 0:
+        report.add(f"counter expired_unrewarded is negative: {counters['expired_unrewarded']}")
+    return samples
+
+
+# --------------------------------------------------------------------------------------------------------- runs
+
+
+async def _check_runs(
+    redis: Redis, report: InvariantReport, run_ids: list[str], samples: dict[str, _Sample]
+) -> dict[str, Any] | None:
+    """Invariant 6: at most one non-terminal run, the one the pointer names; claimed samples belong to it."""
+    raws = await _pipelined(redis, run_ids, lambda p, r: p.get(keys.training_run(r)))
+    runs: dict[str, dict[str, Any]] = {}
+    for run_id, raw in zip(run_ids, raws):
+        record = _json(raw)
+        if not isinstance(record, dict):
+            report.add(f"run {run_id}: record is not a JSON object")
+            continue
+        runs[run_id] = record
+    report.runs = len(runs)
+    pointer = _s(await redis.get(keys.ACTIVE_RUN))
+    live = sorted(r for r, rec in runs.items() if rec.get("status") not in TERMINAL_RUN_STATUSES)
+    if len(live) > 1:
+        report.add(f"more than one non-terminal run: {live}")
+    for run_id in live:
+        if run_id != pointer:
+            report.add(f"run {run_id} is {runs[run_id].get('status')} but the active pointer names {pointer}")
+    active = None
+    if pointer is not None:
+        active = runs.get(pointer)
+        if active is None:
+            report.add(f"the active run pointer names {pointer}, which has no record")
+        elif active.get("status") in TERMINAL_RUN_STATUSES:
+            report.add(f"the active run pointer names {pointer}, which is {active.get('status')}")
+            active = None
+    batch = set(active.get("sample_ids") or []) if active else set()
+    for sample in samples.values():
+        if sample.status not in CLAIMED_STATUSES:
+            continue
+        if active is None:
+            report.add(f"sample {sample.sample_id} is {sample.status} but no run is active")
+        elif sample.run_id != pointer or sample.sample_id not in batch:
+            report.add(f"sample {sample.sample_id} is {sample.status} for run {sample.run_id!r}, "
+                       f"not in the batch of the active run {pointer}")
+    for run_id, record in runs.items():
+        ids = record.get("sample_ids") or []
+        if len(ids) != len(set(ids)):
+            report.add(f"run {run_id}: a sample id appears twice in its batch")
+        if record.get("sample_count") != len(ids):
+            report.add(f"run {run_id}: sample_count {record.get('sample_count')} != batch size {len(ids)}")
+    return active
+
+
+# -------------------------------------------------------------------------------------------------------- tasks
+
+
+async def _load_tasks(redis: Redis, tasks: dict[str, _TaskState], typed: dict[str, list]) -> None:
+    ids = sorted(tasks)
+    rows = await _pipelined(redis, ids, lambda p, t: (
+        p.get(keys.task(t)), p.smembers(keys.captures(t)), p.smembers(keys.open_captures(t)),
+        p.smembers(keys.committed_captures(t)), p.get(keys.reward(t)), p.ttl(keys.task(t)),
+    ))
+    for i, t in enumerate(ids):
+        record, captures, open_, committed, reward, ttl = rows[6 * i:6 * i + 6]
+        state = tasks[t]
+        decoded = _json(record)
+        state.record = decoded if isinstance(decoded, dict) else ({"_undecodable": True} if record else None)
+        state.captures = {_s(c) or "" for c in captures}
+        state.open = {_s(c) or "" for c in open_}
+        state.committed = {_s(c) or "" for c in committed}
+        reward_state = _json(reward)
+        state.reward = reward_state if isinstance(reward_state, dict) else None
+        state.ttl = ttl
+    metas = [(g["t"], g["c"], k) for k, g in typed.get("capture", [])]
+    for (t, c, _), raw in zip(metas, await _pipelined(redis, metas, lambda p, m: p.get(m[2]))):
+        tasks[t].metas[c] = _json(raw)
+    for _, g in typed.get("staged", []):
+        tasks[g["t"]].staged.add(g["c"])
+    turn_sets = [(g["t"], g["u"], k) for k, g in typed.get("turn_captures", [])]
+    for (t, u, _), members in zip(turn_sets, await _pipelined(redis, turn_sets, lambda p, m: p.smembers(m[2]))):
+        tasks[t].turn_captures[u] = {_s(c) or "" for c in members}
+    publish = [(g["t"], g["u"], k) for k, g in typed.get("turn_publish", [])]
+    for (t, u, _), raw in zip(publish, await _pipelined(redis, publish, lambda p, m: p.get(m[2]))):
+        tasks[t].turn_publish[u] = _s(raw) or ""
+
+
+async def _check_tasks(
+    redis: Redis, report: InvariantReport, tasks: dict[str, _TaskState], strict_active_index: bool
+) -> None:
+    """Invariants 1, 2, 3."""
+    active_index = {_s(t) or "" for t in await redis.smembers(keys.ACTIVE_TASKS)}
+    awaiting = {_s(t) or "" for t in await redis.zrange(keys.AWAITING_REWARD, 0, -1)}
+    gc = {_s(t) or "" for t in await redis.zrange(keys.TASKS_GC, 0, -1)}
+    for t in sorted(awaiting & gc):
+        report.add(f"task {t} is in both the awaiting-reward and the gc index")
+    sessions = sorted({str(s.record.get("agent_session_id")) for s in tasks.values()
+                       if s.record and s.record.get("status") == "active"})
+    pointers = dict(zip(sessions, [_s(v) for v in await _pipelined(
+        redis, sessions, lambda p, s: p.get(keys.active_session(s)))]))
+    for t, state in sorted(tasks.items()):
+        rec = state.record
+        if rec is None:
+            if state.captures or state.open or state.committed or state.staged:
+                report.add(f"task {t}: capture keys without a Task record")
+            if t in active_index and strict_active_index:
+                report.add(f"task {t}: in the active index without a record")
+            continue
+        if rec.get("_undecodable"):
+            report.add(f"task {t}: record is not a JSON object")
+            continue
+        status = rec.get("status")
+        if status == "active":
+            if t not in active_index:
+                report.add(f"task {t} is active but not in the active index")
+            session = str(rec.get("agent_session_id"))
+            if pointers.get(session) != t:
+                report.add(f"task {t} is active but session {session} points to {pointers.get(session)}")
+        elif status in ("finalized", "aborted"):
+            if t in active_index and strict_active_index:
+                report.add(f"task {t} is {status} but still in the active index")
+            if state.open:
+                report.add(f"task {t} is {status} with open captures {sorted(state.open)}")
+            open_metas = sorted(c for c, m in state.metas.items() if isinstance(m, dict) and m.get("status") == "open")
+            if open_metas:
+                report.add(f"task {t} is {status} with open capture metadata {open_metas}")
+        else:
+            report.add(f"task {t}: unknown status {status!r}")
+        if t in awaiting and (status != "finalized" or rec.get("reward_mode") != "terminal"):
+            report.add(f"task {t} awaits a reward but is {status} ({rec.get('reward_mode')})")
+        if status == "finalized" and state.staged and state.reward is None and t not in awaiting:
+            # The sweeper finds unrewarded staged samples only through this index: they would never expire.
+            report.add(f"task {t} stages samples for a reward but is not in the awaiting-reward index")
+        # Invariant 2: one of open/committed; captures = open ∪ committed; metadata agrees.
+        both = state.open & state.committed
+        if both:
+            report.add(f"task {t}: captures both open and committed: {sorted(both)}")
+        if state.captures != state.open | state.committed:
+            report.add(f"task {t}: captures {sorted(state.captures)} != open {sorted(state.open)} ∪ "
+                       f"committed {sorted(state.committed)}")
+        for c in sorted(state.captures):
+            meta = state.metas.get(c)
+            want = "committed" if c in state.committed else "open"
+            if not isinstance(meta, dict):
+                report.add(f"task {t}: capture {c} is {want} but has no metadata")
+            elif meta.get("status") != want:
+                report.add(f"task {t}: capture {c} metadata says {meta.get('status')!r}, sets say {want!r}")
+        for c in sorted(set(state.metas) - state.captures):
+            report.add(f"task {t}: capture metadata {c} belongs to no capture set")
+        for u, members in sorted(state.turn_captures.items()):
+            if members - state.committed:
+                report.add(f"task {t}: turn {u} lists uncommitted captures {sorted(members - state.committed)}")
+        # Invariant 3: staged only for a committed capture still waiting for its publication.
+        for c in sorted(state.staged):
+            if c not in state.committed:
+                report.add(f"task {t}: staged sample {c} without a committed capture")
+            elif status == "aborted":
+                report.add(f"task {t} is aborted but still stages sample {c}")
+            elif state.reward and state.reward.get("status") in ("published", "expired"):
+                report.add(f"task {t}: reward {state.reward.get('status')} but sample {c} is still staged")
+            elif rec.get("reward_mode") == "delayed_feedback" and any(
+                c in members and state.turn_publish.get(u) == "published"
+                for u, members in state.turn_captures.items()
+            ):
+                report.add(f"task {t}: capture {c} of a published turn is still staged")
+
+
+def _check_task_samples(report: InvariantReport, tasks: dict[str, _TaskState], samples: dict[str, _Sample]) -> None:
+    """Invariant 4 in both directions: what must be a sample is exactly one, and no Task sample is unexplained."""
+    by_task: dict[str, set[str]] = defaultdict(set)
+    for sample in samples.values():
+        if sample.rl_task_id:
+            by_task[sample.rl_task_id].add(sample.sample_id)
+    for t, state in sorted(tasks.items()):
+        rec = state.record
+        if not rec or rec.get("_undecodable"):
+            continue
+        must: set[str] = set()
+        reward = state.reward or {}
+        if reward.get("status") == "published":
+            must |= state.committed
+            if reward.get("sample_count") != len(state.committed):
+                report.add(f"task {t}: reward published with sample_count {reward.get('sample_count')} but "
+                           f"{len(state.committed)} committed captures")
+        elif reward.get("status") == "projecting":
+            report.add(f"task {t}: reward projection left `projecting` (interrupted and never repaired)")
+        for u, published in state.turn_publish.items():
+            if published == "published":
+                must |= state.turn_captures.get(u, set())
+            elif published == "publishing" and rec.get("status") != "active":
+                report.add(f"task {t} is {rec.get('status')} with turn {u} left `publishing`")
+        for c in sorted(must):
+            sample = samples.get(c)
+            if sample is None:
+                report.add(f"task {t}: committed capture {c} of a published turn / rewarded Task has no sample")
+            elif sample.rl_task_id != t:
+                report.add(f"task {t}: capture {c} is a sample of task {sample.rl_task_id!r}")
+        for c in sorted(by_task.get(t, set()) - must):
+            report.add(f"task {t}: sample {c} comes from no published turn or rewarded capture")
+    for t in sorted(set(by_task) - {t for t, s in tasks.items() if s.record}):
+        report.add(f"samples {sorted(by_task[t])[:5]} name task {t}, which has no record")
+
+
+def _check_client(
+    report: InvariantReport, sent: ClientRecord, tasks: dict[str, _TaskState], samples: dict[str, _Sample]
+) -> None:
+    """What the client was told: acknowledged rewards and published turns became exactly the samples it expects."""
+    for t in sorted(sent.tasks):
+        state = tasks.get(t)
+        if state is None or state.record is None:
+            report.add(f"client: task {t} was started (201) but has no record")
+    for t in sorted(sent.finalized):
+        state = tasks.get(t)
+        if state and state.record and state.record.get("status") != "finalized":
+            report.add(f"client: task {t} was stopped (200 finalized) but is {state.record.get('status')}")
+    for t, (value, count) in sorted(sent.rewards.items()):
+        state = tasks.get(t)
+        committed = sent.committed.get(t, {})
+        if state is None or state.record is None:
+            report.add(f"client: rewarded task {t} has no record")
+            continue
+        if count != len(state.committed):
+            report.add(f"client: reward of {t} acknowledged {count} samples, the Task has "
+                       f"{len(state.committed)} committed captures")
+        missing = sorted(set(committed) - state.committed)
+        if missing:
+            report.add(f"client: captures {missing[:5]} of rewarded task {t} were acknowledged but are not committed")
+        for c in committed:
+            report.client_samples_checked += 1
+            sample = samples.get(c)
+            if sample is None:
+                report.add(f"client: capture {c} of rewarded task {t} has no sample (lost)")
+            elif not isinstance(sample.judge, dict) or sample.judge.get("source") != "terminal" or not math.isclose(
+                float(sample.judge.get("score", math.nan)), value
+            ):
+                report.add(f"client: sample {c} of task {t} carries judge {sample.judge!r}, not reward {value}")
+    for t, turns in sorted(sent.published_turns.items()):
+        for c, turn in sorted(sent.committed.get(t, {}).items()):
+            if turn not in turns:
+                continue
+            report.client_samples_checked += 1
+            sample = samples.get(c)
+            if sample is None:
+                report.add(f"client: capture {c} of published turn {turn} of task {t} has no sample (lost)")
+            elif not isinstance(sample.judge, dict) or sample.judge.get("source") != "judge":
+                report.add(f"client: sample {c} of task {t} turn {turn} has no Judge score: {sample.judge!r}")
+
+
+async def _check_ttls(
+    redis: Redis,
+    report: InvariantReport,
+    tasks: dict[str, _TaskState],
+    samples: dict[str, _Sample],
+    active_run: dict[str, Any] | None,
+) -> None:
+    """Invariant 8: nothing that is still needed can expire."""
+    for t, state in sorted(tasks.items()):
+        if state.record and state.record.get("status") == "active" and state.ttl != -1:
+            report.add(f"task {t} is active but its record has a TTL ({state.ttl} s)")
+    keep = sorted(s.sample_id for s in samples.values() if s.status in NO_TTL_STATUSES)
+    for sample_id, ttl in zip(keep, await _pipelined(redis, keep, lambda p, s: p.ttl(keys.traj(s)))):
+        if ttl != -1:
+            report.add(f"sample {sample_id} is {samples[sample_id].status} but has a TTL ({ttl} s)")
+    awaiting = sorted((t, c) for t, s in tasks.items() if s.record and s.record.get("status") == "finalized"
+                      for c in s.staged)
+    for (t, c), ttl in zip(awaiting, await _pipelined(redis, awaiting, lambda p, tc: p.ttl(keys.staged(*tc)))):
+        if ttl != -1:
+            report.add(f"task {t}: staged sample {c} awaiting its reward has a TTL ({ttl} s)")
+    if active_run is not None:
+        ttl = await redis.ttl(keys.training_run(active_run["training_run_id"]))
+        if ttl != -1:
+            report.add(f"the active run {active_run['training_run_id']} has a TTL ({ttl} s)")

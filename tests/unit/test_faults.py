@@ -1,0 +1,45 @@
+"""Fault injection points (online/faults.py): off by default, parsed strictly, exit only at the named hit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from openjiuwen.agent_evolving.agent_rl.online.faults import CRASH_EXIT_CODE, POINTS, CrashAt, fault_hook, no_faults
+
+
+def test_unset_or_blank_is_the_no_op_hook():
+    assert fault_hook(None) is no_faults and fault_hook("") is no_faults and fault_hook("  ") is no_faults
+    for point in POINTS:
+        assert no_faults(point) is None
+
+
+@pytest.mark.parametrize("spec", ["nowhere", "capture.committed@0", "capture.committed@x", "run.claimed@-1"])
+def test_bad_specs_are_refused(spec):
+    with pytest.raises(ValueError):
+        fault_hook(spec)
+
+
+def test_parse_counts_hits_of_its_own_point_only():
+    hook = CrashAt.parse("reward.inserted@3")
+    assert (hook.point, hook.after) == ("reward.inserted", 3)
+    hook("capture.committed")
+    hook("reward.inserted")
+    hook("reward.inserted")
+    assert hook.hits == 2  # the third hit would exit
+
+
+def test_the_nth_hit_exits_the_process_at_once():
+    code = (
+        "from openjiuwen.agent_evolving.agent_rl.online.faults import fault_hook\n"
+        "hook = fault_hook('run.marked@2')\n"
+        "hook('run.marked'); print('first', flush=True)\n"
+        "try:\n"
+        "    hook('run.marked')\n"
+        "finally:\n"
+        "    print('finally ran', flush=True)\n"  # os._exit skips it, as a SIGKILL would
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout) == (CRASH_EXIT_CODE, "first\n")
