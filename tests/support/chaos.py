@@ -19,8 +19,9 @@ Faults (`SCENARIOS`):
   recovery (which reaches it: finishing an interrupted projection, re-activating); the third process recovers;
 - `kill:random`: 3 SIGKILLs at seeded random moments during traffic (rounds continue until all landed), restart
   each time;
-- `redis:pause`: SIGSTOP Redis for `redis_pause_s` (2.5 s) twice (once during captures, once during a run claim) with a 1 s Redis
-  socket timeout in the service: requests fail with the contract's codes within a bound, then everything recovers;
+- `redis:pause`: SIGSTOP Redis for `redis_pause_s` (2.5 s) twice (once during captures, once during a run claim)
+  with a 1 s Redis socket timeout in the service: requests fail with the contract's codes within a bound, then
+  everything recovers;
 - `redis:restart`: Redis stopped (SIGTERM, AOF flushed) and started again on the same port mid-traffic;
 - `redis:kill`: Redis SIGKILLed mid-traffic and started again (AOF, `appendfsync everysec` as `deploy/` ships it:
   Redis writes the AOF before it answers, so a crash of the process alone loses nothing acknowledged);

@@ -1,9 +1,9 @@
 """The fast subset of the chaos suite (the full sweep is `bench/chaos/run.py --seeds N`; docs/reliability.md).
 
 Each case runs the seeded workload of tests/support/chaos.py against the RL Service as a real process under one
-fault — a crash at a named point, random SIGKILLs, Redis paused or killed, a flaky Judge — then checks every invariant of
-CONTRACT §5.4 plus what the client was acknowledged: nothing lost, nothing duplicated, nothing stuck, /health 200,
-the gateway serving the newest succeeded version, a clean SIGTERM at the end.
+fault — a crash at a named point, random SIGKILLs, Redis paused or killed, a flaky Judge — then checks every
+invariant of CONTRACT §5.4 plus what the client was acknowledged: nothing lost, nothing duplicated, nothing
+stuck, /health 200, the gateway serving the newest succeeded version, a clean SIGTERM at the end.
 """
 
 from __future__ import annotations

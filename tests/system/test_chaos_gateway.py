@@ -3,6 +3,10 @@ and a vLLM instance that disappears under captured traffic. Each ends with the i
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,10 +14,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from redis.asyncio import Redis
 
 from tests.support.fake_vllm import CHAT_PATH, FakeVLLM
 from tests.support.gateway_process import GatewayProcess
-from tests.support.invariants import check_invariants
+from tests.support.invariants import ClientRecord, check_invariants
 from tests.support.service_process import process_gone
 
 pytestmark = pytest.mark.system
@@ -137,3 +142,87 @@ async def test_vllm_instance_gone_under_captured_traffic(redis, redis_url, tmp_p
         gw.signed("POST", "/v1/rl/service/stop")
     report = await check_invariants(redis, model_id="tiny", strict_active_index=True)
     assert report.samples == 1 and report.captures == 1
+
+
+def test_rl_child_killed_under_agent_traffic_through_the_gateway(redis, redis_url, tmp_path, vllm):
+    """Agents keep running Tasks through the gateway while the RL child is SIGKILLed twice and restarted by the
+    operator: every reward the gateway acknowledged is exactly its samples, nothing else was published, and every
+    invariant holds (the gateway's hook-failure handling, mappings and leases included)."""
+    signing = threading.Lock()  # signed calls share one strictly increasing timestamp (replay protection)
+
+    def signed(method: str, path: str, **kw):
+        with signing:
+            return gw.signed(method, path, **kw)
+
+    acknowledged: dict[str, int] = {}
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def agent(n: int) -> None:
+        http = httpx.Client(base_url=gw.url, timeout=30)
+        i = 0
+        while not stop.is_set():
+            i += 1
+            session = f"a{n}-{i}"
+            with signing:
+                r = gw.start_task(session)
+            if r.status_code != 201:  # the RL child is down: 503 rl_service_unavailable
+                failures.append(f"start {r.status_code}")
+                time.sleep(0.05)
+                continue
+            t = r.json()["rl_task_id"]
+            for k in range(2):
+                c = http.post("/v1/chat/completions", headers={SESSION: session}, json={
+                    "model": "tiny", "messages": [{"role": "user", "content": f"q{k}"}], "max_tokens": 4})
+                assert c.status_code in (200, 502, 504), c.text  # 502/504: a hook met the dying child
+            s = signed("POST", f"/v1/rl/tasks/{t}/stop")
+            if s.status_code != 200 or s.json()["status"] != "finalized":
+                failures.append(f"stop {s.status_code}")
+                continue
+            w = signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0})
+            if w.status_code == 200:
+                acknowledged[t] = w.json()["sample_count"]
+            else:
+                failures.append(f"reward {w.status_code} {w.json()['error']['code']}")
+        http.close()
+
+    with GatewayProcess(tmp_path, redis_url, instances=list(vllm)) as gw:
+        gw.start_service()
+        agents = [threading.Thread(target=agent, args=(n,)) for n in range(3)]
+        for a in agents:
+            a.start()
+        try:
+            for _ in range(2):
+                time.sleep(1.0)
+                with signing:
+                    child = child_pid(gw)
+                os.kill(child, signal.SIGKILL)  # only the pid the gateway spawned
+                deadline = time.monotonic() + 10
+                while signed("GET", "/v1/rl/service").json()["status"] != "failed":
+                    assert time.monotonic() < deadline, "the gateway did not notice its child's death"
+                    time.sleep(0.05)
+                r = signed("POST", "/v1/rl/service/start")
+                assert r.status_code == 200, r.text
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            for a in agents:
+                a.join(60)
+        assert len(acknowledged) >= 3 and failures, (acknowledged, failures)
+        stats = signed("GET", "/v1/rl/trajectories/stats").json()
+        assert stats["total"] == sum(acknowledged.values()), (stats, acknowledged)
+        assert signed("POST", "/v1/rl/service/stop").status_code == 200
+    record = ClientRecord()
+    for t, count in acknowledged.items():
+        record.task_started(t)
+        record.task_finalized(t)
+        record.reward_acknowledged(t, 1.0, count)
+    asyncio.run(check_in_fresh_loop(redis_url, record))
+
+
+async def check_in_fresh_loop(redis_url: str, record: ClientRecord) -> None:
+    client = Redis.from_url(redis_url)
+    try:
+        await check_invariants(client, model_id="tiny", sent=record, strict_active_index=True)
+    finally:
+        await client.aclose()

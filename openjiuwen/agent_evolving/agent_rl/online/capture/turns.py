@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from ..errors import Conflict, JudgeFailed
@@ -39,17 +40,37 @@ class TurnPublisher:
         self._judge = judge
         self._metrics = metrics
         self._fault = fault  # chaos tests only (faults.py)
+        # One claim-and-publish at a time per (Task, turn) in this process; a lock nobody holds or awaits goes away.
+        self._locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = weakref.WeakValueDictionary()
 
     async def publish(self, task: Task, turn_id: str, *, feedback: str, tag: str, deadline: float | None) -> None:
         """Publish `turn_id` once. `deadline` (loop time) bounds waiting for open captures and for another
         publisher; None means do not wait at all (finish: open captures are a conflict right away)."""
         t = task.rl_task_id
         loop = asyncio.get_running_loop()
+        lock = self._locks.setdefault((t, turn_id), asyncio.Lock())
         while True:
-            state = await self._registry.claim_publish(t, turn_id)
-            if state == "claimed":
-                await self._publish_claimed(task, turn_id, feedback=feedback, tag=tag)
-                return
+            if deadline is None and lock.locked():
+                raise Conflict("turn publication in progress")
+            try:
+                async with asyncio.timeout(None if deadline is None else max(0.0, deadline - loop.time())):
+                    await lock.acquire()
+            except TimeoutError:
+                state = "publishing"  # still held by this process's publisher when the deadline came
+            else:
+                try:
+                    state = await self._registry.claim_publish(t, turn_id)
+                    if state == "publishing":
+                        # No publisher of this process holds the turn (we hold its lock), and startup recovery
+                        # settles those of a crashed one: its publisher failed even to roll back (a Redis outage).
+                        # Take the publication over instead of leaving the turn stuck.
+                        await self._take_over(t, turn_id)
+                        state = "claimed"
+                    if state == "claimed":
+                        await self._publish_claimed(task, turn_id, feedback=feedback, tag=tag)
+                        return
+                finally:
+                    lock.release()
             if state == "published":
                 return
             if state == "failed":
@@ -91,6 +112,13 @@ class TurnPublisher:
             # Roll back: nothing of a failed publication stays visible, and the Task cannot continue.
             await asyncio.shield(self._roll_back(t, turn_id, inserted, exc))
             raise
+
+    async def _take_over(self, t: str, turn_id: str) -> None:
+        """Remove what a failed publisher inserted (still pending) before publishing the turn again."""
+        ids = await self._registry.turn_capture_ids(t, turn_id)
+        removed = await self._store.delete_pending(ids) if ids else 0
+        log.warning("taking over the publication of turn %s of task %s (%d stale sample(s) removed)",
+                    turn_id, t, removed)
 
     async def abandon(self, rl_task_id: str) -> list[str]:
         """Roll back a publication whose publisher is gone: the current turn, if still `publishing`, loses the
