@@ -87,7 +87,7 @@ async def test_a_state_built_by_the_service_holds_every_invariant(service, redis
     assert report.ok
     # 8 rewarded + 1 published turn; 3 of them claimed by the blocked run.
     assert report.samples == 9 and report.samples_by_status == {
-        "pending": 6, "training": 3, "trained": 0, "failed": 0}
+        "awaiting_rewards": 0, "pending": 6, "training": 3, "trained": 0, "failed": 0}
     assert report.client_samples_checked == 9 == record.expected_samples
     assert report.runs == 1 and report.tasks == 8
 
@@ -148,6 +148,21 @@ async def _staged_after_publication(redis) -> None:
     await redis.set(keys.staged("tdel", "tdel-u1"), b"blob")
 
 
+async def _awaiting_without_deadline(redis) -> None:
+    # A sample moved to awaiting_rewards (index, counters) whose deadline entry and reward state were never written.
+    sample = (await redis.zrange(keys.traj_index(MODEL_ID, "pending"), -1, -1))[0]
+    policy = (await redis.hget(keys.traj(sample.decode()), "policy_version")).decode()
+    await redis.hset(keys.traj(sample.decode()), "status", keys.AWAITING_REWARDS)
+    await redis.zrem(keys.traj_index(MODEL_ID, "pending"), sample)
+    await redis.zadd(keys.traj_index(MODEL_ID, keys.AWAITING_REWARDS), {sample: 1.0})
+    for field, by in (("status:pending", -1), (f"pending_policy:{policy}", -1), ("status:awaiting_rewards", 1)):
+        await redis.hincrby(keys.traj_stats(MODEL_ID), field, by)
+
+
+async def _task_listed_under_two_statuses(redis) -> None:
+    await redis.zadd(keys.tasks_by_status("aborted"), {"topen": 1.0})
+
+
 CORRUPTIONS: dict[str, tuple[Callable[[Any], Awaitable[None]], str]] = {
     "two indexes": (_move_to_two_indexes, "is in 2 status indexes"),
     "counter": (lambda r: r.hincrby(keys.traj_stats(MODEL_ID), "status:pending", 1), "counter status:pending = "),
@@ -161,6 +176,9 @@ CORRUPTIONS: dict[str, tuple[Callable[[Any], Awaitable[None]], str]] = {
     "foreign key": (lambda r: r.set("not-ours", "x"), "key outside the service prefix"),
     "unknown shape": (lambda r: r.set("rl:v1:mystery:thing", "x"), "key with no known shape"),
     "staged twice": (_staged_after_publication, "capture tdel-u1 of a published turn is still staged"),
+    "awaiting without deadline": (_awaiting_without_deadline, "awaits rewards but has no deadline entry"),
+    "awaiting without state": (_awaiting_without_deadline, "awaits rewards but has no per-source reward state"),
+    "listed twice": (_task_listed_under_two_statuses, "task topen is listed under aborted but is active"),
 }
 
 
@@ -194,3 +212,6 @@ def test_key_shapes():
     assert classify_key("rl:v1:task:t1:captures:open")[0] == "open_captures"
     assert classify_key("rl:v1:training_run:run-0123456789ab:events")[0] == "run_events"
     assert classify_key("rl:v1:task:t:1") is None
+    assert classify_key("rl:v1:reward_deadlines:tiny") == ("reward_deadlines", {"o": "tiny"})
+    assert classify_key("rl:v1:tasks:by_created:finalized") == ("tasks_by_status", {"ts": "finalized"})
+    assert classify_key("rl:v1:policy_stats:tiny:v3")[0] == "policy_stats"

@@ -21,8 +21,8 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
     report = await check_invariants(redis, model_id="tiny", raise_on_violation=False)
     assert report.ok, report.describe()
 
-Sample statuses come from `keys.SAMPLE_STATUSES`, so a new status (e.g. one for samples awaiting their reward)
-is checked as soon as it is added there; `CLAIMED_STATUSES` names those that must belong to the active run.
+Sample statuses come from `keys.ALL_SAMPLE_STATUSES` (`awaiting_rewards` included: its deadline index holds exactly
+those samples, each with its per-source state); listings hold each Task under its own status; `CLAIMED_STATUSES` names those that must belong to the active run.
 Only reads: the checker never writes, deletes or flushes anything. Cost: one SCAN plus pipelined reads of index
 fields, about 1.6 s for 20 000 samples on the 2-core development machine (documents are read only for the samples
 a ClientRecord vouches for).
@@ -44,7 +44,7 @@ from openjiuwen.agent_evolving.agent_rl.online.store import keys
 
 PREFIX = keys.PREFIX
 CLAIMED_STATUSES = ("training",)  # statuses whose samples belong to the active run
-NO_TTL_STATUSES = ("pending", "training")  # samples that must never expire
+NO_TTL_STATUSES = (keys.AWAITING_REWARDS, "pending", "training")  # samples that must never expire
 TERMINAL_RUN_STATUSES = ("succeeded", "failed", "canceled")
 _READ_BATCH = 500
 
@@ -89,6 +89,18 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("rail_inflight", f"rail:inflight:(?P<rs>{_I})"),
         ("run", f"training_run:(?P<r>{_R})"),
         ("run_events", f"training_run:(?P<r>{_R}):events"),
+        # Listings (docs/observability.md): creation-ordered indexes and the expiry index that trims them.
+        ("tasks_by_created", "tasks:by_created"),
+        ("tasks_by_status", "tasks:by_created:(?P<ts>active|finalized|aborted)"),
+        ("tasks_listing_expiry", "tasks:listing_expiry"),
+        ("runs_by_created", "training_runs:by_created"),
+        ("runs_listing_expiry", "training_runs:listing_expiry"),
+        # Per-version evaluation aggregates (docs/observability.md).
+        ("policy_versions", "policy_versions"),
+        ("policy_stats", f"policy_stats:{_I}"),
+        # Reward policy (docs/rewards.md): deadline index of awaiting_rewards samples, arrival lateness per source.
+        ("reward_deadlines", f"reward_deadlines:(?P<o>{_O})"),
+        ("reward_latency", f"reward_latency:(?P<o>{_O}):[a-z0-9_-]{{1,32}}"),
     )
 )
 
@@ -232,7 +244,7 @@ async def check_invariants(
     sent: ClientRecord | None = None,
     raise_on_violation: bool = True,
     strict_active_index: bool = False,
-    statuses: Sequence[str] = keys.SAMPLE_STATUSES,
+    statuses: Sequence[str] = keys.ALL_SAMPLE_STATUSES,
 ) -> InvariantReport:
     """Check every invariant of one service database (owner `model_id`); see the module docstring.
 
@@ -289,6 +301,8 @@ async def check_invariants(
         report.add(f"rl:v1:owner is {owner!r}, not {model_id!r}")
 
     samples = await _check_samples(redis, report, model_id, sample_ids, statuses)
+    await _check_reward_deadlines(redis, report, model_id, samples)
+    await _check_task_listings(redis, report, typed)
     active_run = await _check_runs(redis, report, run_ids, samples)
     await _load_tasks(redis, tasks, typed)
     await _check_tasks(redis, report, tasks, strict_active_index)
@@ -373,6 +387,41 @@ async def _check_samples(
     if counters.get("expired_unrewarded", 0) < 0:
         report.add(f"counter expired_unrewarded is negative: {counters['expired_unrewarded']}")
     return samples
+
+
+async def _check_reward_deadlines(
+    redis: Redis, report: InvariantReport, model_id: str, samples: dict[str, _Sample]
+) -> None:
+    """Reward policy: the deadline index holds exactly the `awaiting_rewards` samples, each with its per-source
+    state, so the sweeper finds every waiting sample and nothing else."""
+    waiting = {s.sample_id for s in samples.values() if s.status == keys.AWAITING_REWARDS}
+    indexed = {_s(m) or "" for m in await redis.zrange(keys.reward_deadlines(model_id), 0, -1)}
+    for sample_id in sorted(waiting - indexed):
+        report.add(f"sample {sample_id} awaits rewards but has no deadline entry")
+    for sample_id in sorted(indexed - waiting):
+        report.add(f"deadline entry {sample_id} is not an awaiting_rewards sample")
+    ids = sorted(waiting)
+    for sample_id, has in zip(ids, await _pipelined(redis, ids, lambda p, s: p.hexists(keys.traj(s), "rewards"))):
+        if not has:
+            report.add(f"sample {sample_id} awaits rewards but has no per-source reward state")
+
+
+async def _check_task_listings(
+    redis: Redis, report: InvariantReport, typed: dict[str, list[tuple[str, dict[str, str]]]]
+) -> None:
+    """Listings: a Task is listed under at most one status, the one its record holds (a listed id whose record
+    expired is allowed: pages skip it and the sweeper trims it)."""
+    seen: dict[str, str] = {}
+    for key, groups in typed.get("tasks_by_status", []):
+        members = [_s(m) or "" for m in await redis.zrange(key, 0, -1)]
+        records = await _pipelined(redis, members, lambda p, t: p.get(keys.task(t)))
+        for t, raw in zip(members, records):
+            if t in seen:
+                report.add(f"task {t} is listed under both {seen[t]} and {groups['ts']}")
+            seen[t] = groups["ts"]
+            record = _json(raw)
+            if isinstance(record, dict) and record.get("status") != groups["ts"]:
+                report.add(f"task {t} is listed under {groups['ts']} but is {record.get('status')}")
 
 
 # --------------------------------------------------------------------------------------------------------- runs
