@@ -60,11 +60,18 @@ OPERATIONS = [
     "POST /v1/rl/training/runs",
     "GET /v1/rl/training/runs/{training_run_id}",
     "POST /v1/rl/training/runs/{training_run_id}/stop",
+    "GET /v1/rl/tasks",
+    "GET /v1/rl/tasks/{rl_task_id}/events",
+    "GET /v1/rl/training/runs",
+    "GET /v1/rl/training/runs/{training_run_id}/events",
+    "GET /v1/rl/policies",
+    "POST /v1/rl/trajectories/rewards",
+    "POST /v1/rl/trajectories/{trajectory_id}/rewards",
 ]
 # Operations whose schema constrains a body, header or query parameter: the others (no body, free-form path ids) have
 # nothing a negative case could break; hostile path ids are fuzzed in test_fuzz_routes.py and test_hostile_input.py.
 VIOLABLE = [op for op in OPERATIONS if op.startswith("POST") and "/training/runs/" not in op] + [
-    "GET /v1/rl/trajectories"]
+    "GET /v1/rl/trajectories", "GET /v1/rl/tasks", "GET /v1/rl/training/runs"]
 TASK_IDS = ["t1", "t2", "t3", "t4"]  # active with an open capture, rewarded, empty, delayed with a committed turn
 CAPTURE_IDS = ["c1", "c2", "c3", "c4"]
 TURN_IDS = ["u1", "u2", None]

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from contextlib import suppress
 
 import orjson
 from redis.asyncio import Redis
@@ -50,6 +51,7 @@ class RetentionSweeper:
         self._on_error = on_error
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     async def sweep_once(self, *, now: float | None = None) -> dict[str, int]:
         now = time.time() if now is None else now
@@ -165,11 +167,17 @@ class RetentionSweeper:
     # ------------------------------------------------------------ background
 
     def start(self) -> None:
+        self._stopping = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="retention-sweeper")
 
     async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
+        # The stop event ends the loop, not only the cancellation: redis-py can swallow a cancellation that lands
+        # inside a command, which would leave stop() awaiting a loop that goes on.
+        while not self._stopping.is_set():
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
+            if self._stopping.is_set():
+                return
             try:
                 await self.sweep_once()
             except asyncio.CancelledError:
@@ -181,9 +189,8 @@ class RetentionSweeper:
 
     async def stop(self) -> None:
         if self._task is not None:
+            self._stopping.set()
             self._task.cancel()
-            try:
+            with suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None

@@ -16,7 +16,7 @@ def build_metrics_router(
 ) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/metrics")
+    @router.get("/metrics", include_in_schema=False)  # Prometheus text, not part of the JSON API
     async def scrape() -> Response:
         await metrics.refresh(redis, stats)
         return Response(metrics.render(), media_type=CONTENT_TYPE)

@@ -116,13 +116,24 @@ HOOK_DISCARD = json_body(_object(["rl_task_id", "capture_id"], _HOOK_IDS, closed
 TASK_FINISH = json_body(_object(["reason"], {"reason": {"enum": ["service_stopped"]}}, closed=True))
 TASK_ABORT = json_body(_object(["reason"], {"reason": {"enum": ["capture_failed", "timeout"]}}, closed=True))
 TRAINING_START = json_body({"anyOf": [{"type": "null"}, _object([], {}, closed=True)]}, required=False)
+_LIMIT = query("limit", {"type": "integer", "minimum": 1, "maximum": 1000})
+_CURSOR = query("cursor", {"type": "string"})
 TRAJECTORY_LIST = {
     "parameters": [
-        query("status", {"enum": ["pending", "training", "trained", "failed"]}),
-        query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
-        query("cursor", {"type": "string"}),
+        query("status", {"enum": ["awaiting_rewards", "pending", "training", "trained", "failed"]}), _LIMIT, _CURSOR,
     ],
 }
+TASK_LIST = {"parameters": [query("status", {"enum": ["active", "finalized", "aborted"]}), _LIMIT, _CURSOR]}
+RUN_LIST = {"parameters": [_LIMIT, _CURSOR]}
+_REWARD_SOURCE = {"type": "string", "pattern": "^[a-z0-9_-]{1,32}$"}
+_SCORE = {"type": "number", "minimum": 0, "maximum": 1}
+TRAJECTORY_REWARD = json_body(_object(["source", "score"], {"source": _REWARD_SOURCE, "score": _SCORE}, closed=True))
+TRAJECTORY_REWARDS = json_body(_object(["rewards"], {"rewards": {
+    "type": "array", "minItems": 1, "maxItems": 1000,
+    "items": _object(["trajectory_id", "source", "score"],
+                     {"trajectory_id": {"type": "string", "minLength": 1}, "source": _REWARD_SOURCE, "score": _SCORE},
+                     closed=True),
+}}, closed=True))
 _RAIL_SAMPLE = _object(
     ["messages", "prompt_ids", "response_tokens", "logprobs", "response"],
     {

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 
 from ..errors import InvalidInput
 from ..rewards.ledger import RewardLedger
+from . import openapi
 from .body import json_object
 from .errors import ApiError, domain_errors
 
@@ -19,7 +20,7 @@ _SCORE_MESSAGE = "score must be a number between 0 and 1"
 def build_rewards_router(ledger: RewardLedger) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/rl/trajectories/rewards")
+    @router.post("/v1/rl/trajectories/rewards", openapi_extra=openapi.TRAJECTORY_REWARDS)
     async def attach_rewards(request: Request) -> dict[str, Any]:
         """Batch form: every item is answered on its own (`ok` and the single route's answer or error)."""
         body = await json_object(request, lenient=True)
@@ -31,7 +32,7 @@ def build_rewards_router(ledger: RewardLedger) -> APIRouter:
             )
         return {"results": [await _attach_item(ledger, item) for item in items]}
 
-    @router.post("/v1/rl/trajectories/{trajectory_id}/rewards")
+    @router.post("/v1/rl/trajectories/{trajectory_id}/rewards", openapi_extra=openapi.TRAJECTORY_REWARD)
     async def attach_reward(trajectory_id: str, request: Request) -> dict[str, Any]:
         """Idempotent per (sample, source); 409 `reward_conflict` for another score or a sample already claimed."""
         body = await json_object(request, lenient=True)  # a NaN score is `invalid_reward`, not a parse error

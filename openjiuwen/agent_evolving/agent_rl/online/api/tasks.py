@@ -33,7 +33,7 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
             task, created = await lifecycle.start(lifecycle.parse_start(headers, body))
         return JSONBody(task.public(), status_code=201 if created else 200)
 
-    @router.get("/v1/rl/tasks")
+    @router.get("/v1/rl/tasks", openapi_extra=openapi.TASK_LIST)
     async def list_tasks(request: Request) -> JSONBody:
         """Task records newest first by creation, optionally one status; `next_cursor` is null on the last page."""
         params = request.query_params

@@ -31,7 +31,7 @@ def build_training_router(runner: TrainingRunner) -> APIRouter:
             raise ApiError(502, "gateway_unavailable", exc.message) from exc
         return JSONBody(run.public(), status_code=201 if created else 200)
 
-    @router.get("/v1/rl/training/runs")
+    @router.get("/v1/rl/training/runs", openapi_extra=openapi.RUN_LIST)
     async def list_runs(request: Request) -> JSONBody:
         """Public run records newest first by creation; `next_cursor` is null on the last page."""
         params = request.query_params
