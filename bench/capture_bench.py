@@ -1,0 +1,190 @@
+"""Capture overhead: the same fixed-latency fake upstream reached (a) directly, (b) through our gateway without a Task
+(bypass) and (c) through our gateway with capture into the RL Service, at several concurrent session counts, for JSON
+and SSE, for a small and a large completion.
+
+    .venv/bin/python bench/capture_bench.py [--quick] [--concurrency 1 16 64 256] [--latency-ms 200]
+
+Real processes on loopback: a private redis-server, bench/upstream.py (pre-rendered vLLM 0.32 bodies with token ids
+and logprobs), the gateway and its RL Service child. Each session is one keep-alive connection with its own
+`X-Agent-Session-Id` (captured mode: one active Task per session). Added latency = captured − bypass at the same
+percentile; throughput = completed calls / wall time of the closed loop. Prints a table, writes
+bench/results/capture.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.load import closed_loop, post  # noqa: E402
+from bench.machine import machine_facts  # noqa: E402
+from tests.support.gateway_process import GatewayProcess  # noqa: E402
+from tests.support.redis_server import RedisServer, free_port  # noqa: E402
+
+SIZES = {"small": (512, 256), "large": (2048, 2048)}
+WORDS = ["alpha", "beta", "gamma", "delta", "tool", "call", "result", "plan", "step", "answer"]
+
+
+class Upstream:
+    """bench/upstream.py as a child process on a fixed port (restarted per completion size)."""
+
+    def __init__(self, port: int, latency_ms: float) -> None:
+        self.port, self.latency_ms, self.proc = port, latency_ms, None
+
+    def start(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "upstream.py"), "--port", str(self.port), "--latency-ms",
+             str(self.latency_ms), "--prompt-tokens", str(prompt_tokens), "--completion-tokens",
+             str(completion_tokens)], stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.05)
+        raise RuntimeError("bench upstream did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+def request_body(prompt_tokens: int, completion_tokens: int, stream: bool) -> bytes:
+    # ~1 token per word for the fake's purposes; the upstream answers with exactly `prompt_tokens` prompt ids.
+    text = " ".join(WORDS[i % len(WORDS)] for i in range(max(1, prompt_tokens - 16)))
+    body = {"model": "tiny", "max_tokens": completion_tokens, "temperature": 1.0, "stream": stream,
+            "messages": [{"role": "system", "content": "You are a helpful agent."},
+                         {"role": "user", "content": text}]}
+    return orjson.dumps(body)
+
+
+def _ok(status: int, body: bytes) -> None:
+    if status != 200:
+        raise RuntimeError(f"status {status}: {body[:300]!r}")
+
+
+async def _modes(gw_port: int, up_port: int, body: bytes, concurrency: int, calls: int) -> dict[str, dict]:
+    path = "/v1/chat/completions"
+    direct = await closed_loop(up_port, lambda i: post(path, body), concurrency=concurrency, calls=calls, check=_ok)
+    bypass = await closed_loop(gw_port, lambda i: post(path, body), concurrency=concurrency, calls=calls, check=_ok)
+    captured = await closed_loop(
+        gw_port, lambda i: post(path, body, {"x-agent-session-id": f"bench-{i}"}), concurrency=concurrency,
+        calls=calls, check=_ok,
+    )
+    return {"direct": direct, "bypass": bypass, "captured": captured}
+
+
+def committed_captures(redis_url: str) -> int:
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        return sum(1 for _ in r.scan_iter(match="rl:v1:task:*:pending:*", count=1000))
+    finally:
+        r.close()
+
+
+def run(args: argparse.Namespace) -> dict:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="rl-capture-bench-") as tmp, \
+            RedisServer(Path(tmp) / "redis") as redis_server:
+        upstream = Upstream(free_port(), args.latency_ms)
+        instance = SimpleNamespace(name="bench-upstream", port=upstream.port)
+        try:
+            upstream.start(*SIZES[args.sizes[0]])
+            with GatewayProcess(Path(tmp), redis_server.url, instances=[instance],
+                                rl_overrides={"max_body_bytes": 64 * 1024 * 1024},
+                                online_overrides={"hookTimeout": "60s", "hookRetries": 0}) as gw:
+                gw.start_service()
+                for i in range(max(args.concurrency)):
+                    r = gw.start_task(f"bench-{i}")
+                    assert r.status_code == 201, r.text
+                expected = 0
+                for size in args.sizes:
+                    prompt_tokens, completion_tokens = SIZES[size]
+                    upstream.start(prompt_tokens, completion_tokens)
+                    for fmt in args.formats:
+                        body = request_body(prompt_tokens, completion_tokens, fmt == "sse")
+                        for concurrency in args.concurrency:
+                            calls = max(args.min_calls, args.calls_per_session * concurrency)
+                            load = os.getloadavg()[0]
+                            modes = asyncio.run(_modes(gw.port, upstream.port, body, concurrency, calls))
+                            expected += calls + concurrency  # measured calls + one warm-up per session
+                            row = {"size": size, "prompt_tokens": prompt_tokens,
+                                   "completion_tokens": completion_tokens, "format": fmt,
+                                   "concurrency": concurrency, "calls": calls, "load_avg_1m": load, **modes,
+                                   "added_p50_ms": modes["captured"]["p50_ms"] - modes["bypass"]["p50_ms"],
+                                   "added_p99_ms": modes["captured"]["p99_ms"] - modes["bypass"]["p99_ms"],
+                                   "gateway_p50_ms": modes["bypass"]["p50_ms"] - modes["direct"]["p50_ms"],
+                                   "throughput_ratio": modes["captured"]["throughput_rps"]
+                                   / modes["bypass"]["throughput_rps"]}
+                            results.append(row)
+                            print_row(row, flush=True)
+                committed = committed_captures(redis_server.url)
+        finally:
+            upstream.stop()
+    return {"latency_ms": args.latency_ms, "machine": machine_facts(), "results": results,
+            "captures_expected": expected, "captures_committed": committed}
+
+
+HEADER = (f"{'size':>5} {'fmt':>4} {'conc':>4} {'direct p50':>10} {'bypass p50':>10} {'p99':>7} "
+          f"{'capt p50':>8} {'p99':>7} {'added p50':>9} {'added p99':>9} {'bypass rps':>10} {'capt rps':>8} "
+          f"{'ratio':>5} {'load':>5}")
+
+
+def print_row(r: dict, flush: bool = False) -> None:
+    d, b, c = r["direct"], r["bypass"], r["captured"]
+    print(f"{r['size']:>5} {r['format']:>4} {r['concurrency']:>4} {d['p50_ms']:10.1f} {b['p50_ms']:10.1f} "
+          f"{b['p99_ms']:7.1f} {c['p50_ms']:8.1f} {c['p99_ms']:7.1f} {r['added_p50_ms']:9.2f} "
+          f"{r['added_p99_ms']:9.2f} {b['throughput_rps']:10.1f} {c['throughput_rps']:8.1f} "
+          f"{r['throughput_ratio']:5.2f} {r['load_avg_1m']:5.2f}", flush=flush)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer calls, concurrency 1 and 64, JSON and SSE")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None)
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["small", "large"])
+    parser.add_argument("--formats", nargs="+", choices=["json", "sse"], default=["json", "sse"])
+    parser.add_argument("--latency-ms", type=float, default=200.0, help="fixed upstream latency per completion")
+    parser.add_argument("--calls-per-session", type=int, default=None)
+    parser.add_argument("--min-calls", type=int, default=None)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "capture.json"))
+    args = parser.parse_args()
+    if args.concurrency is None:
+        args.concurrency = [1, 64] if args.quick else [1, 16, 64, 256]
+    if args.calls_per_session is None:
+        args.calls_per_session = 2 if args.quick else 4
+    if args.min_calls is None:
+        args.min_calls = 30 if args.quick else 100
+    print(f"capture overhead: upstream latency {args.latency_ms:.0f} ms; small = {SIZES['small'][0]}+"
+          f"{SIZES['small'][1]} tokens, large = {SIZES['large'][0]}+{SIZES['large'][1]}; times in ms")
+    print(HEADER, flush=True)
+    result = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    print(f"captures committed {result['captures_committed']} of {result['captures_expected']} sent; "
+          f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
