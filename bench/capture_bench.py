@@ -76,19 +76,46 @@ def request_body(prompt_tokens: int, completion_tokens: int, stream: bool) -> by
     return orjson.dumps(body)
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (and its reaped children), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:13]) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pid(parent: int) -> int:
+    for task in Path(f"/proc/{parent}/task").iterdir():
+        children = (task / "children").read_text().split()
+        if children:
+            return int(children[0])
+    raise RuntimeError("the gateway has no RL Service child")
+
+
 def _ok(status: int, body: bytes) -> None:
     if status != 200:
         raise RuntimeError(f"status {status}: {body[:300]!r}")
 
 
-async def _modes(gw_port: int, up_port: int, body: bytes, concurrency: int, calls: int) -> dict[str, dict]:
+async def _measured(pids: dict[str, int], port: int, requests, concurrency: int, calls: int) -> dict:
+    """One closed loop, plus the CPU milliseconds each process spent per call during it (robust to a noisy
+    machine where wall-clock percentiles are not)."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    result = await closed_loop(port, requests, concurrency=concurrency, calls=calls, check=_ok)
+    n = result["calls"] + concurrency  # the warm-up calls ran inside the window too
+    result["cpu_ms_per_call"] = {name: (cpu_seconds(pid) - before[name]) * 1000 / n for name, pid in pids.items()}
+    return result
+
+
+async def _modes(pids: dict[str, int], gw_port: int, up_port: int, body: bytes, concurrency: int,
+                 calls: int) -> dict[str, dict]:
     path = "/v1/chat/completions"
-    direct = await closed_loop(up_port, lambda i: post(path, body), concurrency=concurrency, calls=calls, check=_ok)
-    bypass = await closed_loop(gw_port, lambda i: post(path, body), concurrency=concurrency, calls=calls, check=_ok)
-    captured = await closed_loop(
-        gw_port, lambda i: post(path, body, {"x-agent-session-id": f"bench-{i}"}), concurrency=concurrency,
-        calls=calls, check=_ok,
-    )
+    direct = await _measured(pids, up_port, lambda i: post(path, body), concurrency, calls)
+    bypass = await _measured(pids, gw_port, lambda i: post(path, body), concurrency, calls)
+    captured = await _measured(
+        pids, gw_port, lambda i: post(path, body, {"x-agent-session-id": f"bench-{i}"}), concurrency, calls)
     return {"direct": direct, "bypass": bypass, "captured": captured}
 
 
@@ -118,15 +145,20 @@ def run(args: argparse.Namespace) -> dict:
                     r = gw.start_task(f"bench-{i}")
                     assert r.status_code == 201, r.text
                 expected = 0
+                assert gw.proc is not None and redis_server.proc is not None
+                pids = {"gateway": gw.proc.pid, "rl_service": child_pid(gw.proc.pid),
+                        "redis": redis_server.proc.pid, "driver": os.getpid()}
                 for size in args.sizes:
                     prompt_tokens, completion_tokens = SIZES[size]
                     upstream.start(prompt_tokens, completion_tokens)
+                    assert upstream.proc is not None
+                    pids["upstream"] = upstream.proc.pid
                     for fmt in args.formats:
                         body = request_body(prompt_tokens, completion_tokens, fmt == "sse")
                         for concurrency in args.concurrency:
                             calls = max(args.min_calls, args.calls_per_session * concurrency)
                             load = os.getloadavg()[0]
-                            modes = asyncio.run(_modes(gw.port, upstream.port, body, concurrency, calls))
+                            modes = asyncio.run(_modes(pids, gw.port, upstream.port, body, concurrency, calls))
                             expected += calls + concurrency  # measured calls + one warm-up per session
                             row = {"size": size, "prompt_tokens": prompt_tokens,
                                    "completion_tokens": completion_tokens, "format": fmt,
@@ -147,7 +179,7 @@ def run(args: argparse.Namespace) -> dict:
 
 HEADER = (f"{'size':>5} {'fmt':>4} {'conc':>4} {'direct p50':>10} {'bypass p50':>10} {'p99':>7} "
           f"{'capt p50':>8} {'p99':>7} {'added p50':>9} {'added p99':>9} {'bypass rps':>10} {'capt rps':>8} "
-          f"{'ratio':>5} {'load':>5}")
+          f"{'ratio':>5} {'load':>5}  CPU ms/call bypass→captured: gateway, rl_service, redis")
 
 
 def print_row(r: dict, flush: bool = False) -> None:
@@ -155,7 +187,9 @@ def print_row(r: dict, flush: bool = False) -> None:
     print(f"{r['size']:>5} {r['format']:>4} {r['concurrency']:>4} {d['p50_ms']:10.1f} {b['p50_ms']:10.1f} "
           f"{b['p99_ms']:7.1f} {c['p50_ms']:8.1f} {c['p99_ms']:7.1f} {r['added_p50_ms']:9.2f} "
           f"{r['added_p99_ms']:9.2f} {b['throughput_rps']:10.1f} {c['throughput_rps']:8.1f} "
-          f"{r['throughput_ratio']:5.2f} {r['load_avg_1m']:5.2f}", flush=flush)
+          f"{r['throughput_ratio']:5.2f} {r['load_avg_1m']:5.2f}  "
+          f"{b['cpu_ms_per_call']['gateway']:.2f}→{c['cpu_ms_per_call']['gateway']:.2f}, "
+          f"{c['cpu_ms_per_call']['rl_service']:.2f}, {c['cpu_ms_per_call']['redis']:.2f}", flush=flush)
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ class _Parser:
 
     def on_message_complete(self) -> None:
         self.answer.done = True
+        self.keep_alive = self.parser.should_keep_alive()  # the parser resets once the message is complete
 
 
 class Connection:
@@ -59,7 +60,7 @@ class Connection:
                 raise ConnectionError("server closed the connection")
             p.parser.feed_data(data)
         status = p.parser.get_status_code()
-        if not p.parser.should_keep_alive():
+        if not p.keep_alive:
             await self.close()
         return status, b"".join(p.answer.body)
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,6 +26,7 @@ from ..online.api.errors import CatchAllMiddleware
 from .config import GatewayConfig
 from .control import RLControl
 from .hmac_auth import HmacVerifier
+from .http11 import Http11Client
 from .inference import InferenceProxy
 from .instances import Instance, InstanceRegistry
 from .lora_manager import LoraError, LoraManager
@@ -53,7 +53,7 @@ class Gateway:
     tracker: TaskTracker
     control: RLControl
     inference: InferenceProxy
-    upstream: httpx.AsyncClient
+    upstream: Http11Client
     ready: bool = False
 
 
@@ -62,8 +62,7 @@ def build_gateway(config: GatewayConfig, *, model_id: str, verifier: HmacVerifie
         [Instance(i.name, i.model, i.instance_ip, int(i.port)) for i in config.instances]
     )
     # Idle upstream connections close before vLLM's keep-alive timeout (5 s) could race a new request on them.
-    upstream = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(
-        max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0))
+    upstream = Http11Client(keepalive_expiry_s=2.0, connect_timeout_s=10.0, max_idle_per_origin=256)
     loras = LoraManager(
         registry, lora_root=config.lora.root, state_path=config.lora.state_path,
         operation_timeout_s=config.lora.operation_timeout_s,

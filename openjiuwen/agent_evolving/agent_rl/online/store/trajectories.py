@@ -22,7 +22,7 @@ from .. import ids
 from ..errors import InvalidInput
 from ..ids import InvalidIdentifier
 from . import keys
-from .codec import PackedSample, text
+from .codec import PackedSample, decode_meta, text
 from .tx import transact
 
 PENDING = "pending"
@@ -125,7 +125,7 @@ class TrajectoryStore:
                         "status": PENDING,
                         "updated_at": now,
                         "run_id": "",
-                        "sample_json": sample.meta_json(),
+                        "sample_json": sample.meta_blob(),
                         "prompt_ids": sample.prompt_ids,
                         "response_ids": sample.response_ids,
                         "response_logprobs": sample.response_logprobs,
@@ -417,7 +417,7 @@ class TrajectoryStore:
     @staticmethod
     def _packed(row: list[bytes | None]) -> PackedSample:
         sample_json, prompt, response, logprobs = row[0], row[1], row[2], row[3]
-        return PackedSample(orjson.loads(sample_json or b"{}"), prompt or b"", response or b"", logprobs or b"")
+        return PackedSample(decode_meta(sample_json), prompt or b"", response or b"", logprobs or b"")
 
 
 def _encode_cursor(status: str | None, bucket: str, score: float, member: str) -> str:
