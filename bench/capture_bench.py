@@ -1,6 +1,7 @@
 """Capture overhead: the same fixed-latency fake upstream reached (a) directly, (b) through our gateway without a Task
 (bypass) and (c) through our gateway with capture into the RL Service, at several concurrent session counts, for JSON
-and SSE, for a small and a large completion.
+and SSE, for a small and a large completion, and (d) through peer capture gateways installed from PyPI into
+bench/.peers/ (see bench/peers.py) in the same run.
 
     .venv/bin/python bench/capture_bench.py [--quick] [--concurrency 1 16 64 256] [--latency-ms 200]
 
@@ -29,6 +30,7 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import peers as peer_gateways  # noqa: E402
 from bench.load import closed_loop, post  # noqa: E402
 from bench.machine import machine_facts  # noqa: E402
 from tests.support.gateway_process import GatewayProcess  # noqa: E402
@@ -110,13 +112,20 @@ async def _measured(pids: dict[str, int], port: int, requests, concurrency: int,
 
 
 async def _modes(pids: dict[str, int], gw_port: int, up_port: int, body: bytes, concurrency: int,
-                 calls: int) -> dict[str, dict]:
+                 calls: int, peers: list) -> dict[str, dict]:
     path = "/v1/chat/completions"
     direct = await _measured(pids, up_port, lambda i: post(path, body), concurrency, calls)
     bypass = await _measured(pids, gw_port, lambda i: post(path, body), concurrency, calls)
     captured = await _measured(
         pids, gw_port, lambda i: post(path, body, {"x-agent-session-id": f"bench-{i}"}), concurrency, calls)
-    return {"direct": direct, "bypass": bypass, "captured": captured}
+    modes = {"direct": direct, "bypass": bypass, "captured": captured}
+    for peer in peers:
+        def request(i: int, peer=peer) -> bytes:
+            peer_path, headers = peer.session_request(i)
+            return post(peer_path, body, headers)
+        modes[f"peer:{peer.name}"] = await _measured(dict(pids, peer=peer.proc.pid), peer.port, request,
+                                                     concurrency, calls)
+    return modes
 
 
 def committed_captures(redis_url: str) -> int:
@@ -131,6 +140,11 @@ def committed_captures(redis_url: str) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     results = []
+    peer_status: dict[str, str] = {}
+    for name in args.peers:
+        ok, why = peer_gateways.ensure(name)
+        peer_status[name] = "measured" if ok else why
+    usable = [n for n, status in peer_status.items() if status == "measured"]
     with tempfile.TemporaryDirectory(prefix="rl-capture-bench-") as tmp, \
             RedisServer(Path(tmp) / "redis") as redis_server:
         upstream = Upstream(free_port(), args.latency_ms)
@@ -155,26 +169,41 @@ def run(args: argparse.Namespace) -> dict:
                     pids["upstream"] = upstream.proc.pid
                     for fmt in args.formats:
                         body = request_body(prompt_tokens, completion_tokens, fmt == "sse")
-                        for concurrency in args.concurrency:
-                            calls = max(args.min_calls, args.calls_per_session * concurrency)
-                            load = os.getloadavg()[0]
-                            modes = asyncio.run(_modes(pids, gw.port, upstream.port, body, concurrency, calls))
-                            expected += calls + concurrency  # measured calls + one warm-up per session
-                            row = {"size": size, "prompt_tokens": prompt_tokens,
-                                   "completion_tokens": completion_tokens, "format": fmt,
-                                   "concurrency": concurrency, "calls": calls, "load_avg_1m": load, **modes,
-                                   "added_p50_ms": modes["captured"]["p50_ms"] - modes["bypass"]["p50_ms"],
-                                   "added_p99_ms": modes["captured"]["p99_ms"] - modes["bypass"]["p99_ms"],
-                                   "gateway_p50_ms": modes["bypass"]["p50_ms"] - modes["direct"]["p50_ms"],
-                                   "throughput_ratio": modes["captured"]["throughput_rps"]
-                                   / modes["bypass"]["throughput_rps"]}
+                        running = [peer_gateways.start(n, port=free_port(), upstream_url=f"http://127.0.0.1:"
+                                                       f"{upstream.port}", workdir=Path(tmp) / "peers")
+                                   for n in usable]
+                        try:
+                            rows = list(_rows(args, pids, gw, upstream, body, running))
+                        finally:
+                            for peer in running:
+                                peer.stop()
+                        for row in rows:
+                            row.update(size=size, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                       format=fmt)
                             results.append(row)
                             print_row(row, flush=True)
+                            expected += row["calls"] + row["concurrency"]
                 committed = committed_captures(redis_server.url)
         finally:
             upstream.stop()
     return {"latency_ms": args.latency_ms, "machine": machine_facts(), "results": results,
-            "captures_expected": expected, "captures_committed": committed}
+            "captures_expected": expected, "captures_committed": committed, "peers": peer_status}
+
+
+def _rows(args: argparse.Namespace, pids: dict[str, int], gw, upstream, body: bytes, running: list):
+    for concurrency in args.concurrency:
+        calls = max(args.min_calls, args.calls_per_session * concurrency)
+        load = os.getloadavg()[0]
+        modes = asyncio.run(_modes(pids, gw.port, upstream.port, body, concurrency, calls, running))
+        direct = modes["direct"]["p50_ms"]
+        yield {"concurrency": concurrency, "calls": calls, "load_avg_1m": load, **modes,
+               "added_p50_ms": modes["captured"]["p50_ms"] - modes["bypass"]["p50_ms"],
+               "added_p99_ms": modes["captured"]["p99_ms"] - modes["bypass"]["p99_ms"],
+               "gateway_p50_ms": modes["bypass"]["p50_ms"] - direct,
+               "throughput_ratio": modes["captured"]["throughput_rps"] / modes["bypass"]["throughput_rps"],
+               # Capture overhead over the direct call, comparable across gateways (peers have no bypass mode).
+               "overhead_p50_ms": {name: m["p50_ms"] - direct for name, m in modes.items()
+                                   if name == "captured" or name.startswith("peer:")}}
 
 
 HEADER = (f"{'size':>5} {'fmt':>4} {'conc':>4} {'direct p50':>10} {'bypass p50':>10} {'p99':>7} "
@@ -190,6 +219,10 @@ def print_row(r: dict, flush: bool = False) -> None:
           f"{r['throughput_ratio']:5.2f} {r['load_avg_1m']:5.2f}  "
           f"{b['cpu_ms_per_call']['gateway']:.2f}→{c['cpu_ms_per_call']['gateway']:.2f}, "
           f"{c['cpu_ms_per_call']['rl_service']:.2f}, {c['cpu_ms_per_call']['redis']:.2f}", flush=flush)
+    for name, overhead in r["overhead_p50_ms"].items():
+        m = r[name]
+        print(f"{'':>15}{name:<14} p50 {m['p50_ms']:8.1f}  p99 {m['p99_ms']:8.1f}  over direct p50 {overhead:8.2f}  "
+              f"{m['throughput_rps']:7.1f} rps", flush=flush)
 
 
 def main() -> None:
@@ -199,6 +232,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["small", "large"])
     parser.add_argument("--formats", nargs="+", choices=["json", "sse"], default=["json", "sse"])
     parser.add_argument("--latency-ms", type=float, default=200.0, help="fixed upstream latency per completion")
+    parser.add_argument("--peers", nargs="*", default=sorted(peer_gateways.PEERS),
+                        help="peer gateways to measure in the same run (installed into bench/.peers on first use)")
     parser.add_argument("--calls-per-session", type=int, default=None)
     parser.add_argument("--min-calls", type=int, default=None)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "capture.json"))
@@ -217,7 +252,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     print(f"captures committed {result['captures_committed']} of {result['captures_expected']} sent; "
-          f"written to {out}")
+          f"peers: {result['peers'] or 'none'}; written to {out}")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 from typing import Any
 
 import orjson
 
+_STREAM = re.compile(rb'"stream"\s*:\s*true')
+_TOKEN_IDS = re.compile(rb'"return_token_ids"\s*:\s*true')  # the flag capture gateways inject (any JSON spacing)
 WORDS = ["alpha", "beta", "gamma", "delta", "tool", "call", "result", "plan", "step", "answer"]
 
 
@@ -105,8 +108,8 @@ class _Conn(asyncio.Protocol):
         if self._url.startswith(b"/health"):
             answer = _http(b"200 OK", b"", b"text/plain")
         else:
-            stream = b'"stream":true' in body
-            full = b'"return_token_ids":true' in body
+            stream = _STREAM.search(body) is not None
+            full = _TOKEN_IDS.search(body) is not None
             key = ("sse_" if stream else "json_") + ("full" if full else "plain")
             answer = self._answers[key]
         loop = asyncio.get_running_loop()
