@@ -28,7 +28,7 @@ from .openai_shapes import ClientWants, StreamAggregator, client_view_chunk, cli
 from .responses import envelope, json_response, passthrough
 from .rl_client import HookUnreachable, RLClient
 from .sessions import Binding
-from .sse import DONE, encode_sse, iter_sse_events
+from .sse import DONE, encode_sse, iter_sse_batches
 from .tasks import TaskTracker
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.inference")
@@ -271,48 +271,60 @@ class InferenceProxy:
         usage: dict[str, Any] | None = None
         completed = False
         started = False
+        done = False
+        # The events of one upstream read leave in one write: a per-event write costs more than the event itself.
+        out: list[bytes] = []
         try:
-            async for event in iter_sse_events(resp.aiter_raw()):
-                if event.data == DONE:
-                    if aggregator.error is not None:
-                        break  # vLLM reported an error inside the stream: nothing valid to commit
-                    completed = True  # from here the `:after` task owns the capture's ending
-                    if capture is not None:
-                        await self._after_shielded(capture, orjson.dumps(
-                            capture.hook_body(request=capture.request, response=aggregator.result())))
+            async for events in iter_sse_batches(resp.aiter_raw()):
+                for event in events:
+                    if event.data == DONE:
+                        done = True
+                        if aggregator.error is not None:
+                            break  # vLLM reported an error inside the stream: nothing valid to commit
+                        completed = True  # from here the `:after` task owns the capture's ending
+                        if capture is not None:
+                            await self._after_shielded(capture, orjson.dumps(
+                                capture.hook_body(request=capture.request, response=aggregator.result())))
+                        if writer is not None:
+                            for name, data in writer.finish(finish_reason, usage):
+                                out.append(encode_sse(orjson.dumps(data), event=name))
+                        else:
+                            out.append(encode_sse(DONE))
+                        break
+                    chunk = orjson.loads(event.data)
+                    if not isinstance(chunk, dict):
+                        raise ValueError("stream chunk is not a JSON object")
+                    aggregator.feed(chunk)
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or []:
+                        if choice.get("finish_reason"):
+                            finish_reason = choice["finish_reason"]
                     if writer is not None:
-                        for name, data in writer.finish(finish_reason, usage):
-                            yield encode_sse(orjson.dumps(data), event=name)
-                    else:
-                        yield encode_sse(DONE)
+                        if not started:
+                            started = True
+                            prompt_ids = chunk.get("prompt_token_ids")
+                            for name, data in writer.start(
+                                f"msg_{chunk.get('id', '')}", wants.model or chunk.get("model") or "",
+                                input_tokens=len(prompt_ids) if isinstance(prompt_ids, list) else 0,
+                            ):
+                                out.append(encode_sse(orjson.dumps(data), event=name))
+                        for name, data in writer.feed(chunk):
+                            out.append(encode_sse(orjson.dumps(data), event=name))
+                        continue
+                    view = client_view_chunk(chunk, wants_logprobs=wants.logprobs, wants_usage=wants.usage,
+                                             client_model=wants.model)
+                    if view is not None:
+                        out.append(encode_sse(orjson.dumps(view)))
+                if out:
+                    batch, out = b"".join(out), []
+                    yield batch
+                if done:
                     break
-                chunk = orjson.loads(event.data)
-                if not isinstance(chunk, dict):
-                    raise ValueError("stream chunk is not a JSON object")
-                aggregator.feed(chunk)
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices") or []:
-                    if choice.get("finish_reason"):
-                        finish_reason = choice["finish_reason"]
-                if writer is not None:
-                    if not started:
-                        started = True
-                        prompt_ids = chunk.get("prompt_token_ids")
-                        for name, data in writer.start(
-                            f"msg_{chunk.get('id', '')}", wants.model or chunk.get("model") or "",
-                            input_tokens=len(prompt_ids) if isinstance(prompt_ids, list) else 0,
-                        ):
-                            yield encode_sse(orjson.dumps(data), event=name)
-                    for name, data in writer.feed(chunk):
-                        yield encode_sse(orjson.dumps(data), event=name)
-                    continue
-                view = client_view_chunk(chunk, wants_logprobs=wants.logprobs, wants_usage=wants.usage,
-                                         client_model=wants.model)
-                if view is not None:
-                    yield encode_sse(orjson.dumps(view))
         except (HttpError, ValueError, RuntimeError) as exc:  # JSONDecodeError is a ValueError
             log.warning("upstream stream broke: %s: %s", type(exc).__name__, exc)
+            if out:  # what was relayable before the break still reaches the client, as before batching
+                yield b"".join(out)
         finally:
             self._loras.end(instance)
             if capture is not None and not completed:
