@@ -224,9 +224,11 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
         "`rllm-model-gateway` 0.1.0 (PyPI) is installed by `bench/peers.py` into `bench/.peers/rllm` and measured",
         "in the capture bench above with its defaults (sqlite trace store written in background tasks: its client",
         "gets the answer before the trace is stored, while ours waits for `:after`, as the contract requires).",
-        "Not measured by this suite: `agentlightning`'s LLM proxy (LiteLLM-based; see `bench/peer_agentlightning.py`)",
-        "and the online-RL service of PyPI's `openjiuwen` SDK (extra `online-rl`); the issue's figures for the SDK's",
-        "service (median ~230 ms, p99 ~630 ms, ~2 pairs/s, ~165 B/token) are not reproduced here.",
+        "Not measured: `agentlightning` 0.3.0 installs from PyPI (`pip install agentlightning` in a throw-away",
+        "environment), but its LiteLLM-based LLM proxy (`bench/peer_agentlightning.py`: in-memory store, thread",
+        "launch) never answered HTTP within 150 s on this offline 2-core machine, so it is not in the capture bench.",
+        "The online-RL service of PyPI's `openjiuwen` SDK (extra `online-rl`) has no runner in the suite yet; the",
+        "issue's figures for it (median ~230 ms, p99 ~630 ms, ~2 pairs/s, ~165 B/token) are not reproduced here.",
         "",
     ]
     return "\n".join(out)
