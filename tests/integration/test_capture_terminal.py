@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
 from tests.conftest import load_fixture
 from tests.support.service_app import capture, make_config, running_app, start_task
 
@@ -91,7 +92,7 @@ async def test_capture_reward_and_sample_fields(client, redis):
     assert sample["response"]["prompt_token_ids"] == response["prompt_token_ids"]
     assert sample["request"]["logprobs"] is True
     # The stored hash keeps the arrays only in packed fields.
-    stored = orjson.loads(await redis.hget(keys.traj("c1"), "sample_json"))
+    stored = decode_meta(await redis.hget(keys.traj("c1"), "sample_json"))
     assert "prompt_ids" not in stored["trajectory"] and "prompt_token_ids" not in stored["response"]
     assert "token_ids" not in stored["response"]["choices"][0]
 

@@ -19,6 +19,7 @@ from openjiuwen.agent_evolving.agent_rl.online.api.errors import install_error_e
 from openjiuwen.agent_evolving.agent_rl.online.api.trajectories import build_trajectories_router
 from openjiuwen.agent_evolving.agent_rl.online.errors import InvalidInput
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
 from openjiuwen.agent_evolving.agent_rl.online.store.tx import transact
@@ -136,7 +137,7 @@ async def test_insert_writes_hash_index_users_and_counters(redis: Redis, store: 
     assert stored[b"run_id"] == b""
     assert stored[b"prompt_ids"] == b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00"
     assert len(stored[b"response_logprobs"]) == 8
-    meta = orjson.loads(stored[b"sample_json"])
+    meta = decode_meta(stored[b"sample_json"])
     assert "prompt_ids" not in meta["trajectory"] and "response_ids" not in meta["trajectory"]
     assert "status" not in meta  # the status lives only in the hash field
 
@@ -161,7 +162,7 @@ async def test_insert_is_idempotent_and_never_resets(redis: Redis, store: Trajec
     assert await store.insert_if_absent([]) == []
 
     assert await store.status_of("a") == "training"
-    assert orjson.loads(await redis.hget(keys.traj("a"), "sample_json"))["judge"]["score"] == 0.5
+    assert decode_meta(await redis.hget(keys.traj("a"), "sample_json"))["judge"]["score"] == 0.5
     assert await index_sizes(redis) == {"pending": 2, "training": 1, "trained": 0, "failed": 0}
     assert await stats_hash(redis) == {
         "status:pending": 2, "status:training": 1, "source:rl_task": 3, "pending_policy:base": 2,

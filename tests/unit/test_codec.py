@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 
 import pytest
@@ -9,7 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import (
+    _HEADER,
     PackedSample,
+    decode_meta,
+    encode_meta,
     pack_ids,
     pack_logprobs,
     unpack_ids,
@@ -110,10 +114,43 @@ def test_meta_json_is_the_document_without_arrays() -> None:
 def test_staged_encoding_round_trips() -> None:
     packed = PackedSample.from_document(_doc([1, MAX_ID, 3], [9, 8, 7, 6], [-0.1, -0.2, -0.3, -0.4]))
     blob = packed.encode_staged()
-    assert blob[:4] == b"RLS1"
+    assert blob[:4] == b"RLS2"
     back = PackedSample.decode_staged(blob)
     assert back == packed
     assert back.to_document() == packed.to_document()
+
+
+def test_staged_values_of_the_first_format_still_decode() -> None:
+    # RLS1: the meta as plain JSON, as written before compression existed (staged samples may outlive an upgrade).
+    import orjson
+
+    packed = PackedSample.from_document(_doc([1, 2], [3], [-0.5]))
+    body = orjson.dumps(packed.meta)
+    old = b"".join((_HEADER.pack(b"RLS1", len(body), 8, 4, 4), body, packed.prompt_ids, packed.response_ids,
+                    packed.response_logprobs))
+    assert PackedSample.decode_staged(old) == packed
+
+
+def test_large_meta_is_compressed_and_round_trips() -> None:
+    import orjson
+
+    doc = _doc([1], [2], [-1.0])
+    doc["request"]["messages"].append({"role": "user", "content": "the same few words again " * 400})
+    meta = PackedSample.from_document(doc).meta
+    blob = encode_meta(meta)
+    assert blob[:1] == b"Z" and len(blob) < len(orjson.dumps(meta)) / 4
+    assert decode_meta(blob) == meta
+
+
+def test_small_meta_stays_plain_json_and_plain_json_still_decodes() -> None:
+    import orjson
+
+    small = {"sample_id": "c1", "judge": None}
+    assert encode_meta(small) == orjson.dumps(small)
+    noise = {"sample_id": "c1", "blob": os.urandom(600).hex()}
+    assert decode_meta(encode_meta(noise)) == noise
+    assert decode_meta(orjson.dumps(noise)) == noise  # a hash written before compression existed
+    assert decode_meta(None) == {} and decode_meta(b"") == {}
 
 
 def test_staged_decoding_refuses_foreign_bytes() -> None:

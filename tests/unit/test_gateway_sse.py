@@ -161,3 +161,11 @@ def test_encode_then_parse_round_trips(pairs: list[tuple[str | None, str]], data
     raw = b"".join(encode_sse(text, event=name) for name, text in pairs)
     points = data.draw(st.lists(st.integers(min_value=1, max_value=max(1, len(raw) - 1)), max_size=20))
     assert parse(split_at(raw, points)) == [SSEEvent(name, text) for name, text in pairs]
+
+
+async def test_batches_group_the_events_each_read_completes() -> None:
+    from openjiuwen.agent_evolving.agent_rl.gateway.sse import iter_sse_batches
+
+    chunks = [b"data: a\n\ndata: b\n\nda", b"ta: c", b"\n\n", b"", b"data: d"]
+    batches = [[e.data for e in batch] async for batch in iter_sse_batches(_source(chunks))]
+    assert batches == [["a", "b"], ["c"], ["d"]]  # reads that complete nothing give no batch; the tail is flushed

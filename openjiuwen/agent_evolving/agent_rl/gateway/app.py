@@ -33,6 +33,7 @@ from .console import Console
 from .console_auth import ConsoleAuth
 from .control import RLControl
 from .hmac_auth import HmacVerifier
+from .http11 import Http11Client
 from .inference import InferenceProxy
 from .instances import Instance, InstanceRegistry
 from .lora_manager import LoraError, LoraManager
@@ -61,7 +62,7 @@ class Gateway:
     tracker: TaskTracker
     control: RLControl
     inference: InferenceProxy
-    upstream: httpx.AsyncClient
+    upstream: Http11Client
     registry: InstanceRegistry
     metrics: GatewayMetrics
     console: Console
@@ -76,8 +77,7 @@ def build_gateway(
         [Instance(i.name, i.model, i.instance_ip, int(i.port)) for i in config.instances]
     )
     # Idle upstream connections close before vLLM's keep-alive timeout (5 s) could race a new request on them.
-    upstream = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(
-        max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0))
+    upstream = Http11Client(keepalive_expiry_s=2.0, connect_timeout_s=10.0, max_idle_per_origin=256)
     loras = LoraManager(
         registry, lora_root=config.lora.root, state_path=config.lora.state_path,
         operation_timeout_s=config.lora.operation_timeout_s,

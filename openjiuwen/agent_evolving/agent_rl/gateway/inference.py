@@ -17,19 +17,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
+from .http11 import HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
 from .lora_manager import LoraError, LoraManager
 from .openai_shapes import ClientWants, StreamAggregator, client_view_chunk, client_view_response, client_wants
 from .responses import envelope, json_response, passthrough
 from .rl_client import HookUnreachable, RLClient
 from .sessions import Binding
-from .sse import DONE, encode_sse, iter_sse_events
+from .sse import DONE, encode_sse, iter_sse_batches
 from .tasks import TaskTracker
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.inference")
 
-UPSTREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=60.0, pool=30.0)
+UPSTREAM_READ_TIMEOUT_S = 600.0  # one read; a long generation streams or answers within it
 CHAT_PATH = "/v1/chat/completions"
 
 
@@ -51,6 +51,12 @@ class Capture:
     def hook_body(self, **extra: Any) -> dict[str, Any]:
         return {"rl_task_id": self.binding.rl_task_id, "capture_id": self.capture_id,
                 "agent_turn_id": self.turn_id, **extra}
+
+    def after_body(self, request_json: bytes, response_json: bytes) -> bytes:
+        """The `:after` body spliced from JSON already at hand: the upstream answer's bytes go in as they came
+        (parsed once, for validity and the client's view), never re-serialized."""
+        head = orjson.dumps(self.hook_body())
+        return b"".join((head[:-1], b',"request":', request_json, b',"response":', response_json, b"}"))
 
 
 class CaptureFailed(Exception):
@@ -68,7 +74,7 @@ class InferenceProxy:
         loras: LoraManager,
         rl: RLClient,
         rl_running: Callable[[], bool],
-        upstream: httpx.AsyncClient,
+        upstream: Http11Client,
         metrics: "GatewayMetrics | None" = None,
     ) -> None:
         self._metrics = metrics
@@ -207,27 +213,32 @@ class InferenceProxy:
         self, instance: Instance, body: dict[str, Any], wants: ClientWants, flavor: str, capture: Capture | None
     ) -> Response:
         stream = body.get("stream") is True
-        req = self._upstream.build_request(
-            "POST", instance.base_url + CHAT_PATH, content=orjson.dumps(body), headers={"content-type": "application/json"},
-            timeout=UPSTREAM_TIMEOUT,
-        )
+        request_json = orjson.dumps(body)
         started = time.perf_counter()
         try:
-            resp = await self._upstream.send(req, stream=True)
-        except httpx.HTTPError as exc:
+            resp = await self._upstream.open_stream(
+                "POST", instance.base_url + CHAT_PATH, content=request_json,
+                headers={"content-type": "application/json"}, read_timeout_s=UPSTREAM_READ_TIMEOUT_S,
+            )
+        except HttpError as exc:
             if self._metrics is not None:
                 self._metrics.upstream_answered(instance.name, "error", time.perf_counter() - started)
             if capture is not None:
                 self._discard_in_background(capture)
             return envelope(502, "upstream_unavailable", f"vLLM instance unreachable: {type(exc).__name__}")
         if self._metrics is not None:
-            self._metrics.upstream_answered(instance.name, str(resp.status_code), time.perf_counter() - started)
-        if resp.status_code != 200:
-            content = await resp.aread()
-            await resp.aclose()
+            self._metrics.upstream_answered(instance.name, str(resp.status), time.perf_counter() - started)
+        if resp.status != 200:
+            try:
+                content = await resp.aread()
+            except HttpError as exc:
+                content = orjson.dumps({"error": {"code": "upstream_unavailable",
+                                                  "message": f"vLLM answer broken: {type(exc).__name__}"}})
+            finally:
+                await resp.aclose()
             if capture is not None:
                 self._discard_in_background(capture)
-            return Response(content, status_code=resp.status_code,
+            return Response(content, status_code=resp.status,
                             media_type=resp.headers.get("content-type", "application/json"))
         if stream:
             return StreamingResponse(
@@ -236,7 +247,7 @@ class InferenceProxy:
             )
         try:
             content = await resp.aread()
-        except httpx.HTTPError as exc:
+        except HttpError as exc:
             if capture is not None:
                 self._discard_in_background(capture)
             return envelope(502, "upstream_unavailable", f"vLLM answer broken: {type(exc).__name__}")
@@ -251,7 +262,7 @@ class InferenceProxy:
                 self._discard_in_background(capture)
             return envelope(502, "upstream_invalid", "vLLM answered with invalid JSON")
         if capture is not None:
-            await self._after_shielded(capture, completion)
+            await self._after_shielded(capture, capture.after_body(request_json, content))
         if flavor == "anthropic":
             try:
                 message = openai_to_anthropic_response(completion, client_model=wants.model)
@@ -263,7 +274,7 @@ class InferenceProxy:
         )
 
     async def _relay_stream(
-        self, instance: Instance, resp: httpx.Response, wants: ClientWants, flavor: str, capture: Capture | None
+        self, instance: Instance, resp: StreamedAnswer, wants: ClientWants, flavor: str, capture: Capture | None
     ) -> AsyncIterator[bytes]:
         aggregator = StreamAggregator()
         writer = AnthropicStreamWriter() if flavor == "anthropic" else None
@@ -271,47 +282,60 @@ class InferenceProxy:
         usage: dict[str, Any] | None = None
         completed = False
         started = False
+        done = False
+        # The events of one upstream read leave in one write: a per-event write costs more than the event itself.
+        out: list[bytes] = []
         try:
-            async for event in iter_sse_events(resp.aiter_raw()):
-                if event.data == DONE:
-                    if aggregator.error is not None:
-                        break  # vLLM reported an error inside the stream: nothing valid to commit
-                    completed = True  # from here the `:after` task owns the capture's ending
-                    if capture is not None:
-                        await self._after_shielded(capture, aggregator.result())
+            async for events in iter_sse_batches(resp.aiter_raw()):
+                for event in events:
+                    if event.data == DONE:
+                        done = True
+                        if aggregator.error is not None:
+                            break  # vLLM reported an error inside the stream: nothing valid to commit
+                        completed = True  # from here the `:after` task owns the capture's ending
+                        if capture is not None:
+                            await self._after_shielded(capture, orjson.dumps(
+                                capture.hook_body(request=capture.request, response=aggregator.result())))
+                        if writer is not None:
+                            for name, data in writer.finish(finish_reason, usage):
+                                out.append(encode_sse(orjson.dumps(data), event=name))
+                        else:
+                            out.append(encode_sse(DONE))
+                        break
+                    chunk = orjson.loads(event.data)
+                    if not isinstance(chunk, dict):
+                        raise ValueError("stream chunk is not a JSON object")
+                    aggregator.feed(chunk)
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or []:
+                        if choice.get("finish_reason"):
+                            finish_reason = choice["finish_reason"]
                     if writer is not None:
-                        for name, data in writer.finish(finish_reason, usage):
-                            yield encode_sse(orjson.dumps(data), event=name)
-                    else:
-                        yield encode_sse(DONE)
+                        if not started:
+                            started = True
+                            prompt_ids = chunk.get("prompt_token_ids")
+                            for name, data in writer.start(
+                                f"msg_{chunk.get('id', '')}", wants.model or chunk.get("model") or "",
+                                input_tokens=len(prompt_ids) if isinstance(prompt_ids, list) else 0,
+                            ):
+                                out.append(encode_sse(orjson.dumps(data), event=name))
+                        for name, data in writer.feed(chunk):
+                            out.append(encode_sse(orjson.dumps(data), event=name))
+                        continue
+                    view = client_view_chunk(chunk, wants_logprobs=wants.logprobs, wants_usage=wants.usage,
+                                             client_model=wants.model)
+                    if view is not None:
+                        out.append(encode_sse(orjson.dumps(view)))
+                if out:
+                    batch, out = b"".join(out), []
+                    yield batch
+                if done:
                     break
-                chunk = orjson.loads(event.data)
-                if not isinstance(chunk, dict):
-                    raise ValueError("stream chunk is not a JSON object")
-                aggregator.feed(chunk)
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices") or []:
-                    if choice.get("finish_reason"):
-                        finish_reason = choice["finish_reason"]
-                if writer is not None:
-                    if not started:
-                        started = True
-                        prompt_ids = chunk.get("prompt_token_ids")
-                        for name, data in writer.start(
-                            f"msg_{chunk.get('id', '')}", wants.model or chunk.get("model") or "",
-                            input_tokens=len(prompt_ids) if isinstance(prompt_ids, list) else 0,
-                        ):
-                            yield encode_sse(orjson.dumps(data), event=name)
-                    for name, data in writer.feed(chunk):
-                        yield encode_sse(orjson.dumps(data), event=name)
-                    continue
-                view = client_view_chunk(chunk, wants_logprobs=wants.logprobs, wants_usage=wants.usage,
-                                         client_model=wants.model)
-                if view is not None:
-                    yield encode_sse(orjson.dumps(view))
-        except (httpx.HTTPError, ValueError, RuntimeError) as exc:  # JSONDecodeError is a ValueError
+        except (HttpError, ValueError, RuntimeError) as exc:  # JSONDecodeError is a ValueError
             log.warning("upstream stream broke: %s: %s", type(exc).__name__, exc)
+            if out:  # what was relayable before the break still reaches the client, as before batching
+                yield b"".join(out)
         finally:
             self._loras.end(instance)
             if capture is not None and not completed:
@@ -322,12 +346,13 @@ class InferenceProxy:
 
     # --------------------------------------------------------- hook endings
 
-    async def _after(self, capture: Capture, completion: dict[str, Any]) -> None:
-        """Commit the capture; a refusal still gives the client its completion, but the Task is aborted."""
+    async def _after(self, capture: Capture, body: bytes) -> None:
+        """Commit the capture (`body`: the `:after` JSON); a refusal still gives the client its completion, but the
+        Task is aborted."""
         t = capture.binding.rl_task_id
         try:
             try:
-                answer = await self._rl.after(capture.hook_body(request=capture.request, response=completion))
+                answer = await self._rl.after(body)
             except HookUnreachable:
                 answer = None
             if answer is None or not answer.ok:
@@ -340,10 +365,10 @@ class InferenceProxy:
     def _discard_in_background(self, capture: Capture) -> None:
         self._spawn(self._discard(capture))
 
-    async def _after_shielded(self, capture: Capture, completion: dict[str, Any]) -> None:
+    async def _after_shielded(self, capture: Capture, body: bytes) -> None:
         """`_after` in its own task: a client that disconnects while it runs cannot cut it in half (which would
         leave the RL Service unsure whether the capture was committed)."""
-        task = self._spawn(self._after(capture, completion))
+        task = self._spawn(self._after(capture, body))
         await asyncio.shield(task)
 
     async def _discard(self, capture: Capture) -> None:

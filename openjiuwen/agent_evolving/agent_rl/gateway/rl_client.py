@@ -2,7 +2,8 @@
 routes (CONTRACT §3.3, §3.5). Always with `Authorization: Bearer <RL_SERVICE_TOKEN>` of the current child.
 
 Hooks are retried `hookRetries` times on transport errors and timeouts only — safe, since they are idempotent per
-capture id; an HTTP answer is never retried.
+capture id; an HTTP answer is never retried. Hooks sit on every captured completion's path, so they go through the
+lean keep-alive client (http11.py); the proxied control calls use httpx.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
+
+from .http11 import Http11Client, TransportError
 
 if TYPE_CHECKING:
     from .metrics import GatewayMetrics
@@ -49,6 +52,7 @@ class RLClient:
         hook_retries: int,
         control_timeout_s: float,
         client: httpx.AsyncClient | None = None,
+        hook_client: Http11Client | None = None,
         metrics: "GatewayMetrics | None" = None,
     ) -> None:
         self._metrics = metrics
@@ -62,9 +66,11 @@ class RLClient:
         self._client = client or httpx.AsyncClient(
             trust_env=False, limits=httpx.Limits(max_connections=512, keepalive_expiry=2.0)
         )
+        self._hooks = hook_client or Http11Client(keepalive_expiry_s=2.0)
 
     async def aclose(self) -> None:
         await self._client.aclose()
+        await self._hooks.aclose()
 
     def _headers(self, extra: dict[str, str | bytes] | None = None) -> dict[str, str | bytes]:
         headers: dict[str, str | bytes] = {"content-type": "application/json"}
@@ -75,8 +81,9 @@ class RLClient:
             headers.update(extra)
         return headers
 
-    async def hook(self, path: str, body: dict[str, Any]) -> RLAnswer:
-        """POST a hook with the hook timeout and retries; raises HookUnreachable when nothing answered."""
+    async def hook(self, path: str, body: dict[str, Any] | bytes) -> RLAnswer:
+        """POST a hook (a body, or its JSON bytes) with the hook timeout and retries; raises HookUnreachable when
+        nothing answered."""
         if self._metrics is None:
             return await self._hook(path, body)
         name = path.rsplit(":", 1)[-1]  # before, after, discard, abort
@@ -90,25 +97,26 @@ class RLClient:
             self._metrics.hook_error(name, str(answer.status))
         return answer
 
-    async def _hook(self, path: str, body: dict[str, Any]) -> RLAnswer:
-        payload = orjson.dumps(body)
+    async def _hook(self, path: str, body: dict[str, Any] | bytes) -> RLAnswer:
+        payload = body if isinstance(body, bytes) else orjson.dumps(body)
+        url = self._endpoint + path
         last: Exception | None = None
         for attempt in range(self._hook_retries + 1):
             try:
-                resp = await self._client.post(
-                    self._endpoint + path, content=payload, headers=self._headers(), timeout=self._hook_timeout_s
+                resp = await self._hooks.request(
+                    "POST", url, content=payload, headers=self._headers(), timeout_s=self._hook_timeout_s
                 )
-            except httpx.TransportError as exc:  # includes timeouts
+            except TransportError as exc:  # includes timeouts
                 last = exc
                 log.warning("hook %s attempt %d failed: %s", path, attempt + 1, type(exc).__name__)
                 continue
-            return RLAnswer(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))
+            return RLAnswer(resp.status, resp.body, resp.headers.get("content-type", "application/json"))
         raise HookUnreachable(f"{path}: {type(last).__name__}")
 
-    async def before(self, body: dict[str, Any]) -> RLAnswer:
+    async def before(self, body: dict[str, Any] | bytes) -> RLAnswer:
         return await self.hook("/internal/v1/completions:before", body)
 
-    async def after(self, body: dict[str, Any]) -> RLAnswer:
+    async def after(self, body: dict[str, Any] | bytes) -> RLAnswer:
         return await self.hook("/internal/v1/completions:after", body)
 
     async def discard(self, body: dict[str, Any]) -> RLAnswer:

@@ -98,6 +98,19 @@ async def iter_sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[SSEEven
         yield event
 
 
+async def iter_sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[SSEEvent]]:
+    """The events completed by each chunk read, as one list (empty reads skipped); the final flush comes last. A
+    relay that answers per batch writes once per upstream read instead of once per event."""
+    decoder = SSEDecoder()
+    async for chunk in chunks:
+        events = decoder.feed(chunk)
+        if events:
+            yield events
+    events = decoder.close()
+    if events:
+        yield events
+
+
 def encode_sse(data: str | bytes, event: str | None = None) -> bytes:
     """One event as wire bytes: `event: <name>` (if any), one `data:` line per line of `data`, a blank line."""
     payload = data.encode() if isinstance(data, str) else bytes(data)

@@ -7,7 +7,6 @@ Run it as `python -m openjiuwen.agent_evolving.agent_rl.online.service --config 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import logging
 import os
@@ -371,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config)
     install_parent_death_watchdog()
     import uvicorn
+    import uvloop  # hooks are mostly event-loop and socket work: uvloop's loop does it in C
 
     app = create_app(config, token=os.environ.get(TOKEN_ENV) or None, fault=fault)
     server = uvicorn.Server(
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn re-raises the SIGTERM it handled once shutdown is done; exit 0 then, not "killed by SIGTERM".
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        asyncio.run(server.serve())
+        uvloop.run(server.serve())
     except Exception:
         log.exception("RL service failed")
         return 1

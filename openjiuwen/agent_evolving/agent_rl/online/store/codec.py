@@ -2,14 +2,17 @@
 
 A logical sample document carries `trajectory.prompt_ids`, `trajectory.response_ids` and
 `trajectory.response_logprobs` as lists. In Redis those three arrays live only as packed bytes; everything else of
-the document is one JSON blob. A staged sample (one STRING) is the same parts framed in one value, so publication can
-move the packed arrays into the trajectory hash without ever decoding them.
+the document is one JSON blob, zlib-compressed when that makes it smaller (it is mostly the request's messages and
+the response text: prose compresses several times; `encode_meta`/`decode_meta`, which also read the plain JSON
+written before compression existed). A staged sample (one STRING) is the same parts framed in one value, so
+publication can move the packed arrays and the meta blob into the trajectory hash without ever decoding them.
 """
 
 from __future__ import annotations
 
 import struct
 import sys
+import zlib
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +21,10 @@ import orjson
 
 MAX_TOKEN_ID = 2**32 - 1  # token ids are packed as uint32: validation refuses larger ones before they get here
 _LITTLE = sys.byteorder == "little"
-_STAGED_MAGIC = b"RLS1"
+_STAGED_MAGIC = b"RLS1"  # meta as plain JSON (written by earlier versions; still read)
+_STAGED_MAGIC_Z = b"RLS2"  # meta as `encode_meta` bytes
+_META_ZLIB = b"Z"  # first byte of a compressed meta blob; a JSON object starts with "{"
+_META_MIN_COMPRESS = 256  # below this, zlib's framing costs more than it saves
 _HEADER = struct.Struct("<4sIIII")  # magic, json length, prompt bytes, response bytes, logprob bytes
 
 def text(raw: bytes | str | None) -> str | None:
@@ -42,6 +48,24 @@ def derive_response_text(response: Any) -> str:
         if isinstance(value, str) and value:
             return value
     return ""
+
+
+def encode_meta(meta: dict[str, Any]) -> bytes:
+    """The JSON part of a sample as stored: `Z` + zlib (level 1: cheap on the capture path) when smaller, else the
+    JSON itself. Raises TypeError for what JSON cannot carry."""
+    raw = orjson.dumps(meta)
+    if len(raw) < _META_MIN_COMPRESS:
+        return raw
+    packed = _META_ZLIB + zlib.compress(raw, 1)
+    return packed if len(packed) < len(raw) else raw
+
+
+def decode_meta(blob: bytes | None) -> dict[str, Any]:
+    if not blob:
+        return {}
+    if blob[:1] == _META_ZLIB:
+        return orjson.loads(zlib.decompress(blob[1:]))
+    return orjson.loads(blob)
 
 
 def pack_ids(ids: list[int]) -> bytes:
@@ -109,20 +133,24 @@ class PackedSample:
     def meta_json(self) -> bytes:
         return orjson.dumps(self.meta)
 
+    def meta_blob(self) -> bytes:
+        """The stored form of the JSON part (`sample_json` field, staged value): see `encode_meta`."""
+        return encode_meta(self.meta)
+
     def encode_staged(self) -> bytes:
-        body = self.meta_json()
+        body = self.meta_blob()
         header = _HEADER.pack(
-            _STAGED_MAGIC, len(body), len(self.prompt_ids), len(self.response_ids), len(self.response_logprobs)
+            _STAGED_MAGIC_Z, len(body), len(self.prompt_ids), len(self.response_ids), len(self.response_logprobs)
         )
         return b"".join((header, body, self.prompt_ids, self.response_ids, self.response_logprobs))
 
     @classmethod
     def decode_staged(cls, blob: bytes) -> "PackedSample":
         magic, n_json, n_prompt, n_resp, n_lp = _HEADER.unpack_from(blob)
-        if magic != _STAGED_MAGIC:
+        if magic not in (_STAGED_MAGIC, _STAGED_MAGIC_Z):
             raise ValueError("not a staged sample")
         pos = _HEADER.size
-        meta = orjson.loads(blob[pos : pos + n_json])
+        meta = decode_meta(blob[pos : pos + n_json])
         pos += n_json
         prompt = blob[pos : pos + n_prompt]
         pos += n_prompt

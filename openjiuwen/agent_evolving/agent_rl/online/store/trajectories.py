@@ -23,7 +23,7 @@ from ..errors import InvalidInput
 from ..ids import InvalidIdentifier
 from ..rewards.policy import RewardPolicy, breakdown
 from . import keys
-from .codec import PackedSample, text
+from .codec import PackedSample, decode_meta, text
 from .policy_stats import queue_contribution
 from .tx import transact
 
@@ -155,7 +155,7 @@ class TrajectoryStore:
                         "status": status,
                         "updated_at": now,
                         "run_id": "",
-                        "sample_json": sample.meta_json(),
+                        "sample_json": sample.meta_blob(),
                         "prompt_ids": sample.prompt_ids,
                         "response_ids": sample.response_ids,
                         "response_logprobs": sample.response_logprobs,
@@ -495,7 +495,7 @@ class TrajectoryStore:
     @staticmethod
     def _packed(row: list[bytes | None]) -> PackedSample:
         sample_json, prompt, response, logprobs = row[0], row[1], row[2], row[3]
-        return PackedSample(orjson.loads(sample_json or b"{}"), prompt or b"", response or b"", logprobs or b"")
+        return PackedSample(decode_meta(sample_json), prompt or b"", response or b"", logprobs or b"")
 
 
 def _encode_cursor(status: str | None, bucket: str, score: float, member: str) -> str:

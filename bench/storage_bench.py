@@ -1,0 +1,161 @@
+"""Storage: Redis bytes per captured token over a multi-turn workload, ours against the naive JSON document.
+
+    .venv/bin/python bench/storage_bench.py [--sessions 8] [--turns 4] [--first-prompt-tokens 1024] [--completion-tokens 512]
+
+The RL Service runs as a real process against a private redis-server. Each session is one terminal Task whose turn k
+repeats the whole conversation so far (turn k's prompt = turn k−1's prompt + its completion + a new user message, as
+an agent loop sends it), with vLLM 0.32-shaped responses (token ids, logprobs with one top logprob). Every capture
+goes through `:before`/`:after`; then stop + reward publish them. Measured with `MEMORY USAGE … SAMPLES 0`:
+every published `rl:v1:traj:*` hash, against the naive layout (the full logical sample document as one JSON string,
+stored and measured in the same Redis). Captured tokens = prompt + completion tokens of every sample. Prints a
+table, writes bench/results/storage.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.hooks_bench import MODEL, synthetic_exchange  # noqa: E402
+from bench.machine import machine_facts  # noqa: E402
+from tests.support.redis_server import RedisServer, free_port  # noqa: E402
+
+
+def conversation(args: argparse.Namespace, seed: int) -> list[tuple[dict, dict]]:
+    """(request, response) per turn; prompts grow by the previous completion and a new user message."""
+    rng = random.Random(seed)
+    turns = []
+    prompt_ids = [rng.randrange(3, 151_000) for _ in range(args.first_prompt_tokens)]
+    messages = [{"role": "system", "content": "You are a helpful agent."}]
+    user = " ".join(rng.choice(["plan", "the", "next", "step", "tool", "call", "result"])
+                    for _ in range(args.first_prompt_tokens))
+    for k in range(args.turns):
+        messages = [*messages, {"role": "user", "content": user}]
+        request, response = synthetic_exchange(len(prompt_ids), args.completion_tokens, seed=seed * 100 + k)
+        request["messages"] = list(messages)
+        response["prompt_token_ids"] = list(prompt_ids)
+        turns.append((request, response))
+        answer = response["choices"][0]
+        messages.append({"role": "assistant", "content": answer["message"]["content"]})
+        user = f"tool result {k}: ok"
+        prompt_ids = prompt_ids + answer["token_ids"] + [rng.randrange(3, 151_000) for _ in range(16)]
+    return turns
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict:
+    from redis.asyncio import Redis
+
+    from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
+
+    with RedisServer(workdir / "redis") as redis_server:
+        port = free_port()
+        config = workdir / "rl.yaml"
+        config.write_text(orjson.dumps({
+            "listen_port": port, "redis_url": redis_server.url, "model_id": MODEL,
+            "base_model_path": "/models/bench", "lora_repository_path": str(workdir / "loras"),
+            "log_path": str(workdir / "rl-service.log"), "max_body_bytes": 64 * 1024 * 1024,
+        }).decode())
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.online.service", "--config", str(config)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        redis = Redis.from_url(redis_server.url)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        if (await client.get("/health")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise RuntimeError("RL Service did not start")
+                    await asyncio.sleep(0.1)
+                captured_tokens = 0
+                ids = []
+                for s in range(args.sessions):
+                    t = f"st{s}"
+                    headers = {"X-Agent-Session-Id": f"ss{s}", "X-AIGW-RL-Task-Id": t,
+                               "X-AIGW-RL-Policy-Name": "base", "X-AIGW-RL-Policy-Model": MODEL}
+                    r = await client.post("/v1/rl/tasks/start", json={"reward_mode": "terminal"}, headers=headers)
+                    assert r.status_code == 201, r.text
+                    for k, (request, response) in enumerate(conversation(args, seed=s + 1)):
+                        c = f"sc-{s}-{k}"
+                        hook = {"rl_task_id": t, "capture_id": c, "agent_turn_id": None}
+                        r = await client.post("/internal/v1/completions:before", json={**hook, "request": request})
+                        assert r.status_code == 200, r.text
+                        r = await client.post("/internal/v1/completions:after", content=orjson.dumps(
+                            {**hook, "request": r.json()["request"], "response": response}),
+                            headers={"content-type": "application/json"})
+                        assert r.status_code == 204, r.text
+                        captured_tokens += len(response["prompt_token_ids"]) + args.completion_tokens
+                        ids.append(c)
+                    assert (await client.post(f"/v1/rl/tasks/{t}/stop")).status_code == 200
+                    assert (await client.post(f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0})).status_code == 200
+                ours = 0
+                naive = 0
+                for c in ids:
+                    ours += await redis.execute_command("MEMORY", "USAGE", f"rl:v1:traj:{c}", "SAMPLES", "0")
+                    # The naive layout: the whole logical document as one JSON string (what the detail route shows).
+                    doc = (await client.get(f"/v1/rl/trajectories/{c}")).json()
+                    await redis.set("bench:naive", orjson.dumps(doc))
+                    naive += await redis.execute_command("MEMORY", "USAGE", "bench:naive", "SAMPLES", "0")
+                    # Sanity: the stored arrays are the captured ones.
+                    packed = PackedSample.from_document(doc)
+                    assert len(packed.prompt_ids) // 4 == len(doc["trajectory"]["prompt_ids"])
+                await redis.delete("bench:naive")
+                repeated = sum(len(r["prompt_token_ids"]) for s in range(args.sessions)
+                               for r in [resp for _, resp in conversation(args, seed=s + 1)][1:])
+        finally:
+            await redis.aclose()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return {"sessions": args.sessions, "turns": args.turns, "samples": len(ids),
+            "first_prompt_tokens": args.first_prompt_tokens, "completion_tokens": args.completion_tokens,
+            "captured_tokens": captured_tokens, "repeated_prompt_tokens": repeated,
+            "bytes_per_token": {"ours": ours / captured_tokens, "naive_json": naive / captured_tokens},
+            "bytes_total": {"ours": ours, "naive_json": naive}, "machine": machine_facts(),
+            "load_avg_1m": os.getloadavg()[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--first-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--completion-tokens", type=int, default=512)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "storage.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="rl-storage-bench-") as tmp:
+        result = asyncio.run(run(args, Path(tmp)))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    b = result["bytes_per_token"]
+    print(f"storage: {result['samples']} samples ({result['sessions']} sessions × {result['turns']} turns), "
+          f"{result['captured_tokens']} captured tokens, of which {result['repeated_prompt_tokens']} repeat an "
+          f"earlier turn's prompt")
+    print(f"  Redis bytes per captured token: ours {b['ours']:.2f}, naive JSON document {b['naive_json']:.2f}")
+    print(f"  written to {out}")
+
+
+if __name__ == "__main__":
+    main()
