@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ import orjson
 from redis.asyncio import Redis
 
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
 
 PREFIX = keys.PREFIX
 CLAIMED_STATUSES = ("training",)  # statuses whose samples belong to the active run
@@ -632,7 +634,10 @@ async def _load_judges(
     )
     raws = await _pipelined(redis, wanted, lambda p, c: p.hget(keys.traj(c), "sample_json"))
     for c, raw in zip(wanted, raws):
-        meta = _json(raw)
+        try:
+            meta = decode_meta(raw)
+        except (orjson.JSONDecodeError, zlib.error):
+            meta = None
         if not isinstance(meta, dict):
             report.add(f"sample {c}: sample_json is not a JSON object")
             continue

@@ -22,7 +22,7 @@ from .. import ids
 from ..errors import InvalidInput, NotFound
 from ..ids import InvalidIdentifier
 from ..store import keys
-from ..store.codec import text
+from ..store.codec import decode_meta, text
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
 from .policy import AWAITING, PENDING, RewardConflict, RewardPolicy, iso_at
@@ -97,7 +97,7 @@ class RewardLedger:
 
     async def _state_before_policy(self, pipe: Pipeline, key: str, created_at: str | None) -> dict[str, Any]:
         """A sample published before the policy was configured has no state: start one from its `judge`."""
-        doc = orjson.loads(await pipe.hget(key, "sample_json") or b"{}")
+        doc = decode_meta(await pipe.hget(key, "sample_json"))
         published = ids.parse_iso_epoch(created_at) if created_at else time.time()
         return self._policy.initial(doc.get("judge"), published)
 

@@ -203,7 +203,7 @@ class TrajectoryStore:
                 if status == AWAITING_REWARDS:
                     pipe.zrem(self._deadlines_key, sample_id)
                 self._queue_counters(pipe, status, source, policy_version, -1)
-                meta = orjson.loads(sample_json or b"{}")
+                meta = decode_meta(sample_json)
                 self._queue_policy_stats(pipe, policy_version, meta, response_ids or b"", -1)
             await pipe.execute()
             return len(doomed)
