@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from . import events
+from .background import stop_loop
 from .capture.rewards import RewardProjector
 from .store import keys
 from .store.codec import text
@@ -188,9 +189,5 @@ class RetentionSweeper:
                     self._on_error(exc)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._stopping.set()
-            self._task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_loop(self._task, self._stopping)
+        self._task = None

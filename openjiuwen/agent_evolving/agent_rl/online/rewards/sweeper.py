@@ -14,6 +14,7 @@ import logging
 import time
 from contextlib import suppress
 
+from ..background import stop_loop
 from .ledger import RewardLedger, SweepResult
 
 log = logging.getLogger("openjiuwen.agent_rl.online.rewards")
@@ -72,9 +73,5 @@ class RewardDeadlineSweeper:
                 await asyncio.wait_for(self._stopping.wait(), delay)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._stopping.set()
-            self._task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_loop(self._task, self._stopping)
+        self._task = None

@@ -16,25 +16,34 @@ from redis.asyncio import Redis
 from ..errors import InvalidInput
 from .codec import text
 
-_MAX_CURSOR_CHARS = 512
+_MAX_CURSOR_CHARS = 1024  # a sample id may be 300 characters
 
 
 def encode_cursor(scope: str, score: float, member: str) -> str:
     return base64.urlsafe_b64encode(orjson.dumps([scope, score, member])).rstrip(b"=").decode()
 
 
-def decode_cursor(cursor: str, scope: str) -> tuple[float, str]:
-    """(score, id) of a cursor made by `encode_cursor` for the same `scope` (e.g. the status filter)."""
-    invalid = InvalidInput("invalid_request", "invalid cursor")
+def invalid_cursor() -> InvalidInput:
+    return InvalidInput("invalid_request", "invalid cursor")
+
+
+def cursor_fields(cursor: str, count: int) -> list:
+    """The `count` JSON fields of an opaque paging cursor (base64url of a JSON list); 400 for anything else."""
     if not cursor or len(cursor) > _MAX_CURSOR_CHARS or not cursor.isascii():
-        raise invalid
+        raise invalid_cursor()
     try:
         value = orjson.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
     except (binascii.Error, ValueError):
-        raise invalid from None
-    if not isinstance(value, list) or len(value) != 3:
-        raise invalid
-    got_scope, score, member = value
+        raise invalid_cursor() from None
+    if not isinstance(value, list) or len(value) != count:
+        raise invalid_cursor()
+    return value
+
+
+def decode_cursor(cursor: str, scope: str) -> tuple[float, str]:
+    """(score, id) of a cursor made by `encode_cursor` for the same `scope` (e.g. the status filter)."""
+    invalid = invalid_cursor()
+    got_scope, score, member = cursor_fields(cursor, 3)
     if got_scope != scope or not isinstance(member, str) or not member or len(member) > 300:
         raise invalid
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):

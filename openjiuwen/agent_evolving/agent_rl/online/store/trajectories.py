@@ -9,7 +9,6 @@ so the stats route never scans. `queue_move` is the one place that spells such a
 from __future__ import annotations
 
 import base64
-import binascii
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ from ..ids import InvalidIdentifier
 from ..rewards.policy import RewardPolicy, breakdown
 from . import keys
 from .codec import PackedSample, decode_meta, text
+from .listing import cursor_fields, invalid_cursor
 from .policy_stats import queue_contribution
 from .tx import transact
 
@@ -38,7 +38,6 @@ _SUMMARY_FIELDS = (
     "status",
 )
 _DOC_FIELDS = ("sample_json", "prompt_ids", "response_ids", "response_logprobs", "rewards", "status")
-_MAX_CURSOR_CHARS = 1024
 _ALL_BUCKETS = "*"
 
 
@@ -505,16 +504,8 @@ def _encode_cursor(status: str | None, bucket: str, score: float, member: str) -
 
 def _decode_cursor(cursor: str, status: str | None) -> tuple[str, float, str]:
     """(bucket, score, sample id) of a cursor made by `_encode_cursor` for the same `status` filter."""
-    invalid = InvalidInput("invalid_request", "invalid cursor")
-    if not cursor or len(cursor) > _MAX_CURSOR_CHARS or not cursor.isascii():
-        raise invalid
-    try:
-        value = orjson.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
-    except (binascii.Error, ValueError):
-        raise invalid from None
-    if not isinstance(value, list) or len(value) != 4:
-        raise invalid
-    scope, bucket, score, member = value
+    invalid = invalid_cursor()
+    scope, bucket, score, member = cursor_fields(cursor, 4)
     if scope != (status or _ALL_BUCKETS) or bucket not in keys.ALL_SAMPLE_STATUSES:
         raise invalid
     if status is not None and bucket != status:
