@@ -1,11 +1,11 @@
 """The Redis trajectory store: one hash per sample, one sorted-set index per status, O(1) counters (CONTRACT §5.2).
 
-A sample lives in `traj:{id}` (index fields, `sample_json`, the packed arrays: its prompt as shared
-`prompt_block:{digest}` blocks named by `prompt_blocks` plus the tail in `prompt_ids`, see `prompt_blocks.py`), its id
-in exactly one
-`traj_idx:{owner}:{status}` ZSET, and `traj_stats:{owner}` counts it under `status:<s>`, `source:<src>` and, while
-pending, `pending_policy:<version>`. Every status move changes hash, indexes and counters in one EXEC (invariant 5),
-so the stats route never scans. `queue_move` is the one place that spells such a move; the training side reuses it.
+A sample lives in `traj:{id}` (index fields, `sample_json`, the packed arrays; its prompt as shared
+`prompt_block:{digest}` blocks named by `prompt_blocks` plus the tail in `prompt_ids`, see `prompt_blocks.py`), its
+id in exactly one `traj_idx:{owner}:{status}` ZSET, and `traj_stats:{owner}` counts it under `status:<s>`,
+`source:<src>` and, while pending, `pending_policy:<version>`. Every status move changes hash, indexes and counters in
+one EXEC (invariant 5), so the stats route never scans. `queue_move` is the one place that spells such a move; the
+training side reuses it.
 """
 
 from __future__ import annotations
