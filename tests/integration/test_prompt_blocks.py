@@ -20,8 +20,10 @@ from openjiuwen.agent_evolving.agent_rl.online.store import keys, prompt_blocks
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample, pack_ids, pack_logprobs
 from openjiuwen.agent_evolving.agent_rl.online.store.prompt_blocks import BLOCK_IDS
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
+from tests.conftest import load_fixture
 from tests.integration.test_trajectory_store import MODEL, T0, iso_at, make_doc, move
-from tests.support.invariants import check_invariants
+from tests.support.invariants import ClientRecord, check_invariants
+from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_task, with_user
 
 BLOCK_PATTERN = keys.PREFIX + "prompt_block:*"
 
@@ -250,3 +252,33 @@ async def test_the_checker_names_each_broken_block(redis: Redis, store: Trajecto
     assert f"sample y references missing prompt block(s) ['{digests[-1].hex()}']" in text
     assert f"prompt block {stray.hex()} is referenced by no sample (refs 1)" in text
     assert len(report.violations) == 5, report.violations
+
+
+async def test_a_captured_conversation_reads_back_exactly_through_the_service(redis, redis_url, tmp_path) -> None:
+    """End to end: three turns of a terminal Task go through `:before`/`:after`, stop and reward; the detail route
+    returns each captured prompt exactly, the turns share their blocks, and every invariant holds."""
+    request, response = load_fixture("chat_request.json"), load_fixture("chat_response.json")
+    prompts = conversation(12, turns=3, first=600, completion=200)
+    record = ClientRecord()
+    async with running_app(make_config(redis_url, tmp_path)) as (_, client):
+        assert (await start_task(client, "s-conv", "tconv")).status_code == 201
+        record.task_started("tconv")
+        for k, prompt in enumerate(prompts):
+            resp = {**response, "prompt_token_ids": prompt,
+                    "usage": {**response["usage"], "prompt_tokens": len(prompt),
+                              "total_tokens": len(prompt) + response["usage"]["completion_tokens"]}}
+            before, after = await capture(client, "tconv", f"conv-{k}", with_user(request, f"turn {k}"), resp)
+            assert before.status_code == 200 and after is not None and after.status_code == 204, after
+            record.capture_committed("tconv", f"conv-{k}")
+        assert (await client.post("/v1/rl/tasks/tconv/stop")).status_code == 200
+        record.task_finalized("tconv")
+        r = await client.post("/v1/rl/tasks/tconv/reward", json={"reward": 1.0})
+        assert r.status_code == 200
+        record.reward_acknowledged("tconv", 1.0, r.json()["sample_count"])
+        for k, prompt in enumerate(prompts):
+            detail = (await client.get(f"/v1/rl/trajectories/conv-{k}")).json()
+            assert detail["trajectory"]["prompt_ids"] == prompt == detail["response"]["prompt_token_ids"]
+    assert sorted((await blocks(redis)).values(), reverse=True) == [
+        sum(len(p) // BLOCK_IDS > i for p in prompts) for i in range(len(prompts[-1]) // BLOCK_IDS)]
+    report = await check_invariants(redis, model_id=MODEL_ID, sent=record, raise_on_violation=False)
+    assert report.ok and report.client_samples_checked == 3, report.describe()
