@@ -173,10 +173,14 @@ async def measure(client: httpx.AsyncClient, redis_server: RedisServer, args: ar
         for t in tasks:
             assert (await client.post(f"/v1/rl/tasks/{t}/stop")).status_code == 200
             assert (await client.post(f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0})).status_code == 200
-        # SAMPLES 0: measure every field of the hash instead of extrapolating from five.
-        published = await redis.execute_command(
-            "MEMORY", "USAGE", f"rl:v1:traj:cap-{args.warmup + args.pairs - 1}", "SAMPLES", "0"
-        )
+        # SAMPLES 0: measure every field of the hash instead of extrapolating from five. Its shared prompt blocks
+        # count in full, as if no other sample referenced them (every pair here sends the same prompt).
+        last = f"rl:v1:traj:cap-{args.warmup + args.pairs - 1}"
+        published = await redis.execute_command("MEMORY", "USAGE", last, "SAMPLES", "0")
+        digests = await redis.hget(last, "prompt_blocks") or b""
+        for i in range(0, len(digests), 16):
+            published += await redis.execute_command(
+                "MEMORY", "USAGE", f"rl:v1:prompt_block:{digests[i:i + 16].hex()}", "SAMPLES", "0")
         info = await redis.info("memory")
     finally:
         await redis.aclose()

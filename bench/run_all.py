@@ -177,19 +177,28 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
             f"{st['samples']} published samples ({st['sessions']} sessions × {st['turns']} turns, first prompt "
             f"{st['first_prompt_tokens']} tokens, {st['completion_tokens']}-token completions; each turn repeats the "
             f"conversation so far), {st['captured_tokens']} captured tokens of which "
-            f"{st['repeated_prompt_tokens']} repeat an earlier prompt. `MEMORY USAGE … SAMPLES 0` per sample.",
+            f"{st['repeated_prompt_tokens']} repeat an earlier prompt. `MEMORY USAGE … SAMPLES 0` per sample hash "
+            "and per shared prompt block.",
             "",
             "| layout | bytes per captured token |",
             "|---|---:|",
-            f"| ours (`rl:v1:traj:{{id}}` hash: packed arrays + compressed JSON) | {b['ours']:.2f} |",
+            f"| ours (`rl:v1:traj:{{id}}` hash: packed arrays + compressed JSON; prompt prefixes once in "
+            f"`rl:v1:prompt_block:{{digest}}`) | {b['ours']:.2f} |",
+            # Measured once with this bench (`--sessions 4`) on commit 1ba944f, the last without prefix sharing.
+            "| ours before prompt-prefix sharing (1ba944f: whole prompt in every hash) | 7.88 |",
             f"| naive JSON document per sample | {b['naive_json']:.2f} |",
         ]
         if hooks:
             hb = hooks["redis_bytes_per_token"]
             out.append(f"| ours, single 2,048+2,048 capture (hooks bench): staged / published | "
                        f"{hb['staged']:.2f} / {hb['published']:.2f} |")
+        if "held_prompt_ids" in st:
+            out += ["", f"Prompt ids held in Redis: {st['held_prompt_ids']} of {st['captured_prompt_ids']} captured "
+                    f"({st['prompt_blocks']} shared blocks of 254 ids, each once, plus each sample's tail of less "
+                    "than a block); before prefix sharing every captured prompt id was held (29056 of 29056)."]
         out += ["", f"Target ≤ 12 B/token: {_verdict(b['ours'] <= 12)}. The synthetic prose compresses better than",
-                "real text; the packed arrays alone cost 4 B per prompt token and 8 B per completion token.", ""]
+                "real text; the packed arrays cost 4 B per unique prompt token (plus the tails) and 8 B per "
+                "completion token.", ""]
     sc = _load("scaling")
     if sc:
         out += [

@@ -6,9 +6,11 @@ The RL Service runs as a real process against a private redis-server. Each sessi
 repeats the whole conversation so far (turn k's prompt = turn k−1's prompt + its completion + a new user message, as
 an agent loop sends it), with vLLM 0.32-shaped responses (token ids, logprobs with one top logprob). Every capture
 goes through `:before`/`:after`; then stop + reward publish them. Measured with `MEMORY USAGE … SAMPLES 0`:
-every published `rl:v1:traj:*` hash, against the naive layout (the full logical sample document as one JSON string,
-stored and measured in the same Redis). Captured tokens = prompt + completion tokens of every sample. Prints a
-table, writes bench/results/storage.json.
+every published `rl:v1:traj:*` hash plus every shared `rl:v1:prompt_block:*` (prompt-prefix sharing), against the
+naive layout (the full logical sample document as one JSON string,
+stored and measured in the same Redis). Captured tokens = prompt + completion tokens of every sample. Also counts
+the prompt ids Redis holds (shared blocks once + per-sample tails) against the captured prompt ids. Prints a table,
+writes bench/results/storage.json.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
                     await asyncio.sleep(0.1)
                 captured_tokens = 0
                 ids = []
+                prompts: dict[str, list[int]] = {}
                 for s in range(args.sessions):
                     t = f"st{s}"
                     headers = {"X-Agent-Session-Id": f"ss{s}", "X-AIGW-RL-Task-Id": t,
@@ -105,12 +108,19 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
                         assert r.status_code == 204, r.text
                         captured_tokens += len(response["prompt_token_ids"]) + args.completion_tokens
                         ids.append(c)
+                        prompts[c] = response["prompt_token_ids"]
                     assert (await client.post(f"/v1/rl/tasks/{t}/stop")).status_code == 200
                     assert (await client.post(f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0})).status_code == 200
                 ours = 0
                 naive = 0
+                held_prompt_ids = 0  # prompt ids as Redis holds them: each block once, each sample's tail
+                block_keys = [k async for k in redis.scan_iter(match="rl:v1:prompt_block:*", count=1000)]
+                for key in block_keys:
+                    ours += await redis.execute_command("MEMORY", "USAGE", key, "SAMPLES", "0")
+                    held_prompt_ids += len(await redis.hget(key, "ids")) // 4
                 for c in ids:
                     ours += await redis.execute_command("MEMORY", "USAGE", f"rl:v1:traj:{c}", "SAMPLES", "0")
+                    held_prompt_ids += len(await redis.hget(f"rl:v1:traj:{c}", "prompt_ids") or b"") // 4
                     # The naive layout: the whole logical document as one JSON string (what the detail route shows).
                     doc = (await client.get(f"/v1/rl/trajectories/{c}")).json()
                     await redis.set("bench:naive", orjson.dumps(doc))
@@ -118,6 +128,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
                     # Sanity: the stored arrays are the captured ones.
                     packed = PackedSample.from_document(doc)
                     assert len(packed.prompt_ids) // 4 == len(doc["trajectory"]["prompt_ids"])
+                    assert doc["trajectory"]["prompt_ids"] == prompts[c]
                 await redis.delete("bench:naive")
                 repeated = sum(len(r["prompt_token_ids"]) for s in range(args.sessions)
                                for r in [resp for _, resp in conversation(args, seed=s + 1)][1:])
@@ -131,6 +142,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
     return {"sessions": args.sessions, "turns": args.turns, "samples": len(ids),
             "first_prompt_tokens": args.first_prompt_tokens, "completion_tokens": args.completion_tokens,
             "captured_tokens": captured_tokens, "repeated_prompt_tokens": repeated,
+            "captured_prompt_ids": sum(map(len, prompts.values())), "held_prompt_ids": held_prompt_ids,
+            "prompt_blocks": len(block_keys),
             "bytes_per_token": {"ours": ours / captured_tokens, "naive_json": naive / captured_tokens},
             "bytes_total": {"ours": ours, "naive_json": naive}, "machine": machine_facts(),
             "load_avg_1m": os.getloadavg()[0]}
@@ -154,6 +167,8 @@ def main() -> None:
           f"{result['captured_tokens']} captured tokens, of which {result['repeated_prompt_tokens']} repeat an "
           f"earlier turn's prompt")
     print(f"  Redis bytes per captured token: ours {b['ours']:.2f}, naive JSON document {b['naive_json']:.2f}")
+    print(f"  prompt ids held in Redis: {result['held_prompt_ids']} of {result['captured_prompt_ids']} captured "
+          f"({result['prompt_blocks']} shared blocks + per-sample tails)")
     print(f"  written to {out}")
 
 

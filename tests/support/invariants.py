@@ -12,6 +12,9 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
   capture; a staged sample exists only for a committed capture whose Task still may publish it;
 - samples of Tasks (inv. 4): every committed capture of a published turn or of a rewarded Task is exactly one
   sample of that Task, and every Task sample comes from such a capture (nothing published from nowhere);
+- prompt blocks (invariant P, `store/prompt_blocks.py`): a block exists iff some sample references it, its `refs`
+  equals the number of referencing samples, it holds exactly one block of ids, the chained digests of each sample
+  match the contents, and no block has a TTL;
 - TTLs (inv. 8): none on active Tasks, pending/claimed samples, staged samples awaiting a reward, the active run;
 - the client's view (`ClientRecord`, optional): every capture the client saw committed (204) in a Task whose
   reward (200) or turn publication it saw acknowledged is exactly one sample with that reward / a Judge score, and
@@ -41,7 +44,7 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
-from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from openjiuwen.agent_evolving.agent_rl.online.store import keys, prompt_blocks
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
 
 PREFIX = keys.PREFIX
@@ -83,6 +86,7 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("reward", f"task:(?P<t>{_T}):reward"),
         ("task_events", f"task:(?P<t>{_T}):events"),
         ("traj", f"traj:(?P<s>{_S})"),
+        ("prompt_block", "prompt_block:(?P<b>[0-9a-f]{32})"),
         ("traj_index", f"traj_idx:(?P<o>{_O}):(?P<status>[a-z_]+)"),
         ("traj_stats", f"traj_stats:(?P<o>{_O})"),
         ("pending_judge", f"pending_judge:{_I}:{_I}:[0-9]+"),
@@ -303,6 +307,7 @@ async def check_invariants(
         report.add(f"rl:v1:owner is {owner!r}, not {model_id!r}")
 
     samples = await _check_samples(redis, report, model_id, sample_ids, statuses)
+    await _check_prompt_blocks(redis, report, sample_ids, [g["b"] for _, g in typed.get("prompt_block", [])])
     await _check_reward_deadlines(redis, report, model_id, samples)
     await _check_task_listings(redis, report, typed)
     active_run = await _check_runs(redis, report, run_ids, samples)
@@ -382,13 +387,58 @@ async def _check_samples(
         expected[f"source:{sample.source}"] += 1
         if sample.status == "pending":
             expected[f"pending_policy:{sample.policy_version}"] += 1
-    for name in sorted(set(expected) | {n for n in counters if n != "expired_unrewarded"}):
+    # `expired_unrewarded` and the reward policy's `reward_*` tallies count events, not stored samples.
+    derived = {n for n in counters if n != "expired_unrewarded" and not n.startswith("reward_")}
+    for name in sorted(set(expected) | derived):
         have, want = counters.get(name, 0), expected.get(name, 0)
         if have != want:
             report.add(f"counter {name} = {have}, but the store holds {want}")
     if counters.get("expired_unrewarded", 0) < 0:
         report.add(f"counter expired_unrewarded is negative: {counters['expired_unrewarded']}")
     return samples
+
+
+async def _check_prompt_blocks(
+    redis: Redis, report: InvariantReport, sample_ids: list[str], block_hexes: list[str]
+) -> None:
+    """Invariant P: blocks and references agree exactly, contents match their chained digests, no TTL."""
+    fields = await _pipelined(redis, sample_ids, lambda p, s: p.hget(keys.traj(s), "prompt_blocks"))
+    referenced: dict[str, list[bytes]] = {}
+    expected: Counter[bytes] = Counter()
+    for sample_id, field in zip(sample_ids, fields):
+        try:
+            digests = prompt_blocks.unpack_digests(field)
+        except ValueError:
+            report.add(f"sample {sample_id}: prompt_blocks is not a list of 16-byte digests")
+            continue
+        if len(set(digests)) != len(digests):
+            report.add(f"sample {sample_id}: references a prompt block twice")
+        referenced[sample_id] = digests
+        expected.update(digests)
+    stored = sorted(bytes.fromhex(h) for h in block_hexes)
+    rows = await _pipelined(redis, stored, lambda p, d: (
+        p.hmget(prompt_blocks.block_key(d), ("ids", "refs")), p.ttl(prompt_blocks.block_key(d))))
+    contents: dict[bytes, bytes] = {}
+    for i, digest in enumerate(stored):
+        (ids, refs), ttl = rows[2 * i], rows[2 * i + 1]
+        name = digest.hex()
+        if ids is None or len(ids) != prompt_blocks.BLOCK_BYTES:
+            report.add(f"prompt block {name}: ids missing or not one block ({len(ids or b'')} bytes)")
+        else:
+            contents[digest] = ids
+        have, want = int(refs or 0), expected.get(digest, 0)
+        if want == 0:
+            report.add(f"prompt block {name} is referenced by no sample (refs {have})")
+        elif have != want:
+            report.add(f"prompt block {name}: refs {have}, but {want} sample(s) reference it")
+        if ttl != -1:
+            report.add(f"prompt block {name} has a TTL ({ttl} s)")
+    for sample_id, digests in sorted(referenced.items()):
+        missing = [d.hex() for d in digests if d not in contents]
+        if missing:
+            report.add(f"sample {sample_id} references missing prompt block(s) {missing[:3]}")
+        elif not prompt_blocks.verify_chain(digests, [contents[d] for d in digests]):
+            report.add(f"sample {sample_id}: its prompt blocks do not match their chained digests")
 
 
 async def _check_reward_deadlines(

@@ -21,7 +21,7 @@ from redis.asyncio.client import Pipeline
 from .. import ids
 from ..errors import InvalidInput, NotFound
 from ..ids import InvalidIdentifier
-from ..store import keys
+from ..store import keys, prompt_blocks
 from ..store.codec import decode_meta, text
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
@@ -171,13 +171,17 @@ class RewardLedger:
                 return "stale", 0
             state = orjson.loads(raw_state) if raw_state else await self._state_before_policy(pipe, key, created_at)
             expiry = self._policy.expire(state, now)
+            # Read while the hash is WATCHed, before MULTI: the references a drop must release.
+            blocks = await pipe.hget(key, "prompt_blocks") if expiry.drop else None
             pipe.multi()
             for name in expiry.fallbacks:
                 pipe.hincrby(self._stats_key, f"reward_fallback:{name}", 1)
             if expiry.drop:
                 # Invariant 5: hash, index membership, deadline entry and counters leave together; the drop is
-                # counted in the same EXEC, so racing sweepers never count it twice.
+                # counted in the same EXEC, so racing sweepers never count it twice. Invariant P
+                # (store/prompt_blocks.py): the sample's prompt-block references go in this EXEC too.
                 pipe.delete(key)
+                prompt_blocks.queue_release(pipe, prompt_blocks.release_counts([blocks]))
                 pipe.zrem(self._store.index_key(AWAITING), sample_id)
                 pipe.zrem(self._deadlines_key, sample_id)
                 self._store.queue_counters(pipe, AWAITING, source or "", policy_version or "base", -1)

@@ -118,6 +118,13 @@ def traj(sample_id: str) -> str:
     return f"{PREFIX}traj:{sample_id}"
 
 
+def prompt_block(digest_hex: str) -> str:
+    """A shared block of prompt ids (`store/prompt_blocks.py`), named by its 128-bit chained digest in hex."""
+    if not isinstance(digest_hex, str) or len(digest_hex) != 32 or any(c not in "0123456789abcdef" for c in digest_hex):
+        raise InvalidIdentifier("invalid prompt block digest")
+    return f"{PREFIX}prompt_block:{digest_hex}"
+
+
 def traj_index(owner: str, status: str) -> str:
     if status not in ALL_SAMPLE_STATUSES:
         raise InvalidIdentifier("invalid sample status")

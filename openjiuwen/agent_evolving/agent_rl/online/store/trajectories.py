@@ -1,9 +1,11 @@
 """The Redis trajectory store: one hash per sample, one sorted-set index per status, O(1) counters (CONTRACT §5.2).
 
-A sample lives in `traj:{id}` (index fields, `sample_json` and the three packed arrays), its id in exactly one
-`traj_idx:{owner}:{status}` ZSET, and `traj_stats:{owner}` counts it under `status:<s>`, `source:<src>` and, while
-pending, `pending_policy:<version>`. Every status move changes hash, indexes and counters in one EXEC (invariant 5),
-so the stats route never scans. `queue_move` is the one place that spells such a move; the training side reuses it.
+A sample lives in `traj:{id}` (index fields, `sample_json`, the packed arrays; its prompt as shared
+`prompt_block:{digest}` blocks named by `prompt_blocks` plus the tail in `prompt_ids`, see `prompt_blocks.py`), its
+id in exactly one `traj_idx:{owner}:{status}` ZSET, and `traj_stats:{owner}` counts it under `status:<s>`,
+`source:<src>` and, while pending, `pending_policy:<version>`. Every status move changes hash, indexes and counters in
+one EXEC (invariant 5), so the stats route never scans. `queue_move` is the one place that spells such a move; the
+training side reuses it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from .. import ids
 from ..errors import InvalidInput
 from ..ids import InvalidIdentifier
 from ..rewards.policy import RewardPolicy, breakdown
-from . import keys
+from . import keys, prompt_blocks
 from .codec import PackedSample, decode_meta, text
 from .listing import cursor_fields, invalid_cursor
 from .policy_stats import queue_contribution
@@ -37,7 +39,10 @@ _SUMMARY_FIELDS = (
     "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at",
     "status",
 )
-_DOC_FIELDS = ("sample_json", "prompt_ids", "response_ids", "response_logprobs", "rewards", "status")
+_DOC_FIELDS = (
+    "sample_json", "prompt_ids", "response_ids", "response_logprobs", "rewards", "prompt_blocks", "status",
+)
+_BLOCK_READ_ATTEMPTS = 3  # a block vanishes under a reader only when its sample was deleted meanwhile
 _ALL_BUCKETS = "*"
 
 
@@ -112,6 +117,8 @@ class TrajectoryStore:
         if not by_id:
             return []
         hash_keys = {sample_id: keys.traj(sample_id) for sample_id in by_id}
+        # Hashing is pure CPU: done once, outside the retried transaction.
+        split = {sample_id: prompt_blocks.split_prompt(sample.prompt_ids) for sample_id, sample in by_id.items()}
         now = ids.now_iso()
 
         async def body(pipe: Pipeline) -> list[str]:
@@ -126,7 +133,14 @@ class TrajectoryStore:
                 return []  # leaving the pipeline context UNWATCHes
             # Invariant 5 (CONTRACT §5.4): hash status, status index and counters change together; an
             # `awaiting_rewards` sample enters the deadline index in the same EXEC (docs/rewards.md invariants).
+            # Invariant P (prompt_blocks.py): the samples' prompt-block references are added in this EXEC too, so a
+            # block exists iff some sample references it and `refs` counts those samples.
             pipe.multi()
+            acquired: dict[bytes, tuple[bytes, int]] = {}
+            for sample_id in fresh:
+                for digest, block in split[sample_id][0]:
+                    acquired[digest] = (block, acquired.get(digest, (block, 0))[1] + 1)
+            prompt_blocks.queue_acquire(pipe, acquired)
             now_epoch = ids.parse_iso_epoch(now)
             for sample_id in fresh:
                 sample = by_id[sample_id]
@@ -155,10 +169,13 @@ class TrajectoryStore:
                         "updated_at": now,
                         "run_id": "",
                         "sample_json": sample.meta_blob(),
-                        "prompt_ids": sample.prompt_ids,
+                        # The ids after the last shared block; the blocks' digests only when there are blocks.
+                        "prompt_ids": split[sample_id][1],
                         "response_ids": sample.response_ids,
                         "response_logprobs": sample.response_logprobs,
                         **extra,
+                        **({"prompt_blocks": prompt_blocks.pack_digests(d for d, _ in split[sample_id][0])}
+                           if split[sample_id][0] else {}),
                     },
                 )
                 pipe.zadd(self.index_key(status), {sample_id: ids.parse_iso_epoch(created_at)})
@@ -183,20 +200,23 @@ class TrajectoryStore:
 
         async def body(pipe: Pipeline) -> int:
             rows = await self._hmget_many(
-                hash_keys.values(), ("status", "source", "policy_version", "sample_json", "response_ids")
+                hash_keys.values(),
+                ("status", "source", "policy_version", "sample_json", "response_ids", "prompt_blocks"),
             )
             doomed = [
                 (sample_id, text(status) or "", text(source) or "", text(policy) or "base", sample_json,
-                 response_ids)
-                for sample_id, (status, source, policy, sample_json, response_ids) in zip(hash_keys, rows)
+                 response_ids, blocks)
+                for sample_id, (status, source, policy, sample_json, response_ids, blocks) in zip(hash_keys, rows)
                 if text(status) in (PENDING, AWAITING_REWARDS)
             ]
             if not doomed:
                 return 0
             # Invariant 5: hash, status index membership (and the deadline index entry) and counters disappear
-            # together, and the sample's contribution to its version's aggregates with them.
+            # together, and the sample's contribution to its version's aggregates with them. Invariant P: its
+            # prompt-block references go in the same EXEC.
             pipe.multi()
-            for sample_id, status, source, policy_version, sample_json, response_ids in doomed:
+            prompt_blocks.queue_release(pipe, prompt_blocks.release_counts(row[6] for row in doomed))
+            for sample_id, status, source, policy_version, sample_json, response_ids, _ in doomed:
                 pipe.delete(hash_keys[sample_id])
                 pipe.zrem(self.index_key(status), sample_id)
                 if status == AWAITING_REWARDS:
@@ -276,10 +296,11 @@ class TrajectoryStore:
         index = self.index_key(status)
 
         async def body(pipe: Pipeline) -> int:
-            rows = await self._hmget_many(hash_keys.values(), ("status", "source"))
+            rows = await self._hmget_many(hash_keys.values(), ("status", "source", "prompt_blocks"))
             pipe.multi()
             count = 0
-            for sample_id, (stored_status, source) in zip(hash_keys, rows):
+            released = []
+            for sample_id, (stored_status, source, blocks) in zip(hash_keys, rows):
                 stored = text(stored_status)
                 if stored is not None and stored != status:
                     continue  # moved meanwhile (e.g. another sweeper): not ours to delete
@@ -290,7 +311,10 @@ class TrajectoryStore:
                 if stored is not None:
                     pipe.delete(hash_keys[sample_id])
                     pipe.hincrby(self._stats_key, _source_field(text(source) or ""), -1)
+                    released.append(blocks)
                 count += 1
+            # Invariant P: the deleted samples' prompt-block references go in the same EXEC.
+            prompt_blocks.queue_release(pipe, prompt_blocks.release_counts(released))
             await pipe.execute()
             return count
 
@@ -346,8 +370,32 @@ class TrajectoryStore:
 
     async def get_documents(self, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
         """Logical documents (§4.5, arrays unpacked) of the samples that exist, in input order."""
-        rows = await self._hmget_many([keys.traj(sample_id) for sample_id in sample_ids], _DOC_FIELDS)
+        rows = await self._doc_rows([keys.traj(sample_id) for sample_id in sample_ids])
         return [self._document(row) for row in rows if row[-1] is not None]
+
+    async def _doc_rows(self, hash_keys: Sequence[str]) -> list[list[bytes | None]]:
+        """`_DOC_FIELDS` of each hash with `prompt_ids` holding the whole prompt again (shared blocks + tail).
+
+        Invariant P guarantees the blocks of a sample that exists; a block missing here means its sample was
+        deleted between the two reads, so that sample is read again (and is then gone, or complete)."""
+        rows = await self._hmget_many(hash_keys, _DOC_FIELDS)
+        todo = list(range(len(rows)))
+        for attempt in range(_BLOCK_READ_ATTEMPTS):
+            wanted = {i: prompt_blocks.unpack_digests(rows[i][5]) for i in todo if rows[i][-1] is not None}
+            found = await prompt_blocks.read_blocks(self._redis, (d for ds in wanted.values() for d in ds))
+            todo = []
+            for i, digests in wanted.items():
+                parts = [found[d] for d in digests]
+                if any(part is None for part in parts):
+                    todo.append(i)
+                    continue
+                rows[i] = [rows[i][0], b"".join([*(p or b"" for p in parts), rows[i][1] or b""]), *rows[i][2:]]
+            if not todo:
+                return rows
+            if attempt + 1 < _BLOCK_READ_ATTEMPTS:
+                for i, row in zip(todo, await self._hmget_many([hash_keys[i] for i in todo], _DOC_FIELDS)):
+                    rows[i] = row
+        raise RuntimeError(f"prompt blocks of {len(todo)} sample(s) stay missing (invariant P broken)")
 
     async def detail(self, sample_id: str) -> dict[str, Any] | None:
         """The full view of §4.5 (what the detail route returns), or None when the id is unknown or malformed."""
@@ -355,7 +403,7 @@ class TrajectoryStore:
             key = keys.traj(sample_id)
         except InvalidIdentifier:
             return None
-        row = await self._redis.hmget(key, _DOC_FIELDS)
+        row = (await self._doc_rows([key]))[0]
         status = text(row[-1])
         if status is None:
             return None
@@ -493,6 +541,7 @@ class TrajectoryStore:
 
     @staticmethod
     def _packed(row: list[bytes | None]) -> PackedSample:
+        """From a `_doc_rows` row (its `prompt_ids` already the whole prompt)."""
         sample_json, prompt, response, logprobs = row[0], row[1], row[2], row[3]
         return PackedSample(decode_meta(sample_json), prompt or b"", response or b"", logprobs or b"")
 
