@@ -178,7 +178,7 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
             f"{hooks['completion_tokens']} completion tokens with `top_logprobs=1` (`:after` body "
             f"{hooks['after_body_bytes'] / 1024:.0f} KiB), {hooks['pairs']} pairs one at a time, then "
             f"{cc['callers'] if cc else '?'} concurrent callers. The second row runs the same sequence, same bodies, "
-            "against the online-RL service that ships in PyPI's `openjiuwen` SDK (`openjiuwen[online-rl]` "
+            "against the online-RL service that ships in PyPI's `openjiuwen` SDK (`openjiuwen[online-rl,observability]` "
             "0.1.19.post2, from its own environment in `bench/.peers/openjiuwen`, against its own private "
             "redis-server: `--service sdk`). Load = 1-minute load average at the end of the row's run.",
             "",
