@@ -170,7 +170,8 @@ def run(args: argparse.Namespace) -> dict:
                     for fmt in args.formats:
                         body = request_body(prompt_tokens, completion_tokens, fmt == "sse")
                         running = [peer_gateways.start(n, port=free_port(), upstream_url=f"http://127.0.0.1:"
-                                                       f"{upstream.port}", workdir=Path(tmp) / "peers")
+                                                       f"{upstream.port}", workdir=Path(tmp) / "peers",
+                                                       sessions=max(args.concurrency))
                                    for n in usable]
                         try:
                             rows = list(_rows(args, pids, gw, upstream, body, running))

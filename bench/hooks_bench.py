@@ -2,9 +2,13 @@
 response with `top_logprobs=1`, against the RL Service running as a real process on a real socket, plus the Redis
 bytes kept per captured token (staged, then published).
 
-    .venv/bin/python bench/hooks_bench.py [--pairs 200] [--prompt-tokens 2048] [--completion-tokens 2048]
+    .venv/bin/python bench/hooks_bench.py [--pairs 200] [--prompt-tokens 2048] [--completion-tokens 2048] [--service sdk]
 
 Prints a table and writes bench/results/hooks.json. Loopback only, bounded loop, private redis-server.
+`--service sdk` runs the same workload against the online-RL service that ships in PyPI's `openjiuwen` SDK (extra
+`online-rl`), installed by bench/peers.py into bench/.peers/openjiuwen and run with that environment's Python from a
+temporary directory (so it never sees this repository's package) against its own private redis-server; it writes
+bench/results/hooks-sdk.json.
 """
 
 from __future__ import annotations
@@ -27,9 +31,60 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import peers  # noqa: E402
 from tests.support.redis_server import RedisServer, free_port  # noqa: E402
 
 MODEL = "bench-model"
+SERVICES = {"ours": "this repository's RL Service",
+            "sdk": "the online-RL service of PyPI's openjiuwen SDK " + peers.INSTALLS["openjiuwen"][0][0]}
+
+
+def start_service(service: str, workdir: Path, redis_url: str, **extra_config) -> tuple[subprocess.Popen, int]:
+    """Start an RL Service process (ours, or the SDK's from its own environment) on a free loopback port; returns
+    (process, port) once its /health answers, or raises with the tail of its stderr."""
+    port = free_port()
+    config = workdir / "rl.yaml"
+    settings = {"listen_port": port, "redis_url": redis_url, "model_id": MODEL, "base_model_path": "/models/bench",
+                "lora_repository_path": str(workdir / "loras"), "log_path": str(workdir / "rl-service.log")}
+    env = dict(os.environ)
+    if service == "ours":
+        argv, cwd = [sys.executable], ROOT
+        settings.update(extra_config)
+    else:
+        ok, why = peers.ensure("openjiuwen")
+        if not ok:
+            raise RuntimeError(f"openjiuwen SDK not installed: {why}")
+        # Its config forbids unknown keys; run from the temporary directory so `-m` cannot import our package.
+        argv, cwd = [str(peers.python_of("openjiuwen"))], workdir
+        settings["record_dir"] = str(workdir / "records")
+        env.pop("PYTHONPATH", None)
+    config.write_text(orjson.dumps(settings).decode())
+    err = workdir / "service.err"
+    with open(err, "wb") as err_file:
+        proc = subprocess.Popen([*argv, "-m", "openjiuwen.agent_evolving.agent_rl.online.service", "--config",
+                                 str(config)], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=err_file,
+                                stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            stop_service(proc)
+            raise RuntimeError(f"{service} RL Service did not start: {err.read_text()[-2000:]}")
+        time.sleep(0.1)
+
+
+def stop_service(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def synthetic_exchange(prompt_tokens: int, completion_tokens: int, seed: int) -> tuple[dict, dict]:
@@ -90,41 +145,14 @@ def percentile(values: list[float], q: float) -> float:
 
 async def run(args: argparse.Namespace, workdir: Path) -> dict:
     with RedisServer(workdir / "redis") as redis_server:
-        port = free_port()
-        config = workdir / "rl.yaml"
-        config.write_text(
-            orjson.dumps(
-                {
-                    "listen_port": port, "redis_url": redis_server.url, "model_id": MODEL,
-                    "base_model_path": "/models/bench", "lora_repository_path": str(workdir / "loras"),
-                    "log_path": str(workdir / "rl-service.log"),
-                }
-            ).decode()
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.online.service", "--config", str(config)],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(workdir / "service.err", "wb"),
-        )
-        base = f"http://127.0.0.1:{port}"
+        proc, port = start_service(args.service, workdir, redis_server.url)
         try:
-            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-                deadline = time.monotonic() + 30
-                while True:
-                    try:
-                        if (await client.get("/health")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise RuntimeError((workdir / "service.err").read_text()[-2000:])
-                    await asyncio.sleep(0.1)
-                return await measure(client, redis_server, args)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+                result = await measure(client, redis_server, args)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_service(proc)
+    return {"service": args.service, "service_label": SERVICES[args.service], **result,
+            "load_avg": list(os.getloadavg())}
 
 
 async def measure(client: httpx.AsyncClient, redis_server: RedisServer, args: argparse.Namespace) -> dict:
@@ -196,7 +224,8 @@ async def measure(client: httpx.AsyncClient, redis_server: RedisServer, args: ar
         "before_ms_median": statistics.median(before_ms),
         "after_ms_median": statistics.median(after_ms),
         "pairs_per_second": 1000 / statistics.fmean(latencies),
-        "redis_bytes_per_token": {"staged": staged / tokens, "published": published / tokens},
+        "redis_bytes_per_token": {"staged": staged / tokens if staged else None,
+                                  "published": published / tokens if published else None},
         "redis_used_memory_bytes": info.get("used_memory"),
     }
 
@@ -253,15 +282,19 @@ def main() -> None:
     parser.add_argument("--callers", type=int, default=8, help="concurrent callers of the throughput measurement")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--completion-tokens", type=int, default=2048)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "hooks.json"))
+    parser.add_argument("--service", choices=sorted(SERVICES), default="ours",
+                        help="ours, or the SDK's online-RL service from bench/.peers/openjiuwen")
+    parser.add_argument("--out", default=None, help="default bench/results/hooks.json (hooks-sdk.json for the SDK)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = str(ROOT / "bench" / "results" / ("hooks.json" if args.service == "ours" else "hooks-sdk.json"))
     with tempfile.TemporaryDirectory(prefix="rl-bench-") as tmp:
         result = asyncio.run(run(args, Path(tmp)))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     p = result["pair_ms"]
-    print(f"hook pair :before+:after  ({result['prompt_tokens']}+{result['completion_tokens']} tokens, "
+    print(f"{result['service_label']}: hook pair :before+:after  ({result['prompt_tokens']}+{result['completion_tokens']} tokens, "
           f"top_logprobs=1, :after body {result['after_body_bytes'] / 1024:.0f} KiB, {result['pairs']} pairs)")
     print(f"  {'median ms':>12} {'p99 ms':>10} {'mean ms':>10} {'pairs/s':>10} {'before ms':>10} {'after ms':>10}")
     print(f"  {p['median']:12.2f} {p['p99']:10.2f} {p['mean']:10.2f} {result['pairs_per_second']:10.1f} "
@@ -270,7 +303,7 @@ def main() -> None:
     print(f"  {cc['callers']} concurrent callers: {cc['pairs_per_second']:.1f} pairs/s, median {cc['median_ms']:.1f} ms, "
           f"p99 {cc['p99_ms']:.1f} ms")
     b = result["redis_bytes_per_token"]
-    print(f"  Redis bytes per captured token: staged {b['staged']:.2f}, published {b['published']:.2f}")
+    print(f"  Redis bytes per captured token: staged {b['staged'] or 0:.2f}, published {b['published'] or 0:.2f}")
     print(f"  written to {out}")
 
 

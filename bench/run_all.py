@@ -1,10 +1,13 @@
 """Run the whole bench suite and write its tables into docs/benchmarks.md.
 
-    .venv/bin/python bench/run_all.py [--quick] [--skip capture scaling ...] [--no-docs]
+    .venv/bin/python bench/run_all.py [--quick] [--skip capture scaling ...] [--no-peers] [--no-docs]
 
 Runs, one after the other (each a bounded loop on loopback, each writing bench/results/<name>.json): capture
-(bench/capture_bench.py), hooks (bench/hooks_bench.py), storage (bench/storage_bench.py), scaling
-(bench/scaling_bench.py), training (bench/training_bench.py). Then renders docs/benchmarks.md from the JSON files
+(bench/capture_bench.py, with the peer gateways of bench/peers.py), hooks (bench/hooks_bench.py), hooks-sdk and
+storage-sdk (the same hook and storage workloads against the online-RL service of PyPI's `openjiuwen` SDK, installed
+into bench/.peers/openjiuwen on first use), storage (bench/storage_bench.py), scaling (bench/scaling_bench.py),
+training (bench/training_bench.py). `--no-peers` leaves out every third-party process (capture peers, hooks-sdk,
+storage-sdk). Then renders docs/benchmarks.md from the JSON files
 (the machine, its load average, the commands, one table per bench, the targets met or missed). `--quick` shortens
 every bench (about 4 minutes instead of about 10).
 """
@@ -30,16 +33,25 @@ DOC = ROOT / "docs" / "benchmarks.md"
 BENCHES: dict[str, tuple[list[str], list[str]]] = {  # name: (full args, quick args)
     "capture": (["bench/capture_bench.py"], ["bench/capture_bench.py", "--quick"]),
     "hooks": (["bench/hooks_bench.py"], ["bench/hooks_bench.py", "--pairs", "100"]),
+    "hooks-sdk": (["bench/hooks_bench.py", "--service", "sdk"],
+                  ["bench/hooks_bench.py", "--service", "sdk", "--pairs", "100"]),
     "storage": (["bench/storage_bench.py"], ["bench/storage_bench.py", "--sessions", "4"]),
+    "storage-sdk": (["bench/storage_bench.py", "--service", "sdk"],
+                    ["bench/storage_bench.py", "--service", "sdk", "--sessions", "4"]),
     "scaling": (["bench/scaling_bench.py"], ["bench/scaling_bench.py", "--quick", "--reps", "10"]),
     "training": (["bench/training_bench.py"], ["bench/training_bench.py", "--samples", "8"]),
 }
 
 
-def run_benches(names: list[str], quick: bool) -> dict[str, float]:
+PEER_BENCHES = ("hooks-sdk", "storage-sdk")
+
+
+def run_benches(names: list[str], quick: bool, peers: bool = True) -> dict[str, float]:
     seconds = {}
     for name in names:
         args = BENCHES[name][1 if quick else 0]
+        if name == "capture" and not peers:
+            args = [*args, "--peers"]
         print(f"== {name}: {' '.join(args)}", flush=True)
         started = time.perf_counter()
         subprocess.run([sys.executable, *args], cwd=ROOT, check=True)
@@ -146,28 +158,50 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
                            f"{_verdict(large['throughput_ratio'] >= 0.8)}")
             out.append("")
     hooks = _load("hooks")
+    hooks_sdk = _load("hooks-sdk")
     if hooks:
         p, cc = hooks["pair_ms"], hooks.get("concurrent")
+
+        def hooks_row(label: str, h: dict) -> str:
+            hp, hc = h["pair_ms"], h.get("concurrent")
+            load = h.get("load_avg")
+            return (f"| {label} | {hp['median']:.2f} | {hp['p99']:.2f} | {h['pairs_per_second']:.1f} | "
+                    f"{h['before_ms_median']:.2f} | {h['after_ms_median']:.2f} | "
+                    + (f"{hc['pairs_per_second']:.1f} | {hc['median_ms']:.1f} / {hc['p99_ms']:.1f} | "
+                       if hc else "— | — | ")
+                    + (f"{load[0]:.1f} |" if load else "— |"))
+
         out += [
             "## RL Service hook path (`bench/hooks_bench.py`)",
             "",
             f"`:before` + `:after` against the RL Service process, {hooks['prompt_tokens']} prompt + "
             f"{hooks['completion_tokens']} completion tokens with `top_logprobs=1` (`:after` body "
             f"{hooks['after_body_bytes'] / 1024:.0f} KiB), {hooks['pairs']} pairs one at a time, then "
-            f"{cc['callers'] if cc else '?'} concurrent callers.",
+            f"{cc['callers'] if cc else '?'} concurrent callers. The second row runs the same sequence, same bodies, "
+            "against the online-RL service that ships in PyPI's `openjiuwen` SDK (`openjiuwen[online-rl,observability]` "
+            "0.1.19.post2, from its own environment in `bench/.peers/openjiuwen`, against its own private "
+            "redis-server: `--service sdk`). Load = 1-minute load average at the end of the row's run.",
             "",
-            "| median ms | p99 ms | pairs/s (serial) | :before median | :after median | concurrent pairs/s | "
-            "concurrent median / p99 ms |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
-            f"| {p['median']:.2f} | {p['p99']:.2f} | {hooks['pairs_per_second']:.1f} | "
-            f"{hooks['before_ms_median']:.2f} | {hooks['after_ms_median']:.2f} | "
-            + (f"{cc['pairs_per_second']:.1f} | {cc['median_ms']:.1f} / {cc['p99_ms']:.1f} |" if cc else "— | — |"),
+            "| service | median ms | p99 ms | pairs/s (serial) | :before median | :after median | concurrent pairs/s | "
+            "concurrent median / p99 ms | load |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            hooks_row("ours", hooks),
+        ]
+        if hooks_sdk:
+            out.append(hooks_row("`openjiuwen` SDK service", hooks_sdk))
+        out += [
             "",
-            f"Targets: median ≤ 10 ms {_verdict(p['median'] <= 10)}; p99 ≤ 30 ms {_verdict(p['p99'] <= 30)}; "
+            f"Targets (ours): median ≤ 10 ms {_verdict(p['median'] <= 10)}; p99 ≤ 30 ms {_verdict(p['p99'] <= 30)}; "
             + (f"≥ 100 pairs/s with {cc['callers']} callers {_verdict(cc['pairs_per_second'] >= 100)}."
                if cc else ""),
             "",
         ]
+        if hooks_sdk:
+            sp, sc_ = hooks_sdk["pair_ms"], hooks_sdk.get("concurrent")
+            out += [f"Against the SDK's service: median {sp['median'] / p['median']:.1f}× lower, p99 "
+                    f"{sp['p99'] / p['p99']:.1f}× lower"
+                    + (f", {cc['pairs_per_second'] / sc_['pairs_per_second']:.1f}× the pairs/s with "
+                       f"{cc['callers']} callers" if cc and sc_ else "") + ".", ""]
     st = _load("storage")
     if st:
         b = st["bytes_per_token"]
@@ -188,10 +222,21 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
             "| ours before prompt-prefix sharing (1ba944f: whole prompt in every hash) | 7.88 |",
             f"| naive JSON document per sample | {b['naive_json']:.2f} |",
         ]
+        st_sdk = _load("storage-sdk")
+        if st_sdk:
+            out.append(f"| `openjiuwen` SDK service (`rl:v1:traj:{{id}}` hash: one `sample_json` string), same "
+                       f"captures | {st_sdk['bytes_per_token']['ours']:.2f} |")
+
+        def staged_published(h: dict) -> str:
+            hb = h["redis_bytes_per_token"]
+            return " / ".join(f"{v:.2f}" if v is not None else "—" for v in (hb["staged"], hb["published"]))
+
         if hooks:
-            hb = hooks["redis_bytes_per_token"]
             out.append(f"| ours, single 2,048+2,048 capture (hooks bench): staged / published | "
-                       f"{hb['staged']:.2f} / {hb['published']:.2f} |")
+                       f"{staged_published(hooks)} |")
+        if hooks_sdk:
+            out.append(f"| `openjiuwen` SDK service, single 2,048+2,048 capture (hooks bench): staged / published | "
+                       f"{staged_published(hooks_sdk)} |")
         if "held_prompt_ids" in st:
             out += ["", f"Prompt ids held in Redis: {st['held_prompt_ids']} of {st['captured_prompt_ids']} captured "
                     f"({st['prompt_blocks']} shared blocks of 254 ids, each once, plus each sample's tail of less "
@@ -230,14 +275,28 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
     out += [
         "## Peers",
         "",
-        "`rllm-model-gateway` 0.1.0 (PyPI) is installed by `bench/peers.py` into `bench/.peers/rllm` and measured",
-        "in the capture bench above with its defaults (sqlite trace store written in background tasks: its client",
-        "gets the answer before the trace is stored, while ours waits for `:after`, as the contract requires).",
-        "Not measured: `agentlightning` 0.3.0 installs from PyPI (`pip install agentlightning` in a throw-away",
-        "environment), but its LiteLLM-based LLM proxy (`bench/peer_agentlightning.py`: in-memory store, thread",
-        "launch) never answered HTTP within 150 s on this offline 2-core machine, so it is not in the capture bench.",
-        "The online-RL service of PyPI's `openjiuwen` SDK (extra `online-rl`) has no runner in the suite yet; the",
-        "issue's figures for it (median ~230 ms, p99 ~630 ms, ~2 pairs/s, ~165 B/token) are not reproduced here.",
+        "Every peer is installed from PyPI by `bench/peers.py` into its own throw-away environment under the",
+        "git-ignored `bench/.peers/` (pip constraint `torch==2.13.0`, the CPU wheel on disk) and runs as a process on",
+        "loopback; our code never imports it.",
+        "",
+        "- `rllm-model-gateway` 0.1.0 (`bench/.peers/rllm`), in the capture bench with its defaults (sqlite trace",
+        "  store written in background tasks: its client gets the answer before the trace is stored, while ours",
+        "  waits for `:after`, as the contract requires).",
+        "- `agentlightning` 0.3.0 (`bench/.peers/agentlightning`), in the capture bench: its `LLMProxy` (LiteLLM",
+        "  1.108 proxy + agentlightning middlewares, OpenTelemetry spans into an in-memory `LightningStore`, served as",
+        "  an asyncio task because that store is not thread-safe), launched by `bench/peer_agentlightning.py`, which",
+        "  starts one rollout per bench session in the store first (the store drops spans of unknown rollouts). An",
+        "  earlier launcher never answered HTTP: `LLMProxy.start()` is a coroutine in 0.3.0 and was called without",
+        "  `await`, so no server started; once awaited, LiteLLM 1.108 refuses to start without a master key",
+        "  (`LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY=true` for this loopback run), and",
+        "  `LITELLM_LOCAL_MODEL_COST_MAP=True` keeps it from fetching its model-cost map from GitHub at import.",
+        "- The online-RL service of PyPI's `openjiuwen` SDK 0.1.19.post2 (`bench/.peers/openjiuwen`), in the hook and",
+        "  storage benches (`--service sdk`): `python -m openjiuwen.agent_evolving.agent_rl.online.service --config`",
+        "  with that environment's Python, run from a temporary directory, against its own private redis-server. The",
+        "  `online-rl` extra alone does not start (`ModuleNotFoundError: No module named 'opentelemetry.exporter'`:",
+        "  its service imports `openjiuwen.extensions.observability`), so the bench installs",
+        "  `openjiuwen[online-rl,observability]`. The issue's figures for it on a similar machine: median ~230 ms,",
+        "  p99 ~630 ms, ~2 pairs/s, ~165 B/token.",
         "",
     ]
     return "\n".join(out)
@@ -247,10 +306,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter runs of every bench")
     parser.add_argument("--skip", nargs="*", default=[], choices=sorted(BENCHES))
+    parser.add_argument("--no-peers", action="store_true",
+                        help="leave out third-party processes: capture peers and the openjiuwen SDK service benches")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     parser.add_argument("--docs-only", action="store_true", help="only re-render docs from bench/results")
     args = parser.parse_args()
-    seconds = {} if args.docs_only else run_benches([n for n in BENCHES if n not in args.skip], args.quick)
+    names = [n for n in BENCHES if n not in args.skip and not (args.no_peers and n in PEER_BENCHES)]
+    seconds = {} if args.docs_only else run_benches(names, args.quick, peers=not args.no_peers)
     if not args.no_docs:
         DOC.write_text(render(args.quick, seconds) + "\n", encoding="utf-8")
         print(f"wrote {DOC.relative_to(ROOT)}")

@@ -1,16 +1,18 @@
 """Storage: Redis bytes per captured token over a multi-turn workload, ours against the naive JSON document.
 
-    .venv/bin/python bench/storage_bench.py [--sessions 8] [--turns 4] [--first-prompt-tokens 1024] [--completion-tokens 512]
+    .venv/bin/python bench/storage_bench.py [--sessions 8] [--turns 4] [--first-prompt-tokens 1024] [--completion-tokens 512] [--service sdk]
 
 The RL Service runs as a real process against a private redis-server. Each session is one terminal Task whose turn k
 repeats the whole conversation so far (turn k's prompt = turn k−1's prompt + its completion + a new user message, as
 an agent loop sends it), with vLLM 0.32-shaped responses (token ids, logprobs with one top logprob). Every capture
 goes through `:before`/`:after`; then stop + reward publish them. Measured with `MEMORY USAGE … SAMPLES 0`:
 every published `rl:v1:traj:*` hash plus every shared `rl:v1:prompt_block:*` (prompt-prefix sharing), against the
-naive layout (the full logical sample document as one JSON string,
-stored and measured in the same Redis). Captured tokens = prompt + completion tokens of every sample. Also counts
-the prompt ids Redis holds (shared blocks once + per-sample tails) against the captured prompt ids. Prints a table,
-writes bench/results/storage.json.
+naive layout (the full logical sample document as one JSON string, stored and measured in the same Redis). Captured
+tokens = prompt + completion tokens of every sample. Also counts the prompt ids Redis holds (shared blocks once +
+per-sample tails) against the captured prompt ids. Prints a table, writes bench/results/storage.json. `--service sdk`
+stores the same captures through the online-RL service of PyPI's `openjiuwen` SDK (bench/.peers/openjiuwen, its own
+private redis-server; see bench/hooks_bench.py) and writes bench/results/storage-sdk.json: the same
+`rl:v1:traj:{capture id}` keys measured the same way.
 """
 
 from __future__ import annotations
@@ -19,11 +21,8 @@ import argparse
 import asyncio
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -32,9 +31,9 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.hooks_bench import MODEL, synthetic_exchange  # noqa: E402
+from bench.hooks_bench import MODEL, SERVICES, start_service, stop_service, synthetic_exchange  # noqa: E402
 from bench.machine import machine_facts  # noqa: E402
-from tests.support.redis_server import RedisServer, free_port  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
 
 
 def conversation(args: argparse.Namespace, seed: int) -> list[tuple[dict, dict]]:
@@ -64,30 +63,11 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
     from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 
     with RedisServer(workdir / "redis") as redis_server:
-        port = free_port()
-        config = workdir / "rl.yaml"
-        config.write_text(orjson.dumps({
-            "listen_port": port, "redis_url": redis_server.url, "model_id": MODEL,
-            "base_model_path": "/models/bench", "lora_repository_path": str(workdir / "loras"),
-            "log_path": str(workdir / "rl-service.log"), "max_body_bytes": 64 * 1024 * 1024,
-        }).decode())
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.online.service", "--config", str(config)],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        extra = {"max_body_bytes": 64 * 1024 * 1024}
+        proc, port = start_service(args.service, workdir, redis_server.url, **extra)
         redis = Redis.from_url(redis_server.url)
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-                deadline = time.monotonic() + 30
-                while True:
-                    try:
-                        if (await client.get("/health")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise RuntimeError("RL Service did not start")
-                    await asyncio.sleep(0.1)
                 captured_tokens = 0
                 ids = []
                 prompts: dict[str, list[int]] = {}
@@ -125,21 +105,17 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
                     doc = (await client.get(f"/v1/rl/trajectories/{c}")).json()
                     await redis.set("bench:naive", orjson.dumps(doc))
                     naive += await redis.execute_command("MEMORY", "USAGE", "bench:naive", "SAMPLES", "0")
-                    # Sanity: the stored arrays are the captured ones.
-                    packed = PackedSample.from_document(doc)
-                    assert len(packed.prompt_ids) // 4 == len(doc["trajectory"]["prompt_ids"])
-                    assert doc["trajectory"]["prompt_ids"] == prompts[c]
+                    if args.service == "ours":  # Sanity: the stored arrays are the captured ones.
+                        packed = PackedSample.from_document(doc)
+                        assert len(packed.prompt_ids) // 4 == len(doc["trajectory"]["prompt_ids"])
+                        assert doc["trajectory"]["prompt_ids"] == prompts[c]
                 await redis.delete("bench:naive")
                 repeated = sum(len(r["prompt_token_ids"]) for s in range(args.sessions)
                                for r in [resp for _, resp in conversation(args, seed=s + 1)][1:])
         finally:
             await redis.aclose()
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    return {"sessions": args.sessions, "turns": args.turns, "samples": len(ids),
+            stop_service(proc)
+    return {"service": args.service, "service_label": SERVICES[args.service], "sessions": args.sessions, "turns": args.turns, "samples": len(ids),
             "first_prompt_tokens": args.first_prompt_tokens, "completion_tokens": args.completion_tokens,
             "captured_tokens": captured_tokens, "repeated_prompt_tokens": repeated,
             "captured_prompt_ids": sum(map(len, prompts.values())), "held_prompt_ids": held_prompt_ids,
@@ -155,18 +131,22 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--first-prompt-tokens", type=int, default=1024)
     parser.add_argument("--completion-tokens", type=int, default=512)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "storage.json"))
+    parser.add_argument("--service", choices=sorted(SERVICES), default="ours",
+                        help="ours, or the SDK's online-RL service from bench/.peers/openjiuwen")
+    parser.add_argument("--out", default=None, help="default bench/results/storage.json (storage-sdk.json for the SDK)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = str(ROOT / "bench" / "results" / ("storage.json" if args.service == "ours" else "storage-sdk.json"))
     with tempfile.TemporaryDirectory(prefix="rl-storage-bench-") as tmp:
         result = asyncio.run(run(args, Path(tmp)))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     b = result["bytes_per_token"]
-    print(f"storage: {result['samples']} samples ({result['sessions']} sessions × {result['turns']} turns), "
+    print(f"storage ({result['service_label']}): {result['samples']} samples ({result['sessions']} sessions × {result['turns']} turns), "
           f"{result['captured_tokens']} captured tokens, of which {result['repeated_prompt_tokens']} repeat an "
           f"earlier turn's prompt")
-    print(f"  Redis bytes per captured token: ours {b['ours']:.2f}, naive JSON document {b['naive_json']:.2f}")
+    print(f"  Redis bytes per captured token: stored {b['ours']:.2f}, naive JSON document {b['naive_json']:.2f}")
     print(f"  prompt ids held in Redis: {result['held_prompt_ids']} of {result['captured_prompt_ids']} captured "
           f"({result['prompt_blocks']} shared blocks + per-sample tails)")
     print(f"  written to {out}")
