@@ -251,7 +251,8 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
 
     def show(route: str) -> None:
         page.goto(f"{run.gw.url}/console/#{route}")
-        page.wait_for_function("r => document.getElementById('view').dataset.route === r", arg=route)
+        # Selector waits, not wait_for_function: polling a JS predicate needs eval, which the console's CSP refuses.
+        page.wait_for_selector(f'#view[data-route="{route}"]', state="attached")
 
     def shot(name: str) -> None:
         page.screenshot(path=str(ARTIFACTS / f"console-{name}.png"), full_page=True)
@@ -270,7 +271,7 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
         assert page.evaluate("document.cookie") == ""  # HttpOnly: scripts cannot read it
 
-        page.wait_for_function("document.getElementById('view').dataset.route === '/'")
+        page.wait_for_selector('#view[data-route="/"]', state="attached")
         shot("overview")
         assert "running" in text() and "tiny:v1" in text()
 
@@ -310,7 +311,7 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         assert "vllm-a" in body and "vllm-b" in body and "tiny:v1" in body
         before = page.get_attribute("#view", "data-loads")
         page.click("#refresh")  # reads the page again
-        page.wait_for_function("b => document.getElementById('view').dataset.loads !== b", arg=before)
+        page.wait_for_selector(f'#view:not([data-loads="{before}"])', state="attached")
         assert "vllm-a" in text()
 
         page.click("#logout")
