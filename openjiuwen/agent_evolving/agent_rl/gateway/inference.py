@@ -261,8 +261,16 @@ class InferenceProxy:
             if capture is not None:
                 self._discard_in_background(capture)
             return envelope(502, "upstream_invalid", "vLLM answered with invalid JSON")
+        # The client's answer is built before `:after` and the parsed completion dropped: while `:after` runs, the
+        # ~20k objects of a large answer would otherwise stay alive for the collector to walk, once per session.
+        answer = self._client_answer(completion, wants, flavor)
+        del completion
         if capture is not None:
             await self._after_shielded(capture, capture.after_body(request_json, content))
+        return answer
+
+    @staticmethod
+    def _client_answer(completion: dict[str, Any], wants: ClientWants, flavor: str) -> Response:
         if flavor == "anthropic":
             try:
                 message = openai_to_anthropic_response(completion, client_model=wants.model)
