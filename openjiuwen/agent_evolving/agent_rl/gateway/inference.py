@@ -263,10 +263,17 @@ class InferenceProxy:
             return envelope(502, "upstream_invalid", "vLLM answered with invalid JSON")
         # The client's answer is built before `:after` and the parsed completion dropped: while `:after` runs, the
         # ~20k objects of a large answer would otherwise stay alive for the collector to walk, once per session.
-        answer = self._client_answer(completion, wants, flavor)
+        # An unexpected failure there is raised only after `:after`, as when the view was built after it.
+        failure: Exception | None = None
+        try:
+            answer = self._client_answer(completion, wants, flavor)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, unchanged
+            failure = exc
         del completion
         if capture is not None:
             await self._after_shielded(capture, capture.after_body(request_json, content))
+        if failure is not None:
+            raise failure
         return answer
 
     @staticmethod
