@@ -604,6 +604,23 @@ def test_stop_drain_timeout_is_504_and_aborts_while_the_completion_finishes(redi
         assert_bypassed(gw, vllm, "s-drain")
 
 
+def test_unconvertible_anthropic_answer_is_502_after_the_capture_hook_ran(redis, redis_url, tmp_path, vllm):
+    # The client's view is built before `:after` (so the parsed answer can be dropped early); `:after` must still
+    # run for an answer the client cannot get: here it refuses the choice-less completion and the Task aborts.
+    completion = {"id": "chatcmpl-empty", "object": "chat.completion", "created": 1, "model": "tiny",
+                  "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}}
+    with running_gateway(tmp_path, redis_url, vllm) as gw:
+        t = start_task(gw, "s-conv")
+        vllm.fail_next(CHAT, 200, body=completion)
+        r = gw.http.post("/v1/messages", json={"model": "tiny", "max_tokens": 4,
+                                               "messages": [{"role": "user", "content": "hi"}]},
+                         headers={SESSION: "s-conv"})
+        assert error_of(r) == (502, "upstream_invalid") and "cannot be converted" in r.json()["error"]["message"]
+        assert chat_bodies(vllm)[-1]["return_token_ids"] is True  # it was captured
+        assert ended(gw, t) == ("aborted", "capture_failed")
+        assert capture_sets(redis_url, t) == {"all": 0, "open": 0, "committed": 0}
+
+
 # ----------------------------------------------------------------------------------- 7. vLLM errors pass through
 
 

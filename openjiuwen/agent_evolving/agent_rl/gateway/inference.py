@@ -261,8 +261,23 @@ class InferenceProxy:
             if capture is not None:
                 self._discard_in_background(capture)
             return envelope(502, "upstream_invalid", "vLLM answered with invalid JSON")
+        # The client's answer is built before `:after` and the parsed completion dropped: while `:after` runs, the
+        # ~20k objects of a large answer would otherwise stay alive for the collector to walk, once per session.
+        # An unexpected failure there is raised only after `:after`, as when the view was built after it.
+        failure: Exception | None = None
+        try:
+            answer = self._client_answer(completion, wants, flavor)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, unchanged
+            failure = exc
+        del completion
         if capture is not None:
             await self._after_shielded(capture, capture.after_body(request_json, content))
+        if failure is not None:
+            raise failure
+        return answer
+
+    @staticmethod
+    def _client_answer(completion: dict[str, Any], wants: ClientWants, flavor: str) -> Response:
         if flavor == "anthropic":
             try:
                 message = openai_to_anthropic_response(completion, client_model=wants.model)

@@ -23,6 +23,7 @@ async def _serve(config_path: str) -> int:
     import uvicorn
 
     from ..online.config import ConfigError, load_config
+    from ..online.gc_tuning import tune_gc
     from .app import build_gateway, create_gateway_app
     from .config import GatewayConfigError, load_gateway_config, load_hmac_keys
     from .console_auth import ConsoleAuth
@@ -39,6 +40,7 @@ async def _serve(config_path: str) -> int:
     gateway = build_gateway(config, model_id=rl_config.model_id, verifier=verifier,
                             console_auth=ConsoleAuth(keys.api), env=dict(os.environ))
     app = create_gateway_app(gateway)
+    tune_gc()
     host, _, port = config.global_.listen.rpartition(":")
     server = uvicorn.Server(uvicorn.Config(app, host=host.strip("[]") or "127.0.0.1", port=int(port),
                                            log_config=None, access_log=False, timeout_graceful_shutdown=30))

@@ -372,7 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
     import uvloop  # hooks are mostly event-loop and socket work: uvloop's loop does it in C
 
+    from .gc_tuning import tune_gc
+
     app = create_app(config, token=os.environ.get(TOKEN_ENV) or None, fault=fault)
+    tune_gc()
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -38,9 +38,9 @@ def build_hooks_router(pipeline: CapturePipeline, lifecycle: TaskLifecycle, metr
     @router.post("/internal/v1/completions:after", status_code=204, openapi_extra=openapi.HOOK_AFTER)
     async def after(request: Request) -> Response:
         with metrics.hook("after"):
-            body = await _hook_body(request)
             with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
-                committed = await pipeline.after(body)
+                # No local keeps the parsed body: the pipeline drops it before its Redis commit (GC cost).
+                committed = await pipeline.after(await _hook_body(request))
         if committed:  # an idempotent repeat is not a second capture
             metrics.capture("committed")
         return Response(status_code=204)

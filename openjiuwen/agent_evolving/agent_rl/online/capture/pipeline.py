@@ -16,7 +16,7 @@ from ..faults import FaultHook, no_faults
 from ..judge import feedback_from_request
 from ..tasks.models import FinishReason
 from ..tasks.registry import AbortingConflict, ReserveOutcome, TaskRegistry
-from .hooks import parse_hook
+from .hooks import HookBody, parse_hook
 from .request import (
     RequestModelMismatch,
     normalize_request,
@@ -79,6 +79,7 @@ class CapturePipeline:
     async def after(self, body: dict[str, Any]) -> bool:
         """Commit a capture; True when this call committed it (False for an idempotent repeat)."""
         hook = parse_hook(body, with_request=True, with_response=True)
+        del body  # from here `hook` holds the only reference; it gives the large response up before the commit
         task = await self._registry.require(hook.rl_task_id)
         try:
             try:
@@ -94,9 +95,13 @@ class CapturePipeline:
                 task, capture_id=hook.capture_id, agent_turn_id=hook.agent_turn_id, request=injected,
                 response=hook.response, validated=validated,
             )
+            fingerprints = request_fingerprint(injected), response_fingerprint(hook.response)
+            # The parsed response (~20k objects for 2,048 tokens, logprob entries included) is not needed past
+            # this point: dropped here, the collector never walks it while the commit waits on Redis.
+            hook = HookBody(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)
+            del validated
             committed = await self._registry.commit(
-                task.rl_task_id, hook.capture_id, hook.agent_turn_id, request_fingerprint(injected),
-                response_fingerprint(hook.response), sample,
+                task.rl_task_id, hook.capture_id, hook.agent_turn_id, *fingerprints, sample,
             )
             self._fault("capture.committed")
             return committed

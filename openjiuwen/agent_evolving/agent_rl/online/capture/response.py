@@ -31,6 +31,10 @@ def _invalid(message: str) -> InvalidInput:
 def _token_ids(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not value:
         raise _invalid(f"{name} must be a non-empty list of non-negative integers")
+    # Fast path in C (type set, min, max) for the common valid list; anything else takes the loop below, which
+    # alone decides the error.
+    if set(map(type, value)) == {int} and min(value) >= 0 and max(value) <= MAX_TOKEN_ID:
+        return value
     for x in value:
         # `type(x) is int` rejects bool (a subclass of int) in the same check; the upper bound is the packed
         # storage's (uint32), far above any vocabulary, and a larger id would otherwise fail only when stored.
@@ -42,6 +46,9 @@ def _token_ids(value: Any, name: str) -> list[int]:
 def _logprobs(value: Any, expected: int) -> list[float]:
     if not isinstance(value, dict) or not isinstance(value.get("content"), list):
         raise _invalid("choices[0].logprobs.content must be a list")
+    fast = _logprobs_fast(value["content"], expected)
+    if fast is not None:
+        return fast
     out: list[float] = []
     isfinite = math.isfinite
     for entry in value["content"]:
@@ -53,6 +60,22 @@ def _logprobs(value: Any, expected: int) -> list[float]:
         out.append(lp)
     if len(out) != expected:
         raise _invalid("logprobs are not aligned with the completion token ids")
+    return out
+
+
+def _logprobs_fast(content: list[Any], expected: int) -> list[float] | None:
+    """The logprobs when every entry is a dict whose `logprob` is a float, all finite and <= 0, and their count is
+    `expected`; else None (the caller's per-entry loop then finds the exact error, or converts int logprobs).
+    A NaN or an infinity makes the sum non-finite, so `max` is only trusted on NaN-free lists; a finite list whose
+    sum overflows merely falls back to the loop."""
+    try:
+        out = [entry["logprob"] for entry in content]
+    except (TypeError, KeyError):  # a non-dict entry or a missing `logprob`
+        return None
+    if len(out) != expected or set(map(type, out)) != {float}:
+        return None
+    if out and not (math.isfinite(sum(out)) and max(out) <= 0):
+        return None
     return out
 
 

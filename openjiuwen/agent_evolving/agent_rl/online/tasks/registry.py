@@ -259,8 +259,7 @@ class TaskRegistry:
             ]
 
         async def body(pipe: Pipeline) -> Reservation:
-            current_task = await self._read_task(pipe, task_key)
-            raw = await pipe.get(capture_key)
+            current_task, raw = await self._read_task_and(pipe, task_key, capture_key)
             if raw is not None:
                 meta = CaptureMeta.from_json(raw)
                 if meta.agent_turn_id == turn_id and meta.request_fingerprint == request_fingerprint:
@@ -321,8 +320,7 @@ class TaskRegistry:
         task_key, capture_key = keys.task(t), keys.capture(t, capture_id)
 
         async def body(pipe: Pipeline) -> bool:
-            task = await self._read_task(pipe, task_key)
-            raw = await pipe.get(capture_key)
+            task, raw = await self._read_task_and(pipe, task_key, capture_key)
             if raw is None:
                 raise Conflict("capture has no matching before")
             meta = CaptureMeta.from_json(raw)
@@ -372,8 +370,7 @@ class TaskRegistry:
         task_key, capture_key = keys.task(t), keys.capture(t, capture_id)
 
         async def body(pipe: Pipeline) -> bool:
-            task = await self._read_task(pipe, task_key)
-            raw = await pipe.get(capture_key)
+            task, raw = await self._read_task_and(pipe, task_key, capture_key)
             if raw is None or not task.active:
                 return False
             meta = CaptureMeta.from_json(raw)
@@ -507,6 +504,14 @@ class TaskRegistry:
         self.signals.notify(t)
 
     # -------------------------------------------------------------- internals
+
+    @staticmethod
+    async def _read_task_and(pipe: Pipeline, task_key: str, other_key: str) -> tuple[Task, bytes | None]:
+        """The Task record and one more key in one round trip (a hook's transaction reads both)."""
+        raw_task, raw = await pipe.mget(task_key, other_key)
+        if raw_task is None:
+            raise NotFound("RL Task not found")
+        return Task.from_json(raw_task), raw
 
     @staticmethod
     async def _read_task(pipe: Pipeline, task_key: str) -> Task:
