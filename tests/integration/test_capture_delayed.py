@@ -68,6 +68,9 @@ async def test_next_turn_publishes_previous_with_feedback(client, judge, redis):
         [(await client.get(f"/v1/rl/trajectories/{c}")).json()["judge"]["score"] for c in ("c1", "c2")]
     )
     assert scores == [0.6, 0.8]
+    published = [e["data"] for e in (await client.get("/v1/rl/tasks/t1/events")).json()["items"]
+                 if e["type"] == "turn_published"]
+    assert published == [{"agent_turn_id": "u1", "samples": 2, "reward": pytest.approx(0.7)}]  # the turn's mean
     assert await redis.sismember(keys.turns_closed("t1"), "u1")
     assert await redis.get(keys.turn_current("t1")) == b"u2"
     assert not await redis.exists(keys.staged("t1", "c1"))

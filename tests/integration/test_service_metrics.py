@@ -149,7 +149,7 @@ async def test_delayed_turn_judge_metrics_and_timeline(service, judge):
         "created", "capture_reserved", "capture_committed", "turn_publishing", "turn_published", "capture_reserved",
         "capture_committed",
     ]
-    assert items[4]["data"] == {"agent_turn_id": "u1", "samples": 1}
+    assert items[4]["data"] == {"agent_turn_id": "u1", "samples": 1, "reward": 0.6}
     # A failing Judge: the publication fails, its event is recorded and the Task is aborted.
     judge.default = Status(400)
     r = await client.post("/v1/rl/tasks/t1/stop")

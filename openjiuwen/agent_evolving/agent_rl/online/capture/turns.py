@@ -105,7 +105,8 @@ class TurnPublisher:
                     sample.meta["judge"] = result.as_sample_judge(tag)
                 inserted = await self._store.insert_if_absent(samples)
                 self._fault("turn.inserted")
-            await self._registry.complete_publish(t, turn_id, [c for c, _ in staged])
+            reward = sum(r.score for r in results) / len(results) if samples else None
+            await self._registry.complete_publish(t, turn_id, [c for c, _ in staged], reward=reward)
             if self._metrics is not None:
                 self._metrics.turn_published(time.perf_counter() - started)
         except BaseException as exc:

@@ -447,9 +447,12 @@ class TaskRegistry:
         blobs = await self._redis.mget([keys.staged(t, c) for c in ids])
         return [(c, b) for c, b in zip(ids, blobs) if b is not None]
 
-    async def complete_publish(self, rl_task_id: str, turn_id: str, capture_ids: list[str]) -> None:
+    async def complete_publish(
+        self, rl_task_id: str, turn_id: str, capture_ids: list[str], *, reward: float | None = None
+    ) -> None:
         """publishing → published: the turn joins the closed set and its staged samples go, atomically, only while
-        the Task is active and this publication still holds the claim. Invariants 3 and 7."""
+        the Task is active and this publication still holds the claim. Invariants 3 and 7. `reward` (the turn's mean
+        Judge score) goes into the `turn_published` event so a timeline shows what the turn earned."""
         t = rl_task_id
         task_key, publish_key = keys.task(t), keys.turn_publish(t, turn_id)
         turn_set = keys.turn_captures(t, turn_id)
@@ -465,8 +468,10 @@ class TaskRegistry:
             pipe.sadd(keys.turns_closed(t), turn_id)
             if capture_ids:
                 pipe.delete(*(keys.staged(t, c) for c in capture_ids))
-            events.queue(pipe, keys.task_events(t), "turn_published",
-                         {"agent_turn_id": turn_id, "samples": len(capture_ids)})
+            data: dict[str, Any] = {"agent_turn_id": turn_id, "samples": len(capture_ids)}
+            if reward is not None:
+                data["reward"] = reward
+            events.queue(pipe, keys.task_events(t), "turn_published", data)
             await pipe.execute()
 
         await transact(self._redis, body, task_key, publish_key, turn_set)
