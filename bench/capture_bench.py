@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import peers as peer_gateways  # noqa: E402
 from bench.load import closed_loop, post  # noqa: E402
-from bench.machine import machine_facts  # noqa: E402
+from bench.machine import machine_facts, write_result  # noqa: E402
 from tests.support.gateway_process import GatewayProcess  # noqa: E402
 from tests.support.redis_server import RedisServer, free_port  # noqa: E402
 
@@ -249,9 +249,7 @@ def main() -> None:
           f"{SIZES['small'][1]} tokens, large = {SIZES['large'][0]}+{SIZES['large'][1]}; times in ms")
     print(HEADER, flush=True)
     result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    out = write_result(result, args.out)
     print(f"captures committed {result['captures_committed']} of {result['captures_expected']} sent; "
           f"peers: {result['peers'] or 'none'}; written to {out}")
 

@@ -290,9 +290,7 @@ def main() -> None:
         args.out = str(ROOT / "bench" / "results" / ("hooks.json" if args.service == "ours" else "hooks-sdk.json"))
     with tempfile.TemporaryDirectory(prefix="rl-bench-") as tmp:
         result = asyncio.run(run(args, Path(tmp)))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    out = write_result(result, args.out)
     p = result["pair_ms"]
     print(f"{result['service_label']}: hook pair :before+:after  ({result['prompt_tokens']}+{result['completion_tokens']} tokens, "
           f"top_logprobs=1, :after body {result['after_body_bytes'] / 1024:.0f} KiB, {result['pairs']} pairs)")

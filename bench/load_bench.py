@@ -19,12 +19,12 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-import orjson
 from redis.asyncio import Redis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import write_result  # noqa: E402
 from tests.support.fake_judge import FakeJudge  # noqa: E402
 from tests.support.fake_vllm import FakeVLLM, Reply  # noqa: E402
 from tests.support.gateway_process import API_KEY, GatewayProcess  # noqa: E402
@@ -95,11 +95,8 @@ def main() -> int:
         result = asyncio.run(run_load(gw.url, spec, api_key=API_KEY, model_id="tiny", pids=pids))
         stats = gw.signed("GET", "/v1/rl/trajectories/stats").json()
         invariants = asyncio.run(_invariants(redis_server.url))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps({**result.summary(), "samples_stored": stats.get("total"),
-                                  "invariants": invariants, "errors_sample": result.errors[:10]},
-                                 option=orjson.OPT_INDENT_2))
+    out = write_result({**result.summary(), "samples_stored": stats.get("total"), "invariants": invariants,
+                        "errors_sample": result.errors[:10]}, args.out)
     _print(result, invariants, stats, out)
     consistent = stats.get("total") == result.completions
     return 0 if result.error_count == 0 and invariants["ok"] and consistent else 1

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.load import percentile  # noqa: E402
-from bench.machine import machine_facts  # noqa: E402
+from bench.machine import machine_facts, write_result  # noqa: E402
 from tests.support.redis_server import RedisServer, free_port  # noqa: E402
 
 MODEL = "bench-model"
@@ -214,10 +214,7 @@ def main() -> None:
                 "load_avg_1m": os.getloadavg()[0]}
     print(f"start-up recovery: {active} active Tasks aborted in {recovery['recovery_s']:.2f} s "
           f"({recovery['tasks_per_s']:.0f} Tasks/s; ready in {loaded_s:.2f} s vs {empty_s:.2f} s empty)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(orjson.dumps({"machine": machine_facts(), "claim_and_stats": rows, "recovery": recovery},
-                                option=orjson.OPT_INDENT_2).decode())
+    out = write_result({"machine": machine_facts(), "claim_and_stats": rows, "recovery": recovery}, args.out)
     print(f"  written to {out}")
 
 

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.hooks_bench import MODEL, SERVICES, start_service, stop_service, synthetic_exchange  # noqa: E402
-from bench.machine import machine_facts  # noqa: E402
+from bench.machine import machine_facts, write_result  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 
@@ -139,9 +139,7 @@ def main() -> None:
         args.out = str(ROOT / "bench" / "results" / ("storage.json" if args.service == "ours" else "storage-sdk.json"))
     with tempfile.TemporaryDirectory(prefix="rl-storage-bench-") as tmp:
         result = asyncio.run(run(args, Path(tmp)))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    out = write_result(result, args.out)
     b = result["bytes_per_token"]
     print(f"storage ({result['service_label']}): {result['samples']} samples ({result['sessions']} sessions × {result['turns']} turns), "
           f"{result['captured_tokens']} captured tokens, of which {result['repeated_prompt_tokens']} repeat an "

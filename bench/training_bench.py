@@ -16,7 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -25,6 +24,7 @@ from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model  # no
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.local import LocalBackend  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.training.ppo_settings import PPOSettings  # noqa: E402
+from bench.machine import write_result  # noqa: E402
 from tests.support import learning as L  # noqa: E402
 
 
@@ -64,9 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rl-train-bench-") as tmp:
         result = asyncio.run(run(args, Path(tmp)))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    out = write_result(result, args.out)
     print(f"local backend, tiny model: {result['samples']} samples x ({result['prompt_tokens']}+"
           f"{result['response_tokens']}) tokens")
     print(f"  {'wall s':>8} {'ppo s':>8} {'resp tok/s (ppo)':>18} {'seq tok/s (wall)':>18}")

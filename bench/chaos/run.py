@@ -22,11 +22,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import orjson
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import write_result  # noqa: E402
 from tests.support.chaos import SCENARIOS, ChaosOutcome, Workload, run_scenario  # noqa: E402
 
 
@@ -83,9 +83,7 @@ def main() -> int:
         "client_errors": dict(errors), "wall_s": round(time.monotonic() - began, 1),
     }
     print("\ntotals: " + ", ".join(f"{k}={v}" for k, v in totals.items()))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_bytes(orjson.dumps({"totals": totals, "runs": [o.as_json() for o in outcomes]},
-                                       option=orjson.OPT_INDENT_2))
+    write_result({"totals": totals, "runs": [o.as_json() for o in outcomes]}, args.json)
     print(f"wrote {args.json}")
     return 1 if totals["failed_runs"] else 0
 
