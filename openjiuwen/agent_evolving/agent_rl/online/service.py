@@ -7,7 +7,6 @@ Run it as `python -m openjiuwen.agent_evolving.agent_rl.online.service --config 
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import signal
@@ -37,6 +36,7 @@ from .capture.rewards import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig, load_config
 from .faults import FaultHook, fault_hook, no_faults
+from .gc_tuning import tune_gc
 from .logs import configure_logging
 from .metrics import HttpMetricsMiddleware, MeteredJudge, ServiceMetrics
 from .lora.gateway_client import GatewayLoraClient
@@ -225,11 +225,10 @@ class ServiceDeps:
         self.sweeper.start()
         if run_reward_sweeper:
             self.reward_sweeper.start()
-        # Everything allocated so far (modules, app, clients) lives for the whole process: moving it out of the
-        # collector's generations keeps full collections, which hook bodies with thousands of logprob objects
-        # trigger, from re-scanning it (a tail-latency cost on every capture otherwise).
-        gc.collect()
-        gc.freeze()
+        # Everything allocated so far (modules, app, clients, recovered state) lives for the whole process: frozen
+        # out of the collector, and gen 0 collected less often (gc_tuning.py). Here, not in main(), so the uvicorn
+        # factory gets it too, and once.
+        tune_gc()
         log.info("RL service ready for model %s", self.config.model_id)
         try:
             yield
@@ -372,10 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
     import uvloop  # hooks are mostly event-loop and socket work: uvloop's loop does it in C
 
-    from .gc_tuning import tune_gc
-
     app = create_app(config, token=os.environ.get(TOKEN_ENV) or None, fault=fault)
-    tune_gc()
     server = uvicorn.Server(
         uvicorn.Config(
             app,
