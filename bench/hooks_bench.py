@@ -88,7 +88,7 @@ def stop_service(proc: subprocess.Popen) -> None:
 
 
 def synthetic_exchange(prompt_tokens: int, completion_tokens: int, seed: int) -> tuple[dict, dict]:
-    """A request and a vLLM 0.32-shaped response (see shared/fixtures) of the given sizes."""
+    """A request and a vLLM 0.32-shaped response (see tests/fixtures/vllm-0.32-cpu) of the given sizes."""
     rng = random.Random(seed)
     words = ["alpha", "beta", "gamma", "delta", "tool", "call", "result", "plan", "step", "answer"]
     prompt_text = " ".join(rng.choice(words) for _ in range(prompt_tokens))

@@ -1,4 +1,4 @@
-"""A fixed-latency fake vLLM for the benches: pre-rendered vLLM 0.32 shapes (shared/fixtures), answered from bytes.
+"""A fixed-latency fake vLLM for the benches: pre-rendered vLLM 0.32 shapes (tests/fixtures/vllm-0.32-cpu), answered from bytes.
 
     python bench/upstream.py --port P [--latency-ms 200] [--prompt-tokens 256] [--completion-tokens 256]
 

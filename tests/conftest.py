@@ -11,11 +11,8 @@ from redis.asyncio import Redis
 
 from tests.support.redis_server import RedisServer
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-0.32-cpu"
-if not FIXTURES.is_dir():  # CI clones next to shared/; a checkout elsewhere can point at it
-    import os
-
-    FIXTURES = Path(os.environ.get("RL_FIXTURES_DIR", FIXTURES))
+# Recorded vLLM 0.32 answers, kept in the repository (tests/fixtures/vllm-0.32-cpu/README.md says how).
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32-cpu"
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""A fake vLLM 0.32 on a real loopback socket, answering in the recorded shapes (shared/fixtures/vllm-0.32-cpu).
+"""A fake vLLM 0.32 on a real loopback socket, answering in the recorded shapes (tests/fixtures/vllm-0.32-cpu).
 
     from tests.support.fake_vllm import FakeVLLM, Reply, ToolCall
 
@@ -72,9 +72,7 @@ _FIRST_ORDINARY_ID = 3  # 0..2 are special in the recordings (1 = <|im_start|>, 
 _NEWLINE_ID = 201
 _PIECE_RE = re.compile(r"\s*\S{1,4}|\s+$")
 
-_FIXTURES = Path(os.environ.get(
-    "RL_FIXTURES_DIR", Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
-))
+_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32-cpu"
 
 
 @functools.lru_cache(maxsize=None)
