@@ -7,6 +7,7 @@
   found statically (calls of the envelope and error constructors, domain-error codes, envelope dict literals);
 - config keys: the keys of §8 equal the fields of `RLServiceConfig` (nested `reward_policy` included), those of
   §3.1 the AIGW-shaped aliases of `GatewayConfig`;
+- metrics: the `rl_*` series of §2.3 equal those `online/metrics.py` declares;
 - Redis keys: the key shapes of §5.2 equal the ones `online/store/keys.py` builds, and the invariant checker
   (`tests/support/invariants.py`) knows every one of them.
 
@@ -182,6 +183,22 @@ def test_gateway_routes_match_contract_3_3(gateway_routes: set[tuple[str, str]])
     documented = doc_routes("3.3")
     assert len(documented) >= 20, "docs/contract.md §3.3 lost its route table"
     compare_routes(gateway_routes, documented, "gateway app", "§3.3")
+
+
+def test_service_metric_names_match_contract_2_3() -> None:
+    documented = {re.sub(r"\{.*", "", name) for name in ticked(section(doc_text(), "2.3")) if name.startswith("rl_")}
+    source = (PACKAGE / "online" / "metrics.py").read_text(encoding="utf-8")
+    declared = set(re.findall(r'"(rl_[a-z0-9_]+)"', source))
+    assert declared, "online/metrics.py declares no rl_* series any more: update this test"
+    problems = []
+    if declared - documented:
+        problems.append(
+            f"series in online/metrics.py missing from docs/contract.md §2.3: {describe(declared - documented)}"
+        )
+    if documented - declared:
+        problems.append(f"series in docs/contract.md §2.3 that online/metrics.py does not declare: "
+                        f"{describe(documented - declared)}")
+    assert not problems, "; ".join(problems)
 
 
 # ------------------------------------------------------------------------------------------------ error codes

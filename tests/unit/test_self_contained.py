@@ -47,7 +47,8 @@ def test_no_tracked_file_refers_to_the_sibling_shared_directory() -> None:
     found = offending(files)
     assert not found, (
         "tracked files refer to the sibling shared directory, which a clone does not have (use docs/contract.md "
-        "and tests/fixtures/ instead): " + "; ".join(f"{name}: {', '.join(hits)}" for name, hits in sorted(found.items()))
+        "and tests/fixtures/ instead): "
+        + "; ".join(f"{name}: {', '.join(hits)}" for name, hits in sorted(found.items()))
     )
 
 
