@@ -1,7 +1,8 @@
 """The reference gateway app: the one place that builds and wires every gateway part (CONTRACT §3).
 
 Route families: unsigned inference (`/v1/chat/completions`, `/v1/messages`) and health; HMAC-signed control
-(service, Tasks, Training Runs, trajectories, rail upload, LoRA status/delete, instance registration); loopback-only
+(service, Tasks, Training Runs, trajectories, rail upload, LoRA status/delete, instance registration with the api or
+the instance key, instance removal and listing with the api key only); loopback-only
 internal LoRA routes for the RL Service child, checked against its bearer token; the read-only web console under
 `/console` (a login token signed with the api key, exchanged for a session cookie; see console.py).
 """
@@ -81,19 +82,15 @@ def build_gateway(
     )
     # Idle upstream connections close before vLLM's keep-alive timeout (5 s) could race a new request on them.
     upstream = Http11Client(keepalive_expiry_s=2.0, connect_timeout_s=10.0, max_idle_per_origin=256)
-    probes: dict[str, HealthMonitor] = {}
-
-    async def probe(instance: Instance) -> bool:
-        return await probes["health"].probe(instance)
-
+    checks = config.instance_health
+    health = HealthMonitor(
+        # `loras` is bound below, before the first check runs (in the lifespan).
+        registry, readmit=lambda instance: loras.readmit(instance), interval_s=checks.interval_s,
+        timeout_s=checks.timeout_s, failure_threshold=checks.failure_threshold,
+    )
     loras = LoraManager(
         registry, lora_root=config.lora.root, state_path=config.lora.state_path,
-        operation_timeout_s=config.lora.operation_timeout_s, probe=probe,
-    )
-    checks = config.instance_health
-    health = probes["health"] = HealthMonitor(
-        registry, readmit=loras.readmit, interval_s=checks.interval_s, timeout_s=checks.timeout_s,
-        failure_threshold=checks.failure_threshold,
+        operation_timeout_s=config.lora.operation_timeout_s, probe=health.probe,
     )
     online = config.online_rl
     holder: dict[str, RLControl] = {}

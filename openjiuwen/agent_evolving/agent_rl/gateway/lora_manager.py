@@ -467,7 +467,9 @@ class LoraManager:
         """Learn what the instance holds, load the active adapter and the leased versions, unload unused ones;
         returns the active version it dealt with."""
         deadline = self._now() + self._timeout_s
-        await self._sync_loaded(instance, deadline)  # a restarted vLLM re-registers with nothing loaded
+        if not await self._sync_loaded(instance, deadline):  # a restarted vLLM re-registers with nothing loaded
+            # Holdings unknown: confirm nothing (routing trusts confirmed adapters only); sweep what it may hold.
+            self._stale[instance.name] |= self._loaded.pop(instance.name, set())
         state = self._state(instance.model)
         for _ in range(3):  # the active version may switch while we load; catch up, within the deadline
             active = state.active
@@ -715,18 +717,19 @@ class LoraManager:
         log.warning("unload of %s on %s: status %d: %s", name, instance.name, resp.status_code, resp.text[:200])
         return False
 
-    async def _sync_loaded(self, instance: Instance, deadline: float) -> None:
-        """Learn which of the model's adapters the instance holds (`GET /v1/models`); keep what we knew on failure."""
+    async def _sync_loaded(self, instance: Instance, deadline: float) -> bool:
+        """Learn which of the model's adapters the instance holds (`GET /v1/models`); False on failure, keeping
+        what we knew."""
         try:
             resp = await self._call("GET", instance, MODELS_PATH, None, deadline)
             data = resp.json() if resp.status_code == 200 else None
         except (httpx.HTTPError, TimeoutError, ValueError) as exc:
             log.warning("could not list the adapters of %s (%s)", instance.name, type(exc).__name__)
-            return
+            return False
         entries = data.get("data") if isinstance(data, dict) else None
         if not isinstance(entries, list):
             log.warning("could not list the adapters of %s (status %d)", instance.name, resp.status_code)
-            return
+            return False
         held = set()
         for entry in entries:
             model_id = entry.get("id") if isinstance(entry, dict) else None
@@ -735,6 +738,7 @@ class LoraManager:
                 held.add(model_id)
         self._loaded[instance.name] = held
         self._stale.pop(instance.name, None)
+        return True
 
     async def _persist(self, model: str, entry: dict[str, str] | None) -> None:
         """Write the whole state file with this model's entry changed (atomic replace, off the loop)."""
