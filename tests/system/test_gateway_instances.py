@@ -40,7 +40,7 @@ REGISTER = "/aigw/v1/register-instance"
 UNREGISTER = "/aigw/v1/unregister-instance"
 LIST = "/aigw/v1/instances"
 # Fast checks for the test that watches an instance die and come back.
-FAST_HEALTH = {"interval": "200ms", "timeout": "1s", "failureThreshold": 2}
+FAST_HEALTH = {"interval": "200ms", "timeout": "2s", "failureThreshold": 3}
 WAIT_S = 15.0
 
 
