@@ -14,13 +14,14 @@ _START_TIMEOUT_S = 10.0
 
 
 class ThreadedServer:
-    def __init__(self, app: Any, *, name: str = "asgi") -> None:
+    def __init__(self, app: Any, *, name: str = "asgi", port: int = 0) -> None:
+        """`port`: 0 for a free one; a given port brings a stopped server back at its old address."""
         self._app = app
         self._name = name
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
-        self.port = 0
+        self.port = port
 
     @property
     def url(self) -> str:
@@ -30,7 +31,7 @@ class ThreadedServer:
         # Binding here gives the port before the thread starts and leaves no free-port race.
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind(("127.0.0.1", self.port))
         self.port = self._sock.getsockname()[1]
         config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2)

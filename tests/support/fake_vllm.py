@@ -337,11 +337,12 @@ def _json_response(body: Any, status: int = 200) -> Response:
 class FakeVLLM:
     """See the module docstring."""
 
-    def __init__(self, *, served_model: str = "tiny", name: str | None = None) -> None:
+    def __init__(self, *, served_model: str = "tiny", name: str | None = None, port: int = 0) -> None:
+        """`port`: 0 for a free one; a given port plays a vLLM that comes back at a known address."""
         self.served_model = served_model
         self._name = name
         self.host = "127.0.0.1"
-        self.port = 0
+        self.port = port
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._requests: list[FakeRequest] = []
@@ -370,7 +371,8 @@ class FakeVLLM:
             Route(MODELS_PATH, self._models, methods=["GET"]),
             Route(HEALTH_PATH, self._health, methods=["GET"]),
         ])
-        self._server = ThreadedServer(app, name=f"fake-vllm-{self._name or self.served_model}").start()
+        name = f"fake-vllm-{self._name or self.served_model}"
+        self._server = ThreadedServer(app, name=name, port=self.port).start()
         self.port = self._server.port
         if self._name is None:
             self._name = f"vllm-{self.served_model}-{self.port}"

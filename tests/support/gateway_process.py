@@ -45,6 +45,7 @@ class GatewayProcess:
         online_overrides: dict[str, Any] | None = None,
         lora_overrides: dict[str, Any] | None = None,
         global_overrides: dict[str, Any] | None = None,
+        extra_config: dict[str, Any] | None = None,
         listen_host: str = "127.0.0.1",
         env: dict[str, str] | None = None,
         log_level: str = "INFO",
@@ -102,6 +103,7 @@ class GatewayProcess:
             "lora": {"root": str(self.lora_root), "statePath": str(self.dir / "lora-state.json"),
                      "operationTimeout": "5s", **(lora_overrides or {})},
             "onlineRL": online,
+            **(extra_config or {}),  # further top-level sections (instanceHealth, registration)
         }
         self.config_path = self.dir / "gateway.json"
         self.config_path.write_bytes(orjson.dumps(self.config))

@@ -13,6 +13,8 @@ def test_gateway_example_loads() -> None:
     config = load_gateway_config(ROOT / "deploy" / "gateway.example.json")
     assert [i.name for i in config.instances] == ["vllm-0", "vllm-1"]
     assert config.online_rl.hook_timeout_s == 30.0 and config.lora.operation_timeout_s == 60.0
+    assert (config.instance_health.interval_s, config.instance_health.failure_threshold) == (10.0, 3)
+    assert config.registration.max_instances == 64
 
 
 def test_deploy_configs_load() -> None:

@@ -381,3 +381,20 @@ def test_instance_hosts_no_url_can_carry_are_refused(tmp_path: Path, host: str):
     data = example(tmp_path)
     data["instances"][0]["instanceIp"] = host
     assert "instanceIp" in error_of(data)
+
+
+def test_instance_health_and_registration_defaults_and_bounds(tmp_path: Path):
+    config = gateway_config_from_mapping(example(tmp_path))
+    health = config.instance_health
+    assert (health.interval_s, health.timeout_s, health.failure_threshold) == (10.0, 5.0, 3)
+    assert config.registration.max_instances == 64
+    data = example(tmp_path, instanceHealth={"interval": "200ms", "timeout": "1s", "failureThreshold": 1},
+                   registration={"maxInstances": 0})
+    config = gateway_config_from_mapping(data)
+    assert (config.instance_health.interval_s, config.registration.max_instances) == (0.2, 0)
+    for section, key, bad in (("instanceHealth", "interval", "0s"), ("instanceHealth", "timeout", 5),
+                              ("instanceHealth", "failureThreshold", 0), ("instanceHealth", "failureThreshold", "3"),
+                              ("registration", "maxInstances", -1), ("registration", "maxInstances", 10_001),
+                              ("registration", "maxInstances", True), ("registration", "cap", 3)):
+        data = example(tmp_path, **{section: {key: bad}})
+        assert error_of(data).startswith(f"gateway config: {section}.{key}: "), (section, key, bad)

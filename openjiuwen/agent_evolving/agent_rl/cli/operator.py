@@ -8,6 +8,8 @@
     openjiuwen-rl rl train watch|stop|get RUN_ID
     openjiuwen-rl rl lora status [MODEL]
     openjiuwen-rl rl lora delete MODEL
+    openjiuwen-rl rl instance list
+    openjiuwen-rl rl instance remove NAME
     openjiuwen-rl rl traj stats
     openjiuwen-rl rl traj list [--status S] [--limit N] [--all]
     openjiuwen-rl rl traj get ID
@@ -508,6 +510,27 @@ def _lora_delete(ctx: Context) -> int:
     return 0
 
 
+def _show_instances(data: dict[str, Any]) -> None:
+    _table([[str(i.get("name")), str(i.get("model")), str(i.get("address")), str(i.get("origin")),
+             "yes" if i.get("serving") else "no", ", ".join(i.get("loaded") or []) or "-"]
+            for i in data.get("items", [])],
+           ["NAME", "MODEL", "ADDRESS", "ORIGIN", "SERVING", "LOADED"])
+    _out(f"registered {data.get('registered')} of at most {data.get('max_registered')}")
+
+
+def _instance_list(ctx: Context) -> int:
+    ctx.show(ctx.client.request("GET", "/aigw/v1/instances"), _show_instances)
+    return 0
+
+
+def _instance_remove(ctx: Context) -> int:
+    # The name goes in the signed body: a signature cannot be moved to another instance.
+    answer = ctx.client.request("POST", "/aigw/v1/unregister-instance", body={"name": ctx.args.name})
+    ctx.show(answer, lambda a: _out(f"instance {a.get('name')} removed: no new requests go there; requests in "
+                                    "flight finish"))
+    return 0
+
+
 def _traj_stats(ctx: Context) -> int:
     ctx.show(ctx.client.request("GET", "/v1/rl/trajectories/stats"), _show_stats)
     return 0
@@ -637,6 +660,12 @@ def build_parser() -> argparse.ArgumentParser:
          _lora_status).add_argument("model", nargs="?", help=f"model id (default ${MODEL_ENV})")
     leaf(lora, "delete", "deactivate the LoRA: new Tasks use the base model, pinned Tasks keep theirs",
          _lora_delete).add_argument("model")
+
+    instance = group("instance", "the vLLM instances behind the gateway: list them, remove a registered one")
+    leaf(instance, "list", "every instance with its origin (static or registered), health and loaded adapters",
+         _instance_list)
+    leaf(instance, "remove", "remove a registered instance from routing (static ones live in the gateway config)",
+         _instance_remove).add_argument("name")
 
     traj = group("traj", "trajectory samples: counters, listing, detail, external rewards")
     leaf(traj, "stats", "counters by status and source", _traj_stats)

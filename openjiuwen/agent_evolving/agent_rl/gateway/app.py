@@ -1,7 +1,8 @@
 """The reference gateway app: the one place that builds and wires every gateway part (CONTRACT §3).
 
 Route families: unsigned inference (`/v1/chat/completions`, `/v1/messages`) and health; HMAC-signed control
-(service, Tasks, Training Runs, trajectories, rail upload, LoRA status/delete, instance registration); loopback-only
+(service, Tasks, Training Runs, trajectories, rail upload, LoRA status/delete, instance registration with the api or
+the instance key, instance removal and listing with the api key only); loopback-only
 internal LoRA routes for the RL Service child, checked against its bearer token; the read-only web console under
 `/console` (a login token signed with the api key, exchanged for a session cookie; see console.py).
 """
@@ -32,6 +33,7 @@ from .config import GatewayConfig
 from .console import Console
 from .console_auth import ConsoleAuth
 from .control import RLControl
+from .health import HealthMonitor
 from .hmac_auth import HmacVerifier
 from .http11 import Http11Client
 from .inference import InferenceProxy
@@ -66,6 +68,7 @@ class Gateway:
     registry: InstanceRegistry
     metrics: GatewayMetrics
     console: Console
+    health: HealthMonitor
     ready: bool = False
 
 
@@ -74,13 +77,20 @@ def build_gateway(
 ) -> Gateway:
     metrics = GatewayMetrics()  # per app: its own CollectorRegistry
     registry = InstanceRegistry(
-        [Instance(i.name, i.model, i.instance_ip, int(i.port)) for i in config.instances]
+        [Instance(i.name, i.model, i.instance_ip, int(i.port)) for i in config.instances],
+        max_registered=config.registration.max_instances,
     )
     # Idle upstream connections close before vLLM's keep-alive timeout (5 s) could race a new request on them.
     upstream = Http11Client(keepalive_expiry_s=2.0, connect_timeout_s=10.0, max_idle_per_origin=256)
+    checks = config.instance_health
+    health = HealthMonitor(
+        # `loras` is bound below, before the first check runs (in the lifespan).
+        registry, readmit=lambda instance: loras.readmit(instance), interval_s=checks.interval_s,
+        timeout_s=checks.timeout_s, failure_threshold=checks.failure_threshold,
+    )
     loras = LoraManager(
         registry, lora_root=config.lora.root, state_path=config.lora.state_path,
-        operation_timeout_s=config.lora.operation_timeout_s,
+        operation_timeout_s=config.lora.operation_timeout_s, probe=health.probe,
     )
     online = config.online_rl
     holder: dict[str, RLControl] = {}
@@ -111,26 +121,30 @@ def build_gateway(
     console = Console(auth=console_auth, control=control, loras=loras, supervisor=supervisor, model_id=model_id)
     return Gateway(
         config, model_id, verifier, loras, supervisor, rl, tracker, control, inference, upstream, registry, metrics,
-        console,
+        console, health,
     )
 
 
 def create_gateway_app(gw: Gateway) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gw.health.check_once(at_start=True)  # a static instance down at start stays out of restore and routing
         await gw.loras.restore()
         gw.ready = True
         retry = asyncio.create_task(_retry_failed_forever(gw), name="lora-retry")
+        checks = asyncio.create_task(gw.health.run(), name="instance-health")
         log.info("gateway ready for model %s", gw.model_id)
         try:
             yield
         finally:
             gw.ready = False
             retry.cancel()
-            await asyncio.gather(retry, return_exceptions=True)
+            checks.cancel()
+            await asyncio.gather(retry, checks, return_exceptions=True)
             await gw.supervisor.close()
             await gw.inference.close()
             await gw.loras.close()
+            await gw.health.close()
             await gw.rl.aclose()
             await gw.upstream.aclose()
 
@@ -277,10 +291,38 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             return envelope(400, "invalid_request", f"invalid registration: {exc}")
         try:
-            await gw.loras.register_instance(name, model, host, port)
-        except LoraError as exc:  # an out-of-range port or similar: the client's mistake, never a 500
+            serving = await gw.loras.register_instance(name, model, host, port)
+        except LoraError as exc:  # a bad port, a name taken, the cap reached: the client's mistake, never a 500
             return envelope(exc.status, exc.code, exc.message)
-        return json_response({"status": "registered", "name": name})
+        return json_response({"status": "registered", "name": name, "serving": serving})
+
+    @app.post("/aigw/v1/unregister-instance")
+    async def unregister_instance(request: Request) -> Response:
+        """Operator only (the api key; the instance key is refused): remove a registered instance. The name travels
+        in the signed body, so a captured signature cannot be pointed at another instance."""
+        body = await signed(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            data = orjson.loads(body)
+            name = data["name"]
+            if not isinstance(name, str) or not name:
+                raise ValueError("name must be a non-empty string")
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            return envelope(400, "invalid_request", f"invalid removal: {exc}")
+        try:
+            gw.loras.remove_instance(name)
+        except LoraError as exc:
+            return envelope(exc.status, exc.code, exc.message)
+        return json_response({"status": "removed", "name": name})
+
+    @app.get("/aigw/v1/instances")
+    async def list_instances(request: Request) -> Response:
+        body = await signed(request)
+        if isinstance(body, Response):
+            return body
+        return json_response({"items": gw.loras.instances(), "registered": gw.registry.registered_count(),
+                              "max_registered": gw.registry.max_registered})
 
     # ---------------------------------------------------------------- internal (RL Service → gateway)
 

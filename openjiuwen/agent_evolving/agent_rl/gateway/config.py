@@ -273,6 +273,20 @@ class LoraSection(_Model):
     operation_timeout_s: Duration = Field(default=60.0, alias="operationTimeout")
 
 
+class InstanceHealthSection(_Model):
+    """Project gateway (issue 19): periodic `GET /health` of every vLLM instance (health.py)."""
+
+    interval_s: Duration = Field(default=10.0, alias="interval")
+    timeout_s: Duration = Field(default=5.0, alias="timeout")
+    failure_threshold: Annotated[StrictInt, Field(ge=1, le=100)] = Field(default=3, alias="failureThreshold")
+
+
+class RegistrationSection(_Model):
+    """Project gateway (issue 19): bound of the instances added through `register-instance`."""
+
+    max_instances: Annotated[StrictInt, Field(ge=0, le=10_000)] = Field(default=64, alias="maxInstances")
+
+
 class OnlineRLSection(_Model):
     command: list[NonBlank] = Field(min_length=1)
     config_path: Annotated[StrictStr, AfterValidator(_check_path)] = Field(alias="configPath")
@@ -288,6 +302,8 @@ class GatewayConfig(_Model):
     instances: list[InstanceConfig] = Field(default_factory=list)
     lora: LoraSection
     online_rl: OnlineRLSection = Field(alias="onlineRL")
+    instance_health: InstanceHealthSection = Field(default_factory=InstanceHealthSection, alias="instanceHealth")
+    registration: RegistrationSection = Field(default_factory=RegistrationSection)
 
     @field_validator("instances")
     @classmethod

@@ -24,7 +24,7 @@ import os
 import re
 import tempfile
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
-from .instances import Instance, InstanceRegistry
+from .instances import Instance, InstanceRefused, InstanceRegistry
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
 
@@ -84,6 +84,7 @@ class _Load(enum.Enum):
     ALREADY = "already"  # 400 "already been loaded": it was there
     FAILED = "failed"  # any other answer: not loaded
     UNKNOWN = "unknown"  # timeout or transport error: it may land later
+    UNREACHABLE = "unreachable"  # the connection was refused: nothing was sent, the instance is down
 
 
 @dataclass
@@ -103,7 +104,9 @@ class LoraManager:
         state_path: Path | str,
         operation_timeout_s: float,
         client: httpx.AsyncClient | None = None,
+        probe: Callable[[Instance], Awaitable[bool]] | None = None,
     ) -> None:
+        """`probe`: the health check a registration must pass before the instance serves (None: admit at once)."""
         if not operation_timeout_s > 0:
             raise ValueError("operation_timeout_s must be positive")
         self._registry = registry
@@ -116,6 +119,9 @@ class LoraManager:
         self._loaded: defaultdict[str, set[str]] = defaultdict(set)  # instance name → adapters confirmed loaded
         self._stale: defaultdict[str, set[str]] = defaultdict(set)  # instance name → adapters that may be loaded
         self._version_locks: dict[str, asyncio.Lock] = {}
+        self._paths: dict[str, str] = {}  # lora name → path, for versions active now or still leased (readmission)
+        self._probe = probe
+        self._admitting: set[str] = set()  # instances being admitted (a probe round must not start a second one)
         self._leases: Counter[str] = Counter()
         self._inflight: Counter[str] = Counter()  # instance name → requests in flight
         self._turns: dict[str, int] = {}  # round-robin position per routing key
@@ -148,8 +154,7 @@ class LoraManager:
         problem = await asyncio.to_thread(_artifact_problem, self._root, lora_path)
         if problem is not None:
             raise LoraError(400, "invalid_lora_request", problem)
-        if not self._registry.for_model(model):
-            raise LoraError(503, "no_instances", f"no vLLM instance serves {model}")
+        self._require_serving(model)
         state = self._state(model)
         wanted = ActiveLora(lora_name, lora_path)
         async with _holding(state.lock, load_deadline) as held:
@@ -163,12 +168,13 @@ class LoraManager:
             current_name = current.lora_name if current is not None else BASE
             if current_name != expected:
                 raise LoraError(409, "lora_cas_conflict", f"active policy is {current_name}, expected {expected}")
-            instances = self._registry.for_model(model)
+            instances = self._require_serving(model)
             async with _holding(self._version_lock(lora_name), load_deadline) as held_version:
                 if not held_version:
                     raise LoraError(502, "lora_activation_failed", f"an operation on {lora_name} is still running")
-                await self._load_everywhere(model, wanted, instances, load_deadline, deadline, base_model)
+                instances = await self._load_everywhere(model, wanted, instances, load_deadline, deadline, base_model)
                 # Loaded everywhere and persisted: switch. Nothing awaits between here and the return of the lock.
+                self._paths[lora_name] = lora_path
                 for instance in instances:
                     self._loaded[instance.name].add(lora_name)
                     self._stale[instance.name].discard(lora_name)
@@ -183,19 +189,28 @@ class LoraManager:
     async def _load_everywhere(
         self, model: str, wanted: ActiveLora, instances: list[Instance], load_deadline: float, deadline: float,
         base_model: str,
-    ) -> None:
-        """Load on every instance and persist the state file; on any failure unload what this call loaded and raise
-        502. Runs under the model lock and the version lock."""
+    ) -> list[Instance]:
+        """Load on every serving instance and persist the state file; returns the instances that hold it. On any
+        failure unload what this call loaded and raise 502. An instance that refuses the connection is down, not
+        failed: it leaves routing and the quorum (readmission loads it later) and the activation goes on without it;
+        when that leaves no instance, 503 `no_healthy_instances`. Runs under the model lock and the version lock."""
         name = wanted.lora_name
         known = {i.name for i in instances if name in self._loaded[i.name]}
         results = await asyncio.gather(*(self._load(i, wanted, load_deadline) for i in instances))
+        for instance, (outcome, detail) in zip(instances, results):
+            if outcome is _Load.UNREACHABLE and self._registry.set_serving(instance, False):
+                log.warning("instance %s is down (%s): out of routing until it answers again", instance.name, detail)
+        reached = [(i, r) for i, r in zip(instances, results) if r[0] is not _Load.UNREACHABLE]
+        instances, results = [i for i, _ in reached], [r for _, r in reached]
         failures = [detail for outcome, detail in results if outcome in (_Load.FAILED, _Load.UNKNOWN)]
+        if not instances:
+            raise LoraError(503, "no_healthy_instances", f"no instance of {model} answered; kept the previous policy")
         if not failures:
             entry = {"lora_name": wanted.lora_name, "lora_path": wanted.lora_path, "base_model": base_model,
                      "activated_at": datetime.now(timezone.utc).isoformat()}
             try:
                 await self._persist(model, entry)
-                return
+                return instances
             except OSError as exc:
                 log.error("could not write the LoRA state file %s", self._state_path, exc_info=exc)
                 failures = [f"state file not written: {type(exc).__name__}"]
@@ -245,8 +260,9 @@ class LoraManager:
         return state.active if state is not None else None
 
     def status(self, model: str) -> dict[str, Any]:
-        """The `GET /v1/loras/{model}` body, from what is known now."""
-        instances = self._registry.for_model(model)
+        """The `GET /v1/loras/{model}` body, from what is known now. Counts serving instances only: an unhealthy one
+        is outside the quorum, neither ready nor failed."""
+        instances = self._registry.serving(model)
         state = self._models.get(model)
         if state is None or state.active is None:
             return {"status": "base", "active_lora": None, "instances": {"ready": len(instances), "failed": 0}}
@@ -262,13 +278,21 @@ class LoraManager:
         state = self._models.get(model)
         failed = state.failed if state is not None else set()
         instances = [
-            {"name": i.name, "address": f"{i.host}:{i.port}", "loaded": sorted(self._loaded.get(i.name, ())),
-             "failed": i.name in failed, "inflight": self._inflight[i.name]}
-            for i in self._registry.for_model(model)
+            {**self._instance_row(i), "failed": i.name in failed} for i in self._registry.for_model(model)
         ]
         leases = {name: n for name, n in sorted(self._leases.items())
                   if n > 0 and (parsed := parse_lora_name(name)) is not None and parsed[0] == model}
         return {**self.status(model), "model": model, "instance_list": instances, "leases": leases}
+
+    def instances(self) -> list[dict[str, Any]]:
+        """Every instance with its origin, health and adapters (`GET /aigw/v1/instances`)."""
+        return [self._instance_row(i) for i in self._registry.all()]
+
+    def _instance_row(self, i: Instance) -> dict[str, Any]:
+        return {"name": i.name, "model": i.model, "address": f"{i.host}:{i.port}",
+                "origin": "static" if self._registry.is_static(i.name) else "registered",
+                "serving": self._registry.is_serving(i.name), "loaded": sorted(self._loaded.get(i.name, ())),
+                "inflight": self._inflight[i.name]}
 
     async def refresh_status(self, model: str) -> dict[str, Any]:
         """Retry loading the active adapter where it is missing, then `status(model)`."""
@@ -344,9 +368,7 @@ class LoraManager:
         """The instance for one request. A LoRA policy (`<model>:vN`) goes only to instances holding that adapter,
         least in flight then round robin, never by affinity; anything else is base traffic: any instance of the
         model, by rendezvous hash of `affinity_key` when given (prefix-cache locality)."""
-        instances = self._registry.for_model(model)
-        if not instances:
-            raise LoraError(503, "no_instances", f"no vLLM instance serves {model}")
+        instances = self._require_serving(model)
         parsed = parse_lora_name(policy_model)
         if parsed is None or parsed[0] != model:
             if affinity_key is not None:
@@ -391,22 +413,63 @@ class LoraManager:
 
     # ------------------------------------------------------------------------------------------------ instances
 
-    async def register_instance(self, name: str, model: str, host: str, port: int | str) -> None:
-        """Idempotent by name. The model's active adapter is loaded on the instance; a failure leaves the model
-        `degraded` with this instance serving base only, until a retry succeeds. Raises LoraError 400 on bad input."""
+    async def register_instance(self, name: str, model: str, host: str, port: int | str) -> bool:
+        """Register an instance, or accept its identical repeat; returns whether it serves now. It must pass the
+        health probe, then gets the model's active adapter and the versions still leased before it enters routing; a
+        failed load leaves the model `degraded` with this instance serving base only, until a retry succeeds.
+        Raises LoraError 400 on bad input, 409 when the name belongs to another instance or the cap is reached."""
         try:
-            instance, previous = self._registry.register(name, model, host, _port(port))
+            instance, new = self._registry.register(name, model, host, _port(port))
+        except InstanceRefused as exc:
+            raise LoraError(exc.status, exc.code, exc.message) from exc
         except (TypeError, ValueError) as exc:
             raise LoraError(400, "invalid_request", f"invalid instance: {exc}") from exc
-        if previous is not None and previous != instance:
-            self._forget(previous)  # another address or model: nothing known about it still holds
-        if previous != instance:
+        if new:
             log.info("instance %s registered for %s at %s", name, model, instance.base_url)
-        await self._shielded(self._adopt(instance), f"lora-register:{name}")
+        return await self._shielded(self._admit(instance, probed=False), f"lora-register:{name}")
 
-    async def _adopt(self, instance: Instance) -> None:
+    async def readmit(self, instance: Instance) -> None:
+        """An instance that answers its health probe again: adapters first, then routing (health monitor)."""
+        if instance.name in self._admitting:
+            return
+        await self._shielded(self._admit(instance, probed=True), f"lora-readmit:{instance.name}")
+
+    def remove_instance(self, name: str) -> Instance:
+        """Drop a registered instance (operator): out of routing and the quorum at once; requests already sent to it
+        finish. Its adapters are left as they are (it may be gone). Raises LoraError 404 / 409 (static)."""
+        try:
+            instance = self._registry.remove(name)
+        except InstanceRefused as exc:
+            raise LoraError(exc.status, exc.code, exc.message) from exc
+        self._forget(instance)
+        log.info("instance %s at %s removed", name, instance.base_url)
+        return instance
+
+    async def _admit(self, instance: Instance, *, probed: bool) -> bool:
+        self._admitting.add(instance.name)
+        try:
+            if not probed and self._probe is not None and not await self._probe(instance):
+                if self._registry.set_serving(instance, False):
+                    log.warning("instance %s at %s does not answer its health check: not serving",
+                                instance.name, instance.base_url)
+                return False
+            handled = await self._adopt(instance)
+            if not self._registry.set_serving(instance, True):
+                return False  # removed meanwhile
+            # An activation that switched after our loads did not include this instance: catch up now that it serves.
+            if self.active(instance.model) != handled:
+                await self._converge(instance.model, self._now() + self._timeout_s, only={instance.name})
+            return True
+        finally:
+            self._admitting.discard(instance.name)
+
+    async def _adopt(self, instance: Instance) -> ActiveLora | None:
+        """Learn what the instance holds, load the active adapter and the leased versions, unload unused ones;
+        returns the active version it dealt with."""
         deadline = self._now() + self._timeout_s
-        await self._sync_loaded(instance, deadline)  # a restarted vLLM re-registers with nothing loaded
+        if not await self._sync_loaded(instance, deadline):  # a restarted vLLM re-registers with nothing loaded
+            # Holdings unknown: confirm nothing (routing trusts confirmed adapters only); sweep what it may hold.
+            self._stale[instance.name] |= self._loaded.pop(instance.name, set())
         state = self._state(instance.model)
         for _ in range(3):  # the active version may switch while we load; catch up, within the deadline
             active = state.active
@@ -415,7 +478,30 @@ class LoraManager:
             await self._converge(instance.model, deadline, only={instance.name})
             if state.active == active:
                 break  # loaded, or failed (then `retry_failed` and `refresh_status` try again)
-        await self._collect_unused(instance.model, deadline)
+        handled = state.active
+        await self._load_leased(instance, deadline)
+        await self._collect_unused(instance.model, deadline, also=instance)
+        return handled
+
+    async def _load_leased(self, instance: Instance, deadline: float) -> None:
+        """Load the model's versions that Tasks still hold (pinned) but the instance lacks, so that it can serve
+        them again; a failure only means pinned traffic keeps going to the other holders."""
+        for name in sorted(self._leases):
+            path = self._paths.get(name)
+            parsed = parse_lora_name(name)
+            if path is None or parsed is None or parsed[0] != instance.model or name in self._loaded[instance.name]:
+                continue
+            async with _holding(self._version_lock(name), deadline) as held:
+                if not held or not self._in_use(name) or name in self._loaded[instance.name]:
+                    continue
+                outcome, detail = await self._load(instance, ActiveLora(name, path), deadline)
+                if outcome in (_Load.NEW, _Load.ALREADY):
+                    self._loaded[instance.name].add(name)
+                    self._stale[instance.name].discard(name)
+                else:
+                    if outcome is _Load.UNKNOWN:
+                        self._stale[instance.name].add(name)
+                    log.warning("could not load leased %s: %s", name, detail)
 
     def _forget(self, instance: Instance) -> None:
         self._loaded.pop(instance.name, None)
@@ -438,10 +524,12 @@ class LoraManager:
         for model, entry in entries.items():
             state = self._state(model)
             state.active = ActiveLora(entry["lora_name"], entry["lora_path"])
+            self._paths[entry["lora_name"]] = entry["lora_path"]
             state.failed.clear()
             state.artifact_missing = False
         deadline = self._now() + self._timeout_s
-        await asyncio.gather(*(self._sync_loaded(i, deadline) for i in self._registry.all()))
+        await asyncio.gather(*(self._sync_loaded(i, deadline) for m in self._registry.models()
+                               for i in self._registry.serving(m)))
         await asyncio.gather(*(self._converge(model, deadline, force_check=True) for model in entries))
         for model in entries:
             log.info("restored %s: %s", model, self.status(model))
@@ -490,7 +578,17 @@ class LoraManager:
         if state is None or state.active is None:
             return False
         name = state.active.lora_name
-        return state.artifact_missing or any(name not in self._loaded[i.name] for i in self._registry.for_model(model))
+        return state.artifact_missing or any(name not in self._loaded[i.name] for i in self._registry.serving(model))
+
+    def _require_serving(self, model: str) -> list[Instance]:
+        """The model's serving instances; 503 `no_instances` when it has none at all, 503 `no_healthy_instances`
+        when every one is out of routing (unhealthy or not yet admitted)."""
+        serving = self._registry.serving(model)
+        if serving:
+            return serving
+        if not self._registry.for_model(model):
+            raise LoraError(503, "no_instances", f"no vLLM instance serves {model}")
+        raise LoraError(503, "no_healthy_instances", f"no instance of {model} is healthy")
 
     async def _shielded(self, coro: Coroutine[Any, Any, T], name: str) -> T:
         """Run an operation as an owned task that the caller's cancellation does not interrupt."""
@@ -514,7 +612,9 @@ class LoraManager:
         async with _holding(self._version_lock(name), deadline) as held:
             if not held or state.active != wanted:
                 return
-            targets = [i for i in self._registry.for_model(model)
+            # `only` may name an instance being admitted (not serving yet); otherwise the serving ones.
+            pool = self._registry.for_model(model) if only_set is not None else self._registry.serving(model)
+            targets = [i for i in pool
                        if name not in self._loaded[i.name] and (only_set is None or i.name in only_set)]
             if not targets and not state.artifact_missing and not force_check:
                 return
@@ -539,28 +639,38 @@ class LoraManager:
                     continue
                 if outcome is _Load.UNKNOWN:
                     self._stale[instance.name].add(name)
-                if still_active:
+                if outcome is _Load.UNREACHABLE and only_set is None:
+                    self._registry.set_serving(instance, False)  # down: readmission loads it when it is back
+                elif still_active:
                     state.failed.add(instance.name)
                 log.warning("could not load %s: %s", name, detail)
         if state.active != wanted:
             await self._collect_version(name, deadline)  # switched meanwhile: what we loaded may be unused
 
-    async def _collect_unused(self, model: str, deadline: float) -> None:
+    async def _collect_unused(self, model: str, deadline: float, *, also: Instance | None = None) -> None:
         names: set[str] = set()
-        for instance in self._registry.for_model(model):
+        for instance in [*self._registry.serving(model), *([also] if also is not None else [])]:
             names |= self._loaded[instance.name] | self._stale[instance.name]
-        await asyncio.gather(*(self._collect_version(n, deadline) for n in sorted(names) if not self._in_use(n)))
+        await asyncio.gather(*(self._collect_version(n, deadline, also=also) for n in sorted(names)
+                               if not self._in_use(n)))
 
-    async def _collect_version(self, name: str, deadline: float) -> None:
-        """Unload a version that is neither active nor leased from every instance that may hold it."""
+    async def _collect_version(self, name: str, deadline: float, *, also: Instance | None = None) -> None:
+        """Unload a version that is neither active nor leased from every serving instance that may hold it (and
+        from `also`, an instance being admitted)."""
         async with _holding(self._version_lock(name), deadline) as held:
             if not held:
                 log.warning("unload of %s postponed: another operation on it is still running", name)
                 return
             if self._in_use(name):
                 return
-            holders = [i for i in self._registry.all()
-                       if name in self._loaded[i.name] or name in self._stale[i.name]]
+            self._paths.pop(name, None)
+            # Out-of-routing instances are skipped (a dead host would hold the unload until the deadline); their
+            # readmission lists what they hold and unloads what is unused.
+            parsed = parse_lora_name(name)
+            pool = self._registry.serving(parsed[0]) if parsed is not None else []
+            if also is not None and also not in pool:
+                pool.append(also)
+            holders = [i for i in pool if name in self._loaded[i.name] or name in self._stale[i.name]]
             for instance in holders:
                 self._loaded[instance.name].discard(name)  # no new request goes there from now on
             results = await asyncio.gather(*(self._unload(i, name, deadline) for i in holders))
@@ -585,6 +695,8 @@ class LoraManager:
         body = {"lora_name": lora.lora_name, "lora_path": lora.lora_path}
         try:
             resp = await self._call("POST", instance, LOAD_PATH, body, deadline)
+        except httpx.ConnectError as exc:
+            return _Load.UNREACHABLE, f"{instance.name}: connection failed ({type(exc).__name__})"
         except (httpx.HTTPError, TimeoutError) as exc:
             return _Load.UNKNOWN, f"{instance.name}: no answer ({type(exc).__name__})"
         if resp.is_success:
@@ -605,18 +717,19 @@ class LoraManager:
         log.warning("unload of %s on %s: status %d: %s", name, instance.name, resp.status_code, resp.text[:200])
         return False
 
-    async def _sync_loaded(self, instance: Instance, deadline: float) -> None:
-        """Learn which of the model's adapters the instance holds (`GET /v1/models`); keep what we knew on failure."""
+    async def _sync_loaded(self, instance: Instance, deadline: float) -> bool:
+        """Learn which of the model's adapters the instance holds (`GET /v1/models`); False on failure, keeping
+        what we knew."""
         try:
             resp = await self._call("GET", instance, MODELS_PATH, None, deadline)
             data = resp.json() if resp.status_code == 200 else None
         except (httpx.HTTPError, TimeoutError, ValueError) as exc:
             log.warning("could not list the adapters of %s (%s)", instance.name, type(exc).__name__)
-            return
+            return False
         entries = data.get("data") if isinstance(data, dict) else None
         if not isinstance(entries, list):
             log.warning("could not list the adapters of %s (status %d)", instance.name, resp.status_code)
-            return
+            return False
         held = set()
         for entry in entries:
             model_id = entry.get("id") if isinstance(entry, dict) else None
@@ -625,6 +738,7 @@ class LoraManager:
                 held.add(model_id)
         self._loaded[instance.name] = held
         self._stale.pop(instance.name, None)
+        return True
 
     async def _persist(self, model: str, entry: dict[str, str] | None) -> None:
         """Write the whole state file with this model's entry changed (atomic replace, off the loop)."""

@@ -1,7 +1,8 @@
 """Prometheus metrics of the reference gateway (`gw_` prefix): one `GatewayMetrics` per app on its own
 `CollectorRegistry`. Requests by route and status, upstream (vLLM) latency, capture hook latency and errors are
-recorded in-process as they happen; LoRA state per model and instance, leases and mapped Tasks are read from the
-gateway's own memory at scrape time."""
+recorded in-process as they happen; LoRA state per model and instance, instance health, leases and mapped Tasks are
+read from the gateway's own memory at scrape time. Series labelled with an instance exist only while the instance
+does: a removed instance's series are dropped at the next scrape, so registrations cannot grow the page for good."""
 
 from __future__ import annotations
 
@@ -40,18 +41,26 @@ class GatewayMetrics:
         self.lora_instance_ready = Gauge("gw_lora_instance_ready",
                                          "1 when the instance serves the model's active policy (base: always)",
                                          ("model", "instance"), registry=r)
+        self.instance_serving = Gauge("gw_instance_serving",
+                                      "1 while the instance is in routing and the activation quorum (healthy and "
+                                      "admitted), 0 while it is out", ("model", "instance"), registry=r)
+        self.instances_registered = Gauge("gw_instances_registered",
+                                          "Instances added through register-instance (static ones excluded)",
+                                          registry=r)
         self.lora_leases = Gauge("gw_lora_leases", "Task leases held on a LoRA version", ("lora_name",),
                                  registry=r)
         self.tasks_mapped = Gauge("gw_tasks_mapped", "Active Tasks whose session the gateway captures", registry=r)
         self.rl_service_up = Gauge("gw_rl_service_up", "1 while the RL Service child is running", registry=r)
         self.rl_scrape_errors = Counter("gw_rl_scrape_errors_total",
                                         "Failed reads of the RL Service's /metrics while scraping", registry=r)
+        self._upstream_statuses: dict[str, set[str]] = {}  # instance → status labels observed (for removal)
 
     def http(self, route: str, status: int) -> None:
         self.http_requests.labels(route, str(status)).inc()
 
     def upstream_answered(self, instance: str, status: str, seconds: float) -> None:
         self.upstream.labels(instance, status).observe(seconds)
+        self._upstream_statuses.setdefault(instance, set()).add(status)
 
     @contextmanager
     def hook(self, hook: str) -> Iterator[None]:
@@ -68,6 +77,8 @@ class GatewayMetrics:
                 rl_running: bool) -> None:
         """Set the state gauges from the gateway's memory (no I/O)."""
         models = list(dict.fromkeys([model_id, *instances.models()]))
+        self.lora_instance_ready.clear()  # set again below for the instances that exist now
+        self.instance_serving.clear()
         for model in models:
             status = loras.status(model)
             for state in LORA_STATES:
@@ -76,6 +87,11 @@ class GatewayMetrics:
             for instance in instances.for_model(model):
                 ready = active is None or active.lora_name in loras.loaded_on(instance.name)
                 self.lora_instance_ready.labels(model, instance.name).set(1 if ready else 0)
+                self.instance_serving.labels(model, instance.name).set(1 if instances.is_serving(instance.name) else 0)
+        self.instances_registered.set(instances.registered_count())
+        for name in [n for n in self._upstream_statuses if n not in instances]:  # removed instances
+            for status in self._upstream_statuses.pop(name):
+                self.upstream.remove(name, status)
         self.lora_leases.clear()
         for name, count in loras.leases().items():
             self.lora_leases.labels(name).set(count)

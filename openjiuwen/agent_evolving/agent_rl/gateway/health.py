@@ -1,0 +1,106 @@
+"""Health of the vLLM instances (issue 19, item 4): periodic `GET /health` probes that take a dead instance out of
+routing and the activation quorum, and hand a recovered one to the LoRA manager for readmission.
+
+An instance leaves after `failure_threshold` failed probes in a row (a probe fails on any answer but 200, a transport
+error or `timeout_s`). A failed instance is probed on every round; the first 200 readmits it: the LoRA manager loads
+the active adapter and the versions still leased, and only then puts it back into routing. One event loop, no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from .instances import Instance, InstanceRegistry
+
+log = logging.getLogger("openjiuwen.agent_rl.gateway.health")
+
+HEALTH_PATH = "/health"  # vLLM's liveness route: 200 with an empty body
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        *,
+        readmit: Callable[[Instance], Awaitable[None]],
+        interval_s: float,
+        timeout_s: float,
+        failure_threshold: int,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        if not (interval_s > 0 and timeout_s > 0 and failure_threshold >= 1):
+            raise ValueError("interval_s and timeout_s must be positive, failure_threshold at least 1")
+        self._registry = registry
+        self._readmit = readmit
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._threshold = failure_threshold
+        self._owns_client = client is None
+        self._client = client if client is not None else httpx.AsyncClient(trust_env=False)
+        self._failures: dict[str, int] = {}  # consecutive failed probes of a serving instance
+
+    async def probe(self, instance: Instance) -> bool:
+        """One `GET /health` within `timeout_s`: True on 200."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                resp = await self._client.get(instance.base_url + HEALTH_PATH, timeout=self._timeout_s)
+        except (httpx.HTTPError, TimeoutError):
+            return False
+        return resp.status_code == 200
+
+    async def check_once(self, *, at_start: bool = False) -> None:
+        """Probe every instance at once; take out those past the threshold (`at_start`: after one failure, since
+        nothing is known of them yet), readmit those that answer again."""
+        instances = self._registry.all()
+        results = await asyncio.gather(*(self.probe(i) for i in instances))
+        present = {i.name for i in instances}
+        self._failures = {n: c for n, c in self._failures.items() if n in present}  # removed ones are forgotten
+        back: list[Instance] = []
+        for instance, ok in zip(instances, results):
+            if self._registry.get(instance.name) != instance:
+                continue  # removed while we probed
+            serving = self._registry.is_serving(instance.name)
+            if ok:
+                self._failures.pop(instance.name, None)
+                if not serving:
+                    back.append(instance)
+                continue
+            if not serving:
+                continue
+            count = self._failures.get(instance.name, 0) + 1
+            self._failures[instance.name] = count
+            if count >= self._threshold or at_start:
+                self._registry.set_serving(instance, False)
+                self._failures.pop(instance.name, None)
+                log.warning("instance %s at %s failed %d health checks: out of routing until it answers again",
+                            instance.name, instance.base_url, count)
+        # Readmission loads adapters (bounded by the LoRA operation timeout); one slow instance must not hold back
+        # the others, so they run together.
+        await asyncio.gather(*(self._readmit_logged(i) for i in back))
+
+    async def run(self) -> None:
+        """Check every `interval_s` until cancelled."""
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.check_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("instance health check failed")
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def _readmit_logged(self, instance: Instance) -> None:
+        try:
+            await self._readmit(instance)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("readmission of instance %s failed", instance.name)

@@ -1,0 +1,101 @@
+"""Instance health (issue 19, item 4) against fake vLLM instances on real sockets: the failure threshold, readmission
+with the adapters first, and activations when instances are out of routing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from openjiuwen.agent_evolving.agent_rl.gateway.health import HEALTH_PATH, HealthMonitor
+from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
+from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
+from tests.support.fake_vllm import FakeVLLM
+
+MODEL = "tiny"
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[list[FakeVLLM]]:
+    instances = [FakeVLLM(served_model=MODEL, name=f"vllm-{c}") for c in "ab"]
+    await asyncio.gather(*(f.astart() for f in instances))
+    try:
+        yield instances
+    finally:
+        await asyncio.gather(*(f.astop() for f in instances))
+
+
+@pytest.fixture
+def lora_root(tmp_path: Path) -> Path:
+    root = tmp_path / "loras"
+    for n in (1, 2):
+        (root / MODEL / f"v{n}").mkdir(parents=True)
+    return root
+
+
+async def test_threshold_then_readmission_with_the_active_adapter_before_routing(
+    fakes: list[FakeVLLM], lora_root: Path, tmp_path: Path
+) -> None:
+    a, b = fakes
+    registry = InstanceRegistry([Instance(f.name, MODEL, f.host, f.port) for f in fakes])
+    loras = LoraManager(registry, lora_root=lora_root, state_path=tmp_path / "state.json", operation_timeout_s=3.0)
+    seen_serving: list[bool] = []
+
+    async def readmit(instance: Instance) -> None:
+        seen_serving.append(registry.is_serving(instance.name))  # still out while the adapters load
+        await loras.readmit(instance)
+
+    monitor = HealthMonitor(registry, readmit=readmit, interval_s=1.0, timeout_s=1.0, failure_threshold=2)
+    try:
+        await loras.restore()
+        await loras.activate(base_model="/m", lora_name=f"{MODEL}:v1", lora_path=str(lora_root / MODEL / "v1"),
+                             expected_lora_name="base")
+        b.fail_next(HEALTH_PATH, 503, times=3)
+        await monitor.check_once()
+        assert registry.is_serving("vllm-b")  # one failure is below the threshold
+        await monitor.check_once()
+        assert not registry.is_serving("vllm-b")
+        assert [i.name for i in registry.serving(MODEL)] == ["vllm-a"]
+        assert all(loras.pick(MODEL, MODEL).name == "vllm-a" for _ in range(4))
+
+        # Out of the quorum: the next version activates on a alone, and b neither blocks nor counts.
+        await loras.activate(base_model="/m", lora_name=f"{MODEL}:v2", lora_path=str(lora_root / MODEL / "v2"),
+                             expected_lora_name=f"{MODEL}:v1")
+        assert loras.status(MODEL)["status"] == "active"
+        assert loras.status(MODEL)["instances"] == {"ready": 1, "failed": 0}
+        assert b.loaded == {f"{MODEL}:v1"}
+
+        await monitor.check_once()  # the third scripted failure: still out, nothing readmitted
+        assert seen_serving == [] and not registry.is_serving("vllm-b")
+        b.drop_loras()  # it restarted
+        await monitor.check_once()
+        assert seen_serving == [False]
+        assert registry.is_serving("vllm-b") and b.loaded == {f"{MODEL}:v2"}  # v1: neither active nor leased
+        assert loras.status(MODEL)["instances"] == {"ready": 2, "failed": 0}
+    finally:
+        await loras.close()
+        await monitor.close()
+
+
+async def test_activation_with_every_instance_out_of_routing_fails_clearly(
+    fakes: list[FakeVLLM], lora_root: Path, tmp_path: Path
+) -> None:
+    registry = InstanceRegistry([Instance(f.name, MODEL, f.host, f.port) for f in fakes])
+    loras = LoraManager(registry, lora_root=lora_root, state_path=tmp_path / "state.json", operation_timeout_s=3.0)
+    try:
+        await loras.restore()
+        for instance in registry.all():
+            registry.set_serving(instance, False)
+        with pytest.raises(LoraError) as refused:
+            await loras.activate(base_model="/m", lora_name=f"{MODEL}:v1",
+                                 lora_path=str(lora_root / MODEL / "v1"), expected_lora_name="base")
+        assert (refused.value.status, refused.value.code) == (503, "no_healthy_instances")
+        assert loras.status(MODEL)["status"] == "base" and not (tmp_path / "state.json").exists()
+        with pytest.raises(LoraError) as no_route:
+            loras.pick(MODEL, MODEL)
+        assert (no_route.value.status, no_route.value.code) == (503, "no_healthy_instances")
+        assert all(f.loaded == set() for f in fakes)
+    finally:
+        await loras.close()

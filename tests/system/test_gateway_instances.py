@@ -1,0 +1,240 @@
+"""Who may change the gateway's vLLM instances, and what a dead one may do to the rest (issue 19, items 2 and 4), with
+real processes: gateway + RL Service child (scripted trainer) + private Redis + fake vLLM instances on loopback.
+
+The attacks: a holder of the instance key re-registers an existing name at its own address to receive the agents'
+prompts (and feed completions into training data); registrations at closed ports block every activation and grow the
+registry and `/metrics` without bound.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from openjiuwen.agent_evolving.agent_rl.cli.operator import KEY_FILE_ENV, URL_ENV, main
+from tests.support.fake_vllm import CHAT_PATH, FakeVLLM
+from tests.support.gateway_process import INS_KEY, GatewayProcess
+from tests.support.redis_server import free_port
+from tests.system.test_gateway_lora import (
+    activate_v1,
+    agent,
+    chat,
+    chats_since,
+    lora_status,
+    marks,
+    rewarded_sample,
+    start_task,
+    train,
+    wait_run,
+)
+
+pytestmark = pytest.mark.system
+
+REGISTER = "/aigw/v1/register-instance"
+UNREGISTER = "/aigw/v1/unregister-instance"
+LIST = "/aigw/v1/instances"
+# Fast checks for the test that watches an instance die and come back.
+FAST_HEALTH = {"interval": "200ms", "timeout": "2s", "failureThreshold": 3}
+WAIT_S = 15.0
+
+
+@pytest.fixture
+def vllm() -> Iterator[tuple[FakeVLLM, FakeVLLM]]:
+    with FakeVLLM(served_model="tiny", name="vllm-a") as a, FakeVLLM(served_model="tiny", name="vllm-b") as b:
+        yield a, b
+
+
+def register(gw: GatewayProcess, body: dict[str, Any], key: bytes = INS_KEY) -> httpx.Response:
+    return gw.signed("POST", REGISTER, json=body, key=key)
+
+
+def error_code(r: httpx.Response) -> tuple[int, str]:
+    return r.status_code, r.json()["error"]["code"]
+
+
+def instances(gw: GatewayProcess) -> dict[str, dict[str, Any]]:
+    r = gw.signed("GET", LIST)
+    assert r.status_code == 200, r.text
+    return {i["name"]: i for i in r.json()["items"]}
+
+
+def wait_for(predicate: Any, what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+
+
+def base_chats(gw: GatewayProcess, n: int) -> None:
+    """`n` uncaptured completions without a session: least in flight, then round robin over the serving instances."""
+    client = agent(gw)
+    for k in range(n):
+        chat(client, None, f"q{k}")
+
+
+def received(v: FakeVLLM) -> int:
+    return v.count(CHAT_PATH)
+
+
+def at(fake: FakeVLLM, *, name: str) -> dict[str, Any]:
+    """A registration under `name` that points at `fake`'s address."""
+    return {**fake.registration(), "name": name}
+
+
+def closed_port_registration(name: str) -> dict[str, Any]:
+    return {"name": name, "model": "tiny", "instanceIp": "127.0.0.1", "port": str(free_port()), "role": "mixed",
+            "groupID": "", "dpRank": -1}
+
+
+# ---------------------------------------------------------------------------------------------------- item 2
+
+
+def test_static_instance_cannot_be_taken_over_by_registration(redis, redis_url, tmp_path, vllm):
+    a, b = vllm
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b]) as gw, FakeVLLM(name="rogue") as rogue:
+        for key in (INS_KEY, gw.api_key):  # config-owned: not even the operator key moves it at run time
+            r = register(gw, at(rogue, name="vllm-a"), key=key)
+            assert error_code(r) == (409, "instance_static"), r.text
+        # The static instance registering itself is an idempotent repeat.
+        assert register(gw, a.registration()).json() == {"status": "registered", "name": "vllm-a", "serving": True}
+
+        mark = marks([a, b])
+        base_chats(gw, 6)
+
+        assert received(rogue) == 0
+        assert sorted(name for name, _ in chats_since([a, b], mark)) == ["vllm-a"] * 3 + ["vllm-b"] * 3
+        listed = instances(gw)
+        assert listed["vllm-a"]["address"] == f"127.0.0.1:{a.port}" and listed["vllm-a"]["origin"] == "static"
+        r = gw.signed("POST", UNREGISTER, json={"name": "vllm-a"})
+        assert error_code(r) == (409, "instance_static"), r.text
+
+
+def test_registered_instance_moves_only_after_an_operator_removes_it(
+    redis, redis_url, tmp_path, vllm, capsys: pytest.CaptureFixture[str]
+):
+    a, b = vllm
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b]) as gw, \
+            FakeVLLM(name="vllm-c") as c, FakeVLLM(name="rogue") as rogue:
+        first = register(gw, c.registration())
+        assert first.status_code == 200, first.text
+
+        r = register(gw, at(rogue, name="vllm-c"))  # the takeover: same name, the attacker's address
+        assert error_code(r) == (409, "instance_conflict"), r.text
+        assert first.json() == {"status": "registered", "name": "vllm-c", "serving": True}
+        assert register(gw, c.registration()).status_code == 200  # the instance itself may repeat
+        base_chats(gw, 6)
+        assert received(rogue) == 0 and received(c) == 2
+        assert 'instance="vllm-c"' in gw.http.get("/metrics").text
+
+        # Removal is the operator's: the instance key is refused, like a missing signature.
+        r = gw.signed("POST", UNREGISTER, json={"name": "vllm-c"}, key=INS_KEY)
+        assert error_code(r) == (401, "invalid_signature"), r.text
+        assert "vllm-c" in instances(gw)
+        r = gw.signed("POST", UNREGISTER, json={"name": "nobody"})
+        assert error_code(r) == (404, "instance_not_found"), r.text
+        env = {KEY_FILE_ENV: str(gw.dir / "hmac.json"), URL_ENV: gw.url}
+        assert main(["instance", "remove", "vllm-c"], env=env) == 0
+        assert "instance vllm-c removed" in capsys.readouterr().out
+
+        assert "vllm-c" not in instances(gw)
+        base_chats(gw, 4)
+        assert received(c) == 2  # nothing new
+        page = gw.http.get("/metrics").text
+        assert "vllm-c" not in page, [line for line in page.splitlines() if "vllm-c" in line][:5]
+        # The name is free again: an operator-approved move.
+        assert register(gw, at(rogue, name="vllm-c")).status_code == 200
+        assert main(["instance", "list"], env=env) == 0
+        out = capsys.readouterr().out
+        assert re.search(rf"vllm-c\s+tiny\s+127\.0\.0\.1:{rogue.port}\s+registered\s+yes", out), out
+
+
+def test_registered_instances_are_capped(redis, redis_url, tmp_path, vllm):
+    a, b = vllm
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b], extra_config={"registration": {"maxInstances": 2}}) \
+            as gw:
+        assert register(gw, closed_port_registration("r1")).status_code == 200
+        assert register(gw, closed_port_registration("r2")).status_code == 200
+        r = register(gw, closed_port_registration("r3"))
+        assert error_code(r) == (409, "instance_limit_reached"), r.text
+        assert "registration.maxInstances" in r.json()["error"]["message"]
+        assert sorted(instances(gw)) == ["r1", "r2", "vllm-a", "vllm-b"]  # static ones do not count
+        assert gw.signed("POST", UNREGISTER, json={"name": "r2"}).status_code == 200
+        assert register(gw, closed_port_registration("r3")).status_code == 200
+        assert gw.signed("GET", LIST).json()["registered"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------- item 4
+
+
+def test_dead_instances_neither_block_activation_nor_receive_traffic(redis, redis_url, tmp_path, vllm):
+    a, b = vllm
+    # Default health settings: no periodic check can notice c's death within this test (3 failures, 10 s apart);
+    # only the registration probe and the activation's refused connection do.
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b], rl_overrides={"lora_activation_attempts": 1}) as gw, \
+            FakeVLLM(name="vllm-c") as c:
+        client = agent(gw)
+        gw.start_service()
+        # Registered at a closed port: the registration probe keeps it out of routing at once.
+        ghost = register(gw, closed_port_registration("ghost"))
+        assert ghost.status_code == 200, ghost.text
+        assert register(gw, c.registration()).status_code == 200
+        rewarded_sample(gw, client, "train-v1")
+        c.stop()  # dies after it served
+
+        started = gw.signed("POST", "/v1/rl/training/runs")
+        run = wait_run(gw, started.json()["training_run_id"])
+
+        assert (run["status"], run["lora_name"]) == ("succeeded", "tiny:v1"), run  # c refused: out of the quorum
+        assert ghost.json() == {"status": "registered", "name": "ghost", "serving": False}
+        assert [v.loaded for v in (a, b)] == [{"tiny:v1"}] * 2
+        assert lora_status(gw)["instances"] == {"ready": 2, "failed": 0}
+        assert {n: i["serving"] for n, i in instances(gw).items()} == {
+            "vllm-a": True, "vllm-b": True, "ghost": False, "vllm-c": False}
+        task = start_task(gw, "pinned")
+        assert task["policy_model"] == "tiny:v1"
+        mark = marks([a, b])
+        for n in range(4):
+            chat(client, "pinned", f"turn {n}")
+        base_chats(gw, 4)  # every one answered: none went to ghost or c
+        assert len(chats_since([a, b], mark)) == 8
+
+
+def test_instance_that_comes_back_gets_the_active_and_leased_adapters_before_it_serves(
+    redis, redis_url, tmp_path, vllm
+):
+    a, b = vllm
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b], extra_config={"instanceHealth": FAST_HEALTH}) as gw, \
+            FakeVLLM(name="vllm-c") as c:
+        client = agent(gw)
+        gw.start_service()
+        v1_path = activate_v1(gw, client)
+        assert register(gw, c.registration()).json()["serving"] is True
+        assert c.loaded_paths == {"tiny:v1": v1_path}
+        old = start_task(gw, "on-v1")  # pins v1: a leased version
+
+        c.stop()
+        wait_for(lambda: not instances(gw)["vllm-c"]["serving"], "the dead instance leaves routing")
+        run = train(gw, client, "train-v2")
+        assert (run["status"], run["lora_name"]) == ("succeeded", "tiny:v2"), run
+        v2_path = run["lora_path"]
+        assert lora_status(gw)["instances"] == {"ready": 2, "failed": 0}
+
+        # vLLM restarts at the same address with nothing loaded.
+        with FakeVLLM(name="vllm-c", port=c.port) as back:
+            wait_for(lambda: instances(gw)["vllm-c"]["serving"], "the instance comes back")
+            # It serves only after both loads: the active version and the one the running Task still holds.
+            assert back.loaded_paths == {"tiny:v1": v1_path, "tiny:v2": v2_path}
+            assert lora_status(gw)["instances"] == {"ready": 3, "failed": 0}
+            mark = marks([a, b, back])
+            for n in range(6):
+                chat(client, "on-v1", f"turn {n}")
+            sent = chats_since([a, b, back], mark)
+            assert {body["model"] for _, body in sent} == {"tiny:v1"}
+            assert [name for name, _ in sent].count("vllm-c") == 2  # round robin over the three holders
+            assert old["policy_model"] == "tiny:v1"
