@@ -35,10 +35,10 @@ from bench.machine import machine_facts  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 
-# name: (full args, quick args, smoke args). Smoke = the smallest run that still goes through every code path of
-# the bench and writes every key render() reads (scaling's claim needs at least 128 pending samples).
 TINY_HOOKS = ["--pairs", "2", "--warmup", "0", "--callers", "1", "--prompt-tokens", "16", "--completion-tokens", "16"]
 TINY_STORAGE = ["--sessions", "1", "--turns", "2", "--first-prompt-tokens", "16", "--completion-tokens", "8"]
+# name: (full args, quick args, smoke args). Smoke = the smallest run that still goes through every code path of
+# the bench and writes every key render() reads (scaling's claim needs at least 128 pending samples).
 BENCHES: dict[str, tuple[list[str], list[str], list[str]]] = {
     "capture": (["bench/capture_bench.py"], ["bench/capture_bench.py", "--quick"],
                 ["bench/capture_bench.py", "--concurrency", "1", "--sizes", "small", "--formats", "json",
