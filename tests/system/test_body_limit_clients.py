@@ -29,8 +29,14 @@ from tests.support.service_process import ServiceProcess
 pytestmark = pytest.mark.system
 
 DEFAULT_LIMIT = 33_554_432
-BODY = b'{"reward_mode": "terminal", "pad": "' + b"x" * (33 * 1024 * 1024) + b'"}'
-assert len(BODY) > DEFAULT_LIMIT
+
+
+@pytest.fixture(scope="module")
+def big() -> bytes:
+    """33 MiB of JSON: over the default limit (built once per module, not at collection)."""
+    body = b'{"reward_mode": "terminal", "pad": "' + b"x" * (33 * 1024 * 1024) + b'"}'
+    assert len(body) > DEFAULT_LIMIT
+    return body
 
 
 def chunks(body: bytes, size: int = 256 * 1024) -> Iterator[bytes]:
@@ -61,18 +67,18 @@ def service(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
-def test_service_answers_413_to_a_33_mib_upload(service: ServiceProcess, framing: str) -> None:
+def test_service_answers_413_to_a_33_mib_upload(service: ServiceProcess, big: bytes, framing: str) -> None:
     headers = {"content-type": "application/json", **start_headers(f"s-413-{framing}", f"t-413-{framing}")}
-    body = BODY if framing == "content-length" else chunks(BODY)
+    body = big if framing == "content-length" else chunks(big)
     assert_413(*post(f"{service.url}/v1/rl/tasks/start", body, headers))
     # The service is unharmed: the same route with a small body.
     status, task, _ = post(f"{service.url}/v1/rl/tasks/start", b'{"reward_mode": "terminal"}', headers)
     assert status == 201, task
 
 
-def test_service_answers_413_to_a_33_mib_hook_body(service: ServiceProcess) -> None:
+def test_service_answers_413_to_a_33_mib_hook_body(service: ServiceProcess, big: bytes) -> None:
     """The hook routes are where large bodies arrive: `:after` carries the whole completion."""
-    assert_413(*post(f"{service.url}/internal/v1/completions:after", BODY, {"content-type": "application/json"}))
+    assert_413(*post(f"{service.url}/internal/v1/completions:after", big, {"content-type": "application/json"}))
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +92,14 @@ def gateway(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/rl/tasks/start"])
-def test_gateway_answers_413_to_a_33_mib_upload(gateway: GatewayProcess, route: str, framing: str) -> None:
+def test_gateway_answers_413_to_a_33_mib_upload(
+    gateway: GatewayProcess, big: bytes, route: str, framing: str
+) -> None:
     headers = {"content-type": "application/json"}
     if route.startswith("/v1/rl/"):
         time.sleep(0.002)
-        headers.update(sign(API_KEY, BODY, now_ms=int(time.time() * 1000)))
-    body = BODY if framing == "content-length" else chunks(BODY)
+        headers.update(sign(API_KEY, big, now_ms=int(time.time() * 1000)))
+    body = big if framing == "content-length" else chunks(big)
     assert_413(*post(f"{gateway.url}{route}", body, headers))
     assert gateway.http.get("/aigw/v1/health").status_code == 200
 
