@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import peers  # noqa: E402
+from bench.machine import write_result  # noqa: E402
 from tests.support.redis_server import RedisServer, free_port  # noqa: E402
 
 MODEL = "bench-model"

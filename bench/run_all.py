@@ -1,15 +1,19 @@
 """Run the whole bench suite and write its tables into docs/benchmarks.md.
 
-    .venv/bin/python bench/run_all.py [--quick] [--skip capture scaling ...] [--no-peers] [--no-docs]
+    .venv/bin/python bench/run_all.py [--quick | --smoke] [--skip capture scaling ...] [--no-peers] [--no-docs]
+                                      [--results DIR] [--doc PATH]
 
-Runs, one after the other (each a bounded loop on loopback, each writing bench/results/<name>.json): capture
-(bench/capture_bench.py, with the peer gateways of bench/peers.py), hooks (bench/hooks_bench.py), hooks-sdk and
-storage-sdk (the same hook and storage workloads against the online-RL service of PyPI's `openjiuwen` SDK, installed
-into bench/.peers/openjiuwen on first use), storage (bench/storage_bench.py), scaling (bench/scaling_bench.py),
-training (bench/training_bench.py). `--no-peers` leaves out every third-party process (capture peers, hooks-sdk,
-storage-sdk). Then renders docs/benchmarks.md from the JSON files
-(the machine, its load average, the commands, one table per bench, the targets met or missed). `--quick` shortens
-every bench (about 4 minutes instead of about 10).
+Runs, one after the other (each a bounded loop on loopback, each writing <results>/<name>.json, bench/results/ by
+default): capture (bench/capture_bench.py, with the peer gateways of bench/peers.py), hooks (bench/hooks_bench.py),
+hooks-sdk and storage-sdk (the same hook and storage workloads against the online-RL service of PyPI's `openjiuwen`
+SDK, installed into bench/.peers/openjiuwen on first use), storage (bench/storage_bench.py), scaling
+(bench/scaling_bench.py), training (bench/training_bench.py). `--no-peers` leaves out every third-party process
+(capture peers, hooks-sdk, storage-sdk). Then renders docs/benchmarks.md from the JSON files (the machine, its load
+average, the commands, one table per bench, the targets met or missed); what the numbers mean and why lives in the
+hand-written docs/benchmarks-notes.md, which the generated page links to. `--quick` shortens every bench (about 4
+minutes instead of about 10). `--smoke` runs every bench once at its smallest size (seconds each; the numbers mean
+nothing): tests/system/test_bench_smoke.py uses it, with `--no-peers`, `--results` and `--doc` in a temporary
+folder, to prove every bench still runs and writes the result shape the renderer reads.
 """
 
 from __future__ import annotations
@@ -25,33 +29,47 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import peers  # noqa: E402
 from bench.machine import machine_facts  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 
-BENCHES: dict[str, tuple[list[str], list[str]]] = {  # name: (full args, quick args)
-    "capture": (["bench/capture_bench.py"], ["bench/capture_bench.py", "--quick"]),
-    "hooks": (["bench/hooks_bench.py"], ["bench/hooks_bench.py", "--pairs", "100"]),
+TINY_HOOKS = ["--pairs", "2", "--warmup", "0", "--callers", "1", "--prompt-tokens", "16", "--completion-tokens", "16"]
+TINY_STORAGE = ["--sessions", "1", "--turns", "2", "--first-prompt-tokens", "16", "--completion-tokens", "8"]
+# name: (full args, quick args, smoke args). Smoke = the smallest run that still goes through every code path of
+# the bench and writes every key render() reads (scaling's claim needs at least 128 pending samples).
+BENCHES: dict[str, tuple[list[str], list[str], list[str]]] = {
+    "capture": (["bench/capture_bench.py"], ["bench/capture_bench.py", "--quick"],
+                ["bench/capture_bench.py", "--concurrency", "1", "--sizes", "small", "--formats", "json",
+                 "--calls-per-session", "1", "--min-calls", "2", "--latency-ms", "1"]),
+    "hooks": (["bench/hooks_bench.py"], ["bench/hooks_bench.py", "--pairs", "100"],
+              ["bench/hooks_bench.py", *TINY_HOOKS]),
     "hooks-sdk": (["bench/hooks_bench.py", "--service", "sdk"],
-                  ["bench/hooks_bench.py", "--service", "sdk", "--pairs", "100"]),
-    "storage": (["bench/storage_bench.py"], ["bench/storage_bench.py", "--sessions", "4"]),
+                  ["bench/hooks_bench.py", "--service", "sdk", "--pairs", "100"],
+                  ["bench/hooks_bench.py", "--service", "sdk", *TINY_HOOKS]),
+    "storage": (["bench/storage_bench.py"], ["bench/storage_bench.py", "--sessions", "4"],
+                ["bench/storage_bench.py", *TINY_STORAGE]),
     "storage-sdk": (["bench/storage_bench.py", "--service", "sdk"],
-                    ["bench/storage_bench.py", "--service", "sdk", "--sessions", "4"]),
-    "scaling": (["bench/scaling_bench.py"], ["bench/scaling_bench.py", "--quick", "--reps", "10"]),
-    "training": (["bench/training_bench.py"], ["bench/training_bench.py", "--samples", "8"]),
+                    ["bench/storage_bench.py", "--service", "sdk", "--sessions", "4"],
+                    ["bench/storage_bench.py", "--service", "sdk", *TINY_STORAGE]),
+    "scaling": (["bench/scaling_bench.py"], ["bench/scaling_bench.py", "--quick", "--reps", "10"],
+                ["bench/scaling_bench.py", "--sizes", "200", "--reps", "2", "--active-tasks", "10"]),
+    "training": (["bench/training_bench.py"], ["bench/training_bench.py", "--samples", "8"],
+                 ["bench/training_bench.py", "--samples", "2", "--prompt-tokens", "8", "--response-tokens", "8"]),
 }
+MODES = ("full", "quick", "smoke")
 
 
 PEER_BENCHES = ("hooks-sdk", "storage-sdk")
 
 
-def run_benches(names: list[str], quick: bool, peers: bool = True) -> dict[str, float]:
+def run_benches(names: list[str], mode: str, peers: bool = True, results: Path = RESULTS) -> dict[str, float]:
     seconds = {}
     for name in names:
-        args = BENCHES[name][1 if quick else 0]
+        args = [*BENCHES[name][MODES.index(mode)], "--out", str(results / f"{name}.json")]
         if name == "capture" and not peers:
-            args = [*args, "--peers"]
+            args = [*args, "--peers"]  # an empty list: no peer gateway
         print(f"== {name}: {' '.join(args)}", flush=True)
         started = time.perf_counter()
         subprocess.run([sys.executable, *args], cwd=ROOT, check=True)
@@ -59,8 +77,8 @@ def run_benches(names: list[str], quick: bool, peers: bool = True) -> dict[str, 
     return seconds
 
 
-def _load(name: str) -> dict | None:
-    path = RESULTS / f"{name}.json"
+def _load(results: Path, name: str) -> dict | None:
+    path = results / f"{name}.json"
     return orjson.loads(path.read_bytes()) if path.exists() else None
 
 
@@ -68,64 +86,50 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
-# What the capture path's CPU work is and why (static: it describes the code, the tables give the numbers).
-CAPTURE_CPU_NOTES = [
-    "CPU per captured call, what the code does about it (issue 8). A profile of both processes at 64 sessions",
-    "(cProfile plus `gc.callbacks`, large JSON) showed the garbage collector taking ~65 % of the gateway's CPU and",
-    "~35 % of the RL Service's: a 2,048+2,048 answer parses into ~20k containers (~30 gen-0 passes per parse at",
-    "CPython's default threshold of 700), and gen-2 passes walked the parsed answers of every in-flight session,",
-    "since the gateway kept its copy alive while awaiting `:after` and the RL Service kept the `:after` body alive",
-    "through its Redis commit. Hence:",
-    "",
-    "- both servers call `online/gc_tuning.py:tune_gc()` once started: start-up objects frozen out of every pass,",
-    "  gen 0 collected every 50,000 allocations;",
-    "- the gateway builds the client's answer before `:after` and drops the parsed completion; the RL Service drops",
-    "  the parsed `:after` body before the commit's Redis round trips;",
-    "- token ids and logprobs are checked by C-level passes (type set, min/max, a finite sum); the per-element loop",
-    "  remains the fallback that decides the exact error;",
-    "- the hook transactions read the Task record and the capture with one MGET instead of two GETs: one Redis",
-    "  round trip less per hook.",
-    "",
-    "What remains per large capture is mostly parsing: orjson takes ~2.2 ms for the 356 KB answer in the gateway",
-    "(the client's view and its validity) and again for the `:after` body in the RL Service, plus ~0.6 ms for the",
-    "response fingerprint (sorted dump + SHA-256). The 64-session rows are a closed loop whose sessions start",
-    "together behind a fixed-latency upstream, so 64 `:before` and then 64 `:after` reach the single-threaded RL",
-    "Service in bursts: a call waits for the hooks queued ahead of it, about half the burst times the CPU per",
-    "hook. With ~1 ms of RL Service CPU per small hook that queueing alone is tens of milliseconds, so the 2 ms /",
-    "10 ms targets would need hooks costing tens of microseconds, less than one request through uvicorn, FastAPI",
-    "and redis-py costs here.",
-    "",
-]
+TARGET_SESSIONS = 64  # the capture targets are stated for this many concurrent sessions
+NOTES = "benchmarks-notes.md"  # hand-written: what the numbers mean, profiles, history (no generated figure)
 
 
-def render(quick: bool, seconds: dict[str, float]) -> str:
-    m = machine_facts()
+def _sizes(cap: dict) -> str:
+    """'*small* = 512 prompt + 256 completion tokens, ...' from the rows of this run."""
+    seen: dict[str, tuple[int, int]] = {}
+    for r in cap["results"]:
+        seen.setdefault(r["size"], (r["prompt_tokens"], r["completion_tokens"]))
+    return ", ".join(f"*{size}* = {p:,} prompt + {c:,} completion tokens" for size, (p, c) in seen.items())
+
+
+def render(mode: str, seconds: dict[str, float], results: Path = RESULTS, machine: dict | None = None) -> str:
+    """docs/benchmarks.md from the result files in `results`. Every figure in the text comes from those files or
+    from `machine`; targets are the only numbers written here (tests/unit/test_bench_render.py checks it)."""
+    m = machine or machine_facts()
     out = [
         "# Benchmarks",
         "",
         "Generated by `make bench` (`.venv/bin/python bench/run_all.py`; `make bench-quick` adds `--quick`) — do not",
         "edit by hand. Every bench runs real processes on loopback (a private redis-server, the gateway, the RL",
-        "Service, a fixed-latency fake vLLM) in bounded loops; raw numbers are in `bench/results/*.json`.",
+        "Service, a fixed-latency fake vLLM) in bounded loops; raw numbers are in `bench/results/*.json`. What the",
+        f"numbers mean, the profiles behind them and earlier measurements: [{NOTES}]({NOTES}) (written by hand).",
         "",
         f"Machine: {m['cpus']} CPUs ({m['cpu_model'] or 'unknown CPU'}), Python {m['python']}; load average at the "
         f"end {m['load_avg'][0]:.2f} / {m['load_avg'][1]:.2f} / {m['load_avg'][2]:.2f}. "
-        f"Mode: {'quick' if quick else 'full'}. "
+        f"Mode: {mode}. "
         + (f"Bench run times: {', '.join(f'{k} {v:.0f} s' for k, v in seconds.items())}." if seconds else ""),
         "",
-        "The development machines have 2 cores shared with other work: wall-clock percentiles move with the load",
-        "average printed beside each row; the CPU milliseconds per call (from /proc) are the steadier measure.",
+        "On a machine shared with other work, wall-clock percentiles move with the load average printed beside",
+        "each row; the CPU milliseconds per call (from /proc) are the steadier measure.",
         "",
     ]
-    cap = _load("capture")
+    cap = _load(results, "capture")
     if cap:
         out += [
             "## Capture overhead (`bench/capture_bench.py`)",
             "",
-            f"The same fake upstream (fixed latency {cap['latency_ms']:.0f} ms; pre-rendered vLLM 0.32 bodies with",
+            f"The same fake upstream (fixed latency {cap['latency_ms']:.0f} ms; pre-rendered bodies shaped like the",
+            "recordings in `tests/fixtures/vllm-0.32-cpu`, with",
             "token ids and logprobs) reached directly, through the gateway without a Task (bypass), and through the",
-            "gateway with capture into the RL Service (captured). One keep-alive connection per session. *small* =",
-            "512 prompt + 256 completion tokens, *large* = 2,048 + 2,048. Added = captured − bypass. CPU = ms of CPU",
-            "per call, bypass → captured for the gateway, captured for the RL Service and Redis.",
+            f"gateway with capture into the RL Service (captured). One keep-alive connection per session. {_sizes(cap)}.",
+            "Added = captured − bypass. CPU = ms of CPU per call, bypass → captured for the gateway, captured for the",
+            "RL Service and Redis.",
             "",
             "| size | format | sessions | direct p50 | bypass p50 / p99 | captured p50 / p99 | added p50 / p99 "
             "| bypass rps | captured rps | ratio | CPU gateway | CPU RL | CPU Redis | load |",
@@ -172,9 +176,9 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
         for name, status in (cap.get("peers") or {}).items():
             if status != "measured":
                 out += [f"Peer `{name}` not measured: {status}", ""]
-        at64 = {(r["size"], r["format"]): r for r in cap["results"] if r["concurrency"] == 64}
+        at64 = {(r["size"], r["format"]): r for r in cap["results"] if r["concurrency"] == TARGET_SESSIONS}
         if at64:
-            out += ["Targets at 64 sessions (JSON):", ""]
+            out += [f"Targets at {TARGET_SESSIONS} sessions (JSON):", ""]
             small, large = at64.get(("small", "json")), at64.get(("large", "json"))
             if small:
                 out.append(f"- small: added p50 {small['added_p50_ms']:.1f} ms (≤ 2), p99 {small['added_p99_ms']:.1f} "
@@ -187,9 +191,10 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
                            f"throughput ratio {large['throughput_ratio']:.2f} (≥ 0.80): "
                            f"{_verdict(large['throughput_ratio'] >= 0.8)}")
             out.append("")
-        out += CAPTURE_CPU_NOTES
-    hooks = _load("hooks")
-    hooks_sdk = _load("hooks-sdk")
+        out += [f"Why the CPU per captured call is what it is, and what the code does about it: "
+                f"[{NOTES}]({NOTES}#cpu-per-captured-call).", ""]
+    hooks = _load(results, "hooks")
+    hooks_sdk = _load(results, "hooks-sdk")
     if hooks:
         p, cc = hooks["pair_ms"], hooks.get("concurrent")
 
@@ -209,9 +214,9 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
             f"{hooks['completion_tokens']} completion tokens with `top_logprobs=1` (`:after` body "
             f"{hooks['after_body_bytes'] / 1024:.0f} KiB), {hooks['pairs']} pairs one at a time, then "
             f"{cc['callers'] if cc else '?'} concurrent callers. The second row runs the same sequence, same bodies, "
-            "against the online-RL service that ships in PyPI's `openjiuwen` SDK (`openjiuwen[online-rl,observability]` "
-            "0.1.19.post2, from its own environment in `bench/.peers/openjiuwen`, against its own private "
-            "redis-server: `--service sdk`). Load = 1-minute load average at the end of the row's run.",
+            f"against the online-RL service that ships in PyPI's `openjiuwen` SDK (`{peers.INSTALLS['openjiuwen'][0][0]}`, "
+            "from its own environment in `bench/.peers/openjiuwen`, against its own private redis-server: "
+            "`--service sdk`). Load = the one-minute load average at the end of the row's run.",
             "",
             "| service | median ms | p99 ms | pairs/s (serial) | :before median | :after median | concurrent pairs/s | "
             "concurrent median / p99 ms | load |",
@@ -233,7 +238,7 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
                     f"{sp['p99'] / p['p99']:.1f}× lower"
                     + (f", {cc['pairs_per_second'] / sc_['pairs_per_second']:.1f}× the pairs/s with "
                        f"{cc['callers']} callers" if cc and sc_ else "") + ".", ""]
-    st = _load("storage")
+    st = _load(results, "storage")
     if st:
         b = st["bytes_per_token"]
         out += [
@@ -249,11 +254,9 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
             "|---|---:|",
             f"| ours (`rl:v1:traj:{{id}}` hash: packed arrays + compressed JSON; prompt prefixes once in "
             f"`rl:v1:prompt_block:{{digest}}`) | {b['ours']:.2f} |",
-            # Measured once with this bench (`--sessions 4`) on commit 1ba944f, the last without prefix sharing.
-            "| ours before prompt-prefix sharing (1ba944f: whole prompt in every hash) | 7.88 |",
             f"| naive JSON document per sample | {b['naive_json']:.2f} |",
         ]
-        st_sdk = _load("storage-sdk")
+        st_sdk = _load(results, "storage-sdk")
         if st_sdk:
             out.append(f"| `openjiuwen` SDK service (`rl:v1:traj:{{id}}` hash: one `sample_json` string), same "
                        f"captures | {st_sdk['bytes_per_token']['ours']:.2f} |")
@@ -262,25 +265,23 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
             hb = h["redis_bytes_per_token"]
             return " / ".join(f"{v:.2f}" if v is not None else "—" for v in (hb["staged"], hb["published"]))
 
-        if hooks:
-            out.append(f"| ours, single 2,048+2,048 capture (hooks bench): staged / published | "
-                       f"{staged_published(hooks)} |")
-        if hooks_sdk:
-            out.append(f"| `openjiuwen` SDK service, single 2,048+2,048 capture (hooks bench): staged / published | "
-                       f"{staged_published(hooks_sdk)} |")
+        for label, h in (("ours", hooks), ("`openjiuwen` SDK service", hooks_sdk)):
+            if h:
+                out.append(f"| {label}, single {h['prompt_tokens']:,}+{h['completion_tokens']:,} capture (hooks "
+                           f"bench): staged / published | {staged_published(h)} |")
         if "held_prompt_ids" in st:
             out += ["", f"Prompt ids held in Redis: {st['held_prompt_ids']} of {st['captured_prompt_ids']} captured "
-                    f"({st['prompt_blocks']} shared blocks of 254 ids, each once, plus each sample's tail of less "
-                    "than a block); before prefix sharing every captured prompt id was held (29056 of 29056)."]
-        out += ["", f"Target ≤ 12 B/token: {_verdict(b['ours'] <= 12)}. The synthetic prose compresses better than",
-                "real text; the packed arrays cost 4 B per unique prompt token (plus the tails) and 8 B per "
-                "completion token.", ""]
-    sc = _load("scaling")
+                    f"({st['prompt_blocks']} shared blocks, each once, plus each sample's tail of less than a "
+                    "block)."]
+        out += ["", f"Target ≤ 12 B/token: {_verdict(b['ours'] <= 12)}. The layout's costs per token and the "
+                f"measurement before prompt-prefix sharing: [{NOTES}]({NOTES}#storage).", ""]
+    sc = _load(results, "scaling")
     if sc:
         out += [
             "## Scaling (`bench/scaling_bench.py`)",
             "",
-            "| pending samples | claim of 128: median / p99 ms | stats: median / p99 ms | Redis MB | load |",
+            f"| pending samples | claim of {sc.get('claim_batch', '—')}: median / p99 ms | stats: median / p99 ms "
+            "| Redis MB | load |",
             "|---:|---:|---:|---:|---:|",
         ]
         for r in sc["claim_and_stats"]:
@@ -291,7 +292,7 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
         out += ["", f"Start-up recovery: {rec['active_tasks']:,} active Tasks aborted (`service_restarted`) in "
                 f"{rec['recovery_s']:.2f} s ({rec['tasks_per_s']:.0f} Tasks/s); ready in "
                 f"{rec['ready_s_with_tasks']:.2f} s against {rec['ready_s_empty']:.2f} s with none.", ""]
-    tr = _load("training")
+    tr = _load(results, "training")
     if tr:
         out += [
             "## Training throughput (`bench/training_bench.py`)",
@@ -308,27 +309,10 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
         "## Peers",
         "",
         "Every peer is installed from PyPI by `bench/peers.py` into its own throw-away environment under the",
-        "git-ignored `bench/.peers/` (pip constraint `torch==2.13.0`, the CPU wheel on disk) and runs as a process on",
-        "loopback; our code never imports it.",
+        "git-ignored `bench/.peers/` and runs as a process on loopback; our code never imports it. How each is",
+        f"launched, what it stores and what it took to make it run: [{NOTES}]({NOTES}#peers).",
         "",
-        "- `rllm-model-gateway` 0.1.0 (`bench/.peers/rllm`), in the capture bench with its defaults (sqlite trace",
-        "  store written in background tasks: its client gets the answer before the trace is stored, while ours",
-        "  waits for `:after`, as the contract requires).",
-        "- `agentlightning` 0.3.0 (`bench/.peers/agentlightning`), in the capture bench: its `LLMProxy` (LiteLLM",
-        "  1.108 proxy + agentlightning middlewares, OpenTelemetry spans into an in-memory `LightningStore`, served as",
-        "  an asyncio task because that store is not thread-safe), launched by `bench/peer_agentlightning.py`, which",
-        "  starts one rollout per bench session in the store first (the store drops spans of unknown rollouts). An",
-        "  earlier launcher never answered HTTP: `LLMProxy.start()` is a coroutine in 0.3.0 and was called without",
-        "  `await`, so no server started; once awaited, LiteLLM 1.108 refuses to start without a master key",
-        "  (`LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY=true` for this loopback run), and",
-        "  `LITELLM_LOCAL_MODEL_COST_MAP=True` keeps it from fetching its model-cost map from GitHub at import.",
-        "- The online-RL service of PyPI's `openjiuwen` SDK 0.1.19.post2 (`bench/.peers/openjiuwen`), in the hook and",
-        "  storage benches (`--service sdk`): `python -m openjiuwen.agent_evolving.agent_rl.online.service --config`",
-        "  with that environment's Python, run from a temporary directory, against its own private redis-server. The",
-        "  `online-rl` extra alone does not start (`ModuleNotFoundError: No module named 'opentelemetry.exporter'`:",
-        "  its service imports `openjiuwen.extensions.observability`), so the bench installs",
-        "  `openjiuwen[online-rl,observability]`. The issue's figures for it on a similar machine: median ~230 ms,",
-        "  p99 ~630 ms, ~2 pairs/s, ~165 B/token.",
+        *(f"- `{name}`: `{' '.join(reqs)}`, {what}." for name, (reqs, what) in peers.INSTALLS.items()),
         "",
     ]
     if not peers_measured:
@@ -339,18 +323,27 @@ def render(quick: bool, seconds: dict[str, float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter runs of every bench")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="shorter runs of every bench (about 4 minutes)")
+    size.add_argument("--smoke", action="store_true",
+                      help="every bench once at its smallest size, seconds each; the numbers mean nothing (tests)")
     parser.add_argument("--skip", nargs="*", default=[], choices=sorted(BENCHES))
     parser.add_argument("--no-peers", action="store_true",
                         help="leave out third-party processes: capture peers and the openjiuwen SDK service benches")
-    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
-    parser.add_argument("--docs-only", action="store_true", help="only re-render docs from bench/results")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the benchmarks page")
+    parser.add_argument("--docs-only", action="store_true", help="only re-render the page from the result files")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="folder of the result files, written by the benches and read by the renderer "
+                             "(default bench/results)")
+    parser.add_argument("--doc", type=Path, default=DOC, help="the page to write (default docs/benchmarks.md)")
     args = parser.parse_args()
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     names = [n for n in BENCHES if n not in args.skip and not (args.no_peers and n in PEER_BENCHES)]
-    seconds = {} if args.docs_only else run_benches(names, args.quick, peers=not args.no_peers)
+    results = args.results.resolve()
+    seconds = {} if args.docs_only else run_benches(names, mode, peers=not args.no_peers, results=results)
     if not args.no_docs:
-        DOC.write_text(render(args.quick, seconds) + "\n", encoding="utf-8")
-        print(f"wrote {DOC.relative_to(ROOT)}")
+        args.doc.write_text(render(mode, seconds, results) + "\n", encoding="utf-8")
+        print(f"wrote {args.doc}")
 
 
 if __name__ == "__main__":

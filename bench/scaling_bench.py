@@ -36,6 +36,8 @@ from tests.support.redis_server import RedisServer, free_port  # noqa: E402
 MODEL = "bench-model"
 T0 = 1_700_000_000.0
 
+CLAIM_BATCH = 128  # samples per claimed run (a default Training Run's batch)
+
 
 async def seed_samples(redis, store, start: int, stop: int) -> None:
     from openjiuwen.agent_evolving.agent_rl.online.store import keys
@@ -92,10 +94,10 @@ async def measure_store(redis_url: str, sizes: list[int], reps: int) -> list[dic
                                     stage=RunStage.QUEUED.value, sample_count=0, policy_versions={},
                                     created_at=now_iso())
                 t0 = time.perf_counter()
-                result = await runs.claim(draft, parent_version=0, max_policy_lag=None, min_samples=128,
-                                          max_samples=128)
+                result = await runs.claim(draft, parent_version=0, max_policy_lag=None, min_samples=CLAIM_BATCH,
+                                          max_samples=CLAIM_BATCH)
                 claim_ms.append((time.perf_counter() - t0) * 1000)
-                assert result.run is not None and result.run.sample_count == 128, result
+                assert result.run is not None and result.run.sample_count == CLAIM_BATCH, result
                 await runs.finish(result.run.training_run_id, RunStatus.CANCELED, restore_samples=True)
                 t0 = time.perf_counter()
                 stats = await store.stats()
@@ -189,7 +191,8 @@ async def count_aborted(redis_url: str) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="10k and 100k pending samples, 2k active Tasks")
-    parser.add_argument("--sizes", type=int, nargs="+", default=None)
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help=f"pending-sample counts to measure, each at least {CLAIM_BATCH} (one claim)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--active-tasks", type=int, default=None)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "scaling.json"))
@@ -199,7 +202,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rl-scaling-bench-") as tmp:
         work = Path(tmp)
         with RedisServer(work / "redis-samples") as redis_server:
-            print("claim of 128 and stats vs pending samples (ms)")
+            print(f"claim of {CLAIM_BATCH} and stats vs pending samples (ms)")
             print(f"  {'pending':>9} {'claim p50':>12} {'p99':>9} {'stats p50':>10} {'p99':>9} {'seed s':>8} "
                   f"{'redis MB':>9} {'load':>5}", flush=True)
             rows = asyncio.run(measure_store(redis_server.url, sizes, args.reps))
@@ -214,7 +217,7 @@ def main() -> None:
                 "load_avg_1m": os.getloadavg()[0]}
     print(f"start-up recovery: {active} active Tasks aborted in {recovery['recovery_s']:.2f} s "
           f"({recovery['tasks_per_s']:.0f} Tasks/s; ready in {loaded_s:.2f} s vs {empty_s:.2f} s empty)")
-    out = write_result({"machine": machine_facts(), "claim_and_stats": rows, "recovery": recovery}, args.out)
+    out = write_result({"machine": machine_facts(), "claim_batch": CLAIM_BATCH, "claim_and_stats": rows, "recovery": recovery}, args.out)
     print(f"  written to {out}")
 
 

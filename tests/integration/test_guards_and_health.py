@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from openjiuwen.agent_evolving.agent_rl.online.api import guards
 from openjiuwen.agent_evolving.agent_rl.online.config import RLServiceConfig
 from openjiuwen.agent_evolving.agent_rl.online.service import create_app
 from tests.support.redis_server import RedisServer
@@ -154,7 +155,10 @@ async def test_body_limit_from_content_length(limited):
         assert (await client.get("/v1/rl/tasks/t1")).status_code == 200  # a GET without a body is unaffected
 
 
-async def test_body_limit_while_reading_a_chunked_body(limited):
+async def test_body_limit_while_reading_a_chunked_body(limited, monkeypatch):
+    # After the 413 the guard reads on (and discards) what the client still sends, within DRAIN_BYTES; a small
+    # bound here shows both the early decision and that bound.
+    monkeypatch.setattr(guards, "DRAIN_BYTES", 1024)
     async with running_app(limited) as (_, client):
         sent = 0
 
@@ -172,7 +176,7 @@ async def test_body_limit_while_reading_a_chunked_body(limited):
         assert "content-length" not in request.headers
         r = await client.send(request)
         assert envelope_code(r) == (413, "payload_too_large")
-        assert sent < 100  # decided while reading, not after the whole body
+        assert sent < 100  # decided while reading, not after the whole body; the drain stopped at its bound
         assert (await client.get("/v1/rl/tasks/t1")).status_code == 404
 
         async def small() -> AsyncIterator[bytes]:

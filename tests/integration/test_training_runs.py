@@ -370,3 +370,62 @@ async def test_stale_samples_are_excluded_under_max_policy_lag(make_service, gat
         await app.state.deps.runner.wait(run["training_run_id"])
         assert backend.calls[0]["sample_ids"] == v2 + v3
         assert await statuses(redis, old) == ["pending", "pending"]
+
+
+# A run record that vanishes under a running service (deleted by hand, lost with Redis data): the routes answer
+# 404 `training_run_not_found`, the execution ends without a sticky failure (/health stays 200), the batch goes back
+# to `pending` and the active pointer is released, so the next run can claim.
+
+async def _wait_settled(redis, ids, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while await redis.exists(keys.ACTIVE_RUN) or await statuses(redis, ids) != ["pending"] * len(ids):
+        assert time.monotonic() < deadline, "the vanished run's batch was never released"
+        await asyncio.sleep(0.05)
+
+
+async def test_run_record_vanishing_while_training_keeps_the_service_healthy(make_service, redis):
+    app_cm, backend = make_service()
+    backend.plan = {"outcome": "succeed", "delay_seconds": 1.0}  # training reports progress after the delay
+    async with app_cm as (app, client):
+        ids = await publish(app.state.deps, 3)
+        run_id = (await client.post("/v1/rl/training/runs")).json()["training_run_id"]
+        while not backend.calls:
+            await asyncio.sleep(0.01)
+        await redis.delete(keys.training_run(run_id))
+        await _wait_settled(redis, ids)
+        execution = app.state.deps.runner._executions.get(run_id)
+        if execution is not None:
+            await asyncio.gather(execution, return_exceptions=True)
+        health = await client.get("/health")
+        assert health.status_code == 200, health.text
+        assert code(await client.get(f"/v1/rl/training/runs/{run_id}")) == (404, "training_run_not_found")
+        assert code(await client.post(f"/v1/rl/training/runs/{run_id}/stop")) == (404, "training_run_not_found")
+        assert code(await client.get(f"/v1/rl/training/runs/{run_id}/events")) == (404, "training_run_not_found")
+        # The released batch trains in the next run.
+        backend.plan = {"outcome": "succeed"}
+        nxt = await client.post("/v1/rl/training/runs")
+        assert nxt.status_code == 201, nxt.text
+        done = await app.state.deps.runner.wait(nxt.json()["training_run_id"])
+        assert done.status == "succeeded" and backend.calls[-1]["sample_ids"] == ids
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_run_record_vanishing_during_a_stop_is_404(make_service, gateway, redis):
+    """The stop of an activating run reads the gateway's policy before it writes the outcome; the record is
+    deleted during that read."""
+    gateway.activate_plan.append(Hang(10.0, switch=False))
+    app_cm, _ = make_service(lora_activation_timeout=20.0)
+    async with app_cm as (app, client):
+        await publish(app.state.deps, 3)
+        run_id = (await client.post("/v1/rl/training/runs")).json()["training_run_id"]
+        while not gateway.activations:
+            await asyncio.sleep(0.02)
+        gateway.policy_plan.append(Hang(1.0))
+        reads = gateway.policy_reads
+        stop = asyncio.create_task(client.post(f"/v1/rl/training/runs/{run_id}/stop"))
+        while gateway.policy_reads == reads:
+            await asyncio.sleep(0.01)
+        await redis.delete(keys.training_run(run_id))
+        assert code(await stop) == (404, "training_run_not_found")
+        assert not await redis.exists(keys.ACTIVE_RUN)
+        assert (await client.get("/health")).status_code == 200

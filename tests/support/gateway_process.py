@@ -71,6 +71,7 @@ class GatewayProcess:
             "aigw_endpoint": f"http://127.0.0.1:{self.port}",
             "lora_repository_path": str(self.lora_root),
             "log_path": str(self.dir / "rl-service.log"),
+            "record_dir": str(self.dir / "records"),
             "trainer_backend": "scripted",
             "min_samples_for_training": 1,
             "max_samples_per_run": 8,

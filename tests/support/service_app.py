@@ -25,6 +25,7 @@ def make_config(redis_url: str, tmp: Path, **overrides: Any) -> RLServiceConfig:
         "base_model_path": "/models/tiny",
         "lora_repository_path": str(tmp / "loras"),
         "log_path": str(tmp / "rl-service.log"),
+        "record_dir": str(tmp / "records"),
         "turn_publish_timeout_seconds": 5.0,
     }
     data.update(overrides)

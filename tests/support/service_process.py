@@ -79,6 +79,7 @@ class ServiceProcess:
             "base_model_path": "/models/tiny",
             "lora_repository_path": str((Path(tmp) / "loras").resolve()),
             "log_path": str((Path(tmp) / "rl-service.log").resolve()),
+            "record_dir": str((Path(tmp) / "records").resolve()),
             "turn_publish_timeout_seconds": 5.0,
             **overrides,
         }

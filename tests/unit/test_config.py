@@ -90,6 +90,8 @@ def test_defaults_match_the_contract() -> None:
         "reward_policy": None,
         "max_body_bytes": 33554432,
         "record_dir": "records",
+        "record_max_bytes": 67108864,
+        "record_backup_count": 5,
         "log_path": "rl-service.log",
         "log_max_bytes": 10485760,
         "log_backup_count": 5,
@@ -345,6 +347,8 @@ def test_lora_repository_path_must_be_absolute(path: str) -> None:
         "retention_sweep_interval_seconds",
         "log_max_bytes",
         "log_backup_count",
+        "record_max_bytes",
+        "record_backup_count",
     ],
 )
 @pytest.mark.parametrize("value", [0, -5, True, 1.5])

@@ -196,7 +196,9 @@ class RLServiceConfig(BaseModel):
 
     # HTTP and logging.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432
-    record_dir: StrictStr = "records"
+    record_dir: StrictStr = "records"  # JSONL copy of stored rail samples (rail/records.py); "" = none
+    record_max_bytes: PositiveInt = 67108864
+    record_backup_count: PositiveInt = 5
     log_path: NonBlank = "rl-service.log"
     log_max_bytes: PositiveInt = 10485760
     log_backup_count: PositiveInt = 5

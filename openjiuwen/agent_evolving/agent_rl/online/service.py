@@ -43,6 +43,7 @@ from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
 from .policies import PolicyReport
 from .rail.ingest import RailIngestor
+from .rail.records import RailRecorder
 from .retention import RetentionSweeper
 from .rewards.ledger import RewardLedger
 from .rewards.policy import RewardPolicy
@@ -189,6 +190,8 @@ class ServiceDeps:
             rail=RailIngestor(
                 redis, store, metered_judge, model_id=config.model_id,
                 retention_seconds=config.trajectory_retention_seconds,
+                recorder=RailRecorder(config.record_dir, max_bytes=config.record_max_bytes,
+                                      backup_count=config.record_backup_count),
             ),
             repository=repository,
             gateway=gateway,

@@ -34,6 +34,7 @@ from ..store.tx import transact
 
 if TYPE_CHECKING:
     from ..judge import Judge
+    from .records import RailRecorder
 
 log = logging.getLogger("openjiuwen.agent_rl.online.rail")
 
@@ -87,7 +88,9 @@ class RailIngestor:
         *,
         model_id: str,
         retention_seconds: int,
+        recorder: RailRecorder | None = None,
     ) -> None:
+        self._recorder = recorder  # the optional JSONL copy of stored samples (`record_dir`, records.py)
         self._redis = redis
         self._store = store
         self._judge = judge
@@ -447,7 +450,10 @@ class RailIngestor:
                 judged.append(result)
         if judged:
             outcome.judged += len(judged)
-            await self._store.insert_if_absent(judged)
+            inserted = await self._store.insert_if_absent(judged)
+            if self._recorder is not None and inserted:
+                by_id = {str(s.meta["sample_id"]): s for s in reversed(judged)}  # the first of a duplicate id won
+                await self._recorder.record([by_id[sample_id] for sample_id in inserted])
 
     async def _judge_one(self, staged: _Staged, feedback: str, tag: str) -> PackedSample | str:
         """The judged sample, or the failure text when the Judge could not score it."""

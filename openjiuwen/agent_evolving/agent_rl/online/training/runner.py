@@ -32,7 +32,7 @@ from ..lora.repository import Artifact, LoraRepository
 from ..store.trajectories import TrajectoryStore
 from .backends import TrainerBackend
 from .models import RunStage, RunStatus, TrainingRun, empty_metrics, new_run_id
-from .runs import RunStore
+from .runs import RunNotFound, RunStore
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
@@ -101,7 +101,7 @@ class TrainingRunner:
     async def get(self, run_id: str) -> TrainingRun:
         run = await self._runs.get(run_id)
         if run is None:
-            raise NotFound("training run not found")
+            raise RunNotFound(run_id)
         return run
 
     async def start(self) -> tuple[TrainingRun, bool]:
@@ -148,10 +148,19 @@ class TrainingRunner:
             return claim.run, True
 
     async def stop(self, run_id: str) -> TrainingRun:
-        """Cancel a run and return its record once settled; the record tells the truth (D4)."""
+        """Cancel a run and return its record once settled; the record tells the truth (D4). A record that
+        vanishes meanwhile is NotFound (404) and its batch is released."""
         run = await self.get(run_id)
         if run.terminal:
             return run
+        try:
+            return await self._stop(run)
+        except RunNotFound:
+            await self._abandon(run)
+            raise
+
+    async def _stop(self, run: TrainingRun) -> TrainingRun:
+        run_id = run.training_run_id
         self._stop_requested.add(run_id)
         await self._runs.append_event(run_id, "stop_requested", {"stage": run.stage})
         task = self._executions.get(run_id)
@@ -175,6 +184,13 @@ class TrainingRunner:
         run = await self._runs.active()
         if run is None:
             return None
+        try:
+            return await self._recover(run)
+        except RunNotFound:
+            await self._abandon(run)
+            return None
+
+    async def _recover(self, run: TrainingRun) -> TrainingRun:
         await self._runs.append_event(run.training_run_id, "recovered", {"stage": run.stage})
         if run.stage in (RunStage.QUEUED, RunStage.TRAINING):
             log.warning("training run %s was interrupted by a restart; its samples go back to pending",
@@ -246,6 +262,21 @@ class TrainingRunner:
                 delay = min(delay * 2, 2.0)
 
     async def _execute(self, run: TrainingRun) -> None:
+        try:
+            await self._execute_steps(run)
+        except RunNotFound:
+            # Nothing is left to record progress or an outcome in. Failing the task would make /health report a
+            # sticky failure until a restart and leave the batch claimed; releasing it lets the next run claim.
+            await self._abandon(run)
+
+    async def _abandon(self, run: TrainingRun) -> None:
+        run_id = run.training_run_id
+        restored = await asyncio.shield(self._durable(f"run {run_id} abandon", lambda: self._runs.abandon(run)))
+        log.warning("training run %s: its record vanished; %d sample(s) back to pending", run_id, restored,
+                    extra={"training_run_id": run_id})
+        await self._cleanup(run_id)
+
+    async def _execute_steps(self, run: TrainingRun) -> None:
         run_id = run.training_run_id
         run = await self._durable(f"run {run_id} start", lambda: self._runs.update(
             run_id,

@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from .. import events
+from ..errors import NotFound
 from ..ids import is_token_id, now_iso, parse_iso_epoch, policy_lag_version
 from ..store import keys
 from ..store.codec import text
@@ -39,10 +40,19 @@ class ClaimResult:
     stale: int
 
 
+class RunNotFound(NotFound):
+    """The run record is gone (deleted by hand, lost with Redis data) while a transition wanted it. A NotFound, so
+    the routes answer 404 `training_run_not_found`; the runner releases the run's batch (`RunStore.abandon`)."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__("training run not found")
+        self.run_id = run_id
+
+
 async def _read_run(pipe: Pipeline, run_key: str, run_id: str) -> TrainingRun:
     raw = await pipe.get(run_key)
     if raw is None:
-        raise KeyError(run_id)
+        raise RunNotFound(run_id)
     return TrainingRun.from_json(raw)
 
 
@@ -269,6 +279,34 @@ class RunStore:
         if transitioned and self._metrics is not None:
             self._metrics.run_finished(done.status)
         return done
+
+    async def abandon(self, run: TrainingRun) -> int:
+        """Release a run whose record vanished, from the copy its execution holds: the samples still `training`
+        under it go back to `pending` at their original position and the active pointer is deleted if it names the
+        run, in one EXEC. Invariant 6 (every `training` sample belongs to the active run) holds again and the next
+        claim can proceed. A record that reappeared meanwhile is left to its own transitions. Returns the number
+        of samples restored."""
+        run_id = run.training_run_id
+        run_key = keys.training_run(run_id)
+
+        async def body(pipe: Pipeline) -> int:
+            if await pipe.exists(run_key):
+                return 0
+            moves = await self._training_members(pipe, run)
+            pointer = text(await pipe.get(keys.ACTIVE_RUN))
+            at = now_iso()
+            pipe.multi()
+            for sample_id, version, created_at in moves:
+                self._store.queue_move(
+                    pipe, sample_id, old=TRAINING, new=PENDING, score=parse_iso_epoch(created_at),
+                    policy_version=version, at=at, run_id="",
+                )
+            if pointer == run_id:
+                pipe.delete(keys.ACTIVE_RUN)
+            await pipe.execute()
+            return len(moves)
+
+        return await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
 
     async def _training_members(self, pipe: Pipeline, run: TrainingRun) -> list[tuple[str, str, str]]:
         """(id, policy version, created_at) of the run's samples still `training` under this run; their hashes are

@@ -1,0 +1,134 @@
+"""Every bench script runs to the end, once, at its smallest size: a refactor that breaks a bench (as a lost import
+once broke `make bench-quick` with a NameError in bench/hooks_bench.py) fails `make test`, not the next person who
+runs the benches.
+
+The numbers of these runs mean nothing; what is checked is that each bench exits 0 and writes the result file
+with the keys bench/run_all.py renders from (and the page renders from them). Everything goes to a temporary
+folder (`--out`, `--results`, `--doc`): bench/results/ and docs/benchmarks.md are left alone. No peer is installed
+or started (`--no-peers`: the capture peers and the `openjiuwen` SDK service live in bench/.peers/ and come from
+PyPI). bench/gpu/ is covered by tests/unit/test_verl_gpu_script.py (its `--help` and `--dry-run` checks).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench import run_all
+
+pytestmark = pytest.mark.system
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+TIMEOUT_S = 300
+
+# Benches run by `run_all.py --smoke`, and the keys their result files must carry (what render() reads).
+RUN_ALL_KEYS = {
+    "capture": {"latency_ms", "results", "captures_committed", "captures_expected", "peers", "machine"},
+    "hooks": {"pairs", "prompt_tokens", "completion_tokens", "after_body_bytes", "pair_ms", "before_ms_median",
+              "after_ms_median", "pairs_per_second", "concurrent", "redis_bytes_per_token", "load_avg"},
+    "storage": {"samples", "sessions", "turns", "first_prompt_tokens", "completion_tokens", "captured_tokens",
+                "repeated_prompt_tokens", "held_prompt_ids", "captured_prompt_ids", "prompt_blocks",
+                "bytes_per_token"},
+    "scaling": {"claim_batch", "claim_and_stats", "recovery", "machine"},
+    "training": {"samples", "prompt_tokens", "response_tokens", "wall_seconds", "ppo_seconds",
+                 "response_tokens_per_second_ppo", "sequence_tokens_per_second_wall"},
+}
+CAPTURE_ROW_KEYS = {"size", "format", "concurrency", "calls", "prompt_tokens", "completion_tokens", "direct",
+                    "bypass", "captured", "added_p50_ms", "added_p99_ms", "throughput_ratio", "load_avg_1m"}
+# Scripts with a __main__ that are not benches of their own, and why.
+NOT_BENCHES = {
+    "bench/upstream.py": "the fake vLLM the capture bench starts (runs inside the capture smoke run)",
+    "bench/peers.py": "installs the third-party peers from PyPI: never in tests",
+    "bench/peer_agentlightning.py": "launches a third-party peer: never in tests",
+    "bench/gpu/verl_run.py": "GPU check: tests/unit/test_verl_gpu_script.py runs its checks",
+}
+# Benches outside run_all.py, each with its smallest arguments (documented in its --help).
+SEPARATE = {
+    "bench/load_bench.py": ["--sessions", "2", "--turns", "1", "--duration", "1", "--warmup", "0.5",
+                            "--instances", "1"],
+    "bench/chaos/run.py": ["--seeds", "1", "--scenario", "crash:capture.committed", "--rounds", "1",
+                           "--terminal-tasks", "1", "--delayed-tasks", "0"],
+}
+
+
+def run(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    (tmp_path / f"{Path(argv[0]).stem}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"{' '.join(argv)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}"
+    return proc
+
+
+def load(path: Path) -> dict:
+    assert path.exists(), f"{path.name} was not written"
+    return orjson.loads(path.read_bytes())
+
+
+def test_every_bench_script_is_smoke_run() -> None:
+    """A new bench cannot slip past this file: every script under bench/ with a __main__ is run here (through
+    run_all.py or on its own) or is listed as not being a bench."""
+    scripts = {str(p.relative_to(ROOT)) for p in BENCH.rglob("*.py")
+               if ".peers" not in p.parts and "__main__" in p.read_text(encoding="utf-8")}
+    smoke_run = {args[0] for *_, args in run_all.BENCHES.values()} | set(SEPARATE) | {"bench/run_all.py"}
+    assert scripts - smoke_run - set(NOT_BENCHES) == set()
+    assert set(RUN_ALL_KEYS) == set(run_all.BENCHES) - set(run_all.PEER_BENCHES)
+
+
+def test_run_all_smoke_runs_every_bench_and_renders_the_page(tmp_path: Path) -> None:
+    results, doc = tmp_path / "results", tmp_path / "benchmarks.md"
+    peers_dir = BENCH / ".peers"
+    peers_before = sorted(peers_dir.iterdir()) if peers_dir.exists() else None
+    run(["bench/run_all.py", "--smoke", "--no-peers", "--results", str(results), "--doc", str(doc)], tmp_path)
+
+    written = {p.stem for p in results.glob("*.json")}
+    assert written == set(RUN_ALL_KEYS), "the peer benches (hooks-sdk, storage-sdk) must not run with --no-peers"
+    for name, keys in RUN_ALL_KEYS.items():
+        result = load(results / f"{name}.json")
+        assert keys <= set(result), f"{name}.json lacks {keys - set(result)}"
+    capture = load(results / "capture.json")
+    assert capture["peers"] == {} and capture["results"]
+    for row in capture["results"]:
+        assert CAPTURE_ROW_KEYS <= set(row) and not any(k.startswith("peer:") for k in row)
+    assert capture["captures_committed"] == capture["captures_expected"] > 0
+    assert load(results / "scaling.json")["claim_and_stats"]
+
+    page = doc.read_text(encoding="utf-8")
+    assert "Mode: smoke." in page
+    for section in ("## Capture overhead", "## RL Service hook path", "## Storage", "## Scaling",
+                    "## Training throughput", "## Peers"):
+        assert section in page
+    assert (sorted(peers_dir.iterdir()) if peers_dir.exists() else None) == peers_before  # nothing installed
+
+
+def test_load_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    run(["bench/load_bench.py", *SEPARATE["bench/load_bench.py"], "--out", str(out)], tmp_path)
+    result = load(out)
+    assert {"requests", "errors", "completions", "latency_ms", "rss_mib", "invariants", "samples_stored"} <= set(result)
+    assert result["errors"] == 0 and result["invariants"]["ok"] and result["completions"] > 0
+
+
+def test_chaos_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "chaos.json"
+    run(["bench/chaos/run.py", *SEPARATE["bench/chaos/run.py"], "--json", str(out)], tmp_path)
+    result = load(out)
+    assert result["totals"]["runs"] == 1 and result["totals"]["failed_runs"] == 0
+    assert result["runs"] and {"scenario", "seed"} <= set(result["runs"][0])
+
+
+@pytest.mark.parametrize("script", sorted({args[0] for *_, args in run_all.BENCHES.values()} | set(SEPARATE)))
+def test_help_documents_every_size_flag(script: str, tmp_path: Path) -> None:
+    """Each bench's --help names every flag run_all.py passes it (full, quick and smoke sizes), so `make bench` and
+    `make bench-quick` cannot pass a flag the bench lost."""
+    used = [*SEPARATE.get(script, []), *(a for variants in run_all.BENCHES.values() for args in variants
+                                          if args[0] == script for a in args[1:])]
+    text = run([script, "--help"], tmp_path).stdout
+    for flag in {a for a in used if a.startswith("--")} | {"--out" if script != "bench/chaos/run.py" else "--json"}:
+        assert flag in text, f"{script} --help does not mention {flag}"
