@@ -2,8 +2,9 @@
 
 Route families: unsigned inference (`/v1/chat/completions`, `/v1/messages`) and health; HMAC-signed control
 (service, Tasks, Training Runs, trajectories, rail upload, LoRA status/delete, instance registration); loopback-only
-internal LoRA routes for the RL Service child, checked against its bearer token; the read-only web console under
-`/console` (a login token signed with the api key, exchanged for a session cookie; see console.py).
+internal LoRA routes for the RL Service child, checked against its bearer token and closed while no child is alive;
+the read-only web console under `/console` (a login token signed with the api key, exchanged for a session cookie;
+see console.py). Every route takes a JSON body or none (415 otherwise, before any route runs).
 """
 
 from __future__ import annotations
