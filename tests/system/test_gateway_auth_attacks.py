@@ -213,7 +213,8 @@ def intercept(gw: GatewayProcess, method: str, path: str, **kwargs: object) -> d
         gw.http.close()
         gw.http = real
     (request,) = seen
-    return {k: v for k, v in request.headers.items() if k.lower() in ("x-timestamp", "x-signature", "x-signature-version")}
+    names = ("x-timestamp", "x-signature", "x-signature-version")
+    return {k: v for k, v in request.headers.items() if k.lower() in names}
 
 
 def test_a_signed_request_cannot_be_replayed_on_another_route_method_or_query(redis, redis_url, tmp_path, vllm):

@@ -79,7 +79,8 @@ def _length(answer: bytes) -> int:
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/rl/tasks/start"])
 def test_chunked_body_over_the_limit_is_413_while_reading(gw: GatewayProcess, route: str) -> None:
-    head = f"POST {route} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    head = (f"POST {route} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
     chunk = b"400\r\n" + b"x" * 0x400 + b"\r\n"
     status, body = raw_exchange(gw, head, [chunk] * 5)  # 5 KiB sent, the body never ends: decided while reading
     assert (status, body["error"]["code"]) == (413, "payload_too_large")

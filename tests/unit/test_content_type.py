@@ -13,10 +13,10 @@ def test_json_types(value: bytes):
     assert is_json_media_type(value)
 
 
-@pytest.mark.parametrize("value", [b"", b"text/plain", b"text/plain;charset=UTF-8", b"application/x-www-form-urlencoded",
-                                   b"multipart/form-data; boundary=x", b"text/json", b"application/jsonp",
-                                   b"application/+json", b"application", b"json", b"application/json-seq",
-                                   b"*/*", b"application/ json"])
+@pytest.mark.parametrize("value", [b"", b"text/plain", b"text/plain;charset=UTF-8",
+                                   b"application/x-www-form-urlencoded", b"multipart/form-data; boundary=x",
+                                   b"text/json", b"application/jsonp", b"application/+json", b"application", b"json",
+                                   b"application/json-seq", b"*/*", b"application/ json"])
 def test_other_types(value: bytes):
     assert not is_json_media_type(value)
 
