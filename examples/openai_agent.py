@@ -11,24 +11,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import uuid
 
 import httpx
 import openai
 
 from openjiuwen.agent_evolving.agent_rl.gateway.config import keys_from_document
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import RequestSigner
+
+
+_signers: dict[bytes, RequestSigner] = {}
 
 
 def signed(client: httpx.Client, key: bytes, method: str, path: str, body: dict | None = None,
            headers: dict[str, str] | None = None) -> httpx.Response:
+    """A signed control request: the signature covers the method, the path and query as sent, and the body."""
     raw = b"" if body is None else json.dumps(body).encode()
-    h = sign(key, raw, now_ms=int(time.time() * 1000))
-    if body is not None:
-        h["content-type"] = "application/json"
+    h = {"content-type": "application/json"} if body is not None else {}
     h.update(headers or {})
-    return client.request(method, path, content=raw, headers=h)
+    signer = _signers.setdefault(key, RequestSigner(key))  # strictly increasing timestamps per key
+    return client.send(signer.sign_httpx(client.build_request(method, path, content=raw, headers=h)))
 
 
 def main() -> None:

@@ -133,7 +133,8 @@ def fuzz(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[F
         try:
             # The 500 handler re-raises after answering; this client returns that answer instead of raising.
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            client = httpx.AsyncClient(transport=transport, base_url="http://rl.test", timeout=30)
+            client = httpx.AsyncClient(transport=transport, base_url="http://rl.test", timeout=30,
+                                       headers={"content-type": "application/json"})  # as the gateway sends
             runner.run(_seed(client))
             fuzz_app = FuzzApp(runner, client, redis)
             fuzz_app.take_snapshot()

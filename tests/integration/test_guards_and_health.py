@@ -42,7 +42,8 @@ def envelope_code(resp: httpx.Response) -> tuple[int, str]:
 def quiet_client(app: FastAPI) -> httpx.AsyncClient:
     """An ASGI client that returns the 500 the app sent instead of re-raising the app's exception."""
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    return httpx.AsyncClient(transport=transport, base_url="http://rl.test", timeout=30)
+    return httpx.AsyncClient(transport=transport, base_url="http://rl.test", timeout=30,
+                             headers={"content-type": "application/json"})  # as the gateway sends
 
 
 @asynccontextmanager
@@ -198,7 +199,8 @@ async def test_body_limit_on_a_real_socket(limited):
         status, body = split_response(await raw_exchange(url, head, []))
         assert (status, body["error"]["code"]) == (413, "payload_too_large")
         # A chunked body that never ends: answered once the limit is passed.
-        head = b"POST /internal/v1/completions:before HTTP/1.1\r\nHost: rl\r\nTransfer-Encoding: chunked\r\n\r\n"
+        head = (b"POST /internal/v1/completions:before HTTP/1.1\r\nHost: rl\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n")
         chunk = b"200\r\n" + b"[" * 0x200 + b"\r\n"
         status, body = split_response(await raw_exchange(url, head, [chunk] * 3))
         assert (status, body["error"]["code"]) == (413, "payload_too_large")

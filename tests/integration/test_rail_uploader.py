@@ -284,8 +284,8 @@ async def test_429_and_5xx_are_retried_with_backoff_and_fresh_signatures(redis, 
     assert seen[2].at - seen[1].at >= 0.10 * 0.5  # doubled
     verifier = HmacVerifier(SIGN_KEY)
     now_ms = time.time_ns() // 1_000_000
-    assert all(verifier.verify(s.headers["x-timestamp"], s.body, s.headers["x-signature"], now_ms=now_ms)
-               for s in seen)  # every attempt signed anew: none is a replay of another
+    # Every attempt signed anew (version 2, over POST and the upload path): none is a replay of another.
+    assert all(verifier.verify_request("POST", UPLOAD_PATH, s.headers, s.body, now_ms=now_ms) for s in seen)
     assert all(s.headers["authorization"] == f"Bearer {TOKEN}" for s in seen)
     assert [s["sample_id"] for s in stored(service, "retry")] == ["retry:0", "retry:1"]
 

@@ -23,7 +23,7 @@ import httpx
 import orjson
 import yaml
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import RequestSigner
 from tests.support.redis_server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -113,7 +113,7 @@ class GatewayProcess:
         self.env.update(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self.http = httpx.Client(base_url=self.url, timeout=60)
-        self._last_signed_ms = 0
+        self._signers: dict[bytes, RequestSigner] = {}
 
     @property
     def url(self) -> str:
@@ -181,14 +181,12 @@ class GatewayProcess:
     def signed(self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
                key: bytes | None = None, **kwargs: Any) -> httpx.Response:
         body = b"" if json is None else orjson.dumps(json)
-        # Strictly increasing timestamps: two identical bodiless calls in one millisecond would be a replay.
-        now_ms = max(int(time.time() * 1000), self._last_signed_ms + 1)
-        self._last_signed_ms = now_ms
-        h = sign(key or self.api_key, body, now_ms=now_ms)
-        if json is not None:
-            h["content-type"] = "application/json"
+        h = {"content-type": "application/json"} if json is not None else {}
         h.update(headers or {})
-        return self.http.request(method, path, content=body, headers=h, **kwargs)
+        request = self.http.build_request(method, path, content=body, headers=h, **kwargs)
+        # One signer per key: strictly increasing timestamps, so identical calls in one millisecond are no replay.
+        signer = self._signers.setdefault(key or self.api_key, RequestSigner(key or self.api_key))
+        return self.http.send(signer.sign_httpx(request))
 
     def start_service(self) -> None:
         r = self.signed("POST", "/v1/rl/service/start")

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import orjson
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import RequestSigner
 
 MAX_ERRORS_KEPT = 50
 
@@ -114,20 +114,8 @@ def child_pid(parent: int, needle: str) -> int:
     raise LookupError(f"no child of {parent} running {needle!r}")
 
 
-class _Signer:
-    """Strictly increasing timestamps: two identical bodies signed in one millisecond would be a replay."""
-
-    def __init__(self, key: bytes) -> None:
-        self._key = key
-        self._last_ms = 0
-
-    def headers(self, body: bytes) -> dict[str, str]:
-        self._last_ms = max(int(time.time() * 1000), self._last_ms + 1)
-        return sign(self._key, body, now_ms=self._last_ms)
-
-
 class _Agent:
-    def __init__(self, index: int, client: httpx.AsyncClient, signer: _Signer, result: LoadResult, *,
+    def __init__(self, index: int, client: httpx.AsyncClient, signer: RequestSigner, result: LoadResult, *,
                  model_id: str, rng: random.Random) -> None:
         self.index, self.client, self.signer, self.result = index, client, signer, result
         self.model_id, self.rng = model_id, rng
@@ -139,12 +127,13 @@ class _Agent:
         h = dict(headers or {})
         if json is not None:
             h["content-type"] = "application/json"
+        request = self.client.build_request(method, path, content=body, headers=h)
         if signed:
-            h.update(self.signer.headers(body))
+            self.signer.sign_httpx(request)
         self.result.requests[kind] += 1
         t0 = time.perf_counter()
         try:
-            r = await self.client.request(method, path, content=body, headers=h)
+            r = await self.client.send(request)
         except httpx.HTTPError as exc:
             self.result.error(f"{kind}: {type(exc).__name__}: {exc}")
             return None
@@ -235,7 +224,7 @@ class _Agent:
 async def run_load(url: str, spec: LoadSpec, *, api_key: bytes, model_id: str, pids: Pids) -> LoadResult:
     """Run `spec` against the gateway at `url`; RSS of both processes after the warm-up and at the end."""
     result = LoadResult(spec)
-    signer = _Signer(api_key)
+    signer = RequestSigner(api_key)
     rng = random.Random(spec.seed)
     limits = httpx.Limits(max_connections=spec.sessions * 2, max_keepalive_connections=spec.sessions * 2)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits, trust_env=False) as client:

@@ -39,7 +39,9 @@ async def running_app(config: RLServiceConfig, **kwargs: Any) -> AsyncIterator[t
     app = create_app(config, redis=redis, **kwargs)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://rl.test", timeout=30) as client:
+        # As the gateway's RL client does, every request says its body is JSON (the service refuses other bodies).
+        async with httpx.AsyncClient(transport=transport, base_url="http://rl.test", timeout=30,
+                                     headers={"content-type": "application/json"}) as client:
             yield app, client
 
 

@@ -23,7 +23,7 @@ import pytest
 import redis as redis_sync
 
 from openjiuwen.agent_evolving.agent_rl.gateway.console_auth import COOKIE_NAME, ConsoleAuth, login_token
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign, sign_request
 from tests.support.fake_judge import FakeJudge
 from tests.support.fake_vllm import FakeVLLM
 from tests.support.gateway_process import API_KEY, REPO_ROOT, GatewayProcess
@@ -146,7 +146,8 @@ def test_without_a_session_the_console_shows_the_login_page_and_the_api_refuses(
         r = http.get(path)
         assert (r.status_code, r.json()["error"]["code"]) == (401, "console_unauthorized"), path
     # A signed control request is no console credential either.
-    r = http.get("/console/api/overview", headers=sign(API_KEY, b"", now_ms=now_ms()))
+    r = http.get("/console/api/overview", headers=sign_request(API_KEY, "GET", "/console/api/overview", b"",
+                                                               now_ms=now_ms()))
     assert r.status_code == 401
 
 
@@ -171,9 +172,11 @@ def test_a_login_token_opens_one_session_and_only_once(run: ConsoleRun) -> None:
         r = http.post("/console/login", json={"token": bad})
         assert (r.status_code, r.json()["error"]["code"]) == (401, "console_unauthorized"), bad
         assert "set-cookie" not in r.headers
-    assert http.post("/console/login", content=b"not json").status_code == 400
-    assert http.post("/console/login", content=b"x" * 5000).status_code == 413
-    assert http.post("/console/login", content=iter([b"x" * 600, b"x" * 600])).status_code == 413  # chunked
+    typed = {"content-type": "application/json"}
+    assert http.post("/console/login", content=b"not json", headers=typed).status_code == 400
+    assert http.post("/console/login", content=b"x" * 5000, headers=typed).status_code == 413
+    assert http.post("/console/login", content=iter([b"x" * 600, b"x" * 600]), headers=typed).status_code == 413
+    assert http.post("/console/login", content=b"{}").status_code == 415  # an untyped body: refused unread
     assert token not in run.gw.stderr()  # the gateway's log names the login, never the token
     assert "console session opened" in run.gw.stderr()
 

@@ -31,6 +31,9 @@ def test_openai_agent_example_and_curl_signing(redis, redis_url, tmp_path):
             env = dict(os.environ, KEY=API_KEY.decode(), GATEWAY=gw.url)
             out = run(["bash", "examples/sign_with_curl.sh", "GET", "/v1/rl/trajectories/stats"], env=env)
             assert '"pending":2' in out.stdout, out
+            listing = "/v1/rl/trajectories?status=pending&limit=1"
+            out = run(["bash", "examples/sign_with_curl.sh", "get", listing], env=env)
+            assert '"next_cursor"' in out.stdout, out  # the query is part of what is signed
             out = run(["bash", "examples/sign_with_curl.sh", "POST", "/v1/rl/tasks/start",
                        '{"reward_mode":"terminal"}', "-H", "X-Agent-Session-Id: curl-session"], env=env)
             assert '"status":"active"' in out.stdout, out

@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign_request
 from tests.support.fake_vllm import FakeVLLM
 from tests.support.gateway_process import API_KEY, GatewayProcess
 
@@ -35,9 +35,10 @@ def gw(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gat
         yield gw
 
 
-def signed_headers(body: bytes) -> dict[str, str]:
+def signed_headers(route: str, body: bytes) -> dict[str, str]:
     time.sleep(0.002)  # distinct timestamps: the same body twice in one millisecond would be a replay
-    return {**sign(API_KEY, body, now_ms=int(time.time() * 1000)), "content-type": "application/json"}
+    return {**sign_request(API_KEY, "POST", route, body, now_ms=int(time.time() * 1000)),
+            "content-type": "application/json"}
 
 
 def error_code(r: httpx.Response) -> tuple[int, str]:
@@ -47,7 +48,7 @@ def error_code(r: httpx.Response) -> tuple[int, str]:
 @pytest.mark.parametrize("route", ROUTES)
 def test_content_length_over_the_limit_is_413(gw: GatewayProcess, route: str) -> None:
     big = orjson.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * LIMIT}]})
-    r = gw.http.post(route, content=big, headers=signed_headers(big))
+    r = gw.http.post(route, content=big, headers=signed_headers(route, big))
     assert error_code(r) == (413, "payload_too_large")
 
 
@@ -78,7 +79,8 @@ def _length(answer: bytes) -> int:
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/rl/tasks/start"])
 def test_chunked_body_over_the_limit_is_413_while_reading(gw: GatewayProcess, route: str) -> None:
-    head = f"POST {route} HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    head = (f"POST {route} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
     chunk = b"400\r\n" + b"x" * 0x400 + b"\r\n"
     status, body = raw_exchange(gw, head, [chunk] * 5)  # 5 KiB sent, the body never ends: decided while reading
     assert (status, body["error"]["code"]) == (413, "payload_too_large")
@@ -99,5 +101,6 @@ def test_bodies_within_the_limit_are_served(gw: GatewayProcess) -> None:
     assert gw.http.post("/v1/chat/completions", content=chat, headers={"content-type": "application/json"}
                         ).status_code == 200
     start = b'{"reward_mode": "terminal"}'
-    r = gw.http.post("/v1/rl/tasks/start", content=start, headers={**signed_headers(start), "X-Agent-Session-Id": "s"})
+    headers = {**signed_headers("/v1/rl/tasks/start", start), "X-Agent-Session-Id": "s"}
+    r = gw.http.post("/v1/rl/tasks/start", content=start, headers=headers)
     assert r.status_code == 201, r.text

@@ -21,7 +21,7 @@ import orjson
 import pytest
 from redis import Redis as SyncRedis
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign_request
 from tests.support.fake_judge import FakeJudge, Hold, Status
 from tests.support.fake_vllm import FakeVLLM, Reply, ToolCall, prompt_token_ids
 from tests.support.gateway_process import API_KEY, INS_KEY, GatewayProcess
@@ -200,6 +200,9 @@ def test_hmac_refuses_unsigned_forged_stale_and_replayed_control_calls(redis, re
         def now() -> int:
             return int(time.time() * 1000)
 
+        def v2(key: bytes, method: str, target: str, body: bytes = b"", at: int | None = None) -> dict[str, str]:
+            return sign_request(key, method, target, body, now_ms=now() if at is None else at)
+
         def refused(r: httpx.Response) -> None:
             assert r.status_code == 401, r.text
             assert r.json()["error"]["code"] == "invalid_signature"
@@ -207,35 +210,38 @@ def test_hmac_refuses_unsigned_forged_stale_and_replayed_control_calls(redis, re
         refused(http.get("/v1/rl/service"))  # unsigned
         refused(http.get("/v1/rl/service", headers={"X-Timestamp": str(now())}))  # no signature
         refused(http.get("/v1/rl/service", headers={"X-Timestamp": str(now()), "X-Signature": "ab" * 32}))  # forged
-        refused(http.get("/v1/rl/service", headers=sign(b"w" * 32, b"", now_ms=now())))  # wrong key
-        refused(http.get("/v1/rl/service", headers=sign(INS_KEY, b"", now_ms=now())))  # ins key off its route
+        refused(http.get("/v1/rl/service", headers=v2(b"w" * 32, "GET", "/v1/rl/service")))  # wrong key
+        refused(http.get("/v1/rl/service", headers=v2(INS_KEY, "GET", "/v1/rl/service")))  # ins key off its route
         for skew_ms in (-301_000, 301_000):  # outside the ±300 s window
-            refused(http.get("/v1/rl/service", headers=sign(API_KEY, b"", now_ms=now() + skew_ms)))
+            refused(http.get("/v1/rl/service", headers=v2(API_KEY, "GET", "/v1/rl/service", at=now() + skew_ms)))
         # The body is signed: a signature over another body is refused, and nothing happens.
         signed_body = orjson.dumps({"reward_mode": "terminal"})
         refused(http.post("/v1/rl/service/start", content=b"{}",
-                          headers={**sign(API_KEY, signed_body, now_ms=now()), "content-type": "application/json"}))
-        refused(http.post("/v1/rl/service/start", headers=sign(INS_KEY, b"", now_ms=now())))
+                          headers={**v2(API_KEY, "POST", "/v1/rl/service/start", signed_body),
+                                   "content-type": "application/json"}))
+        refused(http.post("/v1/rl/service/start", headers=v2(INS_KEY, "POST", "/v1/rl/service/start")))
         assert gw.signed("GET", "/v1/rl/service").json() == {"status": "stopped", "failure_reason": None}
 
         # A valid pair is accepted once; the same (timestamp, signature) again is a replay, on any path. (An
         # offset no other call of this test used, so the first use is surely the first.)
-        headers = sign(API_KEY, b"", now_ms=now() - 12_345)
+        headers = v2(API_KEY, "GET", "/v1/rl/service", at=now() - 12_345)
         assert http.get("/v1/rl/service", headers=headers).status_code == 200
         refused(http.get("/v1/rl/service", headers=headers))
         refused(http.get("/v1/rl/trajectories/stats", headers=headers))
         # Inside the window is fine.
-        assert http.get("/v1/rl/service", headers=sign(API_KEY, b"", now_ms=now() - 290_000)).status_code == 200
+        inside = v2(API_KEY, "GET", "/v1/rl/service", at=now() - 290_000)
+        assert http.get("/v1/rl/service", headers=inside).status_code == 200
 
         # register-instance accepts the ins key (and the api key), nothing else.
         registration = orjson.dumps(vllm.registration())
         for key in (INS_KEY, API_KEY):
             r = http.post("/aigw/v1/register-instance", content=registration,
-                          headers={**sign(key, registration, now_ms=now()), "content-type": "application/json"})
-            assert r.status_code == 200, r.text
-            assert r.json() == {"status": "registered", "name": "vllm-a", "serving": True}
+                          headers={**v2(key, "POST", "/aigw/v1/register-instance", registration),
+                                   "content-type": "application/json"})
+            assert (r.status_code, r.json()) == (200, {"status": "registered", "name": "vllm-a", "serving": True}), r.text
         refused(http.post("/aigw/v1/register-instance", content=registration,
-                          headers={**sign(b"w" * 32, registration, now_ms=now()), "content-type": "application/json"}))
+                          headers={**v2(b"w" * 32, "POST", "/aigw/v1/register-instance", registration),
+                                   "content-type": "application/json"}))
 
         # Health and inference need no signature.
         assert http.get("/aigw/v1/health").json() == {"status": "ok", "rl_service": "stopped"}

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from requests.auth import AuthBase
 from schemathesis import GenerationMode
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import SKEW_MS, sign
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import SKEW_MS, sign_request
 from tests.support.fake_judge import FakeJudge
 from tests.support.fake_vllm import FakeVLLM, Reply
 from tests.support.fuzzing import assert_envelope
@@ -46,7 +46,7 @@ SESSIONS = ["fz-terminal", "fz-delayed"]
 
 
 class Signer(AuthBase):
-    """Signs the prepared request's exact body bytes according to `mode`."""
+    """Signs the prepared request's exact method, target and body bytes according to `mode`."""
 
     last_ms = 0  # strictly increasing: two identical bodies signed in one millisecond would be a replay
 
@@ -56,14 +56,15 @@ class Signer(AuthBase):
     def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
         body = r.body or b""
         body = body.encode() if isinstance(body, str) else body
-        for name in ("X-Timestamp", "X-Signature"):
+        for name in ("X-Timestamp", "X-Signature", "X-Signature-Version"):
             r.headers.pop(name, None)
         if self.mode == "missing":
             return r
         Signer.last_ms = max(int(time.time() * 1000), Signer.last_ms + 1)
         key = {"forged": b"f" * 32, "instance_key": INS_KEY}.get(self.mode, API_KEY)
         offset = {"stale": -SKEW_MS - 60_000, "future": SKEW_MS + 60_000}.get(self.mode, 0)
-        r.headers.update(sign(key, body, now_ms=Signer.last_ms + offset))
+        # Version 2, over the method and the path and query exactly as requests will send them.
+        r.headers.update(sign_request(key, r.method or "GET", r.path_url, body, now_ms=Signer.last_ms + offset))
         if self.mode == "no_signature":
             del r.headers["X-Signature"]
         return r

@@ -19,7 +19,7 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign_request
 from tests.support.fake_judge import FakeJudge, Status
 from tests.support.fake_vllm import FakeVLLM
 from tests.support.gateway_process import GatewayProcess
@@ -87,10 +87,13 @@ async def test_no_secret_in_logs_answers_or_redis(redis: Redis, redis_url: str, 
         # Refused control calls: forged, stale, unsigned, replayed, wrong bearer on the internal routes.
         body = b'{"reward_mode": "terminal"}'
         now_ms = int(time.time() * 1000)
-        for headers in (sign(b"f" * 32, body, now_ms=now_ms), sign(API_KEY, body, now_ms=now_ms - 600_000), {}):
-            r = keep(gw.http.post("/v1/rl/tasks/start", content=body, headers={**headers, "X-Agent-Session-Id": "s0"}))
+        start = "/v1/rl/tasks/start"
+        for headers in (sign_request(b"f" * 32, "POST", start, body, now_ms=now_ms),
+                        sign_request(API_KEY, "POST", start, body, now_ms=now_ms - 600_000), {}):
+            r = keep(gw.http.post(start, content=body, headers={**headers, "X-Agent-Session-Id": "s0",
+                                                                "content-type": "application/json"}))
             assert r.status_code == 401
-        signed = sign(API_KEY, b"", now_ms=now_ms)
+        signed = sign_request(API_KEY, "GET", "/v1/rl/service", b"", now_ms=now_ms)
         assert keep(gw.http.get("/v1/rl/service", headers=signed)).status_code == 200
         assert keep(gw.http.get("/v1/rl/service", headers=signed)).status_code == 401  # replayed
         for bearer in ("Bearer wrong", f"Bearer {token}x", token):

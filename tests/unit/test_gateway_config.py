@@ -369,6 +369,24 @@ def test_max_body_bytes_default_and_bounds(tmp_path: Path):
         assert "maxBodyBytes" in error_of(data), bad
 
 
+def test_signature_settings_default_and_bounds(tmp_path: Path):
+    data = example(tmp_path)
+    section = gateway_config_from_mapping(data).global_
+    # The AIGW form is off unless asked for; the replay cache is per key, the verifier's own default.
+    assert (section.accept_legacy_signatures, section.replay_cache_size) == (False, 100_000)
+    data["global"].update(acceptLegacySignatures=True, replayCacheSize=50)
+    section = gateway_config_from_mapping(data).global_
+    assert (section.accept_legacy_signatures, section.replay_cache_size) == (True, 50)
+    assert gateway_config_from_mapping(gateway_config_from_mapping(data).to_json()).global_ == section  # round trip
+    for bad in ("true", 1, None):
+        data["global"]["acceptLegacySignatures"] = bad
+        assert "acceptLegacySignatures" in error_of(data), bad
+    data["global"]["acceptLegacySignatures"] = False
+    for bad in (0, -1, "50", 1.5, True):
+        data["global"]["replayCacheSize"] = bad
+        assert "replayCacheSize" in error_of(data), bad
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "[::1]", "vllm-0", "vllm_a", "vllm-0.svc.cluster.local"])
 def test_instance_hosts_accepted(tmp_path: Path, host: str):
     data = example(tmp_path)

@@ -39,8 +39,9 @@ class FakeGateway:
     def handle(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
         body = request.read()
-        ok = self.verifier.verify(request.headers.get("x-timestamp"), body, request.headers.get("x-signature"),
-                                  now_ms=time.time_ns() // 1_000_000)
+        # Version 2, over the method and target as sent: the CLI's signature must bind the route and the query.
+        ok = self.verifier.verify_request(request.method, request.url.raw_path, request.headers, body,
+                                          now_ms=time.time_ns() // 1_000_000)
         if not ok:
             return error(401, "invalid_signature", "missing or invalid signature")
         replies = self.routes.get((request.method, request.url.path))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,19 +27,20 @@ def main(argv: list[str] | None = None) -> int:
     import orjson
 
     from ..gateway.config import keys_from_document
-    from ..gateway.hmac_auth import sign
+    from ..gateway.hmac_auth import RequestSigner
 
     with open(args.key_file, "rb") as fh:
         keys = keys_from_document(orjson.loads(fh.read()), source=args.key_file)
     body = args.data.encode()
-    headers = sign(keys.api, body, now_ms=int(time.time() * 1000))
-    if body:
-        headers["content-type"] = "application/json"
+    headers = {"content-type": "application/json"} if body else {}
     for line in args.header:
         name, _, value = line.partition(":")
         headers[name.strip()] = value.strip()
-    resp = httpx.request(args.method.upper(), args.url.rstrip("/") + args.path, content=body, headers=headers,
-                         timeout=args.timeout)
+    with httpx.Client(timeout=args.timeout) as client:
+        # Signed over the exact method, target (path and query as sent) and body.
+        request = client.build_request(args.method.upper(), args.url.rstrip("/") + args.path, content=body,
+                                       headers=headers)
+        resp = client.send(RequestSigner(keys.api).sign_httpx(request))
     print(f"{resp.status_code} {resp.reason_phrase}")
     if resp.content:
         print(resp.text)

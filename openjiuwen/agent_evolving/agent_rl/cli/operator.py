@@ -36,7 +36,7 @@ import httpx
 import orjson
 
 from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS, login_token
-from ..gateway.hmac_auth import sign
+from ..gateway.hmac_auth import RequestSigner
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 URL_ENV = "OPENJIUWEN_RL_GATEWAY"
@@ -84,7 +84,7 @@ class GatewayClient:
     def __init__(self, url: str, key: bytes, *, timeout_s: float, transport: httpx.BaseTransport | None = None):
         self.url = url.rstrip("/")
         self._key = key
-        self._last_ms = 0
+        self._signer = RequestSigner(key)
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
 
     def close(self) -> None:
@@ -105,15 +105,13 @@ class GatewayClient:
         headers: Mapping[str, str] | None = None,
     ) -> Any:
         content = b"" if body is None else orjson.dumps(body)
-        # Strictly increasing timestamps: two bodiless requests in one millisecond would otherwise carry the same
-        # (timestamp, signature) pair, and the gateway refuses the second as a replay.
-        self._last_ms = max(time.time_ns() // 1_000_000, self._last_ms + 1)
-        signed = sign(self._key, content, now_ms=self._last_ms)
-        if body is not None:
-            signed["content-type"] = "application/json"
-        signed.update(headers or {})
+        extra = {"content-type": "application/json"} if body is not None else {}
+        extra.update(headers or {})
+        # Signed over the exact method, target (path and encoded query) and body that go on the wire.
+        req = self._signer.sign_httpx(self._http.build_request(method, path, content=content, params=params,
+                                                               headers=extra))
         try:
-            resp = self._http.request(method, path, content=content, params=params, headers=signed)
+            resp = self._http.send(req)
         except httpx.TransportError as exc:
             detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise CliError(f"cannot reach the gateway at {self.url} ({detail})") from None

@@ -131,7 +131,7 @@ class Demo:
         self.versions: list[dict[str, Any]] = []
         self.status = "running"
         self._ts_lock = threading.Lock()
-        self._last_ts = 0
+        self._signer: Any = None  # the RequestSigner of api_key, made on first use
         self._http: Any = None
         self._agent: Any = None
         self._executor: futures.ThreadPoolExecutor | None = None
@@ -456,17 +456,17 @@ class Demo:
         concurrent identical bodies never look like a replay."""
         import orjson
 
-        from ..gateway.hmac_auth import sign
+        from ..gateway.hmac_auth import RequestSigner
 
         body = b"" if json_body is None else orjson.dumps(json_body)
-        with self._ts_lock:
-            now = max(int(time.time() * 1000), self._last_ts + 1)
-            self._last_ts = now
-        h = sign(self.api_key, body, now_ms=now)
-        if json_body is not None:
-            h["content-type"] = "application/json"
+        h = {"content-type": "application/json"} if json_body is not None else {}
         h.update(headers or {})
-        return self._http.request(method, path, content=body, headers=h, params=params)
+        request = self._http.build_request(method, path, content=body, headers=h, params=params)
+        with self._ts_lock:
+            if self._signer is None:
+                self._signer = RequestSigner(self.api_key)
+            self._signer.sign_httpx(request)  # over the exact method, target and body sent
+        return self._http.send(request)
 
     def active_policy(self) -> str | None:
         r = self.signed("GET", f"/v1/loras/{self.args.model_id}")

@@ -2,9 +2,10 @@
 
 Route families: unsigned inference (`/v1/chat/completions`, `/v1/messages`) and health; HMAC-signed control
 (service, Tasks, Training Runs, trajectories, rail upload, LoRA status/delete, instance registration with the api or
-the instance key, instance removal and listing with the api key only); loopback-only
-internal LoRA routes for the RL Service child, checked against its bearer token; the read-only web console under
-`/console` (a login token signed with the api key, exchanged for a session cookie; see console.py).
+the instance key, instance removal and listing with the api key only); loopback-only internal LoRA routes for the RL
+Service child, checked against its bearer token and closed while no child is alive; the read-only web console under
+`/console` (a login token signed with the api key, exchanged for a session cookie; see console.py). Every route takes
+a JSON body or none (415 otherwise, before any route runs).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from ..online.api.content_type import JsonBodyMiddleware
 from ..online.api.errors import CatchAllMiddleware, PayloadTooLarge
 from ..online.api.guards import GuardMiddleware
 from ..online.metrics import CONTENT_TYPE, HttpMetricsMiddleware
@@ -154,8 +156,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
 
     async def signed(request: Request, *, allow_ins: bool = False) -> bytes | Response:
         body = await request.body()
-        ok = gw.verifier.verify(
-            request.headers.get("x-timestamp"), body, request.headers.get("x-signature"),
+        ok = gw.verifier.verify_request(
+            request.method, _request_target(request), request.headers, body,
             now_ms=int(time.time() * 1000), allow_ins=allow_ins,
         )
         if not ok:
@@ -166,11 +168,13 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         host = request.client.host if request.client else ""
         if host not in _LOOPBACK:
             return envelope(403, "forbidden", "internal routes are served to loopback only")
-        token = gw.supervisor.token
-        if token:
-            presented = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(presented, f"Bearer {token}".encode()):
-                return envelope(401, "unauthorized", "missing or invalid bearer token")
+        # Fail closed: with no RL Service child alive there is no token, and nobody may use these routes.
+        token = gw.supervisor.internal_token
+        if not token:
+            return envelope(401, "unauthorized", "no RL Service child is running; internal routes are closed")
+        presented = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(presented, f"Bearer {token}".encode()):
+            return envelope(401, "unauthorized", "missing or invalid bearer token")
         return None
 
     # ---------------------------------------------------------------- unsigned
@@ -390,6 +394,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     async def too_large(_: Request, exc: PayloadTooLarge) -> Response:
         return envelope(413, "payload_too_large", str(exc))
 
+    # Every route takes JSON or nothing: other bodies get 415 before any route (or signature check) sees them.
+    app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(CatchAllMiddleware, message="internal gateway error", logger=log)
     # The size is decided from Content-Length before anything is read (no bearer token at this layer).
     app.add_middleware(GuardMiddleware, token=None, max_body_bytes=gw.config.global_.max_body_bytes,
@@ -397,6 +403,14 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     app.add_middleware(HttpMetricsMiddleware, observe=gw.metrics.http)  # outermost: every answer is counted
 
     return app
+
+
+def _request_target(request: Request) -> bytes:
+    """The request target as it arrived (percent-encoded path, then `?query` when there is one): what a version-2
+    signature covers."""
+    raw = request.scope.get("raw_path") or request.url.path.encode()
+    query = request.scope.get("query_string") or b""
+    return raw + b"?" + query if query else raw
 
 
 def _raw_path(request: Request) -> str:

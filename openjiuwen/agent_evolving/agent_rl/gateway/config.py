@@ -26,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    StrictBool,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -35,6 +36,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..online.config import validation_problems
+from .hmac_auth import REPLAY_CAPACITY
 from .instances import valid_host
 
 MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
@@ -238,6 +240,12 @@ class GlobalSection(_Model):
     # Project gateway: a bound on every request body (inference routes are unsigned, so anyone who reaches the port
     # could otherwise make it buffer any amount). Larger bodies get 413 `payload_too_large`.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(default=33_554_432, alias="maxBodyBytes")
+    # Project gateway: accept the AIGW signature form (timestamp ‖ body; method, path and query unsigned) beside
+    # version 2. Off by default: only then can no signed request be replayed on another route (hmac_auth.py).
+    accept_legacy_signatures: StrictBool = Field(default=False, alias="acceptLegacySignatures")
+    # Project gateway: live (timestamp, signature) pairs remembered per key (api key and instance key apart); a key
+    # whose cache is full of live pairs has its further requests refused until some expire.
+    replay_cache_size: Annotated[StrictInt, Field(ge=1)] = Field(default=REPLAY_CAPACITY, alias="replayCacheSize")
 
     @model_validator(mode="after")
     def _exactly_one_key_source(self) -> "GlobalSection":

@@ -1,8 +1,18 @@
-"""HMAC-signed control requests (CONTRACT §3.2): verification with a skew window and a replay cache, and signing.
+"""HMAC-signed control requests (CONTRACT §3.2): verification with a skew window and per-key replay caches, and signing.
 
-`X-Timestamp` is Unix epoch milliseconds in decimal; `X-Signature` is lowercase hex HMAC-SHA256(key, ASCII
-timestamp ‖ raw body bytes), the body part empty for bodiless requests. Method and path are not signed. The clock is
-an argument (`now_ms`), so every decision here is a pure function of its inputs and the replay cache.
+Two signature forms, both lowercase hex HMAC-SHA256 in `X-Signature` with `X-Timestamp` = Unix epoch milliseconds in
+ASCII decimal:
+
+- version 2 (`X-Signature-Version: 2`, what every client in this repository sends) signs the request itself:
+  `"OJRL-HMAC-V2\\n" ‖ METHOD ‖ "\\n" ‖ TARGET ‖ "\\n" ‖ timestamp ‖ "\\n" ‖ body`, where TARGET is the request
+  target as sent on the wire (the percent-encoded path, then `?` and the query string when there is one). A signed
+  request therefore cannot be replayed on another route, method or query.
+- the AIGW form (no version header, or `X-Signature-Version: 1`) signs `timestamp ‖ body` only; the gateway accepts
+  it only when configured to (`global.acceptLegacySignatures`).
+
+The two messages cannot collide (the AIGW one starts with a digit) and neither can a console login token or cookie
+(console_auth.py: their own domain strings). The clock is an argument (`now_ms`), so every decision here is a pure
+function of its inputs and the replay caches.
 """
 
 from __future__ import annotations
@@ -12,27 +22,82 @@ import hmac
 import heapq
 import logging
 import re
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.hmac")
 
 TIMESTAMP_HEADER = "X-Timestamp"
 SIGNATURE_HEADER = "X-Signature"
+VERSION_HEADER = "X-Signature-Version"
+CURRENT_VERSION = "2"
+LEGACY_VERSION = "1"
+V2_DOMAIN = b"OJRL-HMAC-V2\n"
 SKEW_MS = 300_000
-REPLAY_CAPACITY = 100_000
+REPLAY_CAPACITY = 100_000  # per key: the api key's and the instance key's caches are separate
+FULL_LOG_INTERVAL_MS = 60_000  # at most one "replay cache full" line per key per minute
 
 _TIMESTAMP = re.compile(r"[0-9]{1,16}")  # ASCII digits only (str.isdigit would take '²' and other scripts)
 _SIGNATURE = re.compile(r"[0-9a-f]{64}")  # lowercase hex, exactly one SHA-256
+_METHOD = re.compile(r"[A-Z]{1,16}")
+
+
+def _target_bytes(target: str | bytes) -> bytes:
+    return target if isinstance(target, bytes) else target.encode("ascii")
+
+
+def v2_message(method: str, target: str | bytes, timestamp: str, body: bytes) -> bytes:
+    """The bytes a version-2 signature covers (module docstring)."""
+    return b"".join((V2_DOMAIN, method.encode("ascii"), b"\n", _target_bytes(target), b"\n",
+                     timestamp.encode("ascii"), b"\n", body))
 
 
 def signature(key: bytes, timestamp: str, body: bytes) -> str:
-    """Lowercase hex HMAC-SHA256(key, ASCII timestamp ‖ body)."""
+    """The AIGW form: lowercase hex HMAC-SHA256(key, ASCII timestamp ‖ body)."""
     return hmac.new(key, timestamp.encode("ascii") + body, hashlib.sha256).hexdigest()
 
 
 def sign(key: bytes, body: bytes, *, now_ms: int) -> dict[str, str]:
-    """The two headers of a signed request carrying `body` (b"" when the request has none)."""
+    """The two headers of an AIGW-form signed request carrying `body` (b"" when the request has none). Only for
+    talking to a gateway that accepts the AIGW form; this repository's clients use `sign_request`."""
     timestamp = str(int(now_ms))
     return {TIMESTAMP_HEADER: timestamp, SIGNATURE_HEADER: signature(key, timestamp, body)}
+
+
+def sign_request(key: bytes, method: str, target: str | bytes, body: bytes, *, now_ms: int) -> dict[str, str]:
+    """The three headers of a version-2 signed request: `target` is the path as sent (percent-encoded) plus `?query`
+    when there is one, e.g. `httpx.Request.url.raw_path`; `body` the exact bytes sent (b"" for none)."""
+    timestamp = str(int(now_ms))
+    mac = hmac.new(key, v2_message(method.upper(), target, timestamp, body), hashlib.sha256).hexdigest()
+    return {TIMESTAMP_HEADER: timestamp, SIGNATURE_HEADER: mac, VERSION_HEADER: CURRENT_VERSION}
+
+
+class RequestSigner:
+    """Signs requests with one key and strictly increasing timestamps: two identical requests in one millisecond
+    would otherwise carry the same (timestamp, signature) pair, and the gateway refuses the second as a replay.
+    The one place this repository's clients sign (operator CLI, `call`, the demo, rail uploads, tests)."""
+
+    def __init__(self, key: bytes) -> None:
+        if not key:
+            raise ValueError("key must not be empty")
+        self._key = key
+        self._last_ms = 0
+
+    def __repr__(self) -> str:  # never the key
+        return "RequestSigner()"
+
+    def headers(self, method: str, target: str | bytes, body: bytes = b"") -> dict[str, str]:
+        self._last_ms = max(time.time_ns() // 1_000_000, self._last_ms + 1)
+        return sign_request(self._key, method, target, body, now_ms=self._last_ms)
+
+    def sign_httpx(self, request: "httpx.Request") -> "httpx.Request":
+        """Add the signature headers to a built (not yet sent) httpx request, over its exact target and body."""
+        request.headers.update(self.headers(request.method, request.url.raw_path, request.read()))
+        return request
 
 
 class _ReplayCache:
@@ -40,15 +105,23 @@ class _ReplayCache:
 
     A min-heap ordered by expiry makes eviction O(log n) per expired entry. The size is capped: when the cache is
     full of live entries a new pair is refused (fail closed) rather than evicting one that could then be replayed.
+    Refusals are logged at most once per `FULL_LOG_INTERVAL_MS`, with their count, never once per request.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, name: str, capacity: int) -> None:
+        self._name = name
         self._capacity = capacity
         self._seen: set[tuple[str, str]] = set()
         self._expiry: list[tuple[int, str, str]] = []
+        self._refused = 0  # since the last log line
+        self._logged_ms: int | None = None
 
     def __len__(self) -> int:
         return len(self._seen)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
 
     def evict(self, now_ms: int) -> None:
         """Drop the pairs whose timestamp has left the window at `now_ms` (expiry = timestamp + skew)."""
@@ -56,26 +129,37 @@ class _ReplayCache:
             _, timestamp, sig = heapq.heappop(self._expiry)
             self._seen.discard((timestamp, sig))
 
-    def first(self, timestamp: str, sig: str, *, expires_ms: int) -> bool:
+    def first(self, timestamp: str, sig: str, *, expires_ms: int, now_ms: int) -> bool:
         """True and remembered when the pair is new; False when it is a replay or the cache is full."""
         pair = (timestamp, sig)
         if pair in self._seen:
             return False
         if len(self._seen) >= self._capacity:
-            log.warning("HMAC replay cache full (%d live entries); refusing signed requests until some expire",
-                        self._capacity)
+            self._note_full(now_ms)
             return False
         self._seen.add(pair)
         heapq.heappush(self._expiry, (expires_ms, timestamp, sig))
         return True
+
+    def _note_full(self, now_ms: int) -> None:
+        self._refused += 1
+        if self._logged_ms is not None and now_ms - self._logged_ms < FULL_LOG_INTERVAL_MS:
+            return
+        log.warning("HMAC replay cache of the %s key full (%d live entries): refused %d signed request(s) with "
+                    "that key since the last report; they pass again as entries expire", self._name,
+                    self._capacity, self._refused)
+        self._refused = 0
+        self._logged_ms = now_ms
 
 
 class HmacVerifier:
     """Verifies signed control requests with `api_key` (and, where allowed, `ins_key`).
 
     A request passes when the timestamp is ASCII decimal within ±`skew_ms` of `now_ms`, the signature matches
-    (constant-time compare) and the (timestamp, signature) pair has not been accepted before within the window.
-    Only a correctly signed request enters the replay cache, so forgeries cannot fill it.
+    (constant-time compare; version 2, or the AIGW form when `accept_legacy`) and the (timestamp, signature) pair has
+    not been accepted before within the window. Only a correctly signed request enters a replay cache, so forgeries
+    cannot fill one; and each key has its own cache, so no amount of instance-key traffic can make an operator's
+    request be refused.
 
     The window's lower edge follows the latest clock reading seen: if the clock steps back, a timestamp older than
     that edge stays refused, because its replay-cache entry may already have been evicted.
@@ -88,6 +172,7 @@ class HmacVerifier:
         *,
         skew_ms: int = SKEW_MS,
         replay_capacity: int = REPLAY_CAPACITY,
+        accept_legacy: bool = False,
     ) -> None:
         if not api_key:
             raise ValueError("api_key must not be empty")
@@ -98,16 +183,43 @@ class HmacVerifier:
         self._api_key = api_key
         self._ins_key = ins_key
         self._skew_ms = skew_ms
-        self._replays = _ReplayCache(replay_capacity)
+        self._accept_legacy = accept_legacy
+        self._api_replays = _ReplayCache("api", replay_capacity)
+        self._ins_replays = _ReplayCache("instance", replay_capacity)
         self._latest_now_ms = 0
 
     def __repr__(self) -> str:  # never the keys
-        return f"HmacVerifier(skew_ms={self._skew_ms}, ins_key={'set' if self._ins_key else 'none'})"
+        return (f"HmacVerifier(skew_ms={self._skew_ms}, ins_key={'set' if self._ins_key else 'none'}, "
+                f"accept_legacy={self._accept_legacy})")
 
     @property
     def replay_entries(self) -> int:
-        """Live entries in the replay cache (for metrics and tests)."""
-        return len(self._replays)
+        """Live entries in both replay caches (for metrics and tests)."""
+        return len(self._api_replays) + len(self._ins_replays)
+
+    @property
+    def replay_entries_by_key(self) -> dict[str, int]:
+        return {"api": len(self._api_replays), "instance": len(self._ins_replays)}
+
+    @property
+    def replay_capacity_by_key(self) -> dict[str, int]:
+        return {"api": self._api_replays.capacity, "instance": self._ins_replays.capacity}
+
+    def verify_request(
+        self, method: str, target: str | bytes, headers: Mapping[str, str], body: bytes, *, now_ms: int,
+        allow_ins: bool = False,
+    ) -> bool:
+        """`verify` with the signature headers read from `headers` (Starlette's or httpx's case-insensitive headers,
+        or a dict with lowercase names) and the request's method and target (path as sent, plus `?query`)."""
+
+        def get(name: str) -> str | None:
+            value = headers.get(name)
+            return headers.get(name.lower()) if value is None else value
+
+        return self.verify(
+            get(TIMESTAMP_HEADER), body, get(SIGNATURE_HEADER), now_ms=now_ms, allow_ins=allow_ins,
+            method=method, target=target, version=get(VERSION_HEADER),
+        )
 
     def verify(
         self,
@@ -117,25 +229,44 @@ class HmacVerifier:
         *,
         now_ms: int,
         allow_ins: bool = False,
+        method: str | None = None,
+        target: str | bytes | None = None,
+        version: str | None = None,
     ) -> bool:
         """True when the request is authentic, fresh and not a replay; `allow_ins` also accepts `ins_key`
-        (register-instance). Any missing or malformed input is simply False."""
+        (register-instance). `version` is the `X-Signature-Version` header: "2" needs `method` and `target`; None or
+        "1" is the AIGW form, refused unless `accept_legacy`. Any missing or malformed input is simply False."""
         if timestamp is None or signature is None:
             return False
         if not _TIMESTAMP.fullmatch(timestamp) or not _SIGNATURE.fullmatch(signature):
             return False
+        if version == CURRENT_VERSION:
+            if method is None or target is None or not _METHOD.fullmatch(method):
+                return False
+            try:
+                message = v2_message(method, target, timestamp, body)
+            except UnicodeEncodeError:  # a target no request line could carry
+                return False
+        elif version in (None, LEGACY_VERSION) and self._accept_legacy:
+            message = timestamp.encode("ascii") + body
+        else:
+            return False
         self._latest_now_ms = max(self._latest_now_ms, now_ms)
-        self._replays.evict(self._latest_now_ms)
+        self._api_replays.evict(self._latest_now_ms)
+        self._ins_replays.evict(self._latest_now_ms)
         ts = int(timestamp)
         if ts > now_ms + self._skew_ms or ts < self._latest_now_ms - self._skew_ms:
             return False
-        message = timestamp.encode("ascii") + body
-        expected = hmac.new(self._api_key, message, hashlib.sha256).hexdigest()
-        ok = hmac.compare_digest(expected.encode("ascii"), signature.encode("ascii"))
-        if allow_ins and self._ins_key is not None:
-            expected_ins = hmac.new(self._ins_key, message, hashlib.sha256).hexdigest()
-            ok = hmac.compare_digest(expected_ins.encode("ascii"), signature.encode("ascii")) or ok
-        if not ok:
+        if _matches(self._api_key, message, signature):
+            cache = self._api_replays
+        elif allow_ins and self._ins_key is not None and _matches(self._ins_key, message, signature):
+            cache = self._ins_replays
+        else:
             return False
         # Needed while a request with this timestamp is still inside the window, i.e. up to ts + skew.
-        return self._replays.first(timestamp, signature, expires_ms=ts + self._skew_ms)
+        return cache.first(timestamp, signature, expires_ms=ts + self._skew_ms, now_ms=now_ms)
+
+
+def _matches(key: bytes, message: bytes, signature: str) -> bool:
+    expected = hmac.new(key, message, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected.encode("ascii"), signature.encode("ascii"))

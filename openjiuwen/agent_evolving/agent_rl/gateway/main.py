@@ -36,7 +36,11 @@ async def _serve(config_path: str) -> int:
     except (GatewayConfigError, ConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    verifier = HmacVerifier(keys.api, keys.ins)
+    verifier = HmacVerifier(keys.api, keys.ins, replay_capacity=config.global_.replay_cache_size,
+                            accept_legacy=config.global_.accept_legacy_signatures)
+    if config.global_.accept_legacy_signatures:
+        logging.getLogger("openjiuwen.agent_rl.gateway").warning(
+            "global.acceptLegacySignatures is on: AIGW-form signatures (method, path and query unsigned) are accepted")
     gateway = build_gateway(config, model_id=rl_config.model_id, verifier=verifier,
                             console_auth=ConsoleAuth(keys.api), env=dict(os.environ))
     app = create_gateway_app(gateway)

@@ -127,6 +127,7 @@ class RLSupervisor:
         self._on_exit = on_exit
         self._lock = asyncio.Lock()
         self._child: _Child | None = None
+        self._starting: _Child | None = None  # spawned, not yet healthy
         self._status = STOPPED
         self._failure_reason: str | None = None
 
@@ -143,6 +144,16 @@ class RLSupervisor:
     def token(self) -> str | None:
         """The bearer token of the running child (`Authorization: Bearer <token>`); None when none runs."""
         return self._child.token if self._child is not None and self._status == RUNNING else None
+
+    @property
+    def internal_token(self) -> str | None:
+        """The bearer token the gateway's internal routes require: the running child's, or that of the child being
+        started (its start-up recovery reads and may activate the policy before it reports healthy). None when no
+        child is alive: the internal routes are then closed."""
+        starting = self._starting
+        if starting is not None and not starting.exited.done():
+            return starting.token
+        return self.token
 
     @property
     def pid(self) -> int | None:
@@ -183,15 +194,18 @@ class RLSupervisor:
                 self._set(FAILED, reason)
                 raise SupervisorError(reason)
             child = await self._spawn()
+            self._starting = child
             try:
                 await self._wait_healthy(client, child)
             except BaseException as exc:  # incl. cancellation: a half-started child must not be left behind
                 reason = str(exc) if isinstance(exc, SupervisorError) else "start was interrupted"
                 self._child = None
+                self._starting = None
                 self._set(FAILED, reason)  # before the await: a second cancellation must not skip it
                 log.error("RL Service start failed: %s", reason)
                 await asyncio.shield(self._kill(child))
                 raise
+            self._starting = None
         self._child = child
         self._set(RUNNING)
         child.watcher = asyncio.create_task(self._watch(child), name=f"rl-service-watch:{child.proc.pid}")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from .api.content_type import JsonBodyMiddleware
 from .api.errors import install_error_envelope
 from .api.guards import GuardMiddleware
 from .api.health import build_health_router
@@ -335,6 +336,8 @@ def create_app(
     app.include_router(build_rail_router(lambda: deps.rail))
     app.include_router(build_training_router(deps.runner))
     app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id)))
+    # Inside the guards (bearer 401 and size 413 first): a non-JSON body is 415 (a browser's cross-site simple POST).
+    app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(GuardMiddleware, token=token, max_body_bytes=config.max_body_bytes)
     app.include_router(build_metrics_router(deps.metrics, deps.redis, deps.store.stats))
     # Outermost: every answer is counted, the guards' 401/413 included.

@@ -33,7 +33,6 @@ import asyncio
 import logging
 import random
 import re
-import time
 from collections import deque
 from collections.abc import Mapping
 from contextlib import suppress
@@ -44,7 +43,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from ..gateway.hmac_auth import sign
+from ..gateway.hmac_auth import RequestSigner
 
 log = logging.getLogger("openjiuwen.agent_rl.rail.uploader")
 
@@ -291,7 +290,8 @@ class TrajectoryUploader:
         self._state = "new"  # new → started → closed
         self._closed = asyncio.Event()  # set once close() has finished
         self._metrics = UploaderMetrics()
-        self._last_signed_ms = 0
+        self._signer = RequestSigner(sign_key) if sign_key is not None else None
+        self._target = httpx.URL(self._url).raw_path  # the path the signature covers, as sent
         self.last_error: str | None = None
 
     def __repr__(self) -> str:  # never the key or the token
@@ -558,11 +558,10 @@ class TrajectoryUploader:
         headers = {"content-type": "application/json"}
         if self._bearer is not None:
             headers["authorization"] = f"Bearer {self._bearer}"
-        if self._sign_key is not None:
-            # Signed per attempt with a strictly increasing timestamp: the gateway refuses a (timestamp, signature)
-            # pair it has already accepted, and a quick retry of the same body could repeat one within a millisecond.
-            self._last_signed_ms = max(time.time_ns() // 1_000_000, self._last_signed_ms + 1)
-            headers.update(sign(self._sign_key, payload, now_ms=self._last_signed_ms))
+        if self._signer is not None:
+            # Signed per attempt (strictly increasing timestamps): the gateway refuses a (timestamp, signature) pair
+            # it has already accepted, and a quick retry of the same body could repeat one within a millisecond.
+            headers.update(self._signer.headers("POST", self._target, payload))
         return headers
 
     def _delay_s(self, attempt: int, retry_after_s: float | None) -> float:
