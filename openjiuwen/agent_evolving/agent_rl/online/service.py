@@ -7,6 +7,7 @@ Run it as `python -m openjiuwen.agent_evolving.agent_rl.online.service --config 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -42,6 +43,7 @@ from .metrics import HttpMetricsMiddleware, MeteredJudge, ServiceMetrics
 from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
 from .policies import PolicyReport
+from .private_files import UnsafeDirectoryError, ensure_private_root
 from .rail.ingest import RailIngestor
 from .retention import RetentionSweeper
 from .rewards.ledger import RewardLedger
@@ -218,6 +220,7 @@ class ServiceDeps:
             run_reward_sweeper = self.reward_ledger.policy.configured or await self.reward_ledger.waiting() > 0
             if run_reward_sweeper:
                 await self.reward_sweeper.sweep_once()
+            await self._check_training_root()
         except Exception as exc:
             log.error("RL service startup failed: %s", exc, exc_info=True)
             await self.aclose()
@@ -238,6 +241,14 @@ class ServiceDeps:
             await self.runner.shutdown()
             await self.lifecycle.shutdown()
             await self.aclose()
+
+    async def _check_training_root(self) -> None:
+        """Say at start when `training_tmp_root` is unsafe. Capture keeps working; each Training Run checks the root
+        again and fails with the same reason, so a local user who creates the directory first gets no data."""
+        try:
+            await asyncio.to_thread(ensure_private_root, self.config.training_tmp_root)
+        except (UnsafeDirectoryError, OSError) as exc:
+            log.error("%s: Training Runs will fail until this is fixed", exc)
 
     async def aclose(self) -> None:
         await self.backend.close()
