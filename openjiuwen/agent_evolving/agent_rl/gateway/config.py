@@ -238,6 +238,12 @@ class GlobalSection(_Model):
     # Project gateway: a bound on every request body (inference routes are unsigned, so anyone who reaches the port
     # could otherwise make it buffer any amount). Larger bodies get 413 `payload_too_large`.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(default=33_554_432, alias="maxBodyBytes")
+    # Project gateway, slow clients (online/http_guard.py): a request head must be complete within headerTimeout
+    # (else 408), an idle kept-alive connection closes after keepAliveTimeout, and past maxConnections the oldest
+    # connection without a complete head is closed to make room.
+    header_timeout_s: Duration = Field(default=10.0, alias="headerTimeout")
+    keep_alive_timeout_s: Duration = Field(default=5.0, alias="keepAliveTimeout")
+    max_connections: Annotated[StrictInt, Field(ge=16)] = Field(default=4096, alias="maxConnections")
 
     @model_validator(mode="after")
     def _exactly_one_key_source(self) -> "GlobalSection":

@@ -38,6 +38,7 @@ from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig, load_config
 from .faults import FaultHook, fault_hook, no_faults
 from .gc_tuning import tune_gc
+from .http_guard import ConnectionLimits, server_config
 from .logs import configure_logging
 from .metrics import HttpMetricsMiddleware, MeteredJudge, ServiceMetrics
 from .lora.gateway_client import GatewayLoraClient
@@ -383,11 +384,16 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop  # hooks are mostly event-loop and socket work: uvloop's loop does it in C
 
     app = create_app(config, token=os.environ.get(TOKEN_ENV) or None, fault=fault)
+    limits = ConnectionLimits(header_timeout_s=config.http_header_timeout_seconds,
+                              keep_alive_s=config.http_keep_alive_seconds,
+                              max_connections=config.http_max_connections)
     server = uvicorn.Server(
-        uvicorn.Config(
+        server_config(  # raises the soft open-files limit to the hard one first
             app,
             host=config.listen_host,
             port=config.listen_port,
+            limits=limits,
+            name="rl-service",
             log_config=None,
             access_log=False,
             lifespan="on",
