@@ -91,7 +91,7 @@ def test_defaults_match_the_contract() -> None:
         "max_body_bytes": 33554432,
         "http_header_timeout_seconds": 10.0,
         "http_keep_alive_seconds": 5.0,
-        "http_max_connections": 1024,
+        "http_max_connections": 4096,
         "record_dir": "records",
         "log_path": "rl-service.log",
         "log_max_bytes": 10485760,

@@ -200,7 +200,7 @@ class RLServiceConfig(BaseModel):
     # the oldest connection without a complete request head is closed.
     http_header_timeout_seconds: Seconds = 10.0
     http_keep_alive_seconds: Seconds = 5.0
-    http_max_connections: Annotated[StrictInt, Field(ge=16)] = 1024
+    http_max_connections: Annotated[StrictInt, Field(ge=16)] = 4096
     record_dir: StrictStr = "records"
     log_path: NonBlank = "rl-service.log"
     log_max_bytes: PositiveInt = 10485760
