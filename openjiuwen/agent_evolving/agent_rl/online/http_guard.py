@@ -130,7 +130,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         registry = type(self).registry
         registry[self] = None
         if len(registry) > self.limits.max_connections and not self._shed_one():
-            registry.pop(self, None)
             self._close_with(TOO_MANY, "refused_busy")
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -204,6 +203,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         return False
 
     def _close_with(self, answer: bytes, reason: str) -> None:
+        type(self).registry.pop(self, None)  # closing: no longer a slot another newcomer could be given
         self._cancel_head_deadline()
         self.transport.write(answer)
         self.transport.close()
