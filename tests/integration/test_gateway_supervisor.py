@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -151,6 +152,10 @@ async def test_start_stop_with_the_real_service(supervisors, redis, redis_url, t
     assert (record["status"], record["finish_reason"]) == ("finalized", "service_stopped")
     assert await sup.stop() == {"status": "stopped", "failure_reason": None}  # idempotent
     assert (tmp_path / "logs" / "rl-service.stderr.log").exists()
+    # The child's output may quote captured text: private to the service's user (issue 19, item 7).
+    logs = tmp_path / "logs"
+    assert [oct(stat.S_IMODE(p.stat().st_mode)) for p in (logs, logs / "rl-service.stdout.log",
+                                                          logs / "rl-service.stderr.log")] == ["0o700", "0o600", "0o600"]
 
 
 async def test_crash_is_reported_and_restart_recovers(supervisors, redis, redis_url, tmp_path: Path):

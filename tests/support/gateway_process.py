@@ -4,6 +4,8 @@
         gw.signed("POST", "/v1/rl/service/start")               # HMAC-signed control call (httpx.Response)
         openai.OpenAI(base_url=gw.url + "/v1", api_key="x")     # agents talk to gw.url, unsigned
 
+`nofile_soft=1024` starts the gateway with that soft open-files limit (systemd's default for a service), `nofile_hard`
+with that hard one.
 It writes the HMAC key file, the RL Service YAML (scripted trainer, the test's Redis and Judge) and the gateway JSON
 config, starts the gateway in its own process group, and waits for `GET /aigw/v1/health`. Leaving the block kills
 the gateway's group and the child's (the child's own parent-death signal covers a gateway SIGKILL too).
@@ -12,6 +14,7 @@ the gateway's group and the child's (the child's own parent-death signal covers 
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -51,6 +54,8 @@ class GatewayProcess:
         log_level: str = "INFO",
         api_key: bytes = API_KEY,
         ins_key: bytes = INS_KEY,
+        nofile_soft: int | None = None,
+        nofile_hard: int | None = None,
     ) -> None:
         self.dir = Path(tmp) / "gateway"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -111,6 +116,8 @@ class GatewayProcess:
         self.env = {k: v for k, v in os.environ.items() if k not in ("RL_SERVICE_TOKEN", "RL_SERVICE_CONFIG")}
         self.env["ONLINE_RL_SCRIPTED_PLAN"] = str(self.plan_path)
         self.env.update(env or {})
+        self.nofile_soft = nofile_soft  # start with this soft RLIMIT_NOFILE (systemd's default is 1024)
+        self.nofile_hard = nofile_hard  # and this hard one (None: the test's own)
         self.proc: subprocess.Popen[bytes] | None = None
         self.http = httpx.Client(base_url=self.url, timeout=60)
         self._signers: dict[bytes, RequestSigner] = {}
@@ -131,7 +138,7 @@ class GatewayProcess:
             [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.cli.main", "gateway",
              "--config", str(self.config_path), "--log-level", self.log_level],
             cwd=REPO_ROOT, env=self.env, stdout=stderr, stderr=stderr, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=self._limit_open_files if self.nofile_soft else None,
         )
         stderr.close()
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -145,6 +152,10 @@ class GatewayProcess:
                 pass
             time.sleep(0.05)
         raise AssertionError(f"gateway not ready in {READY_TIMEOUT_S} s:\n{self.stderr()[-3000:]}")
+
+    def _limit_open_files(self) -> None:
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile_soft, self.nofile_hard or hard))
 
     def stderr(self) -> str:
         path = self.dir / "gateway.stderr.log"

@@ -125,6 +125,23 @@ def test_defaults(tmp_path: Path):
     rl = config.online_rl
     assert (rl.endpoint, rl.hook_timeout_s, rl.hook_retries) == ("http://127.0.0.1:18081", 30.0, 2)
     assert (rl.drain_timeout_s, rl.control_timeout_s) == (120.0, 300.0)
+    g = config.global_  # slow-client limits (issue 19, item 8)
+    assert (g.header_timeout_s, g.keep_alive_timeout_s, g.max_connections) == (10.0, 5.0, 4096)
+
+
+def test_slow_client_limits_parse_round_trip_and_refuse_nonsense(tmp_path: Path):
+    data = example(tmp_path)
+    data["global"].update(headerTimeout="1500ms", keepAliveTimeout="2s", maxConnections=64)
+    config = gateway_config_from_mapping(data)
+    assert (config.global_.header_timeout_s, config.global_.keep_alive_timeout_s) == (1.5, 2.0)
+    dumped = config.to_json()["global"]
+    assert (dumped["headerTimeout"], dumped["keepAliveTimeout"], dumped["maxConnections"]) == ("1500ms", "2s", 64)
+    for key, value in (("headerTimeout", "0s"), ("headerTimeout", 10), ("keepAliveTimeout", "-1s"),
+                       ("maxConnections", 8), ("maxConnections", "64"), ("maxConnections", True)):
+        bad = example(tmp_path)
+        bad["global"][key] = value
+        with pytest.raises(GatewayConfigError, match=f"global.{key}"):
+            gateway_config_from_mapping(bad)
 
 
 def test_frozen(tmp_path: Path):

@@ -246,6 +246,12 @@ class GlobalSection(_Model):
     # Project gateway: live (timestamp, signature) pairs remembered per key (api key and instance key apart); a key
     # whose cache is full of live pairs has its further requests refused until some expire.
     replay_cache_size: Annotated[StrictInt, Field(ge=1)] = Field(default=REPLAY_CAPACITY, alias="replayCacheSize")
+    # Project gateway, slow clients (online/http_guard.py): a request head must be complete within headerTimeout
+    # (else 408), an idle kept-alive connection closes after keepAliveTimeout, and past maxConnections the oldest
+    # connection without a complete head is closed to make room.
+    header_timeout_s: Duration = Field(default=10.0, alias="headerTimeout")
+    keep_alive_timeout_s: Duration = Field(default=5.0, alias="keepAliveTimeout")
+    max_connections: Annotated[StrictInt, Field(ge=16)] = Field(default=4096, alias="maxConnections")
 
     @model_validator(mode="after")
     def _exactly_one_key_source(self) -> "GlobalSection":

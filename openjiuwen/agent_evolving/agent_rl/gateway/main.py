@@ -24,6 +24,7 @@ async def _serve(config_path: str) -> int:
 
     from ..online.config import ConfigError, load_config
     from ..online.gc_tuning import tune_gc
+    from ..online.http_guard import ConnectionLimits, server_config
     from .app import build_gateway, create_gateway_app
     from .config import GatewayConfigError, load_gateway_config, load_hmac_keys
     from .console_auth import ConsoleAuth
@@ -46,8 +47,13 @@ async def _serve(config_path: str) -> int:
     app = create_gateway_app(gateway)
     tune_gc()
     host, _, port = config.global_.listen.rpartition(":")
-    server = uvicorn.Server(uvicorn.Config(app, host=host.strip("[]") or "127.0.0.1", port=int(port),
-                                           log_config=None, access_log=False, timeout_graceful_shutdown=30))
+    limits = ConnectionLimits(header_timeout_s=config.global_.header_timeout_s,
+                              keep_alive_s=config.global_.keep_alive_timeout_s,
+                              max_connections=config.global_.max_connections)
+    # Raises the soft open-files limit to the hard one first (the RL Service child inherits it).
+    server = uvicorn.Server(server_config(app, host=host.strip("[]") or "127.0.0.1", port=int(port), limits=limits,
+                                          name="gateway", log_config=None, access_log=False,
+                                          timeout_graceful_shutdown=30))
     await server.serve()
     return 0 if server.started else 1
 

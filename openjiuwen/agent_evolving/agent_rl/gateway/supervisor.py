@@ -28,6 +28,8 @@ from typing import IO, Any
 
 import httpx
 
+from ..online.private_files import make_private_dirs, private_opener
+
 log = logging.getLogger("openjiuwen.agent_rl.gateway.supervisor")
 
 RUNNING, STOPPED, FAILED = "running", "stopped", "failed"
@@ -229,10 +231,11 @@ class RLSupervisor:
     def _open_logs(self) -> tuple[IO[bytes] | int, IO[bytes] | int]:
         if self._log_dir is None:
             return subprocess.DEVNULL, subprocess.DEVNULL
-        self._log_dir.mkdir(parents=True, exist_ok=True)
-        out = (self._log_dir / STDOUT_NAME).open("ab")
+        # The child's output may quote captured text: 0600 files, a new directory 0700.
+        make_private_dirs(self._log_dir)
+        out = open(self._log_dir / STDOUT_NAME, "ab", opener=private_opener)
         try:
-            err = (self._log_dir / STDERR_NAME).open("ab")
+            err = open(self._log_dir / STDERR_NAME, "ab", opener=private_opener)
         except OSError:
             out.close()
             raise

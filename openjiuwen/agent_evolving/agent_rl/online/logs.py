@@ -3,6 +3,9 @@
 `log_format: text` writes `time level logger message`; `log_format: json` writes one JSON object per line with
 `time`, `level`, `logger`, `message`, the correlation ids a call passed in `extra` (`rl_task_id`, `capture_id`,
 `agent_turn_id`, `training_run_id`, `lora_name`) and `exception` when there is one.
+
+The log names Tasks, runs and failure reasons (which may quote captured text): every file, rotated ones included, is
+created 0600 and a missing log directory 0700.
 """
 
 from __future__ import annotations
@@ -15,10 +18,18 @@ from pathlib import Path
 import orjson
 
 from .config import RLServiceConfig
+from .private_files import make_private_dirs, private_opener
 
 ROOT_LOGGER = "openjiuwen.agent_rl"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 CORRELATION_FIELDS = ("rl_task_id", "capture_id", "agent_turn_id", "training_run_id", "lora_name")
+
+
+class PrivateRotatingFileHandler(RotatingFileHandler):
+    """A RotatingFileHandler whose files (the first and each one after a rollover) are 0600."""
+
+    def _open(self):  # type: ignore[no-untyped-def]
+        return open(self.baseFilename, self.mode, encoding=self.encoding, errors=self.errors, opener=private_opener)
 
 
 class JsonFormatter(logging.Formatter):
@@ -46,8 +57,8 @@ def configure_logging(config: RLServiceConfig) -> logging.Logger:
         logger.removeHandler(handler)
         handler.close()
     path = Path(config.log_path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = RotatingFileHandler(
+    make_private_dirs(path.parent)
+    handler = PrivateRotatingFileHandler(
         path, maxBytes=config.log_max_bytes, backupCount=config.log_backup_count, encoding="utf-8"
     )
     handler.setFormatter(JsonFormatter() if config.log_format == "json" else logging.Formatter(_FORMAT))

@@ -7,6 +7,7 @@ Run it as `python -m openjiuwen.agent_evolving.agent_rl.online.service --config 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -38,11 +39,13 @@ from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig, load_config
 from .faults import FaultHook, fault_hook, no_faults
 from .gc_tuning import tune_gc
+from .http_guard import ConnectionLimits, server_config
 from .logs import configure_logging
 from .metrics import HttpMetricsMiddleware, MeteredJudge, ServiceMetrics
 from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
 from .policies import PolicyReport
+from .private_files import UnsafeDirectoryError, ensure_private_root
 from .rail.ingest import RailIngestor
 from .rail.records import RailRecorder
 from .retention import RetentionSweeper
@@ -222,6 +225,7 @@ class ServiceDeps:
             run_reward_sweeper = self.reward_ledger.policy.configured or await self.reward_ledger.waiting() > 0
             if run_reward_sweeper:
                 await self.reward_sweeper.sweep_once()
+            await self._check_training_root()
         except Exception as exc:
             log.error("RL service startup failed: %s", exc, exc_info=True)
             await self.aclose()
@@ -242,6 +246,14 @@ class ServiceDeps:
             await self.runner.shutdown()
             await self.lifecycle.shutdown()
             await self.aclose()
+
+    async def _check_training_root(self) -> None:
+        """Say at start when `training_tmp_root` is unsafe. Capture keeps working; each Training Run checks the root
+        again and fails with the same reason, so a local user who creates the directory first gets no data."""
+        try:
+            await asyncio.to_thread(ensure_private_root, self.config.training_tmp_root)
+        except (UnsafeDirectoryError, OSError) as exc:
+            log.error("%s: Training Runs will fail until this is fixed", exc)
 
     async def aclose(self) -> None:
         await self.backend.close()
@@ -378,11 +390,16 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop  # hooks are mostly event-loop and socket work: uvloop's loop does it in C
 
     app = create_app(config, token=os.environ.get(TOKEN_ENV) or None, fault=fault)
+    limits = ConnectionLimits(header_timeout_s=config.http_header_timeout_seconds,
+                              keep_alive_s=config.http_keep_alive_seconds,
+                              max_connections=config.http_max_connections)
     server = uvicorn.Server(
-        uvicorn.Config(
+        server_config(  # raises the soft open-files limit to the hard one first
             app,
             host=config.listen_host,
             port=config.listen_port,
+            limits=limits,
+            name="rl-service",
             log_config=None,
             access_log=False,
             lifespan="on",

@@ -3,11 +3,16 @@
 A version appears only by renaming a fully written, fsynced temporary directory, and never replaces an existing
 one; temporary and incomplete directories are never counted. The `active` marker is written only after the
 gateway confirmed an activation. All file work runs in worker threads, never on the event loop.
+
+Modes: a version is written in a 0700 temporary directory; at publication its directory becomes 0750 and the adapter
+files 0640 (vLLM must read them: run it as the service's user or in its group), while `metadata.json` (run ids,
+sample counts, rewards) and the `active` marker are 0600, for the service alone. Nothing is readable by others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -22,10 +27,16 @@ from typing import Any
 import orjson
 
 from ..ids import now_iso
+from ..private_files import make_private_dirs
 
 _VERSION_DIR = re.compile(r"v([1-9][0-9]*)")
 _RENAME_NOREPLACE = 1
 TMP_PREFIX = ".tmp-"
+METADATA = "metadata.json"
+MODEL_DIR_MODE = 0o750
+VERSION_DIR_MODE = 0o750
+ADAPTER_FILE_MODE = 0o640
+PRIVATE_FILE_MODE = 0o600
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +95,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _private_new_file(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
+
+
+def _seal_modes(temp_dir: Path) -> None:
+    """The published modes: adapter files readable by the group (vLLM), metadata for the service alone."""
+    for root, dirs, files in os.walk(temp_dir):
+        for name in files:
+            mode = PRIVATE_FILE_MODE if name == METADATA and root == str(temp_dir) else ADAPTER_FILE_MODE
+            os.chmod(os.path.join(root, name), mode, follow_symlinks=False)
+        for name in dirs:
+            os.chmod(os.path.join(root, name), VERSION_DIR_MODE, follow_symlinks=False)
+    os.chmod(temp_dir, VERSION_DIR_MODE)
+
+
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{secrets.token_hex(4)}")
-    with open(tmp, "wb") as fh:
+    with open(tmp, "wb", opener=_private_new_file) as fh:
         fh.write(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
         fh.flush()
         os.fsync(fh.fileno())
@@ -118,14 +144,14 @@ class LoraRepository:
         out = []
         for entry in self.model_dir.iterdir():
             m = _VERSION_DIR.fullmatch(entry.name)
-            if m and entry.is_dir() and (entry / "metadata.json").is_file():
+            if m and entry.is_dir() and (entry / METADATA).is_file():
                 out.append(int(m.group(1)))
         return sorted(out)
 
     def create_temp_sync(self, run_id: str) -> Path:
-        self.model_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.model_dir, MODEL_DIR_MODE)
         path = self.model_dir / f"{TMP_PREFIX}{run_id}-{secrets.token_hex(4)}"
-        path.mkdir()
+        path.mkdir(mode=0o700)  # private while the trainer writes; published 0750 (_seal_modes)
         return path
 
     def publish_sync(self, temp_dir: Path, metadata: dict[str, Any]) -> Artifact:
@@ -141,8 +167,11 @@ class LoraRepository:
             floor = version
             meta = dict(metadata, version=version, lora_name=self.lora_name(version), model_id=self._model_id,
                         user_id=self._model_id)
-            with open(temp_dir / "metadata.json", "wb") as fh:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp_dir / METADATA)  # a previous try's: the new one is created 0600 again
+            with open(temp_dir / METADATA, "wb", opener=_private_new_file) as fh:
                 fh.write(orjson.dumps(meta, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+            _seal_modes(temp_dir)
             _fsync_tree(temp_dir)
             target = self.version_path(version)
             try:
@@ -164,7 +193,7 @@ class LoraRepository:
         return removed
 
     def write_active_sync(self, lora_name: str, lora_path: str, training_run_id: str) -> None:
-        self.model_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.model_dir, MODEL_DIR_MODE)
         _write_json_atomic(
             self.model_dir / "active",
             {"lora_name": lora_name, "lora_path": lora_path, "training_run_id": training_run_id,
@@ -200,5 +229,5 @@ class LoraRepository:
         expected = self.version_path(int(suffix)).resolve()
         if Path(artifact.lora_path).resolve() != expected:
             raise ValueError(f"artifact path {artifact.lora_path} is not {expected}")
-        if not (expected / "metadata.json").is_file():
+        if not (expected / METADATA).is_file():
             raise ValueError(f"artifact {artifact.lora_name} has no metadata.json")

@@ -1,6 +1,7 @@
 """The `local` backend: PPO with torch + peft in a child process (CONTRACT §7).
 
-The service writes the batch and a spec into `<training_tmp_root>/<run_id>/`, starts
+The service writes the batch and a spec (0600) into a fresh private directory `<training_tmp_root>/<run_id>-<random>/`
+(0700, from mkdtemp, under a root checked to be this user's alone: private_files.py), starts
 `python -m ...training.local_worker SPEC` in its own process group, reads one JSON line per event from its stdout
 (`step` → `on_progress`, `done` → the result), then publishes the adapter the worker wrote into a repository
 temporary directory. Cancel kills the process group. The temporary run directory is removed in every case.
@@ -22,6 +23,7 @@ from typing import Any
 import orjson
 
 from ...lora.repository import Artifact, LoraRepository
+from ...private_files import make_run_dir, write_private
 from ..ppo_settings import PPOSettings
 from . import OnProgress, TrainingCanceled
 from .common import trained_metadata
@@ -63,8 +65,10 @@ class LocalBackend:
         init_lora_path: str,
         on_progress: OnProgress,
     ) -> Artifact:
-        run_dir = self._tmp_root / training_run_id
+        run_dir: Path | None = None
         try:
+            # Before anything else: an unsafe root fails the run with its reason, and nothing is written into it.
+            run_dir = await asyncio.to_thread(make_run_dir, self._tmp_root, f"{training_run_id}-")
             output = await self._repository.create_temp(training_run_id)
             spec = {
                 "training_run_id": training_run_id,
@@ -85,13 +89,13 @@ class LocalBackend:
         finally:
             self._canceled.discard(training_run_id)
             await self._repository.remove_temp(training_run_id)
-            await asyncio.to_thread(shutil.rmtree, run_dir, True)
+            if run_dir is not None:
+                await asyncio.to_thread(shutil.rmtree, run_dir, True)
 
     @staticmethod
     def _write_inputs(run_dir: Path, spec: dict[str, Any], samples: Sequence[dict[str, Any]]) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "batch.json").write_bytes(orjson.dumps(list(samples)))
-        (run_dir / "spec.json").write_bytes(orjson.dumps(spec))
+        write_private(run_dir / "batch.json", orjson.dumps(list(samples)))
+        write_private(run_dir / "spec.json", orjson.dumps(spec))
 
     async def _run_worker(self, run_id: str, spec_path: Path, on_progress: OnProgress) -> dict[str, Any]:
         proc = await asyncio.create_subprocess_exec(

@@ -15,12 +15,11 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
-
+from ...private_files import make_run_dir, write_private
 
 
 def free_port() -> int:
@@ -54,8 +53,8 @@ class PPORunner:
     # --- the run ---------------------------------------------------------------------------------------------------
 
     def train(self, job: dict[str, Any], master_addr: str, master_port: int) -> dict[str, Any]:
-        os.makedirs(self._tmp_root, exist_ok=True)
-        run_dir = Path(tempfile.mkdtemp(prefix=f"{job['training_run_id']}-rank{self._rank}-", dir=self._tmp_root))
+        # Private (0700) under a root checked to be this user's alone: the job holds captured samples.
+        run_dir = make_run_dir(self._tmp_root, f"{job['training_run_id']}-rank{self._rank}-")
         try:
             return self._train(job, run_dir, master_addr, master_port)
         finally:
@@ -92,7 +91,7 @@ class PPORunner:
             parent = run_dir / "parent"
             parent.mkdir()
             for name, data in job["init_lora_files"].items():
-                (parent / Path(name).name).write_bytes(data)  # a bare file name: nothing outside the run dir
+                write_private(parent / Path(name).name, data)  # a bare file name: nothing outside the run dir
             OmegaConf.update(cfg, "actor_rollout_ref.model.lora_adapter_path", str(parent), merge=False)
         if on_cpu and cfg.actor_rollout_ref.actor.fsdp_config.get("mixed_precision") is None:
             # verl's default (bf16 params, fp32 reduce) fails in FSDP2's gloo gradient reduce; fp32 throughout.
