@@ -24,6 +24,7 @@ import orjson
 import pytest
 from redis import Redis as SyncRedis
 
+from openjiuwen.agent_evolving.agent_rl.cli.operator import KEY_FILE_ENV, URL_ENV, main
 from openjiuwen.agent_evolving.agent_rl.gateway.console_auth import login_token
 from tests.support.fake_vllm import FakeVLLM, Reply, ToolCall
 from tests.support.gateway_process import API_KEY, GatewayProcess
@@ -320,7 +321,8 @@ def test_spoiling_fields_inside_a_task_are_refused_pinned_or_dropped(redis, redi
 # ------------------------------------------------------------------------------- item 6: capture secrets
 
 
-def test_a_capture_secret_guards_its_task_and_tasks_without_one_behave_as_before(redis, redis_url, tmp_path, vllm):
+def test_a_capture_secret_guards_its_task_and_tasks_without_one_behave_as_before(redis, redis_url, tmp_path, vllm,
+                                                                                 capsys):
     with GatewayProcess(tmp_path, redis_url, instances=[vllm]) as gw:
         gw.start_service()
         assert error_of(start_task(gw, "s-guarded", capture_secret="yes")) == (400, "invalid_task_request")
@@ -362,6 +364,15 @@ def test_a_capture_secret_guards_its_task_and_tasks_without_one_behave_as_before
             assert s.status_code == 200 and b"[DONE]" in s.read()
         assert all(b["return_token_ids"] is True for b in chat_bodies(vllm))
 
+        # The operator CLI asks for one and prints it once.
+        code = main(["task", "start", "--session", "s-cli", "--capture-secret"],
+                    env={KEY_FILE_ENV: str(gw.dir / "hmac.json"), URL_ENV: gw.url})
+        out = capsys.readouterr().out
+        assert code == 0, out
+        cli_secret = next(line.split()[-1] for line in out.splitlines() if line.startswith("capture secret"))
+        assert error_of(gw.http.post(CHAT, json=ASK, headers={SESSION: "s-cli"}))[0] == 403
+        assert gw.http.post(CHAT, json=ASK, headers={SESSION: "s-cli", SECRET: cli_secret}).status_code == 200
+
         # A Task started without a secret behaves as before: the session id alone captures.
         plain = start_task(gw, "s-plain")
         assert plain.status_code == 201 and "capture_secret" not in plain.json()
@@ -376,7 +387,7 @@ def test_a_capture_secret_guards_its_task_and_tasks_without_one_behave_as_before
         assert "return_token_ids" not in chat_bodies(vllm)[-1]
         # The secrets reach no log.
         logs = gw.stderr() + "".join(p.read_text(errors="replace") for p in gw.dir.glob("*.log"))
-        assert secret not in logs and other["capture_secret"] not in logs
+        assert secret not in logs and other["capture_secret"] not in logs and cli_secret not in logs
 
 
 # ------------------------------------------------------------------------- weakness: bypass model names
