@@ -274,6 +274,10 @@ def test_spoiling_fields_inside_a_task_are_refused_pinned_or_dropped(redis, redi
         sent = chat_bodies(vllm)[-1]
         assert {k: sent[k] for k in PINNED_VALUES} == PINNED_VALUES
         assert not set(DROPPED_SENT) & set(sent) and sent["tools"] == [WEATHER_TOOL]
+        # Hostile key names never break the header: control characters are escaped, the list is bounded.
+        r = gw.http.post(CHAT, json={**ASK, "\u001f\r\n": 1, **{f"k{i}": i for i in range(40)}}, headers=inside)
+        assert r.status_code == 200, r.text
+        assert r.headers[IGNORED].startswith("%1F%0D%0A, k0, k1") and r.headers[IGNORED].endswith(", +9 more")
         # Streams too, and a request that names no sampling field still gets the pinned values.
         with gw.http.stream("POST", CHAT, json={**ASK, "stream": True, "temperature": 0}, headers=inside) as s:
             assert s.status_code == 200 and s.headers[IGNORED] == "temperature"
@@ -303,7 +307,7 @@ def test_spoiling_fields_inside_a_task_are_refused_pinned_or_dropped(redis, redi
 
         # The samples hold only the policy's own sampling.
         assert gw.signed("POST", f"/v1/rl/tasks/{t}/stop").json()["status"] == "finalized"
-        assert gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0}).json() == {"sample_count": 5}
+        assert gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0}).json() == {"sample_count": 6}
         listing = gw.signed("GET", "/v1/rl/trajectories", params={"limit": 100}).json()["items"]
         for item in listing:
             request = gw.signed("GET", f"/v1/rl/trajectories/{item['trajectory_id']}").json()["request"]

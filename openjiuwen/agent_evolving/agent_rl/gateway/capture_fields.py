@@ -20,11 +20,14 @@ Pinned and dropped fields the client sent are named in the `X-AIGW-RL-Ignored-Fi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 IGNORED_FIELDS_HEADER = "x-aigw-rl-ignored-fields"
+MAX_LISTED = 32  # a body with thousands of unknown keys must not make a header that large
+MAX_NAME_CHARS = 64
 
 # The trainer computes logprobs at temperature 1 over the whole vocabulary (verl engine: temperature=1.0).
 PINNED: dict[str, float | int] = {
@@ -151,6 +154,15 @@ def screen(request: dict[str, Any], *, names: dict[str, str] | None = None) -> S
             ignored.append(names.get(key, key))
     out.update(PINNED)
     return Screened(out, tuple(ignored))
+
+
+def ignored_header(ignored: Sequence[str]) -> str:
+    """The `X-AIGW-RL-Ignored-Fields` value: names percent-encoded (a client's key may hold any character, a header
+    value may not) and cut to `MAX_NAME_CHARS`, at most `MAX_LISTED` of them, then `+N more`."""
+    listed = [quote(name[:MAX_NAME_CHARS], safe="_.[]-") or '""' for name in ignored[:MAX_LISTED]]
+    if len(ignored) > MAX_LISTED:
+        listed.append(f"+{len(ignored) - MAX_LISTED} more")
+    return ", ".join(listed)
 
 
 def _same_number(value: Any, pinned: float | int) -> bool:

@@ -28,7 +28,7 @@ from starlette.responses import Response, StreamingResponse
 
 from . import capture_secret
 from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
-from .capture_fields import IGNORED_FIELDS_HEADER, FieldRefused, screen
+from .capture_fields import IGNORED_FIELDS_HEADER, FieldRefused, ignored_header, screen
 from .http11 import HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
 from .lora_manager import LoraError, LoraManager, parse_lora_name
@@ -150,7 +150,7 @@ class InferenceProxy:
         response = await self._captured(screened.request, wants, flavor, binding,
                                         request.headers.get("x-agent-turn-id"))
         if screened.ignored:
-            response.headers[IGNORED_FIELDS_HEADER] = ", ".join(screened.ignored)
+            response.headers[IGNORED_FIELDS_HEADER] = ignored_header(screened.ignored)
         return response
 
     # ---------------------------------------------------------------- bypass
