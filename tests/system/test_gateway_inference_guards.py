@@ -181,7 +181,8 @@ def test_rogue_html_error_runs_no_script_on_the_gateway_origin_in_chromium(redis
         try:
             page = context.new_page()
             # The operator is logged in to the console in this browser.
-            page.goto(f"{gw.url}/console/login#token={login_token(API_KEY, expires_ms=int(time.time() * 1000) + 60_000)}")
+            token = login_token(API_KEY, expires_ms=int(time.time() * 1000) + 60_000)
+            page.goto(f"{gw.url}/console/login#token={token}")
             page.wait_for_url(f"{gw.url}/console/")
             # A cross-site form post to the inference route as a top-level navigation (the attack of the review).
             # The navigation is made a JSON POST, as a request that passes the gateway's request checks would be.
