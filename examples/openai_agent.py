@@ -2,9 +2,11 @@
 
     .venv/bin/python examples/openai_agent.py --gateway http://127.0.0.1:8080 --key-file keys.json
 
-The operator side (signed): start the RL Service if needed, start a Task for the agent's session, stop it when the
-agent is done, submit the reward. The agent side (unsigned): plain chat completions with `X-Agent-Session-Id`; the
-gateway captures them with their token ids and logprobs, and the agent never sees those private fields.
+The operator side (signed): start the RL Service if needed, start a Task for the agent's session (with a capture
+secret), stop it when the agent is done, submit the reward. The agent side (unsigned): plain chat completions with
+`X-Agent-Session-Id` and the Task's `X-Agent-Capture-Secret`; the gateway captures them with their token ids and
+logprobs, and the agent never sees those private fields. Without the secret, knowing the session id would be enough
+to write into the Task.
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ def main() -> None:
     with httpx.Client(base_url=args.gateway, timeout=330) as control:
         if signed(control, key, "GET", "/v1/rl/service").json()["status"] != "running":
             signed(control, key, "POST", "/v1/rl/service/start").raise_for_status()
-        task = signed(control, key, "POST", "/v1/rl/tasks/start", {"reward_mode": "terminal"},
+        task = signed(control, key, "POST", "/v1/rl/tasks/start", {"reward_mode": "terminal", "capture_secret": True},
                       {"X-Agent-Session-Id": session}).raise_for_status().json()
         print("task", task["rl_task_id"], "pinned to", task["policy_lora_name"])
 
         agent = openai.OpenAI(base_url=args.gateway + "/v1", api_key="unused",
-                              default_headers={"X-Agent-Session-Id": session})
+                              default_headers={"X-Agent-Session-Id": session,
+                                               "X-Agent-Capture-Secret": task["capture_secret"]})
         messages = [{"role": "user", "content": "Name a colour."}]
         for _ in range(2):  # a two-step "agent": the second call sees the first answer
             out = agent.chat.completions.create(model=args.model, messages=messages, max_tokens=16)

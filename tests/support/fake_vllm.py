@@ -9,6 +9,7 @@
         vllm.enqueue(Reply(content="only for the next chat request"))
         vllm.fail_next("/v1/load_lora_adapter", 500)                 # vLLM-style error envelope
         vllm.fail_next("/v1/chat/completions", 429, body={"error": {...}}, times=2)
+        vllm.fail_next("/v1/chat/completions", 418, body="<script>…</script>", content_type="text/html")
         vllm.delay_next("/v1/load_lora_adapter", 2.0)                # answers (and takes effect) 2 s late
         vllm.break_stream_after(3)                                   # next SSE drops the connection after 3 chunks
         vllm.fail_loads = True                                       # every load → 500
@@ -348,7 +349,7 @@ class FakeVLLM:
         self._requests: list[FakeRequest] = []
         self._chat_models: list[str] = []
         self._loras: dict[str, str] = {}  # lora name → path, in load order
-        self._failures: dict[str, deque[tuple[int, Any]]] = {}
+        self._failures: dict[str, deque[tuple[int, Any, str]]] = {}
         self._delays: dict[str, deque[float]] = {}
         self._breaks: deque[int] = deque()
         self._replies: deque[Reply] = deque()
@@ -436,11 +437,12 @@ class FakeVLLM:
         with self._lock:
             self._replies.extend(replies)
 
-    def fail_next(self, path: str, status: int, body: Any = None, times: int = 1) -> None:
+    def fail_next(self, path: str, status: int, body: Any = None, times: int = 1,
+                  content_type: str = "application/json") -> None:
         """The next `times` requests to `path` answer `status` with `body` (str, bytes or JSON; default a vLLM error
-        envelope) and have no other effect."""
+        envelope) labelled `content_type` (a rogue instance may answer `text/html`), and have no other effect."""
         with self._lock:
-            self._failures.setdefault(path, deque()).extend([(status, body)] * times)
+            self._failures.setdefault(path, deque()).extend([(status, body, content_type)] * times)
 
     def delay_next(self, path: str, seconds: float, times: int = 1) -> None:
         """The next `times` requests to `path` wait `seconds` before doing anything (cut short by `stop()`)."""
@@ -565,12 +567,12 @@ class FakeVLLM:
             failures = self._failures.get(path)
             failure = failures.popleft() if failures else None
         if failure is not None:
-            status, fail_body = failure
+            status, fail_body, content_type = failure
             if fail_body is None:
                 fail_body = _error_body(status, f"scripted failure of {path}")
-            if isinstance(fail_body, (bytes, str)):
-                return received, Response(fail_body, status_code=status, media_type="application/json")
-            return received, _json_response(fail_body, status)
+            if not isinstance(fail_body, (bytes, str)):
+                fail_body = orjson.dumps(fail_body)
+            return received, Response(fail_body, status_code=status, media_type=content_type)
         return received, None
 
     async def _health(self, request: Request) -> Response:

@@ -1,7 +1,7 @@
 """`openjiuwen-rl rl ...`: operator commands against a gateway's HMAC-signed control API (CONTRACT §3.2, §3.3).
 
     openjiuwen-rl rl service start|stop|status
-    openjiuwen-rl rl task start --session S [--mode terminal|delayed_feedback]
+    openjiuwen-rl rl task start --session S [--mode terminal|delayed_feedback] [--capture-secret]
     openjiuwen-rl rl task stop|get|events ID
     openjiuwen-rl rl task reward ID VALUE
     openjiuwen-rl rl train start [--watch]
@@ -330,10 +330,21 @@ def _service(action: str) -> Callable[[Context], int]:
 
 
 def _task_start(ctx: Context) -> int:
-    task = ctx.client.request("POST", "/v1/rl/tasks/start", body={"reward_mode": ctx.args.mode},
+    body: dict[str, Any] = {"reward_mode": ctx.args.mode}
+    if ctx.args.capture_secret:
+        body["capture_secret"] = True
+    task = ctx.client.request("POST", "/v1/rl/tasks/start", body=body,
                               headers={"X-Agent-Session-Id": ctx.args.session})
-    ctx.show(task, _show_task)
+    ctx.show(task, _show_task_started)
     return 0
+
+
+def _show_task_started(task: dict[str, Any]) -> None:
+    _show_task(task)
+    if task.get("capture_secret"):
+        # Printed once: the gateway keeps only its digest. The agent sends it with every inference call.
+        _fields([("capture secret", task["capture_secret"])])
+        _out("(shown once; the agent sends it as X-Agent-Capture-Secret on every call of the session)")
 
 
 def _task_stop(ctx: Context) -> int:
@@ -627,6 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", required=True, help="the agent's X-Agent-Session-Id")
     p.add_argument("--mode", choices=("terminal", "delayed_feedback"), default="terminal",
                    help="reward mode (default terminal)")
+    p.add_argument("--capture-secret", action="store_true",
+                   help="ask for a capture secret (printed once): the session's calls are captured only when they "
+                        "carry it in X-Agent-Capture-Secret, so knowing the session id alone is not enough")
     leaf(task, "stop", "drain in-flight captures and finalize the Task", _task_stop).add_argument("id")
     leaf(task, "get", "the Task record", _task_get).add_argument("id")
     leaf(task, "events", "the Task timeline", _task_events).add_argument("id")

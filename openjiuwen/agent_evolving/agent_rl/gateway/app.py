@@ -44,6 +44,7 @@ from .lora_manager import LoraError, LoraManager
 from .metrics import GatewayMetrics
 from .responses import envelope, json_response
 from .rl_client import RLClient
+from .security_headers import SecurityHeadersMiddleware
 from .sessions import SessionMap
 from .supervisor import RLSupervisor
 from .tasks import TaskTracker
@@ -400,7 +401,9 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     # The size is decided from Content-Length before anything is read (no bearer token at this layer).
     app.add_middleware(GuardMiddleware, token=None, max_body_bytes=gw.config.global_.max_body_bytes,
                        loopback_only=False)
-    app.add_middleware(HttpMetricsMiddleware, observe=gw.metrics.http)  # outermost: every answer is counted
+    app.add_middleware(HttpMetricsMiddleware, observe=gw.metrics.http)  # every answer is counted
+    # Outermost: nosniff and a deny-all CSP on every answer, the 413 and 500 envelopes of the layers above included.
+    app.add_middleware(SecurityHeadersMiddleware)
 
     return app
 

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..online.ids import is_task_id
+from . import capture_secret
 from .lora_manager import LoraManager
 from .responses import envelope, json_response, passthrough
 from .rl_client import HookUnreachable, RLAnswer, RLClient
@@ -77,6 +78,10 @@ class RLControl:
     async def task_start(self, request: Request, body: bytes) -> Response:
         if not self.running():
             return envelope(503, "rl_service_unavailable", "the RL Service is not running")
+        try:
+            wants_secret, body = _take_secret_request(body)
+        except ValueError as exc:
+            return envelope(400, "invalid_task_request", str(exc))
         rl_task_id = "t" + uuid.uuid4().hex
         policy_name, policy_model = self._loras.snapshot(self._model_id)
         self._tracker.lease(policy_name)
@@ -97,15 +102,29 @@ class RLControl:
             await self._tracker.unlease(policy_name)
             return passthrough(answer)
         record = answer.json()
-        if record.get("status") == "active":
-            binding = Binding(
-                rl_task_id=record["rl_task_id"], session_id=record["agent_session_id"],
-                policy_name=record["policy_lora_name"], policy_model=record["policy_model"],
-                reward_mode=record["reward_mode"],
-            )
-            await self._tracker.adopt(binding, leased_policy=policy_name)
-        else:
+        if record.get("status") != "active":
             await self._tracker.unlease(policy_name)
+            return passthrough(answer)
+        # A repeated start answers the session's existing Task: it keeps the secret it was created with (or none).
+        existing = self._sessions.for_task(record["rl_task_id"])
+        secret: str | None = None
+        digest = existing.secret_digest if existing is not None else None
+        if existing is None and wants_secret and answer.status == 201:
+            secret, digest = capture_secret.mint()
+        binding = Binding(
+            rl_task_id=record["rl_task_id"], session_id=record["agent_session_id"],
+            policy_name=record["policy_lora_name"], policy_model=record["policy_model"],
+            reward_mode=record["reward_mode"], secret_digest=digest,
+        )
+        await self._tracker.adopt(binding, leased_policy=policy_name)
+        if wants_secret and secret is None:
+            return envelope(409, "capture_secret_unavailable",
+                            f"the session already has the active Task {record['rl_task_id']}; a capture secret is "
+                            "issued only to a Task this start creates (stop that Task first)")
+        if secret is not None:
+            # Shown once: only its digest stays on the gateway.
+            return Response(orjson.dumps({**record, capture_secret.ANSWER_FIELD: secret}), status_code=answer.status,
+                            media_type="application/json", headers={"cache-control": "no-store"})
         return passthrough(answer)
 
     async def task_stop(self, rl_task_id: str, body: bytes) -> Response:
@@ -164,3 +183,18 @@ class RLControl:
         if isinstance(exc, httpx.TimeoutException):
             return envelope(504, "rl_service_timeout", "the RL Service did not answer in time")
         return envelope(503, "rl_service_unavailable", f"the RL Service is unreachable: {type(exc).__name__}")
+
+
+def _take_secret_request(body: bytes) -> tuple[bool, bytes]:
+    """(whether the signed start body asks for a capture secret, the body to forward without that gateway field).
+    A body that is not a JSON object, or has no such field, is forwarded as it came (the RL Service judges it)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False, body
+    if not isinstance(data, dict) or capture_secret.REQUEST_FIELD not in data:
+        return False, body
+    wants = data.pop(capture_secret.REQUEST_FIELD)
+    if not isinstance(wants, bool):
+        raise ValueError(f"{capture_secret.REQUEST_FIELD} must be true or false")
+    return wants, orjson.dumps(data)

@@ -5,6 +5,11 @@ A request is captured iff its `X-Agent-Session-Id` maps to an active Task; every
 instance. For a captured call: `:before` (the RL Service injects the flags) → upstream → `:after` with the complete
 (or stream-aggregated) response before the client sees the end, or `:discard` on an upstream error, a broken stream
 or a client disconnect. Private fields never reach a client.
+
+Inside a Task the request is screened first (capture_fields.py: refused, pinned and dropped fields), and a Task
+started with a capture secret needs it on every call (capture_secret.py). Outside a Task the body goes upstream as
+the client sent it, but may name only the base model or the active version. A vLLM error answer reaches the client
+as JSON only (responses.upstream_error).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from . import capture_secret
 from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
+from .capture_fields import IGNORED_FIELDS_HEADER, FieldRefused, ignored_header, screen
 from .http11 import HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
-from .lora_manager import LoraError, LoraManager
+from .lora_manager import LoraError, LoraManager, parse_lora_name
 from .openai_shapes import ClientWants, StreamAggregator, client_view_chunk, client_view_response, client_wants
-from .responses import envelope, json_response, passthrough
+from .responses import envelope, json_response, passthrough, upstream_error
 from .rl_client import HookUnreachable, RLClient
 from .sessions import Binding
 from .sse import DONE, encode_sse, iter_sse_batches
@@ -39,6 +46,8 @@ log = logging.getLogger("openjiuwen.agent_rl.gateway.inference")
 
 UPSTREAM_READ_TIMEOUT_S = 600.0  # one read; a long generation streams or answers within it
 CHAT_PATH = "/v1/chat/completions"
+# Converted Anthropic fields → the names the client used, for refusal messages and the ignored-fields header.
+ANTHROPIC_NAMES = {"parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 
 
 @dataclass
@@ -103,7 +112,8 @@ class InferenceProxy:
             converted = anthropic_to_openai_request(body)
         except ValueError as exc:
             return envelope(400, "invalid_request", str(exc))
-        return await self._serve(request, converted, flavor="anthropic", client_model=body.get("model"))
+        return await self._serve(request, converted, flavor="anthropic", client_model=body.get("model"),
+                                 names=ANTHROPIC_NAMES)
 
     @staticmethod
     async def _json_body(request: Request) -> dict[str, Any] | Response:
@@ -116,7 +126,8 @@ class InferenceProxy:
         return body
 
     async def _serve(
-        self, request: Request, body: dict[str, Any], *, flavor: str, client_model: str | None = None
+        self, request: Request, body: dict[str, Any], *, flavor: str, client_model: str | None = None,
+        names: dict[str, str] | None = None,
     ) -> Response:
         wants = client_wants(body)
         if client_model is not None:
@@ -125,7 +136,22 @@ class InferenceProxy:
         binding = self._sessions.for_session(session_id)
         if binding is None or not self._rl_running():
             return await self._bypass(body, wants, flavor, session_id)
-        return await self._captured(body, wants, flavor, binding, request.headers.get("x-agent-turn-id"))
+        if binding.secret_digest is not None:
+            presented = request.headers.get(capture_secret.HEADER)
+            if presented is None:
+                return envelope(403, "capture_secret_required",
+                                "this session's RL Task requires its capture secret in X-Agent-Capture-Secret")
+            if not capture_secret.matches(presented, binding.secret_digest):
+                return envelope(403, "invalid_capture_secret", "wrong capture secret for this session's RL Task")
+        try:
+            screened = screen(dict(body, model=binding.policy_model), names=names)
+        except FieldRefused as exc:
+            return envelope(400, "capture_field_refused", str(exc))
+        response = await self._captured(screened.request, wants, flavor, binding,
+                                        request.headers.get("x-agent-turn-id"))
+        if screened.ignored:
+            response.headers[IGNORED_FIELDS_HEADER] = ignored_header(screened.ignored)
+        return response
 
     # ---------------------------------------------------------------- bypass
 
@@ -133,6 +159,13 @@ class InferenceProxy:
         self, body: dict[str, Any], wants: ClientWants, flavor: str, session_id: str | None
     ) -> Response:
         model = body.get("model")
+        parsed = parse_lora_name(model)
+        if parsed is not None and parsed[0] == self._model_id and model != self._loras.snapshot(self._model_id)[1]:
+            # Older versions stay loaded only for the Tasks pinned to them (a rolled-back version included): traffic
+            # outside a Task gets the base model or the active version, never those.
+            return envelope(404, "model_not_found",
+                            f"{model} is not the active policy; without an RL Task name {self._model_id} or the "
+                            "active version")
         try:
             # Base traffic of one session sticks to one instance (prefix-cache reuse); LoRA traffic never does.
             instance = self._loras.pick(
@@ -148,7 +181,7 @@ class InferenceProxy:
         self, body: dict[str, Any], wants: ClientWants, flavor: str, binding: Binding, turn_id: str | None
     ) -> Response:
         t = binding.rl_task_id
-        request = dict(body, model=binding.policy_model)
+        request = body  # screened, `model` already the pinned policy model
         capture_id = "cap-" + uuid.uuid4().hex
         self._sessions.begin(t)
         handed_over = False
@@ -238,8 +271,7 @@ class InferenceProxy:
                 await resp.aclose()
             if capture is not None:
                 self._discard_in_background(capture)
-            return Response(content, status_code=resp.status,
-                            media_type=resp.headers.get("content-type", "application/json"))
+            return upstream_error(resp.status, content, resp.headers.get("content-type"))
         if stream:
             return StreamingResponse(
                 self._relay_stream(instance, resp, wants, flavor, capture), media_type="text/event-stream",

@@ -7,7 +7,7 @@ Single event loop, no locks: every mutation happens between awaits.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +17,9 @@ class Binding:
     policy_name: str  # "base" or "<model>:vN"
     policy_model: str  # the model name requests are rewritten to
     reward_mode: str
+    # SHA-256 of the Task's capture secret (capture_secret.py), or None: the session id alone captures. Kept here so
+    # that it lives and dies with the mapping it guards (never persisted: after a gateway restart the Task is gone).
+    secret_digest: bytes | None = field(default=None, repr=False)
 
 
 class SessionMap:
