@@ -24,7 +24,7 @@ import httpx
 import orjson
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import RequestSigner
 from tests.support.fake_vllm import FakeVLLM
 from tests.support.gateway_process import API_KEY, GatewayProcess
 
@@ -87,10 +87,13 @@ def status_and_code(answer: bytes) -> tuple[int, str]:
     return int(head.split()[1]), orjson.loads(body)["error"]["code"]
 
 
+_SIGNER = RequestSigner(API_KEY)  # one signer: strictly increasing timestamps
+
+
 def signed(client: httpx.Client, method: str, path: str, body: dict | None = None, **headers: str) -> httpx.Response:
     raw = b"" if body is None else orjson.dumps(body)
-    h = {**sign(API_KEY, raw, now_ms=int(time.time() * 1000)), "content-type": "application/json", **headers}
-    return client.request(method, path, content=raw, headers=h)
+    request = client.build_request(method, path, content=raw, headers={"content-type": "application/json", **headers})
+    return client.send(_SIGNER.sign_httpx(request))
 
 
 def legitimate_traffic(gw: GatewayProcess, session: str) -> None:
