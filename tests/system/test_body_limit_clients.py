@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import RequestSigner
 from tests.support.fake_vllm import FakeVLLM
 from tests.support.gateway_process import API_KEY, GatewayProcess
 from tests.support.service_app import start_headers
@@ -97,8 +97,7 @@ def test_gateway_answers_413_to_a_33_mib_upload(
 ) -> None:
     headers = {"content-type": "application/json"}
     if route.startswith("/v1/rl/"):
-        time.sleep(0.002)
-        headers.update(sign(API_KEY, big, now_ms=int(time.time() * 1000)))
+        headers.update(RequestSigner(API_KEY).headers("POST", route, big))
     body = big if framing == "content-length" else chunks(big)
     assert_413(*post(f"{gateway.url}{route}", body, headers))
     assert gateway.http.get("/aigw/v1/health").status_code == 200
