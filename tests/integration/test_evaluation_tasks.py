@@ -157,3 +157,20 @@ async def test_invariant_checker_flags_a_trainable_evaluation_sample(service, re
     report = await check_invariants(redis, model_id=MODEL_ID, raise_on_violation=False)
     assert report.violations == ["task t1 is an evaluation Task but its sample c1-0 is pending: it could be "
                                  "trained on"], report.describe()
+
+
+async def test_under_a_reward_policy_evaluation_samples_skip_the_wait_and_take_rewards(redis, redis_url, tmp_path):
+    from tests.integration.test_rewards import POLICY
+
+    async with running_app(make_config(redis_url, tmp_path, reward_policy=POLICY)) as (_, client):
+        await rewarded(client, 1, 0.6, evaluation=True)
+        # Never `awaiting_rewards` (it will never be trained, so nothing waits for its late sources) and no deadline.
+        assert (await client.get("/v1/rl/trajectories/c1-0")).json()["status"] == "evaluation"
+        assert await redis.zcard(keys.reward_deadlines(MODEL_ID)) == 0
+        r = await client.post("/v1/rl/trajectories/c1-0/rewards", json={"source": "business", "score": 1.0})
+        assert r.status_code == 200 and (r.json()["recorded"], r.json()["status"]) == (True, "evaluation"), r.text
+        assert (await client.get("/v1/rl/trajectories/c1-0")).json()["rewards"]["sources"]["business"]["kind"] == (
+            "arrived")
+        stats = (await client.get("/v1/rl/trajectories/stats")).json()
+        assert (stats["by_status"]["awaiting_rewards"], stats["by_status"]["evaluation"]) == (0, 1)
+        await check_invariants(redis, model_id=MODEL_ID)

