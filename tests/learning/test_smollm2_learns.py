@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from openjiuwen.agent_evolving.agent_rl.models import smollm2
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from tests.support import learning as L
 from tests.support.fake_gateway import FakeGateway
@@ -88,3 +89,13 @@ async def test_one_run_raises_the_rewarded_margin_of_smollm2(redis, redis_url, t
     assert step["samples"] == SAMPLES and step["tokens"] == SAMPLES * LENGTH
     after = L.batch_margin(L.load_model(smollm2_dir, Path(run.lora_path)), prompt, responses, rewards)
     assert after - before > 1.0, (before, after)
+
+
+def test_the_provisioned_directory_is_the_pinned_wheel_and_still_verifies(smollm2_dir):
+    """The cached copy the learning tests use: converted from the installed, pinned GGUF (same SHA-256), and it
+    passes the same verification as at conversion (config, tokenizer, a forward pass continuing to " Paris")."""
+    marker = smollm2.read_marker(smollm2_dir)
+    assert marker is not None and marker["source"]["version"] == smollm2.DISTRIBUTION_VERSION
+    assert marker["source"]["sha256"] == smollm2.file_sha256(smollm2.find_gguf())
+    checked = smollm2.verify(smollm2_dir)
+    assert checked["probe"] == "The capital of France is Paris" and checked["parameters"] == 134_515_008

@@ -110,3 +110,15 @@ def test_cli_is_registered_and_reports_refusals(tmp_path, capsys):
     assert "not a provisioned model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         COMMANDS["model"][1](["llama-70b", "--out", str(out)])
+
+
+def test_a_copy_from_another_pinned_version_is_replaced(fake_convert, tmp_path):
+    out, _ = smollm2.provision(tmp_path / "m")
+    marker = json.loads((out / smollm2.MARKER).read_text())
+    marker["source"]["version"] = "0.0.9"
+    (out / smollm2.MARKER).write_text(json.dumps(marker))
+    (out / "leftover-of-the-old-conversion").write_text("")
+    again, fresh = smollm2.provision(out)
+    assert fresh["reused"] is False and fresh["source"]["version"] == "0.1.2" and fake_convert["convert"] == 2
+    assert not (again / "leftover-of-the-old-conversion").exists()
+    assert not list(tmp_path.glob(".m.old-*")) and not list(tmp_path.glob(".m.partial-*"))

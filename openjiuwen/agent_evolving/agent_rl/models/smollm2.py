@@ -98,7 +98,7 @@ def require_converter() -> None:
             raise ProvisionError(f"the {module} package is missing: install {pin}, e.g. with `make venv`")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -182,7 +182,7 @@ def verify(model_dir: Path) -> dict[str, Any]:
 
 
 def read_marker(model_dir: Path) -> dict[str, Any] | None:
-    """The marker of a complete directory, or None when absent, unreadable or of another format."""
+    """The marker of a complete directory, or None when absent, unreadable or of another format (any source)."""
     try:
         data = json.loads((model_dir / MARKER).read_text())
     except (OSError, ValueError):
@@ -210,21 +210,25 @@ def _staging_dirs(out: Path) -> list[Path]:
 def provision(out_dir: str | Path, *, log: Any = None) -> tuple[Path, dict[str, Any]]:
     """Make `out_dir` a verified HF directory of SmolLM2-135M-Instruct; return (path, marker).
 
-    A directory already carrying the marker is reused as it is (no packages needed then). Anything else at `out_dir`
-    (files without the marker) is refused rather than overwritten: it is not ours."""
+    A directory already carrying the marker of this source (wheel version) is reused as it is (no packages needed
+    then); one converted from another pinned version is ours and is replaced, atomically again. Anything else at
+    `out_dir` (files without the marker) is refused rather than overwritten: it is not ours."""
     say = log or (lambda _msg: None)
     out = Path(out_dir).expanduser().resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     with _locked(out):
         marker = read_marker(out)
-        if marker is not None:
+        if marker is not None and (marker.get("source") or {}).get("version") == DISTRIBUTION_VERSION:
             marker["reused"] = True
             return out, marker
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        outdated = marker is not None
+        if outdated:
+            say(f"{out} was converted from {DISTRIBUTION} {marker.get('source', {}).get('version')}: replacing it")
+        elif out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ProvisionError(f"{out} exists but is not a provisioned model (no {MARKER}): remove it or pick "
                                  "another --out")
         # Under the lock, any staging directory left beside us is from an interrupted call: never reused.
-        for stale in _staging_dirs(out):
+        for stale in [*_staging_dirs(out), *out.parent.glob(f".{out.name}.old-*")]:
             say(f"removing {stale.name} left by an interrupted call")
             shutil.rmtree(stale, ignore_errors=True)
         require_converter()
@@ -241,16 +245,23 @@ def provision(out_dir: str | Path, *, log: Any = None) -> tuple[Path, dict[str, 
                 "format": MARKER_FORMAT,
                 "model": MODEL_NAME,
                 "source": {"distribution": DISTRIBUTION, "version": DISTRIBUTION_VERSION, "file": GGUF_NAME,
-                           "sha256": _sha256(gguf_path)},
+                           "sha256": file_sha256(gguf_path)},
                 "dtype": "float32",
                 "convert_s": round(convert_s, 1),
                 "verify_s": round(time.perf_counter() - started - convert_s, 1),
                 "verified": checked,
             }
             (staging / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-            if out.exists():
+            old = None
+            if outdated:
+                # Two renames: a crash between them leaves no `out` (the next call converts again), never a mix.
+                old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:12]}"
+                os.rename(out, old)
+            elif out.exists():
                 out.rmdir()  # empty (checked above); rename cannot replace it portably
             os.rename(staging, out)  # atomic: `out` appears complete or not at all
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
