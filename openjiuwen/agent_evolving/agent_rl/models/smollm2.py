@@ -223,7 +223,7 @@ def provision(out_dir: str | Path, *, log: Any = None) -> tuple[Path, dict[str, 
             return out, marker
         outdated = marker is not None
         if outdated:
-            say(f"{out} was converted from {DISTRIBUTION} {marker.get('source', {}).get('version')}: replacing it")
+            say(f"{out} was converted from another {DISTRIBUTION} version: replacing it")
         elif out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ProvisionError(f"{out} exists but is not a provisioned model (no {MARKER}): remove it or pick "
                                  "another --out")
