@@ -174,3 +174,28 @@ async def test_under_a_reward_policy_evaluation_samples_skip_the_wait_and_take_r
         stats = (await client.get("/v1/rl/trajectories/stats")).json()
         assert (stats["by_status"]["awaiting_rewards"], stats["by_status"]["evaluation"]) == (0, 1)
         await check_invariants(redis, model_id=MODEL_ID)
+
+
+async def test_delayed_feedback_evaluation_turns_are_judged_into_evaluation(redis, redis_url, tmp_path):
+    from tests.support.fake_judge import FakeJudge, Verdict
+    from tests.support.service_app import with_user
+
+    async with FakeJudge() as judge:
+        config = make_config(redis_url, tmp_path, judge_endpoint=judge.url, judge_model="judge", judge_retries=0,
+                             judge_timeout=5.0, turn_publish_timeout_seconds=2.0)
+        async with running_app(config) as (_, client):
+            assert (await start(client, 1, evaluation=True, mode="delayed_feedback")).status_code == 201
+            _, after = await capture(client, "t1", "c1", REQUEST, RESPONSE, turn="u1")
+            assert after.status_code == 204
+            judge.enqueue(Verdict(6), Verdict(8))
+            # The next turn's first completion publishes turn u1 through the Judge; stopping publishes u2.
+            _, after = await capture(client, "t1", "c2", with_user(REQUEST, "good"), RESPONSE, turn="u2")
+            assert after.status_code == 204
+            assert (await client.post("/v1/rl/tasks/t1/stop")).status_code == 200
+            stats = (await client.get("/v1/rl/trajectories/stats")).json()
+            assert stats["by_status"]["evaluation"] == 2 and stats["by_status"]["pending"] == 0
+            (base,) = (await client.get("/v1/rl/policies")).json()["items"]
+            ev = base["evaluation"]
+            assert (ev["tasks"], ev["samples"], ev["reward"]["n"]) == (1, 2, 2)
+            assert ev["reward"]["mean"] == pytest.approx(0.7)
+            await check_invariants(redis, model_id=MODEL_ID)
