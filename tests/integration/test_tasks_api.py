@@ -28,7 +28,7 @@ async def test_start_creates_then_reuses(app_client, redis):
     assert body == {
         "rl_task_id": "t1", "agent_session_id": "s1", "model_id": "tiny", "policy_lora_name": "base",
         "reward_mode": "terminal", "status": "active", "created_at": body["created_at"], "finished_at": None,
-        "finish_reason": None, "policy_model": "tiny",
+        "finish_reason": None, "policy_model": "tiny", "evaluation": False,
     }
     assert (await start_task(app_client, "s1", "t1")).json() == body  # identical repeat → 200 same record
     assert (await start_task(app_client, "s1", "t1")).status_code == 200

@@ -70,7 +70,8 @@ PATHS: dict[str, dict[str, Any]] = {
     "/v1/rl/service": {"get": {**_OK}},
     "/v1/rl/tasks/start": {"post": {**_OK, "parameters": [_header("X-Agent-Session-Id", _ID, required=True)],
                                     **_body({"type": "object", "required": ["reward_mode"], "properties": {
-                                        "reward_mode": {"enum": ["terminal", "delayed_feedback"]}}})}},
+                                        "reward_mode": {"enum": ["terminal", "delayed_feedback"]},
+                                        "evaluation": {"type": "boolean"}}})}},
     "/v1/rl/tasks/{rl_task_id}": {"get": {**_OK, "parameters": [_path("rl_task_id", _TASK_ID)]}},
     "/v1/rl/tasks/{rl_task_id}/stop": {"post": {**_OK, "parameters": [_path("rl_task_id", _TASK_ID)]}},
     "/v1/rl/tasks/{rl_task_id}/reward": {"post": {
@@ -82,7 +83,8 @@ PATHS: dict[str, dict[str, Any]] = {
     "/v1/rl/training/runs/{training_run_id}/stop": {"post": {**_OK, "parameters": [_path("training_run_id")]}},
     "/v1/rl/trajectories/stats": {"get": {**_OK}},
     "/v1/rl/trajectories": {"get": {**_OK, "parameters": [
-        {"name": "status", "in": "query", "schema": {"enum": ["pending", "training", "trained", "failed"]}},
+        {"name": "status", "in": "query", "schema": {"enum": ["pending", "training", "trained", "failed",
+                                                                 "evaluation"]}},
         {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
         {"name": "cursor", "in": "query", "schema": {"type": "string"}},
     ]}},

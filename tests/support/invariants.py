@@ -12,6 +12,8 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
   capture; a staged sample exists only for a committed capture whose Task still may publish it;
 - samples of Tasks (inv. 4): every committed capture of a published turn or of a rewarded Task is exactly one
   sample of that Task, and every Task sample comes from such a capture (nothing published from nowhere);
+- evaluation Tasks: a sample is `evaluation` exactly when its Task is an evaluation Task, and an `evaluation` sample
+  was never claimed (no `run_id`): evaluation traffic is never trained on;
 - prompt blocks (invariant P, `store/prompt_blocks.py`): a block exists iff some sample references it, its `refs`
   equals the number of referencing samples, it holds exactly one block of ids, the chained digests of each sample
   match the contents, and no block has a TTL;
@@ -670,6 +672,16 @@ def _check_task_samples(report: InvariantReport, tasks: dict[str, _TaskState], s
                 report.add(f"task {t}: capture {c} is a sample of task {sample.rl_task_id!r}")
         for c in sorted(by_task.get(t, set()) - must):
             report.add(f"task {t}: sample {c} comes from no published turn or rewarded capture")
+        evaluation = rec.get("evaluation") is True
+        for c in sorted(by_task.get(t, set())):
+            status = samples[c].status
+            if evaluation and status != keys.EVALUATION:
+                report.add(f"task {t} is an evaluation Task but its sample {c} is {status}: it could be trained on")
+            elif not evaluation and status == keys.EVALUATION:
+                report.add(f"task {t} is not an evaluation Task but its sample {c} is {status}")
+    for sample in samples.values():
+        if sample.status == keys.EVALUATION and sample.run_id:
+            report.add(f"evaluation sample {sample.sample_id} was claimed by run {sample.run_id}")
     for t in sorted(set(by_task) - {t for t, s in tasks.items() if s.record}):
         report.add(f"samples {sorted(by_task[t])[:5]} name task {t}, which has no record")
 

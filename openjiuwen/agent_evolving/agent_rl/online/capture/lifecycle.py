@@ -50,8 +50,12 @@ class TaskLifecycle:
         """The requested Task, or the first failing rule of CONTRACT §2.4 in its order."""
         if _blank(headers.session_id) or not is_token_id(headers.session_id):
             raise InvalidInput("missing_session_id", "X-Agent-Session-Id is missing or invalid")
-        if set(body) != {"reward_mode"}:
-            raise InvalidInput("invalid_task_request", "body must be exactly {\"reward_mode\": ...}")
+        if "reward_mode" not in body or not set(body) <= {"reward_mode", "evaluation"}:
+            raise InvalidInput("invalid_task_request",
+                               "body must be {\"reward_mode\": ...} with an optional \"evaluation\": true|false")
+        evaluation = body.get("evaluation", False)
+        if not isinstance(evaluation, bool):
+            raise InvalidInput("invalid_task_request", "evaluation must be a boolean")
         mode = body["reward_mode"]
         if not isinstance(mode, str) or mode not in _REWARD_MODES:
             raise InvalidInput("invalid_reward_mode", "reward_mode must be terminal or delayed_feedback")
@@ -71,6 +75,7 @@ class TaskLifecycle:
             status=TaskStatus.ACTIVE.value,
             created_at=now_iso(),
             policy_model=headers.policy_model,
+            evaluation=evaluation,
         )
 
     async def start(self, requested: Task) -> tuple[Task, bool]:

@@ -123,11 +123,12 @@ class RewardProjector:
             if state.get("status") != "projecting":
                 raise Conflict("reward projection lost its claim")
             raw_task = await pipe.get(keys.task(t))
-            policy = Task.from_json(raw_task).policy_lora_name if raw_task is not None else None
+            task = Task.from_json(raw_task) if raw_task is not None else None
+            policy = task.policy_lora_name if task is not None else None
             pipe.multi()
-            if policy is not None and is_token_id(policy):
+            if task is not None and policy is not None and is_token_id(policy):
                 # The version's reward statistics gain this Task's reward exactly once, with its publication.
-                add_task_reward(pipe, keys.policy_stats(policy), value)
+                add_task_reward(pipe, keys.policy_stats(policy), value, evaluation=task.evaluation)
                 pipe.sadd(keys.POLICY_VERSIONS, policy)
             pipe.set(
                 reward_key,

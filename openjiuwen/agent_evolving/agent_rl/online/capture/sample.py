@@ -54,6 +54,8 @@ def build_sample(
         "trajectory": trajectory,
         "judge": None,
     }
+    if task.evaluation:
+        meta["evaluation"] = True  # the store files it under `evaluation`: measured, never trained on
     return PackedSample(
         meta, pack_ids(validated.prompt_ids), pack_ids(validated.response_ids), pack_logprobs(validated.logprobs)
     )

@@ -70,13 +70,14 @@ class RewardLedger:
             status, raw_state, sample_source, policy_version, created_at = (text(v) for v in row)
             if status is None:
                 raise NotFound("trajectory not found")
-            if status not in (AWAITING, PENDING):
+            if status not in (AWAITING, PENDING, keys.EVALUATION):
                 raise RewardConflict(f"sample is {status}: rewards are refused once it is in a Training Run or trained")
             state = orjson.loads(raw_state) if raw_state else await self._state_before_policy(pipe, key, created_at)
             new = self._policy.arrive(state, source, score, now)
             if new is None:
                 return self._answer(sample_id, source, score, recorded=False, status=status, state=state)
-            new_status = self._policy.status(new) if status == AWAITING else PENDING
+            # Only `awaiting_rewards` moves on an arrival; `pending` and `evaluation` samples keep their status.
+            new_status = self._policy.status(new) if status == AWAITING else status
             at = ids.now_iso()
             # Invariant 5 and the deadline-index invariant: status, index membership, deadline entry and counters
             # move together with the reward state.

@@ -32,7 +32,10 @@ TASK_STATUSES = ("active", "finalized", "aborted")
 SAMPLE_STATUSES = ("pending", "training", "trained", "failed")
 # A sample waits in `awaiting_rewards` (before `pending`) only under a reward policy (docs/rewards.md).
 AWAITING_REWARDS = "awaiting_rewards"
-ALL_SAMPLE_STATUSES = (AWAITING_REWARDS, *SAMPLE_STATUSES)
+# A sample of an evaluation Task (docs/concepts.md) enters `evaluation` at publication and never leaves it but by
+# retention: it counts in the per-version evaluation and is never claimed by a Training Run.
+EVALUATION = "evaluation"
+ALL_SAMPLE_STATUSES = (AWAITING_REWARDS, *SAMPLE_STATUSES, EVALUATION)
 
 
 def tasks_by_status(status: str) -> str:

@@ -6,6 +6,8 @@ samples. The reward statistics count independent rewards: a Judge-scored sample 
 one per Task (all its completions share it), added by the reward's completing MULTI (`add_task_reward`).
 
 Fields: `tasks` (added at Task start), `samples`, `reward_n`, `reward_sum`, `reward_sq`, `source:<s>`, `tokens`,
+the same for evaluation Tasks alone (`eval_tasks`, `eval_samples`, `eval_reward_n`, `eval_reward_sum`,
+`eval_reward_sq`: their samples count in both, so the evaluation is read apart from the training traffic),
 `judge_multi` / `judge_spread` (samples with ≥ 2 successful votes, and the sum of their vote spread on [0, 1]),
 `lat_n`, `lat_sum_ms`, `lat_le:<bound>` (completion latency histogram, per bucket, not cumulative), and the lineage
 `parent` / `training_run_id` written when a run publishes the version. Samples removed by retention stay counted:
@@ -40,15 +42,19 @@ def contribution(meta: dict[str, Any], response_tokens: int) -> tuple[dict[str, 
     """(integer increments, float increments) one published sample adds to its version's hash."""
     ints: dict[str, int] = {"samples": 1, "tokens": response_tokens}
     floats: dict[str, float] = {}
+    evaluation = meta.get("evaluation") is True
+    if evaluation:
+        ints["eval_samples"] = 1
     judge = meta.get("judge") if isinstance(meta.get("judge"), dict) else None
     score = _finite(judge.get("score")) if judge else None
     if judge is not None and score is not None:
         source = judge.get("source") or "unknown"
         ints[f"source:{source}"] = 1
         if source != TERMINAL:  # a terminal reward counts once per Task, see `add_task_reward`
-            ints["reward_n"] = 1
-            floats["reward_sum"] = score
-            floats["reward_sq"] = score * score
+            for prefix in ("", "eval_") if evaluation else ("",):
+                ints[f"{prefix}reward_n"] = 1
+                floats[f"{prefix}reward_sum"] = score
+                floats[f"{prefix}reward_sq"] = score * score
         votes = [v for v in (_finite(x) for x in judge.get("votes") or []) if v is not None]
         if len(votes) >= 2:
             ints["judge_multi"] = 1
@@ -61,11 +67,13 @@ def contribution(meta: dict[str, Any], response_tokens: int) -> tuple[dict[str, 
     return ints, floats
 
 
-def add_task_reward(pipe: Any, key: str, reward: float) -> None:
-    """Queue one terminal Task reward (one independent observation, however many samples share it)."""
-    pipe.hincrby(key, "reward_n", 1)
-    pipe.hincrbyfloat(key, "reward_sum", reward)
-    pipe.hincrbyfloat(key, "reward_sq", reward * reward)
+def add_task_reward(pipe: Any, key: str, reward: float, *, evaluation: bool = False) -> None:
+    """Queue one terminal Task reward (one independent observation, however many samples share it); an
+    evaluation Task's reward counts in the evaluation fields too."""
+    for prefix in ("", "eval_") if evaluation else ("",):
+        pipe.hincrby(key, f"{prefix}reward_n", 1)
+        pipe.hincrbyfloat(key, f"{prefix}reward_sum", reward)
+        pipe.hincrbyfloat(key, f"{prefix}reward_sq", reward * reward)
 
 
 def queue_contribution(pipe: Any, key: str, meta: dict[str, Any], response_tokens: int, sign: int) -> None:

@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 
 PENDING = "pending"
 AWAITING_REWARDS = keys.AWAITING_REWARDS
+EVALUATION = keys.EVALUATION
+# Statuses a failed publication may have left its samples in (`delete_pending` rolls them back).
+_UNCLAIMED = (PENDING, AWAITING_REWARDS, EVALUATION)
+# Statuses retention sweeps: samples no Training Run will ever read again.
+_SWEPT = ("trained", "failed", EVALUATION)
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
 _SUMMARY_FIELDS = (
     "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at",
@@ -108,7 +113,8 @@ class TrajectoryStore:
 
     async def insert_if_absent(self, samples: Sequence[PackedSample]) -> list[str]:
         """Insert every sample whose hash has no `status` yet, as `pending` (or, under a reward policy with
-        external sources, `awaiting_rewards`); returns the inserted ids in input order.
+        external sources, `awaiting_rewards`; a sample of an evaluation Task as `evaluation`, whatever the policy:
+        it never waits to become trainable); returns the inserted ids in input order.
 
         An existing sample is never re-inserted or reset (invariant 4): publication may be repeated safely."""
         by_id: dict[str, PackedSample] = {}
@@ -148,10 +154,13 @@ class TrajectoryStore:
                 source = str(meta.get("source") or "")
                 policy_version = str(meta.get("policy_version") or "base")
                 created_at = str(meta["created_at"])
-                status, extra = PENDING, {}
+                evaluation = meta.get("evaluation") is True
+                status, extra = (EVALUATION if evaluation else PENDING), {}
                 if self._reward_policy is not None:
+                    # An evaluation sample keeps a reward state (external sources may still post to it) but never
+                    # enters `awaiting_rewards` nor the deadline index.
                     state = self._reward_policy.initial(meta.get("judge"), now_epoch)
-                    status = self._reward_policy.status(state)
+                    status = EVALUATION if evaluation else self._reward_policy.status(state)
                     extra = {"rewards": orjson.dumps(state)}
                     if status == AWAITING_REWARDS:
                         pipe.zadd(self._deadlines_key, {sample_id: self._reward_policy.next_deadline(state)})
@@ -192,8 +201,8 @@ class TrajectoryStore:
         return fresh
 
     async def delete_pending(self, sample_ids: Sequence[str]) -> int:
-        """Roll back samples inserted by a failed publication: those still `pending` or `awaiting_rewards` are
-        deleted; returns the count."""
+        """Roll back samples inserted by a failed publication: those still `pending`, `awaiting_rewards` or
+        `evaluation` are deleted; returns the count."""
         hash_keys = {sample_id: keys.traj(sample_id) for sample_id in dict.fromkeys(sample_ids)}
         if not hash_keys:
             return 0
@@ -207,7 +216,7 @@ class TrajectoryStore:
                 (sample_id, text(status) or "", text(source) or "", text(policy) or "base", sample_json,
                  response_ids, blocks)
                 for sample_id, (status, source, policy, sample_json, response_ids, blocks) in zip(hash_keys, rows)
-                if text(status) in (PENDING, AWAITING_REWARDS)
+                if text(status) in _UNCLAIMED
             ]
             if not doomed:
                 return 0
@@ -280,10 +289,12 @@ class TrajectoryStore:
 
     async def sweep_expired(self, *, retention_seconds: int, now: float, limit: int = 1000) -> int:
         """CONTRACT §5.5(c): delete `trained`/`failed` samples whose index score is older than `now − retention`,
-        at most `limit` per status, one EXEC per status. `pending` and `training` samples never expire."""
+        at most `limit` per status, one EXEC per status. `pending` and `training` samples never expire;
+        `evaluation` samples expire like trained ones (scored by creation: they were final when published). Their
+        contribution to the per-version aggregates stays (store/policy_stats.py)."""
         cutoff = now - retention_seconds
         removed = 0
-        for status in ("trained", "failed"):
+        for status in _SWEPT:
             index = self.index_key(status)
             members = await self._redis.zrange(index, "-inf", f"({cutoff!r}", byscore=True, offset=0, num=limit)
             sample_ids = [text(m) or "" for m in members]
@@ -331,8 +342,11 @@ class TrajectoryStore:
         counters = {text(k) or "": max(0, int(v)) for k, v in raw_counters.items()}
         # `awaiting_rewards` is shown under a reward policy, or while samples still wait from one (else the shape
         # stays that of CONTRACT §2.7).
+        # `evaluation` likewise appears once evaluation samples are stored, so `total` counts them too.
         waiting = counters.get(_status_field(AWAITING_REWARDS), 0) > 0
-        shown = keys.ALL_SAMPLE_STATUSES if self._reward_policy is not None or waiting else keys.SAMPLE_STATUSES
+        shown = [*((AWAITING_REWARDS,) if self._reward_policy is not None or waiting else ()), *keys.SAMPLE_STATUSES]
+        if counters.get(_status_field(EVALUATION), 0) > 0:
+            shown.append(EVALUATION)
         by_status = {status: counters.get(_status_field(status), 0) for status in shown}
         by_source = {
             name[len("source:"):]: n for name, n in sorted(counters.items()) if name.startswith("source:") and n > 0
@@ -432,9 +446,7 @@ class TrajectoryStore:
     async def list_page(self, status: str | None, limit: int, cursor: str | None) -> dict[str, Any]:
         """CONTRACT §2.7 listing: buckets in status order, (score, sample id) ascending within a bucket."""
         if status is not None and status not in keys.ALL_SAMPLE_STATUSES:
-            raise InvalidInput(
-                "invalid_request", "status must be one of awaiting_rewards, pending, training, trained, failed"
-            )
+            raise InvalidInput("invalid_request", f"status must be one of {', '.join(keys.ALL_SAMPLE_STATUSES)}")
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
             raise InvalidInput("invalid_request", "limit must be an integer between 1 and 1000")
         buckets = (status,) if status is not None else keys.ALL_SAMPLE_STATUSES

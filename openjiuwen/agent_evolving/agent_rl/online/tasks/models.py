@@ -53,6 +53,8 @@ class Task:
     finished_at: str | None = None
     finish_reason: str | None = None
     policy_model: str = ""
+    # An evaluation Task: its samples are measured (per-version evaluation) but never trained on.
+    evaluation: bool = False
 
     def __post_init__(self) -> None:
         if not self.policy_model:
@@ -66,8 +68,9 @@ class Task:
     def delayed(self) -> bool:
         return self.reward_mode == RewardMode.DELAYED_FEEDBACK
 
-    def spec(self) -> tuple[str, str, str, str, str]:
-        return (self.agent_session_id, self.model_id, self.policy_lora_name, self.reward_mode, self.policy_model)
+    def spec(self) -> tuple[str, str, str, str, str, bool]:
+        return (self.agent_session_id, self.model_id, self.policy_lora_name, self.reward_mode, self.policy_model,
+                bool(self.evaluation))
 
     def terminal(self, status: TaskStatus, reason: FinishReason, at: str) -> "Task":
         assert status in NEXT_STATUS[TaskStatus(self.status)], "terminal states are sticky"

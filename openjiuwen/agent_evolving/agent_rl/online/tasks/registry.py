@@ -102,10 +102,13 @@ class TaskRegistry:
             pipe.zadd(keys.tasks_by_status(TaskStatus.ACTIVE), {t: created})
             if is_token_id(requested.policy_lora_name):  # per-version Task count (GET /v1/rl/policies)
                 pipe.hincrby(keys.policy_stats(requested.policy_lora_name), "tasks", 1)
+                if requested.evaluation:
+                    pipe.hincrby(keys.policy_stats(requested.policy_lora_name), "eval_tasks", 1)
                 pipe.sadd(keys.POLICY_VERSIONS, requested.policy_lora_name)
             events.queue(pipe, keys.task_events(t), "created", {
                 "agent_session_id": s, "reward_mode": requested.reward_mode,
                 "policy_lora_name": requested.policy_lora_name,
+                **({"evaluation": True} if requested.evaluation else {}),
             }, at=requested.created_at)
             await pipe.execute()
             return requested, True
