@@ -259,6 +259,13 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         ("POST", "/v1/rl/trajectories/rewards"),
         ("POST", "/v1/rl/trajectories/{trajectory_id}/rewards"),
         ("GET", "/v1/rl/policies"),
+        ("GET", "/v1/rl/rollout"),
+        ("POST", "/v1/rl/rollout/promote"),
+        ("POST", "/v1/rl/rollout/rollback"),
+        ("POST", "/v1/rl/rollout/pause"),
+        ("POST", "/v1/rl/rollout/resume"),
+        ("GET", "/v1/rl/rollout/{rollout_id}/events"),
+        ("POST", "/v1/rl/loras/activate"),
         ("POST", "/v1/gateway/upload/batch"),
     ):
         app.add_api_route(path, proxied, methods=[method])

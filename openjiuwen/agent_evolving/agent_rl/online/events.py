@@ -30,6 +30,11 @@ TASK_EVENT_TYPES = (
 RUN_EVENT_TYPES = (
     "created", "training_started", "ppo_step", "artifact_published", "samples_trained", "activation_attempt",
     "activation_succeeded", "activation_failed", "stop_requested", "canceled", "failed", "succeeded", "recovered",
+    "candidate_loaded", "canary_started", "canary_promoted", "canary_rolled_back",
+)
+ROLLOUT_EVENT_TYPES = (
+    "canary_started", "promotion_started", "rollback_started", "canary_promoted", "canary_rolled_back", "paused",
+    "resumed", "activation_requested", "version_activated", "failed",
 )
 
 
