@@ -74,6 +74,7 @@ class Env:
         assert r.status_code == 200, r.text
         self.served[served] += 1
         self.rewarded += 1
+        self.last_task_id = task["rl_task_id"]
         return served
 
     def until_decided(self, *, batch: int = 4) -> dict[str, Any]:
@@ -150,6 +151,11 @@ async def test_bad_version_is_rolled_back_and_a_good_one_promoted(redis, redis_u
         assert all("tiny:v1" in v.loaded for v in vllm)
         refused = gw.signed("POST", "/v1/rl/training/runs")
         assert (refused.status_code, refused.json()["error"]["code"]) == (409, "rollout_in_progress")
+        served = env.task()
+        timeline = gw.signed("GET", f"/v1/rl/tasks/{env.last_task_id}/events").json()["items"]
+        arm = [e["data"] for e in timeline if e["type"] == "rollout_arm"]
+        expected = ("candidate", "tiny:v1") if served == "tiny:v1" else ("active", "base")
+        assert [(a["arm"], a["lora_name"]) for a in arm] == [expected]
 
         record = env.until_decided()
         assert (record["status"], record["decision"]["reason"], record["decision"]["by"]) == (

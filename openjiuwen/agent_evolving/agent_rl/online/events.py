@@ -25,7 +25,7 @@ MAXLEN = 1000  # approximate (`MAXLEN ~`): Redis trims whole macro nodes, so a s
 
 TASK_EVENT_TYPES = (
     "created", "capture_reserved", "capture_committed", "capture_discarded", "turn_publishing", "turn_published",
-    "turn_failed", "finalized", "aborted", "reward_recorded", "reward_expired",
+    "turn_failed", "finalized", "aborted", "reward_recorded", "reward_expired", "rollout_arm",
 )
 RUN_EVENT_TYPES = (
     "created", "training_started", "ppo_step", "artifact_published", "samples_trained", "activation_attempt",

@@ -355,7 +355,8 @@ def create_app(
         deps.redis, model_id=config.model_id, extra_checks=[deps.runner.check_health],
         on_redis_error=deps.metrics.redis_error,
     ))
-    app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards))
+    app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards,
+                                          on_created=deps.rollout.task_started))
     app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle, deps.metrics))
     app.include_router(build_rewards_router(deps.reward_ledger))
     reward_stats = deps.reward_ledger.stats if deps.reward_ledger.policy.configured else None

@@ -18,6 +18,7 @@ import orjson
 from redis.asyncio import Redis
 
 from ..errors import Conflict, InvalidInput, NotFound
+from ..events import EventLog
 from ..ids import lora_version, now_iso, parse_iso_epoch
 from ..lora.gateway_client import GatewayError, GatewayLoraClient, GatewayRejected, GatewayTransient
 from ..lora.repository import LoraRepository
@@ -25,10 +26,11 @@ from ..store import keys
 from ..store.codec import text
 from .config import CANARY, RolloutConfig
 from .decision import PROMOTE, ROLLBACK, WAIT, Arm, Decision, decide
-from .store import RolloutStore, new_rollout_id, rollout_id_for_run
+from .store import LIVE, RolloutStore, new_rollout_id, rollout_id_for_run
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
+    from ..tasks.models import Task
     from ..training.models import TrainingRun
 
 log = logging.getLogger("openjiuwen.agent_rl.online.rollout")
@@ -68,6 +70,10 @@ class RolloutController:
         self._metrics = metrics
         self._lock = asyncio.Lock()  # one change of rollout state at a time in this process
         self._loop: asyncio.Task[None] | None = None
+        # The live canary as this process last wrote or read it (every change of rollout state happens here), so
+        # that a Task start costs no Redis read to know its arm.
+        self._live: dict[str, Any] | None = None
+        self._events = EventLog(redis)
 
     @property
     def gated(self) -> bool:
@@ -96,7 +102,7 @@ class RolloutController:
 
     async def recover(self) -> None:
         """Finish an intent a crash interrupted (promotion, rollback, activation)."""
-        record = await self.store.current()
+        record = self._remember(await self.store.current())
         if record is not None and record["status"] in ("promoting", "rolling_back", "activating"):
             log.info("rollout %s was %s at restart; finishing it", record["rollout_id"], record["status"])
             await self._finish(record)
@@ -132,7 +138,7 @@ class RolloutController:
         rollout_id = rollout_id_for_run(run.training_run_id)
         existing = await self.store.get(rollout_id)
         if existing is not None:
-            return existing
+            return self._remember(existing) or existing
         current = await self.store.current()
         if current is not None:
             raise Conflict(f"rollout {current['rollout_id']} is in progress", code="rollout_in_progress")
@@ -148,7 +154,7 @@ class RolloutController:
             "share": self.config.share, "training_run_id": run.training_run_id, "created_at": now_iso(),
             "window_started_at": started_at, "ended_at": None, "decision": None,
         }
-        stored = await self.store.create(record, "canary_started", {
+        stored = await self._create(record, "canary_started", {
             "lora_name": run.lora_name, "baseline": run.parent_lora_name, "share": self.config.share,
             "mode": self.config.mode})
         log.info("canary %s: %s for %.0f%% of new Tasks against %s", rollout_id, run.lora_name,
@@ -156,7 +162,25 @@ class RolloutController:
         return stored
 
     async def in_progress(self) -> dict[str, Any] | None:
-        return await self.store.current()
+        return self._remember(await self.store.current())
+
+    def _remember(self, record: dict[str, Any] | None) -> dict[str, Any] | None:
+        if record is None or record.get("status") in LIVE:
+            self._live = record
+        elif self._live is not None and self._live.get("rollout_id") == record.get("rollout_id"):
+            self._live = None
+        return record
+
+    async def task_started(self, task: "Task") -> None:
+        """Mark a new Task's arm in its timeline while a canary runs (best-effort, like every note event)."""
+        live = self._live
+        if live is None or live.get("kind") != "canary" or live.get("status") not in ("running", "paused"):
+            return
+        arms = {live["candidate"]["lora_name"]: "candidate", live["baseline"]["lora_name"]: "active"}
+        arm = arms.get(task.policy_lora_name)
+        if arm is not None:
+            await self._events.append(keys.task_events(task.rl_task_id), "rollout_arm", {
+                "rollout_id": live["rollout_id"], "arm": arm, "lora_name": task.policy_lora_name})
 
     # ------------------------------------------------------------------ decisions
 
@@ -164,8 +188,9 @@ class RolloutController:
         """One decision round: finish an interrupted intent, else evaluate the running canary and, in `canary` mode
         and not paused, act on a promote / rollback verdict."""
         async with self._lock:
-            record = await self.store.current()
+            record = self._remember(await self.store.current())
             if record is None:
+                self._live = None
                 self._report(None, None)
                 return None
             if record["status"] in ("promoting", "rolling_back", "activating"):
@@ -235,7 +260,7 @@ class RolloutController:
             return {**r, "status": target, "decision": {**note, "arms": arms}}
 
         event = "promotion_started" if action == PROMOTE else "rollback_started"
-        record = await self.store.update(record["rollout_id"], change, event,
+        record = await self._update(record["rollout_id"], change, event,
                                          {"reason": note.get("reason"), "detail": note.get("detail"), "by": by})
         if self._metrics is not None:
             self._metrics.rollout_decision(action, str(note.get("reason")), by)
@@ -252,11 +277,11 @@ class RolloutController:
                 await self._gateway.promote_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"],
                                                    expected=baseline["lora_name"])
                 await self._now_active(candidate, record.get("training_run_id") or "")
-                return await self.store.update(rollout_id, lambda r: {**r, "status": "promoted"}, "canary_promoted",
+                return await self._update(rollout_id, lambda r: {**r, "status": "promoted"}, "canary_promoted",
                                                {"lora_name": candidate["lora_name"]})
             if status == "rolling_back":
                 await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"])
-                return await self.store.update(rollout_id, lambda r: {**r, "status": "rolled_back"},
+                return await self._update(rollout_id, lambda r: {**r, "status": "rolled_back"},
                                                "canary_rolled_back", {"lora_name": candidate["lora_name"],
                                                                       "active": baseline["lora_name"]})
             if status == "activating":
@@ -264,7 +289,7 @@ class RolloutController:
                                              lora_path=candidate["lora_path"], expected=baseline["lora_name"],
                                              run_id="")
                 await self._now_active(candidate, "")
-                return await self.store.update(rollout_id, lambda r: {**r, "status": "activated"},
+                return await self._update(rollout_id, lambda r: {**r, "status": "activated"},
                                                "version_activated", {"lora_name": candidate["lora_name"],
                                                                      "previous": baseline["lora_name"]})
         except GatewayTransient:
@@ -274,13 +299,22 @@ class RolloutController:
                 # The gateway no longer has this candidate against this baseline: never leave a half state.
                 log.warning("rollout %s: promotion refused (%s); rolling back", rollout_id, exc)
                 with_reason = {**record, "status": "rolling_back"}
-                await self.store.update(rollout_id, lambda r: with_reason, "rollback_started",
+                await self._update(rollout_id, lambda r: with_reason, "rollback_started",
                                         {"reason": "promotion_refused", "detail": str(exc)[:500], "by": "auto"})
                 return await self._finish(with_reason)
             if status == "activating" or isinstance(exc, GatewayRejected):
-                return await self.store.update(rollout_id, lambda r: {**r, "status": "failed", "error": str(exc)},
+                return await self._update(rollout_id, lambda r: {**r, "status": "failed", "error": str(exc)},
                                                "failed", {"error": str(exc)[:500]})
             raise
+        return record
+
+    async def _create(self, record: dict[str, Any], event: str, data: dict[str, Any]) -> dict[str, Any]:
+        return self._remember(await self.store.create(record, event, data)) or record
+
+    async def _update(self, rollout_id: str, change: Any, event: str | None = None,
+                      data: dict[str, Any] | None = None) -> dict[str, Any]:
+        record = await self.store.update(rollout_id, change, event, data)
+        self._remember(record)
         return record
 
     async def _now_active(self, lora: dict[str, str], run_id: str) -> None:
@@ -338,7 +372,7 @@ class RolloutController:
             def change(r: dict[str, Any]) -> dict[str, Any] | None:
                 return {**r, "status": want} if r["status"] == have else None
 
-            return await self.store.update(record["rollout_id"], change, "paused" if paused else "resumed", {})
+            return await self._update(record["rollout_id"], change, "paused" if paused else "resumed", {})
 
     async def activate_version(self, lora_name: object) -> dict[str, Any]:
         """Activate a published version of this model for every new Task (an operator's rollback to an earlier
@@ -374,6 +408,6 @@ class RolloutController:
             }
             if policy.lora_name == lora_name:
                 raise Conflict(f"{lora_name} is already active", code="lora_already_active")
-            record = await self.store.create(record, "activation_requested",
+            record = await self._create(record, "activation_requested",
                                              {"lora_name": lora_name, "previous": policy.lora_name})
             return await self._finish(record)
