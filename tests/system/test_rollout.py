@@ -9,6 +9,7 @@ decision loop never sees that table: it compares the arms from the Tasks' reward
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -22,13 +23,16 @@ from typing import Any
 import openai
 import pytest
 
+from openjiuwen.agent_evolving.agent_rl.gateway.console_auth import login_token
 from tests.support.fake_vllm import CHAT_PATH, FakeVLLM
-from tests.support.gateway_process import GatewayProcess
+from tests.support.gateway_process import API_KEY, GatewayProcess
 from tests.support.invariants import check_invariants
 
 pytestmark = pytest.mark.system
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = REPO_ROOT / "test-artifacts" / "console"
 QUALITY = {"tiny": 0.5, "tiny:v1": 0.2, "tiny:v2": 0.8}  # v1: the version trained from inverted rewards
 JITTER = (-0.08, 0.0, 0.08, 0.04, -0.04)
 DECISION_TIMEOUT_S = 90.0
@@ -128,6 +132,31 @@ def cli(gw: GatewayProcess, *args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
         env={k: v for k, v in os.environ.items() if not k.startswith("OPENJIUWEN_RL_")},
     )
+
+
+def console_rollout_page(gw: GatewayProcess) -> tuple[str, int, list[str]]:
+    """The console's Rollout page in headless Chromium: its text, the chart's dots, and any page problem."""
+    from playwright.sync_api import sync_playwright
+
+    assert Path(CHROMIUM).exists(), "the Debian chromium package is missing: `make test` installs it"
+    problems: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"])
+        try:
+            page = browser.new_context(viewport={"width": 1360, "height": 900}).new_page()
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            page.on("console", lambda m: problems.append(m.text) if m.type in ("error", "warning") else None)
+            page.on("response", lambda r: problems.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None)
+            token = login_token(API_KEY, expires_ms=int(time.time() * 1000) + 60_000)
+            page.goto(f"{gw.url}/console/login#token={token}")
+            page.wait_for_url(gw.url + "/console/")
+            page.goto(f"{gw.url}/console/#/rollout")
+            page.wait_for_selector('#view[data-route="/rollout"]', state="attached")
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "console-rollout.png"), full_page=True)
+            return page.inner_text("#view"), page.locator("svg.chart circle.dot").count(), problems
+        finally:
+            browser.close()
 
 
 def sample_total(gw: GatewayProcess) -> int:
@@ -247,6 +276,10 @@ async def test_manual_mode_waits_for_the_operator_and_the_cli_rolls_back_to_any_
         assert current["status"] == "running" and current["evaluation"]["action"] == "rollback"
         shown = cli(gw, "rollout", "status")
         assert shown.returncode == 0 and "would" in shown.stdout and "regression" in shown.stdout, shown
+        page, dots, problems = await asyncio.to_thread(console_rollout_page, gw)
+        assert "Would decide: rollback" in page and "regression" in page, page
+        assert "candidate" in page and "tiny:v1" in page and "base" in page and "95% CI" in page
+        assert dots == 2 and problems == []  # both arms' means with their intervals
         assert cli(gw, "rollout", "pause").returncode == 0
         assert rollout(gw)["current"]["status"] == "paused"
         promoted = cli(gw, "rollout", "promote")  # the operator overrides the recommendation
