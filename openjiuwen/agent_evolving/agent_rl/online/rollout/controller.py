@@ -10,6 +10,7 @@ gateway's own state file keeps the candidate across a gateway restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from redis.asyncio import Redis
 
+from ..background import stop_loop
 from ..errors import Conflict, InvalidInput, NotFound
 from ..events import EventLog
 from ..ids import lora_version, now_iso, parse_iso_epoch
@@ -70,6 +72,7 @@ class RolloutController:
         self._metrics = metrics
         self._lock = asyncio.Lock()  # one change of rollout state at a time in this process
         self._loop: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
         # The live canary as this process last wrote or read it (every change of rollout state happens here), so
         # that a Task start costs no Redis read to know its arm.
         self._live: dict[str, Any] | None = None
@@ -109,25 +112,27 @@ class RolloutController:
 
     def start(self) -> None:
         if self._loop is None:
+            self._stopping = asyncio.Event()
             self._loop = asyncio.create_task(self._run(), name="rollout-decisions")
 
     async def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.cancel()
-            await asyncio.gather(self._loop, return_exceptions=True)
-            self._loop = None
+        await stop_loop(self._loop, self._stopping)
+        self._loop = None
 
     async def _run(self) -> None:
-        while True:
+        # Ended by the stop event, not only the cancellation: redis-py can swallow a cancellation that lands inside
+        # a command (background.py).
+        while not self._stopping.is_set():
             try:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the next tick tries again; the state is durable
+            except Exception as exc:  # the next round tries again; the state is durable
                 log.warning("rollout decision round failed: %s", exc, exc_info=True)
                 if self._metrics is not None:
                     self._metrics.exception(exc)
-            await asyncio.sleep(self.config.decision_interval_seconds)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.config.decision_interval_seconds)
 
     # ------------------------------------------------------------------ a run's new version
 
