@@ -3,10 +3,15 @@ under a gateway without the canary routes refuses to start with a clear error; `
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from openjiuwen.agent_evolving.agent_rl.online.rollout.controller import RolloutUnsupported
-from tests.support.fake_gateway import FakeGateway
+from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
+from tests.integration.test_training_runs import publish
+from tests.support.fake_gateway import FakeGateway, Hang
 from tests.support.service_app import MODEL_ID, make_config, running_app
 
 
@@ -37,3 +42,22 @@ async def test_immediate_mode_starts_under_the_same_gateway(redis, redis_url, tm
             assert (body.status_code, body.json()["error"]["code"]) == (400, "invalid_rollout_request")
             unknown = await client.get("/v1/rl/rollout/ro-zzz/events")
             assert (unknown.status_code, unknown.json()["error"]["code"]) == (404, "rollout_not_found")
+
+
+async def test_a_stop_while_the_candidate_loads_leaves_no_candidate_without_a_rollout(redis, redis_url, tmp_path):
+    async with FakeGateway(model_id=MODEL_ID, canary=True) as gw:
+        gw.canary_plan.append(Hang(10.0, switch=True))  # loaded at the gateway, the answer still pending
+        config = make_config(redis_url, tmp_path, aigw_endpoint=gw.url, trainer_backend="scripted",
+                             min_samples_for_training=3, max_samples_per_run=3, lora_activation_timeout=20.0,
+                             training_tmp_root=str(tmp_path / "train-tmp"), rollout={"mode": "canary"})
+        backend = ScriptedBackend(LoraRepository(config.lora_repository_path, model_id=MODEL_ID))
+        async with running_app(config, backend=backend) as (app, client):
+            await publish(app.state.deps, 3)
+            run_id = (await client.post("/v1/rl/training/runs")).json()["training_run_id"]
+            while gw.candidate is None:
+                await asyncio.sleep(0.02)
+            stopped = (await client.post(f"/v1/rl/training/runs/{run_id}/stop")).json()
+            assert stopped["status"] == "canceled", stopped
+            assert [action for action, _ in gw.canary_calls] == ["start", "abort"]
+            assert gw.candidate is None  # no orphan candidate: the next run may start its own canary
+            assert (await client.get("/v1/rl/rollout")).json()["current"] is None

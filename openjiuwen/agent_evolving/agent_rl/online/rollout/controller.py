@@ -166,6 +166,10 @@ class RolloutController:
                  self.config.share * 100, run.parent_lora_name)
         return stored
 
+    async def record_of(self, run: "TrainingRun") -> dict[str, Any] | None:
+        """The canary a run's version started, if it got its record."""
+        return await self.store.get(rollout_id_for_run(run.training_run_id))
+
     async def in_progress(self) -> dict[str, Any] | None:
         return self._remember(await self.store.current())
 

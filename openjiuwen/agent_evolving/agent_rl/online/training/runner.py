@@ -450,6 +450,8 @@ class TrainingRunner:
         run = await self.get(run_id)
         if run.terminal:
             return run
+        if self._rollout is not None and self._rollout.gated:
+            return await self._stop_canary_start(run)
         try:
             policy = await self._gateway.read_policy_retrying()
         except GatewayError as exc:
@@ -459,6 +461,22 @@ class TrainingRunner:
         if policy.lora_name == run.lora_name:
             return await self._succeed(run)
         return await self._runs.finish(run_id, RunStatus.CANCELED)
+
+    async def _stop_canary_start(self, run: TrainingRun) -> TrainingRun:
+        """A stop while the version was becoming the candidate: a canary that got its record goes on (the run
+        succeeded); otherwise the gateway's candidate, if it got that far, is dropped so that no candidate is left
+        without a rollout."""
+        assert self._rollout is not None and run.lora_name
+        record = await self._rollout.record_of(run)
+        if record is not None:
+            return await self._runs.finish(run.training_run_id, RunStatus.SUCCEEDED, before=[
+                ("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record["rollout_id"]})])
+        try:
+            await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=run.lora_name)
+        except GatewayError as exc:
+            return await self._runs.finish(run.training_run_id, RunStatus.CANCELED,
+                                           failure_reason=f"candidate outcome unknown: {exc}")
+        return await self._runs.finish(run.training_run_id, RunStatus.CANCELED)
 
     async def _cleanup(self, run_id: str) -> None:
         await self._repository.remove_temp(run_id)
