@@ -122,7 +122,12 @@ class RolloutController:
     async def _run(self) -> None:
         # Ended by the stop event, not only the cancellation: redis-py can swallow a cancellation that lands inside
         # a command (background.py).
+        # The first round waits an interval too: start-up recovery (`recover`) has just run.
         while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.config.decision_interval_seconds)
+            if self._stopping.is_set():
+                return
             try:
                 await self.tick()
             except asyncio.CancelledError:
@@ -131,8 +136,6 @@ class RolloutController:
                 log.warning("rollout decision round failed: %s", exc, exc_info=True)
                 if self._metrics is not None:
                     self._metrics.exception(exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), self.config.decision_interval_seconds)
 
     # ------------------------------------------------------------------ a run's new version
 
