@@ -270,8 +270,14 @@ async def test_manual_mode_waits_for_the_operator_and_the_cli_rolls_back_to_any_
         env.task()
         env.train("tiny:v1")
         wait_current(gw)
-        for _ in range(16):  # far more than a decision needs: manual never decides alone
+        deadline = time.monotonic() + DECISION_TIMEOUT_S
+        while (current := rollout(gw)["current"])["evaluation"]["action"] == "wait":
+            assert time.monotonic() < deadline, current
+            for _ in range(4):
+                env.task()
+        for _ in range(4):  # the loop has had rounds to act: manual never decides alone
             env.task()
+        time.sleep(0.5)
         current = rollout(gw)["current"]
         assert current["status"] == "running" and current["evaluation"]["action"] == "rollback"
         shown = cli(gw, "rollout", "status")
