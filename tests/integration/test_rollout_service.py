@@ -61,3 +61,14 @@ async def test_a_stop_while_the_candidate_loads_leaves_no_candidate_without_a_ro
             assert [action for action, _ in gw.canary_calls] == ["start", "abort"]
             assert gw.candidate is None  # no orphan candidate: the next run may start its own canary
             assert (await client.get("/v1/rl/rollout")).json()["current"] is None
+
+
+async def test_a_gateway_candidate_without_a_live_rollout_is_aborted_at_start(redis, redis_url, tmp_path):
+    """Its record lost (Redis data gone), a candidate would block every later canary and activation: start-up drops
+    it; one that a live rollout owns is kept."""
+    async with FakeGateway(model_id=MODEL_ID, canary=True) as gw:
+        gw.candidate = (f"{MODEL_ID}:v4", str(tmp_path / "loras" / MODEL_ID / "v4"))
+        config = make_config(redis_url, tmp_path, aigw_endpoint=gw.url, rollout={"mode": "canary"})
+        async with running_app(config):
+            assert [(a, b["lora_name"]) for a, b in gw.canary_calls] == [("abort", f"{MODEL_ID}:v4")]
+            assert gw.candidate is None

@@ -104,11 +104,21 @@ class RolloutController:
                 await asyncio.sleep(0.5 * (attempt + 1))
 
     async def recover(self) -> None:
-        """Finish an intent a crash interrupted (promotion, rollback, activation)."""
+        """Finish an intent a crash interrupted (promotion, rollback, activation); drop a gateway candidate that no
+        live rollout owns (its record was lost with the Redis data, say): left alone it would refuse every later
+        canary and activation (409 `canary_conflict`) with nobody to decide it."""
         record = self._remember(await self.store.current())
         if record is not None and record["status"] in ("promoting", "rolling_back", "activating"):
             log.info("rollout %s was %s at restart; finishing it", record["rollout_id"], record["status"])
-            await self._finish(record)
+            record = await self._finish(record)
+        if not self.gated:
+            return
+        candidate = (await self._gateway.canary_status()).get("candidate")
+        name = candidate.get("lora_name") if isinstance(candidate, dict) else None
+        owned = record is not None and record.get("status") in LIVE and record["candidate"]["lora_name"] == name
+        if isinstance(name, str) and not owned:
+            log.warning("the gateway's candidate %s belongs to no live rollout; aborting it", name)
+            await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=name)
 
     def start(self) -> None:
         if self._loop is None:
