@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from ..ids import is_rollout_id
 from ..lora.gateway_client import GatewayError
 from ..rollout.controller import RolloutController
+from . import openapi
 from .body import json_value
 from .errors import ApiError, JSONBody, domain_errors
 
@@ -35,22 +36,22 @@ def build_rollout_router(controller: RolloutController) -> APIRouter:
         """The mode, the current rollout with both arms and the decision it would take, and the latest ones."""
         return await operate(controller.status)
 
-    @router.post("/v1/rl/rollout/promote")
+    @router.post("/v1/rl/rollout/promote", openapi_extra=openapi.ROLLOUT_ACTION)
     async def rollout_promote(request: Request) -> JSONBody:
         await _empty_body(request)
         return await operate(controller.promote)
 
-    @router.post("/v1/rl/rollout/rollback")
+    @router.post("/v1/rl/rollout/rollback", openapi_extra=openapi.ROLLOUT_ACTION)
     async def rollout_rollback(request: Request) -> JSONBody:
         await _empty_body(request)
         return await operate(controller.rollback)
 
-    @router.post("/v1/rl/rollout/pause")
+    @router.post("/v1/rl/rollout/pause", openapi_extra=openapi.ROLLOUT_ACTION)
     async def rollout_pause(request: Request) -> JSONBody:
         await _empty_body(request)
         return await operate(lambda: controller.pause(True))
 
-    @router.post("/v1/rl/rollout/resume")
+    @router.post("/v1/rl/rollout/resume", openapi_extra=openapi.ROLLOUT_ACTION)
     async def rollout_resume(request: Request) -> JSONBody:
         await _empty_body(request)
         return await operate(lambda: controller.pause(False))
@@ -62,7 +63,7 @@ def build_rollout_router(controller: RolloutController) -> APIRouter:
             raise ApiError(404, "rollout_not_found", "rollout not found")
         return await operate(lambda: _items(controller, rollout_id))
 
-    @router.post("/v1/rl/loras/activate")
+    @router.post("/v1/rl/loras/activate", openapi_extra=openapi.LORA_ACTIVATE)
     async def lora_activate(request: Request) -> JSONBody:
         """Activate a published version of the model (`{"lora_name": "<model>:vN"}`) for every new Task."""
         body = await json_value(request)
