@@ -31,7 +31,7 @@ from tests.support.service_process import ServiceProcess
 
 pytestmark = pytest.mark.system
 
-EXAMPLES = 25  # per operation and mode: (24 + 14 operations) × 25 = 950 requests
+EXAMPLES = 25  # per operation and mode: (31 + 20 operations) × 25 = 1275 requests
 SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
