@@ -113,12 +113,15 @@ class RolloutController:
             record = await self._finish(record)
         if not self.gated:
             return
-        candidate = (await self._gateway.canary_status()).get("candidate")
-        name = candidate.get("lora_name") if isinstance(candidate, dict) else None
-        owned = record is not None and record.get("status") in LIVE and record["candidate"]["lora_name"] == name
-        if isinstance(name, str) and not owned:
-            log.warning("the gateway's candidate %s belongs to no live rollout; aborting it", name)
-            await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=name)
+        try:
+            candidate = (await self._gateway.canary_status()).get("candidate")
+            name = candidate.get("lora_name") if isinstance(candidate, dict) else None
+            owned = record is not None and record.get("status") in LIVE and record["candidate"]["lora_name"] == name
+            if isinstance(name, str) and not owned:
+                log.warning("the gateway's candidate %s belongs to no live rollout; aborting it", name)
+                await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=name)
+        except GatewayError as exc:  # best-effort: the next start tries again, and a new canary says 409 meanwhile
+            log.warning("could not check the gateway's candidate at start-up: %s", exc)
 
     def start(self) -> None:
         if self._loop is None:
