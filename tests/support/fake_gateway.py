@@ -73,6 +73,7 @@ class FakeGateway:
             Route(f"/internal/v1/rl/canary/{model_id}", self._canary_status, methods=["GET"]),
             Route("/internal/v1/rl/canary/start", self._canary_start, methods=["POST"]),
             Route("/internal/v1/rl/canary/abort", self._canary_abort, methods=["POST"]),
+            Route("/internal/v1/rl/canary/promote", self._canary_promote, methods=["POST"]),
         ] if canary else []))
         self._server = ThreadedServer(app, name="fake-gateway")
 
@@ -179,4 +180,18 @@ class FakeGateway:
             self.canary_calls.append(("abort", body))
         if self.candidate is not None and self.candidate[0] == body["lora_name"]:
             self.candidate = None
+        return JSONResponse(self._canary_body())
+
+    async def _canary_promote(self, request: Request) -> Response:
+        body = await request.json()
+        with self._lock:
+            self.canary_calls.append(("promote", body))
+        current = self.active[0] if self.active else "base"
+        if self.candidate is None:
+            if current == body["lora_name"]:
+                return JSONResponse(self._canary_body())  # promoted already
+            return JSONResponse({"error": {"code": "no_canary", "message": "x"}}, status_code=409)
+        if self.candidate[0] != body["lora_name"] or current != body["expected_lora_name"]:
+            return JSONResponse({"error": {"code": "lora_cas_conflict", "message": "x"}}, status_code=409)
+        self.active, self.candidate = self.candidate, None
         return JSONResponse(self._canary_body())

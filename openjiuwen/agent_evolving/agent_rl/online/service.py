@@ -155,7 +155,7 @@ class ServiceDeps:
         rollout = RolloutController(
             redis, RolloutStore(redis), gateway, repository, config=config.rollout, model_id=config.model_id,
             base_model_path=config.base_model_path, observe_policy=runs.observe_policy, active_run=runs.active,
-            metrics=metrics,
+            metrics=metrics, fault=fault,
         )
         runner = TrainingRunner(
             runs,

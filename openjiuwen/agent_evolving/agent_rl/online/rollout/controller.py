@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from ..background import stop_loop
 from ..errors import Conflict, InvalidInput, NotFound
 from ..events import EventLog
+from ..faults import FaultHook, no_faults
 from ..ids import lora_version, now_iso, parse_iso_epoch
 from ..lora.gateway_client import GatewayError, GatewayLoraClient, GatewayRejected, GatewayTransient
 from ..lora.repository import LoraRepository
@@ -59,8 +60,10 @@ class RolloutController:
         observe_policy: Callable[[str, str], Awaitable[None]],
         active_run: Callable[[], Awaitable[Any]],
         metrics: "ServiceMetrics | None" = None,
+        fault: FaultHook = no_faults,
     ) -> None:
         self._redis = redis
+        self._fault = fault  # chaos tests only (faults.py)
         self.store = store
         self._gateway = gateway
         self._repository = repository
@@ -290,6 +293,7 @@ class RolloutController:
         if self._metrics is not None:
             self._metrics.rollout_decision(action, str(note.get("reason")), by)
         log.info("rollout %s: %s (%s, by %s)", record["rollout_id"], action, note.get("detail"), by)
+        self._fault("rollout.intent")
         return await self._finish(record)
 
     async def _finish(self, record: dict[str, Any]) -> dict[str, Any]:
@@ -302,10 +306,12 @@ class RolloutController:
                 await self._gateway.promote_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"],
                                                    expected=baseline["lora_name"])
                 await self._now_active(candidate, record.get("training_run_id") or "")
+                self._fault("rollout.switched")
                 return await self._update(rollout_id, lambda r: {**r, "status": "promoted"}, "canary_promoted",
                                                {"lora_name": candidate["lora_name"]})
             if status == "rolling_back":
                 await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"])
+                self._fault("rollout.switched")
                 return await self._update(rollout_id, lambda r: {**r, "status": "rolled_back"},
                                                "canary_rolled_back", {"lora_name": candidate["lora_name"],
                                                                       "active": baseline["lora_name"]})
