@@ -134,8 +134,9 @@ def cli(gw: GatewayProcess, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def console_rollout_page(gw: GatewayProcess) -> tuple[str, int, list[str]]:
-    """The console's Rollout page in headless Chromium: its text, the chart's dots, and any page problem."""
+def console_rollout_page(gw: GatewayProcess) -> tuple[str, int, str, list[str]]:
+    """The console's Rollout page in headless Chromium: its text, the chart's dots, the LoRA page's text, and any
+    page problem."""
     from playwright.sync_api import sync_playwright
 
     assert Path(CHROMIUM).exists(), "the Debian chromium package is missing: `make test` installs it"
@@ -154,7 +155,10 @@ def console_rollout_page(gw: GatewayProcess) -> tuple[str, int, list[str]]:
             page.wait_for_selector('#view[data-route="/rollout"]', state="attached")
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "console-rollout.png"), full_page=True)
-            return page.inner_text("#view"), page.locator("svg.chart circle.dot").count(), problems
+            rollout_text, dots = page.inner_text("#view"), page.locator("svg.chart circle.dot").count()
+            page.goto(f"{gw.url}/console/#/loras")
+            page.wait_for_selector('#view[data-route="/loras"]', state="attached")
+            return rollout_text, dots, page.inner_text("#view"), problems
         finally:
             browser.close()
 
@@ -282,10 +286,11 @@ async def test_manual_mode_waits_for_the_operator_and_the_cli_rolls_back_to_any_
         assert current["status"] == "running" and current["evaluation"]["action"] == "rollback"
         shown = cli(gw, "rollout", "status")
         assert shown.returncode == 0 and "would" in shown.stdout and "regression" in shown.stdout, shown
-        page, dots, problems = await asyncio.to_thread(console_rollout_page, gw)
+        page, dots, loras_page, problems = await asyncio.to_thread(console_rollout_page, gw)
         assert "Would decide: rollback" in page and "regression" in page, page
         assert "candidate" in page and "tiny:v1" in page and "base" in page and "95% CI" in page
         assert dots == 2 and problems == []  # both arms' means with their intervals
+        assert "canary candidate" in loras_page and "tiny:v1 for 50% of new Tasks" in loras_page, loras_page
         assert cli(gw, "rollout", "pause").returncode == 0
         assert rollout(gw)["current"]["status"] == "paused"
         promoted = cli(gw, "rollout", "promote")  # the operator overrides the recommendation

@@ -462,7 +462,9 @@
       h("div", { class: "panel" }, fields([
         ["active LoRA", lora.active_lora ? lora.active_lora.lora_name : "base"],
         ["path", lora.active_lora ? lora.active_lora.lora_path : null],
-        ["instances", lora.instances.ready + " ready, " + lora.instances.failed + " failed"]])),
+        ["instances", lora.instances.ready + " ready, " + lora.instances.failed + " failed"],
+        ["canary candidate", lora.candidate ? h("span", {}, h("span", { class: "mono", text: lora.candidate.lora_name }),
+          " for " + num(lora.candidate.share * 100, 0) + "% of new Tasks (", link("#/rollout", "rollout"), ")") : null]])),
       h("h2", { text: "Instances" }),
       table(["instance", "address", "adapters loaded", "active loaded", "in flight#"], lora.instance_list.map(function (i) {
         const want = lora.active_lora ? lora.active_lora.lora_name : null;
