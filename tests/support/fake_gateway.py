@@ -49,7 +49,10 @@ Behaviour = Ok | Fail | Hang
 
 
 class FakeGateway:
-    def __init__(self, *, model_id: str, active: tuple[str, str] | None = None, token: str | None = None) -> None:
+    def __init__(self, *, model_id: str, active: tuple[str, str] | None = None, token: str | None = None,
+                 canary: bool = False) -> None:
+        """`canary`: also serve the canary routes (CONTRACT §3.8 "Canary": status, start, abort; `canary_plan`
+        scripts the starts, `candidate` is the (lora_name, lora_path) held, `canary_calls` every (action, body))."""
         self.model_id = model_id
         self.active = active
         self.token = token
@@ -58,12 +61,20 @@ class FakeGateway:
         self.activations: list[dict[str, Any]] = []
         self.policy_reads = 0
         self.unauthorized = 0
+        self.candidate: tuple[str, str] | None = None
+        self.canary_plan: deque[Behaviour] = deque()
+        self.canary_calls: list[tuple[str, dict[str, Any]]] = []
         self._lock = threading.Lock()
         self._stopping = asyncio.Event()
         app = Starlette(routes=[
             Route(f"/internal/v1/rl/loras/{model_id}", self._policy, methods=["GET"]),
             Route("/internal/v1/rl/loras/activate", self._activate, methods=["POST"]),
-        ])
+        ] + ([
+            Route(f"/internal/v1/rl/canary/{model_id}", self._canary_status, methods=["GET"]),
+            Route("/internal/v1/rl/canary/start", self._canary_start, methods=["POST"]),
+            Route("/internal/v1/rl/canary/abort", self._canary_abort, methods=["POST"]),
+            Route("/internal/v1/rl/canary/promote", self._canary_promote, methods=["POST"]),
+        ] if canary else []))
         self._server = ThreadedServer(app, name="fake-gateway")
 
     @property
@@ -138,3 +149,49 @@ class FakeGateway:
             )
         self.active = (body["lora_name"], body["lora_path"])
         return JSONResponse({"status": "active", "active_lora": self._policy_body()["active_lora"]})
+
+    def _canary_body(self) -> dict[str, Any]:
+        candidate = None
+        if self.candidate is not None:
+            candidate = {"lora_name": self.candidate[0], "lora_path": self.candidate[1], "share": 0.5,
+                         "started_at": "2026-01-01T00:00:00+00:00", "instances": {"ready": 1}}
+        return {**self._policy_body(), "candidate": candidate, "leases": {}}
+
+    async def _canary_status(self, request: Request) -> Response:
+        return JSONResponse(self._canary_body())
+
+    async def _canary_start(self, request: Request) -> Response:
+        body = await request.json()
+        with self._lock:
+            self.canary_calls.append(("start", body))
+            behaviour = self.canary_plan.popleft() if self.canary_plan else Ok()
+        if isinstance(behaviour, Fail):
+            return Response(behaviour.body, status_code=behaviour.status, media_type="application/json")
+        if isinstance(behaviour, Hang):
+            if behaviour.switch:
+                self.candidate = (body["lora_name"], body["lora_path"])
+            await asyncio.sleep(behaviour.seconds)
+        self.candidate = (body["lora_name"], body["lora_path"])
+        return JSONResponse(self._canary_body())
+
+    async def _canary_abort(self, request: Request) -> Response:
+        body = await request.json()
+        with self._lock:
+            self.canary_calls.append(("abort", body))
+        if self.candidate is not None and self.candidate[0] == body["lora_name"]:
+            self.candidate = None
+        return JSONResponse(self._canary_body())
+
+    async def _canary_promote(self, request: Request) -> Response:
+        body = await request.json()
+        with self._lock:
+            self.canary_calls.append(("promote", body))
+        current = self.active[0] if self.active else "base"
+        if self.candidate is None:
+            if current == body["lora_name"]:
+                return JSONResponse(self._canary_body())  # promoted already
+            return JSONResponse({"error": {"code": "no_canary", "message": "x"}}, status_code=409)
+        if self.candidate[0] != body["lora_name"] or current != body["expected_lora_name"]:
+            return JSONResponse({"error": {"code": "lora_cas_conflict", "message": "x"}}, status_code=409)
+        self.active, self.candidate = self.candidate, None
+        return JSONResponse(self._canary_body())

@@ -109,6 +109,11 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # Reward policy (docs/rewards.md): deadline index of awaiting_rewards samples, arrival lateness per source.
         ("reward_deadlines", f"reward_deadlines:(?P<o>{_O})"),
         ("reward_latency", f"reward_latency:(?P<o>{_O}):[a-z0-9_-]{{1,32}}"),
+        # Rollouts (docs/rollout.md): the current pointer, the listing, records and their timelines.
+        ("rollout_current", "rollout:current"),
+        ("rollouts_by_created", "rollouts:by_created"),
+        ("rollout", "rollout:(?P<ro>ro-[0-9a-f]{12})"),
+        ("rollout_events", "rollout:(?P<ro>ro-[0-9a-f]{12}):events"),
     )
 )
 
@@ -313,6 +318,7 @@ async def check_invariants(
     await _check_reward_deadlines(redis, report, model_id, samples)
     await _check_task_listings(redis, report, typed)
     active_run = await _check_runs(redis, report, run_ids, samples)
+    await _check_rollouts(redis, report, [g["ro"] for _, g in typed.get("rollout", [])])
     await _load_tasks(redis, tasks, typed)
     await _check_tasks(redis, report, tasks, strict_active_index)
     _check_task_samples(report, tasks, samples)
@@ -525,6 +531,36 @@ async def _check_runs(
         if record.get("sample_count") != len(ids):
             report.add(f"run {run_id}: sample_count {record.get('sample_count')} != batch size {len(ids)}")
     return active
+
+
+ROLLOUT_LIVE_STATUSES = frozenset({"running", "paused", "promoting", "rolling_back", "activating"})
+
+
+async def _check_rollouts(redis: Redis, report: InvariantReport, rollout_ids: list[str]) -> None:
+    """Invariant 10 (docs/rollout.md): the current pointer names exactly the one non-terminal rollout; every record
+    is listed; a canary has a candidate distinct from its baseline."""
+    raws = await _pipelined(redis, rollout_ids, lambda p, r: p.get(keys.rollout(r)))
+    live = []
+    listed = {_s(m) for m in await redis.zrange(keys.ROLLOUTS_BY_CREATION, 0, -1)}
+    for rollout_id, raw in zip(rollout_ids, raws):
+        record = _json(raw)
+        if not isinstance(record, dict) or record.get("rollout_id") != rollout_id:
+            report.add(f"rollout {rollout_id}: record is not a JSON object naming itself")
+            continue
+        if record.get("status") in ROLLOUT_LIVE_STATUSES:
+            live.append(rollout_id)
+        if rollout_id not in listed:
+            report.add(f"rollout {rollout_id} is not in the rollout listing")
+        candidate = (record.get("candidate") or {}).get("lora_name")
+        if record.get("kind") == "canary" and candidate == (record.get("baseline") or {}).get("lora_name"):
+            report.add(f"rollout {rollout_id}: the candidate is its own baseline")
+    pointer = _s(await redis.get(keys.ROLLOUT_CURRENT))
+    if len(live) > 1:
+        report.add(f"more than one rollout not ended: {sorted(live)}")
+    if pointer is None and live:
+        report.add(f"rollouts {sorted(live)} are not ended but no rollout is current")
+    if pointer is not None and live != [pointer]:
+        report.add(f"the current rollout pointer names {pointer}, the rollouts not ended are {sorted(live)}")
 
 
 # -------------------------------------------------------------------------------------------------------- tasks

@@ -317,6 +317,9 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         page.wait_for_selector(f'#view:not([data-loads="{before}"])', state="attached")
         assert "vllm-a" in text()
 
+        show("/rollout")  # immediate mode: no rollout, and the page says so
+        assert "immediate" in text() and "No rollout yet" in text()
+
         page.click("#logout")
         page.wait_for_url(run.gw.url + "/console/login")
         assert all(c["name"] != COOKIE_NAME for c in context.cookies())

@@ -29,6 +29,8 @@ pytestmark = pytest.mark.system
 
 ACTIVATE = "/internal/v1/rl/loras/activate"
 POLICY = "/internal/v1/rl/loras/tiny"
+CANARY_ROUTES = ("/internal/v1/rl/canary/start", "/internal/v1/rl/canary/promote", "/internal/v1/rl/canary/abort")
+CANARY_STATUS = "/internal/v1/rl/canary/tiny"
 REGISTER = "/aigw/v1/register-instance"
 CHAT_BODY = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 # What a page on any origin can send cross-site without a CORS preflight, plus near-misses of the JSON type.
@@ -67,9 +69,16 @@ def assert_internal_routes_closed(gw: GatewayProcess, vllm: FakeVLLM, when: str)
         r = gw.http.post(ACTIVATE, content=body, headers={"content-type": "application/json", **headers})
         assert error_code(r) == (401, "unauthorized"), (when, headers, r.text)
         assert error_code(gw.http.get(POLICY, headers=headers)) == (401, "unauthorized"), (when, headers)
+        # The canary routes (docs/rollout.md) are closed the same way: no rogue candidate for half the Tasks.
+        canary = orjson.dumps({**orjson.loads(body), "share": 0.5})
+        for path in CANARY_ROUTES:
+            r = gw.http.post(path, content=canary, headers={"content-type": "application/json", **headers})
+            assert error_code(r) == (401, "unauthorized"), (when, path, headers, r.text)
+        assert error_code(gw.http.get(CANARY_STATUS, headers=headers)) == (401, "unauthorized"), (when, headers)
     assert not any(r.path == LOAD_PATH for r in vllm.requests), when  # nothing reached an instance
     status = gw.signed("GET", "/v1/loras/tiny").json()
     assert (status["status"], status["active_lora"]) == ("base", None), when
+    assert "candidate" not in status, when
 
 
 # ---------------------------------------------------------------------------------------------- item 1

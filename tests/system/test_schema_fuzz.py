@@ -31,7 +31,7 @@ from tests.support.service_process import ServiceProcess
 
 pytestmark = pytest.mark.system
 
-EXAMPLES = 25  # per operation and mode: (17 + 11 operations) × 25 = 700 requests
+EXAMPLES = 25  # per operation and mode: (31 + 20 operations) × 25 = 1275 requests
 SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -67,6 +67,14 @@ OPERATIONS = [
     "GET /v1/rl/policies",
     "POST /v1/rl/trajectories/rewards",
     "POST /v1/rl/trajectories/{trajectory_id}/rewards",
+    # Rollout (docs/rollout.md): the fuzzed service has no rollout, so these answer 409 / 404 / 400, never a 5xx.
+    "GET /v1/rl/rollout",
+    "POST /v1/rl/rollout/promote",
+    "POST /v1/rl/rollout/rollback",
+    "POST /v1/rl/rollout/pause",
+    "POST /v1/rl/rollout/resume",
+    "GET /v1/rl/rollout/{rollout_id}/events",
+    "POST /v1/rl/loras/activate",
 ]
 # Operations whose schema constrains a body, header or query parameter: the others (no body, free-form path ids) have
 # nothing a negative case could break; hostile path ids are fuzzed in test_fuzz_routes.py and test_hostile_input.py.

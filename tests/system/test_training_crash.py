@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway, Hang
+from tests.support.invariants import check_invariants
 from tests.support.service_process import ServiceProcess
 
 pytestmark = pytest.mark.system
@@ -102,3 +103,37 @@ async def test_kill_during_activation_then_restart_retries_it(redis, redis_url, 
             assert len(gateway.activations) == 2 and gateway.activations[0] == gateway.activations[1]
             assert gateway.active == (run["lora_name"], run["lora_path"])
             assert by_status(svc.url)["trained"] == 3
+
+
+@pytest.mark.parametrize("point", ["rollout.intent", "rollout.switched"])
+async def test_kill_during_a_promotion_then_restart_finishes_it(redis, redis_url, tmp_path, point):
+    """docs/rollout.md: the intent is written before the gateway call, so a SIGKILL-equivalent exit on either side
+    of that call is finished by the restart: the candidate is active, the record `promoted`, exactly once."""
+    plan = tmp_path / "plan.json"
+    plan.write_bytes(orjson.dumps({"outcome": "succeed"}))
+    async with FakeGateway(model_id="tiny", canary=True) as gateway:
+        svc = ServiceProcess(
+            tmp_path, redis_url, env={"ONLINE_RL_SCRIPTED_PLAN": str(plan), "ONLINE_RL_CRASH_AT": point},
+            aigw_endpoint=gateway.url, trainer_backend="scripted", min_samples_for_training=3,
+            max_samples_per_run=3, lora_activation_timeout=10.0, training_tmp_root=str(tmp_path / "train-tmp"),
+            rollout={"mode": "manual", "decision_interval_seconds": 0.2},
+        )
+        with svc.start():
+            publish_samples(svc.url, 3)
+            run_id = httpx.post(svc.url + "/v1/rl/training/runs").json()["training_run_id"]
+            wait_for(lambda: httpx.get(f"{svc.url}/v1/rl/training/runs/{run_id}").json()["status"] == "succeeded",
+                     what="the run")
+            assert gateway.candidate is not None and gateway.candidate[0] == "tiny:v1"
+            with pytest.raises(httpx.TransportError):
+                httpx.post(svc.url + "/v1/rl/rollout/promote", timeout=10)
+            assert svc.wait(10) == 86  # the crash point, not a clean exit
+            svc.env.pop("ONLINE_RL_CRASH_AT")
+            svc.start()  # recovery finishes the promotion before serving
+            status = httpx.get(svc.url + "/v1/rl/rollout").json()
+            assert status["current"] is None and status["recent"][0]["status"] == "promoted", status
+            assert gateway.active == ("tiny:v1", gateway.active[1]) and gateway.candidate is None
+            promotes = [a for a, _ in gateway.canary_calls if a == "promote"]
+            assert len(promotes) == (1 if point == "rollout.intent" else 2)  # the repeat is idempotent
+            active = orjson.loads((tmp_path / "loras" / "tiny" / "active").read_bytes())
+            assert active["lora_name"] == "tiny:v1"
+            await check_invariants(redis, model_id="tiny")

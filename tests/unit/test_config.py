@@ -17,6 +17,7 @@ from openjiuwen.agent_evolving.agent_rl.online.config import (
     config_from_mapping,
     load_config,
 )
+from openjiuwen.agent_evolving.agent_rl.online.rollout.config import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "rl-service.example.yaml"
@@ -100,6 +101,7 @@ def test_defaults_match_the_contract() -> None:
         "log_backup_count": 5,
         "log_level": "INFO",
         "log_format": "text",
+        "rollout": RolloutConfig(),
     }
     assert {name: getattr(config, name) for name in expected} == expected
     assert set(RLServiceConfig.model_fields) == set(expected) | {"redis_url", "judge_api_key"}

@@ -525,6 +525,77 @@ def _lora_status(ctx: Context) -> int:
     return 0
 
 
+def _fmt_reward(reward: dict[str, Any] | None) -> str:
+    reward = reward or {}
+    if not reward.get("n"):
+        return "no reward yet"
+    ci = reward.get("ci95")
+    interval = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
+    return f"{reward['mean']:.3f}{interval} over {reward['n']} Task(s)"
+
+
+def _show_rollout_record(record: dict[str, Any]) -> None:
+    decision = record.get("decision") or record.get("evaluation") or {}
+    rows = [
+        ("rollout", record.get("rollout_id")),
+        ("kind", f"{record.get('kind')} ({record.get('mode')})"),
+        ("status", record.get("status")),
+        ("candidate", (record.get("candidate") or {}).get("lora_name")),
+        ("against", (record.get("baseline") or {}).get("lora_name")),
+    ]
+    if record.get("kind") == "canary":
+        rows.append(("share", record.get("share")))
+        for arm in ("candidate", "active"):
+            row = (decision.get("arms") or {}).get(arm)
+            if row:
+                rows.append((f"{arm} arm", f"{row.get('lora_name')}: {row.get('tasks')} Task(s), "
+                                            f"{row.get('failed')} failed, reward {_fmt_reward(row.get('reward'))}"))
+        ci = decision.get("ci95")
+        if decision.get("reward_delta") is not None:
+            rows.append(("difference", f"{decision['reward_delta']:+.4f}"
+                                       + (f" [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else "")))
+    verb = "decided" if record.get("decision") else "would"
+    rows.append((verb, f"{decision.get('action')}: {decision.get('reason')} — {decision.get('detail', '')}"
+                 if decision else None))
+    _fields(rows)
+
+
+def _show_rollout(status: dict[str, Any]) -> None:
+    _out(f"mode: {status.get('mode')}")
+    current = status.get("current")
+    if current is None:
+        _out("no rollout in progress")
+    else:
+        _show_rollout_record(current)
+    for record in (status.get("recent") or [])[:5]:
+        _out(f"{record.get('created_at')}  {record.get('rollout_id')}  {record.get('kind'):<10} "
+             f"{(record.get('candidate') or {}).get('lora_name')}  {record.get('status')}")
+
+
+def _rollout_status(ctx: Context) -> int:
+    ctx.show(ctx.client.request("GET", "/v1/rl/rollout"), _show_rollout)
+    return 0
+
+
+def _rollout(action: str) -> Callable[[Context], int]:
+    def handler(ctx: Context) -> int:
+        ctx.show(ctx.client.request("POST", f"/v1/rl/rollout/{action}"), _show_rollout_record)
+        return 0
+
+    return handler
+
+
+def _rollout_events(ctx: Context) -> int:
+    ctx.show(ctx.client.request("GET", f"/v1/rl/rollout/{_q(ctx.args.rollout_id)}/events"), _show_events)
+    return 0
+
+
+def _lora_activate(ctx: Context) -> int:
+    record = ctx.client.request("POST", "/v1/rl/loras/activate", body={"lora_name": ctx.args.lora_name})
+    ctx.show(record, _show_rollout_record)
+    return 0 if record.get("status") == "activated" else 1
+
+
 def _lora_delete(ctx: Context) -> int:
     ctx.client.request("DELETE", f"/v1/loras/{_q(ctx.args.model)}")
     ctx.show({"model": ctx.args.model, "status": "base"},
@@ -684,7 +755,20 @@ def build_parser() -> argparse.ArgumentParser:
     leaf(policy, "report", "Tasks, samples, reward with its confidence interval, sources, judge agreement, tokens "
                            "and latency per version, and the latest version against its parent", _policy_report)
 
+    rollout = group("rollout", "the canary of a new version: status, promote, roll back, pause (docs/rollout.md)")
+    leaf(rollout, "status", "the rollout mode, the current rollout with both arms, their reward intervals and the "
+                            "decision with its reason, and the latest rollouts", _rollout_status)
+    leaf(rollout, "promote", "promote the candidate now: it serves every new Task", _rollout("promote"))
+    leaf(rollout, "rollback", "roll the candidate back now: every new Task gets the active version; Tasks pinned "
+                              "to the candidate keep it until they end", _rollout("rollback"))
+    leaf(rollout, "pause", "stop automatic decisions (new Tasks are still split)", _rollout("pause"))
+    leaf(rollout, "resume", "resume automatic decisions", _rollout("resume"))
+    leaf(rollout, "events", "the rollout timeline", _rollout_events).add_argument("rollout_id")
+
     lora = group("lora", "inspect or roll back the active LoRA of a model")
+    leaf(lora, "activate", "activate any published version (<model>:vN) for every new Task, through the RL "
+                           "Service so that its records stay true; pinned Tasks keep theirs",
+         _lora_activate).add_argument("lora_name", help="e.g. tiny:v3")
     leaf(lora, "status", "base, active or degraded, with the active LoRA and instance counts",
          _lora_status).add_argument("model", nargs="?", help=f"model id (default ${MODEL_ENV})")
     leaf(lora, "delete", "deactivate the LoRA: new Tasks use the base model, pinned Tasks keep theirs",

@@ -259,6 +259,13 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         ("POST", "/v1/rl/trajectories/rewards"),
         ("POST", "/v1/rl/trajectories/{trajectory_id}/rewards"),
         ("GET", "/v1/rl/policies"),
+        ("GET", "/v1/rl/rollout"),
+        ("POST", "/v1/rl/rollout/promote"),
+        ("POST", "/v1/rl/rollout/rollback"),
+        ("POST", "/v1/rl/rollout/pause"),
+        ("POST", "/v1/rl/rollout/resume"),
+        ("GET", "/v1/rl/rollout/{rollout_id}/events"),
+        ("POST", "/v1/rl/loras/activate"),
         ("POST", "/v1/gateway/upload/batch"),
     ):
         app.add_api_route(path, proxied, methods=[method])
@@ -352,6 +359,42 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             return json_response(await gw.loras.activate(**args))
         except LoraError as exc:
             return envelope(exc.status, exc.code, exc.message)
+
+    # Canary (docs/rollout.md; CONTRACT §3.8 ext): a candidate beside the active version, CAS like activation.
+
+    @app.get("/internal/v1/rl/canary/{model}")
+    async def internal_canary_status(model: str, request: Request) -> Response:
+        refused = internal_allowed(request)
+        return refused or json_response(gw.loras.canary_status(model))
+
+    async def canary_call(request: Request, fields: tuple[str, ...], operation: Any) -> Response:
+        refused = internal_allowed(request)
+        if refused:
+            return refused
+        try:
+            data = orjson.loads(await request.body())
+            args = {k: data[k] for k in fields}
+            if not all(isinstance(v, str) for k, v in args.items() if k != "share"):
+                raise TypeError("fields must be strings")
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            return envelope(400, "invalid_lora_request", f"invalid canary request: {exc}")
+        try:
+            return json_response(await operation(**args))
+        except LoraError as exc:
+            return envelope(exc.status, exc.code, exc.message)
+
+    @app.post("/internal/v1/rl/canary/start")
+    async def internal_canary_start(request: Request) -> Response:
+        return await canary_call(request, ("base_model", "lora_name", "lora_path", "expected_lora_name", "share"),
+                                 gw.loras.start_canary)
+
+    @app.post("/internal/v1/rl/canary/promote")
+    async def internal_canary_promote(request: Request) -> Response:
+        return await canary_call(request, ("base_model", "lora_name", "expected_lora_name"), gw.loras.promote_canary)
+
+    @app.post("/internal/v1/rl/canary/abort")
+    async def internal_canary_abort(request: Request) -> Response:
+        return await canary_call(request, ("base_model", "lora_name"), gw.loras.abort_canary)
 
     # ---------------------------------------------------------------- web console (session cookie, read-only)
 

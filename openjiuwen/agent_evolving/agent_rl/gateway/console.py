@@ -47,6 +47,8 @@ _RL_READS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), t) fo
     (rf"runs/({_ID})", "/v1/rl/training/runs/{0}"),
     (rf"runs/({_ID})/events", "/v1/rl/training/runs/{0}/events"),
     (r"policies", "/v1/rl/policies"),
+    (r"rollout", "/v1/rl/rollout"),
+    (r"rollout/(ro-[0-9a-f]{12})/events", "/v1/rl/rollout/{0}/events"),
     (r"trajectories/stats", "/v1/rl/trajectories/stats"),
 ))
 _QUERY_KEYS = ("status", "limit", "cursor")  # the listing parameters; anything else is dropped, not forwarded

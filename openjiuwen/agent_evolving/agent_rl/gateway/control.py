@@ -83,7 +83,7 @@ class RLControl:
         except ValueError as exc:
             return envelope(400, "invalid_task_request", str(exc))
         rl_task_id = "t" + uuid.uuid4().hex
-        policy_name, policy_model = self._loras.snapshot(self._model_id)
+        policy_name, policy_model = self._loras.snapshot(self._model_id, rl_task_id=rl_task_id)
         self._tracker.lease(policy_name)
         headers: dict[str, str | bytes] = {
             # The bytes as received: the RL Service judges the format (400 `missing_session_id`); re-encoding a

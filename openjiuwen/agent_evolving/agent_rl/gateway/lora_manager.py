@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
+from .canary import Candidate, in_candidate_arm, parse_candidates, parse_share
 from .instances import Instance, InstanceRefused, InstanceRegistry
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
@@ -43,6 +44,7 @@ MODELS_PATH = "/v1/models"
 ROLLBACK_SHARE = 0.25  # of operation_timeout_s, kept after the loads for unloading a failed activation
 STATE_FILE_VERSION = 1
 BASE = "base"
+_KEEP: Any = object()  # `_persist`: leave this part of the model's entry as it is
 
 _LORA_NAME_RE = re.compile(r"(?P<model>.+):v(?P<version>[1-9][0-9]*)")
 _ALREADY_LOADED = "already been loaded"  # vLLM's 400 text for a repeated load (load_lora_again.txt)
@@ -93,6 +95,7 @@ class _ModelState:
     active: ActiveLora | None = None
     failed: set[str] = field(default_factory=set)  # instances that could not load the active adapter
     artifact_missing: bool = False  # the active adapter's directory is gone or invalid
+    candidate: Candidate | None = None  # the canary version beside the active one (docs/rollout.md)
 
 
 class LoraManager:
@@ -126,6 +129,7 @@ class LoraManager:
         self._inflight: Counter[str] = Counter()  # instance name → requests in flight
         self._turns: dict[str, int] = {}  # round-robin position per routing key
         self._persisted: dict[str, dict[str, str]] = {}  # the state file's content, model → entry
+        self._persisted_candidates: dict[str, dict[str, Any]] = {}  # … and its canary candidates, model → entry
         self._file_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -165,6 +169,9 @@ class LoraManager:
                 if os.path.normpath(current.lora_path) == os.path.normpath(lora_path):
                     return _activated(current)  # idempotent, whatever expected_lora_name says
                 raise LoraError(409, "lora_cas_conflict", f"{lora_name} is already active from another path")
+            if state.candidate is not None:  # one version in flight at a time: the canary decides first
+                raise LoraError(409, "canary_conflict",
+                                f"{state.candidate.lora_name} is the candidate of {model}: promote or abort it first")
             current_name = current.lora_name if current is not None else BASE
             if current_name != expected:
                 raise LoraError(409, "lora_cas_conflict", f"active policy is {current_name}, expected {expected}")
@@ -172,7 +179,10 @@ class LoraManager:
             async with _holding(self._version_lock(lora_name), load_deadline) as held_version:
                 if not held_version:
                     raise LoraError(502, "lora_activation_failed", f"an operation on {lora_name} is still running")
-                instances = await self._load_everywhere(model, wanted, instances, load_deadline, deadline, base_model)
+                entry = {"lora_name": lora_name, "lora_path": lora_path, "base_model": base_model,
+                         "activated_at": datetime.now(timezone.utc).isoformat()}
+                instances = await self._load_everywhere(model, wanted, instances, load_deadline, deadline,
+                                                        lambda: self._persist(model, entry))
                 # Loaded everywhere and persisted: switch. Nothing awaits between here and the return of the lock.
                 self._paths[lora_name] = lora_path
                 for instance in instances:
@@ -188,9 +198,9 @@ class LoraManager:
 
     async def _load_everywhere(
         self, model: str, wanted: ActiveLora, instances: list[Instance], load_deadline: float, deadline: float,
-        base_model: str,
+        persist: Callable[[], Awaitable[None]],
     ) -> list[Instance]:
-        """Load on every serving instance and persist the state file; returns the instances that hold it. On any
+        """Load on every serving instance and `persist` the state file; returns the instances that hold it. On any
         failure unload what this call loaded and raise 502. An instance that refuses the connection is down, not
         failed: it leaves routing and the quorum (readmission loads it later) and the activation goes on without it;
         when that leaves no instance, 503 `no_healthy_instances`. Runs under the model lock and the version lock."""
@@ -206,10 +216,8 @@ class LoraManager:
         if not instances:
             raise LoraError(503, "no_healthy_instances", f"no instance of {model} answered; kept the previous policy")
         if not failures:
-            entry = {"lora_name": wanted.lora_name, "lora_path": wanted.lora_path, "base_model": base_model,
-                     "activated_at": datetime.now(timezone.utc).isoformat()}
             try:
-                await self._persist(model, entry)
+                await persist()
                 return instances
             except OSError as exc:
                 log.error("could not write the LoRA state file %s", self._state_path, exc_info=exc)
@@ -253,6 +261,168 @@ class LoraManager:
         log.info("deactivated %s; %s serves base", previous.lora_name, model)
         await self._collect_version(previous.lora_name, self._now() + self._timeout_s)
 
+    # ------------------------------------------------------------------------------------------------ canary
+
+    async def start_canary(
+        self, *, base_model: str, lora_name: str, lora_path: str, expected_lora_name: str, share: object
+    ) -> dict[str, Any]:
+        """Load `lora_name` on every instance as the model's candidate beside the active version, which must be
+        `expected_lora_name` (CAS, as activation). One candidate per model: another one is 409 `canary_conflict`;
+        the same one again is idempotent. Raises LoraError."""
+        return await self._shielded(
+            self._start_canary(base_model, lora_name, lora_path, expected_lora_name, share),
+            f"lora-canary:{lora_name}",
+        )
+
+    async def _start_canary(self, base_model: Any, lora_name: Any, lora_path: Any, expected: Any,
+                            share: object) -> dict[str, Any]:
+        deadline = self._now() + self._timeout_s
+        load_deadline = deadline - self._timeout_s * ROLLBACK_SHARE
+        model, path = await self._checked_target(base_model, lora_name, lora_path, expected)
+        try:
+            fraction = parse_share(share)
+        except ValueError as exc:
+            raise LoraError(400, "invalid_lora_request", str(exc)) from exc
+        state = self._state(model)
+        async with _holding(state.lock, load_deadline) as held:
+            if not held:
+                raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
+            current = state.candidate
+            if current is not None:
+                if current.lora_name == lora_name and os.path.normpath(current.lora_path) == os.path.normpath(path):
+                    return self.canary_status(model)  # a repeated start (a lost answer): idempotent
+                raise LoraError(409, "canary_conflict", f"{current.lora_name} is already the candidate of {model}")
+            active_name = state.active.lora_name if state.active is not None else BASE
+            if active_name == lora_name:
+                raise LoraError(409, "lora_cas_conflict", f"{lora_name} is already active")
+            if active_name != expected:
+                raise LoraError(409, "lora_cas_conflict", f"active policy is {active_name}, expected {expected}")
+            instances = self._require_serving(model)
+            wanted = Candidate(lora_name, path, fraction, datetime.now(timezone.utc).isoformat(), base_model)
+            async with _holding(self._version_lock(lora_name), load_deadline) as held_version:
+                if not held_version:
+                    raise LoraError(502, "lora_activation_failed", f"an operation on {lora_name} is still running")
+                instances = await self._load_everywhere(
+                    model, ActiveLora(lora_name, path), instances, load_deadline, deadline,
+                    lambda: self._persist(model, _KEEP, candidate=wanted.entry()),
+                )
+                # Loaded everywhere and persisted: new Tasks may be pinned to it from here on.
+                self._paths[lora_name] = path
+                for instance in instances:
+                    self._loaded[instance.name].add(lora_name)
+                    self._stale[instance.name].discard(lora_name)
+                state.candidate = wanted
+        log.info("canary %s started on %d instance(s) for %.0f%% of new Tasks (active %s)",
+                 lora_name, len(instances), fraction * 100, active_name)
+        return self.canary_status(model)
+
+    async def promote_canary(self, *, base_model: str, lora_name: str, expected_lora_name: str) -> dict[str, Any]:
+        """Make the candidate `lora_name` the active version, replacing `expected_lora_name` (CAS). Already promoted
+        (it is active, no candidate) → idempotent. Raises LoraError 409 `lora_cas_conflict` / `no_canary`."""
+        return await self._shielded(self._promote_canary(base_model, lora_name, expected_lora_name),
+                                    f"lora-promote:{lora_name}")
+
+    async def _promote_canary(self, base_model: Any, lora_name: Any, expected: Any) -> dict[str, Any]:
+        deadline = self._now() + self._timeout_s
+        model = self._checked_name(base_model, lora_name, expected)
+        state = self._state(model)
+        async with _holding(state.lock, deadline) as held:
+            if not held:
+                raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
+            candidate, previous = state.candidate, state.active
+            active_name = previous.lora_name if previous is not None else BASE
+            if candidate is None:
+                if active_name == lora_name:
+                    return self.canary_status(model)  # promoted already (a lost answer)
+                raise LoraError(409, "no_canary", f"{model} has no candidate")
+            if candidate.lora_name != lora_name:
+                raise LoraError(409, "lora_cas_conflict", f"the candidate is {candidate.lora_name}, not {lora_name}")
+            if active_name != expected:
+                raise LoraError(409, "lora_cas_conflict", f"active policy is {active_name}, expected {expected}")
+            entry = {"lora_name": candidate.lora_name, "lora_path": candidate.lora_path,
+                     "base_model": candidate.base_model or str(base_model),
+                     "activated_at": datetime.now(timezone.utc).isoformat()}
+            try:
+                await self._persist(model, entry, candidate=None)  # one write: active and candidate together
+            except OSError as exc:
+                log.error("could not write the LoRA state file %s", self._state_path, exc_info=exc)
+                raise LoraError(500, "internal_error", "could not write the LoRA state file") from exc
+            state.active = ActiveLora(candidate.lora_name, candidate.lora_path)
+            state.candidate = None
+            state.failed.clear()
+            state.artifact_missing = False
+        log.info("canary %s promoted (was %s)", lora_name, active_name)
+        if self._needs_converge(model):  # an instance that could not load the candidate gets it now
+            await self._converge(model, deadline)
+        if previous is not None:
+            await self._collect_version(previous.lora_name, deadline)  # unloads only when not leased
+        return self.canary_status(model)
+
+    async def abort_canary(self, *, base_model: str, lora_name: str) -> dict[str, Any]:
+        """Drop the candidate `lora_name`: new Tasks all go to the active version; Tasks pinned to the candidate
+        keep it (leases). No candidate, and it is not active → idempotent. Raises LoraError 409."""
+        return await self._shielded(self._abort_canary(base_model, lora_name), f"lora-abort:{lora_name}")
+
+    async def _abort_canary(self, base_model: Any, lora_name: Any) -> dict[str, Any]:
+        deadline = self._now() + self._timeout_s
+        model = self._checked_name(base_model, lora_name, BASE)
+        state = self._state(model)
+        async with _holding(state.lock, deadline) as held:
+            if not held:
+                raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
+            candidate = state.candidate
+            if candidate is None:
+                if state.active is not None and state.active.lora_name == lora_name:
+                    raise LoraError(409, "lora_cas_conflict", f"{lora_name} was promoted")
+                return self.canary_status(model)  # aborted already (a lost answer)
+            if candidate.lora_name != lora_name:
+                raise LoraError(409, "lora_cas_conflict", f"the candidate is {candidate.lora_name}, not {lora_name}")
+            try:
+                await self._persist(model, _KEEP, candidate=None)
+            except OSError as exc:
+                log.error("could not write the LoRA state file %s", self._state_path, exc_info=exc)
+                raise LoraError(500, "internal_error", "could not write the LoRA state file") from exc
+            state.candidate = None
+        log.info("canary %s aborted", lora_name)
+        await self._collect_version(lora_name, deadline)  # unloads only when no Task is pinned to it
+        return self.canary_status(model)
+
+    def candidate(self, model: str) -> Candidate | None:
+        state = self._models.get(model)
+        return state.candidate if state is not None else None
+
+    def canary_status(self, model: str) -> dict[str, Any]:
+        """`status(model)` with the candidate (null when none) and the lease count per version of the model."""
+        leases = {name: n for name, n in sorted(self._leases.items())
+                  if n > 0 and (parsed := parse_lora_name(name)) is not None and parsed[0] == model}
+        return {**self.status(model), "candidate": self._candidate_row(model), "leases": leases}
+
+    def _candidate_row(self, model: str) -> dict[str, Any] | None:
+        candidate = self.candidate(model)
+        if candidate is None:
+            return None
+        ready = sum(1 for i in self._registry.serving(model) if candidate.lora_name in self._loaded[i.name])
+        return {**candidate.public(), "instances": {"ready": ready}}
+
+    def _checked_name(self, base_model: Any, lora_name: Any, expected: Any) -> str:
+        for what, value in (("base_model", base_model), ("lora_name", lora_name), ("expected_lora_name", expected)):
+            if not isinstance(value, str):
+                raise LoraError(400, "invalid_lora_request", f"{what} must be a string")
+        parsed = parse_lora_name(lora_name)
+        if parsed is None:
+            raise LoraError(400, "invalid_lora_request", "lora_name must be `<model>:v<N>`")
+        return parsed[0]
+
+    async def _checked_target(self, base_model: Any, lora_name: Any, lora_path: Any, expected: Any) -> tuple[str, str]:
+        if not isinstance(lora_path, str):
+            raise LoraError(400, "invalid_lora_request", "lora_path must be a string")
+        model = self._checked_name(base_model, lora_name, expected)
+        problem = await asyncio.to_thread(_artifact_problem, self._root, lora_path)
+        if problem is not None:
+            raise LoraError(400, "invalid_lora_request", problem)
+        self._require_serving(model)
+        return model, lora_path
+
     # ------------------------------------------------------------------------------------------------ status
 
     def active(self, model: str) -> ActiveLora | None:
@@ -265,12 +435,19 @@ class LoraManager:
         instances = self._registry.serving(model)
         state = self._models.get(model)
         if state is None or state.active is None:
-            return {"status": "base", "active_lora": None, "instances": {"ready": len(instances), "failed": 0}}
+            answer = {"status": "base", "active_lora": None, "instances": {"ready": len(instances), "failed": 0}}
+            return self._with_candidate(model, answer)
         name = state.active.lora_name
         ready = sum(1 for i in instances if name in self._loaded[i.name])
         failed = sum(1 for i in instances if i.name in state.failed and name not in self._loaded[i.name])
         status = "degraded" if failed or state.artifact_missing else "active"
-        return {"status": status, "active_lora": state.active.public(), "instances": {"ready": ready, "failed": failed}}
+        answer = {"status": status, "active_lora": state.active.public(), "instances": {"ready": ready, "failed": failed}}
+        return self._with_candidate(model, answer)
+
+    def _with_candidate(self, model: str, answer: dict[str, Any]) -> dict[str, Any]:
+        """A canary's candidate is reported beside the active version (the key is absent without one)."""
+        row = self._candidate_row(model)
+        return {**answer, "candidate": row} if row is not None else answer
 
     def describe(self, model: str) -> dict[str, Any]:
         """The web console's view of a model: `status(model)`, each instance with the adapters confirmed loaded on it
@@ -308,20 +485,36 @@ class LoraManager:
         deadline = self._now() + self._timeout_s
         models = set(self._registry.models()) | {m for m, s in self._models.items() if s.active is not None}
         await asyncio.gather(*(self._converge(m, deadline) for m in models if self._needs_converge(m)))
+        await asyncio.gather(*(self._load_candidate(m, deadline) for m in models))
         await asyncio.gather(*(self._collect_unused(m, deadline) for m in models))
+
+    async def _load_candidate(self, model: str, deadline: float) -> None:
+        """Load the model's candidate where a serving instance lacks it (it failed there, or the instance is new)."""
+        candidate = self.candidate(model)
+        if candidate is None:
+            return
+        lacking = [i for i in self._registry.serving(model) if candidate.lora_name not in self._loaded[i.name]]
+        await asyncio.gather(*(self._load_leased(i, deadline) for i in lacking))
 
     # ------------------------------------------------------------------------------------------------ pinning
 
-    def snapshot(self, model: str) -> tuple[str, str]:
-        """(policy name, policy model) for a new Task: ("base", model), or (L, L) while L is active or degraded."""
+    def snapshot(self, model: str, *, rl_task_id: str | None = None) -> tuple[str, str]:
+        """(policy name, policy model) for a new Task: ("base", model), or (L, L) while L is active or degraded;
+        during a canary, (C, C) for the candidate C when the Task id falls in its share. Without a Task id (traffic
+        outside a Task): never the candidate."""
         state = self._models.get(model)
-        if state is None or state.active is None:
+        if state is None:
+            return BASE, model
+        candidate = state.candidate
+        if candidate is not None and rl_task_id is not None and in_candidate_arm(rl_task_id, candidate.share):
+            return candidate.lora_name, candidate.lora_name
+        if state.active is None:
             return BASE, model
         return state.active.lora_name, state.active.lora_name
 
-    def pin(self, model: str) -> tuple[str, str]:
+    def pin(self, model: str, *, rl_task_id: str | None = None) -> tuple[str, str]:
         """`snapshot` and `acquire` with no await between them."""
-        policy_name, policy_model = self.snapshot(model)
+        policy_name, policy_model = self.snapshot(model, rl_task_id=rl_task_id)
         self.acquire(policy_name)
         return policy_name, policy_model
 
@@ -485,8 +678,10 @@ class LoraManager:
 
     async def _load_leased(self, instance: Instance, deadline: float) -> None:
         """Load the model's versions that Tasks still hold (pinned) but the instance lacks, so that it can serve
-        them again; a failure only means pinned traffic keeps going to the other holders."""
-        for name in sorted(self._leases):
+        them again, and the model's canary candidate; a failure only means pinned traffic keeps going to the other
+        holders."""
+        candidate = self.candidate(instance.model)
+        for name in sorted({*self._leases, *([candidate.lora_name] if candidate is not None else [])}):
             path = self._paths.get(name)
             parsed = parse_lora_name(name)
             if path is None or parsed is None or parsed[0] != instance.model or name in self._loaded[instance.name]:
@@ -519,8 +714,12 @@ class LoraManager:
 
     async def _restore(self) -> None:
         raw = await asyncio.to_thread(_read_bytes, self._state_path)
-        entries = _parse_state(raw) if raw is not None else {}
+        entries, candidates = _parse_state(raw) if raw is not None else ({}, {})
         self._persisted = entries
+        self._persisted_candidates = {m: c.entry() for m, c in candidates.items()}
+        for model, candidate in candidates.items():
+            self._state(model).candidate = candidate
+            self._paths[candidate.lora_name] = candidate.lora_path
         for model, entry in entries.items():
             state = self._state(model)
             state.active = ActiveLora(entry["lora_name"], entry["lora_path"])
@@ -531,7 +730,8 @@ class LoraManager:
         await asyncio.gather(*(self._sync_loaded(i, deadline) for m in self._registry.models()
                                for i in self._registry.serving(m)))
         await asyncio.gather(*(self._converge(model, deadline, force_check=True) for model in entries))
-        for model in entries:
+        await asyncio.gather(*(self._load_candidate(model, deadline) for model in candidates))
+        for model in {*entries, *candidates}:
             log.info("restored %s: %s", model, self.status(model))
         models = set(self._registry.models())
         await asyncio.gather(*(self._collect_unused(m, deadline) for m in models))
@@ -571,7 +771,9 @@ class LoraManager:
             return True
         parsed = parse_lora_name(lora_name)
         active = self.active(parsed[0]) if parsed is not None else None
-        return active is not None and active.lora_name == lora_name
+        candidate = self.candidate(parsed[0]) if parsed is not None else None
+        return (active is not None and active.lora_name == lora_name) or (
+            candidate is not None and candidate.lora_name == lora_name)
 
     def _needs_converge(self, model: str) -> bool:
         state = self._models.get(model)
@@ -740,21 +942,30 @@ class LoraManager:
         self._stale.pop(instance.name, None)
         return True
 
-    async def _persist(self, model: str, entry: dict[str, str] | None) -> None:
-        """Write the whole state file with this model's entry changed (atomic replace, off the loop)."""
+    async def _persist(self, model: str, entry: Any, *, candidate: Any = _KEEP) -> None:
+        """Write the whole state file with this model's active entry and / or candidate changed (`_KEEP`: as it
+        is; None: removed), in one atomic replace, off the loop."""
         async with self._file_lock:
-            models = dict(self._persisted)
-            if entry is None:
-                models.pop(model, None)
-            else:
-                models[model] = entry
-            payload = orjson.dumps({"version": STATE_FILE_VERSION, "models": models},
-                                   option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+            models = _changed(self._persisted, model, entry)
+            candidates = _changed(self._persisted_candidates, model, candidate)
+            document: dict[str, Any] = {"version": STATE_FILE_VERSION, "models": models}
+            if candidates:  # absent without a canary: the file stays what an older gateway reads
+                document["candidates"] = candidates
+            payload = orjson.dumps(document, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
             await asyncio.to_thread(_atomic_write, self._state_path, payload)
-            self._persisted = models
+            self._persisted, self._persisted_candidates = models, candidates
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _changed(current: dict[str, Any], model: str, value: Any) -> dict[str, Any]:
+    out = dict(current)
+    if value is None:
+        out.pop(model, None)
+    elif value is not _KEEP:
+        out[model] = value
+    return out
 
 
 def _activated(lora: ActiveLora) -> dict[str, Any]:
@@ -819,7 +1030,7 @@ def _read_bytes(path: Path) -> bytes | None:
         return None
 
 
-def _parse_state(raw: bytes) -> dict[str, dict[str, str]]:
+def _parse_state(raw: bytes) -> tuple[dict[str, dict[str, str]], dict[str, Candidate]]:
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -835,7 +1046,11 @@ def _parse_state(raw: bytes) -> dict[str, dict[str, str]]:
         if parsed is None or parsed[0] != model or not isinstance(path, str):
             raise LoraError(500, "invalid_lora_state", f"invalid LoRA state entry for {model!r}")
         entries[model] = {k: v for k, v in entry.items() if isinstance(v, str)}
-    return entries
+    try:
+        candidates = parse_candidates(data.get("candidates"), parse_lora_name)
+    except ValueError as exc:
+        raise LoraError(500, "invalid_lora_state", f"the LoRA state file's candidates: {exc}") from exc
+    return entries, candidates
 
 
 def _atomic_write(path: Path, payload: bytes) -> None:

@@ -29,6 +29,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .rewards.config import RewardPolicyConfig
+from .rollout.config import RolloutConfig
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -193,6 +194,9 @@ class RLServiceConfig(BaseModel):
 
     # Rewards from several, possibly late, sources (docs/rewards.md); null = one score at publication, as always.
     reward_policy: RewardPolicyConfig | None = None
+
+    # How a new version reaches users (docs/rollout.md): immediate (default), canary or manual.
+    rollout: RolloutConfig = RolloutConfig()
 
     # HTTP and logging.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432

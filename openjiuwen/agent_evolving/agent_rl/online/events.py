@@ -25,11 +25,16 @@ MAXLEN = 1000  # approximate (`MAXLEN ~`): Redis trims whole macro nodes, so a s
 
 TASK_EVENT_TYPES = (
     "created", "capture_reserved", "capture_committed", "capture_discarded", "turn_publishing", "turn_published",
-    "turn_failed", "finalized", "aborted", "reward_recorded", "reward_expired",
+    "turn_failed", "finalized", "aborted", "reward_recorded", "reward_expired", "rollout_arm",
 )
 RUN_EVENT_TYPES = (
     "created", "training_started", "ppo_step", "artifact_published", "samples_trained", "activation_attempt",
     "activation_succeeded", "activation_failed", "stop_requested", "canceled", "failed", "succeeded", "recovered",
+    "candidate_loaded", "canary_started", "canary_promoted", "canary_rolled_back",
+)
+ROLLOUT_EVENT_TYPES = (
+    "canary_started", "promotion_started", "rollback_started", "canary_promoted", "canary_rolled_back", "paused",
+    "resumed", "activation_requested", "version_activated", "failed",
 )
 
 

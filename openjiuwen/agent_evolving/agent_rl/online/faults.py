@@ -30,6 +30,8 @@ POINTS: dict[str, str] = {
     "run.trained": "the trainer published the artifact, before the batch is marked trained",
     "run.marked": "the batch is marked trained (`activating`), before the activation call",
     "run.activated": "the gateway switched to the new version, before the run is recorded succeeded",
+    "rollout.intent": "a promotion or rollback is recorded as intent, before the gateway call",
+    "rollout.switched": "the gateway promoted or dropped the candidate, before the rollout is recorded ended",
 }
 
 FaultHook = Callable[[str], None]

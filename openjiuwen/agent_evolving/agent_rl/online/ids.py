@@ -13,6 +13,7 @@ TASK_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Session ids, capture ids, agent turn ids and rail session/trajectory ids share one format.
 TOKEN_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 TRAINING_RUN_ID_RE = re.compile(r"run-[0-9a-f]{12}")
+ROLLOUT_ID_RE = re.compile(r"ro-[0-9a-f]{12}")
 _LORA_SUFFIX_RE = re.compile(r":v([1-9][0-9]*)")
 
 
@@ -47,6 +48,16 @@ def require_token_id(value: object, what: str = "identifier") -> str:
 def require_run_id(value: object) -> str:
     if not is_run_id(value):
         raise InvalidIdentifier("invalid training_run_id")
+    return value  # type: ignore[return-value]
+
+
+def is_rollout_id(value: object) -> bool:
+    return isinstance(value, str) and ROLLOUT_ID_RE.fullmatch(value) is not None
+
+
+def require_rollout_id(value: object) -> str:
+    if not is_rollout_id(value):
+        raise InvalidIdentifier("invalid rollout_id")
     return value  # type: ignore[return-value]
 
 

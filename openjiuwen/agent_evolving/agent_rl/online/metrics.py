@@ -111,6 +111,17 @@ class ServiceMetrics:
                                          m, registry=r)
         self.redis_errors = Counter("rl_redis_errors_total", "Redis errors seen by requests, sweeps and scrapes",
                                     m, registry=r)
+        # Rollouts (docs/rollout.md): the canary's arms as the last decision round saw them, and the decisions.
+        self.rollout_arm_tasks = Gauge("rl_rollout_arm_tasks", "Tasks of the running canary window by arm and outcome "
+                                       "(started, ended, failed, rewarded)", m + ("arm", "outcome"), registry=r)
+        self.rollout_arm_reward = Gauge("rl_rollout_arm_reward_mean",
+                                        "Mean per-Task reward of each arm of the running canary", m + ("arm",),
+                                        registry=r)
+        self.rollout_in_progress = Gauge("rl_rollout_in_progress",
+                                         "1 while a canary runs, by status (running, paused)", m + ("status",),
+                                         registry=r)
+        self.rollout_decisions = Counter("rl_rollout_decisions_total", "Rollout decisions by action, reason, by whom",
+                                         m + ("action", "reason", "by"), registry=r)
 
     # ------------------------------------------------------------ recording (cheap, in-process)
 
@@ -155,6 +166,23 @@ class ServiceMetrics:
 
     def activation(self, result: str, seconds: float) -> None:
         self.activation_duration.labels(self.model_id, result).observe(seconds)
+
+    def rollout_state(self, record: dict[str, Any] | None, decision: Any) -> None:
+        """The running canary's arms as one decision round saw them; zeros when none runs."""
+        for status in ("running", "paused"):
+            self.rollout_in_progress.labels(self.model_id, status).set(
+                1 if record is not None and record.get("status") == status else 0)
+        arms = decision.arms if decision is not None else {}
+        for arm in ("candidate", "active"):
+            row = arms.get(arm) or {}
+            reward = row.get("reward") or {}
+            for outcome, value in (("started", row.get("tasks")), ("ended", row.get("ended")),
+                                   ("failed", row.get("failed")), ("rewarded", reward.get("n"))):
+                self.rollout_arm_tasks.labels(self.model_id, arm, outcome).set(value or 0)
+            self.rollout_arm_reward.labels(self.model_id, arm).set(reward.get("mean") or 0.0)
+
+    def rollout_decision(self, action: str, reason: str, by: str) -> None:
+        self.rollout_decisions.labels(self.model_id, action, reason, by).inc()
 
     def redis_error(self) -> None:
         self.redis_errors.labels(self.model_id).inc()

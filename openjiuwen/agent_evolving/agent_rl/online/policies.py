@@ -33,6 +33,18 @@ def _mean_var(n: int, total: float, squares: float) -> tuple[float, float]:
     return mean, var
 
 
+def welch_delta(a: tuple[int, float, float], b: tuple[int, float, float]) -> tuple[float, list[float] | None]:
+    """Mean of a − mean of b, from (n, Σx, Σx²) each, with a Welch 95 % interval (t with min(n) − 1 degrees of
+    freedom: conservative for small samples); the interval is None unless both have n ≥ 2."""
+    mean_a, var_a = _mean_var(*a)
+    mean_b, var_b = _mean_var(*b)
+    delta = mean_a - mean_b
+    if a[0] < 2 or b[0] < 2:
+        return delta, None
+    half = t95(min(a[0], b[0]) - 1) * math.sqrt(var_a / a[0] + var_b / b[0])
+    return delta, [delta - half, delta + half]
+
+
 def reward_summary(n: int, total: float, squares: float) -> dict[str, Any]:
     if n <= 0:
         return {"n": 0, "mean": None, "ci95": None}
@@ -130,15 +142,12 @@ class PolicyReport:
             if parent is None or not item["reward"]["n"] or not parent["reward"]["n"]:
                 continue
             a, b = item["reward"], parent["reward"]
-            delta = a["mean"] - b["mean"]
-            ci = None
-            if a["n"] >= 2 and b["n"] >= 2:
-                _, var_a = _mean_var(a["n"], float(stats[item["policy_version"]].get("reward_sum") or 0),
-                                     float(stats[item["policy_version"]].get("reward_sq") or 0))
-                _, var_b = _mean_var(b["n"], float(stats[parent["policy_version"]].get("reward_sum") or 0),
-                                     float(stats[parent["policy_version"]].get("reward_sq") or 0))
-                half = t95(min(a["n"], b["n"]) - 1) * math.sqrt(var_a / a["n"] + var_b / b["n"])
-                ci = [delta - half, delta + half]
+
+            def sums(version: str, n: int) -> tuple[int, float, float]:
+                h = stats[version]
+                return n, float(h.get("reward_sum") or 0), float(h.get("reward_sq") or 0)
+
+            delta, ci = welch_delta(sums(item["policy_version"], a["n"]), sums(parent["policy_version"], b["n"]))
             return {"latest": item["policy_version"], "parent": parent["policy_version"], "reward_delta": delta,
                     "ci95": ci}
         return None

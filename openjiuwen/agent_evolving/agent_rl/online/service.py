@@ -29,6 +29,7 @@ from .api.metrics import build_metrics_router
 from .api.policies import build_policies_router
 from .api.rail import build_rail_router
 from .api.rewards import build_rewards_router
+from .api.rollout import build_rollout_router
 from .api.tasks import build_tasks_router
 from .api.training import build_training_router
 from .api.trajectories import build_trajectories_router
@@ -52,6 +53,8 @@ from .retention import RetentionSweeper
 from .rewards.ledger import RewardLedger
 from .rewards.policy import RewardPolicy
 from .rewards.sweeper import RewardDeadlineSweeper
+from .rollout.controller import RolloutController
+from .rollout.store import RolloutStore
 from .store import keys
 from .store.trajectories import TrajectoryStore
 from .tasks.registry import TaskRegistry
@@ -99,6 +102,7 @@ class ServiceDeps:
     backend: TrainerBackend
     runner: TrainingRunner
     metrics: ServiceMetrics
+    rollout: RolloutController
 
     @classmethod
     def build(
@@ -145,11 +149,16 @@ class ServiceDeps:
             on_attempt=metrics.activation_attempt,
         )
         backend = backend or make_backend(config, repository)
+        runs = RunStore(
+            redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds, metrics=metrics,
+        )
+        rollout = RolloutController(
+            redis, RolloutStore(redis), gateway, repository, config=config.rollout, model_id=config.model_id,
+            base_model_path=config.base_model_path, observe_policy=runs.observe_policy, active_run=runs.active,
+            metrics=metrics, fault=fault,
+        )
         runner = TrainingRunner(
-            RunStore(
-                redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds,
-                metrics=metrics,
-            ),
+            runs,
             store,
             backend,
             repository,
@@ -162,6 +171,7 @@ class ServiceDeps:
             tmp_root=config.training_tmp_root,
             metrics=metrics,
             fault=fault,
+            rollout=rollout,
         )
         return cls(
             config=config,
@@ -202,6 +212,7 @@ class ServiceDeps:
             backend=backend,
             runner=runner,
             metrics=metrics,
+            rollout=rollout,
         )
 
     async def claim_owner(self) -> None:
@@ -218,6 +229,8 @@ class ServiceDeps:
             await self.lifecycle.recover()
             await self.rewards.resume_interrupted()
             await self.rail.recover()
+            await self.rollout.probe()  # canary / manual under a gateway without the canary routes: refuse
+            await self.rollout.recover()
             await self.runner.recover()
             await self.sweeper.sweep_once()
             # Without a policy the reward sweeper runs only to release samples that still wait from a time a policy
@@ -231,6 +244,7 @@ class ServiceDeps:
             await self.aclose()
             raise
         self.sweeper.start()
+        self.rollout.start()
         if run_reward_sweeper:
             self.reward_sweeper.start()
         # Everything allocated so far (modules, app, clients, recovered state) lives for the whole process: frozen
@@ -243,6 +257,7 @@ class ServiceDeps:
         finally:
             await self.reward_sweeper.stop()
             await self.sweeper.stop()
+            await self.rollout.stop()
             await self.runner.shutdown()
             await self.lifecycle.shutdown()
             await self.aclose()
@@ -340,7 +355,8 @@ def create_app(
         deps.redis, model_id=config.model_id, extra_checks=[deps.runner.check_health],
         on_redis_error=deps.metrics.redis_error,
     ))
-    app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards))
+    app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards,
+                                          on_created=deps.rollout.task_started))
     app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle, deps.metrics))
     app.include_router(build_rewards_router(deps.reward_ledger))
     reward_stats = deps.reward_ledger.stats if deps.reward_ledger.policy.configured else None
@@ -348,6 +364,7 @@ def create_app(
     app.include_router(build_rail_router(lambda: deps.rail))
     app.include_router(build_training_router(deps.runner))
     app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id)))
+    app.include_router(build_rollout_router(deps.rollout))
     # Inside the guards (bearer 401 and size 413 first): a non-JSON body is 415 (a browser's cross-site simple POST).
     app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(GuardMiddleware, token=token, max_body_bytes=config.max_body_bytes)

@@ -403,6 +403,61 @@
       }) : h("p", { class: "muted", text: "No Tasks yet." }));
   }
 
+  function armRows(arms) {
+    return ["candidate", "active"].filter(function (k) { return arms && arms[k]; }).map(function (k) {
+      const a = arms[k], r = a.reward || {};
+      return [k, h("span", { class: "mono", text: a.lora_name }), num(a.tasks), num(a.ended), num(a.failed),
+        num(a.failure_share), num(r.n), num(r.mean), Array.isArray(r.ci95) ? num(r.ci95[0]) + " … " + num(r.ci95[1]) : "-",
+        num(a.evaluation_tasks)];
+    });
+  }
+
+  async function rolloutPage() {
+    const st = await api("rl/rollout");
+    if (!st.ok) return setView(h("h1", { text: "Rollout" }), problem(st));
+    const cur = st.body.current || (st.body.recent || [])[0] || null;
+    const events = cur ? await api("rl/rollout/" + encodeURIComponent(cur.rollout_id) + "/events") : null;
+    const d = cur ? (cur.decision || cur.evaluation || null) : null;
+    const arms = d ? d.arms || {} : {};
+    const points = ["candidate", "active"].filter(function (k) { return arms[k]; }).map(function (k) {
+      const r = arms[k].reward || {}, ci = Array.isArray(r.ci95) ? r.ci95 : null;
+      return { x: k + " " + arms[k].lora_name, y: r.mean, lo: ci ? ci[0] : undefined, hi: ci ? ci[1] : undefined };
+    });
+    setView(
+      h("h1", {}, "Rollout ", pill(st.body.mode)),
+      cur === null ? h("p", { class: "muted", text: "No rollout yet: with mode immediate a new version is activated at once." }) : [
+        h("h2", {}, st.body.current ? "Current: " : "Latest: ", h("span", { class: "mono", text: cur.rollout_id }), " ", pill(cur.status)),
+        h("div", { class: "panel" }, fields([
+          ["kind", cur.kind + " (" + cur.mode + ")"],
+          ["candidate", h("span", { class: "mono", text: cur.candidate.lora_name })],
+          ["against", h("span", { class: "mono", text: cur.baseline.lora_name })],
+          ["share", cur.kind === "canary" ? num(cur.share, 2) : null],
+          ["window", when(cur.window_started_at) + (cur.ended_at ? " → " + when(cur.ended_at) : " → now")],
+          ["training run", cur.training_run_id ? link("#/runs/" + encodeURIComponent(cur.training_run_id), cur.training_run_id, "mono") : null]])),
+        d ? h("div", { class: "panel decision", "data-action": d.action },
+          h("b", { text: (cur.decision ? "Decision: " : "Would decide: ") + d.action }), " — ",
+          h("span", { class: "mono", text: d.reason }), ": ", d.detail || "",
+          cur.decision && cur.decision.by ? " (by " + cur.decision.by + ")" : "",
+          d.reward_delta !== null && d.reward_delta !== undefined ? h("p", {}, "candidate − active: ",
+            h("b", { text: num(d.reward_delta, 4) }), Array.isArray(d.ci95) ? " (95% CI " + num(d.ci95[0], 4) + " … " + num(d.ci95[1], 4) + ")" : "") : null) : null,
+        points.length ? h("div", { class: "wide" }, lineChart("mean reward per Task of each arm (bars: 95% CI)", points,
+          { min: 0, max: 1, width: 600, height: 220 })) : null,
+        h("h2", { text: "Arms" }),
+        table(["arm", "version", "Tasks#", "ended#", "failed#", "failed share#", "rewarded#", "mean#", "95% CI", "evaluation#"],
+          armRows(arms), "No Tasks in the window yet."),
+        h("h2", { text: "Timeline" }),
+        table(["time", "type", "data"], (events && events.ok ? events.body.items : []).map(function (e) {
+          return [short(e.at), h("span", { class: "mono", text: e.type }), h("span", { class: "mono", text: dataText(e.data) })];
+        }), "No events."),
+      ],
+      h("h2", { text: "Recent rollouts" }),
+      table(["created", "rollout", "kind", "candidate", "against", "status", "reason"], (st.body.recent || []).map(function (r) {
+        return [short(r.created_at), h("span", { class: "mono", text: r.rollout_id }), r.kind,
+          h("span", { class: "mono", text: r.candidate.lora_name }), h("span", { class: "mono", text: r.baseline.lora_name }),
+          pill(r.status), r.decision ? r.decision.reason : "-"];
+      }), "No rollouts yet."));
+  }
+
   async function lorasPage() {
     const ov = await api("overview");
     if (!ov.ok) return setView(h("h1", { text: "LoRA" }), problem(ov));
@@ -412,7 +467,9 @@
       h("div", { class: "panel" }, fields([
         ["active LoRA", lora.active_lora ? lora.active_lora.lora_name : "base"],
         ["path", lora.active_lora ? lora.active_lora.lora_path : null],
-        ["instances", lora.instances.ready + " ready, " + lora.instances.failed + " failed"]])),
+        ["instances", lora.instances.ready + " ready, " + lora.instances.failed + " failed"],
+        ["canary candidate", lora.candidate ? h("span", {}, h("span", { class: "mono", text: lora.candidate.lora_name }),
+          " for " + num(lora.candidate.share * 100, 0) + "% of new Tasks (", link("#/rollout", "rollout"), ")") : null]])),
       h("h2", { text: "Instances" }),
       table(["instance", "address", "adapters loaded", "active loaded", "in flight#"], lora.instance_list.map(function (i) {
         const want = lora.active_lora ? lora.active_lora.lora_name : null;
@@ -437,6 +494,7 @@
     [/^\/runs\/(.+)$/, "runs", function (m) { return runPage(decodeURIComponent(m[1])); }],
     [/^\/policies$/, "policies", policiesPage],
     [/^\/loras$/, "loras", lorasPage],
+    [/^\/rollout$/, "rollout", rolloutPage],
   ];
 
   async function route() {

@@ -117,6 +117,8 @@ HOOK_DISCARD = json_body(_object(["rl_task_id", "capture_id"], _HOOK_IDS, closed
 TASK_FINISH = json_body(_object(["reason"], {"reason": {"enum": ["service_stopped"]}}, closed=True))
 TASK_ABORT = json_body(_object(["reason"], {"reason": {"enum": ["capture_failed", "timeout"]}}, closed=True))
 TRAINING_START = json_body({"anyOf": [{"type": "null"}, _object([], {}, closed=True)]}, required=False)
+ROLLOUT_ACTION = TRAINING_START  # promote / rollback / pause / resume: no body (absent, null or {})
+LORA_ACTIVATE = json_body(_object(["lora_name"], {"lora_name": {"type": "string", "minLength": 1}}, closed=True))
 _LIMIT = query("limit", {"type": "integer", "minimum": 1, "maximum": 1000})
 _CURSOR = query("cursor", {"type": "string"})
 TRAJECTORY_LIST = {

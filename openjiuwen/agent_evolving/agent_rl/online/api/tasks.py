@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from ..capture.lifecycle import StartHeaders, TaskLifecycle
 from ..capture.rewards import RewardProjector, parse_reward_body
-from ..tasks.models import FinishReason
+from ..tasks.models import FinishReason, Task
 from ..store.keys import TASK_STATUSES
 from ..tasks.registry import TaskRegistry
 from . import openapi
@@ -17,7 +18,9 @@ from .errors import ApiError, JSONBody, domain_errors
 from .paging import cursor_param, limit_param, status_param
 
 
-def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards: RewardProjector) -> APIRouter:
+def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards: RewardProjector, *,
+                       on_created: Callable[[Task], Awaitable[None]] | None = None) -> APIRouter:
+    """`on_created`: told of each new Task (the rollout marks its arm in the Task's timeline)."""
     router = APIRouter()
 
     @router.post("/v1/rl/tasks/start", openapi_extra=openapi.TASK_START)
@@ -31,6 +34,8 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
         )
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
             task, created = await lifecycle.start(lifecycle.parse_start(headers, body))
+        if created and on_created is not None:
+            await on_created(task)
         return JSONBody(task.public(), status_code=201 if created else 200)
 
     @router.get("/v1/rl/tasks", openapi_extra=openapi.TASK_LIST)

@@ -177,3 +177,90 @@ class GatewayLoraClient:
             log.info("activation of %s reconciled: the gateway reports it active", lora_name)
             return
         raise GatewayError(failure)
+
+    # ------------------------------------------------------------------ canary (docs/rollout.md, CONTRACT §3.8 ext)
+
+    async def canary_status(self) -> dict[str, Any]:
+        """`GET /internal/v1/rl/canary/{model}` once. A gateway without the canary routes answers 404:
+        GatewayRejected with `missing_canary_routes` in its text, so start-up can say so."""
+        url = f"{self._endpoint}/internal/v1/rl/canary/{self._model_id}"
+        try:
+            resp = await self._client.get(url, timeout=self._timeout_s)
+        except httpx.TimeoutException as exc:
+            raise GatewayTransient("canary status query timed out") from exc
+        except httpx.TransportError as exc:
+            raise GatewayTransient(f"canary status query failed: {type(exc).__name__}") from exc
+        if resp.status_code in (404, 405):
+            raise GatewayRejected("missing_canary_routes: the gateway has no /internal/v1/rl/canary routes "
+                                  f"(status {resp.status_code}); it predates canary rollouts")
+        if resp.status_code >= 500:
+            raise GatewayTransient(f"canary status {resp.status_code}: {resp.text[:500]}")
+        if not resp.is_success:
+            raise GatewayRejected(f"canary status {resp.status_code}: {resp.text[:500]}")
+        try:
+            body = orjson.loads(resp.content)
+        except orjson.JSONDecodeError as exc:
+            raise GatewayError("canary status answer is not valid JSON") from exc
+        if not isinstance(body, dict):
+            raise GatewayError("canary status answer is not a JSON object")
+        return body
+
+    async def start_canary(self, *, base_model: str, lora_name: str, lora_path: str, expected: str,
+                           share: float) -> dict[str, Any]:
+        body = {"base_model": base_model, "lora_name": lora_name, "lora_path": lora_path,
+                "expected_lora_name": expected, "share": share}
+        return await self._canary_call(
+            "start", body, lambda s: (s.get("candidate") or {}).get("lora_name") == lora_name)
+
+    async def promote_canary(self, *, base_model: str, lora_name: str, expected: str) -> dict[str, Any]:
+        body = {"base_model": base_model, "lora_name": lora_name, "expected_lora_name": expected}
+        return await self._canary_call(
+            "promote", body, lambda s: parse_policy(s).lora_name == lora_name and not s.get("candidate"))
+
+    async def abort_canary(self, *, base_model: str, lora_name: str) -> dict[str, Any]:
+        body = {"base_model": base_model, "lora_name": lora_name}
+        return await self._canary_call(
+            "abort", body, lambda s: (s.get("candidate") or {}).get("lora_name") != lora_name
+            and parse_policy(s).lora_name != lora_name)
+
+    async def _canary_call(self, action: str, body: dict[str, Any],
+                           done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        """POST with the activation discipline: 5xx and transport errors retried with backoff inside one
+        deadline, 4xx never; before reporting a failure that may hide a success, the canary state is read and
+        `done(state)` decides."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        url = f"{self._endpoint}/internal/v1/rl/canary/{action}"
+        failure = f"canary {action} request timed out"
+        for delay in backoff_delays(attempts=self._attempts):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                resp = await self._client.post(url, json=body, timeout=remaining)
+            except httpx.TimeoutException:
+                failure = f"canary {action} request timed out"
+            except httpx.TransportError as exc:
+                failure = f"canary {action} request failed: {type(exc).__name__}"
+            else:
+                if resp.is_success:
+                    try:
+                        answer = orjson.loads(resp.content)
+                    except orjson.JSONDecodeError:
+                        answer = {}
+                    return answer if isinstance(answer, dict) else {}
+                text = f"canary {action} status {resp.status_code}: {resp.text[:500]}"
+                if resp.status_code < 500:
+                    raise GatewayRejected(text)
+                failure = text
+            log.warning("canary %s of %s failed: %s", action, body.get("lora_name"), failure)
+            if delay == 0 or deadline - loop.time() <= delay:
+                break
+            await asyncio.sleep(delay)
+        try:
+            state = await self.canary_status()
+        except GatewayError:
+            raise GatewayError(failure) from None
+        if done(state):
+            return state
+        raise GatewayError(failure)

@@ -5,7 +5,7 @@ Each builder validates the components it puts in a key, so a hostile id can neve
 
 from __future__ import annotations
 
-from ..ids import InvalidIdentifier, require_run_id, require_task_id, require_token_id
+from ..ids import InvalidIdentifier, require_rollout_id, require_run_id, require_task_id, require_token_id
 
 PREFIX = "rl:v1:"
 
@@ -26,6 +26,10 @@ RUNS_BY_CREATION = PREFIX + "training_runs:by_created"
 TASKS_LISTING_EXPIRY = PREFIX + "tasks:listing_expiry"
 RUNS_LISTING_EXPIRY = PREFIX + "training_runs:listing_expiry"
 POLICY_VERSIONS = PREFIX + "policy_versions"  # SET of policy versions with aggregates (`policy_stats:{version}`)
+# Rollouts (docs/rollout.md): the id of the one rollout not yet ended (absent when none), and every rollout by
+# creation epoch. Invariant 10: the pointer names exactly the one non-terminal rollout record.
+ROLLOUT_CURRENT = PREFIX + "rollout:current"
+ROLLOUTS_BY_CREATION = PREFIX + "rollouts:by_created"
 
 TASK_STATUSES = ("active", "finalized", "aborted")
 
@@ -174,3 +178,12 @@ def training_run(r: str) -> str:
 
 def training_run_events(r: str) -> str:
     return f"{training_run(r)}:events"
+
+
+def rollout(ro: str) -> str:
+    """A rollout record (STRING, JSON): a canary of a new version, or an operator's activation of a version."""
+    return f"{PREFIX}rollout:{require_rollout_id(ro)}"
+
+
+def rollout_events(ro: str) -> str:
+    return f"{rollout(ro)}:events"

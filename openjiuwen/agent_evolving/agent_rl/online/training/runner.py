@@ -36,6 +36,7 @@ from .runs import RunNotFound, RunStore
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
+    from ..rollout.controller import RolloutController
 
 log = logging.getLogger("openjiuwen.agent_rl.online.training")
 
@@ -67,6 +68,7 @@ class TrainingRunner:
         metrics: "ServiceMetrics | None" = None,
         fault: FaultHook = no_faults,
         redis_outage_s: float = REDIS_OUTAGE_S,
+        rollout: "RolloutController | None" = None,
     ) -> None:
         self._runs = runs
         self._store = store
@@ -86,6 +88,7 @@ class TrainingRunner:
         self._failure: str | None = None
         self._fault = fault  # chaos tests only (faults.py)
         self._redis_outage_s = redis_outage_s
+        self._rollout = rollout  # canary / manual: a new version becomes the candidate, not the active one
 
     # ------------------------------------------------------------------ API
 
@@ -110,6 +113,10 @@ class TrainingRunner:
             active = await self._runs.active()
             if active is not None:
                 return active, False
+            if self._rollout is not None and (current := await self._rollout.in_progress()) is not None:
+                # Never two candidates, and a run trained while one is judged would have an undecided parent.
+                raise Conflict(f"rollout {current['rollout_id']} ({current['status']}) is in progress: a new "
+                               "Training Run starts once it is promoted or rolled back", code="rollout_in_progress")
             try:
                 parent = await self._gateway.read_policy()
             except GatewayError as exc:
@@ -360,6 +367,8 @@ class TrainingRunner:
 
     async def _activate(self, run: TrainingRun) -> TrainingRun:
         assert run.lora_name and run.lora_path
+        if self._rollout is not None and self._rollout.gated:
+            return await self._begin_canary(run)
         await self._runs.append_event(run.training_run_id, "activation_attempt", {
             "lora_name": run.lora_name, "expected_lora_name": run.parent_lora_name,
         })
@@ -383,6 +392,36 @@ class TrainingRunner:
         self._activation_done("ok", time.perf_counter() - started)
         self._fault("run.activated")
         return await asyncio.shield(self._succeed(run))
+
+    async def _begin_canary(self, run: TrainingRun) -> TrainingRun:
+        """Canary / manual rollout: the version becomes the gateway's candidate; the run succeeds with it (what
+        becomes of the version is the rollout's story, in both timelines)."""
+        assert self._rollout is not None
+        run_id = run.training_run_id
+        await self._runs.append_event(run_id, "activation_attempt", {
+            "lora_name": run.lora_name, "expected_lora_name": run.parent_lora_name, "as": "candidate",
+        })
+        started = time.perf_counter()
+        try:
+            record = await self._rollout.begin(run)
+        except asyncio.CancelledError:
+            self._activation_done("canceled", time.perf_counter() - started)
+            raise
+        except (GatewayError, Conflict) as exc:
+            self._activation_done("failed", time.perf_counter() - started)
+            log.warning("canary of %s could not start: %s", run.lora_name, exc,
+                        extra={"training_run_id": run_id, "lora_name": run.lora_name})
+            return await asyncio.shield(self._durable(f"run {run_id} failed", lambda: self._runs.finish(
+                run_id, RunStatus.FAILED, failure_reason=str(exc),
+                before=[("activation_failed", {"lora_name": run.lora_name, "error": str(exc)})],
+            )))
+        self._activation_done("ok", time.perf_counter() - started)
+        log.info("training run %s succeeded: %s is the candidate of rollout %s", run_id, run.lora_name,
+                 record["rollout_id"], extra={"training_run_id": run_id, "lora_name": run.lora_name})
+        return await asyncio.shield(self._durable(f"run {run_id} succeeded", lambda: self._runs.finish(
+            run_id, RunStatus.SUCCEEDED,
+            before=[("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record["rollout_id"]})],
+        )))
 
     def _stage(self, stage: str, outcome: str, seconds: float) -> None:
         if self._metrics is not None:
@@ -411,6 +450,8 @@ class TrainingRunner:
         run = await self.get(run_id)
         if run.terminal:
             return run
+        if self._rollout is not None and self._rollout.gated:
+            return await self._stop_canary_start(run)
         try:
             policy = await self._gateway.read_policy_retrying()
         except GatewayError as exc:
@@ -420,6 +461,22 @@ class TrainingRunner:
         if policy.lora_name == run.lora_name:
             return await self._succeed(run)
         return await self._runs.finish(run_id, RunStatus.CANCELED)
+
+    async def _stop_canary_start(self, run: TrainingRun) -> TrainingRun:
+        """A stop while the version was becoming the candidate: a canary that got its record goes on (the run
+        succeeded); otherwise the gateway's candidate, if it got that far, is dropped so that no candidate is left
+        without a rollout."""
+        assert self._rollout is not None and run.lora_name
+        record = await self._rollout.record_of(run)
+        if record is not None:
+            return await self._runs.finish(run.training_run_id, RunStatus.SUCCEEDED, before=[
+                ("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record["rollout_id"]})])
+        try:
+            await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=run.lora_name)
+        except GatewayError as exc:
+            return await self._runs.finish(run.training_run_id, RunStatus.CANCELED,
+                                           failure_reason=f"candidate outcome unknown: {exc}")
+        return await self._runs.finish(run.training_run_id, RunStatus.CANCELED)
 
     async def _cleanup(self, run_id: str) -> None:
         await self._repository.remove_temp(run_id)

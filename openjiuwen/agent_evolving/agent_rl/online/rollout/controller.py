@@ -1,0 +1,444 @@
+"""The rollout controller: a succeeded run's version becomes the gateway's candidate, a decision loop compares the
+arms and promotes or rolls back, and the operator may promote, roll back, pause, resume or activate any published
+version (docs/rollout.md).
+
+Every change is an intent written to Redis first (`promoting`, `rolling_back`, `activating`), then the gateway call
+(idempotent, CAS on the names), then the end state: a restart at any point finishes what was started, and the
+gateway's own state file keeps the candidate across a gateway restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from redis.asyncio import Redis
+
+from ..background import stop_loop
+from ..errors import Conflict, InvalidInput, NotFound
+from ..events import EventLog
+from ..faults import FaultHook, no_faults
+from ..ids import lora_version, now_iso, parse_iso_epoch
+from ..lora.gateway_client import GatewayError, GatewayLoraClient, GatewayRejected, GatewayTransient
+from ..lora.repository import LoraRepository
+from ..store import keys
+from ..store.codec import text
+from .config import CANARY, RolloutConfig
+from .decision import PROMOTE, ROLLBACK, WAIT, Arm, Decision, decide
+from .store import LIVE, RolloutStore, new_rollout_id, rollout_id_for_run
+
+if TYPE_CHECKING:
+    from ..metrics import ServiceMetrics
+    from ..tasks.models import Task
+    from ..training.models import TrainingRun
+
+log = logging.getLogger("openjiuwen.agent_rl.online.rollout")
+
+_SCAN_BATCH = 500
+PROBE_ATTEMPTS = 5
+
+
+class RolloutUnsupported(RuntimeError):
+    """`rollout.mode` needs the gateway's canary routes and the gateway lacks them (start-up refuses)."""
+
+
+class RolloutController:
+    def __init__(
+        self,
+        redis: Redis,
+        store: RolloutStore,
+        gateway: GatewayLoraClient,
+        repository: LoraRepository,
+        *,
+        config: RolloutConfig,
+        model_id: str,
+        base_model_path: str,
+        observe_policy: Callable[[str, str], Awaitable[None]],
+        active_run: Callable[[], Awaitable[Any]],
+        metrics: "ServiceMetrics | None" = None,
+        fault: FaultHook = no_faults,
+    ) -> None:
+        self._redis = redis
+        self._fault = fault  # chaos tests only (faults.py)
+        self.store = store
+        self._gateway = gateway
+        self._repository = repository
+        self.config = config
+        self._model_id = model_id
+        self._base_model_path = base_model_path
+        self._observe_policy = observe_policy
+        self._active_run = active_run
+        self._metrics = metrics
+        self._lock = asyncio.Lock()  # one change of rollout state at a time in this process
+        self._loop: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        # The live canary as this process last wrote or read it (every change of rollout state happens here), so
+        # that a Task start costs no Redis read to know its arm.
+        self._live: dict[str, Any] | None = None
+        self._events = EventLog(redis)
+
+    @property
+    def gated(self) -> bool:
+        return self.config.gated
+
+    # ------------------------------------------------------------------ start-up
+
+    async def probe(self) -> None:
+        """Under `canary` / `manual`, the gateway must serve the canary routes: refuse to start otherwise (never a
+        silent `immediate`). A gateway that does not answer yet is asked again a few times."""
+        if not self.gated:
+            return
+        for attempt in range(PROBE_ATTEMPTS):
+            try:
+                await self._gateway.canary_status()
+                return
+            except GatewayRejected as exc:
+                raise RolloutUnsupported(
+                    f"rollout.mode is {self.config.mode} but the gateway cannot run a canary: {exc}") from exc
+            except GatewayError as exc:
+                if attempt == PROBE_ATTEMPTS - 1:
+                    raise RolloutUnsupported(
+                        f"rollout.mode is {self.config.mode} and the gateway's canary routes did not answer: {exc}"
+                    ) from exc
+                await asyncio.sleep(0.5 * (attempt + 1))
+
+    async def recover(self) -> None:
+        """Finish an intent a crash interrupted (promotion, rollback, activation); drop a gateway candidate that no
+        live rollout owns (its record was lost with the Redis data, say): left alone it would refuse every later
+        canary and activation (409 `canary_conflict`) with nobody to decide it."""
+        record = self._remember(await self.store.current())
+        if record is not None and record["status"] in ("promoting", "rolling_back", "activating"):
+            log.info("rollout %s was %s at restart; finishing it", record["rollout_id"], record["status"])
+            record = await self._finish(record)
+        if not self.gated:
+            return
+        try:
+            candidate = (await self._gateway.canary_status()).get("candidate")
+            name = candidate.get("lora_name") if isinstance(candidate, dict) else None
+            owned = record is not None and record.get("status") in LIVE and record["candidate"]["lora_name"] == name
+            if isinstance(name, str) and not owned:
+                log.warning("the gateway's candidate %s belongs to no live rollout; aborting it", name)
+                await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=name)
+        except GatewayError as exc:  # best-effort: the next start tries again, and a new canary says 409 meanwhile
+            log.warning("could not check the gateway's candidate at start-up: %s", exc)
+
+    def start(self) -> None:
+        if self._loop is None:
+            self._stopping = asyncio.Event()
+            self._loop = asyncio.create_task(self._run(), name="rollout-decisions")
+
+    async def stop(self) -> None:
+        await stop_loop(self._loop, self._stopping)
+        self._loop = None
+
+    async def _run(self) -> None:
+        # Ended by the stop event, not only the cancellation: redis-py can swallow a cancellation that lands inside
+        # a command (background.py).
+        # The first round waits an interval too: start-up recovery (`recover`) has just run.
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.config.decision_interval_seconds)
+            if self._stopping.is_set():
+                return
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the next round tries again; the state is durable
+                log.warning("rollout decision round failed: %s", exc, exc_info=True)
+                if self._metrics is not None:
+                    self._metrics.exception(exc)
+
+    # ------------------------------------------------------------------ a run's new version
+
+    async def begin(self, run: "TrainingRun") -> dict[str, Any]:
+        """Make a succeeded run's version the candidate (gateway first, then the record). Idempotent per run.
+        Raises GatewayError when the gateway refuses or fails, Conflict when another rollout is in progress."""
+        assert run.lora_name and run.lora_path
+        rollout_id = rollout_id_for_run(run.training_run_id)
+        existing = await self.store.get(rollout_id)
+        if existing is not None:
+            return self._remember(existing) or existing
+        current = await self.store.current()
+        if current is not None:
+            raise Conflict(f"rollout {current['rollout_id']} is in progress", code="rollout_in_progress")
+        answer = await self._gateway.start_canary(
+            base_model=self._base_model_path, lora_name=run.lora_name, lora_path=run.lora_path,
+            expected=run.parent_lora_name, share=self.config.share,
+        )
+        started_at = (answer.get("candidate") or {}).get("started_at") or now_iso()
+        record = {
+            "rollout_id": rollout_id, "kind": "canary", "mode": self.config.mode, "status": "running",
+            "candidate": {"lora_name": run.lora_name, "lora_path": run.lora_path},
+            "baseline": {"lora_name": run.parent_lora_name, "lora_path": run.parent_lora_path},
+            "share": self.config.share, "training_run_id": run.training_run_id, "created_at": now_iso(),
+            "window_started_at": started_at, "ended_at": None, "decision": None,
+        }
+        stored = await self._create(record, "canary_started", {
+            "lora_name": run.lora_name, "baseline": run.parent_lora_name, "share": self.config.share,
+            "mode": self.config.mode})
+        log.info("canary %s: %s for %.0f%% of new Tasks against %s", rollout_id, run.lora_name,
+                 self.config.share * 100, run.parent_lora_name)
+        return stored
+
+    async def record_of(self, run: "TrainingRun") -> dict[str, Any] | None:
+        """The canary a run's version started, if it got its record."""
+        return await self.store.get(rollout_id_for_run(run.training_run_id))
+
+    async def in_progress(self) -> dict[str, Any] | None:
+        return self._remember(await self.store.current())
+
+    def _remember(self, record: dict[str, Any] | None) -> dict[str, Any] | None:
+        if record is None or record.get("status") in LIVE:
+            self._live = record
+        elif self._live is not None and self._live.get("rollout_id") == record.get("rollout_id"):
+            self._live = None
+        return record
+
+    async def task_started(self, task: "Task") -> None:
+        """Mark a new Task's arm in its timeline while a canary runs (best-effort, like every note event)."""
+        live = self._live
+        if live is None or live.get("kind") != "canary" or live.get("status") not in ("running", "paused"):
+            return
+        arms = {live["candidate"]["lora_name"]: "candidate", live["baseline"]["lora_name"]: "active"}
+        arm = arms.get(task.policy_lora_name)
+        if arm is not None:
+            await self._events.append(keys.task_events(task.rl_task_id), "rollout_arm", {
+                "rollout_id": live["rollout_id"], "arm": arm, "lora_name": task.policy_lora_name})
+
+    # ------------------------------------------------------------------ decisions
+
+    async def tick(self) -> Decision | None:
+        """One decision round: finish an interrupted intent, else evaluate the running canary and, in `canary` mode
+        and not paused, act on a promote / rollback verdict."""
+        async with self._lock:
+            record = self._remember(await self.store.current())
+            if record is None:
+                self._live = None
+                self._report(None, None)
+                return None
+            if record["status"] in ("promoting", "rolling_back", "activating"):
+                await self._finish(record)
+                return None
+            if record["kind"] != "canary":
+                return None
+            decision = await self.evaluate(record)
+            self._report(record, decision)
+            if record["mode"] == CANARY and record["status"] == "running" and decision.action != WAIT:
+                await self._act(record, decision.action, decision.public(), by="auto")
+            return decision
+
+    async def evaluate(self, record: dict[str, Any]) -> Decision:
+        candidate, active = await self.arms(record)
+        elapsed = parse_iso_epoch(now_iso()) - parse_iso_epoch(record["window_started_at"])
+        return decide(candidate, active, self.config, elapsed)
+
+    async def arms(self, record: dict[str, Any]) -> tuple[Arm, Arm]:
+        """The Tasks created in the canary window, by the version they were pinned to. Read from the Task records
+        and their reward states (durable): a restart loses nothing, and older history never counts."""
+        candidate = Arm(record["candidate"]["lora_name"])
+        active = Arm(record["baseline"]["lora_name"])
+        by_name = {candidate.lora_name: candidate, active.lora_name: active}
+        start = parse_iso_epoch(record["window_started_at"])
+        end = parse_iso_epoch(record["ended_at"]) if record.get("ended_at") else "+inf"
+        ids = [text(t) for t in await self._redis.zrangebyscore(keys.TASKS_BY_CREATION, start, end)]
+        for offset in range(0, len(ids), _SCAN_BATCH):
+            chunk = ids[offset:offset + _SCAN_BATCH]
+            raws = await self._redis.mget([keys.task(t) for t in chunk])
+            finalized: list[tuple[str, Arm]] = []
+            for t, raw in zip(chunk, raws):
+                task = orjson.loads(raw) if raw is not None else None
+                arm = by_name.get(task.get("policy_lora_name")) if isinstance(task, dict) else None
+                if arm is None:
+                    continue
+                arm.tasks += 1
+                if task.get("evaluation") is True:  # evaluation Tasks count too, and are shown apart
+                    arm.evaluation += 1
+                if task.get("status") == "aborted":
+                    arm.ended += 1
+                    arm.failed += 1
+                elif task.get("status") == "finalized":
+                    arm.ended += 1
+                    finalized.append((t, arm))
+            if finalized:
+                rewards = await self._redis.mget([keys.reward(t) for t, _ in finalized])
+                for (_, arm), raw in zip(finalized, rewards):
+                    state = orjson.loads(raw) if raw is not None else None
+                    if isinstance(state, dict) and state.get("status") == "published":
+                        arm.add_reward(float(state["reward"]))
+        return candidate, active
+
+    def _report(self, record: dict[str, Any] | None, decision: Decision | None) -> None:
+        if self._metrics is not None:
+            self._metrics.rollout_state(record, decision)
+
+    async def _act(self, record: dict[str, Any], action: str, decision: dict[str, Any], *, by: str) -> dict[str, Any]:
+        target = "promoting" if action == PROMOTE else "rolling_back"
+        note = {**decision, "by": by, "at": now_iso()}
+        note.pop("arms", None)
+        arms = decision.get("arms")
+
+        def change(r: dict[str, Any]) -> dict[str, Any] | None:
+            if r["status"] not in ("running", "paused"):
+                return None
+            return {**r, "status": target, "decision": {**note, "arms": arms}}
+
+        event = "promotion_started" if action == PROMOTE else "rollback_started"
+        record = await self._update(record["rollout_id"], change, event,
+                                         {"reason": note.get("reason"), "detail": note.get("detail"), "by": by})
+        if self._metrics is not None:
+            self._metrics.rollout_decision(action, str(note.get("reason")), by)
+        log.info("rollout %s: %s (%s, by %s)", record["rollout_id"], action, note.get("detail"), by)
+        self._fault("rollout.intent")
+        return await self._finish(record)
+
+    async def _finish(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Make the gateway match the intent, then end the record. A transient gateway failure leaves the intent
+        for the next round; a refusal ends it with what the gateway now holds."""
+        rollout_id, status = record["rollout_id"], record["status"]
+        candidate, baseline = record["candidate"], record["baseline"]
+        try:
+            if status == "promoting":
+                await self._gateway.promote_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"],
+                                                   expected=baseline["lora_name"])
+                await self._now_active(candidate, record.get("training_run_id") or "")
+                self._fault("rollout.switched")
+                return await self._update(rollout_id, lambda r: {**r, "status": "promoted"}, "canary_promoted",
+                                               {"lora_name": candidate["lora_name"]})
+            if status == "rolling_back":
+                await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"])
+                self._fault("rollout.switched")
+                return await self._update(rollout_id, lambda r: {**r, "status": "rolled_back"},
+                                               "canary_rolled_back", {"lora_name": candidate["lora_name"],
+                                                                      "active": baseline["lora_name"]})
+            if status == "activating":
+                await self._gateway.activate(base_model=self._base_model_path, lora_name=candidate["lora_name"],
+                                             lora_path=candidate["lora_path"], expected=baseline["lora_name"],
+                                             run_id="")
+                await self._now_active(candidate, "")
+                return await self._update(rollout_id, lambda r: {**r, "status": "activated"},
+                                               "version_activated", {"lora_name": candidate["lora_name"],
+                                                                     "previous": baseline["lora_name"]})
+        except GatewayTransient:
+            raise
+        except GatewayError as exc:
+            if status == "promoting" and isinstance(exc, GatewayRejected):
+                # The gateway no longer has this candidate against this baseline: never leave a half state.
+                log.warning("rollout %s: promotion refused (%s); rolling back", rollout_id, exc)
+                with_reason = {**record, "status": "rolling_back"}
+                await self._update(rollout_id, lambda r: with_reason, "rollback_started",
+                                        {"reason": "promotion_refused", "detail": str(exc)[:500], "by": "auto"})
+                return await self._finish(with_reason)
+            if status == "activating" or isinstance(exc, GatewayRejected):
+                return await self._update(rollout_id, lambda r: {**r, "status": "failed", "error": str(exc)},
+                                               "failed", {"error": str(exc)[:500]})
+            raise
+        return record
+
+    async def _create(self, record: dict[str, Any], event: str, data: dict[str, Any]) -> dict[str, Any]:
+        return self._remember(await self.store.create(record, event, data)) or record
+
+    async def _update(self, rollout_id: str, change: Any, event: str | None = None,
+                      data: dict[str, Any] | None = None) -> dict[str, Any]:
+        record = await self.store.update(rollout_id, change, event, data)
+        self._remember(record)
+        return record
+
+    async def _now_active(self, lora: dict[str, str], run_id: str) -> None:
+        await self._repository.write_active(lora["lora_name"], lora["lora_path"], run_id)
+        await self._observe_policy(lora["lora_name"], lora["lora_path"])
+
+    # ------------------------------------------------------------------ operator
+
+    async def status(self) -> dict[str, Any]:
+        """The current rollout with its live evaluation (arms, interval, the decision it would take), and the
+        latest ended ones."""
+        record = await self.store.current()
+        current = None
+        if record is not None:
+            current = dict(record)
+            if record["kind"] == "canary":
+                current["evaluation"] = (await self.evaluate(record)).public()
+        recent = [r for r in await self.store.list_recent(10) if record is None or r["rollout_id"] !=
+                  record["rollout_id"]]
+        for r in recent:
+            if r.get("kind") == "canary" and r.get("decision") is None:
+                r["evaluation"] = (await self.evaluate(r)).public()
+        return {"mode": self.config.mode, "config": self.config.model_dump(), "current": current, "recent": recent}
+
+    async def _require_canary(self) -> dict[str, Any]:
+        record = await self.store.current()
+        if record is None or record["kind"] != "canary":
+            raise Conflict("no canary is in progress", code="no_rollout")
+        return record
+
+    async def promote(self) -> dict[str, Any]:
+        async with self._lock:
+            record = await self._require_canary()
+            if record["status"] not in ("running", "paused"):
+                raise Conflict(f"the canary is already {record['status']}", code="no_rollout")
+            decision = (await self.evaluate(record)).public()
+            return await self._act(record, PROMOTE, {**decision, "action": PROMOTE, "reason": "operator",
+                                                     "detail": "promoted by the operator"}, by="operator")
+
+    async def rollback(self) -> dict[str, Any]:
+        async with self._lock:
+            record = await self._require_canary()
+            if record["status"] not in ("running", "paused"):
+                raise Conflict(f"the canary is already {record['status']}", code="no_rollout")
+            decision = (await self.evaluate(record)).public()
+            return await self._act(record, ROLLBACK, {**decision, "action": ROLLBACK, "reason": "operator",
+                                                      "detail": "rolled back by the operator"}, by="operator")
+
+    async def pause(self, paused: bool = True) -> dict[str, Any]:
+        """Stop (or resume) automatic decisions; the split of new Tasks goes on meanwhile."""
+        async with self._lock:
+            record = await self._require_canary()
+            want, have = ("paused", "running") if paused else ("running", "paused")
+
+            def change(r: dict[str, Any]) -> dict[str, Any] | None:
+                return {**r, "status": want} if r["status"] == have else None
+
+            return await self._update(record["rollout_id"], change, "paused" if paused else "resumed", {})
+
+    async def activate_version(self, lora_name: object) -> dict[str, Any]:
+        """Activate a published version of this model for every new Task (an operator's rollback to an earlier
+        version, or a roll forward), through a rollout record of kind `activation`."""
+        if not isinstance(lora_name, str) or lora_version(lora_name, self._model_id) is None:
+            raise InvalidInput("invalid_lora_name", f"lora_name must be `{self._model_id}:v<N>`")
+        version = lora_version(lora_name, self._model_id)
+        assert version is not None
+        complete = await asyncio.to_thread(self._repository.complete_versions)
+        if version not in complete:
+            raise NotFound(f"{lora_name} is not a published version")
+        path = str(self._repository.version_path(version))
+        async with self._lock:
+            current = await self.store.current()
+            if current is not None:
+                raise Conflict(f"rollout {current['rollout_id']} is in progress: promote or roll it back first",
+                               code="rollout_in_progress")
+            if await self._active_run() is not None:
+                raise Conflict("a Training Run is in progress: its activation would race this one",
+                               code="training_in_progress")
+            try:
+                policy = await self._gateway.read_policy_retrying()
+            except GatewayError as exc:
+                raise Conflict(f"cannot read the active policy from the gateway: {exc}",
+                               code="gateway_unavailable") from exc
+            record = {
+                "rollout_id": new_rollout_id(), "kind": "activation", "mode": "operator", "status": "activating",
+                "candidate": {"lora_name": lora_name, "lora_path": path},
+                "baseline": {"lora_name": policy.lora_name, "lora_path": policy.lora_path},
+                "share": 1.0, "training_run_id": None, "created_at": now_iso(), "window_started_at": now_iso(),
+                "ended_at": None, "decision": {"action": "activate", "reason": "operator", "by": "operator",
+                                               "at": now_iso()},
+            }
+            if policy.lora_name == lora_name:
+                raise Conflict(f"{lora_name} is already active", code="lora_already_active")
+            record = await self._create(record, "activation_requested",
+                                             {"lora_name": lora_name, "previous": policy.lora_name})
+            return await self._finish(record)

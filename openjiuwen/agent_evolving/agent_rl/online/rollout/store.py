@@ -1,0 +1,133 @@
+"""Rollout records in Redis (docs/rollout.md; CONTRACT §5.2 ext).
+
+A rollout is a canary of a new version (`kind: canary`) or an operator's activation of a version
+(`kind: activation`). Statuses: canary `running` | `paused` → `promoting` | `rolling_back` → `promoted` |
+`rolled_back`; activation `activating` → `activated` | `failed`. The intermediate `promoting` / `rolling_back` /
+`activating` is written before the gateway call, so a restart finishes the call it was making.
+
+Invariant 10: `rollout:current` names exactly the one rollout not ended; every transition in and out of the ended
+states changes the record, the pointer and the timeline(s) in one MULTI.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from .. import events
+from ..errors import Conflict, NotFound
+from ..ids import is_run_id, now_iso, parse_iso_epoch
+from ..store import keys
+from ..store.codec import text
+from ..store.tx import transact
+
+LIVE = frozenset({"running", "paused", "promoting", "rolling_back", "activating"})
+ENDED = frozenset({"promoted", "rolled_back", "activated", "failed"})
+RUN_EVENTS = ("canary_started", "canary_promoted", "canary_rolled_back")
+
+
+def rollout_id_for_run(run_id: str) -> str:
+    """A run's canary has a fixed id, so a restart that repeats the start finds it instead of making another."""
+    return "ro-" + run_id.removeprefix("run-")
+
+
+def new_rollout_id() -> str:
+    return "ro-" + secrets.token_hex(6)
+
+
+class RolloutStore:
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+        self._events = events.EventLog(redis)
+
+    async def current(self) -> dict[str, Any] | None:
+        pointer = await self._redis.get(keys.ROLLOUT_CURRENT)
+        return await self.get(text(pointer)) if pointer is not None else None
+
+    async def get(self, rollout_id: str | None) -> dict[str, Any] | None:
+        if not rollout_id:
+            return None
+        raw = await self._redis.get(keys.rollout(rollout_id))
+        return orjson.loads(raw) if raw is not None else None
+
+    async def list_recent(self, limit: int = 20) -> list[dict[str, Any]]:
+        ids = [text(i) for i in await self._redis.zrevrange(keys.ROLLOUTS_BY_CREATION, 0, limit - 1)]
+        raws = await self._redis.mget([keys.rollout(i) for i in ids]) if ids else []
+        return [orjson.loads(r) for r in raws if r is not None]
+
+    async def events(self, rollout_id: str) -> list[dict[str, Any]]:
+        if await self._redis.exists(keys.rollout(rollout_id)) == 0:
+            raise NotFound("rollout not found")
+        return await self._events.read(keys.rollout_events(rollout_id))
+
+    async def create(self, record: dict[str, Any], event: str, data: dict[str, Any]) -> dict[str, Any]:
+        """Store a new live rollout and make it current; the same id again returns the stored record (a repeated
+        start). Another live rollout → Conflict `rollout_in_progress`."""
+        rollout_id = record["rollout_id"]
+        key = keys.rollout(rollout_id)
+
+        async def body(pipe: Pipeline) -> dict[str, Any]:
+            existing = await pipe.get(key)
+            if existing is not None:
+                return orjson.loads(existing)
+            pointer = await pipe.get(keys.ROLLOUT_CURRENT)
+            if pointer is not None:
+                raise Conflict(f"rollout {text(pointer)} is in progress", code="rollout_in_progress")
+            pipe.multi()
+            # Invariant 10: the record, the pointer, the listing and the timelines in one step.
+            pipe.set(key, orjson.dumps(record))
+            pipe.set(keys.ROLLOUT_CURRENT, rollout_id)
+            pipe.zadd(keys.ROLLOUTS_BY_CREATION, {rollout_id: parse_iso_epoch(record["created_at"])})
+            self._queue_events(pipe, record, event, data)
+            await pipe.execute()
+            return record
+
+        return await transact(self._redis, body, key, keys.ROLLOUT_CURRENT)
+
+    async def update(self, rollout_id: str, change: Callable[[dict[str, Any]], dict[str, Any] | None],
+                     event: str | None = None, data: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Apply `change` to a live record (None: leave it); reaching an ended status also clears the pointer.
+        An ended record is returned unchanged (transitions out of an end never happen)."""
+        key = keys.rollout(rollout_id)
+
+        async def body(pipe: Pipeline) -> dict[str, Any]:
+            raw = await pipe.get(key)
+            if raw is None:
+                raise NotFound("rollout not found")
+            record = orjson.loads(raw)
+            if record["status"] in ENDED:
+                return record
+            changed = change(dict(record))
+            if changed is None:
+                return record
+            pointer = await pipe.get(keys.ROLLOUT_CURRENT)
+            ended = changed["status"] in ENDED
+            if ended:
+                changed["ended_at"] = changed.get("ended_at") or now_iso()
+            pipe.multi()
+            pipe.set(key, orjson.dumps(changed))
+            # Invariant 10: the rollout ends and stops being current in the same step.
+            if ended and pointer is not None and text(pointer) == rollout_id:
+                pipe.delete(keys.ROLLOUT_CURRENT)
+            if event is not None:
+                self._queue_events(pipe, changed, event, data or {})
+            await pipe.execute()
+            return changed
+
+        return await transact(self._redis, body, key, keys.ROLLOUT_CURRENT)
+
+    async def note(self, rollout_id: str, event: str, data: dict[str, Any]) -> None:
+        """A best-effort timeline entry (an operator's request, a pause)."""
+        await self._events.append(keys.rollout_events(rollout_id), event, data)
+
+    @staticmethod
+    def _queue_events(pipe: Pipeline, record: dict[str, Any], event: str, data: dict[str, Any]) -> None:
+        events.queue(pipe, keys.rollout_events(record["rollout_id"]), event, data)
+        run_id = record.get("training_run_id")
+        if event in RUN_EVENTS and is_run_id(run_id):  # the run's timeline tells what became of its version
+            events.queue(pipe, keys.training_run_events(run_id), event, {"rollout_id": record["rollout_id"], **data})
