@@ -43,9 +43,12 @@ def response_log_probs(
 ) -> TokenStats:
     """Log-probabilities (and entropies) of the response tokens under `model`. The logits at position t predict
     token t + 1, so the response part starts one position before the first response token."""
-    prompt_len = input_ids.shape[1] - responses.shape[1]
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    logits = out.logits[:, prompt_len - 1 : -1, :].float()
+    resp_len = responses.shape[1]
+    # Only the last R + 1 positions' logits are needed: computing the vocabulary projection for every prompt token
+    # (49k columns for SmolLM2) costs time and memory for nothing. Models without `logits_to_keep` return them all.
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                logits_to_keep=resp_len + 1)
+    logits = out.logits[:, -(resp_len + 1) : -1, :].float()
     log_softmax = F.log_softmax(logits, dim=-1)
     log_probs = log_softmax.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1) if with_entropy else None
