@@ -52,10 +52,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "words": {"rounds": 8, "tasks": 96, "max_tokens": 16, "model_id": "tiny", "dtype": "float32", "lr": 4.0e-3,
               "ppo_epochs": 2, "mini_batch": 16, "micro_batch": 16, "clip_high": 0.28, "kl_coef": 0.001,
               "entropy_coeff": 0.01,
-              "concurrency": 8},
+              "concurrency": 8, "detach_prompt": False},
     "calculator": {"rounds": 3, "tasks": 64, "max_tokens": 24, "model_id": "smollm2", "dtype": "bfloat16",
                    "lr": 5.0e-4, "ppo_epochs": 1, "mini_batch": 16, "micro_batch": 4, "clip_high": 0.28, "kl_coef": 0.0,
-                   "entropy_coeff": 0.0, "concurrency": 16},
+                   "entropy_coeff": 0.0, "concurrency": 16, "detach_prompt": True},
 }
 
 
@@ -119,6 +119,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clip-high", type=float, default=None, help="PPO clip ratio, upper side (default 0.28)")
     p.add_argument("--kl-coef", type=float, default=None, help="KL-in-reward coefficient (words 0.001, calculator 0: "
                    "no reference forward pass)")
+    p.add_argument("--detach-prompt", action=argparse.BooleanOptionalAction, default=None,
+                   help="local trainer: no gradient through the prompt tokens (words no, calculator yes: the prompt "
+                        "is ~230 of ~250 tokens; see docs/learning.md)")
     p.add_argument("--entropy-coeff", type=float, default=None, help="entropy bonus (words 0.01, calculator 0)")
     p.add_argument("--vllm-timeout", type=float, default=300.0, help="seconds to wait for vLLM's /health")
     p.add_argument("--train-timeout", type=float, default=600.0, help="seconds to wait for one Training Run")
@@ -422,6 +425,7 @@ class Demo:
                                             "ppo_micro_batch_size_per_gpu": min(a.micro_batch, a.mini_batch, samples),
                                             "clip_ratio_high": a.clip_high, "entropy_coeff": a.entropy_coeff}},
             "algorithm": {"use_kl_in_reward": a.kl_coef > 0, "kl_ctrl": {"kl_coef": a.kl_coef}},
+            "local": {"detach_prompt": a.detach_prompt},
             "data": {"max_prompt_length": 512, "max_response_length": max(64, a.max_tokens)},
         }
         ppo_path = gw_dir / "ppo.yaml"
@@ -749,14 +753,19 @@ class Demo:
             run_id = started.json()["training_run_id"]
             reached = 0
             activating_at: float | None = None
+            last_training_seen: float | None = None
             while True:
                 got = self.signed("GET", f"/v1/rl/training/runs/{run_id}")
                 if got.status_code != 200:
                     raise DemoFailed(f"GET run {run_id} answered {got.status_code}: {got.text[:300]}")
                 run = got.json()
                 status, stage = run["status"], run.get("stage")
-                if activating_at is None and (stage == "activating" or status == "succeeded"):
-                    activating_at = time.monotonic()
+                if stage == "training" and status not in TERMINAL_RUN:
+                    last_training_seen = time.monotonic()
+                elif activating_at is None and last_training_seen is not None:
+                    # The activation request was sent after the last poll that still saw `training`: from there,
+                    # the latency below is an upper bound (polls are 0.2 s apart).
+                    activating_at = last_training_seen
                 level = 3 if status == "succeeded" else {"training": 1, "activating": 2}.get(stage or "", 0)
                 if level > reached:
                     bar.update(level - reached, status if status in TERMINAL_RUN else f"{stage or status}")
@@ -769,7 +778,7 @@ class Demo:
                     raise DemoFailed(f"Training Run {run_id} not finished within {a.train_timeout:.0f} s "
                                      f"(status {status}, stage {stage})")
                 self._check("gateway")
-                time.sleep(0.2 if stage == "activating" else 0.5)
+                time.sleep(0.2)
         finally:
             bar.close()
         succeeded_at = time.monotonic()
@@ -794,8 +803,9 @@ class Demo:
         return record
 
     def first_served(self, lora_name: str, activating_at: float | None) -> float | None:
-        """Seconds from the moment the driver saw the run's activation stage (polled every 0.2 s) to the first
-        completion vLLM serves with the new adapter (asked directly by its LoRA name); None when vLLM is given."""
+        """Seconds from the last poll that saw the run still training (polls 0.2 s apart, so an upper bound of the
+        time from the activation request) to the first completion vLLM serves with the new adapter (asked directly
+        by its LoRA name); None when vLLM is given."""
         if self.vllm_port is None or activating_at is None:
             return None
         import httpx

@@ -74,7 +74,7 @@ def train(spec: dict[str, Any], emit: Any) -> dict[str, Any]:
         with torch.set_grad_enabled(grad):
             return ppo_math.response_log_probs(
                 model, batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
-                batch.responses[idx], with_entropy=entropy,
+                batch.responses[idx], with_entropy=entropy, detach_prompt=grad and settings.detach_prompt,
             )
 
     def forward_all(*, disable_adapter: bool = False) -> torch.Tensor:

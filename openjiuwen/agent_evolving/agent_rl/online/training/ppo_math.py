@@ -40,15 +40,31 @@ def response_log_probs(
     responses: torch.Tensor,
     *,
     with_entropy: bool = False,
+    detach_prompt: bool = False,
 ) -> TokenStats:
     """Log-probabilities (and entropies) of the response tokens under `model`. The logits at position t predict
-    token t + 1, so the response part starts one position before the first response token."""
+    token t + 1, so the response part starts one position before the first response token.
+
+    `detach_prompt`: run the prompt (all but its last token) without autograd and keep its keys/values as a cache,
+    then run the last prompt token and the response with autograd on top of it. The log-probabilities are the same
+    (the forward pass is unchanged); the gradient no longer flows into the prompt tokens' keys/values through the
+    LoRA. For agent turns whose prompt (system prompt, examples, history) is ten times the response, this cuts the
+    backward pass and the stored activations to the response tokens (docs/learning.md)."""
     resp_len = responses.shape[1]
-    # Only the last R + 1 positions' logits are needed: computing the vocabulary projection for every prompt token
-    # (49k columns for SmolLM2) costs time and memory for nothing. Models without `logits_to_keep` return them all.
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                logits_to_keep=resp_len + 1)
-    logits = out.logits[:, -(resp_len + 1) : -1, :].float()
+    split = input_ids.shape[1] - resp_len - 1  # tokens run without autograd
+    if detach_prompt and split > 0:
+        with torch.no_grad():
+            head = model(input_ids=input_ids[:, :split], attention_mask=attention_mask[:, :split],
+                         position_ids=position_ids[:, :split], use_cache=True, logits_to_keep=1)
+        out = model(input_ids=input_ids[:, split:], attention_mask=attention_mask,
+                    position_ids=position_ids[:, split:], past_key_values=head.past_key_values, use_cache=True)
+        logits = out.logits[:, :-1, :].float()
+    else:
+        # Only the last R + 1 positions' logits are needed: the vocabulary projection of every prompt token (49k
+        # columns for SmolLM2) costs time and memory for nothing. Models without `logits_to_keep` return them all.
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                    logits_to_keep=resp_len + 1)
+        logits = out.logits[:, -(resp_len + 1) : -1, :].float()
     log_softmax = F.log_softmax(logits, dim=-1)
     log_probs = log_softmax.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1) if with_entropy else None

@@ -44,6 +44,8 @@ class PPOSettings:
     ppo_samples_per_step: int = 0
     seed: int = 1
     dtype: str = "float32"
+    # Local backend only: no gradient through the prompt tokens' keys/values (ppo_math.response_log_probs).
+    detach_prompt: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,6 +80,8 @@ YAML_PATHS: dict[str, str] = {
     "data.max_prompt_length": "max_prompt_length",
     "data.max_response_length": "max_response_length",
     "data.filter_overlong_prompts": "filter_overlong_prompts",
+    # Not a verl key: the local backend's own (verl ignores a top-level `local` section).
+    "local.detach_prompt": "detach_prompt",
 }
 
 # ONLINE_RL_<NAME> → setting (CONTRACT §7; the verl-only sizes have no meaning for the local backend).
