@@ -66,3 +66,23 @@ def test_detached_prompt_still_trains_the_lora_but_not_through_the_prompt(model)
 def test_detach_prompt_is_read_from_the_local_section_of_the_ppo_yaml():
     assert PPOSettings().detach_prompt is False
     assert apply_tree(PPOSettings(), {"local": {"detach_prompt": True}}).detach_prompt is True
+
+
+def test_a_shared_prompt_prefix_is_run_once_with_the_same_log_probs(model):
+    """Rows that start with the same system prompt (left-padded to different lengths): the shared part is run for
+    one row and repeated; the log-probabilities must still be the plain forward pass's."""
+    torch.manual_seed(2)
+    b, p, r = 4, 30, 5
+    shared = torch.randint(3, 300, (12,))
+    ids = torch.randint(3, 300, (b, p + r))
+    mask = torch.ones(b, p + r, dtype=torch.long)
+    for row, pad in enumerate((0, 4, 9, 2)):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+        ids[row, pad : pad + 12] = shared
+    mask[3, -1] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    resp, rmask = ids[:, p:], mask[:, p:].bool()
+    plain = response_log_probs(model, ids, mask, pos, resp)
+    detached = response_log_probs(model, ids, mask, pos, resp, detach_prompt=True)
+    assert torch.allclose(plain.log_probs[rmask], detached.log_probs[rmask], atol=1e-4)
