@@ -63,6 +63,20 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def pooled(reports: list[dict[str, Any]]) -> str:
+    """The seeds together: last version's held-out success minus base's over all seeds' Tasks (Welch), and the mean
+    of the per-seed gains with a t-interval over the seeds."""
+    base = [x for r in reports for x in r["versions"][0]["task_success"]]
+    last = [x for r in reports for x in r["versions"][-1]["task_success"]]
+    gain, (lo, hi) = rep.diff_ci95(base, last)
+    gains = [summarise(r)["gain"] for r in reports]
+    mean, (glo, ghi) = rep.mean_ci95(gains)
+    return (f"Pooled over {len(reports)} seeds ({len(base)} base and {len(last)} last-version Tasks): success "
+            f"{sum(base) / len(base):.3f} → {sum(last) / len(last):.3f}, gain **{gain:+.3f}** (Welch 95 % CI "
+            f"[{lo:+.3f}, {hi:+.3f}]); mean of the per-seed gains {mean:+.3f} (t-interval over seeds "
+            f"[{glo:+.3f}, {ghi:+.3f}]).")
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     try:
         import matplotlib
@@ -94,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("reports", nargs="+", type=Path, help="demo-report.json of calculator runs")
     p.add_argument("--plot", type=Path, default=None, help="write the curves here (PNG)")
     args = p.parse_args(argv)
-    rows = [summarise(json.loads(path.read_text())) for path in args.reports]
+    reports = [json.loads(path.read_text()) for path in args.reports]
+    rows = [summarise(r) for r in reports]
     print(markdown(rows))
+    print("\n" + pooled(reports))
     if args.plot is not None and not plot(rows, args.plot):
         print("no matplotlib: no plot", file=sys.stderr)
     return 0
