@@ -86,3 +86,8 @@ def test_a_shared_prompt_prefix_is_run_once_with_the_same_log_probs(model):
     plain = response_log_probs(model, ids, mask, pos, resp)
     detached = response_log_probs(model, ids, mask, pos, resp, detach_prompt=True)
     assert torch.allclose(plain.log_probs[rmask], detached.log_probs[rmask], atol=1e-4)
+
+
+def test_trainer_threads_are_read_from_the_local_section_of_the_ppo_yaml():
+    assert PPOSettings().num_threads == 0  # one per CPU, as before
+    assert apply_tree(PPOSettings(), {"local": {"num_threads": 1}}).num_threads == 1

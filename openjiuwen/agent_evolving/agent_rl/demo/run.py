@@ -52,10 +52,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "words": {"rounds": 8, "tasks": 96, "max_tokens": 16, "model_id": "tiny", "dtype": "float32", "lr": 4.0e-3,
               "ppo_epochs": 2, "mini_batch": 16, "micro_batch": 16, "clip_high": 0.28, "kl_coef": 0.001,
               "entropy_coeff": 0.01,
-              "concurrency": 8, "detach_prompt": False},
+              "concurrency": 8, "detach_prompt": False, "trainer_threads": 0},
     "calculator": {"rounds": 3, "tasks": 64, "max_tokens": 24, "model_id": "smollm2", "dtype": "bfloat16",
                    "lr": 5.0e-4, "ppo_epochs": 1, "mini_batch": 16, "micro_batch": 4, "clip_high": 0.28, "kl_coef": 0.0,
-                   "entropy_coeff": 0.0, "concurrency": 16, "detach_prompt": True},
+                   "entropy_coeff": 0.0, "concurrency": 16, "detach_prompt": True,
+                   "trainer_threads": 1},
 }
 
 
@@ -122,6 +123,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--detach-prompt", action=argparse.BooleanOptionalAction, default=None,
                    help="local trainer: no gradient through the prompt tokens (words no, calculator yes: the prompt "
                         "is ~230 of ~250 tokens; see docs/learning.md)")
+    p.add_argument("--trainer-threads", type=int, default=None,
+                   help="local trainer's torch threads (words 0 = one per CPU; calculator 1: on two cores shared "
+                        "with vLLM, two threads ran a training micro-batch 7x slower)")
     p.add_argument("--entropy-coeff", type=float, default=None, help="entropy bonus (words 0.01, calculator 0)")
     p.add_argument("--vllm-timeout", type=float, default=300.0, help="seconds to wait for vLLM's /health")
     p.add_argument("--train-timeout", type=float, default=600.0, help="seconds to wait for one Training Run")
@@ -425,7 +429,7 @@ class Demo:
                                             "ppo_micro_batch_size_per_gpu": min(a.micro_batch, a.mini_batch, samples),
                                             "clip_ratio_high": a.clip_high, "entropy_coeff": a.entropy_coeff}},
             "algorithm": {"use_kl_in_reward": a.kl_coef > 0, "kl_ctrl": {"kl_coef": a.kl_coef}},
-            "local": {"detach_prompt": a.detach_prompt},
+            "local": {"detach_prompt": a.detach_prompt, "num_threads": a.trainer_threads},
             "data": {"max_prompt_length": 512, "max_response_length": max(64, a.max_tokens)},
         }
         ppo_path = gw_dir / "ppo.yaml"

@@ -41,7 +41,7 @@ def train(spec: dict[str, Any], emit: Any) -> dict[str, Any]:
 
     settings = PPOSettings.from_dict(spec["settings"])
     torch.manual_seed(settings.seed)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(settings.num_threads if settings.num_threads > 0 else max(1, os.cpu_count() or 1))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         settings.dtype, torch.float32
     )
