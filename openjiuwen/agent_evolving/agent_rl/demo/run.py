@@ -15,6 +15,11 @@ same sampling seeds every round), so the table shows base, v1, v2, … with the 
 Outputs: progress bars, the final table, `demo-report.json` and `demo-reward.png` (in `--out-dir` and the run
 directory). Ctrl-C or a failure stops every process the demo started and names the step that failed and its log.
 
+`--family calculator` (`make demo-real`): SmolLM2-135M-Instruct (provisioned by `models/smollm2.py`) on the
+tool-using family of `calculator_family.py`. Each version, base first, is evaluated on the same held-out problems as
+evaluation Tasks (never trained on); training Tasks use fresh train problems; the report carries success and the
+shaped reward separately, the activation latency of each new adapter and every answer (docs/learning.md).
+
 For tests, `--instances URL...` uses running OpenAI-compatible servers (e.g. fake vLLMs) instead of starting vLLM,
 and `--trainer scripted` the deterministic trainer.
 """
