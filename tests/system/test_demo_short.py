@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.fake_vllm import CHAT_PATH, FakeVLLM
+from tests.support.fake_vllm import CHAT_PATH, FakeVLLM, Reply
 
 pytestmark = pytest.mark.system
 
@@ -161,4 +161,42 @@ def test_a_failing_step_is_named_with_its_log_and_nothing_is_left_running(tmp_pa
     assert f"its log: {run_dir / 'gateway' / 'gateway.log'}" in done.stderr
     report = json.loads((run_dir / "demo-report.json").read_text())
     assert (report["status"], report["failed_step"]) == ("failed", "round 1/2 (policy base)")
+    assert_all_gone(run_dir, report)
+
+
+def test_calculator_family_evaluates_each_version_on_the_same_held_out_problems(tmp_path, vllm):
+    """The real-model demo's flow, shortened, on the fake vLLM: held-out evaluation Tasks (never trained on) of base,
+    a training round, a Training Run that claims only the training Tasks' samples, then the same held-out problems
+    on v1; every Task is a tool-using agent (call → tool result fed back → final answer)."""
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    argv = demo_argv(vllm, run_dir, out_dir, "--family", "calculator", "--eval-tasks", "3", "--model-id", "tiny")
+    vllm.reply = Reply(content="CALL calc(6*7)")
+
+    done = subprocess.run(argv, cwd=REPO_ROOT, env=demo_env(), capture_output=True, text=True,
+                          timeout=DEMO_TIMEOUT_S)
+
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    report = json.loads((out_dir / "demo-report.json").read_text())
+    assert report["settings"]["family"] == "calculator" and report["settings"]["eval_tasks"] == 3
+    base, v1 = report["versions"]
+    assert (base["policy"], v1["policy"]) == ("base", "v1")
+    for version in (base, v1):
+        assert version["tasks"] == 3 and version["samples"] == 6
+        assert len(version["task_success"]) == 3 and 0.0 <= version["success_rate"] <= 1.0
+        # The fake answers "CALL calc(6*7)" twice: a valid call, never a final answer, so no success.
+        assert version["success_rate"] == 0.0 and version["reasons"] == {"no ANSWER:": 3}
+        assert all(a["tool_result"] == "RESULT: 42" for a in version["answers"])
+    assert [a["question"] for a in base["answers"]] == [a["question"] for a in v1["answers"]]
+    [run] = report["timings"]["training_runs"]
+    assert run["sample_count"] == TASKS * 2  # the training round's samples only, never the evaluation Tasks'
+    assert set(report["success_margin"]) == {"last_policy", "last_minus_base", "ci95"}
+    chats = [r.body for r in vllm.requests if r.path == CHAT_PATH]
+    assert len(chats) == (3 + TASKS + 3) * 2
+    # The second completion of every Task carries the tool's result as the last user message.
+    seconds = [c for c in chats if c["messages"][-1]["content"].startswith("RESULT:")]
+    assert len(seconds) == len(chats) // 2
+    assert [c["model"] for c in chats[-6:]] == ["tiny:v1"] * 6
+    assert "held-out success" in done.stdout and "example answers" in done.stdout
+    assert (out_dir / "demo-reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_all_gone(run_dir, report)

@@ -65,13 +65,20 @@ def version_entry(policy: str, rewards: Sequence[float], samples: int, **extra: 
 
 def table(versions: Sequence[dict[str, Any]]) -> str:
     """The final table: one line per policy version."""
-    head = ("policy", "mean reward", "95% CI", "tasks", "samples", "round s", "trained in s")
+    success = bool(versions) and "success_rate" in versions[0]
+    head: tuple[str, ...] = ("policy", "mean reward", "95% CI", "tasks", "samples", "round s", "trained in s")
+    if success:
+        head = ("policy", "success", "95% CI", "shaped reward", "95% CI", "tasks", "samples", "eval s",
+                "trained in s")
     rows = [head]
     for v in versions:
         trained = v.get("training_seconds")
+        reward = (f"{v['mean_reward']:.3f}", f"[{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}]")
+        rate = (f"{v['success_rate']:.3f}", f"[{v['success_ci95'][0]:.3f}, {v['success_ci95'][1]:.3f}]") \
+            if success else ()
         rows.append((
-            v["policy"], f"{v['mean_reward']:.3f}", f"[{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}]", str(v["tasks"]),
-            str(v["samples"]), f"{v.get('round_seconds', 0.0):.1f}", "-" if trained is None else f"{trained:.1f}",
+            v["policy"], *rate, *reward, str(v["tasks"]), str(v["samples"]), f"{v.get('round_seconds', 0.0):.1f}",
+            "-" if trained is None else f"{trained:.1f}",
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = []
@@ -79,6 +86,18 @@ def table(versions: Sequence[dict[str, Any]]) -> str:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def side_by_side(base: dict[str, Any], last: dict[str, Any], count: int) -> str:
+    """A few held-out problems with base's and the last version's completions (the same prompts), for reading."""
+    lines = [f"example answers on the same held-out problems: {base['policy']} vs {last['policy']}"]
+    for b, l in list(zip(base.get("answers", []), last.get("answers", [])))[:count]:
+        lines.append(f"  Q: {b['question']} (answer {b['answer']})")
+        for who, x in ((base["policy"], b), (last["policy"], l)):
+            mark = "right" if x["success"] else "wrong"
+            lines.append(f"    {who:>4} [{mark}, reward {x['reward']:.1f}]: " + "  ->  ".join(
+                [repr(x["completions"][0]), x["tool_result"], repr(x["completions"][-1])]))
     return "\n".join(lines)
 
 
@@ -107,11 +126,18 @@ def plot(path: Path, versions: Sequence[dict[str, Any]], title: str) -> bool:
     means = [v["mean_reward"] for v in versions]
     lows = [v["mean_reward"] - v["ci95"][0] for v in versions]
     highs = [v["ci95"][1] - v["mean_reward"] for v in versions]
+    success = bool(versions) and "success_rate" in versions[0]
     ax.errorbar(xs, means, yerr=[lows, highs], color="tab:red", marker="o", capsize=5, linewidth=2,
-                label="mean reward, 95% CI")
+                label="mean shaped reward, 95% CI" if success else "mean reward, 95% CI")
+    if success:
+        rates = [v["success_rate"] for v in versions]
+        ax.errorbar([x + 0.06 for x in xs], rates,
+                    yerr=[[v["success_rate"] - v["success_ci95"][0] for v in versions],
+                          [v["success_ci95"][1] - v["success_rate"] for v in versions]],
+                    color="tab:green", marker="s", capsize=5, linewidth=2, label="held-out success rate, 95% CI")
     ax.set_xticks(xs, [v["policy"] for v in versions])
     ax.set_xlabel("policy version")
-    ax.set_ylabel("reward (share of word characters)")
+    ax.set_ylabel("held-out success / shaped reward" if success else "reward (share of word characters)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)

@@ -15,6 +15,11 @@ same sampling seeds every round), so the table shows base, v1, v2, … with the 
 Outputs: progress bars, the final table, `demo-report.json` and `demo-reward.png` (in `--out-dir` and the run
 directory). Ctrl-C or a failure stops every process the demo started and names the step that failed and its log.
 
+`--family calculator` (`make demo-real`): SmolLM2-135M-Instruct (provisioned by `models/smollm2.py`) on the
+tool-using family of `calculator_family.py`. Each version, base first, is evaluated on the same held-out problems as
+evaluation Tasks (never trained on); training Tasks use fresh train problems; the report carries success and the
+shaped reward separately, the activation latency of each new adapter and every answer (docs/learning.md).
+
 For tests, `--instances URL...` uses running OpenAI-compatible servers (e.g. fake vLLMs) instead of starting vLLM,
 and `--trainer scripted` the deterministic trainer.
 """
@@ -41,10 +46,23 @@ from urllib.parse import urlsplit
 from . import report as rep
 from .processes import ManagedProcess, ancestors, children, free_port, pids_mentioning, wait_gone
 from .progress import Bar
+from . import calculator_family as calc
 from .task_family import FOLLOW_UP, PROMPTS, word_char_share
 
 TERMINAL_RUN = ("succeeded", "failed", "canceled")
-PPO_DEFAULTS = {"lr": 4.0e-3, "ppo_epochs": 2, "mini_batch": 16, "clip_high": 0.28}
+# Per task family: "words" is the tiny random model's "answer in plain words" (fast, for tests and a quick look);
+# "calculator" is SmolLM2-135M-Instruct solving word problems with a calculator tool (docs/learning.md says why
+# each PPO value is what it is).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "words": {"rounds": 8, "tasks": 96, "max_tokens": 16, "model_id": "tiny", "dtype": "float32", "lr": 4.0e-3,
+              "ppo_epochs": 2, "mini_batch": 16, "micro_batch": 16, "clip_high": 0.28, "kl_coef": 0.001,
+              "entropy_coeff": 0.01,
+              "concurrency": 8, "detach_prompt": False, "trainer_threads": 0},
+    "calculator": {"rounds": 3, "tasks": 64, "max_tokens": 24, "model_id": "smollm2", "dtype": "bfloat16",
+                   "lr": 5.0e-4, "ppo_epochs": 1, "mini_batch": 16, "micro_batch": 4, "clip_high": 0.28, "kl_coef": 0.0,
+                   "entropy_coeff": 0.0, "concurrency": 16, "detach_prompt": True,
+                   "trainer_threads": 1},
+}
 
 
 class DemoFailed(Exception):
@@ -65,11 +83,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Run rounds of Tasks -> rewards -> Training Run -> LoRA activation on a real vLLM (CPU) and "
                     "show the mean reward per policy version. See docs/demo.md.",
     )
-    p.add_argument("--rounds", type=int, default=8, help="Training Runs (default 8: base, v1 … v8 are evaluated)")
-    p.add_argument("--tasks", type=int, default=96, help="Tasks per round (default 96)")
-    p.add_argument("--turns", type=int, default=2, help="completions per Task (default 2)")
-    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each completion (default 16)")
-    p.add_argument("--concurrency", type=int, default=8, help="agents running Tasks at once (default 8)")
+    p.add_argument("--family", choices=tuple(FAMILY_DEFAULTS), default="words",
+                   help="task family: words (tiny random model, 'answer in plain words'; the default) or calculator "
+                        "(SmolLM2-135M-Instruct, word problems with a calculator tool, success-based reward, held-out "
+                        "evaluation Tasks; `make demo-real`). The options below default per family")
+    p.add_argument("--rounds", type=int, default=None, help="Training Runs (words 8, calculator 3)")
+    p.add_argument("--tasks", type=int, default=None, help="training Tasks per round (words 96, calculator 64)")
+    p.add_argument("--eval-tasks", type=int, default=64,
+                   help="calculator: held-out evaluation Tasks per version, the same prompts for every version "
+                        "(default 64)")
+    p.add_argument("--turns", type=int, default=2, help="words: completions per Task (default 2; calculator: "
+                   "always 2, the tool call and the final answer)")
+    p.add_argument("--max-tokens", type=int, default=None, help="max_tokens of each completion (words 16, "
+                   "calculator 24)")
+    p.add_argument("--concurrency", type=int, default=None, help="agents running Tasks at once (words 8, "
+                   "calculator 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model, the sampling and the trainer")
     p.add_argument("--run-dir", type=Path, default=None, help="new directory for logs and state "
                    "(default demo-run/<timestamp>)")
@@ -79,23 +107,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--instances", nargs="+", metavar="URL", default=None,
                    help="use these running OpenAI-compatible vLLM servers (http://127.0.0.1:PORT) instead of "
                         "starting one; they must serve --model-id with runtime LoRA loading")
-    p.add_argument("--model", type=Path, default=None, help="use this model directory instead of generating one")
+    p.add_argument("--model", type=Path, default=None, help="use this model directory instead of generating one "
+                   "(words) or provisioning SmolLM2 into its cache directory (calculator)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="vLLM's --dtype (words float32, calculator bfloat16)")
     p.add_argument("--hidden-size", type=int, default=384,
                    help="hidden size of the generated tiny model (default 384 = 6 heads of 64; see docs/demo.md)")
-    p.add_argument("--model-id", default="tiny", help="served model name = RL Service model_id (default tiny)")
+    p.add_argument("--model-id", default=None, help="served model name = RL Service model_id (words tiny, "
+                   "calculator smollm2)")
     p.add_argument("--trainer", choices=("local", "scripted"), default="local",
                    help="trainer backend (scripted: deterministic, for tests)")
-    p.add_argument("--lr", type=float, default=PPO_DEFAULTS["lr"], help="PPO learning rate (default 4e-3)")
-    p.add_argument("--ppo-epochs", type=int, default=PPO_DEFAULTS["ppo_epochs"], help="PPO epochs (default 2)")
-    p.add_argument("--mini-batch", type=int, default=PPO_DEFAULTS["mini_batch"], help="PPO mini-batch (default 16)")
-    p.add_argument("--clip-high", type=float, default=PPO_DEFAULTS["clip_high"],
-                   help="PPO clip ratio, upper side (default 0.28)")
+    p.add_argument("--lr", type=float, default=None, help="PPO learning rate (words 4e-3, calculator 5e-4)")
+    p.add_argument("--ppo-epochs", type=int, default=None, help="PPO epochs (words 2, calculator 1)")
+    p.add_argument("--mini-batch", type=int, default=None, help="PPO mini-batch (default 16)")
+    p.add_argument("--micro-batch", type=int, default=None, help="PPO micro-batch (words 16, calculator 4: the "
+                   "activations of 16 SmolLM2 samples of ~250 tokens take about 15 GB)")
+    p.add_argument("--clip-high", type=float, default=None, help="PPO clip ratio, upper side (default 0.28)")
+    p.add_argument("--kl-coef", type=float, default=None, help="KL-in-reward coefficient (words 0.001, calculator 0: "
+                   "no reference forward pass)")
+    p.add_argument("--detach-prompt", action=argparse.BooleanOptionalAction, default=None,
+                   help="local trainer: no gradient through the prompt tokens (words no, calculator yes: the prompt "
+                        "is ~230 of ~250 tokens; see docs/learning.md)")
+    p.add_argument("--trainer-threads", type=int, default=None,
+                   help="local trainer's torch threads (words 0 = one per CPU; calculator 1: on two cores shared "
+                        "with vLLM, two threads ran a training micro-batch 7x slower)")
+    p.add_argument("--entropy-coeff", type=float, default=None, help="entropy bonus (words 0.01, calculator 0)")
     p.add_argument("--vllm-timeout", type=float, default=300.0, help="seconds to wait for vLLM's /health")
     p.add_argument("--train-timeout", type=float, default=600.0, help="seconds to wait for one Training Run")
     args = p.parse_args(argv)
+    for name, value in FAMILY_DEFAULTS[args.family].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.family == "calculator":
+        args.turns = 2
     if args.hidden_size < 64 or args.hidden_size % 64:
         p.error("--hidden-size must be a positive multiple of 64 (vLLM's CPU attention needs head_dim 64)")
-    for name in ("rounds", "tasks", "turns", "max_tokens", "concurrency", "ppo_epochs", "mini_batch"):
+    for name in ("rounds", "tasks", "eval_tasks", "turns", "max_tokens", "concurrency", "ppo_epochs", "mini_batch",
+                 "micro_batch"):
         minimum = 0 if name == "rounds" else 1
         if getattr(args, name) < minimum:
             p.error(f"--{name.replace('_', '-')} must be at least {minimum}")
@@ -140,6 +188,8 @@ class Demo:
         self.api_key = b""
         self.ppo_yaml: dict[str, Any] = {}
         self._owns_run_dir = False
+        self.vllm_port: int | None = None
+        self.training_rounds: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------------------------------ driver
 
@@ -186,9 +236,18 @@ class Demo:
         a = self.args
         bar = Bar("set-up", total=5, unit="steps")
         try:
-            with self.stage("tiny model", self.run_dir / "demo.log"):
+            with self.stage("model", self.run_dir / "demo.log"):
                 t = time.monotonic()
-                if a.model is not None:
+                if a.model is None and a.family == "calculator" and (a.trainer == "local" or a.instances is None):
+                    from ..models.smollm2 import ProvisionError, default_cache_dir, provision
+
+                    bar.note("provisioning SmolLM2-135M-Instruct")
+                    try:
+                        with self._log_to(self.run_dir / "demo.log"):
+                            self.model_dir, _ = provision(default_cache_dir())
+                    except ProvisionError as exc:
+                        raise DemoFailed(f"{exc} (`openjiuwen-rl model smollm2` provisions it)") from exc
+                elif a.model is not None:
                     self.model_dir = a.model.resolve()
                     if not (self.model_dir / "config.json").is_file():
                         raise DemoFailed(f"--model {self.model_dir} has no config.json")
@@ -202,7 +261,7 @@ class Demo:
                 else:  # scripted trainer on given instances: nothing reads the weights
                     self.model_dir = self.run_dir / "model"
                 self.timings["setup"]["model_s"] = round(time.monotonic() - t, 2)
-                bar.update(1, "tiny model ready")
+                bar.update(1, "model ready")
 
             vllm_started = time.monotonic()
             if a.instances is None:
@@ -284,9 +343,10 @@ class Demo:
                    TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--served-model-name", self.args.model_id, "--enable-lora", "--max-lora-rank", "16",
-                "--max-loras", "4", "--dtype", "float32", "--max-model-len", "1024",
+                "--max-loras", "4", "--dtype", self.args.dtype, "--max-model-len", "1024",
                 "--host", "127.0.0.1", "--port", str(port), "--seed", str(self.args.seed)]
         self._spawn("vllm", argv, self.run_dir / "vllm.log", env)
+        self.vllm_port = port
         return ("vllm-0", "127.0.0.1", port)
 
     def wait_vllm(self, port: int, bar: Bar, started: float) -> None:
@@ -371,8 +431,10 @@ class Demo:
         self.ppo_yaml = {
             "actor_rollout_ref": {"actor": {"optim": {"lr": a.lr}, "ppo_epochs": a.ppo_epochs,
                                             "ppo_mini_batch_size": min(a.mini_batch, samples),
-                                            "ppo_micro_batch_size_per_gpu": min(a.mini_batch, samples),
-                                            "clip_ratio_high": a.clip_high}},
+                                            "ppo_micro_batch_size_per_gpu": min(a.micro_batch, a.mini_batch, samples),
+                                            "clip_ratio_high": a.clip_high, "entropy_coeff": a.entropy_coeff}},
+            "algorithm": {"use_kl_in_reward": a.kl_coef > 0, "kl_ctrl": {"kl_coef": a.kl_coef}},
+            "local": {"detach_prompt": a.detach_prompt, "num_threads": a.trainer_threads},
             "data": {"max_prompt_length": 512, "max_response_length": max(64, a.max_tokens)},
         }
         ppo_path = gw_dir / "ppo.yaml"
@@ -484,6 +546,9 @@ class Demo:
         a = self.args
         self._agent = openai.OpenAI(base_url=self.gateway_url + "/v1", api_key="demo-agent", max_retries=0,
                                     timeout=120, http_client=httpx.Client(trust_env=False, timeout=120))
+        if a.family == "calculator":
+            self.calculator_rounds()
+            return
         pending_training: dict[str, Any] | None = None
         for r in range(a.rounds + 1):
             lora = self.active_policy()
@@ -510,20 +575,91 @@ class Demo:
                 with self.stage(f"training run {r + 1}/{a.rounds}", self.run_dir / "gateway" / "rl-service.log"):
                     pending_training = self.train(r, lora)
 
-    def run_round(self, r: int, lora: str | None, label: str) -> list[dict[str, Any]]:
+    def calculator_rounds(self) -> None:
+        """Evaluate base on the held-out problems (evaluation Tasks), then per round: training Tasks on fresh train
+        problems, a Training Run, activation, and the new version's evaluation on the SAME held-out problems."""
         a = self.args
-        bar = Bar(f"round {r + 1}/{a.rounds + 1} ({label})", total=a.tasks, unit="tasks")
+        held_out = calc.problems("held-out", a.eval_tasks, 0)  # fixed: every seed and version sees these
+        train = calc.problems("train", a.tasks * max(1, a.rounds), a.seed)
+        pending_training: dict[str, Any] | None = None
+        self.training_rounds: list[dict[str, Any]] = []
+        for r in range(a.rounds + 1):
+            lora = self.active_policy()
+            label = _policy_label(lora)
+            log = self.run_dir / "gateway" / "gateway.log"
+            with self.stage(f"evaluation {r + 1}/{a.rounds + 1} (policy {label})", log):
+                t = time.monotonic()
+                results = self.run_round(r, lora, label, held_out, evaluation=True)
+                seconds = round(time.monotonic() - t, 2)
+            entry = self.calculator_entry(label, lora, results, seconds, pending_training)
+            self.versions.append(entry)
+            self.timings["rounds"].append({"policy": label, "kind": "evaluation", "seconds": seconds})
+            print(f"  {label} (held-out): success {entry['success_rate']:.3f} [{entry['success_ci95'][0]:.3f}, "
+                  f"{entry['success_ci95'][1]:.3f}], shaped reward {entry['mean_reward']:.3f} over "
+                  f"{entry['tasks']} Tasks in {seconds:.1f} s; e.g. {entry['example']!r}", flush=True)
+            self.write_reports(final=False)
+            if r == a.rounds:
+                break
+            with self.stage(f"training round {r + 1}/{a.rounds} (policy {label})", log):
+                t = time.monotonic()
+                batch = train[r * a.tasks:(r + 1) * a.tasks]
+                results = self.run_round(r, lora, label, batch, evaluation=False)
+                seconds = round(time.monotonic() - t, 2)
+            succ = [1.0 if x["success"] else 0.0 for x in results]
+            rewards = [x["reward"] for x in results]
+            self.training_rounds.append({"policy": label, "tasks": len(results), "seconds": seconds,
+                                         "success_rate": round(sum(succ) / len(succ), 4),
+                                         "mean_reward": round(sum(rewards) / len(rewards), 4)})
+            self.timings["rounds"].append({"policy": label, "kind": "training", "seconds": seconds})
+            print(f"  training round {r + 1} ({label}): success {sum(succ) / len(succ):.3f}, shaped reward "
+                  f"{sum(rewards) / len(rewards):.3f} over {len(results)} Tasks in {seconds:.1f} s", flush=True)
+            with self.stage(f"training run {r + 1}/{a.rounds}", self.run_dir / "gateway" / "rl-service.log"):
+                pending_training = self.train(r, lora)
+
+    def calculator_entry(self, label: str, lora: str | None, results: list[dict[str, Any]], seconds: float,
+                         pending: dict[str, Any] | None) -> dict[str, Any]:
+        rewards = [x["reward"] for x in results]
+        success = [1.0 if x["success"] else 0.0 for x in results]
+        rate, (lo, hi) = rep.mean_ci95(success)
+        return rep.version_entry(
+            label, rewards, sum(x["samples"] for x in results), lora_name=lora, round_seconds=seconds,
+            training_seconds=pending["seconds"] if pending else None,
+            training_run_id=pending["training_run_id"] if pending else None,
+            activation_latency_s=pending.get("first_served_s") if pending else None,
+            success_rate=round(rate, 4), success_ci95=[round(lo, 4), round(hi, 4)],
+            task_rewards=[round(x, 4) for x in rewards], task_success=success,
+            reasons={k: sum(1 for x in results if x["reason"] == k) for k in sorted({x["reason"] for x in results})},
+            answers=[{"question": x["question"], "answer": x["answer"], "completions": x["answers"],
+                      "tool_result": x["feedback"], "success": x["success"], "reward": x["reward"]}
+                     for x in results],
+            example=" | ".join(results[0]["answers"]),
+        )
+
+    def run_round(self, r: int, lora: str | None, label: str, problems: list[Any] | None = None,
+                  evaluation: bool = False) -> list[dict[str, Any]]:
+        a = self.args
+        count = a.tasks if problems is None else len(problems)
+        kind = "evaluation" if evaluation else "round" if problems is None else "training"
+        bar = Bar(f"{kind} {r + 1}/{a.rounds + 1} ({label})", total=count, unit="tasks")
         self._executor = futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
         results: list[dict[str, Any]] = []
         try:
-            pending = {self._executor.submit(self.run_task, r, i, lora) for i in range(a.tasks)}
+            if problems is None:
+                pending = {self._executor.submit(self.run_task, r, i, lora) for i in range(count)}
+            else:
+                pending = {self._executor.submit(self.run_calculator_task, r, i, p, lora, evaluation)
+                           for i, p in enumerate(problems)}
             while pending:
                 done, pending = futures.wait(pending, timeout=1.0, return_when=futures.FIRST_COMPLETED)
                 for fut in done:
                     results.append(fut.result())  # a Task's failure fails the round
                 if done:
                     mean = sum(x["reward"] for x in results) / len(results)
-                    bar.update(len(done), f"mean reward {mean:.3f}")
+                    if problems is None:
+                        bar.update(len(done), f"mean reward {mean:.3f}")
+                    else:
+                        rate = sum(1 for x in results if x["success"]) / len(results)
+                        bar.update(len(done), f"success {rate:.3f}, reward {mean:.3f}")
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
             bar.close()
@@ -568,6 +704,53 @@ class Demo:
                 "reward": reward, "samples": rewarded.json().get("sample_count", 0),
                 "seconds": round(time.monotonic() - t, 3)}
 
+    def run_calculator_task(self, r: int, i: int, problem: calc.Problem, lora: str | None,
+                            evaluation: bool) -> dict[str, Any]:
+        """One tool-using agent Task: question → calculator call (completion 1) → the agent runs the tool and sends
+        the result → final answer (completion 2) → success and shaped reward from the text → signed reward."""
+        a = self.args
+        kind = "e" if evaluation else "t"
+        session = f"demo-{kind}{r}-{i}-{secrets.token_hex(3)}"
+        t = time.monotonic()
+        body: dict[str, Any] = {"reward_mode": "terminal"}
+        if evaluation:
+            body["evaluation"] = True
+        started = self.signed("POST", "/v1/rl/tasks/start", json_body=body, headers={"X-Agent-Session-Id": session})
+        if started.status_code != 201:
+            raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
+        task = started.json()
+        task_id = task["rl_task_id"]
+        pinned = task.get("policy_lora_name")
+        if (pinned or "base") != (lora or "base"):
+            raise DemoFailed(f"Task {task_id} is pinned to {pinned}, expected {lora or 'base'}")
+        messages = calc.first_messages(problem)
+        answers: list[str] = []
+        feedback = ""
+        for turn in range(2):
+            # No per-request `seed`: vLLM 0.32's CPU sampler fails ("CPU Generator does not use offset") when a
+            # seeded request's prompt is prefilled in chunks, which these longer prompts trigger under load.
+            out = self._agent.chat.completions.create(
+                model=a.model_id, messages=messages, max_tokens=a.max_tokens, temperature=1.0,
+                extra_headers={"X-Agent-Session-Id": session},
+            )
+            text = out.choices[0].message.content or ""
+            answers.append(text)
+            if turn == 0:
+                _, feedback = calc.tool_call(text)  # the agent runs the tool
+                messages = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": feedback}]
+        stopped = self.signed("POST", f"/v1/rl/tasks/{task_id}/stop")
+        if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
+            raise DemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
+        scored = calc.score(problem, answers)
+        rewarded = self.signed("POST", f"/v1/rl/tasks/{task_id}/reward", json_body={"reward": scored.reward})
+        if rewarded.status_code != 200:
+            raise DemoFailed(f"Task {task_id} reward answered {rewarded.status_code}: {rewarded.text[:300]}")
+        return {"round": r, "task": i, "rl_task_id": task_id, "policy": pinned, "evaluation": evaluation,
+                "question": problem.question, "answer": problem.answer, "split": problem.split,
+                "answers": answers, "feedback": feedback, "success": scored.success, "reward": scored.reward,
+                "reason": scored.reason, "samples": rewarded.json().get("sample_count", 0),
+                "seconds": round(time.monotonic() - t, 3)}
+
     def train(self, r: int, parent: str | None) -> dict[str, Any]:
         a = self.args
         bar = Bar(f"training run {r + 1}/{a.rounds}", total=3, unit="stages")
@@ -578,12 +761,20 @@ class Demo:
                 raise DemoFailed(f"POST /v1/rl/training/runs answered {started.status_code}: {started.text[:300]}")
             run_id = started.json()["training_run_id"]
             reached = 0
+            activating_at: float | None = None
+            last_training_seen: float | None = None
             while True:
                 got = self.signed("GET", f"/v1/rl/training/runs/{run_id}")
                 if got.status_code != 200:
                     raise DemoFailed(f"GET run {run_id} answered {got.status_code}: {got.text[:300]}")
                 run = got.json()
                 status, stage = run["status"], run.get("stage")
+                if stage == "training" and status not in TERMINAL_RUN:
+                    last_training_seen = time.monotonic()
+                elif activating_at is None and last_training_seen is not None:
+                    # The activation request was sent after the last poll that still saw `training`: from there,
+                    # the latency below is an upper bound (polls are 0.2 s apart).
+                    activating_at = last_training_seen
                 level = 3 if status == "succeeded" else {"training": 1, "activating": 2}.get(stage or "", 0)
                 if level > reached:
                     bar.update(level - reached, status if status in TERMINAL_RUN else f"{stage or status}")
@@ -596,10 +787,11 @@ class Demo:
                     raise DemoFailed(f"Training Run {run_id} not finished within {a.train_timeout:.0f} s "
                                      f"(status {status}, stage {stage})")
                 self._check("gateway")
-                time.sleep(0.5)
+                time.sleep(0.2)
         finally:
             bar.close()
-        seconds = round(time.monotonic() - t, 2)
+        succeeded_at = time.monotonic()
+        seconds = round(succeeded_at - t, 2)
         if status != "succeeded":
             raise DemoFailed(f"Training Run {run_id} ended {status}: {run.get('failure_reason')}")
         now_active = self.active_policy()
@@ -607,14 +799,32 @@ class Demo:
             raise DemoFailed(f"Training Run {run_id} succeeded with {run['lora_name']} but the gateway's active "
                              f"policy is {now_active}")
         steps = run.get("metrics", {}).get("step_metrics") or []
+        first_served = self.first_served(run["lora_name"], activating_at)
         record = {"training_run_id": run_id, "parent": parent or "base", "lora_name": run["lora_name"],
                   "sample_count": run["sample_count"], "seconds": seconds,
+                  "activation_s": None if activating_at is None else round(succeeded_at - activating_at, 2),
+                  "first_served_s": first_served,
                   "steps": run.get("metrics", {}).get("steps"),
                   "step_metrics": steps}
         self.timings["training_runs"].append(record)
         print(f"  {run['lora_name']} trained on {run['sample_count']} samples and activated in {seconds:.1f} s",
               flush=True)
         return record
+
+    def first_served(self, lora_name: str, activating_at: float | None) -> float | None:
+        """Seconds from the last poll that saw the run still training (polls 0.2 s apart, so an upper bound of the
+        time from the activation request) to the first completion vLLM serves with the new adapter (asked directly
+        by its LoRA name); None when vLLM is given."""
+        if self.vllm_port is None or activating_at is None:
+            return None
+        import httpx
+
+        with httpx.Client(timeout=60, trust_env=False) as http:
+            r = http.post(f"http://127.0.0.1:{self.vllm_port}/v1/completions",
+                          json={"model": lora_name, "prompt": "1", "max_tokens": 1})
+        if r.status_code != 200:
+            raise DemoFailed(f"vLLM did not serve {lora_name} after activation: {r.status_code} {r.text[:200]}")
+        return round(time.monotonic() - activating_at, 2)
 
     # ------------------------------------------------------------------------------------------ output
 
@@ -627,8 +837,13 @@ class Demo:
                 "max_tokens": a.max_tokens, "temperature": 1.0, "concurrency": a.concurrency, "seed": a.seed,
                 "model_id": a.model_id, "model": str(self.model_dir), "hidden_size": a.hidden_size,
                 "trainer": a.trainer, "vllm": "started" if a.instances is None else "given",
-                "instances": a.instances or [], "task_family": "answer in plain words (task_family.py)",
-                "reward": "share of word characters (ASCII letters, space) in the answers' text",
+                "instances": a.instances or [], "family": a.family, "dtype": a.dtype,
+                "task_family": "answer in plain words (task_family.py)" if a.family == "words" else
+                "word problems with a calculator tool (calculator_family.py)",
+                "reward": "share of word characters (ASCII letters, space) in the answers' text" if a.family == "words"
+                else f"1 for the right final answer, {calc.TOOL_CREDIT} for a calculator call whose value is right, "
+                     "else 0; success = the right final answer",
+                "eval_tasks": a.eval_tasks if a.family == "calculator" else None,
                 "ppo": self.ppo_yaml, "advantage_estimator": "reinforce_plus_plus",
             },
             "timings": {**self.timings, "total_seconds": round(time.monotonic() - self.t0, 2)},
@@ -641,6 +856,12 @@ class Demo:
             diff, (lo, hi) = rep.diff_ci95(base, last)
             report["margin"] = {"last_policy": self.versions[-1]["policy"], "last_minus_base": round(diff, 4),
                                 "ci95": [round(lo, 4), round(hi, 4)]}
+            if "task_success" in self.versions[0]:
+                sd, (slo, shi) = rep.diff_ci95(self.versions[0]["task_success"], self.versions[-1]["task_success"])
+                report["success_margin"] = {"last_policy": self.versions[-1]["policy"],
+                                            "last_minus_base": round(sd, 4), "ci95": [round(slo, 4), round(shi, 4)]}
+        if self.training_rounds:
+            report["training_rounds"] = self.training_rounds
         if self.status != "completed":
             report["failed_step"] = self.step
         return report
@@ -656,8 +877,12 @@ class Demo:
     def finish(self) -> None:
         with self.stage("report", None):
             report = self.write_reports(final=True)
-            title = (f"openjiuwen-rl demo: {self.args.tasks} Tasks x {self.args.turns} turns per round, "
-                     f"seed {self.args.seed}")
+            if self.args.family == "calculator":
+                title = (f"openjiuwen-rl demo: SmolLM2-135M-Instruct + calculator tool, {self.args.eval_tasks} "
+                         f"held-out Tasks per version, seed {self.args.seed}")
+            else:
+                title = (f"openjiuwen-rl demo: {self.args.tasks} Tasks x {self.args.turns} turns per round, "
+                         f"seed {self.args.seed}")
             plotted = rep.plot(self.run_dir / "demo-reward.png", self.versions, title)
             if plotted:
                 shutil.copyfile(self.run_dir / "demo-reward.png", self.out_dir / "demo-reward.png")
@@ -665,8 +890,14 @@ class Demo:
         print(rep.table(self.versions))
         margin = report.get("margin")
         if margin:
-            print(f"\nlast version {margin['last_policy']} vs base: {margin['last_minus_base']:+.3f} "
+            what = "shaped reward" if "success_margin" in report else "mean reward"
+            print(f"\nlast version {margin['last_policy']} vs base, {what}: {margin['last_minus_base']:+.3f} "
                   f"(95% CI [{margin['ci95'][0]:+.3f}, {margin['ci95'][1]:+.3f}])")
+        sm = report.get("success_margin")
+        if sm:
+            print(f"last version {sm['last_policy']} vs base, held-out success: {sm['last_minus_base']:+.3f} "
+                  f"(95% CI [{sm['ci95'][0]:+.3f}, {sm['ci95'][1]:+.3f}])")
+            print("\n" + rep.side_by_side(self.versions[0], self.versions[-1], 4))
         print(f"total {report['timings']['total_seconds']:.0f} s; report {self.out_dir / 'demo-report.json'}"
               + (f", plot {self.out_dir / 'demo-reward.png'}" if plotted else " (no matplotlib: no plot)"))
 

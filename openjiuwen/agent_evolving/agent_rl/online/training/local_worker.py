@@ -41,7 +41,7 @@ def train(spec: dict[str, Any], emit: Any) -> dict[str, Any]:
 
     settings = PPOSettings.from_dict(spec["settings"])
     torch.manual_seed(settings.seed)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(settings.num_threads if settings.num_threads > 0 else max(1, os.cpu_count() or 1))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         settings.dtype, torch.float32
     )
@@ -74,7 +74,7 @@ def train(spec: dict[str, Any], emit: Any) -> dict[str, Any]:
         with torch.set_grad_enabled(grad):
             return ppo_math.response_log_probs(
                 model, batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
-                batch.responses[idx], with_entropy=entropy,
+                batch.responses[idx], with_entropy=entropy, detach_prompt=grad and settings.detach_prompt,
             )
 
     def forward_all(*, disable_adapter: bool = False) -> torch.Tensor:

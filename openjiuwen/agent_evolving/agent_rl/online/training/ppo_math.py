@@ -40,16 +40,72 @@ def response_log_probs(
     responses: torch.Tensor,
     *,
     with_entropy: bool = False,
+    detach_prompt: bool = False,
 ) -> TokenStats:
     """Log-probabilities (and entropies) of the response tokens under `model`. The logits at position t predict
-    token t + 1, so the response part starts one position before the first response token."""
-    prompt_len = input_ids.shape[1] - responses.shape[1]
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    logits = out.logits[:, prompt_len - 1 : -1, :].float()
+    token t + 1, so the response part starts one position before the first response token.
+
+    `detach_prompt`: run the prompt (all but its last token) without autograd and keep its keys/values as a cache,
+    then run the last prompt token and the response with autograd on top of it. The log-probabilities are the same
+    (the forward pass is unchanged); the gradient no longer flows into the prompt tokens' keys/values through the
+    LoRA. For agent turns whose prompt (system prompt, examples, history) is ten times the response, this cuts the
+    backward pass and the stored activations to the response tokens (docs/learning.md)."""
+    resp_len = responses.shape[1]
+    split = input_ids.shape[1] - resp_len - 1  # tokens run without autograd
+    if detach_prompt and split > 0:
+        cache, mask_head = _prompt_cache(model, input_ids, attention_mask, position_ids, split)
+        out = model(input_ids=input_ids[:, split:], attention_mask=torch.cat([mask_head, attention_mask[:, split:]], 1),
+                    position_ids=position_ids[:, split:], past_key_values=cache, use_cache=True)
+        logits = out.logits[:, :-1, :].float()
+    else:
+        # Only the last R + 1 positions' logits are needed: the vocabulary projection of every prompt token (49k
+        # columns for SmolLM2) costs time and memory for nothing. Models without `logits_to_keep` return them all.
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                    logits_to_keep=resp_len + 1)
+        logits = out.logits[:, -(resp_len + 1) : -1, :].float()
     log_softmax = F.log_softmax(logits, dim=-1)
     log_probs = log_softmax.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1) if with_entropy else None
     return TokenStats(log_probs, entropy)
+
+
+@torch.no_grad()
+def _prompt_cache(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, split: int
+) -> tuple[Any, torch.Tensor]:
+    """Keys/values of the first `split` columns (left-padded prompts, all but their last token), and the attention
+    mask the cache's key positions carry. The leading tokens every row shares (an agent's system prompt and
+    examples) are run once, for one row, and the cache is repeated for the batch; then each row's remaining prompt
+    tokens are appended, right-aligned at column `split` as in the input, with the row's leftover columns masked.
+    Position ids stay the input's (they count a row's real tokens from 0), so the values are the same as from one
+    pass over the whole prompt."""
+    rows = input_ids.shape[0]
+    real = attention_mask[:, :split].sum(1)  # real prompt tokens before the split, per row
+    starts = split - real
+    shortest = int(real.min())
+    shared = 0
+    if shortest > 1:
+        idx = starts[:, None] + torch.arange(shortest)[None, :]
+        window = input_ids.gather(1, idx)  # each row's first `shortest` real tokens
+        same = (window == window[:1]).all(0)
+        shared = shortest if bool(same.all()) else int(torch.nonzero(~same)[0, 0])
+        shared = min(shared, shortest - 1)  # keep at least one token per row for the second pass
+    if shared < 2:
+        head = model(input_ids=input_ids[:, :split], attention_mask=attention_mask[:, :split],
+                     position_ids=position_ids[:, :split], use_cache=True, logits_to_keep=1)
+        return head.past_key_values, attention_mask[:, :split]
+    first = int(starts[0])
+    head = model(input_ids=input_ids[:1, first : first + shared], attention_mask=attention_mask[:1, first : first + shared],
+                 position_ids=position_ids[:1, first : first + shared], use_cache=True, logits_to_keep=1)
+    cache = head.past_key_values
+    cache.batch_repeat_interleave(rows)
+    width = int(real.max()) - shared  # columns after the shared part, up to the split
+    cols = torch.arange(split - width, split)
+    keep = (cols[None, :] >= (starts + shared)[:, None]).to(attention_mask.dtype)
+    mask = torch.cat([torch.ones(rows, shared, dtype=attention_mask.dtype), keep], 1)
+    model(input_ids=input_ids[:, split - width : split], attention_mask=mask,
+          position_ids=position_ids[:, split - width : split], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache, mask
 
 
 def algo_config(settings: PPOSettings) -> AlgoConfig:

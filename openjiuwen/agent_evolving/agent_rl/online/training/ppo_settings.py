@@ -44,6 +44,11 @@ class PPOSettings:
     ppo_samples_per_step: int = 0
     seed: int = 1
     dtype: str = "float32"
+    # Local backend only: no gradient through the prompt tokens' keys/values (ppo_math.response_log_probs).
+    detach_prompt: bool = False
+    # Local backend only: torch threads of the trainer (0: one per CPU). On cores shared with vLLM and other work, 2
+    # threads spinning at OpenMP barriers ran a SmolLM2 micro-batch 7x slower than 1 thread (docs/learning.md).
+    num_threads: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,6 +83,9 @@ YAML_PATHS: dict[str, str] = {
     "data.max_prompt_length": "max_prompt_length",
     "data.max_response_length": "max_response_length",
     "data.filter_overlong_prompts": "filter_overlong_prompts",
+    # Not a verl key: the local backend's own (verl ignores a top-level `local` section).
+    "local.detach_prompt": "detach_prompt",
+    "local.num_threads": "num_threads",
 }
 
 # ONLINE_RL_<NAME> → setting (CONTRACT §7; the verl-only sizes have no meaning for the local backend).
