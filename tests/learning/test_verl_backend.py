@@ -75,6 +75,25 @@ async def test_a_run_through_the_service_trains_publishes_and_learns(redis, redi
         ray.get_actor(actor_name("tiny"), namespace=ray_namespace("tiny"))  # killed after the run
 
 
+async def test_a_run_on_smollm2_trains_publishes_and_learns(redis, redis_url, tmp_path, local_ray, smollm2_dir):
+    """The same path with the real pretrained SmolLM2-135M-Instruct (bench/gpu/verl_run.py `--model smollm2`, CPU
+    size: 16 × 8 tokens, lr 5e-4, 2 epochs — the local backend's SmolLM2 scenario). Measured: margin MEASURED."""
+    from bench.gpu import verl_run
+
+    lines: list[str] = []
+    result = await verl_run.run("cpu", tmp_path, model_name="smollm2", redis_url=redis_url, device="cpu",
+                                log=lines.append)
+    assert result["status"] == "succeeded" and result["activated"], result
+    assert result["parameters"] == 134_515_008 and result["model_id"] == "smollm2"
+    assert result["lora_name"] == "smollm2:v1"
+    step = result["step_metrics"][0]
+    assert step["samples"] == 16 and step["tokens"] == 16 * 8
+    meta = json.loads((Path(result["lora_path"]) / "metadata.json").read_text())
+    assert (meta["trainer_backend"], meta["ppo_steps"]) == ("verl", 1)
+    assert result["margin_gain"] > 1.0, result  # shuffled labels move it by -0.5 to -0.7 (test_smollm2_learns.py)
+    assert result["leftover_tmp"] == []
+
+
 def few_samples(tiny_model: Path, count: int = 4) -> list[dict]:
     prompt = L.prompt_ids(tiny_model)
     responses = [[10 + i, 20 + i, 30 + i] for i in range(count)]

@@ -651,6 +651,25 @@ def test_vllm_errors_pass_through_for_bypassed_and_captured_calls(redis, redis_u
         assert stats(gw)["total"] == 0
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [({"stream": 1}, "stream must be a boolean"), ({"stream": "true"}, "stream must be a boolean"),
+     ({"stream": True, "stream_options": []}, "stream_options must be an object")],
+)
+def test_non_boolean_stream_is_400_before_any_upstream_call(redis, redis_url, tmp_path, vllm, fields, message):
+    # vLLM would stream for `"stream": 1` while the gateway reads only `true` as a stream: relayed, the SSE answer
+    # would fail as a 502 `upstream_invalid` (seen by the schema fuzzer).
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+    with running_gateway(tmp_path, redis_url, vllm) as gw:
+        start_task(gw, "s-stream")
+        for headers in ({}, {SESSION: "s-stream"}):
+            r = gw.http.post(CHAT, json=request, headers=headers)
+            assert error_of(r) == (400, "invalid_request") and r.json()["error"]["message"] == message
+        assert chat_bodies(vllm) == []
+        r = gw.http.post(CHAT, json={**request, "stream": False, "stream_options": None}, headers={SESSION: "s-stream"})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
 # ----------------------------------------------------------------------------------------- 8. Redis paused
 
 

@@ -19,12 +19,18 @@ def test_the_shell_script_parses_and_explains_itself() -> None:
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
     out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30, check=True)
     assert "Python 3.12" in out.stdout and "redis-server" in out.stdout and "WHEELS" in out.stdout
-    bad = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True, timeout=30)
-    assert bad.returncode == 2 and "usage:" in bad.stderr
+    assert "--model smollm2" in out.stdout
+    for wrong in (["--bogus"], ["--model", "gpt2"], ["--dry-run", "--model"]):
+        bad = subprocess.run(["bash", str(SCRIPT), *wrong], capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 2 and "usage:" in bad.stderr, wrong
+
+
+def test_every_model_has_both_sizes() -> None:
+    assert sorted(verl_run.SIZES) == sorted((m, s) for m in verl_run.MODELS for s in ("cpu", "gpu"))
 
 
 @pytest.mark.parametrize("size", sorted(verl_run.SIZES))
-def test_each_size_composes_into_a_valid_ppo_config(tmp_path: Path, size: str) -> None:
+def test_each_size_composes_into_a_valid_ppo_config(tmp_path: Path, size: tuple[str, str]) -> None:
     spec = verl_run.SIZES[size]
     (tmp_path / "ppo.yaml").write_text(verl_run.ppo_yaml(spec))
     tree = compose_ppo_config(advantage_estimator="reinforce_plus_plus", tis_cap=None,
@@ -39,7 +45,7 @@ def test_the_gpu_model_has_a_few_hundred_million_parameters() -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    m = verl_run.SIZES["gpu"].model
+    m = verl_run.SIZES[("generated", "gpu")].model
     config = Qwen2Config(hidden_size=m["hidden_size"], num_hidden_layers=m["num_layers"],
                          num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"],
                          intermediate_size=m["intermediate_size"], vocab_size=400, tie_word_embeddings=True)

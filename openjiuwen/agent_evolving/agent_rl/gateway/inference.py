@@ -32,7 +32,9 @@ from .capture_fields import IGNORED_FIELDS_HEADER, FieldRefused, ignored_header,
 from .http11 import HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
 from .lora_manager import LoraError, LoraManager, parse_lora_name
-from .openai_shapes import ClientWants, StreamAggregator, client_view_chunk, client_view_response, client_wants
+from .openai_shapes import (
+    ClientWants, StreamAggregator, client_view_chunk, client_view_response, client_wants, stream_fields_refused,
+)
 from .responses import envelope, json_response, passthrough, upstream_error
 from .rl_client import HookUnreachable, RLClient
 from .sessions import Binding
@@ -102,6 +104,9 @@ class InferenceProxy:
         body = await self._json_body(request)
         if isinstance(body, Response):
             return body
+        refused = stream_fields_refused(body)
+        if refused is not None:
+            return envelope(400, "invalid_request", refused)
         return await self._serve(request, body, flavor="openai")
 
     async def messages(self, request: Request) -> Response:

@@ -24,6 +24,18 @@ class ClientWants:
     model: str | None  # the client's `model`, echoed back instead of the pinned policy model
 
 
+def stream_fields_refused(request: dict[str, Any]) -> str | None:
+    """Why `stream` / `stream_options` cannot be served, or None. vLLM coerces `"stream": 1` to a stream while the
+    gateway reads only JSON `true` as one: left through, such a request would be relayed as JSON and fail as a 502."""
+    stream = request.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        return "stream must be a boolean"
+    options = request.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        return "stream_options must be an object"
+    return None
+
+
 def client_wants(request: dict[str, Any]) -> ClientWants:
     """Read from the ORIGINAL client request: the injected one always asks for logprobs and usage."""
     options = request.get("stream_options")
