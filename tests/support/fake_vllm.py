@@ -354,6 +354,7 @@ class FakeVLLM:
         self._breaks: deque[int] = deque()
         self._replies: deque[Reply] = deque()
         self._reply = Reply()
+        self._model_replies: dict[str, Reply] = {}  # served model or LoRA name → its own reply
         self._fail_loads = False
         self._chunk_delay_s = 0.0
         self._counter = 0
@@ -431,6 +432,12 @@ class FakeVLLM:
     def reply(self, reply: Reply) -> None:
         with self._lock:
             self._reply = reply
+
+    def reply_for_model(self, model: str, reply: Reply) -> None:
+        """Requests naming `model` (the base model or a LoRA name) get `reply` instead of `reply`, as a real adapter
+        answers differently from the base model. Queued replies still come first."""
+        with self._lock:
+            self._model_replies[model] = reply
 
     def enqueue(self, *replies: Reply) -> None:
         """Replies for the next chat requests, in arrival order; then `reply` again."""
@@ -685,7 +692,7 @@ class FakeVLLM:
 
     def _generate(self, body: dict[str, Any], model: str, prompt_ids: list[int], max_tokens: int) -> _Generation:
         with self._lock:
-            reply = self._replies.popleft() if self._replies else self._reply
+            reply = self._replies.popleft() if self._replies else self._model_replies.get(model, self._reply)
             self._counter += 1
             counter = self._counter
         tokens = _tokens(reply)

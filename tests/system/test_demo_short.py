@@ -200,3 +200,42 @@ def test_calculator_family_evaluates_each_version_on_the_same_held_out_problems(
     assert "held-out success" in done.stdout and "example answers" in done.stdout
     assert (out_dir / "demo-reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_all_gone(run_dir, report)
+
+
+def test_bad_version_option_shows_the_inverted_reward_version_rolled_back(tmp_path, vllm):
+    """--bad-version on the fake vLLM (scripted trainer): round on base, v1 promoted by the demo as an operator
+    would, round on v1, a training round with inverted published rewards, v2 the canary's candidate, then canary
+    Tasks with true rewards until the decision loop rolls v2 back. The fake answers in plain words for base and v1
+    and in digits for v2 (as an adapter trained on inverted rewards would), so v2's true reward is 0."""
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    vllm.reply = Reply(content="plain words only")
+    vllm.reply_for_model("tiny:v2", Reply(content="1234567890"))
+
+    done = subprocess.run(demo_argv(vllm, run_dir, out_dir, "--bad-version", "--canary-min-tasks", "3"),
+                          cwd=REPO_ROOT, env=demo_env(), capture_output=True, text=True, timeout=DEMO_TIMEOUT_S)
+
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    report = json.loads((out_dir / "demo-report.json").read_text())
+    assert report["status"] == "completed" and [v["policy"] for v in report["versions"]] == ["base", "v1"]
+    check = report["rollout_check"]
+    assert (check["candidate"], check["active"]) == ("tiny:v2", "tiny:v1")
+    assert (check["outcome"], check["reason"], check["by"]) == ("rolled_back", "regression", "auto"), check
+    assert check["ci95"][1] < 0 and check["reward_delta"] == -1.0
+    service = check["service_arms"]
+    assert service["candidate"]["reward"]["n"] >= 3 and service["active"]["reward"]["n"] >= 3
+    demo = check["demo_arms"]
+    assert (demo["candidate"]["mean_reward"], demo["active"]["mean_reward"]) == (0.0, 1.0)
+    assert demo["candidate"]["tasks"] + demo["active"]["tasks"] == check["canary_tasks"]
+    runs = report["timings"]["training_runs"]
+    assert [(r["lora_name"], r.get("candidate", False)) for r in runs] == [("tiny:v1", False), ("tiny:v2", True)]
+    # The bad round's Tasks published 1 - r (0 for these answers): what v2 was trained on.
+    rewards = [json.loads(line) for line in (run_dir / "agents.jsonl").read_text().splitlines()]
+    bad_round = [x for x in rewards if x["round"] == 2]
+    assert len(bad_round) == TASKS and all(x["reward"] == 1.0 and x["policy"] == "tiny:v1" for x in bad_round)
+    # Every canary Task was pinned to v1 or v2 and served by it; v2 is unloaded once no Task holds it.
+    canary = [x for x in rewards if x["round"] >= 3]
+    assert {x["policy"] for x in canary} == {"tiny:v1", "tiny:v2"} and len(canary) == check["canary_tasks"]
+    assert "decision: rolled_back (regression, by auto)" in done.stdout
+    assert "tiny:v2" not in vllm.loaded
+    assert_all_gone(run_dir, report)

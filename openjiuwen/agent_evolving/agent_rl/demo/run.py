@@ -57,11 +57,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "words": {"rounds": 8, "tasks": 96, "max_tokens": 16, "model_id": "tiny", "dtype": "float32", "lr": 4.0e-3,
               "ppo_epochs": 2, "mini_batch": 16, "micro_batch": 16, "clip_high": 0.28, "kl_coef": 0.001,
               "entropy_coeff": 0.01,
-              "concurrency": 8, "detach_prompt": False, "trainer_threads": 0},
+              "concurrency": 8, "detach_prompt": False, "trainer_threads": 0, "canary_min_tasks": 48},
     "calculator": {"rounds": 3, "tasks": 64, "max_tokens": 24, "model_id": "smollm2", "dtype": "bfloat16",
                    "lr": 5.0e-4, "ppo_epochs": 1, "mini_batch": 16, "micro_batch": 4, "clip_high": 0.28, "kl_coef": 0.0,
                    "entropy_coeff": 0.0, "concurrency": 16, "detach_prompt": True,
-                   "trainer_threads": 1},
+                   "trainer_threads": 1, "canary_min_tasks": 32},
 }
 
 
@@ -132,6 +132,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="local trainer's torch threads (words 0 = one per CPU; calculator 1: on two cores shared "
                         "with vLLM, two threads ran a training micro-batch 7x slower)")
     p.add_argument("--entropy-coeff", type=float, default=None, help="entropy bonus (words 0.01, calculator 0)")
+    p.add_argument("--bad-version", action="store_true",
+                   help="after the rounds, train one deliberately bad version (a training round whose published "
+                        "rewards are inverted, 1 - r) and show the canary rollout rolling it back: the RL Service runs "
+                        "with rollout.mode canary (the demo promotes the rounds' own versions as an operator would), "
+                        "Tasks with true rewards run until the decision; see docs/rollout.md")
+    p.add_argument("--canary-min-tasks", type=int, default=None,
+                   help="--bad-version: rewarded Tasks per arm before the canary decides (words 48, calculator 32)")
     p.add_argument("--vllm-timeout", type=float, default=300.0, help="seconds to wait for vLLM's /health")
     p.add_argument("--train-timeout", type=float, default=600.0, help="seconds to wait for one Training Run")
     args = p.parse_args(argv)
@@ -143,8 +150,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.hidden_size < 64 or args.hidden_size % 64:
         p.error("--hidden-size must be a positive multiple of 64 (vLLM's CPU attention needs head_dim 64)")
     for name in ("rounds", "tasks", "eval_tasks", "turns", "max_tokens", "concurrency", "ppo_epochs", "mini_batch",
-                 "micro_batch"):
-        minimum = 0 if name == "rounds" else 1
+                 "micro_batch", "canary_min_tasks"):
+        minimum = 0 if name == "rounds" else 2 if name == "canary_min_tasks" else 1
         if getattr(args, name) < minimum:
             p.error(f"--{name.replace('_', '-')} must be at least {minimum}")
     for url in args.instances or ():
@@ -158,6 +165,18 @@ def sampling_seed(seed: int, round_: int, task: int, turn: int) -> int:
     """vLLM's per-request seed: reproducible for a demo seed, and fresh in every round, so a round never replays
     the samples its policy was trained on (the round's rewards are then an honest evaluation of that policy)."""
     return (seed * 1_000_003 + round_ * 10_007 + task * 101 + turn) % (2**31)
+
+
+def canary_settings(min_tasks: int) -> dict[str, Any]:
+    """The RL Service's `rollout` section under --bad-version. Half of the new Tasks go to the candidate (the
+    fastest decision); a tolerance of 0.01 so that only a version about as good as the active one is promoted (a
+    worse one meets the regression rule first); no failure rule in practice (the demo's Tasks do not fail); the
+    loop looks every second, so the demo waits little after each batch of Tasks."""
+    return {"mode": "canary", "share": 0.5, "min_tasks": min_tasks, "tolerance": 0.01, "failure_margin": 0.5,
+            "max_duration_seconds": 3600, "on_timeout": "rollback", "decision_interval_seconds": 1.0}
+
+
+CANARY_BATCHES = 8  # batches of canary Tasks (each about min_tasks per arm) before the demo gives up waiting
 
 
 def _policy_label(lora_name: str | None) -> str:
@@ -190,6 +209,7 @@ class Demo:
         self._owns_run_dir = False
         self.vllm_port: int | None = None
         self.training_rounds: list[dict[str, Any]] = []
+        self.rollout_check: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------------ driver
 
@@ -202,6 +222,8 @@ class Demo:
             print(f"openjiuwen-rl demo: run directory {self.run_dir}", flush=True)
             self.setup()
             self.rounds()
+            if self.args.bad_version:
+                self.bad_version_check()
             self.status = "completed"
             self.finish()
             return 0
@@ -460,6 +482,8 @@ class Demo:
             "log_path": str(gw_dir / "rl-service.log"),
             "log_level": "INFO",
         }
+        if a.bad_version:
+            rl_config["rollout"] = canary_settings(a.canary_min_tasks)
         rl_path = gw_dir / "rl-service.yaml"
         rl_path.write_text(yaml.safe_dump(rl_config, sort_keys=False))
         gw_config = {
@@ -636,18 +660,22 @@ class Demo:
         )
 
     def run_round(self, r: int, lora: str | None, label: str, problems: list[Any] | None = None,
-                  evaluation: bool = False) -> list[dict[str, Any]]:
+                  evaluation: bool = False, *, count: int | None = None, invert: bool = False,
+                  candidate: str | None = None, title: str | None = None) -> list[dict[str, Any]]:
+        """One batch of Tasks. `invert`: publish 1 - reward (the deliberately bad training round); `candidate`: a
+        canary's candidate, to which a Task may be pinned instead of `lora`."""
         a = self.args
-        count = a.tasks if problems is None else len(problems)
+        count = (a.tasks if count is None else count) if problems is None else len(problems)
         kind = "evaluation" if evaluation else "round" if problems is None else "training"
-        bar = Bar(f"{kind} {r + 1}/{a.rounds + 1} ({label})", total=count, unit="tasks")
+        bar = Bar(title or f"{kind} {r + 1}/{a.rounds + 1} ({label})", total=count, unit="tasks")
         self._executor = futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
         results: list[dict[str, Any]] = []
+        pins = {lora or "base", candidate or lora or "base"}
         try:
             if problems is None:
-                pending = {self._executor.submit(self.run_task, r, i, lora) for i in range(count)}
+                pending = {self._executor.submit(self.run_task, r, i, lora, pins, invert) for i in range(count)}
             else:
-                pending = {self._executor.submit(self.run_calculator_task, r, i, p, lora, evaluation)
+                pending = {self._executor.submit(self.run_calculator_task, r, i, p, lora, evaluation, pins, invert)
                            for i, p in enumerate(problems)}
             while pending:
                 done, pending = futures.wait(pending, timeout=1.0, return_when=futures.FIRST_COMPLETED)
@@ -669,7 +697,7 @@ class Demo:
                 f.write(json.dumps(x) + "\n")
         return results
 
-    def run_task(self, r: int, i: int, lora: str | None) -> dict[str, Any]:
+    def run_task(self, r: int, i: int, lora: str | None, pins: set[str], invert: bool = False) -> dict[str, Any]:
         a = self.args
         session = f"demo-r{r}-t{i}-{secrets.token_hex(3)}"
         t = time.monotonic()
@@ -679,9 +707,7 @@ class Demo:
             raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
         task = started.json()
         task_id = task["rl_task_id"]
-        pinned = task.get("policy_lora_name")
-        if (pinned or "base") != (lora or "base"):
-            raise DemoFailed(f"Task {task_id} is pinned to {pinned}, expected {lora or 'base'}")
+        pinned = self._check_pin(task, lora, pins)
         messages: list[dict[str, str]] = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
         answers: list[str] = []
         for turn in range(a.turns):
@@ -697,15 +723,27 @@ class Demo:
         if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
             raise DemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
         reward = word_char_share(answers)
+        rewarded = self._publish_reward(task_id, 1.0 - reward if invert else reward)
+        return {"round": r, "task": i, "rl_task_id": task_id, "policy": pinned, "answers": answers,
+                "reward": reward, "samples": rewarded.get("sample_count", 0),
+                "seconds": round(time.monotonic() - t, 3)}
+
+    @staticmethod
+    def _check_pin(task: dict[str, Any], lora: str | None, pins: set[str]) -> str | None:
+        pinned = task.get("policy_lora_name")
+        if (pinned or "base") not in pins:
+            raise DemoFailed(f"Task {task['rl_task_id']} is pinned to {pinned}, expected "
+                             f"{' or '.join(sorted(pins)) if len(pins) > 1 else lora or 'base'}")
+        return pinned
+
+    def _publish_reward(self, task_id: str, reward: float) -> dict[str, Any]:
         rewarded = self.signed("POST", f"/v1/rl/tasks/{task_id}/reward", json_body={"reward": reward})
         if rewarded.status_code != 200:
             raise DemoFailed(f"Task {task_id} reward answered {rewarded.status_code}: {rewarded.text[:300]}")
-        return {"round": r, "task": i, "rl_task_id": task_id, "policy": pinned, "answers": answers,
-                "reward": reward, "samples": rewarded.json().get("sample_count", 0),
-                "seconds": round(time.monotonic() - t, 3)}
+        return rewarded.json()
 
-    def run_calculator_task(self, r: int, i: int, problem: calc.Problem, lora: str | None,
-                            evaluation: bool) -> dict[str, Any]:
+    def run_calculator_task(self, r: int, i: int, problem: calc.Problem, lora: str | None, evaluation: bool,
+                            pins: set[str], invert: bool = False) -> dict[str, Any]:
         """One tool-using agent Task: question → calculator call (completion 1) → the agent runs the tool and sends
         the result → final answer (completion 2) → success and shaped reward from the text → signed reward."""
         a = self.args
@@ -720,9 +758,7 @@ class Demo:
             raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
         task = started.json()
         task_id = task["rl_task_id"]
-        pinned = task.get("policy_lora_name")
-        if (pinned or "base") != (lora or "base"):
-            raise DemoFailed(f"Task {task_id} is pinned to {pinned}, expected {lora or 'base'}")
+        pinned = self._check_pin(task, lora, pins)
         messages = calc.first_messages(problem)
         answers: list[str] = []
         feedback = ""
@@ -742,18 +778,19 @@ class Demo:
         if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
             raise DemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
         scored = calc.score(problem, answers)
-        rewarded = self.signed("POST", f"/v1/rl/tasks/{task_id}/reward", json_body={"reward": scored.reward})
-        if rewarded.status_code != 200:
-            raise DemoFailed(f"Task {task_id} reward answered {rewarded.status_code}: {rewarded.text[:300]}")
+        rewarded = self._publish_reward(task_id, 1.0 - scored.reward if invert else scored.reward)
         return {"round": r, "task": i, "rl_task_id": task_id, "policy": pinned, "evaluation": evaluation,
                 "question": problem.question, "answer": problem.answer, "split": problem.split,
                 "answers": answers, "feedback": feedback, "success": scored.success, "reward": scored.reward,
-                "reason": scored.reason, "samples": rewarded.json().get("sample_count", 0),
+                "reason": scored.reason, "samples": rewarded.get("sample_count", 0),
                 "seconds": round(time.monotonic() - t, 3)}
 
-    def train(self, r: int, parent: str | None) -> dict[str, Any]:
+    def train(self, r: int, parent: str | None, *, candidate_only: bool = False,
+              title: str | None = None) -> dict[str, Any]:
+        """Start a Training Run and watch it to its end. Under --bad-version (rollout.mode canary) its version is a
+        candidate first: the demo promotes it as an operator would, unless `candidate_only` (the bad version)."""
         a = self.args
-        bar = Bar(f"training run {r + 1}/{a.rounds}", total=3, unit="stages")
+        bar = Bar(title or f"training run {r + 1}/{a.rounds}", total=3, unit="stages")
         t = time.monotonic()
         try:
             started = self.signed("POST", "/v1/rl/training/runs")
@@ -794,6 +831,20 @@ class Demo:
         seconds = round(succeeded_at - t, 2)
         if status != "succeeded":
             raise DemoFailed(f"Training Run {run_id} ended {status}: {run.get('failure_reason')}")
+        if a.bad_version:
+            self.wait_candidate(run["lora_name"])
+            if candidate_only:
+                record = {"training_run_id": run_id, "parent": parent or "base", "lora_name": run["lora_name"],
+                          "sample_count": run["sample_count"], "seconds": seconds, "candidate": True,
+                          "steps": run.get("metrics", {}).get("steps")}
+                self.timings["training_runs"].append(record)
+                print(f"  {run['lora_name']} trained on {run['sample_count']} samples in {seconds:.1f} s: now the "
+                      "canary's candidate", flush=True)
+                return record
+            promoted = self.signed("POST", "/v1/rl/rollout/promote")
+            if promoted.status_code != 200:
+                raise DemoFailed(f"POST /v1/rl/rollout/promote answered {promoted.status_code}: "
+                                 f"{promoted.text[:300]}")
         now_active = self.active_policy()
         if now_active != run["lora_name"]:
             raise DemoFailed(f"Training Run {run_id} succeeded with {run['lora_name']} but the gateway's active "
@@ -825,6 +876,109 @@ class Demo:
         if r.status_code != 200:
             raise DemoFailed(f"vLLM did not serve {lora_name} after activation: {r.status_code} {r.text[:200]}")
         return round(time.monotonic() - activating_at, 2)
+
+    # ------------------------------------------------------------------------------------------ bad version
+
+    def rollout_status(self) -> dict[str, Any]:
+        r = self.signed("GET", "/v1/rl/rollout")
+        if r.status_code != 200:
+            raise DemoFailed(f"GET /v1/rl/rollout answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def wait_candidate(self, lora_name: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The canary of `lora_name` once it is current (the gateway has loaded the candidate)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            current = self.rollout_status()["current"]
+            if current is not None and current.get("candidate", {}).get("lora_name") == lora_name:
+                return current
+            if time.monotonic() > deadline:
+                raise DemoFailed(f"{lora_name} did not become the canary's candidate within {timeout_s:.0f} s "
+                                 f"(current rollout: {current})")
+            time.sleep(0.2)
+
+    def bad_version_check(self) -> None:
+        """One deliberately bad version and the canary that should roll it back: a training round whose published
+        rewards are 1 - r, its Training Run (the candidate), then Tasks with their true rewards, half of them pinned
+        to the candidate, until the decision loop decides. Not rolled back → the demo fails, saying so."""
+        a = self.args
+        active = self.active_policy()
+        label = _policy_label(active)
+        r = a.rounds + 1  # past the rounds' own indexes: fresh sampling seeds
+        log = self.run_dir / "gateway" / "gateway.log"
+        with self.stage("bad training round (inverted rewards)", log):
+            t = time.monotonic()
+            problems = (calc.problems("train", a.tasks * (max(1, a.rounds) + 1), a.seed)[-a.tasks:]
+                        if a.family == "calculator" else None)
+            results = self.run_round(r, active, label, problems, invert=True,
+                                     title=f"bad training round ({label}, rewards inverted)")
+            true_mean = sum(x["reward"] for x in results) / len(results)
+            print(f"  bad training round on {label}: true reward {true_mean:.3f}, published 1 - r = "
+                  f"{1 - true_mean:.3f} over {len(results)} Tasks in {time.monotonic() - t:.1f} s", flush=True)
+        with self.stage("bad training run", self.run_dir / "gateway" / "rl-service.log"):
+            run = self.train(r, active, candidate_only=True, title="training run (inverted rewards)")
+        with self.stage(f"canary of {run['lora_name']}", log):
+            record, tasks = self.canary_window(active, run["lora_name"])
+        self.rollout_check = self.rollout_section(active, run, record, tasks)
+        self.write_reports(final=False)
+        self.print_rollout_check()
+        if self.rollout_check["outcome"] != "rolled_back":
+            raise DemoFailed(f"the deliberately bad version {run['lora_name']} was not rolled back: "
+                             f"{self.rollout_check['outcome']} ({self.rollout_check.get('reason')})")
+
+    def canary_window(self, active: str | None, candidate: str) -> tuple[dict[str, Any] | None, list[dict]]:
+        """Batches of Tasks with true rewards (calculator: the held-out problems, as evaluation Tasks) until the
+        current canary ends; returns its record (None if undecided after CANARY_BATCHES batches) and the Tasks."""
+        a = self.args
+        held_out = calc.problems("held-out", a.eval_tasks, 0) if a.family == "calculator" else None
+        tasks: list[dict[str, Any]] = []
+        for batch in range(CANARY_BATCHES):
+            title = f"canary batch {batch + 1} ({_policy_label(active)} vs {_policy_label(candidate)})"
+            tasks += self.run_round(a.rounds + 2 + batch, active, _policy_label(active), held_out,
+                                    evaluation=held_out is not None, count=2 * a.canary_min_tasks,
+                                    candidate=candidate, title=title)
+            deadline = time.monotonic() + 5.0  # the loop evaluates every second
+            while time.monotonic() < deadline:
+                status = self.rollout_status()
+                if status["current"] is None:
+                    ended = [x for x in status["recent"] if x.get("candidate", {}).get("lora_name") == candidate]
+                    return (ended[0] if ended else None), tasks
+                time.sleep(0.5)
+            evaluation = (status["current"] or {}).get("evaluation") or {}
+            print(f"  canary after {len(tasks)} Tasks: {evaluation.get('reason', '?')} — "
+                  f"{evaluation.get('detail', '')}", flush=True)
+        return None, tasks
+
+    def rollout_section(self, active: str | None, run: dict[str, Any], record: dict[str, Any] | None,
+                        tasks: list[dict[str, Any]]) -> dict[str, Any]:
+        candidate = run["lora_name"]
+        arms = {}
+        for arm, name in (("candidate", candidate), ("active", active or "base")):
+            rewards = [x["reward"] for x in tasks if (x["policy"] or "base") == name]
+            mean, (lo, hi) = rep.mean_ci95(rewards) if rewards else (None, (None, None))
+            arms[arm] = {"lora_name": name, "tasks": len(rewards), "mean_reward": mean, "ci95": [lo, hi]}
+        decision = (record or {}).get("decision") or {}
+        return {
+            "candidate": candidate, "active": active or "base", "training_run_id": run["training_run_id"],
+            "rollout_id": (record or {}).get("rollout_id"),
+            "outcome": (record or {}).get("status", "undecided"), "reason": decision.get("reason"),
+            "detail": decision.get("detail"), "by": decision.get("by"),
+            "reward_delta": decision.get("reward_delta"), "ci95": decision.get("ci95"),
+            "service_arms": decision.get("arms"), "demo_arms": arms, "canary_tasks": len(tasks),
+            "settings": canary_settings(self.args.canary_min_tasks),
+        }
+
+    def print_rollout_check(self) -> None:
+        c = self.rollout_check
+        print(f"\nbad version {c['candidate']} (trained on inverted rewards) vs active {c['active']}, "
+              f"{c['canary_tasks']} canary Tasks:")
+        for arm, a in c["demo_arms"].items():
+            if a["tasks"]:
+                print(f"  {arm:9s} {a['lora_name']:>12s}: {a['tasks']} Tasks, mean reward {a['mean_reward']:.3f} "
+                      f"[{a['ci95'][0]:.3f}, {a['ci95'][1]:.3f}]")
+        if c["ci95"]:
+            print(f"  candidate - active: {c['reward_delta']:+.3f}, 95% CI [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]")
+        print(f"  decision: {c['outcome']} ({c['reason']}, by {c['by']}): {c['detail']}", flush=True)
 
     # ------------------------------------------------------------------------------------------ output
 
@@ -862,6 +1016,8 @@ class Demo:
                                             "last_minus_base": round(sd, 4), "ci95": [round(slo, 4), round(shi, 4)]}
         if self.training_rounds:
             report["training_rounds"] = self.training_rounds
+        if self.rollout_check is not None:
+            report["rollout_check"] = self.rollout_check
         if self.status != "completed":
             report["failed_step"] = self.step
         return report
