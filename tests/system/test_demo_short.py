@@ -229,6 +229,7 @@ def test_bad_version_option_shows_the_inverted_reward_version_rolled_back(tmp_pa
     assert demo["candidate"]["tasks"] + demo["active"]["tasks"] == check["canary_tasks"]
     runs = report["timings"]["training_runs"]
     assert [(r["lora_name"], r.get("candidate", False)) for r in runs] == [("tiny:v1", False), ("tiny:v2", True)]
+    assert [r["sample_count"] for r in runs] == [TASKS * TURNS] * 2  # v2: the inverted round's samples only
     # The bad round's Tasks published 1 - r (0 for these answers): what v2 was trained on.
     rewards = [json.loads(line) for line in (run_dir / "agents.jsonl").read_text().splitlines()]
     bad_round = [x for x in rewards if x["round"] == 2]

@@ -580,7 +580,9 @@ class Demo:
             log = self.run_dir / "gateway" / "gateway.log"
             with self.stage(f"round {r + 1}/{a.rounds + 1} (policy {label})", log):
                 t = time.monotonic()
-                results = self.run_round(r, lora, label)
+                # Under --bad-version the last round's Tasks are evaluation Tasks: never trained on, so the bad
+                # Training Run that follows claims the inverted round's samples only.
+                results = self.run_round(r, lora, label, evaluation=a.bad_version and r == a.rounds)
                 seconds = round(time.monotonic() - t, 2)
             rewards = [x["reward"] for x in results]
             entry = rep.version_entry(
@@ -673,7 +675,8 @@ class Demo:
         pins = {lora or "base", candidate or lora or "base"}
         try:
             if problems is None:
-                pending = {self._executor.submit(self.run_task, r, i, lora, pins, invert) for i in range(count)}
+                pending = {self._executor.submit(self.run_task, r, i, lora, pins, invert, evaluation)
+                           for i in range(count)}
             else:
                 pending = {self._executor.submit(self.run_calculator_task, r, i, p, lora, evaluation, pins, invert)
                            for i, p in enumerate(problems)}
@@ -697,11 +700,13 @@ class Demo:
                 f.write(json.dumps(x) + "\n")
         return results
 
-    def run_task(self, r: int, i: int, lora: str | None, pins: set[str], invert: bool = False) -> dict[str, Any]:
+    def run_task(self, r: int, i: int, lora: str | None, pins: set[str], invert: bool = False,
+                 evaluation: bool = False) -> dict[str, Any]:
         a = self.args
         session = f"demo-r{r}-t{i}-{secrets.token_hex(3)}"
         t = time.monotonic()
-        started = self.signed("POST", "/v1/rl/tasks/start", json_body={"reward_mode": "terminal"},
+        body: dict[str, Any] = {"reward_mode": "terminal", **({"evaluation": True} if evaluation else {})}
+        started = self.signed("POST", "/v1/rl/tasks/start", json_body=body,
                               headers={"X-Agent-Session-Id": session})
         if started.status_code != 201:
             raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
@@ -885,6 +890,12 @@ class Demo:
             raise DemoFailed(f"GET /v1/rl/rollout answered {r.status_code}: {r.text[:300]}")
         return r.json()
 
+    def pending_samples(self) -> int:
+        r = self.signed("GET", "/v1/rl/trajectories/stats")
+        if r.status_code != 200:
+            raise DemoFailed(f"GET /v1/rl/trajectories/stats answered {r.status_code}: {r.text[:300]}")
+        return int(r.json()["by_status"]["pending"])
+
     def wait_candidate(self, lora_name: str, timeout_s: float = 60.0) -> dict[str, Any]:
         """The canary of `lora_name` once it is current (the gateway has loaded the candidate)."""
         deadline = time.monotonic() + timeout_s
@@ -907,6 +918,9 @@ class Demo:
         r = a.rounds + 1  # past the rounds' own indexes: fresh sampling seeds
         log = self.run_dir / "gateway" / "gateway.log"
         with self.stage("bad training round (inverted rewards)", log):
+            pending = self.pending_samples()
+            if pending:  # the bad run would claim them before the inverted ones
+                raise DemoFailed(f"{pending} samples with true rewards are still pending before the inverted round")
             t = time.monotonic()
             problems = (calc.problems("train", a.tasks * (max(1, a.rounds) + 1), a.seed)[-a.tasks:]
                         if a.family == "calculator" else None)
@@ -934,9 +948,9 @@ class Demo:
         tasks: list[dict[str, Any]] = []
         for batch in range(CANARY_BATCHES):
             title = f"canary batch {batch + 1} ({_policy_label(active)} vs {_policy_label(candidate)})"
+            # Evaluation Tasks: they count in their arm but are never trained on.
             tasks += self.run_round(a.rounds + 2 + batch, active, _policy_label(active), held_out,
-                                    evaluation=held_out is not None, count=2 * a.canary_min_tasks,
-                                    candidate=candidate, title=title)
+                                    evaluation=True, count=2 * a.canary_min_tasks, candidate=candidate, title=title)
             deadline = time.monotonic() + 5.0  # the loop evaluates every second
             while time.monotonic() < deadline:
                 status = self.rollout_status()
