@@ -317,6 +317,7 @@ class Demo:
                     self.wait_vllm(instances[0][2], bar, vllm_started)
                 else:
                     self.wait_instances(a.instances)
+                self.wait_gateway_serving(bar)
                 self.timings["setup"]["vllm_ready_s"] = round(time.monotonic() - vllm_started, 2)
                 bar.update(1, "vLLM serving")
         finally:
@@ -403,6 +404,24 @@ class Demo:
                     if time.monotonic() > deadline:
                         raise DemoFailed(f"instance {url} did not answer /health")
                     time.sleep(0.5)
+
+    def wait_gateway_serving(self, bar: Bar, timeout_s: float = 120.0) -> None:
+        """Until the gateway routes to every instance: a vLLM slower to start than the gateway's health checks allow
+        is out of routing until its next good probe (first requests would be 503 `no_healthy_instances`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check("gateway")
+            r = self.signed("GET", "/aigw/v1/instances")
+            if r.status_code != 200:
+                raise DemoFailed(f"GET /aigw/v1/instances answered {r.status_code}: {r.text[:300]}")
+            waiting = [i["name"] for i in r.json()["items"] if not i.get("serving")]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise DemoFailed(f"the gateway does not route to {', '.join(waiting)} {timeout_s:.0f} s after "
+                                 "vLLM answered /health (see its health-check lines in gateway.log)")
+            bar.note(f"waiting for the gateway to readmit {', '.join(waiting)}")
+            time.sleep(0.5)
 
     def start_redis(self) -> str:
         import socket
