@@ -72,7 +72,7 @@ async def seed_samples(redis, store, start: int, stop: int) -> None:
 async def measure_store(redis_url: str, sizes: list[int], reps: int) -> list[dict]:
     from redis.asyncio import Redis
 
-    from openjiuwen.agent_evolving.agent_rl.online.ids import now_iso
+    from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
     from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
     from openjiuwen.agent_evolving.agent_rl.online.training.models import RunStage, RunStatus, TrainingRun, new_run_id
     from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
@@ -120,7 +120,7 @@ async def measure_store(redis_url: str, sizes: list[int], reps: int) -> list[dic
 async def seed_active_tasks(redis_url: str, n: int) -> None:
     from redis.asyncio import Redis
 
-    from openjiuwen.agent_evolving.agent_rl.online.ids import now_iso
+    from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
     from openjiuwen.agent_evolving.agent_rl.online.store import keys
     from openjiuwen.agent_evolving.agent_rl.online.tasks.models import Task
 

@@ -19,7 +19,7 @@ import httpx
 import openai
 
 from openjiuwen.agent_evolving.agent_rl.gateway.config import keys_from_document
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import RequestSigner
+from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import RequestSigner
 
 
 _signers: dict[bytes, RequestSigner] = {}

@@ -19,7 +19,7 @@ import pytest
 from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model
 from openjiuwen.agent_evolving.agent_rl.online.logs import ROOT_LOGGER, configure_logging
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
-from openjiuwen.agent_evolving.agent_rl.online.private_files import UnsafeDirectoryError, ensure_private_root
+from openjiuwen.agent_evolving.agent_rl.common.private_files import UnsafeDirectoryError, ensure_private_root
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.local import LocalBackend
 from openjiuwen.agent_evolving.agent_rl.online.training.ppo_settings import PPOSettings

@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from openjiuwen.agent_evolving.agent_rl.online.api.errors import install_error_envelope
+from openjiuwen.agent_evolving.agent_rl.common.errors import install_error_envelope
 from openjiuwen.agent_evolving.agent_rl.online.api.rail import build_rail_router
 from openjiuwen.agent_evolving.agent_rl.online.errors import InvalidInput, JudgeFailed
 from openjiuwen.agent_evolving.agent_rl.online.rail.ingest import RailIngestor

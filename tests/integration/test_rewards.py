@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from openjiuwen.agent_evolving.agent_rl.online.ids import now_iso
+from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
 from openjiuwen.agent_evolving.agent_rl.online.rewards.config import RewardPolicyConfig
 from openjiuwen.agent_evolving.agent_rl.online.rewards.ledger import RewardLedger
 from openjiuwen.agent_evolving.agent_rl.online.rewards.policy import RewardPolicy

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from redis.asyncio import Redis
 
 from openjiuwen.agent_evolving.agent_rl.online import ids
-from openjiuwen.agent_evolving.agent_rl.online.api.errors import install_error_envelope
+from openjiuwen.agent_evolving.agent_rl.common.errors import install_error_envelope
 from openjiuwen.agent_evolving.agent_rl.online.api.trajectories import build_trajectories_router
 from openjiuwen.agent_evolving.agent_rl.online.errors import InvalidInput
 from openjiuwen.agent_evolving.agent_rl.online.store import keys

@@ -26,7 +26,7 @@ import httpx
 import orjson
 import yaml
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import RequestSigner
+from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import RequestSigner
 from tests.support.redis_server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -94,6 +94,7 @@ class GatewayProcess:
         online = {
             "command": [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.online.service"],
             "configPath": str(self.rl_config_path),
+            "modelId": model_id,
             "endpoint": f"http://127.0.0.1:{self.rl_port}",
             "hookTimeout": "5s",
             "hookRetries": 1,

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import orjson
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import RequestSigner
+from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import RequestSigner
 
 MAX_ERRORS_KEPT = 50
 

@@ -19,7 +19,7 @@ import httpx
 import orjson
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign
+from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import sign
 from tests.support.fake_vllm import CHAT_PATH, LOAD_PATH, FakeVLLM
 from tests.support.gateway_process import API_KEY, INS_KEY, GatewayProcess
 from tests.support.service_process import ServiceProcess

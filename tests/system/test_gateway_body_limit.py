@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign_request
+from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import sign_request
 from tests.support.fake_vllm import FakeVLLM
 from tests.support.gateway_process import API_KEY, GatewayProcess
 

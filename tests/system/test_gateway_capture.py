@@ -21,7 +21,7 @@ import orjson
 import pytest
 from redis import Redis as SyncRedis
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign_request
+from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import sign_request
 from tests.support.fake_judge import FakeJudge, Hold, Status
 from tests.support.fake_vllm import FakeVLLM, Reply, ToolCall, prompt_token_ids
 from tests.support.gateway_process import API_KEY, INS_KEY, GatewayProcess

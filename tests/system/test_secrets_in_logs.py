@@ -19,7 +19,7 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import sign_request
+from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import sign_request
 from tests.support.fake_judge import FakeJudge, Status
 from tests.support.fake_vllm import FakeVLLM
 from tests.support.gateway_process import GatewayProcess

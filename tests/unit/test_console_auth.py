@@ -13,7 +13,7 @@ from openjiuwen.agent_evolving.agent_rl.gateway.console_auth import (
     ConsoleAuth,
     login_token,
 )
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import signature
+from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import signature
 
 KEY = b"k" * 32
 NOW = 1_800_000_000_000

@@ -1,10 +1,10 @@
-"""Which request bodies count as JSON, and which requests declare a body (api/content_type.py)."""
+"""Which request bodies count as JSON, and which requests declare a body (common/content_type.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.online.api.content_type import declares_body, is_json_media_type
+from openjiuwen.agent_evolving.agent_rl.common.content_type import declares_body, is_json_media_type
 
 
 @pytest.mark.parametrize("value", [b"application/json", b"application/json; charset=utf-8", b"Application/JSON",

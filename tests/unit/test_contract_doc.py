@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "contract.md"
 PACKAGE = ROOT / "openjiuwen" / "agent_evolving" / "agent_rl"
 # The two processes whose answers carry the envelope (the CLI, rail uploader and demo are clients of it).
-SERVER_SOURCES = (PACKAGE / "online", PACKAGE / "gateway")
+SERVER_SOURCES = (PACKAGE / "online", PACKAGE / "gateway", PACKAGE / "common")  # common/: both processes
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
 CODE_RE = re.compile(r"[a-z][a-z0-9_]*")
 # Keyword arguments that carry a contract code wherever they appear (`domain_errors(not_found=…, conflict=…)`,
@@ -156,10 +156,10 @@ def gateway_routes(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, s
         "global": {"hmacKeyFile": str(tmp / "keys.json")},
         "instances": [{"name": "vllm-0", "model": "tiny", "instanceIp": "127.0.0.1", "port": 1}],
         "lora": {"root": str(tmp / "loras"), "statePath": str(tmp / "lora-state.json")},
-        "onlineRL": {"command": ["python"], "configPath": str(tmp / "rl.yaml")},
+        "onlineRL": {"command": ["python"], "configPath": str(tmp / "rl.yaml"), "modelId": "tiny"},
     })
     key = b"k" * 32
-    gateway = build_gateway(config, model_id="tiny", verifier=HmacVerifier(key), console_auth=ConsoleAuth(key), env={})
+    gateway = build_gateway(config, verifier=HmacVerifier(key), console_auth=ConsoleAuth(key), env={})
     return set(app_routes(create_gateway_app(gateway).routes))
 
 

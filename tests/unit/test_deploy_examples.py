@@ -15,6 +15,10 @@ def test_gateway_example_loads() -> None:
     assert config.online_rl.hook_timeout_s == 30.0 and config.lora.operation_timeout_s == 60.0
     assert (config.instance_health.interval_s, config.instance_health.failure_threshold) == (10.0, 3)
     assert config.registration.max_instances == 64
+    from openjiuwen.agent_evolving.agent_rl.online.config import load_config
+
+    rl = load_config(ROOT / "deploy" / "rl-service.example.yaml")
+    assert config.online_rl.model_id == rl.model_id
 
 
 def test_deploy_configs_load() -> None:
@@ -24,6 +28,6 @@ def test_deploy_configs_load() -> None:
         rl = load_config(ROOT / "deploy" / host / "rl-service.yaml")
         gw = load_gateway_config(ROOT / "deploy" / host / "gateway.json")
         assert rl.lora_repository_path == str(gw.lora.root)
-        assert rl.model_id == gw.instances[0].model
+        assert rl.model_id == gw.instances[0].model == gw.online_rl.model_id
         assert gw.online_rl.control_timeout_s > rl.lora_activation_timeout > gw.lora.operation_timeout_s
     assert load_config(ROOT / "deploy" / "gpu-host" / "rl-service.yaml").trainer_backend == "verl"

@@ -38,6 +38,7 @@ def example(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
         "onlineRL": {
             "command": ["python", "-m", "openjiuwen.agent_evolving.agent_rl.online.service"],
             "configPath": "/etc/rl-service.yaml",
+            "modelId": "tiny",
             "endpoint": "http://127.0.0.1:18081",
             "hookTimeout": "30s",
             "hookRetries": 2,
@@ -118,7 +119,7 @@ def test_defaults(tmp_path: Path):
     config = gateway_config_from_mapping({
         "global": {"cryptoSock": "/run/aigw/crypto.sock"},
         "lora": {"root": "/srv/loras", "statePath": "/var/lib/gw/lora.json"},
-        "onlineRL": {"command": ["rl-service"], "configPath": "/etc/rl.yaml"},
+        "onlineRL": {"command": ["rl-service"], "configPath": "/etc/rl.yaml", "modelId": "tiny"},
     })
     assert config.global_.listen == "127.0.0.1:8080" and config.instances == []
     assert config.lora.operation_timeout_s == 60.0

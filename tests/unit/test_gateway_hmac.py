@@ -10,12 +10,11 @@ import logging
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.gateway import hmac_auth
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import (
-    REPLAY_CAPACITY,
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import REPLAY_CAPACITY, HmacVerifier
+from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import (
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     VERSION_HEADER,
-    HmacVerifier,
     RequestSigner,
     sign,
     sign_request,

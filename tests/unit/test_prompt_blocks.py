@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.online.ids import InvalidIdentifier
+from openjiuwen.agent_evolving.agent_rl.common.ids import InvalidIdentifier
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import pack_ids, unpack_ids
 from openjiuwen.agent_evolving.agent_rl.online.store.prompt_blocks import (

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     import orjson
 
     from ..gateway.config import keys_from_document
-    from ..gateway.hmac_auth import RequestSigner
+    from ..common.hmac_signing import HmacAuth
 
     with open(args.key_file, "rb") as fh:
         keys = keys_from_document(orjson.loads(fh.read()), source=args.key_file)
@@ -36,11 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in args.header:
         name, _, value = line.partition(":")
         headers[name.strip()] = value.strip()
-    with httpx.Client(timeout=args.timeout) as client:
-        # Signed over the exact method, target (path and query as sent) and body.
-        request = client.build_request(args.method.upper(), args.url.rstrip("/") + args.path, content=body,
-                                       headers=headers)
-        resp = client.send(RequestSigner(keys.api).sign_httpx(request))
+    with httpx.Client(timeout=args.timeout, auth=HmacAuth(keys.api)) as client:
+        resp = client.request(args.method.upper(), args.url.rstrip("/") + args.path, content=body, headers=headers)
     print(f"{resp.status_code} {resp.reason_phrase}")
     if resp.content:
         print(resp.text)

@@ -36,7 +36,7 @@ import httpx
 import orjson
 
 from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS, login_token
-from ..gateway.hmac_auth import RequestSigner
+from ..common.hmac_signing import HmacAuth
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 URL_ENV = "OPENJIUWEN_RL_GATEWAY"
@@ -84,8 +84,7 @@ class GatewayClient:
     def __init__(self, url: str, key: bytes, *, timeout_s: float, transport: httpx.BaseTransport | None = None):
         self.url = url.rstrip("/")
         self._key = key
-        self._signer = RequestSigner(key)
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport, auth=HmacAuth(key))
 
     def close(self) -> None:
         self._http.close()
@@ -107,11 +106,8 @@ class GatewayClient:
         content = b"" if body is None else orjson.dumps(body)
         extra = {"content-type": "application/json"} if body is not None else {}
         extra.update(headers or {})
-        # Signed over the exact method, target (path and encoded query) and body that go on the wire.
-        req = self._signer.sign_httpx(self._http.build_request(method, path, content=content, params=params,
-                                                               headers=extra))
         try:
-            resp = self._http.send(req)
+            resp = self._http.request(method, path, content=content, params=params, headers=extra)
         except httpx.TransportError as exc:
             detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise CliError(f"cannot reach the gateway at {self.url} ({detail})") from None

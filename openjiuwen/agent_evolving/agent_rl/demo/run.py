@@ -35,7 +35,6 @@ import secrets
 import shutil
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -211,8 +210,7 @@ class Demo:
         self.timings: dict[str, Any] = {"setup": {}, "rounds": [], "training_runs": []}
         self.versions: list[dict[str, Any]] = []
         self.status = "running"
-        self._ts_lock = threading.Lock()
-        self._signer: Any = None  # the RequestSigner of api_key, made on first use
+        self._auth: Any = None  # the HmacAuth of api_key, made with the key
         self._http: Any = None
         self._agent: Any = None
         self._executor: futures.ThreadPoolExecutor | None = None
@@ -481,7 +479,10 @@ class Demo:
             json.dump({"apiHmacKey": api_hex, "insHmacKey": secrets.token_hex(32)}, f)
         from ..gateway.config import decode_key
 
+        from ..common.hmac_signing import HmacAuth
+
         self.api_key = decode_key(api_hex)
+        self._auth = HmacAuth(self.api_key)  # one signer for every thread: strictly increasing timestamps
         samples = a.tasks * a.turns
         self.ppo_yaml = {
             "actor_rollout_ref": {"actor": {"optim": {"lr": a.lr}, "ppo_epochs": a.ppo_epochs,
@@ -526,6 +527,7 @@ class Demo:
             "onlineRL": {
                 "command": [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.online.service"],
                 "configPath": str(rl_path),
+                "modelId": a.model_id,
                 "endpoint": f"http://127.0.0.1:{rl_port}",
                 "hookTimeout": "30s",
                 "hookRetries": 1,
@@ -571,21 +573,14 @@ class Demo:
 
     def signed(self, method: str, path: str, *, json_body: Any = None, headers: dict[str, str] | None = None,
                params: dict[str, Any] | None = None) -> Any:
-        """An HMAC-signed control request; every request gets a fresh, strictly increasing timestamp so that
-        concurrent identical bodies never look like a replay."""
+        """An HMAC-signed control request (common/hmac_signing.py: strictly increasing timestamps, so concurrent
+        identical bodies never look like a replay)."""
         import orjson
-
-        from ..gateway.hmac_auth import RequestSigner
 
         body = b"" if json_body is None else orjson.dumps(json_body)
         h = {"content-type": "application/json"} if json_body is not None else {}
         h.update(headers or {})
-        request = self._http.build_request(method, path, content=body, headers=h, params=params)
-        with self._ts_lock:
-            if self._signer is None:
-                self._signer = RequestSigner(self.api_key)
-            self._signer.sign_httpx(request)  # over the exact method, target and body sent
-        return self._http.send(request)
+        return self._http.request(method, path, content=body, headers=h, params=params, auth=self._auth)
 
     def active_policy(self) -> str | None:
         r = self.signed("GET", f"/v1/loras/{self.args.model_id}")

@@ -27,10 +27,10 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from ..online.api.content_type import JsonBodyMiddleware
-from ..online.api.errors import CatchAllMiddleware, PayloadTooLarge
-from ..online.api.guards import GuardMiddleware
-from ..online.metrics import CONTENT_TYPE, HttpMetricsMiddleware
+from ..common.content_type import JsonBodyMiddleware
+from ..common.errors import CatchAllMiddleware, PayloadTooLarge
+from ..common.guards import GuardMiddleware
+from ..common.http_metrics import CONTENT_TYPE, HttpMetricsMiddleware
 from .config import GatewayConfig
 from .console import Console
 from .console_auth import ConsoleAuth
@@ -76,8 +76,10 @@ class Gateway:
 
 
 def build_gateway(
-    config: GatewayConfig, *, model_id: str, verifier: HmacVerifier, console_auth: ConsoleAuth, env: dict[str, str]
+    config: GatewayConfig, *, verifier: HmacVerifier, console_auth: ConsoleAuth, env: dict[str, str]
 ) -> Gateway:
+    online = config.online_rl
+    model_id = online.model_id  # the gateway's own setting, checked against the child's /health
     metrics = GatewayMetrics()  # per app: its own CollectorRegistry
     registry = InstanceRegistry(
         [Instance(i.name, i.model, i.instance_ip, int(i.port)) for i in config.instances],
@@ -95,7 +97,6 @@ def build_gateway(
         registry, lora_root=config.lora.root, state_path=config.lora.state_path,
         operation_timeout_s=config.lora.operation_timeout_s, probe=health.probe,
     )
-    online = config.online_rl
     holder: dict[str, RLControl] = {}
 
     async def on_exit(reason: str) -> None:
@@ -103,7 +104,7 @@ def build_gateway(
 
     supervisor = RLSupervisor(
         command=list(online.command), config_path=online.config_path, endpoint=online.endpoint,
-        control_timeout_s=online.control_timeout_s, env=env, on_exit=on_exit,
+        control_timeout_s=online.control_timeout_s, env=env, on_exit=on_exit, model_id=online.model_id,
         # The child's own output (a crash before its log file is set up) lands beside the gateway's LoRA state.
         log_dir=Path(config.lora.state_path).parent,
     )

@@ -35,7 +35,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ..online.config import validation_problems
+from ..common.validation import ModelId, validation_problems
 from .hmac_auth import REPLAY_CAPACITY
 from .instances import valid_host
 
@@ -246,7 +246,7 @@ class GlobalSection(_Model):
     # Project gateway: live (timestamp, signature) pairs remembered per key (api key and instance key apart); a key
     # whose cache is full of live pairs has its further requests refused until some expire.
     replay_cache_size: Annotated[StrictInt, Field(ge=1)] = Field(default=REPLAY_CAPACITY, alias="replayCacheSize")
-    # Project gateway, slow clients (online/http_guard.py): a request head must be complete within headerTimeout
+    # Project gateway, slow clients (common/http_guard.py): a request head must be complete within headerTimeout
     # (else 408), an idle kept-alive connection closes after keepAliveTimeout, and past maxConnections the oldest
     # connection without a complete head is closed to make room.
     header_timeout_s: Duration = Field(default=10.0, alias="headerTimeout")
@@ -303,6 +303,9 @@ class RegistrationSection(_Model):
 
 class OnlineRLSection(_Model):
     command: list[NonBlank] = Field(min_length=1)
+    # The model id the RL Service child serves (= its config's `model_id`): the gateway reads it here, never from the
+    # child's config, and checks the child's /health answer against it.
+    model_id: ModelId = Field(alias="modelId")
     config_path: Annotated[StrictStr, AfterValidator(_check_path)] = Field(alias="configPath")
     endpoint: Annotated[StrictStr, AfterValidator(_check_loopback_url)] = "http://127.0.0.1:18081"
     hook_timeout_s: Duration = Field(default=30.0, alias="hookTimeout")

@@ -12,7 +12,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..online.ids import is_task_id
+from ..common.ids import is_task_id
 from . import capture_secret
 from .lora_manager import LoraManager
 from .responses import envelope, json_response, passthrough

@@ -1,4 +1,5 @@
-"""HMAC-signed control requests (CONTRACT §3.2): verification with a skew window and per-key replay caches, and signing.
+"""HMAC-signed control requests (CONTRACT §3.2): the gateway's verification, with a skew window and per-key replay
+caches. Signing lives in common/hmac_signing.py.
 
 Two signature forms, both lowercase hex HMAC-SHA256 in `X-Signature` with `X-Timestamp` = Unix epoch milliseconds in
 ASCII decimal:
@@ -22,21 +23,19 @@ import hmac
 import heapq
 import logging
 import re
-import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import httpx
+from ..common.hmac_signing import (
+    CURRENT_VERSION,
+    LEGACY_VERSION,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    VERSION_HEADER,
+    v2_message,
+)
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.hmac")
 
-TIMESTAMP_HEADER = "X-Timestamp"
-SIGNATURE_HEADER = "X-Signature"
-VERSION_HEADER = "X-Signature-Version"
-CURRENT_VERSION = "2"
-LEGACY_VERSION = "1"
-V2_DOMAIN = b"OJRL-HMAC-V2\n"
 SKEW_MS = 300_000
 REPLAY_CAPACITY = 100_000  # per key: the api key's and the instance key's caches are separate
 FULL_LOG_INTERVAL_MS = 60_000  # at most one "replay cache full" line per key per minute
@@ -44,60 +43,6 @@ FULL_LOG_INTERVAL_MS = 60_000  # at most one "replay cache full" line per key pe
 _TIMESTAMP = re.compile(r"[0-9]{1,16}")  # ASCII digits only (str.isdigit would take '²' and other scripts)
 _SIGNATURE = re.compile(r"[0-9a-f]{64}")  # lowercase hex, exactly one SHA-256
 _METHOD = re.compile(r"[A-Z]{1,16}")
-
-
-def _target_bytes(target: str | bytes) -> bytes:
-    return target if isinstance(target, bytes) else target.encode("ascii")
-
-
-def v2_message(method: str, target: str | bytes, timestamp: str, body: bytes) -> bytes:
-    """The bytes a version-2 signature covers (module docstring)."""
-    return b"".join((V2_DOMAIN, method.encode("ascii"), b"\n", _target_bytes(target), b"\n",
-                     timestamp.encode("ascii"), b"\n", body))
-
-
-def signature(key: bytes, timestamp: str, body: bytes) -> str:
-    """The AIGW form: lowercase hex HMAC-SHA256(key, ASCII timestamp ‖ body)."""
-    return hmac.new(key, timestamp.encode("ascii") + body, hashlib.sha256).hexdigest()
-
-
-def sign(key: bytes, body: bytes, *, now_ms: int) -> dict[str, str]:
-    """The two headers of an AIGW-form signed request carrying `body` (b"" when the request has none). Only for
-    talking to a gateway that accepts the AIGW form; this repository's clients use `sign_request`."""
-    timestamp = str(int(now_ms))
-    return {TIMESTAMP_HEADER: timestamp, SIGNATURE_HEADER: signature(key, timestamp, body)}
-
-
-def sign_request(key: bytes, method: str, target: str | bytes, body: bytes, *, now_ms: int) -> dict[str, str]:
-    """The three headers of a version-2 signed request: `target` is the path as sent (percent-encoded) plus `?query`
-    when there is one, e.g. `httpx.Request.url.raw_path`; `body` the exact bytes sent (b"" for none)."""
-    timestamp = str(int(now_ms))
-    mac = hmac.new(key, v2_message(method.upper(), target, timestamp, body), hashlib.sha256).hexdigest()
-    return {TIMESTAMP_HEADER: timestamp, SIGNATURE_HEADER: mac, VERSION_HEADER: CURRENT_VERSION}
-
-
-class RequestSigner:
-    """Signs requests with one key and strictly increasing timestamps: two identical requests in one millisecond
-    would otherwise carry the same (timestamp, signature) pair, and the gateway refuses the second as a replay.
-    The one place this repository's clients sign (operator CLI, `call`, the demo, rail uploads, tests)."""
-
-    def __init__(self, key: bytes) -> None:
-        if not key:
-            raise ValueError("key must not be empty")
-        self._key = key
-        self._last_ms = 0
-
-    def __repr__(self) -> str:  # never the key
-        return "RequestSigner()"
-
-    def headers(self, method: str, target: str | bytes, body: bytes = b"") -> dict[str, str]:
-        self._last_ms = max(time.time_ns() // 1_000_000, self._last_ms + 1)
-        return sign_request(self._key, method, target, body, now_ms=self._last_ms)
-
-    def sign_httpx(self, request: "httpx.Request") -> "httpx.Request":
-        """Add the signature headers to a built (not yet sent) httpx request, over its exact target and body."""
-        request.headers.update(self.headers(request.method, request.url.raw_path, request.read()))
-        return request
 
 
 class _ReplayCache:

@@ -22,9 +22,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def _serve(config_path: str) -> int:
     import uvicorn
 
-    from ..online.config import ConfigError, load_config
-    from ..online.gc_tuning import tune_gc
-    from ..online.http_guard import ConnectionLimits, server_config
+    from ..common.gc_tuning import tune_gc
+    from ..common.http_guard import ConnectionLimits, server_config
     from .app import build_gateway, create_gateway_app
     from .config import GatewayConfigError, load_gateway_config, load_hmac_keys
     from .console_auth import ConsoleAuth
@@ -32,9 +31,8 @@ async def _serve(config_path: str) -> int:
 
     try:
         config = load_gateway_config(config_path)
-        rl_config = load_config(config.online_rl.config_path)
         keys = await load_hmac_keys(config)
-    except (GatewayConfigError, ConfigError, OSError) as exc:
+    except (GatewayConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     verifier = HmacVerifier(keys.api, keys.ins, replay_capacity=config.global_.replay_cache_size,
@@ -42,7 +40,7 @@ async def _serve(config_path: str) -> int:
     if config.global_.accept_legacy_signatures:
         logging.getLogger("openjiuwen.agent_rl.gateway").warning(
             "global.acceptLegacySignatures is on: AIGW-form signatures (method, path and query unsigned) are accepted")
-    gateway = build_gateway(config, model_id=rl_config.model_id, verifier=verifier,
+    gateway = build_gateway(config, verifier=verifier,
                             console_auth=ConsoleAuth(keys.api), env=dict(os.environ))
     app = create_gateway_app(gateway)
     tune_gc()

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..online.metrics import FAST_BUCKETS_S
+from ..common.http_metrics import FAST_BUCKETS_S
 from .instances import InstanceRegistry
 from .lora_manager import LoraManager
 from .sessions import SessionMap

@@ -28,7 +28,7 @@ from typing import IO, Any
 
 import httpx
 
-from ..online.private_files import make_private_dirs, private_opener
+from ..common.private_files import make_private_dirs, private_opener
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.supervisor")
 
@@ -104,6 +104,8 @@ class RLSupervisor:
     :param log_dir: where the child's stdout and stderr go (appended); None = discarded.
     :param on_exit: called with the reason when the child exits without a stop request (after the status is
         already `failed`); the gateway releases that service's session mappings and leases there.
+    :param model_id: when given, the child is ready only if its `/health` names this model id (`onlineRL.modelId`);
+        a child configured for another model fails the start.
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class RLSupervisor:
         env: Mapping[str, str] | None = None,
         log_dir: Path | None = None,
         on_exit: OnExit | None = None,
+        model_id: str | None = None,
     ) -> None:
         if not command or not all(isinstance(part, str) and part for part in command):
             raise ValueError("command must be a non-empty list of non-empty strings")
@@ -127,6 +130,7 @@ class RLSupervisor:
         self._env = env
         self._log_dir = log_dir
         self._on_exit = on_exit
+        self._model_id = model_id
         self._lock = asyncio.Lock()
         self._child: _Child | None = None
         self._starting: _Child | None = None  # spawned, not yet healthy
@@ -274,6 +278,17 @@ class RLSupervisor:
     def _where_to_look(self) -> str:
         return f"; see {self._log_dir / STDERR_NAME}" if self._log_dir is not None else ""
 
+    def _check_model(self, health: httpx.Response) -> None:
+        if self._model_id is None:
+            return
+        try:
+            served = health.json().get("model_id")
+        except (ValueError, AttributeError):
+            served = None
+        if served != self._model_id:
+            raise SupervisorError(f"the RL Service serves model {served!r} but onlineRL.modelId is "
+                                  f"{self._model_id!r}; set both to the same model id")
+
     async def _wait_healthy(self, client: httpx.AsyncClient, child: _Child) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._control_timeout_s
@@ -292,6 +307,7 @@ class RLSupervisor:
             try:
                 resp = await client.get(url, timeout=min(HEALTH_REQUEST_TIMEOUT_S, remaining))
                 if resp.status_code == 200 and not child.exited.done():
+                    self._check_model(resp)
                     return
             except httpx.TransportError:
                 pass  # not listening yet, or still starting up

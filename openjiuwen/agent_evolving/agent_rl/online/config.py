@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..common.validation import ModelId, validation_problems
 from .rewards.config import RewardPolicyConfig
 from .rollout.config import RolloutConfig
 
@@ -59,20 +60,6 @@ def _check_listen_host(value: str) -> str:
 def _check_non_blank(value: str) -> str:
     if not value.strip():
         raise _invalid("must not be blank")
-    return value
-
-
-def _check_model_id(value: str) -> str:
-    if not value.strip():
-        raise _invalid("must not be blank")
-    if any(c.isspace() for c in value):
-        raise _invalid("must not contain whitespace")
-    if ":" in value:
-        raise _invalid("must not contain ':'")
-    if value.startswith("/"):
-        raise _invalid("must not start with '/'")
-    if ".." in value.replace("\\", "/").split("/"):
-        raise _invalid("must not contain a '..' path segment")
     return value
 
 
@@ -135,7 +122,6 @@ def _check_log_level(value: str) -> str:
     return level
 
 
-ModelId = Annotated[StrictStr, AfterValidator(_check_model_id)]
 NonBlank = Annotated[StrictStr, AfterValidator(_check_non_blank)]
 HttpUrl = Annotated[StrictStr, AfterValidator(_check_http_url)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
@@ -200,7 +186,7 @@ class RLServiceConfig(BaseModel):
 
     # HTTP and logging.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432
-    # Slow clients (http_guard.py): head deadline (408 after it), idle keep-alive, and the connection cap past which
+    # Slow clients (common/http_guard.py): head deadline (408 after it), idle keep-alive, and the connection cap past which
     # the oldest connection without a complete request head is closed.
     http_header_timeout_seconds: Seconds = 10.0
     http_keep_alive_seconds: Seconds = 5.0
@@ -351,22 +337,6 @@ def _parse_yaml(text: str, path: Path) -> Any:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or type(exc).__name__
         raise ConfigError(f"config file {path}: invalid YAML{where}: {problem}") from None
-
-
-def _describe(error: Mapping[str, Any]) -> str:
-    loc = ".".join(str(part) for part in error.get("loc", ())) or "config"
-    if error.get("type") == "extra_forbidden":
-        return f"{loc}: unknown key"
-    if error.get("type") == "missing":
-        return f"{loc}: required"
-    return f"{loc}: {error.get('msg', 'invalid value')}"
-
-
-def validation_problems(exc: ValidationError) -> str:
-    """`field: problem; …` built from locations and messages only: str(exc) would echo input values (secrets)."""
-    return "; ".join(
-        _describe(e) for e in exc.errors(include_url=False, include_input=False, include_context=False)
-    )
 
 
 def config_from_mapping(data: Any, *, source: str = "config") -> RLServiceConfig:

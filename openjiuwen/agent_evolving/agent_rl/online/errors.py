@@ -1,4 +1,4 @@
-"""Domain errors. They carry the contract's vocabulary (codes, messages) but no HTTP; `api/errors.py` maps them."""
+"""Domain errors. They carry the contract's vocabulary (codes, messages) but no HTTP; `api/errors.py` maps them onto the envelope of `common/errors.py`."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
-from .ids import now_iso
+from ..common.ids import now_iso
 from .store.codec import text
 
 log = logging.getLogger("openjiuwen.agent_rl.online.events")

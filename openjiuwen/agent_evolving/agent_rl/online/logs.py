@@ -18,7 +18,7 @@ from pathlib import Path
 import orjson
 
 from .config import RLServiceConfig
-from .private_files import make_private_dirs, private_opener
+from ..common.private_files import make_private_dirs, private_opener
 
 ROOT_LOGGER = "openjiuwen.agent_rl"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"

@@ -16,54 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .ids import lora_version
+from ..common.http_metrics import FAST_BUCKETS_S
+from ..common.ids import lora_version
 from .store import keys
 
 if TYPE_CHECKING:
     from .judge import Judge, JudgeResult
 
-CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # `text/plain; version=0.0.4` (CONTRACT §2.3)
-
-FAST_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SLOW_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)
-UNMATCHED_ROUTE = "unmatched"  # unknown paths share one label, so scanners cannot grow the series count
-
-
-def route_label(scope: Scope) -> str:
-    """The matched route template (`/v1/rl/tasks/{rl_task_id}`), never the raw path."""
-    route = scope.get("route")
-    path = getattr(route, "path", None)
-    return path if isinstance(path, str) else UNMATCHED_ROUTE
-
-
-class HttpMetricsMiddleware:
-    """Counts every answer by route template and status, auth and size refusals included (outermost middleware)."""
-
-    def __init__(self, app: ASGIApp, *, observe: Callable[[str, int], None]) -> None:
-        self.app = app
-        self._observe = observe
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        finally:
-            self._observe(route_label(scope), status)
 
 
 class ServiceMetrics:

@@ -10,7 +10,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from .ids import lora_version
+from ..common.ids import lora_version
 from .store import keys
 from .store.codec import text
 from .store.policy_stats import LATENCY_BOUNDS_MS

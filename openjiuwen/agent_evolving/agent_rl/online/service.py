@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from .api.content_type import JsonBodyMiddleware
-from .api.errors import install_error_envelope
-from .api.guards import GuardMiddleware
+from ..common.content_type import JsonBodyMiddleware
+from ..common.errors import install_error_envelope
+from ..common.guards import GuardMiddleware
 from .api.health import build_health_router
 from .api.hooks import build_hooks_router
 from .api.metrics import build_metrics_router
@@ -39,14 +39,15 @@ from .capture.rewards import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig, load_config
 from .faults import FaultHook, fault_hook, no_faults
-from .gc_tuning import tune_gc
-from .http_guard import ConnectionLimits, server_config
+from ..common.gc_tuning import tune_gc
+from ..common.http_guard import ConnectionLimits, server_config
 from .logs import configure_logging
-from .metrics import HttpMetricsMiddleware, MeteredJudge, ServiceMetrics
+from ..common.http_metrics import HttpMetricsMiddleware
+from .metrics import MeteredJudge, ServiceMetrics
 from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
 from .policies import PolicyReport
-from .private_files import UnsafeDirectoryError, ensure_private_root
+from ..common.private_files import UnsafeDirectoryError, ensure_private_root
 from .rail.ingest import RailIngestor
 from .rail.records import RailRecorder
 from .retention import RetentionSweeper
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
     from .judge import Judge
 
 log = logging.getLogger("openjiuwen.agent_rl.online.service")
+api_log = logging.getLogger("openjiuwen.agent_rl.online.api")  # unhandled route errors
 
 CONFIG_ENV = "RL_SERVICE_CONFIG"
 TOKEN_ENV = "RL_SERVICE_TOKEN"
@@ -248,7 +250,7 @@ class ServiceDeps:
         if run_reward_sweeper:
             self.reward_sweeper.start()
         # Everything allocated so far (modules, app, clients, recovered state) lives for the whole process: frozen
-        # out of the collector, and gen 0 collected less often (gc_tuning.py). Here, not in main(), so the uvicorn
+        # out of the collector, and gen 0 collected less often (common/gc_tuning.py). Here, not in main(), so the uvicorn
         # factory gets it too, and once.
         tune_gc()
         log.info("RL service ready for model %s", self.config.model_id)
@@ -350,7 +352,7 @@ def create_app(
         redirect_slashes=False,  # `/v1/rl/trajectories/` is an unknown path (404 envelope), not a 307 to the listing
     )
     app.state.deps = deps  # for tests and operators' debugging only; routers get their parts explicitly
-    install_error_envelope(app, on_error=deps.metrics.exception)
+    install_error_envelope(app, logger=api_log, on_error=deps.metrics.exception)
     app.include_router(build_health_router(
         deps.redis, model_id=config.model_id, extra_checks=[deps.runner.check_health],
         on_redis_error=deps.metrics.redis_error,

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from ..gateway.hmac_auth import RequestSigner
+from ..common.hmac_signing import HmacAuth
 
 log = logging.getLogger("openjiuwen.agent_rl.rail.uploader")
 
@@ -290,8 +290,9 @@ class TrajectoryUploader:
         self._state = "new"  # new → started → closed
         self._closed = asyncio.Event()  # set once close() has finished
         self._metrics = UploaderMetrics()
-        self._signer = RequestSigner(sign_key) if sign_key is not None else None
-        self._target = httpx.URL(self._url).raw_path  # the path the signature covers, as sent
+        # Signed per attempt (strictly increasing timestamps): the gateway refuses a (timestamp, signature) pair it
+        # has already accepted, and a quick retry of the same body could repeat one within a millisecond.
+        self._auth = HmacAuth(sign_key) if sign_key is not None else httpx.USE_CLIENT_DEFAULT
         self.last_error: str | None = None
 
     def __repr__(self) -> str:  # never the key or the token
@@ -529,8 +530,8 @@ class TrajectoryUploader:
         while True:
             retry_after_s = None
             try:
-                response = await self._client.post(self._url, content=payload, headers=self._headers(payload),
-                                                   timeout=self._timeout_s)
+                response = await self._client.post(self._url, content=payload, headers=self._headers(),
+                                                   auth=self._auth, timeout=self._timeout_s)
             except httpx.TransportError as exc:  # includes timeouts; the service may or may not have seen it
                 problem = type(exc).__name__ + (f": {exc}" if str(exc) else "")
             else:
@@ -554,14 +555,10 @@ class TrajectoryUploader:
                         self._max_retries, delay_s)
             await asyncio.sleep(delay_s)
 
-    def _headers(self, payload: bytes) -> dict[str, str]:
+    def _headers(self) -> dict[str, str]:
         headers = {"content-type": "application/json"}
         if self._bearer is not None:
             headers["authorization"] = f"Bearer {self._bearer}"
-        if self._signer is not None:
-            # Signed per attempt (strictly increasing timestamps): the gateway refuses a (timestamp, signature) pair
-            # it has already accepted, and a quick retry of the same body could repeat one within a millisecond.
-            headers.update(self._signer.headers("POST", self._target, payload))
         return headers
 
     def _delay_s(self, attempt: int, retry_after_s: float | None) -> float:

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 from fastapi import Request
 
-from .errors import ApiError
+from ...common.errors import ApiError
 
 
 async def json_value(request: Request) -> Any:

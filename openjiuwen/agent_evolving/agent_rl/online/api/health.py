@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ..store import keys
-from .errors import JSONBody, envelope
+from ...common.errors import JSONBody, envelope
 
 HEALTH_REDIS_TIMEOUT_S = 2.0
 

@@ -12,7 +12,8 @@ from ..metrics import ServiceMetrics
 from ..tasks.models import FinishReason
 from . import openapi
 from .body import json_object
-from .errors import JSONBody, domain_errors
+from ...common.errors import JSONBody
+from .errors import domain_errors
 from .tasks import reason_from_body
 
 

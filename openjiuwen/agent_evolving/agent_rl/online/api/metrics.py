@@ -8,7 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Response
 from redis.asyncio import Redis
 
-from ..metrics import CONTENT_TYPE, ServiceMetrics
+from ...common.http_metrics import CONTENT_TYPE
+from ..metrics import ServiceMetrics
 
 
 def build_metrics_router(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..ids import TASK_ID_RE, TOKEN_ID_RE
+from ...common.ids import TASK_ID_RE, TOKEN_ID_RE
 
 TASK_ID = {"type": "string", "pattern": f"^{TASK_ID_RE.pattern}$"}
 TOKEN_ID = {"type": "string", "pattern": f"^{TOKEN_ID_RE.pattern}$"}

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from starlette.datastructures import QueryParams
 
-from .errors import ApiError
+from ...common.errors import ApiError
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from ..policies import PolicyReport
-from .errors import JSONBody
+from ...common.errors import JSONBody
 
 
 def build_policies_router(report: PolicyReport) -> APIRouter:

@@ -10,7 +10,8 @@ from fastapi import APIRouter, Request
 from ..rail.ingest import RailIngestor
 from . import openapi
 from .body import json_object
-from .errors import ApiError, domain_errors
+from ...common.errors import ApiError
+from .errors import domain_errors
 
 
 def build_rail_router(ingestor_provider: Callable[[], RailIngestor | None]) -> APIRouter:

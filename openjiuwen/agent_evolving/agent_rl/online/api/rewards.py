@@ -11,7 +11,8 @@ from ..errors import InvalidInput
 from ..rewards.ledger import RewardLedger
 from . import openapi
 from .body import json_object
-from .errors import ApiError, domain_errors
+from ...common.errors import ApiError
+from .errors import domain_errors
 
 MAX_BATCH = 1000
 _SCORE_MESSAGE = "score must be a number between 0 and 1"

@@ -7,12 +7,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ..ids import is_rollout_id
+from ...common.ids import is_rollout_id
 from ..lora.gateway_client import GatewayError
 from ..rollout.controller import RolloutController
 from . import openapi
 from .body import json_value
-from .errors import ApiError, JSONBody, domain_errors
+from ...common.errors import ApiError, JSONBody
+from .errors import domain_errors
 
 
 async def _empty_body(request: Request) -> None:

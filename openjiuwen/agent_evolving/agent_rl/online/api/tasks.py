@@ -14,7 +14,8 @@ from ..store.keys import TASK_STATUSES
 from ..tasks.registry import TaskRegistry
 from . import openapi
 from .body import json_object
-from .errors import ApiError, JSONBody, domain_errors
+from ...common.errors import ApiError, JSONBody
+from .errors import domain_errors
 from .paging import cursor_param, limit_param, status_param
 
 

@@ -6,11 +6,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ..ids import is_run_id
+from ...common.ids import is_run_id
 from ..training.runner import GatewayUnavailable, TrainingRunner
 from . import openapi
 from .body import json_value
-from .errors import ApiError, JSONBody, domain_errors
+from ...common.errors import ApiError, JSONBody
+from .errors import domain_errors
 from .paging import cursor_param, limit_param
 
 _NOT_FOUND = "training_run_not_found"

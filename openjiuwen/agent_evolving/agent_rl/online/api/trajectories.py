@@ -10,7 +10,8 @@ from fastapi import APIRouter, Request
 from ..store.keys import ALL_SAMPLE_STATUSES
 from ..store.trajectories import TrajectoryStore
 from . import openapi
-from .errors import ApiError, domain_errors
+from ...common.errors import ApiError
+from .errors import domain_errors
 from .paging import cursor_param, limit_param, status_param
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInput
-from ..ids import is_task_id, is_token_id
+from ...common.ids import is_task_id, is_token_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import Conflict, InvalidInput
 from ..faults import FaultHook, no_faults
-from ..ids import is_task_id, is_token_id, now_iso
+from ...common.ids import is_task_id, is_token_id, now_iso
 from ..tasks.models import FinishReason, RewardMode, Task, TaskStatus
 from ..tasks.registry import TaskRegistry
 from .turns import TurnPublisher

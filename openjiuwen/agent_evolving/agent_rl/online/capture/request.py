@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InvalidInput
-from ..ids import NotCanonicalJSON, fingerprint
+from ...common.ids import NotCanonicalJSON, fingerprint
 
 
 class RequestModelMismatch(ValueError):

@@ -16,7 +16,7 @@ from redis.asyncio.client import Pipeline
 from .. import events
 from ..errors import Conflict, InvalidInput, NotFound
 from ..faults import FaultHook, no_faults
-from ..ids import is_token_id, now_iso, parse_iso_epoch
+from ...common.ids import is_token_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import PackedSample
 from ..store.policy_stats import add_task_reward

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..ids import now_iso
+from ...common.ids import now_iso
 from ..store.codec import PackedSample, pack_ids, pack_logprobs
 from ..tasks.models import Task
 from .response import ValidatedResponse

@@ -26,8 +26,8 @@ from typing import Any
 
 import orjson
 
-from ..ids import now_iso
-from ..private_files import make_private_dirs
+from ...common.ids import now_iso
+from ...common.private_files import make_private_dirs
 
 _VERSION_DIR = re.compile(r"v([1-9][0-9]*)")
 _RENAME_NOREPLACE = 1

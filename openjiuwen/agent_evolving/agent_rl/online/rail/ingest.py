@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from .. import ids
+from ...common import ids
 from ..errors import InvalidInput, JudgeFailed
 from ..store import keys
 from ..store.codec import MAX_TOKEN_ID, PackedSample

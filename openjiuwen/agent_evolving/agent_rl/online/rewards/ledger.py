@@ -18,9 +18,9 @@ import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from .. import ids
+from ...common import ids
 from ..errors import InvalidInput, NotFound
-from ..ids import InvalidIdentifier
+from ...common.ids import InvalidIdentifier
 from ..store import keys, prompt_blocks
 from ..store.codec import decode_meta, text
 from ..store.trajectories import TrajectoryStore

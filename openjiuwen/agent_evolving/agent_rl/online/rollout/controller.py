@@ -22,7 +22,7 @@ from ..background import stop_loop
 from ..errors import Conflict, InvalidInput, NotFound
 from ..events import EventLog
 from ..faults import FaultHook, no_faults
-from ..ids import lora_version, now_iso, parse_iso_epoch
+from ...common.ids import lora_version, now_iso, parse_iso_epoch
 from ..lora.gateway_client import GatewayError, GatewayLoraClient, GatewayRejected, GatewayTransient
 from ..lora.repository import LoraRepository
 from ..store import keys

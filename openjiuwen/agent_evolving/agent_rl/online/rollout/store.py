@@ -21,7 +21,7 @@ from redis.asyncio.client import Pipeline
 
 from .. import events
 from ..errors import Conflict, NotFound
-from ..ids import is_run_id, now_iso, parse_iso_epoch
+from ...common.ids import is_run_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import text
 from ..store.tx import transact

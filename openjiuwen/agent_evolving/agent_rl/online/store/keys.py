@@ -5,7 +5,7 @@ Each builder validates the components it puts in a key, so a hostile id can neve
 
 from __future__ import annotations
 
-from ..ids import InvalidIdentifier, require_rollout_id, require_run_id, require_task_id, require_token_id
+from ...common.ids import InvalidIdentifier, require_rollout_id, require_run_id, require_task_id, require_token_id
 
 PREFIX = "rl:v1:"
 

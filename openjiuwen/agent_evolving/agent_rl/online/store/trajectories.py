@@ -19,9 +19,9 @@ import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from .. import ids
+from ...common import ids
 from ..errors import InvalidInput
-from ..ids import InvalidIdentifier
+from ...common.ids import InvalidIdentifier
 from ..rewards.policy import RewardPolicy, breakdown
 from . import keys, prompt_blocks
 from .codec import PackedSample, decode_meta, text

@@ -17,7 +17,7 @@ from redis.asyncio.client import Pipeline
 
 from .. import events
 from ..errors import Conflict, NotFound
-from ..ids import is_token_id, now_iso, parse_iso_epoch
+from ...common.ids import is_token_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import PackedSample, text
 from ..store.listing import newest_first

@@ -26,7 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..errors import Conflict, DomainError, NotFound
 from ..faults import FaultHook, no_faults
-from ..ids import now_iso, parse_iso_epoch, policy_lag_version
+from ...common.ids import now_iso, parse_iso_epoch, policy_lag_version
 from ..lora.gateway_client import GatewayError, GatewayLoraClient
 from ..lora.repository import Artifact, LoraRepository
 from ..store.trajectories import TrajectoryStore

@@ -16,7 +16,7 @@ from redis.asyncio.client import Pipeline
 
 from .. import events
 from ..errors import NotFound
-from ..ids import is_token_id, now_iso, parse_iso_epoch, policy_lag_version
+from ...common.ids import is_token_id, now_iso, parse_iso_epoch, policy_lag_version
 from ..store import keys
 from ..store.codec import text
 from ..store.listing import newest_first

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ...ids import lora_version, now_iso
+from ....common.ids import lora_version, now_iso
 from ..ppo_settings import PPOSettings
 
 

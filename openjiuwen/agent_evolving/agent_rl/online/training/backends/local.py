@@ -1,7 +1,7 @@
 """The `local` backend: PPO with torch + peft in a child process (CONTRACT §7).
 
 The service writes the batch and a spec (0600) into a fresh private directory `<training_tmp_root>/<run_id>-<random>/`
-(0700, from mkdtemp, under a root checked to be this user's alone: private_files.py), starts
+(0700, from mkdtemp, under a root checked to be this user's alone: common/private_files.py), starts
 `python -m ...training.local_worker SPEC` in its own process group, reads one JSON line per event from its stdout
 (`step` → `on_progress`, `done` → the result), then publishes the adapter the worker wrote into a repository
 temporary directory. Cancel kills the process group. The temporary run directory is removed in every case.
@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from ...lora.repository import Artifact, LoraRepository
-from ...private_files import make_run_dir, write_private
+from ....common.private_files import make_run_dir, write_private
 from ..ppo_settings import PPOSettings
 from . import OnProgress, TrainingCanceled
 from .common import trained_metadata

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ...private_files import make_run_dir, write_private
+from ....common.private_files import make_run_dir, write_private
 
 
 def free_port() -> int:

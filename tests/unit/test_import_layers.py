@@ -1,0 +1,69 @@
+"""The import picture matches the process diagram: the gateway, the RL Service and the agent library are peers that
+talk over HTTP only, so none of the three packages imports another; all three stand on `common/`, which imports none
+of them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "openjiuwen" / "agent_evolving" / "agent_rl"
+ROOT_NAME = "openjiuwen.agent_evolving.agent_rl"
+PEERS = ("gateway", "online", "rail")
+
+
+def _imported_packages(path: Path, package: Path = PACKAGE) -> set[str]:
+    """The top-level sub-packages of agent_rl that `path` imports (relative and absolute imports, anywhere)."""
+    here = path.relative_to(package.parent).with_suffix("").parts  # ('agent_rl', 'gateway', 'app')
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(here[: len(here) - node.level])
+                parts = base + (node.module.split(".") if node.module else [])
+                if not node.module:  # `from .. import x`: each name may be a sub-package
+                    candidates = [parts + [alias.name] for alias in node.names]
+                else:
+                    candidates = [parts]
+            else:
+                if not (node.module or "").startswith(ROOT_NAME):
+                    continue
+                candidates = [["agent_rl", *node.module[len(ROOT_NAME):].strip(".").split(".")]]
+            for parts in candidates:
+                if len(parts) >= 2 and parts[0] == "agent_rl" and parts[1]:
+                    found.add(parts[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(ROOT_NAME + "."):
+                    found.add(alias.name[len(ROOT_NAME) + 1:].split(".")[0])
+    return found
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((PACKAGE / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", PEERS)
+def test_a_peer_package_imports_no_other_peer(package: str) -> None:
+    offenders = {
+        str(path.relative_to(PACKAGE)): sorted(_imported_packages(path) & (set(PEERS) - {package}))
+        for path in _modules(package)
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_common_imports_nothing_above_it() -> None:
+    above = {"gateway", "online", "rail", "cli", "demo", "models"}
+    offenders = {str(p.relative_to(PACKAGE)): sorted(_imported_packages(p) & above) for p in _modules("common")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_checker_sees_relative_and_absolute_imports(tmp_path: Path) -> None:
+    # The guard must be able to fail: a gateway module importing online/ and rail/ in three spellings is caught.
+    probe = tmp_path / "agent_rl" / "gateway" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("from ..online.ids import x\nimport openjiuwen.agent_evolving.agent_rl.rail.hook\n"
+                     "from .. import common\nfrom ..common.ids import y\n")
+    assert _imported_packages(probe, tmp_path / "agent_rl") == {"online", "rail", "common"}
