@@ -158,6 +158,35 @@ async def test_start_stop_with_the_real_service(supervisors, redis, redis_url, t
                                                           logs / "rl-service.stderr.log")] == ["0o700", "0o600", "0o600"]
 
 
+async def test_a_child_serving_another_model_fails_the_start(supervisors, redis, redis_url, tmp_path: Path):
+    """The gateway's `onlineRL.modelId` and the child's own `model_id` must agree: the real service configured for
+    another model is killed and the start fails with both names; the same model starts."""
+    config_path, endpoint = service_config(tmp_path, redis_url)  # model_id: tiny
+    sup = supervisors(command=SERVICE, config_path=config_path, endpoint=endpoint, model_id="other-model")
+    with pytest.raises(SupervisorError) as failed:
+        await sup.start()
+    assert "'tiny'" in str(failed.value) and "'other-model'" in str(failed.value)
+    assert sup.status()["status"] == "failed" and sup.pid is None
+    assert await wait_gone_endpoint(endpoint)
+
+    same = supervisors(command=SERVICE, config_path=config_path, endpoint=endpoint, model_id="tiny")
+    assert await same.start() == {"status": "running", "failure_reason": None}
+    assert await same.stop() == {"status": "stopped", "failure_reason": None}
+
+
+async def wait_gone_endpoint(endpoint: str, timeout_s: float = 30.0) -> bool:
+    """True once nothing answers on `endpoint` (the killed child's port is free again)."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(trust_env=False) as client:
+        while time.monotonic() < deadline:
+            try:
+                await client.get(endpoint + "/health", timeout=1.0)
+            except httpx.TransportError:
+                return True
+            await asyncio.sleep(0.1)
+    return False
+
+
 async def test_crash_is_reported_and_restart_recovers(supervisors, redis, redis_url, tmp_path: Path):
     config_path, endpoint = service_config(tmp_path, redis_url)
     reasons: list[str] = []

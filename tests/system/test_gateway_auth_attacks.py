@@ -120,10 +120,13 @@ with open(os.environ["FAKE_CHILD_OUT"], "w") as out:
     json.dump(result, out)
 
 class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
+    def do_GET(self):  # the RL Service's /health shape (CONTRACT §2.2): the gateway checks the model id
+        body = b'{"status": "ready", "model_id": "tiny"}' if self.path == "/health" else b""
         self.send_response(200 if self.path == "/health" else 404)
-        self.send_header("content-length", "0")
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args):
         pass

@@ -69,10 +69,6 @@ class RLControl:
             if not await self._sessions.drain(rl_task_id, self._drain_timeout_s):
                 log.warning("task %s still had captures in flight when the service stopped", rl_task_id)
 
-    async def on_child_exit(self, reason: str) -> None:
-        log.error("RL Service exited unexpectedly (%s); captures bypass it until it is started again", reason)
-        await self._tracker.release_all()
-
     # ------------------------------------------------------------ tasks
 
     async def task_start(self, request: Request, body: bytes) -> Response:

@@ -21,6 +21,30 @@ log = logging.getLogger("openjiuwen.agent_rl.gateway.health")
 HEALTH_PATH = "/health"  # vLLM's liveness route: 200 with an empty body
 
 
+class InstanceProbe:
+    """One `GET /health` of an instance within `timeout_s`: True on 200. Shared by the monitor and the LoRA manager
+    (which probes an instance before it registers)."""
+
+    def __init__(self, timeout_s: float, client: httpx.AsyncClient | None = None) -> None:
+        if not timeout_s > 0:
+            raise ValueError("timeout_s must be positive")
+        self._timeout_s = timeout_s
+        self._owns_client = client is None
+        self._client = client if client is not None else httpx.AsyncClient(trust_env=False)
+
+    async def __call__(self, instance: Instance) -> bool:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                resp = await self._client.get(instance.base_url + HEALTH_PATH, timeout=self._timeout_s)
+        except (httpx.HTTPError, TimeoutError):
+            return False
+        return resp.status_code == 200
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+
 class HealthMonitor:
     def __init__(
         self,
@@ -31,26 +55,16 @@ class HealthMonitor:
         timeout_s: float,
         failure_threshold: int,
         client: httpx.AsyncClient | None = None,
+        probe: InstanceProbe | None = None,
     ) -> None:
         if not (interval_s > 0 and timeout_s > 0 and failure_threshold >= 1):
             raise ValueError("interval_s and timeout_s must be positive, failure_threshold at least 1")
         self._registry = registry
         self._readmit = readmit
         self._interval_s = interval_s
-        self._timeout_s = timeout_s
         self._threshold = failure_threshold
-        self._owns_client = client is None
-        self._client = client if client is not None else httpx.AsyncClient(trust_env=False)
+        self.probe = probe if probe is not None else InstanceProbe(timeout_s, client)
         self._failures: dict[str, int] = {}  # consecutive failed probes of a serving instance
-
-    async def probe(self, instance: Instance) -> bool:
-        """One `GET /health` within `timeout_s`: True on 200."""
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                resp = await self._client.get(instance.base_url + HEALTH_PATH, timeout=self._timeout_s)
-        except (httpx.HTTPError, TimeoutError):
-            return False
-        return resp.status_code == 200
 
     async def check_once(self, *, at_start: bool = False) -> None:
         """Probe every instance at once; take out those past the threshold (`at_start`: after one failure, since
@@ -94,8 +108,7 @@ class HealthMonitor:
                 log.exception("instance health check failed")
 
     async def close(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
+        await self.probe.close()
 
     async def _readmit_logged(self, instance: Instance) -> None:
         try:

@@ -55,3 +55,8 @@ class TaskTracker:
     async def release_all(self) -> None:
         for rl_task_id in self.sessions.all_tasks():
             await self.release(rl_task_id)
+
+    async def service_exited(self, reason: str) -> None:
+        """The RL Service child exited without a stop request (the supervisor's `on_exit`): every Task is over."""
+        log.error("RL Service exited unexpectedly (%s); captures bypass it until it is started again", reason)
+        await self.release_all()

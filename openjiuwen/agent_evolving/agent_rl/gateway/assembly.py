@@ -1,0 +1,91 @@
+"""The one place that builds and wires every gateway part (CONTRACT §3): instances, health checks, the LoRA manager,
+the RL Service supervisor and client, Task pinning, control, the inference proxy and the console. Each part gets what
+it needs at construction; nothing is bound later."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import GatewayConfig
+from .console import Console
+from .console_auth import ConsoleAuth
+from .control import RLControl
+from .health import HealthMonitor, InstanceProbe
+from .hmac_auth import HmacVerifier
+from .http11 import Http11Client
+from .inference import InferenceProxy
+from .instances import Instance, InstanceRegistry
+from .lora_manager import LoraManager
+from .metrics import GatewayMetrics
+from .rl_client import RLClient
+from .sessions import SessionMap
+from .supervisor import RLSupervisor
+from .tasks import TaskTracker
+
+
+@dataclass
+class Gateway:
+    config: GatewayConfig
+    model_id: str
+    verifier: HmacVerifier
+    loras: LoraManager
+    supervisor: RLSupervisor
+    rl: RLClient
+    tracker: TaskTracker
+    control: RLControl
+    inference: InferenceProxy
+    upstream: Http11Client
+    registry: InstanceRegistry
+    metrics: GatewayMetrics
+    console: Console
+    health: HealthMonitor
+    ready: bool = False
+
+
+def build_gateway(
+    config: GatewayConfig, *, verifier: HmacVerifier, console_auth: ConsoleAuth, env: dict[str, str]
+) -> Gateway:
+    online = config.online_rl
+    model_id = online.model_id  # the gateway's own setting, checked against the child's /health
+    metrics = GatewayMetrics()  # per app: its own CollectorRegistry
+    registry = InstanceRegistry(
+        [Instance(i.name, i.model, i.instance_ip, int(i.port)) for i in config.instances],
+        max_registered=config.registration.max_instances,
+    )
+    # Idle upstream connections close before vLLM's keep-alive timeout (5 s) could race a new request on them.
+    upstream = Http11Client(keepalive_expiry_s=2.0, connect_timeout_s=10.0, max_idle_per_origin=256)
+    checks = config.instance_health
+    probe = InstanceProbe(checks.timeout_s)
+    loras = LoraManager(
+        registry, lora_root=config.lora.root, state_path=config.lora.state_path,
+        operation_timeout_s=config.lora.operation_timeout_s, probe=probe,
+    )
+    health = HealthMonitor(
+        registry, readmit=loras.readmit, interval_s=checks.interval_s, timeout_s=checks.timeout_s,
+        failure_threshold=checks.failure_threshold, probe=probe,
+    )
+    tracker = TaskTracker(SessionMap(), loras)
+    supervisor = RLSupervisor(
+        command=list(online.command), config_path=online.config_path, endpoint=online.endpoint,
+        control_timeout_s=online.control_timeout_s, env=env, on_exit=tracker.service_exited, model_id=online.model_id,
+        # The child's own output (a crash before its log file is set up) lands beside the gateway's LoRA state.
+        log_dir=Path(config.lora.state_path).parent,
+    )
+    rl = RLClient(
+        endpoint=online.endpoint, token=lambda: supervisor.token, hook_timeout_s=online.hook_timeout_s,
+        hook_retries=online.hook_retries, control_timeout_s=online.control_timeout_s, metrics=metrics,
+    )
+    control = RLControl(
+        model_id=model_id, supervisor=supervisor, rl=rl, tracker=tracker, loras=loras,
+        drain_timeout_s=online.drain_timeout_s,
+    )
+    inference = InferenceProxy(
+        model_id=model_id, tracker=tracker, loras=loras, rl=rl, rl_running=control.running, upstream=upstream,
+        metrics=metrics,
+    )
+    console = Console(auth=console_auth, control=control, loras=loras, supervisor=supervisor, model_id=model_id)
+    return Gateway(
+        config, model_id, verifier, loras, supervisor, rl, tracker, control, inference, upstream, registry, metrics,
+        console, health,
+    )

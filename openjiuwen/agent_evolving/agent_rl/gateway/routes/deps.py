@@ -1,0 +1,69 @@
+"""Per-router guards: the HMAC signature of control routes and the loopback + bearer check of internal routes.
+
+Each guard raises `ApiError` (answered with the envelope by the app's handler) and fails closed: with no RL Service
+child alive the internal routes have no token and refuse everyone."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from ...common.errors import ApiError
+from ..assembly import Gateway
+
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(gateway_of)]
+
+
+def request_target(request: Request) -> bytes:
+    """The request target as it arrived (percent-encoded path, then `?query` when there is one): what a version-2
+    signature covers."""
+    raw = request.scope.get("raw_path") or request.url.path.encode()
+    query = request.scope.get("query_string") or b""
+    return raw + b"?" + query if query else raw
+
+
+async def _verified(request: Request, gw: Gateway, *, allow_ins: bool) -> bytes:
+    body = await request.body()
+    ok = gw.verifier.verify_request(
+        request.method, request_target(request), request.headers, body,
+        now_ms=int(time.time() * 1000), allow_ins=allow_ins,
+    )
+    if not ok:
+        raise ApiError(401, "invalid_signature", "missing, invalid, stale or replayed signature")
+    return body
+
+
+async def api_signed_body(request: Request, gw: GatewayDep) -> bytes:
+    """The body of a request signed with the api key (operators)."""
+    return await _verified(request, gw, allow_ins=False)
+
+
+async def any_key_signed_body(request: Request, gw: GatewayDep) -> bytes:
+    """The body of a request signed with the api key or the instance key (instance self-registration)."""
+    return await _verified(request, gw, allow_ins=True)
+
+
+SignedBody = Annotated[bytes, Depends(api_signed_body)]
+
+
+def internal_caller(request: Request, gw: GatewayDep) -> None:
+    """Loopback and the bearer token of the RL Service child the gateway spawned, else refused."""
+    host = request.client.host if request.client else ""
+    if host not in _LOOPBACK:
+        raise ApiError(403, "forbidden", "internal routes are served to loopback only")
+    token = gw.supervisor.internal_token
+    if not token:
+        raise ApiError(401, "unauthorized", "no RL Service child is running; internal routes are closed")
+    presented = request.headers.get("authorization", "").encode()
+    if not hmac.compare_digest(presented, f"Bearer {token}".encode()):
+        raise ApiError(401, "unauthorized", "missing or invalid bearer token")

@@ -1,0 +1,65 @@
+"""Internal routes for the RL Service child (CONTRACT §3.8): LoRA status and CAS activation, and the canary slot
+(docs/rollout.md). Loopback only, with the child's bearer token: a router dependency, closed while no child lives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import Response
+
+from ...common.errors import ApiError
+from ..responses import json_response
+from .deps import GatewayDep, internal_caller
+
+router = APIRouter(prefix="/internal/v1/rl", dependencies=[Depends(internal_caller)])
+
+
+async def _string_fields(request: Request, names: tuple[str, ...], what: str) -> dict[str, Any]:
+    """The named fields of the JSON body, strings all (`share` excepted), else 400 `invalid_lora_request`."""
+    try:
+        data = orjson.loads(await request.body())
+        fields = {name: data[name] for name in names}
+        if not all(isinstance(v, str) for k, v in fields.items() if k != "share"):
+            raise TypeError("fields must be strings")
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ApiError(400, "invalid_lora_request", f"invalid {what} request: {exc}") from None
+    return fields
+
+
+@router.get("/loras/{model}")
+async def lora_status(model: str, gw: GatewayDep) -> Response:
+    return json_response(await gw.loras.refresh_status(model))
+
+
+@router.post("/loras/activate")
+async def activate(request: Request, gw: GatewayDep) -> Response:
+    args = await _string_fields(request, ("base_model", "lora_name", "lora_path", "expected_lora_name"), "activation")
+    return json_response(await gw.loras.activate(**args))
+
+
+# Canary: a candidate beside the active version, switched with CAS like activation.
+
+@router.get("/canary/{model}")
+async def canary_status(model: str, gw: GatewayDep) -> Response:
+    return json_response(gw.loras.canary_status(model))
+
+
+@router.post("/canary/start")
+async def canary_start(request: Request, gw: GatewayDep) -> Response:
+    args = await _string_fields(
+        request, ("base_model", "lora_name", "lora_path", "expected_lora_name", "share"), "canary")
+    return json_response(await gw.loras.start_canary(**args))
+
+
+@router.post("/canary/promote")
+async def canary_promote(request: Request, gw: GatewayDep) -> Response:
+    args = await _string_fields(request, ("base_model", "lora_name", "expected_lora_name"), "canary")
+    return json_response(await gw.loras.promote_canary(**args))
+
+
+@router.post("/canary/abort")
+async def canary_abort(request: Request, gw: GatewayDep) -> Response:
+    args = await _string_fields(request, ("base_model", "lora_name"), "canary")
+    return json_response(await gw.loras.abort_canary(**args))
