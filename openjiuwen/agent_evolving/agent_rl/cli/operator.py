@@ -35,6 +35,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 
+from ..common.policy_names import BASE_POLICY
 from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS, login_token
 from ..gateway.hmac_auth import RequestSigner
 
@@ -598,7 +599,7 @@ def _lora_activate(ctx: Context) -> int:
 
 def _lora_delete(ctx: Context) -> int:
     ctx.client.request("DELETE", f"/v1/loras/{_q(ctx.args.model)}")
-    ctx.show({"model": ctx.args.model, "status": "base"},
+    ctx.show({"model": ctx.args.model, "status": BASE_POLICY},
              lambda _: _out(f"{ctx.args.model}: LoRA deactivated; new Tasks use the base model "
                             "(running Tasks keep their pinned version)"))
     return 0

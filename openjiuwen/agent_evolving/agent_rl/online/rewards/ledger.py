@@ -18,6 +18,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from ...common.policy_names import BASE_POLICY
 from .. import ids
 from ..errors import InvalidInput, NotFound
 from ..ids import InvalidIdentifier
@@ -118,7 +119,7 @@ class RewardLedger:
             self._store.queue_move(
                 pipe, sample_id, old=AWAITING, new=PENDING,
                 score=ids.parse_iso_epoch(created_at) if created_at else time.time(),
-                policy_version=policy_version or "base", at=at,
+                policy_version=policy_version or BASE_POLICY, at=at,
             )
             pipe.zrem(self._deadlines_key, sample_id)
         else:
@@ -185,7 +186,7 @@ class RewardLedger:
                 prompt_blocks.queue_release(pipe, prompt_blocks.release_counts([blocks]))
                 pipe.zrem(self._store.index_key(AWAITING), sample_id)
                 pipe.zrem(self._deadlines_key, sample_id)
-                self._store.queue_counters(pipe, AWAITING, source or "", policy_version or "base", -1)
+                self._store.queue_counters(pipe, AWAITING, source or "", policy_version or BASE_POLICY, -1)
                 pipe.hincrby(self._stats_key, "reward_dropped", 1)
                 await pipe.execute()
                 return "dropped", len(expiry.fallbacks)

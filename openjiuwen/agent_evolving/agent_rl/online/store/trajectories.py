@@ -19,6 +19,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from ...common.policy_names import BASE_POLICY
 from .. import ids
 from ..errors import InvalidInput
 from ..ids import InvalidIdentifier
@@ -152,7 +153,7 @@ class TrajectoryStore:
                 sample = by_id[sample_id]
                 meta = sample.meta
                 source = str(meta.get("source") or "")
-                policy_version = str(meta.get("policy_version") or "base")
+                policy_version = str(meta.get("policy_version") or BASE_POLICY)
                 created_at = str(meta["created_at"])
                 evaluation = meta.get("evaluation") is True
                 status, extra = (EVALUATION if evaluation else PENDING), {}
@@ -213,7 +214,7 @@ class TrajectoryStore:
                 ("status", "source", "policy_version", "sample_json", "response_ids", "prompt_blocks"),
             )
             doomed = [
-                (sample_id, text(status) or "", text(source) or "", text(policy) or "base", sample_json,
+                (sample_id, text(status) or "", text(source) or "", text(policy) or BASE_POLICY, sample_json,
                  response_ids, blocks)
                 for sample_id, (status, source, policy, sample_json, response_ids, blocks) in zip(hash_keys, rows)
                 if text(status) in _UNCLAIMED

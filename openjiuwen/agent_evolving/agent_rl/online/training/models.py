@@ -9,6 +9,8 @@ from typing import Any
 
 import orjson
 
+from ...common.policy_names import BASE_POLICY
+
 
 class RunStatus(StrEnum):
     PENDING = "pending"
@@ -58,7 +60,7 @@ class TrainingRun:
     failure_reason: str | None = None
     metrics: dict[str, Any] = field(default_factory=empty_metrics)
     sample_ids: list[str] = field(default_factory=list)
-    parent_lora_name: str = "base"
+    parent_lora_name: str = BASE_POLICY
     parent_lora_path: str = ""
 
     @property

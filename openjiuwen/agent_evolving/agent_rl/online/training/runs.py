@@ -14,6 +14,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from ...common.policy_names import BASE_POLICY
 from .. import events
 from ..errors import NotFound
 from ..ids import is_token_id, now_iso, parse_iso_epoch, policy_lag_version
@@ -161,7 +162,7 @@ class RunStore:
             async with self._redis.pipeline(transaction=False) as reads:
                 for sample_id in members:
                     reads.hget(keys.traj(sample_id), "policy_version")
-                versions = [text(v) or "base" for v in await reads.execute()]
+                versions = [text(v) or BASE_POLICY for v in await reads.execute()]
             for sample_id, version in zip(members, versions):
                 lag = parent_version - policy_lag_version(version, self._model_id)
                 if max_policy_lag is None or lag <= max_policy_lag:
@@ -322,7 +323,7 @@ class RunStore:
         out = []
         for sample_id, (status, owner_run, version, created_at) in zip(run.sample_ids, rows):
             if text(status) == TRAINING and text(owner_run) == run.training_run_id:
-                out.append((sample_id, text(version) or "base", text(created_at) or now_iso()))
+                out.append((sample_id, text(version) or BASE_POLICY, text(created_at) or now_iso()))
         return out
 
     async def list_page(self, limit: int, cursor: str | None) -> dict[str, Any]:
