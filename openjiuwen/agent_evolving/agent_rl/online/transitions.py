@@ -33,7 +33,7 @@ class Transitions(Generic[S]):
     def allows(self, old: str, new: str) -> bool:
         return new in self._next.get(old, frozenset())  # type: ignore[call-overload]
 
-    def check(self, old: str, new: S) -> S:
+    def check(self, old: str, new: str) -> str:
         """`new` when `old → new` is in the table; else IllegalTransition."""
         if not self.allows(old, new):
             raise IllegalTransition(self.machine, str(old), str(new))
