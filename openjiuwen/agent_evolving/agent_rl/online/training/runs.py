@@ -257,12 +257,7 @@ class RunStore:
             at = now_iso()
             done = run.evolve(status=status.value, finished_at=at, failure_reason=failure_reason)
             pipe.multi()
-            for sample_id, version, created_at in moves:
-                self._store.queue_move(
-                    pipe, sample_id, old=SampleStatus.TRAINING, new=SampleStatus.PENDING,
-                    score=parse_iso_epoch(created_at),
-                    policy_version=version, at=at, run_id="",
-                )
+            self._queue_restore(pipe, moves, at)
             pipe.set(run_key, done.to_json(), ex=self._run_retention_s)
             pipe.zadd(keys.RUNS_LISTING_EXPIRY, {run_id: parse_iso_epoch(at) + self._run_retention_s})
             if pointer == run_id:
@@ -300,18 +295,22 @@ class RunStore:
             pointer = text(await pipe.get(keys.ACTIVE_RUN))
             at = now_iso()
             pipe.multi()
-            for sample_id, version, created_at in moves:
-                self._store.queue_move(
-                    pipe, sample_id, old=SampleStatus.TRAINING, new=SampleStatus.PENDING,
-                    score=parse_iso_epoch(created_at),
-                    policy_version=version, at=at, run_id="",
-                )
+            self._queue_restore(pipe, moves, at)
             if pointer == run_id:
                 pipe.delete(keys.ACTIVE_RUN)
             await pipe.execute()
             return len(moves)
 
         return await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+
+    def _queue_restore(self, pipe: Pipeline, moves: list[tuple[str, str, str]], at: str) -> None:
+        """Queue `training → pending` for `_training_members` rows: each sample back at its original position
+        (scored by `created_at`) and no longer owned by a run."""
+        for sample_id, version, created_at in moves:
+            self._store.queue_move(
+                pipe, sample_id, old=SampleStatus.TRAINING, new=SampleStatus.PENDING,
+                score=parse_iso_epoch(created_at), policy_version=version, at=at, run_id="",
+            )
 
     async def _training_members(self, pipe: Pipeline, run: TrainingRun) -> list[tuple[str, str, str]]:
         """(id, policy version, created_at) of the run's samples still `training` under this run; their hashes are
