@@ -67,12 +67,12 @@ async def test_capture_reward_and_sample_fields(client, redis):
     # Nothing is published before the reward.
     assert (await client.get("/v1/rl/trajectories/stats")).json()["total"] == 0
     assert (await client.post("/v1/rl/tasks/t1/stop")).json()["status"] == "finalized"
-    assert await redis.zscore(keys.AWAITING_REWARD, "t1") is not None
+    assert await redis.zscore(keys.TASKS_AWAITING_REWARD, "t1") is not None
     r = await client.post("/v1/rl/tasks/t1/reward", json={"reward": 0.75})
     assert r.json() == {"sample_count": 1}
     assert (await client.post("/v1/rl/tasks/t1/reward", json={"reward": 0.75})).json() == {"sample_count": 1}
     assert not await redis.exists(keys.staged("t1", "c1"))
-    assert await redis.zscore(keys.AWAITING_REWARD, "t1") is None
+    assert await redis.zscore(keys.TASKS_AWAITING_REWARD, "t1") is None
     assert await redis.zscore(keys.TASKS_GC, "t1") is not None
     stats = (await client.get("/v1/rl/trajectories/stats")).json()
     assert (stats["total"], stats["by_status"]["pending"], stats["by_source"]) == (1, 1, {"rl_task": 1})

@@ -10,6 +10,7 @@ import pytest
 
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import SampleStatus
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
 from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway
@@ -150,9 +151,15 @@ async def test_invariant_checker_flags_a_trainable_evaluation_sample(service, re
     await check_invariants(redis, model_id=MODEL_ID)
     store = app.state.deps.store
     # Move it to `pending` consistently (hash, indexes, counters in one EXEC): only the evaluation rule can object.
+    # The sample table forbids this move (`queue_move` raises), so the test writes what such a move would write.
+    stats = keys.traj_stats(store.owner)
     async with redis.pipeline(transaction=True) as pipe:
-        store.queue_move(pipe, "c1-0", old=keys.EVALUATION, new="pending", score=1.0, policy_version="base",
-                         at="2026-01-01T00:00:00+00:00")
+        pipe.hset(keys.traj("c1-0"), mapping={"status": "pending", "updated_at": "2026-01-01T00:00:00+00:00"})
+        pipe.zrem(store.index_key(SampleStatus.EVALUATION), "c1-0")
+        pipe.zadd(store.index_key("pending"), {"c1-0": 1.0})
+        pipe.hincrby(stats, f"status:{SampleStatus.EVALUATION}", -1)
+        pipe.hincrby(stats, "status:pending", 1)
+        pipe.hincrby(stats, "pending_policy:base", 1)
         await pipe.execute()
     report = await check_invariants(redis, model_id=MODEL_ID, raise_on_violation=False)
     assert report.violations == ["task t1 is an evaluation Task but its sample c1-0 is pending: it could be "

@@ -157,6 +157,6 @@ async def test_startup_finishes_a_reward_projection_cut_by_a_crash(redis, redis_
             for c in ("c0", "c1"):
                 detail = (await restarted.get(f"/v1/rl/trajectories/{c}")).json()
                 assert detail["judge"] == {"score": 0.5, "source": "terminal"}
-            assert await redis.zscore(keys.AWAITING_REWARD, "t1") is None
+            assert await redis.zscore(keys.TASKS_AWAITING_REWARD, "t1") is None
             assert (await restarted.post("/v1/rl/tasks/t1/reward", json={"reward": 0.5})).json() == {"sample_count": 2}
             await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)

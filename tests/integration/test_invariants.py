@@ -12,6 +12,7 @@ import pytest
 
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import SampleStatus
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
 from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway
@@ -152,9 +153,9 @@ async def _awaiting_without_deadline(redis) -> None:
     # A sample moved to awaiting_rewards (index, counters) whose deadline entry and reward state were never written.
     sample = (await redis.zrange(keys.traj_index(MODEL_ID, "pending"), -1, -1))[0]
     policy = (await redis.hget(keys.traj(sample.decode()), "policy_version")).decode()
-    await redis.hset(keys.traj(sample.decode()), "status", keys.AWAITING_REWARDS)
+    await redis.hset(keys.traj(sample.decode()), "status", SampleStatus.AWAITING_REWARDS)
     await redis.zrem(keys.traj_index(MODEL_ID, "pending"), sample)
-    await redis.zadd(keys.traj_index(MODEL_ID, keys.AWAITING_REWARDS), {sample: 1.0})
+    await redis.zadd(keys.traj_index(MODEL_ID, SampleStatus.AWAITING_REWARDS), {sample: 1.0})
     for field, by in (("status:pending", -1), (f"pending_policy:{policy}", -1), ("status:awaiting_rewards", 1)):
         await redis.hincrby(keys.traj_stats(MODEL_ID), field, by)
 

@@ -17,6 +17,7 @@ from openjiuwen.agent_evolving.agent_rl.online.rewards.config import RewardPolic
 from openjiuwen.agent_evolving.agent_rl.online.rewards.ledger import RewardLedger
 from openjiuwen.agent_evolving.agent_rl.online.rewards.policy import RewardPolicy
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import ALL_SAMPLE_STATUSES, SAMPLE_STATUSES
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
 from openjiuwen.agent_evolving.agent_rl.online.training.models import TrainingRun, new_run_id
 from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
@@ -37,7 +38,7 @@ POLICY = {
         "human": {"weight": 1.0, "deadline_seconds": 86400, "fallback": "skip"},
     },
 }
-STATUSES = keys.ALL_SAMPLE_STATUSES
+STATUSES = ALL_SAMPLE_STATUSES
 
 
 def code(resp: Any) -> tuple[int, str]:
@@ -417,7 +418,7 @@ async def test_samples_waiting_when_the_policy_is_removed_are_released(redis, re
         detail = (await client.get("/v1/rl/trajectories/a")).json()
         assert detail["judge"]["score"] == 0.7 and detail["rewards"]["sources"] == {
             "judge": {"score": 0.7, "kind": "published", "late_seconds": 0.0}}
-        assert set((await client.get("/v1/rl/trajectories/stats")).json()["by_status"]) == set(keys.SAMPLE_STATUSES)
+        assert set((await client.get("/v1/rl/trajectories/stats")).json()["by_status"]) == set(SAMPLE_STATUSES)
     await consistent(redis)
 
 

@@ -19,6 +19,7 @@ from openjiuwen.agent_evolving.agent_rl.common.errors import install_error_envel
 from openjiuwen.agent_evolving.agent_rl.online.api.trajectories import build_trajectories_router
 from openjiuwen.agent_evolving.agent_rl.online.errors import InvalidInput
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import SAMPLE_STATUSES
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
@@ -117,7 +118,7 @@ async def stats_hash(redis: Redis) -> dict[str, int]:
 
 
 async def index_sizes(redis: Redis) -> dict[str, int]:
-    return {s: await redis.zcard(keys.traj_index(MODEL, s)) for s in keys.SAMPLE_STATUSES}
+    return {s: await redis.zcard(keys.traj_index(MODEL, s)) for s in SAMPLE_STATUSES}
 
 
 # ---------------------------------------------------------------------------------------------- insert / delete
@@ -322,7 +323,7 @@ async def test_paging_2500_samples_with_equal_scores(redis: Redis, store: Trajec
     def expected(status: str) -> list[str]:
         return sorted((n for n in names if status_of[n] == status), key=lambda n: (score_of[n], n))
 
-    everything = [n for s in keys.SAMPLE_STATUSES for n in expected(s)]
+    everything = [n for s in SAMPLE_STATUSES for n in expected(s)]
     listed = await _collect(store, None, 97)
     assert [i["sample_id"] for i in listed] == everything  # no duplicate, no gap, bucket order then (score, id)
     for status, limit in (("pending", 100), ("training", 1000), ("trained", 7), ("failed", 200)):

@@ -26,7 +26,7 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
     report = await check_invariants(redis, model_id="tiny", raise_on_violation=False)
     assert report.ok, report.describe()
 
-Sample statuses come from `keys.ALL_SAMPLE_STATUSES` (`awaiting_rewards` included: its deadline index holds exactly
+Sample statuses come from `ALL_SAMPLE_STATUSES` (`awaiting_rewards` included: its deadline index holds exactly
 those samples, each with its per-source state); listings hold each Task under its own status; `CLAIMED_STATUSES` names those that must belong to the active run.
 Only reads: the checker never writes, deletes or flushes anything. Cost: one SCAN plus pipelined reads of index
 fields, about 1.6 s for 20 000 samples on the 2-core development machine (documents are read only for the samples
@@ -47,11 +47,12 @@ import orjson
 from redis.asyncio import Redis
 
 from openjiuwen.agent_evolving.agent_rl.online.store import keys, prompt_blocks
+from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import ALL_SAMPLE_STATUSES, SampleStatus
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
 
 PREFIX = keys.PREFIX
 CLAIMED_STATUSES = ("training",)  # statuses whose samples belong to the active run
-NO_TTL_STATUSES = (keys.AWAITING_REWARDS, "pending", "training")  # samples that must never expire
+NO_TTL_STATUSES = (SampleStatus.AWAITING_REWARDS, "pending", "training")  # samples that must never expire
 TERMINAL_RUN_STATUSES = ("succeeded", "failed", "canceled")
 _READ_BATCH = 500
 
@@ -257,7 +258,7 @@ async def check_invariants(
     sent: ClientRecord | None = None,
     raise_on_violation: bool = True,
     strict_active_index: bool = False,
-    statuses: Sequence[str] = keys.ALL_SAMPLE_STATUSES,
+    statuses: Sequence[str] = ALL_SAMPLE_STATUSES,
 ) -> InvariantReport:
     """Check every invariant of one service database (owner `model_id`); see the module docstring.
 
@@ -454,7 +455,7 @@ async def _check_reward_deadlines(
 ) -> None:
     """Reward policy: the deadline index holds exactly the `awaiting_rewards` samples, each with its per-source
     state, so the sweeper finds every waiting sample and nothing else."""
-    waiting = {s.sample_id for s in samples.values() if s.status == keys.AWAITING_REWARDS}
+    waiting = {s.sample_id for s in samples.values() if s.status == SampleStatus.AWAITING_REWARDS}
     indexed = {_s(m) or "" for m in await redis.zrange(keys.reward_deadlines(model_id), 0, -1)}
     for sample_id in sorted(waiting - indexed):
         report.add(f"sample {sample_id} awaits rewards but has no deadline entry")
@@ -601,7 +602,7 @@ async def _check_tasks(
 ) -> None:
     """Invariants 1, 2, 3."""
     active_index = {_s(t) or "" for t in await redis.smembers(keys.ACTIVE_TASKS)}
-    awaiting = {_s(t) or "" for t in await redis.zrange(keys.AWAITING_REWARD, 0, -1)}
+    awaiting = {_s(t) or "" for t in await redis.zrange(keys.TASKS_AWAITING_REWARD, 0, -1)}
     gc = {_s(t) or "" for t in await redis.zrange(keys.TASKS_GC, 0, -1)}
     for t in sorted(awaiting & gc):
         report.add(f"task {t} is in both the awaiting-reward and the gc index")
@@ -711,12 +712,12 @@ def _check_task_samples(report: InvariantReport, tasks: dict[str, _TaskState], s
         evaluation = rec.get("evaluation") is True
         for c in sorted(by_task.get(t, set())):
             status = samples[c].status
-            if evaluation and status != keys.EVALUATION:
+            if evaluation and status != SampleStatus.EVALUATION:
                 report.add(f"task {t} is an evaluation Task but its sample {c} is {status}: it could be trained on")
-            elif not evaluation and status == keys.EVALUATION:
+            elif not evaluation and status == SampleStatus.EVALUATION:
                 report.add(f"task {t} is not an evaluation Task but its sample {c} is {status}")
     for sample in samples.values():
-        if sample.status == keys.EVALUATION and sample.run_id:
+        if sample.status == SampleStatus.EVALUATION and sample.run_id:
             report.add(f"evaluation sample {sample.sample_id} was claimed by run {sample.run_id}")
     for t in sorted(set(by_task) - {t for t, s in tasks.items() if s.record}):
         report.add(f"samples {sorted(by_task[t])[:5]} name task {t}, which has no record")

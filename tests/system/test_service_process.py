@@ -100,7 +100,7 @@ async def test_sigterm_finishes_or_aborts_every_task(redis, redis_url, tmp_path:
     assert (t3["status"], t3["finish_reason"]) == ("finalized", "service_stopped")
     # A Judge failure in the final publication has already aborted it `capture_failed`, which is kept.
     assert (t4["status"], t4["finish_reason"]) == ("aborted", "capture_failed")
-    assert await redis.zscore(keys.AWAITING_REWARD, "t1") is not None
+    assert await redis.zscore(keys.TASKS_AWAITING_REWARD, "t1") is not None
     assert not await redis.exists(keys.capture("t2", "c1"))
     assert not await redis.exists(keys.open_captures("t2"))
     assert await redis.smembers(keys.ACTIVE_TASKS) == {b"t0"}  # only the undecodable one is left

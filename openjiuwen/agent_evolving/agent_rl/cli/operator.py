@@ -35,8 +35,11 @@ from urllib.parse import quote
 import httpx
 import orjson
 
+from ..common.policy_names import BASE_POLICY
 from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS, login_token
 from ..common.hmac_signing import HmacAuth
+from ..online.store.sample_status import ALL_SAMPLE_STATUSES
+from ..online.training.models import TERMINAL_STATUSES, RunStatus
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 URL_ENV = "OPENJIUWEN_RL_GATEWAY"
@@ -44,7 +47,6 @@ KEY_ENV = "OPENJIUWEN_RL_HMAC_KEY"
 KEY_FILE_ENV = "OPENJIUWEN_RL_KEY_FILE"
 MODEL_ENV = "OPENJIUWEN_RL_MODEL"
 DEFAULT_TIMEOUT_S = 330.0  # above the gateway's production controlTimeout (300 s)
-TERMINAL_RUN = frozenset({"succeeded", "failed", "canceled"})
 WATCH_MAX_ERRORS = 5  # consecutive unanswered polls before `train watch` gives up
 
 ENVIRONMENT = f"""\
@@ -449,7 +451,7 @@ def _train_get(ctx: Context) -> int:
 def _run_line(run: dict[str, Any]) -> str:
     line = (f"{run.get('training_run_id')}: {run.get('status')} "
             f"(stage {run.get('stage')}, {run.get('sample_count')} samples)")
-    if run.get("status") == "succeeded" or (run.get("lora_name") and run.get("status") in TERMINAL_RUN):
+    if run.get("status") == RunStatus.SUCCEEDED or (run.get("lora_name") and run.get("status") in TERMINAL_STATUSES):
         line += f" lora {run.get('lora_name')} at {run.get('lora_path')}"
     if run.get("failure_reason"):
         line += f": {run['failure_reason']}"
@@ -471,7 +473,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
     deadline = ctx.clock() + timeout_s if timeout_s > 0 else None
     last_state: tuple[Any, Any] | None = None
     last_record: Any = None
-    if seen is not None and seen.get("status") not in TERMINAL_RUN:
+    if seen is not None and seen.get("status") not in TERMINAL_STATUSES:
         _out(orjson.dumps(seen).decode() if ctx.as_json else _run_line(seen))
         last_state, last_record = (seen.get("status"), seen.get("stage")), seen
     steps_shown = 0
@@ -506,7 +508,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
                     _out(_run_line(run))
                 last_state = state
             last_record, steps_shown = run, len(steps)
-            if run.get("status") in TERMINAL_RUN:
+            if run.get("status") in TERMINAL_STATUSES:
                 return 0 if run["status"] == "succeeded" else 1
         if deadline is not None and ctx.clock() >= deadline:
             raise CliError(f"run {run_id} not finished after {timeout_s:g} s (it keeps running)")
@@ -594,7 +596,7 @@ def _lora_activate(ctx: Context) -> int:
 
 def _lora_delete(ctx: Context) -> int:
     ctx.client.request("DELETE", f"/v1/loras/{_q(ctx.args.model)}")
-    ctx.show({"model": ctx.args.model, "status": "base"},
+    ctx.show({"model": ctx.args.model, "status": BASE_POLICY},
              lambda _: _out(f"{ctx.args.model}: LoRA deactivated; new Tasks use the base model "
                             "(running Tasks keep their pinned version)"))
     return 0
@@ -779,7 +781,7 @@ def build_parser() -> argparse.ArgumentParser:
     traj = group("traj", "trajectory samples: counters, listing, detail, external rewards")
     leaf(traj, "stats", "counters by status and source", _traj_stats)
     p = leaf(traj, "list", "sample summaries, oldest first per status", _traj_list)
-    p.add_argument("--status", choices=("awaiting_rewards", "pending", "training", "trained", "failed", "evaluation"),
+    p.add_argument("--status", choices=[s.value for s in ALL_SAMPLE_STATUSES],
                    help="one status only")
     _add_page_options(p)
     leaf(traj, "get", "one sample with its token arrays and judge", _traj_get).add_argument("id")

@@ -9,6 +9,8 @@ from typing import Any
 
 import orjson
 
+from ..common.policy_names import BASE_POLICY
+
 TASK_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Session ids, capture ids, agent turn ids and rail session/trajectory ids share one format.
 TOKEN_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -70,7 +72,7 @@ def lora_version(name: str, model_id: str) -> int | None:
 
 
 def is_policy_name(name: object, model_id: str) -> bool:
-    return isinstance(name, str) and (name == "base" or lora_version(name, model_id) is not None)
+    return isinstance(name, str) and (name == BASE_POLICY or lora_version(name, model_id) is not None)
 
 
 def policy_lag_version(name: str, model_id: str) -> int:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..common.policy_names import BASE_POLICY
 from . import report as rep
 from .processes import ManagedProcess, ancestors, children, free_port, pids_mentioning, wait_gone
 from .progress import Bar
@@ -193,7 +194,7 @@ CANARY_BATCHES = 8  # batches of canary Tasks (each about min_tasks per arm) bef
 
 
 def _policy_label(lora_name: str | None) -> str:
-    return "base" if not lora_name or lora_name == "base" else lora_name.rpartition(":")[2]
+    return BASE_POLICY if not lora_name or lora_name == BASE_POLICY else lora_name.rpartition(":")[2]
 
 
 class Demo:
@@ -700,7 +701,7 @@ class Demo:
         bar = Bar(title or f"{kind} {r + 1}/{a.rounds + 1} ({label})", total=count, unit="tasks")
         self._executor = futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
         results: list[dict[str, Any]] = []
-        pins = {lora or "base", candidate or lora or "base"}
+        pins = {lora or BASE_POLICY, candidate or lora or BASE_POLICY}
         try:
             if problems is None:
                 pending = {self._executor.submit(self.run_task, r, i, lora, pins, invert, evaluation)
@@ -764,7 +765,7 @@ class Demo:
     @staticmethod
     def _check_pin(task: dict[str, Any], lora: str | None, pins: set[str]) -> str | None:
         pinned = task.get("policy_lora_name")
-        if (pinned or "base") not in pins:
+        if (pinned or BASE_POLICY) not in pins:
             raise DemoFailed(f"Task {task['rl_task_id']} is pinned to {pinned}, expected "
                              f"{' or '.join(sorted(pins)) if len(pins) > 1 else lora or 'base'}")
         return pinned
@@ -867,7 +868,7 @@ class Demo:
         if a.bad_version:
             self.wait_candidate(run["lora_name"])
             if candidate_only:
-                record = {"training_run_id": run_id, "parent": parent or "base", "lora_name": run["lora_name"],
+                record = {"training_run_id": run_id, "parent": parent or BASE_POLICY, "lora_name": run["lora_name"],
                           "sample_count": run["sample_count"], "seconds": seconds, "candidate": True,
                           "steps": run.get("metrics", {}).get("steps")}
                 self.timings["training_runs"].append(record)
@@ -884,7 +885,7 @@ class Demo:
                              f"policy is {now_active}")
         steps = run.get("metrics", {}).get("step_metrics") or []
         first_served = self.first_served(run["lora_name"], activating_at)
-        record = {"training_run_id": run_id, "parent": parent or "base", "lora_name": run["lora_name"],
+        record = {"training_run_id": run_id, "parent": parent or BASE_POLICY, "lora_name": run["lora_name"],
                   "sample_count": run["sample_count"], "seconds": seconds,
                   "activation_s": None if activating_at is None else round(succeeded_at - activating_at, 2),
                   "first_served_s": first_served,
@@ -995,13 +996,13 @@ class Demo:
                         tasks: list[dict[str, Any]]) -> dict[str, Any]:
         candidate = run["lora_name"]
         arms = {}
-        for arm, name in (("candidate", candidate), ("active", active or "base")):
-            rewards = [x["reward"] for x in tasks if (x["policy"] or "base") == name]
+        for arm, name in (("candidate", candidate), ("active", active or BASE_POLICY)):
+            rewards = [x["reward"] for x in tasks if (x["policy"] or BASE_POLICY) == name]
             mean, (lo, hi) = rep.mean_ci95(rewards) if rewards else (None, (None, None))
             arms[arm] = {"lora_name": name, "tasks": len(rewards), "mean_reward": mean, "ci95": [lo, hi]}
         decision = (record or {}).get("decision") or {}
         return {
-            "candidate": candidate, "active": active or "base", "training_run_id": run["training_run_id"],
+            "candidate": candidate, "active": active or BASE_POLICY, "training_run_id": run["training_run_id"],
             "rollout_id": (record or {}).get("rollout_id"),
             "outcome": (record or {}).get("status", "undecided"), "reason": decision.get("reason"),
             "detail": decision.get("detail"), "by": decision.get("by"),

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
+from ..common.policy_names import BASE_POLICY
 from .canary import Candidate, in_candidate_arm, parse_candidates, parse_share
 from .instances import Instance, InstanceRefused, InstanceRegistry
 
@@ -43,7 +44,6 @@ UNLOAD_PATH = "/v1/unload_lora_adapter"
 MODELS_PATH = "/v1/models"
 ROLLBACK_SHARE = 0.25  # of operation_timeout_s, kept after the loads for unloading a failed activation
 STATE_FILE_VERSION = 1
-BASE = "base"
 _KEEP: Any = object()  # `_persist`: leave this part of the model's entry as it is
 
 _LORA_NAME_RE = re.compile(r"(?P<model>.+):v(?P<version>[1-9][0-9]*)")
@@ -172,7 +172,7 @@ class LoraManager:
             if state.candidate is not None:  # one version in flight at a time: the canary decides first
                 raise LoraError(409, "canary_conflict",
                                 f"{state.candidate.lora_name} is the candidate of {model}: promote or abort it first")
-            current_name = current.lora_name if current is not None else BASE
+            current_name = current.lora_name if current is not None else BASE_POLICY
             if current_name != expected:
                 raise LoraError(409, "lora_cas_conflict", f"active policy is {current_name}, expected {expected}")
             instances = self._require_serving(model)
@@ -292,7 +292,7 @@ class LoraManager:
                 if current.lora_name == lora_name and os.path.normpath(current.lora_path) == os.path.normpath(path):
                     return self.canary_status(model)  # a repeated start (a lost answer): idempotent
                 raise LoraError(409, "canary_conflict", f"{current.lora_name} is already the candidate of {model}")
-            active_name = state.active.lora_name if state.active is not None else BASE
+            active_name = state.active.lora_name if state.active is not None else BASE_POLICY
             if active_name == lora_name:
                 raise LoraError(409, "lora_cas_conflict", f"{lora_name} is already active")
             if active_name != expected:
@@ -330,7 +330,7 @@ class LoraManager:
             if not held:
                 raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
             candidate, previous = state.candidate, state.active
-            active_name = previous.lora_name if previous is not None else BASE
+            active_name = previous.lora_name if previous is not None else BASE_POLICY
             if candidate is None:
                 if active_name == lora_name:
                     return self.canary_status(model)  # promoted already (a lost answer)
@@ -365,7 +365,7 @@ class LoraManager:
 
     async def _abort_canary(self, base_model: Any, lora_name: Any) -> dict[str, Any]:
         deadline = self._now() + self._timeout_s
-        model = self._checked_name(base_model, lora_name, BASE)
+        model = self._checked_name(base_model, lora_name, BASE_POLICY)
         state = self._state(model)
         async with _holding(state.lock, deadline) as held:
             if not held:
@@ -435,7 +435,7 @@ class LoraManager:
         instances = self._registry.serving(model)
         state = self._models.get(model)
         if state is None or state.active is None:
-            answer = {"status": "base", "active_lora": None, "instances": {"ready": len(instances), "failed": 0}}
+            answer = {"status": BASE_POLICY, "active_lora": None, "instances": {"ready": len(instances), "failed": 0}}
             return self._with_candidate(model, answer)
         name = state.active.lora_name
         ready = sum(1 for i in instances if name in self._loaded[i.name])
@@ -504,12 +504,12 @@ class LoraManager:
         outside a Task): never the candidate."""
         state = self._models.get(model)
         if state is None:
-            return BASE, model
+            return BASE_POLICY, model
         candidate = state.candidate
         if candidate is not None and rl_task_id is not None and in_candidate_arm(rl_task_id, candidate.share):
             return candidate.lora_name, candidate.lora_name
         if state.active is None:
-            return BASE, model
+            return BASE_POLICY, model
         return state.active.lora_name, state.active.lora_name
 
     def pin(self, model: str, *, rl_task_id: str | None = None) -> tuple[str, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+from ..common.policy_names import BASE_POLICY
 from .sessions import Binding, SessionMap
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.tasks")
@@ -24,11 +25,11 @@ class TaskTracker:
         self._leases = leases
 
     def lease(self, policy_name: str) -> None:
-        if policy_name != "base":
+        if policy_name != BASE_POLICY:
             self._leases.acquire(policy_name)
 
     async def unlease(self, policy_name: str) -> None:
-        if policy_name != "base":
+        if policy_name != BASE_POLICY:
             await self._leases.release(policy_name)
 
     async def adopt(self, binding: Binding, *, leased_policy: str | None) -> None:

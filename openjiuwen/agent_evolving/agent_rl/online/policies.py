@@ -11,6 +11,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from ..common.ids import lora_version
+from ..common.policy_names import BASE_POLICY
 from .store import keys
 from .store.codec import text
 from .store.policy_stats import LATENCY_BOUNDS_MS
@@ -79,7 +80,7 @@ class PolicyReport:
     async def report(self) -> dict[str, Any]:
         versions = sorted(
             (text(v) or "" for v in await self._redis.smembers(keys.POLICY_VERSIONS)),
-            key=lambda name: (lora_version(name, self._model_id) or 0, name != "base", name),
+            key=lambda name: (lora_version(name, self._model_id) or 0, name != BASE_POLICY, name),
         )
         if not versions:
             return {"items": [], "comparison": None}
@@ -112,7 +113,7 @@ class PolicyReport:
             }
         return {
             "policy_version": version,
-            "lora_name": None if version == "base" else version,
+            "lora_name": None if version == BASE_POLICY else version,
             "parent_version": h.get("parent") or None,
             "tasks": int(num("tasks")),
             "samples": samples,

@@ -20,6 +20,7 @@ from .store import keys
 from .store.codec import text
 from .store.trajectories import TrajectoryStore
 from .store.tx import transact
+from .tasks.models import TASK_STATUSES, TerminalReward
 
 log = logging.getLogger("openjiuwen.agent_rl.online.retention")
 
@@ -66,7 +67,7 @@ class RetentionSweeper:
         """Remove from the listing indexes the ids whose records have expired: those due in the listing-expiry
         ZSETs (at most BATCH each) whose record is gone; one still present (clock skew) waits for the next tick."""
         removed = 0
-        task_indexes = (keys.TASKS_BY_CREATION, *(keys.tasks_by_status(s) for s in keys.TASK_STATUSES))
+        task_indexes = (keys.TASKS_BY_CREATION, *(keys.tasks_by_status(s) for s in TASK_STATUSES))
         for expiry, record_key, indexes in (
             (keys.TASKS_LISTING_EXPIRY, keys.task, task_indexes),
             (keys.RUNS_LISTING_EXPIRY, keys.training_run, (keys.RUNS_BY_CREATION,)),
@@ -118,14 +119,14 @@ class RetentionSweeper:
 
     async def _expire_unrewarded(self, now: float) -> int:
         cutoff = now - self._reward_timeout_s
-        ids = [text(t) for t in await self._redis.zrangebyscore(keys.AWAITING_REWARD, "-inf", cutoff, 0, BATCH)]
+        ids = [text(t) for t in await self._redis.zrangebyscore(keys.TASKS_AWAITING_REWARD, "-inf", cutoff, 0, BATCH)]
         dropped_total = 0
         for t in ids:
             state_raw = await self._redis.get(keys.reward(t))
             state = orjson.loads(state_raw) if state_raw else None
             if state is None:
                 dropped_total += await self._expire_one(t)
-            elif state.get("status") == "projecting":
+            elif state.get("status") == TerminalReward.PROJECTING:
                 await self._rewards.project(t, float(state["reward"]))
             else:
                 await self._move_to_gc(t)
@@ -144,12 +145,12 @@ class RetentionSweeper:
             staged_keys = [keys.staged(t, c) for c in committed]
             present = int(await pipe.exists(*staged_keys)) if staged_keys else 0
             pipe.multi()
-            pipe.set(reward_key, orjson.dumps({"reward": None, "status": "expired", "sample_count": 0}))
+            pipe.set(reward_key, orjson.dumps({"reward": None, "status": TerminalReward.EXPIRED, "sample_count": 0}))
             if staged_keys:
                 pipe.delete(*staged_keys)
             if present:
                 pipe.hincrby(stats_key, "expired_unrewarded", present)
-            pipe.zrem(keys.AWAITING_REWARD, t)
+            pipe.zrem(keys.TASKS_AWAITING_REWARD, t)
             pipe.zadd(keys.TASKS_GC, {t: time.time()})
             events.queue(pipe, keys.task_events(t), "reward_expired", {"dropped_samples": present})
             await pipe.execute()
@@ -161,7 +162,7 @@ class RetentionSweeper:
 
     async def _move_to_gc(self, t: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.zrem(keys.AWAITING_REWARD, t)
+            pipe.zrem(keys.TASKS_AWAITING_REWARD, t)
             pipe.zadd(keys.TASKS_GC, {t: time.time()})
             await pipe.execute()
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...common.ids import TASK_ID_RE, TOKEN_ID_RE
+from ..store.sample_status import ALL_SAMPLE_STATUSES
+from ..tasks.models import TASK_STATUSES, FinishReason, RewardMode
 
 TASK_ID = {"type": "string", "pattern": f"^{TASK_ID_RE.pattern}$"}
 TOKEN_ID = {"type": "string", "pattern": f"^{TOKEN_ID_RE.pattern}$"}
@@ -98,7 +100,7 @@ def query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
 _HOOK_IDS = {"rl_task_id": TASK_ID, "capture_id": TOKEN_ID, "agent_turn_id": {"anyOf": [TOKEN_ID, {"type": "null"}]}}
 
 TASK_START = {
-    **json_body(_object(["reward_mode"], {"reward_mode": {"enum": ["terminal", "delayed_feedback"]},
+    **json_body(_object(["reward_mode"], {"reward_mode": {"enum": [m.value for m in RewardMode]},
                                           "evaluation": {"type": "boolean"}}, closed=True)),
     "parameters": [
         header("X-Agent-Session-Id", TOKEN_ID),
@@ -114,8 +116,10 @@ HOOK_BEFORE = json_body(_object(["rl_task_id", "capture_id", "request"], {**_HOO
 HOOK_AFTER = json_body(_object(["rl_task_id", "capture_id", "request", "response"],
                                {**_HOOK_IDS, "request": CHAT_REQUEST, "response": CHAT_COMPLETION}, closed=True))
 HOOK_DISCARD = json_body(_object(["rl_task_id", "capture_id"], _HOOK_IDS, closed=True))
-TASK_FINISH = json_body(_object(["reason"], {"reason": {"enum": ["service_stopped"]}}, closed=True))
-TASK_ABORT = json_body(_object(["reason"], {"reason": {"enum": ["capture_failed", "timeout"]}}, closed=True))
+TASK_FINISH = json_body(_object(["reason"], {"reason": {"enum": [FinishReason.SERVICE_STOPPED.value]}}, closed=True))
+TASK_ABORT = json_body(_object(
+    ["reason"], {"reason": {"enum": [FinishReason.CAPTURE_FAILED.value, FinishReason.TIMEOUT.value]}}, closed=True,
+))
 TRAINING_START = json_body({"anyOf": [{"type": "null"}, _object([], {}, closed=True)]}, required=False)
 ROLLOUT_ACTION = TRAINING_START  # promote / rollback / pause / resume: no body (absent, null or {})
 LORA_ACTIVATE = json_body(_object(["lora_name"], {"lora_name": {"type": "string", "minLength": 1}}, closed=True))
@@ -123,11 +127,11 @@ _LIMIT = query("limit", {"type": "integer", "minimum": 1, "maximum": 1000})
 _CURSOR = query("cursor", {"type": "string"})
 TRAJECTORY_LIST = {
     "parameters": [
-        query("status", {"enum": ["awaiting_rewards", "pending", "training", "trained", "failed", "evaluation"]}),
+        query("status", {"enum": [s.value for s in ALL_SAMPLE_STATUSES]}),
         _LIMIT, _CURSOR,
     ],
 }
-TASK_LIST = {"parameters": [query("status", {"enum": ["active", "finalized", "aborted"]}), _LIMIT, _CURSOR]}
+TASK_LIST = {"parameters": [query("status", {"enum": [s.value for s in TASK_STATUSES]}), _LIMIT, _CURSOR]}
 RUN_LIST = {"parameters": [_LIMIT, _CURSOR]}
 _REWARD_SOURCE = {"type": "string", "pattern": "^[a-z0-9_-]{1,32}$"}
 _SCORE = {"type": "number", "minimum": 0, "maximum": 1}

@@ -22,7 +22,7 @@ from ..store.codec import PackedSample
 from ..store.policy_stats import add_task_reward
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
-from ..tasks.models import RewardMode, Task, TaskStatus
+from ..tasks.models import TERMINAL_REWARD_TRANSITIONS, RewardMode, Task, TaskStatus, TerminalReward
 
 
 def parse_reward_body(body: dict[str, Any]) -> float:
@@ -61,15 +61,17 @@ class RewardProjector:
             state_raw = await pipe.get(reward_key)
             if state_raw is not None:
                 state = orjson.loads(state_raw)
-                if state["status"] == "expired":
+                if state["status"] == TerminalReward.EXPIRED:
                     raise Conflict("the reward window of this Task expired")
                 if state["reward"] != value:
                     raise Conflict("RL Task already has a different reward")
-                if state["status"] == "published":
+                if state["status"] == TerminalReward.PUBLISHED:
                     return int(state["sample_count"])
                 return None  # `projecting` with the same reward: finish the interrupted projection
             pipe.multi()
-            pipe.set(reward_key, orjson.dumps({"reward": value, "status": "projecting", "sample_count": 0}))
+            pipe.set(reward_key, orjson.dumps({
+                "reward": value, "status": TerminalReward.PROJECTING, "sample_count": 0,
+            }))
             await pipe.execute()
             return None
 
@@ -85,13 +87,13 @@ class RewardProjector:
         another process: insert-if-absent and the completion are idempotent. Returns the number resumed."""
         resumed, start = 0, 0
         while True:
-            ids = [c.decode() for c in await self._redis.zrange(keys.AWAITING_REWARD, start, start + batch - 1)]
+            ids = [c.decode() for c in await self._redis.zrange(keys.TASKS_AWAITING_REWARD, start, start + batch - 1)]
             if not ids:
                 return resumed
             done = 0
             for t, raw in zip(ids, await self._redis.mget([keys.reward(t) for t in ids])):
                 state = orjson.loads(raw) if raw else None
-                if isinstance(state, dict) and state.get("status") == "projecting":
+                if isinstance(state, dict) and state.get("status") == TerminalReward.PROJECTING:
                     await self.project(t, float(state["reward"]))
                     done += 1
             resumed += done
@@ -118,9 +120,9 @@ class RewardProjector:
         # the Task leaves the awaiting-reward index for the gc index.
         async def complete(pipe: Pipeline) -> int:
             state = orjson.loads(await pipe.get(reward_key) or b'{"status": "missing"}')
-            if state.get("status") == "published":
+            if state.get("status") == TerminalReward.PUBLISHED:
                 return int(state["sample_count"])
-            if state.get("status") != "projecting":
+            if not TERMINAL_REWARD_TRANSITIONS.allows(state.get("status"), TerminalReward.PUBLISHED):
                 raise Conflict("reward projection lost its claim")
             raw_task = await pipe.get(keys.task(t))
             task = Task.from_json(raw_task) if raw_task is not None else None
@@ -132,11 +134,11 @@ class RewardProjector:
                 pipe.sadd(keys.POLICY_VERSIONS, policy)
             pipe.set(
                 reward_key,
-                orjson.dumps({"reward": value, "status": "published", "sample_count": len(committed)}),
+                orjson.dumps({"reward": value, "status": TerminalReward.PUBLISHED, "sample_count": len(committed)}),
             )
             if committed:
                 pipe.delete(*(keys.staged(t, c) for c in committed))
-            pipe.zrem(keys.AWAITING_REWARD, t)
+            pipe.zrem(keys.TASKS_AWAITING_REWARD, t)
             pipe.zadd(keys.TASKS_GC, {t: parse_iso_epoch(now_iso())})
             events.queue(pipe, keys.task_events(t), "reward_recorded",
                          {"reward": value, "sample_count": len(committed)})

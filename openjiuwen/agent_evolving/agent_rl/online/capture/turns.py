@@ -16,7 +16,7 @@ from ..errors import Conflict, JudgeFailed
 from ..faults import FaultHook, no_faults
 from ..store.codec import PackedSample
 from ..store.trajectories import TrajectoryStore
-from ..tasks.models import FinishReason, Task
+from ..tasks.models import FinishReason, Task, TurnPublication
 from ..tasks.registry import TaskRegistry
 
 if TYPE_CHECKING:
@@ -56,30 +56,32 @@ class TurnPublisher:
                 async with asyncio.timeout(None if deadline is None else max(0.0, deadline - loop.time())):
                     await lock.acquire()
             except TimeoutError:
-                state = "publishing"  # still held by this process's publisher when the deadline came
+                state = TurnPublication.PUBLISHING  # still held by this process's publisher when the deadline came
             else:
                 try:
                     state = await self._registry.claim_publish(t, turn_id)
-                    if state == "publishing":
+                    if state == TurnPublication.PUBLISHING:
                         # No publisher of this process holds the turn (we hold its lock), and startup recovery
                         # settles those of a crashed one: its publisher failed even to roll back (a Redis outage).
                         # Take the publication over instead of leaving the turn stuck.
                         await self._take_over(t, turn_id)
-                        state = "claimed"
-                    if state == "claimed":
+                        state = TurnPublication.CLAIMED
+                    if state == TurnPublication.CLAIMED:
                         await self._publish_claimed(task, turn_id, feedback=feedback, tag=tag)
                         return
                 finally:
                     lock.release()
-            if state == "published":
+            if state == TurnPublication.PUBLISHED:
                 return
-            if state == "failed":
+            if state == TurnPublication.FAILED:
                 raise Conflict(f"publication of turn {turn_id} failed")
             if deadline is None:
-                raise Conflict("RL Task has open captures" if state == "open" else "turn publication in progress")
+                raise Conflict(
+                    "RL Task has open captures" if state == TurnPublication.OPEN else "turn publication in progress"
+                )
             remaining = deadline - loop.time()
             if remaining <= 0:
-                if state == "publishing":
+                if state == TurnPublication.PUBLISHING:
                     # Its publisher died or hangs (a crash, a Redis outage during its roll-back): nothing of the
                     # turn may stay visible once the Task is aborted.
                     await self.abandon(t)
@@ -128,7 +130,7 @@ class TurnPublisher:
 
         Invariant 4 read both ways: a turn's samples exist only once it is `published`."""
         current, _ = await self._registry.turn_state(rl_task_id)
-        if current is None or await self._registry.publish_state(rl_task_id, current) != "publishing":
+        if current is None or await self._registry.publish_state(rl_task_id, current) != TurnPublication.PUBLISHING:
             return []
         ids = await self._registry.turn_capture_ids(rl_task_id, current)
         deleted = await self._store.delete_pending(ids) if ids else 0

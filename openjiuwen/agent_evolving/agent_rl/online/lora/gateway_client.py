@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import orjson
 
+from ...common.policy_names import BASE_POLICY
+
 log = logging.getLogger("openjiuwen.agent_rl.online.lora")
 
 BACKOFF_FIRST_S = 1.0
@@ -52,11 +54,11 @@ def parse_policy(body: Any) -> Policy:
     if not isinstance(body, dict):
         raise GatewayError("query answer is not a JSON object")
     active = body.get("active_lora")
-    if body.get("status") == "base" or not isinstance(active, dict):
-        return Policy("base", "")
+    if body.get("status") == BASE_POLICY or not isinstance(active, dict):
+        return Policy(BASE_POLICY, "")
     name = active.get("lora_name")
     path = active.get("lora_path")
-    return Policy(name if isinstance(name, str) and name else "base", path if isinstance(path, str) else "")
+    return Policy(name if isinstance(name, str) and name else BASE_POLICY, path if isinstance(path, str) else "")
 
 
 class GatewayLoraClient:

@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from ...common import ids
+from ...common.policy_names import BASE_POLICY
 from ..errors import InvalidInput, JudgeFailed
 from ..store import keys
 from ..store.codec import MAX_TOKEN_ID, PackedSample
@@ -185,7 +186,7 @@ class RailIngestor:
 
     def _policy_version(self, trajectory_meta: dict[str, Any]) -> str:
         version = trajectory_meta.get("policy_version")
-        return version if ids.is_policy_name(version, self._model_id) else "base"
+        return version if ids.is_policy_name(version, self._model_id) else BASE_POLICY
 
     def _build_sample(
         self, batch: _Batch, raw: Any, position: int, policy_version: str, seen_steps: set[int]

@@ -19,13 +19,15 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from ...common import ids
+from ...common.policy_names import BASE_POLICY
 from ..errors import InvalidInput, NotFound
 from ...common.ids import InvalidIdentifier
 from ..store import keys, prompt_blocks
 from ..store.codec import decode_meta, text
+from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
-from .policy import AWAITING, PENDING, RewardConflict, RewardPolicy, iso_at
+from .policy import RewardConflict, RewardPolicy, iso_at
 
 LATENCY_WINDOW = 1000  # lateness samples kept per source for the p50/p95 of the stats
 _FIELDS = ("status", "rewards", "source", "policy_version", "created_at")
@@ -70,20 +72,20 @@ class RewardLedger:
             status, raw_state, sample_source, policy_version, created_at = (text(v) for v in row)
             if status is None:
                 raise NotFound("trajectory not found")
-            if status not in (AWAITING, PENDING, keys.EVALUATION):
+            if status not in (SampleStatus.AWAITING_REWARDS, SampleStatus.PENDING, SampleStatus.EVALUATION):
                 raise RewardConflict(f"sample is {status}: rewards are refused once it is in a Training Run or trained")
             state = orjson.loads(raw_state) if raw_state else await self._state_before_policy(pipe, key, created_at)
             new = self._policy.arrive(state, source, score, now)
             if new is None:
                 return self._answer(sample_id, source, score, recorded=False, status=status, state=state)
             # Only `awaiting_rewards` moves on an arrival; `pending` and `evaluation` samples keep their status.
-            new_status = self._policy.status(new) if status == AWAITING else status
+            new_status = self._policy.status(new) if status == SampleStatus.AWAITING_REWARDS else status
             at = ids.now_iso()
             # Invariant 5 and the deadline-index invariant: status, index membership, deadline entry and counters
             # move together with the reward state.
             pipe.multi()
             pipe.hset(key, mapping={"rewards": orjson.dumps(new), "updated_at": at})
-            if status == AWAITING:
+            if status == SampleStatus.AWAITING_REWARDS:
                 self._queue_after_change(
                     pipe, sample_id, new, new_status, sample_source, policy_version, created_at, at
                 )
@@ -114,11 +116,11 @@ class RewardLedger:
         at: str,
     ) -> None:
         """The common end of an arrival and a deadline move on an `awaiting_rewards` sample."""
-        if new_status == PENDING:
+        if new_status == SampleStatus.PENDING:
             self._store.queue_move(
-                pipe, sample_id, old=AWAITING, new=PENDING,
+                pipe, sample_id, old=SampleStatus.AWAITING_REWARDS, new=SampleStatus.PENDING,
                 score=ids.parse_iso_epoch(created_at) if created_at else time.time(),
-                policy_version=policy_version or "base", at=at,
+                policy_version=policy_version or BASE_POLICY, at=at,
             )
             pipe.zrem(self._deadlines_key, sample_id)
         else:
@@ -149,7 +151,7 @@ class RewardLedger:
         released = dropped = fallbacks = 0
         for member in due:
             outcome, fired = await self._expire_one(text(member) or "", now)
-            released += outcome == PENDING
+            released += outcome == SampleStatus.PENDING
             dropped += outcome == "dropped"
             fallbacks += fired
         return SweepResult(len(due), released, dropped, fallbacks)
@@ -164,7 +166,7 @@ class RewardLedger:
         async def body(pipe: Pipeline) -> tuple[str, int]:
             row = await pipe.hmget(key, _FIELDS)
             status, raw_state, source, policy_version, created_at = (text(v) for v in row)
-            if status != AWAITING:
+            if status != SampleStatus.AWAITING_REWARDS:
                 # Deadline-index invariant: only `awaiting_rewards` samples have an entry.
                 pipe.multi()
                 pipe.zrem(self._deadlines_key, sample_id)
@@ -183,9 +185,11 @@ class RewardLedger:
                 # (store/prompt_blocks.py): the sample's prompt-block references go in this EXEC too.
                 pipe.delete(key)
                 prompt_blocks.queue_release(pipe, prompt_blocks.release_counts([blocks]))
-                pipe.zrem(self._store.index_key(AWAITING), sample_id)
+                pipe.zrem(self._store.index_key(SampleStatus.AWAITING_REWARDS), sample_id)
                 pipe.zrem(self._deadlines_key, sample_id)
-                self._store.queue_counters(pipe, AWAITING, source or "", policy_version or "base", -1)
+                self._store.queue_counters(
+                    pipe, SampleStatus.AWAITING_REWARDS, source or "", policy_version or BASE_POLICY, -1
+                )
                 pipe.hincrby(self._stats_key, "reward_dropped", 1)
                 await pipe.execute()
                 return "dropped", len(expiry.fallbacks)
@@ -225,7 +229,7 @@ class RewardLedger:
             }
         return {
             "aggregation": self._policy.aggregation,
-            "waiting": counters.get(f"status:{AWAITING}", 0),
+            "waiting": counters.get(f"status:{SampleStatus.AWAITING_REWARDS}", 0),
             "next_deadline_at": iso_at(float(first[0][1])) if first else None,
             "dropped": counters.get("reward_dropped", 0),
             "sources": sources,

@@ -12,14 +12,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from enum import StrEnum
 from typing import Any
 
 from ..errors import Conflict
+from ..store.sample_status import SampleStatus
 from .config import BUILTIN_SOURCES, RewardPolicyConfig
 
-AWAITING = "awaiting_rewards"
-PENDING = "pending"
-PUBLISHED, ARRIVED, DEFAULT, SKIPPED = "published", "arrived", "default", "skipped"
+
+class SourceKind(StrEnum):
+    """How a source's entry in a reward state got its score (the `kind` of the module docstring)."""
+
+    PUBLISHED = "published"
+    ARRIVED = "arrived"
+    DEFAULT = "default"
+    SKIPPED = "skipped"
 
 
 class RewardConflict(Conflict):
@@ -58,14 +65,14 @@ class RewardPolicy:
         """The state at publication: the built-in source that published the sample (its `judge.source`), if any."""
         sources: dict[str, Any] = {}
         if isinstance(judge, dict) and judge.get("source") in BUILTIN_SOURCES and _is_score(judge.get("score")):
-            sources[str(judge["source"])] = {"score": float(judge["score"]), "at": now, "kind": PUBLISHED}
+            sources[str(judge["source"])] = {"score": float(judge["score"]), "at": now, "kind": SourceKind.PUBLISHED}
         return self._scored({"published_at": now, "sources": sources})
 
     def open_sources(self, state: dict[str, Any]) -> list[str]:
         return [name for name in self.external if name not in state["sources"]]
 
-    def status(self, state: dict[str, Any]) -> str:
-        return AWAITING if self.open_sources(state) else PENDING
+    def status(self, state: dict[str, Any]) -> SampleStatus:
+        return SampleStatus.AWAITING_REWARDS if self.open_sources(state) else SampleStatus.PENDING
 
     def next_deadline(self, state: dict[str, Any]) -> float | None:
         deadlines = [self.deadline(state, name) for name in self.open_sources(state)]
@@ -77,11 +84,11 @@ class RewardPolicy:
         if source not in self.external:
             raise ValueError(f"{source} is not an external reward source")
         entry = state["sources"].get(source)
-        if entry is not None and entry["kind"] == ARRIVED:
+        if entry is not None and entry["kind"] == SourceKind.ARRIVED:
             if entry["score"] == score:
                 return None
             raise RewardConflict(f"reward source {source} already has a different score")
-        sources = {**state["sources"], source: {"score": score, "at": now, "kind": ARRIVED}}
+        sources = {**state["sources"], source: {"score": score, "at": now, "kind": SourceKind.ARRIVED}}
         return self._scored({**state, "sources": sources})
 
     def expire(self, state: dict[str, Any], now: float) -> Expiry:
@@ -98,9 +105,9 @@ class RewardPolicy:
             if fallback == "drop":
                 return Expiry(state, True, tuple(fired))
             if fallback == "default":
-                sources[name] = {"score": declared.default_score, "at": at, "kind": DEFAULT}
+                sources[name] = {"score": declared.default_score, "at": at, "kind": SourceKind.DEFAULT}
             else:
-                sources[name] = {"score": None, "at": at, "kind": SKIPPED}
+                sources[name] = {"score": None, "at": at, "kind": SourceKind.SKIPPED}
         return Expiry(self._scored({**state, "sources": sources}), False, tuple(fired))
 
     def view(self, state: dict[str, Any]) -> dict[str, Any]:

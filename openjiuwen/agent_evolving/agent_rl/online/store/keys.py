@@ -6,12 +6,16 @@ Each builder validates the components it puts in a key, so a hostile id can neve
 from __future__ import annotations
 
 from ...common.ids import InvalidIdentifier, require_rollout_id, require_run_id, require_task_id, require_token_id
+from ..tasks.models import TASK_STATUSES
+from .sample_status import ALL_SAMPLE_STATUSES
 
 PREFIX = "rl:v1:"
 
 OWNER = PREFIX + "owner"
 ACTIVE_TASKS = PREFIX + "tasks:active"
-AWAITING_REWARD = PREFIX + "tasks:awaiting_reward"
+# Finalized terminal-mode Tasks waiting for their reward (ZSET scored by finalization epoch); not to be confused
+# with the sample status `SampleStatus.AWAITING_REWARDS`.
+TASKS_AWAITING_REWARD = PREFIX + "tasks:awaiting_reward"
 TASKS_GC = PREFIX + "tasks:gc"
 TRAJ_USERS = PREFIX + "traj_users"
 POLICY_OBSERVED = PREFIX + "policy:observed"
@@ -30,16 +34,6 @@ POLICY_VERSIONS = PREFIX + "policy_versions"  # SET of policy versions with aggr
 # creation epoch. Invariant 10: the pointer names exactly the one non-terminal rollout record.
 ROLLOUT_CURRENT = PREFIX + "rollout:current"
 ROLLOUTS_BY_CREATION = PREFIX + "rollouts:by_created"
-
-TASK_STATUSES = ("active", "finalized", "aborted")
-
-SAMPLE_STATUSES = ("pending", "training", "trained", "failed")
-# A sample waits in `awaiting_rewards` (before `pending`) only under a reward policy (docs/rewards.md).
-AWAITING_REWARDS = "awaiting_rewards"
-# A sample of an evaluation Task (docs/concepts.md) enters `evaluation` at publication and never leaves it but by
-# retention: it counts in the per-version evaluation and is never claimed by a Training Run.
-EVALUATION = "evaluation"
-ALL_SAMPLE_STATUSES = (AWAITING_REWARDS, *SAMPLE_STATUSES, EVALUATION)
 
 
 def tasks_by_status(status: str) -> str:

@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from ...common import ids
+from ...common.policy_names import BASE_POLICY
 from ..errors import InvalidInput
 from ...common.ids import InvalidIdentifier
 from ..rewards.policy import RewardPolicy, breakdown
@@ -27,18 +28,16 @@ from . import keys, prompt_blocks
 from .codec import PackedSample, decode_meta, text
 from .listing import cursor_fields, invalid_cursor
 from .policy_stats import queue_contribution
+from .sample_status import ALL_SAMPLE_STATUSES, SAMPLE_STATUSES, SAMPLE_TRANSITIONS, SampleStatus
 from .tx import transact
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
 
-PENDING = "pending"
-AWAITING_REWARDS = keys.AWAITING_REWARDS
-EVALUATION = keys.EVALUATION
 # Statuses a failed publication may have left its samples in (`delete_pending` rolls them back).
-_UNCLAIMED = (PENDING, AWAITING_REWARDS, EVALUATION)
+_UNCLAIMED = (SampleStatus.PENDING, SampleStatus.AWAITING_REWARDS, SampleStatus.EVALUATION)
 # Statuses retention sweeps: samples no Training Run will ever read again.
-_SWEPT = ("trained", "failed", EVALUATION)
+_SWEPT = (SampleStatus.TRAINED, SampleStatus.FAILED, SampleStatus.EVALUATION)
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
 _SUMMARY_FIELDS = (
     "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at",
@@ -152,17 +151,17 @@ class TrajectoryStore:
                 sample = by_id[sample_id]
                 meta = sample.meta
                 source = str(meta.get("source") or "")
-                policy_version = str(meta.get("policy_version") or "base")
+                policy_version = str(meta.get("policy_version") or BASE_POLICY)
                 created_at = str(meta["created_at"])
                 evaluation = meta.get("evaluation") is True
-                status, extra = (EVALUATION if evaluation else PENDING), {}
+                status, extra = (SampleStatus.EVALUATION if evaluation else SampleStatus.PENDING), {}
                 if self._reward_policy is not None:
                     # An evaluation sample keeps a reward state (external sources may still post to it) but never
                     # enters `awaiting_rewards` nor the deadline index.
                     state = self._reward_policy.initial(meta.get("judge"), now_epoch)
-                    status = EVALUATION if evaluation else self._reward_policy.status(state)
+                    status = SampleStatus.EVALUATION if evaluation else self._reward_policy.status(state)
                     extra = {"rewards": orjson.dumps(state)}
-                    if status == AWAITING_REWARDS:
+                    if status == SampleStatus.AWAITING_REWARDS:
                         pipe.zadd(self._deadlines_key, {sample_id: self._reward_policy.next_deadline(state)})
                 pipe.hset(
                     hash_keys[sample_id],
@@ -213,7 +212,7 @@ class TrajectoryStore:
                 ("status", "source", "policy_version", "sample_json", "response_ids", "prompt_blocks"),
             )
             doomed = [
-                (sample_id, text(status) or "", text(source) or "", text(policy) or "base", sample_json,
+                (sample_id, text(status) or "", text(source) or "", text(policy) or BASE_POLICY, sample_json,
                  response_ids, blocks)
                 for sample_id, (status, source, policy, sample_json, response_ids, blocks) in zip(hash_keys, rows)
                 if text(status) in _UNCLAIMED
@@ -228,7 +227,7 @@ class TrajectoryStore:
             for sample_id, status, source, policy_version, sample_json, response_ids, _ in doomed:
                 pipe.delete(hash_keys[sample_id])
                 pipe.zrem(self.index_key(status), sample_id)
-                if status == AWAITING_REWARDS:
+                if status == SampleStatus.AWAITING_REWARDS:
                     pipe.zrem(self._deadlines_key, sample_id)
                 self._queue_counters(pipe, status, source, policy_version, -1)
                 meta = decode_meta(sample_json)
@@ -253,7 +252,9 @@ class TrajectoryStore:
         """Queue, inside a caller's MULTI, the writes of one status move (`pending → training`, `training →
         trained | failed`, `training → pending`, `awaiting_rewards → pending`): hash `status`/`updated_at` (and
         `run_id`), index membership and the counters, so the caller's EXEC keeps invariant 5. `score` is
-        `created_at` epoch for `pending`, the transition time otherwise. The caller WATCHes the hash and checked that its status is `old`."""
+        `created_at` epoch for `pending`, the transition time otherwise. The caller WATCHes the hash and checked that
+        its status is `old`; a move the sample table (`sample_status.py`) forbids raises IllegalTransition."""
+        SAMPLE_TRANSITIONS.check(old, new)
         mapping: dict[str, str] = {"status": new, "updated_at": at}
         if run_id is not None:
             mapping["run_id"] = run_id
@@ -262,9 +263,9 @@ class TrajectoryStore:
         pipe.zadd(self.index_key(new), {sample_id: score})
         pipe.hincrby(self._stats_key, _status_field(old), -1)
         pipe.hincrby(self._stats_key, _status_field(new), +1)
-        if old == PENDING:
+        if old == SampleStatus.PENDING:
             pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), -1)
-        if new == PENDING:
+        if new == SampleStatus.PENDING:
             pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), +1)
         # `source:<src>` counts samples of every status, so a move leaves it alone.
 
@@ -284,7 +285,7 @@ class TrajectoryStore:
     def _queue_counters(self, pipe: Pipeline, status: str, source: str, policy_version: str, delta: int) -> None:
         pipe.hincrby(self._stats_key, _status_field(status), delta)
         pipe.hincrby(self._stats_key, _source_field(source), delta)
-        if status == PENDING:
+        if status == SampleStatus.PENDING:
             pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), delta)
 
     async def sweep_expired(self, *, retention_seconds: int, now: float, limit: int = 1000) -> int:
@@ -343,11 +344,12 @@ class TrajectoryStore:
         # `awaiting_rewards` is shown under a reward policy, or while samples still wait from one (else the shape
         # stays that of CONTRACT §2.7).
         # `evaluation` likewise appears once evaluation samples are stored, so `total` counts them too.
-        waiting = counters.get(_status_field(AWAITING_REWARDS), 0) > 0
-        shown = [*((AWAITING_REWARDS,) if self._reward_policy is not None or waiting else ()), *keys.SAMPLE_STATUSES]
-        if counters.get(_status_field(EVALUATION), 0) > 0:
-            shown.append(EVALUATION)
-        by_status = {status: counters.get(_status_field(status), 0) for status in shown}
+        waiting = counters.get(_status_field(SampleStatus.AWAITING_REWARDS), 0) > 0
+        shown = [*((SampleStatus.AWAITING_REWARDS,) if self._reward_policy is not None or waiting else ()),
+                 *SAMPLE_STATUSES]
+        if counters.get(_status_field(SampleStatus.EVALUATION), 0) > 0:
+            shown.append(SampleStatus.EVALUATION)
+        by_status = {status.value: counters.get(_status_field(status), 0) for status in shown}
         by_source = {
             name[len("source:"):]: n for name, n in sorted(counters.items()) if name.startswith("source:") and n > 0
         }
@@ -445,11 +447,11 @@ class TrajectoryStore:
 
     async def list_page(self, status: str | None, limit: int, cursor: str | None) -> dict[str, Any]:
         """CONTRACT §2.7 listing: buckets in status order, (score, sample id) ascending within a bucket."""
-        if status is not None and status not in keys.ALL_SAMPLE_STATUSES:
-            raise InvalidInput("invalid_request", f"status must be one of {', '.join(keys.ALL_SAMPLE_STATUSES)}")
+        if status is not None and status not in ALL_SAMPLE_STATUSES:
+            raise InvalidInput("invalid_request", f"status must be one of {', '.join(ALL_SAMPLE_STATUSES)}")
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
             raise InvalidInput("invalid_request", "limit must be an integer between 1 and 1000")
-        buckets = (status,) if status is not None else keys.ALL_SAMPLE_STATUSES
+        buckets = (status,) if status is not None else ALL_SAMPLE_STATUSES
         start, after = 0, None
         if cursor is not None:
             bucket, score, member = _decode_cursor(cursor, status)
@@ -567,7 +569,7 @@ def _decode_cursor(cursor: str, status: str | None) -> tuple[str, float, str]:
     """(bucket, score, sample id) of a cursor made by `_encode_cursor` for the same `status` filter."""
     invalid = invalid_cursor()
     scope, bucket, score, member = cursor_fields(cursor, 4)
-    if scope != (status or _ALL_BUCKETS) or bucket not in keys.ALL_SAMPLE_STATUSES:
+    if scope != (status or _ALL_BUCKETS) or bucket not in ALL_SAMPLE_STATUSES:
         raise invalid
     if status is not None and bucket != status:
         raise invalid

@@ -1,4 +1,4 @@
-"""Task and capture records, and their state machines as data (CONTRACT §4.1, §4.2)."""
+"""Task and capture records, and their state machines as data (CONTRACT §4.1, §4.2, §4.3, §4.4)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,16 @@ from typing import Any
 
 import orjson
 
+from ..transitions import Transitions
+
 
 class TaskStatus(StrEnum):
     ACTIVE = "active"
     FINALIZED = "finalized"
     ABORTED = "aborted"
+
+
+TASK_STATUSES: tuple[TaskStatus, ...] = tuple(TaskStatus)
 
 
 class FinishReason(StrEnum):
@@ -33,12 +38,48 @@ class CaptureStatus(StrEnum):
     COMMITTED = "committed"
 
 
-# Terminal states are sticky: finishing or aborting again returns the stored record unchanged.
-NEXT_STATUS: dict[TaskStatus, frozenset[TaskStatus]] = {
-    TaskStatus.ACTIVE: frozenset({TaskStatus.FINALIZED, TaskStatus.ABORTED}),
-    TaskStatus.FINALIZED: frozenset(),
-    TaskStatus.ABORTED: frozenset(),
-}
+# Terminal states are sticky: finishing or aborting again returns the stored record unchanged (the registry reads
+# the record first), so a move out of them is a bug and raises.
+TASK_TRANSITIONS = Transitions("task", {
+    TaskStatus.ACTIVE: {TaskStatus.FINALIZED, TaskStatus.ABORTED},
+    TaskStatus.FINALIZED: set(),
+    TaskStatus.ABORTED: set(),
+})
+
+
+class TurnPublication(StrEnum):
+    """A delayed-feedback turn's publication (`turn:{u}:publish`, CONTRACT §4.3). The first three are stored; a
+    claim (`TaskRegistry.claim_publish`) answers one of them or one of the last two, which are never stored."""
+
+    PUBLISHING = "publishing"
+    PUBLISHED = "published"
+    FAILED = "failed"
+    CLAIMED = "claimed"  # this caller took the claim (the stored state is now `publishing`) and must publish
+    OPEN = "open"  # captures of the Task are still open: wait and claim again
+
+
+# A claim writes `publishing` where nothing is stored yet.
+TURN_PUBLICATION_TRANSITIONS = Transitions("turn publication", {
+    TurnPublication.PUBLISHING: {TurnPublication.PUBLISHED, TurnPublication.FAILED},
+    TurnPublication.PUBLISHED: set(),
+    TurnPublication.FAILED: set(),
+})
+
+
+class TerminalReward(StrEnum):
+    """The `status` of a terminal-mode Task's reward record (`task:{t}:reward`, CONTRACT §4.4)."""
+
+    PROJECTING = "projecting"  # claimed with its value: the staged samples are being copied into the store
+    PUBLISHED = "published"
+    EXPIRED = "expired"  # no reward came within the reward window: the staged samples were dropped
+
+
+# A reward call writes `projecting`, the retention sweeper `expired`, where nothing is stored yet.
+TERMINAL_REWARD_TRANSITIONS = Transitions("terminal reward", {
+    TerminalReward.PROJECTING: {TerminalReward.PUBLISHED},
+    TerminalReward.PUBLISHED: set(),
+    TerminalReward.EXPIRED: set(),
+})
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +114,7 @@ class Task:
                 bool(self.evaluation))
 
     def terminal(self, status: TaskStatus, reason: FinishReason, at: str) -> "Task":
-        assert status in NEXT_STATUS[TaskStatus(self.status)], "terminal states are sticky"
+        TASK_TRANSITIONS.check(self.status, status)
         return replace(self, status=status.value, finish_reason=reason.value, finished_at=at)
 
     def public(self) -> dict[str, Any]:

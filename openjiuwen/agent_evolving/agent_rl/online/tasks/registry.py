@@ -22,7 +22,10 @@ from ..store import keys
 from ..store.codec import PackedSample, text
 from ..store.listing import newest_first
 from ..store.tx import transact
-from .models import CaptureMeta, CaptureStatus, FinishReason, RewardMode, Task, TaskStatus
+from .models import (
+    TASK_STATUSES, TURN_PUBLICATION_TRANSITIONS, CaptureMeta, CaptureStatus, FinishReason, RewardMode, Task, TaskStatus,
+    TurnPublication,
+)
 from .signals import TaskSignals
 
 if TYPE_CHECKING:
@@ -130,7 +133,7 @@ class TaskRegistry:
             if await pipe.scard(keys.open_captures(t)):
                 raise Conflict("RL Task has open captures")
             awaits_reward = task.reward_mode == RewardMode.TERMINAL and await pipe.scard(keys.committed_captures(t))
-            return TaskStatus.FINALIZED, [keys.AWAITING_REWARD if awaits_reward else keys.TASKS_GC]
+            return TaskStatus.FINALIZED, [keys.TASKS_AWAITING_REWARD if awaits_reward else keys.TASKS_GC]
 
         return await self._terminal(t, reason, body, lambda pipe: None)
 
@@ -226,7 +229,7 @@ class TaskRegistry:
     async def forget(self, rl_task_ids: list[str]) -> None:
         """Drop ids whose records expired from every listing index (the record, not the index, is the truth)."""
         async with self._redis.pipeline(transaction=False) as pipe:
-            for index in (keys.TASKS_BY_CREATION, *(keys.tasks_by_status(s) for s in keys.TASK_STATUSES),
+            for index in (keys.TASKS_BY_CREATION, *(keys.tasks_by_status(s) for s in TASK_STATUSES),
                           keys.TASKS_LISTING_EXPIRY):
                 pipe.zrem(index, *rl_task_ids)
             await pipe.execute()
@@ -407,36 +410,37 @@ class TaskRegistry:
         )
         return text(current), text(transition)
 
-    async def claim_publish(self, rl_task_id: str, turn_id: str) -> str:
-        """Claim the publication of a turn. Returns "claimed" when this caller must publish, "open" when
-        captures are still open (wait and retry), or the existing state (`publishing`, `published`, `failed`).
+    async def claim_publish(self, rl_task_id: str, turn_id: str) -> TurnPublication:
+        """Claim the publication of a turn. Returns CLAIMED when this caller must publish, OPEN when captures are
+        still open (wait and retry), or the existing state (PUBLISHING, PUBLISHED, FAILED).
 
         Invariant 7: only one caller publishes a turn; the claim is taken only while no capture is open."""
         t = rl_task_id
         task_key, open_key, publish_key = keys.task(t), keys.open_captures(t), keys.turn_publish(t, turn_id)
 
-        async def body(pipe: Pipeline) -> str:
+        async def body(pipe: Pipeline) -> TurnPublication:
             task = await self._read_task(pipe, task_key)
             state = text(await pipe.get(publish_key))
             if state is not None:
-                return state
+                return TurnPublication(state)
             if not task.active:
                 raise Conflict("RL Task is not active")
             if await pipe.scard(open_key):
-                return "open"
+                return TurnPublication.OPEN
             pipe.multi()
-            pipe.set(publish_key, "publishing")
+            pipe.set(publish_key, TurnPublication.PUBLISHING)
             events.queue(pipe, keys.task_events(t), "turn_publishing", {"agent_turn_id": turn_id})
             await pipe.execute()
-            return "claimed"
+            return TurnPublication.CLAIMED
 
         state = await transact(self._redis, body, task_key, open_key, publish_key)
-        if state == "claimed":
+        if state == TurnPublication.CLAIMED:
             self.signals.notify(t)
         return state
 
-    async def publish_state(self, rl_task_id: str, turn_id: str) -> str | None:
-        return text(await self._redis.get(keys.turn_publish(rl_task_id, turn_id)))
+    async def publish_state(self, rl_task_id: str, turn_id: str) -> TurnPublication | None:
+        state = text(await self._redis.get(keys.turn_publish(rl_task_id, turn_id)))
+        return None if state is None else TurnPublication(state)
 
     async def turn_capture_ids(self, rl_task_id: str, turn_id: str) -> list[str]:
         return sorted(text(c) or "" for c in await self._redis.smembers(keys.turn_captures(rl_task_id, turn_id)))
@@ -464,10 +468,10 @@ class TaskRegistry:
             task = await self._read_task(pipe, task_key)
             if not task.active:
                 raise Conflict("RL Task was aborted during turn publication")
-            if text(await pipe.get(publish_key)) != "publishing":
-                raise Conflict("turn publication lost its claim")
+            if not TURN_PUBLICATION_TRANSITIONS.allows(text(await pipe.get(publish_key)), TurnPublication.PUBLISHED):
+                raise Conflict("turn publication lost its claim")  # only `publishing` may become `published`
             pipe.multi()
-            pipe.set(publish_key, "published")
+            pipe.set(publish_key, TurnPublication.PUBLISHED)
             pipe.sadd(keys.turns_closed(t), turn_id)
             if capture_ids:
                 pipe.delete(*(keys.staged(t, c) for c in capture_ids))
@@ -483,7 +487,7 @@ class TaskRegistry:
     async def fail_publish(self, rl_task_id: str, turn_id: str) -> None:
         t = rl_task_id
         async with self._redis.pipeline(transaction=True) as pipe:  # the state and its event together
-            pipe.set(keys.turn_publish(t, turn_id), "failed")
+            pipe.set(keys.turn_publish(t, turn_id), TurnPublication.FAILED)
             events.queue(pipe, keys.task_events(t), "turn_failed", {"agent_turn_id": turn_id})
             await pipe.execute()
         self.signals.notify(t)
@@ -499,7 +503,7 @@ class TaskRegistry:
             current = text(await pipe.get(current_key))
             if current != from_turn:
                 return
-            if text(await pipe.get(publish_key)) != "published":
+            if text(await pipe.get(publish_key)) != TurnPublication.PUBLISHED:
                 raise Conflict(f"turn {from_turn} is not published")
             transition = text(await pipe.get(transition_key))
             pipe.multi()

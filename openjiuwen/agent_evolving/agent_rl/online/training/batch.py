@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ...common.policy_names import BASE_POLICY
 from .backends.common import sample_score
 
 
@@ -128,7 +129,7 @@ def convert_samples(
         sample_ids=[str(s["sample_id"]) for s in picked],
         rl_task_ids=[s.get("rl_task_id") for s in picked],
         session_ids=[s.get("session_id") for s in picked],
-        policy_versions=[str(s.get("policy_version") or "base") for s in picked],
+        policy_versions=[str(s.get("policy_version") or BASE_POLICY) for s in picked],
         judge_scores=[sample_score(s) for s in picked],
         created_at=[str(s.get("created_at") or "") for s in picked],
         meta={

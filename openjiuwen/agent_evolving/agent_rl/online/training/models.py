@@ -1,4 +1,4 @@
-"""The Training Run record and its state machine as data (CONTRACT §4.7)."""
+"""The Training Run record and its state machines as data (CONTRACT §4.7)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from enum import StrEnum
 from typing import Any
 
 import orjson
+
+from ...common.policy_names import BASE_POLICY
+from ..transitions import Transitions
 
 
 class RunStatus(StrEnum):
@@ -24,7 +27,23 @@ class RunStage(StrEnum):
     ACTIVATING = "activating"
 
 
-TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELED})
+# What the runner does today: a claimed run starts (`running`) or is stopped/failed before it starts (a stop, a
+# restart); a running one ends succeeded (activated, or its canary started), failed or canceled. Ends are sticky:
+# `RunStore` returns a terminal record unchanged, so a move out of one is a bug and raises.
+RUN_TRANSITIONS = Transitions("training run", {
+    RunStatus.PENDING: {RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELED},
+    RunStatus.RUNNING: {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELED},
+    RunStatus.SUCCEEDED: set(),
+    RunStatus.FAILED: set(),
+    RunStatus.CANCELED: set(),
+})
+# The stage only moves forward: training starts, then the trained artifact is being activated.
+RUN_STAGE_TRANSITIONS = Transitions("training run stage", {
+    RunStage.QUEUED: {RunStage.TRAINING},
+    RunStage.TRAINING: {RunStage.ACTIVATING},
+    RunStage.ACTIVATING: set(),
+})
+TERMINAL_STATUSES = frozenset(status for status in RunStatus if RUN_TRANSITIONS.terminal(status))
 PRIVATE_FIELDS = ("sample_ids", "parent_lora_name", "parent_lora_path")
 
 
@@ -58,7 +77,7 @@ class TrainingRun:
     failure_reason: str | None = None
     metrics: dict[str, Any] = field(default_factory=empty_metrics)
     sample_ids: list[str] = field(default_factory=list)
-    parent_lora_name: str = "base"
+    parent_lora_name: str = BASE_POLICY
     parent_lora_path: str = ""
 
     @property
@@ -66,6 +85,12 @@ class TrainingRun:
         return self.status in TERMINAL_STATUSES
 
     def evolve(self, **changes: Any) -> "TrainingRun":
+        """A copy with `changes`; a status or stage move the tables forbid raises IllegalTransition (writing the
+        same value again, as a retried transition does, is no move)."""
+        if changes.get("status", self.status) != self.status:
+            RUN_TRANSITIONS.check(self.status, changes["status"])
+        if changes.get("stage", self.stage) != self.stage:
+            RUN_STAGE_TRANSITIONS.check(self.stage, changes["stage"])
         return replace(self, **changes)
 
     def public(self) -> dict[str, Any]:

@@ -14,12 +14,14 @@ import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from ...common.policy_names import BASE_POLICY
 from .. import events
 from ..errors import NotFound
 from ...common.ids import is_token_id, now_iso, parse_iso_epoch, policy_lag_version
 from ..store import keys
 from ..store.codec import text
 from ..store.listing import newest_first
+from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
 from ..store.tx import transact
 from .models import RunStage, RunStatus, TrainingRun
@@ -27,7 +29,6 @@ from .models import RunStage, RunStatus, TrainingRun
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
 
-PENDING, TRAINING, TRAINED, FAILED = "pending", "training", "trained", "failed"
 Event = tuple[str, dict[str, Any]]  # (event type, data) queued with a transition
 _SCAN_CHUNK = 512
 
@@ -91,7 +92,7 @@ class RunStore:
 
         Invariant 6: at most one active run, and every `training` sample belongs to it: the pointer, the record and
         the pending → training moves happen in one EXEC, under WATCH of the pointer and the pending index."""
-        pending_index = self._store.index_key(PENDING)
+        pending_index = self._store.index_key(SampleStatus.PENDING)
         stats_key = keys.traj_stats(self._store.owner)
         run_key = keys.training_run(draft.training_run_id)
 
@@ -105,7 +106,7 @@ class RunStore:
                     if not active.terminal:
                         return ClaimResult(active, True, 0, 0)
             counters = {(text(k) or ""): int(v) for k, v in (await pipe.hgetall(stats_key)).items()}
-            pending = max(0, counters.get(f"status:{PENDING}", 0))
+            pending = max(0, counters.get(f"status:{SampleStatus.PENDING}", 0))
             stale = stale_pending(
                 counters, model_id=self._model_id, current_version=parent_version, max_policy_lag=max_policy_lag
             )
@@ -131,7 +132,8 @@ class RunStore:
             pipe.multi()
             for sample_id, version in chosen:
                 self._store.queue_move(
-                    pipe, sample_id, old=PENDING, new=TRAINING, score=score, policy_version=version, at=at,
+                    pipe, sample_id, old=SampleStatus.PENDING, new=SampleStatus.TRAINING, score=score,
+                    policy_version=version, at=at,
                     run_id=run.training_run_id,
                 )
             pipe.set(run_key, run.to_json())
@@ -161,7 +163,7 @@ class RunStore:
             async with self._redis.pipeline(transaction=False) as reads:
                 for sample_id in members:
                     reads.hget(keys.traj(sample_id), "policy_version")
-                versions = [text(v) or "base" for v in await reads.execute()]
+                versions = [text(v) or BASE_POLICY for v in await reads.execute()]
             for sample_id, version in zip(members, versions):
                 lag = parent_version - policy_lag_version(version, self._model_id)
                 if max_policy_lag is None or lag <= max_policy_lag:
@@ -213,9 +215,10 @@ class RunStore:
             failed = sum(1 for sample_id, _, _ in moves if sample_id in dropped)
             pipe.multi()
             for sample_id, version, _ in moves:
-                target = FAILED if sample_id in dropped else TRAINED
+                target = SampleStatus.FAILED if sample_id in dropped else SampleStatus.TRAINED
                 self._store.queue_move(
-                    pipe, sample_id, old=TRAINING, new=target, score=score, policy_version=version, at=at
+                    pipe, sample_id, old=SampleStatus.TRAINING, new=target, score=score, policy_version=version,
+                    at=at,
                 )
             pipe.set(run_key, new.to_json())
             if is_token_id(lora_name):  # the new version's lineage, for GET /v1/rl/policies
@@ -254,11 +257,7 @@ class RunStore:
             at = now_iso()
             done = run.evolve(status=status.value, finished_at=at, failure_reason=failure_reason)
             pipe.multi()
-            for sample_id, version, created_at in moves:
-                self._store.queue_move(
-                    pipe, sample_id, old=TRAINING, new=PENDING, score=parse_iso_epoch(created_at),
-                    policy_version=version, at=at, run_id="",
-                )
+            self._queue_restore(pipe, moves, at)
             pipe.set(run_key, done.to_json(), ex=self._run_retention_s)
             pipe.zadd(keys.RUNS_LISTING_EXPIRY, {run_id: parse_iso_epoch(at) + self._run_retention_s})
             if pointer == run_id:
@@ -296,17 +295,22 @@ class RunStore:
             pointer = text(await pipe.get(keys.ACTIVE_RUN))
             at = now_iso()
             pipe.multi()
-            for sample_id, version, created_at in moves:
-                self._store.queue_move(
-                    pipe, sample_id, old=TRAINING, new=PENDING, score=parse_iso_epoch(created_at),
-                    policy_version=version, at=at, run_id="",
-                )
+            self._queue_restore(pipe, moves, at)
             if pointer == run_id:
                 pipe.delete(keys.ACTIVE_RUN)
             await pipe.execute()
             return len(moves)
 
         return await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+
+    def _queue_restore(self, pipe: Pipeline, moves: list[tuple[str, str, str]], at: str) -> None:
+        """Queue `training → pending` for `_training_members` rows: each sample back at its original position
+        (scored by `created_at`) and no longer owned by a run."""
+        for sample_id, version, created_at in moves:
+            self._store.queue_move(
+                pipe, sample_id, old=SampleStatus.TRAINING, new=SampleStatus.PENDING,
+                score=parse_iso_epoch(created_at), policy_version=version, at=at, run_id="",
+            )
 
     async def _training_members(self, pipe: Pipeline, run: TrainingRun) -> list[tuple[str, str, str]]:
         """(id, policy version, created_at) of the run's samples still `training` under this run; their hashes are
@@ -321,8 +325,8 @@ class RunStore:
             rows = await reads.execute()
         out = []
         for sample_id, (status, owner_run, version, created_at) in zip(run.sample_ids, rows):
-            if text(status) == TRAINING and text(owner_run) == run.training_run_id:
-                out.append((sample_id, text(version) or "base", text(created_at) or now_iso()))
+            if text(status) == SampleStatus.TRAINING and text(owner_run) == run.training_run_id:
+                out.append((sample_id, text(version) or BASE_POLICY, text(created_at) or now_iso()))
         return out
 
     async def list_page(self, limit: int, cursor: str | None) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ....common.ids import lora_version, now_iso
+from ....common.policy_names import BASE_POLICY
 from ..ppo_settings import PPOSettings
 
 
@@ -32,10 +33,10 @@ def artifact_metadata(
 ) -> dict[str, Any]:
     versions: dict[str, int] = {}
     for s in samples:
-        v = str(s.get("policy_version") or "base")
+        v = str(s.get("policy_version") or BASE_POLICY)
         versions[v] = versions.get(v, 0) + 1
     scores = [sample_score(s) for s in samples]
-    from_lora = init_lora_name != "base"
+    from_lora = init_lora_name != BASE_POLICY
     return {
         "training_run_id": training_run_id,
         "created_at": now_iso(),

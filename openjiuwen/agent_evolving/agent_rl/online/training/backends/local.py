@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from ....common.policy_names import BASE_POLICY
 from ...lora.repository import Artifact, LoraRepository
 from ....common.private_files import make_run_dir, write_private
 from ..ppo_settings import PPOSettings
@@ -73,7 +74,7 @@ class LocalBackend:
             spec = {
                 "training_run_id": training_run_id,
                 "base_model_path": base_model_path,
-                "init_lora_path": init_lora_path if init_lora_name != "base" else "",
+                "init_lora_path": init_lora_path if init_lora_name != BASE_POLICY else "",
                 "output_dir": str(output),
                 "batch_path": str(run_dir / "batch.json"),
                 "settings": self._settings.to_dict(),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ....common.policy_names import BASE_POLICY
 from ...lora.repository import Artifact, LoraRepository
 from ..adapter_files import ADAPTER_FILES
 from ..ppo_settings import PPOSettings
@@ -197,7 +198,8 @@ class VerlBackend:
         run = self._runs[training_run_id] = _Run()
         try:
             init_files = (
-                await asyncio.to_thread(self._read_adapter, Path(init_lora_path)) if init_lora_name != "base" else {}
+                await asyncio.to_thread(self._read_adapter, Path(init_lora_path))
+                if init_lora_name != BASE_POLICY else {}
             )
             job = {
                 "training_run_id": training_run_id, "config": self._ppo_config, "base_model_path": base_model_path,

@@ -1,0 +1,38 @@
+"""The status of a stored sample and the moves between statuses (CONTRACT §5.2, docs/rewards.md, docs/concepts.md).
+
+The values are what Redis holds (hash field `status`, the `traj_idx:{owner}:{status}` indexes, the `status:<s>`
+counters) and what the API shows, so they never change. A sample waits in `awaiting_rewards` (before `pending`) only
+under a reward policy; a sample of an evaluation Task enters `evaluation` at publication and leaves it only by
+retention. Insertion and deletion are not moves: `TrajectoryStore.queue_move` checks every move against the table.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from ..transitions import Transitions
+
+
+class SampleStatus(StrEnum):
+    AWAITING_REWARDS = "awaiting_rewards"
+    PENDING = "pending"
+    TRAINING = "training"
+    TRAINED = "trained"
+    FAILED = "failed"
+    EVALUATION = "evaluation"
+
+
+# Every status, in listing order (buckets of `GET /v1/rl/trajectories`).
+ALL_SAMPLE_STATUSES: tuple[SampleStatus, ...] = tuple(SampleStatus)
+# The statuses every store shows in its stats (CONTRACT §2.7); the other two appear only when in use.
+SAMPLE_STATUSES = (SampleStatus.PENDING, SampleStatus.TRAINING, SampleStatus.TRAINED, SampleStatus.FAILED)
+
+SAMPLE_TRANSITIONS = Transitions("sample", {
+    SampleStatus.AWAITING_REWARDS: {SampleStatus.PENDING},  # its last open reward source arrived or fell back
+    SampleStatus.PENDING: {SampleStatus.TRAINING},  # claimed by a Training Run
+    # The run's outcome; back to `pending` when the run is canceled, failed or vanished before training ended.
+    SampleStatus.TRAINING: {SampleStatus.TRAINED, SampleStatus.FAILED, SampleStatus.PENDING},
+    SampleStatus.TRAINED: set(),
+    SampleStatus.FAILED: set(),
+    SampleStatus.EVALUATION: set(),
+})
