@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from openjiuwen.agent_evolving.agent_rl.online.api import guards
+from openjiuwen.agent_evolving.agent_rl.common import guards
 from openjiuwen.agent_evolving.agent_rl.online.config import RLServiceConfig
 from openjiuwen.agent_evolving.agent_rl.online.service import create_app
 from tests.support.redis_server import RedisServer

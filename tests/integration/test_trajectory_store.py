@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from openjiuwen.agent_evolving.agent_rl.online import ids
+from openjiuwen.agent_evolving.agent_rl.common import ids
 from openjiuwen.agent_evolving.agent_rl.common.errors import install_error_envelope
 from openjiuwen.agent_evolving.agent_rl.online.api.trajectories import build_trajectories_router
 from openjiuwen.agent_evolving.agent_rl.online.errors import InvalidInput

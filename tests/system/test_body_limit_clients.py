@@ -109,7 +109,7 @@ def test_drain_is_bounded_and_the_answer_comes_first(service: ServiceProcess) ->
     import socket
     from urllib.parse import urlsplit
 
-    from openjiuwen.agent_evolving.agent_rl.online.api import guards
+    from openjiuwen.agent_evolving.agent_rl.common import guards
 
     url = urlsplit(service.url)
     with socket.create_connection((url.hostname, url.port), timeout=guards.DRAIN_SECONDS + 30) as s:

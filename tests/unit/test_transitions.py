@@ -103,3 +103,23 @@ def test_status_values_stay_those_of_redis_and_the_wire():
         "awaiting_rewards", "pending", "training", "trained", "failed", "evaluation"]
     assert [s.value for s in TurnPublication][:3] == ["publishing", "published", "failed"]
     assert [s.value for s in TerminalReward] == ["projecting", "published", "expired"]
+
+
+def test_rollout_table_follows_the_canary_and_activation_paths():
+    from openjiuwen.agent_evolving.agent_rl.online.rollout.status import (
+        ENDED, LIVE, ROLLOUT_TRANSITIONS, RolloutStatus as R,
+    )
+
+    for path in ([R.RUNNING, R.PAUSED, R.RUNNING, R.PROMOTING, R.PROMOTED],
+                 [R.RUNNING, R.PROMOTING, R.ROLLING_BACK, R.ROLLED_BACK],
+                 [R.PAUSED, R.ROLLING_BACK, R.FAILED],
+                 [R.ACTIVATING, R.ACTIVATED], [R.ACTIVATING, R.FAILED]):
+        for old, new in zip(path, path[1:]):
+            assert ROLLOUT_TRANSITIONS.check(old, new) == new
+    for old, new in ((R.PROMOTED, R.RUNNING), (R.ROLLED_BACK, R.PROMOTING), (R.RUNNING, R.PROMOTED),
+                     (R.ACTIVATING, R.PROMOTED), (R.PROMOTING, R.FAILED), ("running", "nonsense")):
+        with pytest.raises(IllegalTransition):
+            ROLLOUT_TRANSITIONS.check(old, new)
+    assert ENDED == {"promoted", "rolled_back", "activated", "failed"}
+    assert LIVE == {"running", "paused", "promoting", "rolling_back", "activating"}
+

@@ -29,7 +29,8 @@ from ..store import keys
 from ..store.codec import text
 from .config import CANARY, RolloutConfig
 from .decision import PROMOTE, ROLLBACK, WAIT, Arm, Decision, decide
-from .store import LIVE, RolloutStore, new_rollout_id, rollout_id_for_run
+from .status import DECIDING, IN_FLIGHT, LIVE, RolloutStatus
+from .store import RolloutStore, new_rollout_id, rollout_id_for_run
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
@@ -111,7 +112,7 @@ class RolloutController:
         live rollout owns (its record was lost with the Redis data, say): left alone it would refuse every later
         canary and activation (409 `canary_conflict`) with nobody to decide it."""
         record = self._remember(await self.store.current())
-        if record is not None and record["status"] in ("promoting", "rolling_back", "activating"):
+        if record is not None and record["status"] in IN_FLIGHT:
             log.info("rollout %s was %s at restart; finishing it", record["rollout_id"], record["status"])
             record = await self._finish(record)
         if not self.gated:
@@ -172,7 +173,7 @@ class RolloutController:
         )
         started_at = (answer.get("candidate") or {}).get("started_at") or now_iso()
         record = {
-            "rollout_id": rollout_id, "kind": "canary", "mode": self.config.mode, "status": "running",
+            "rollout_id": rollout_id, "kind": "canary", "mode": self.config.mode, "status": RolloutStatus.RUNNING,
             "candidate": {"lora_name": run.lora_name, "lora_path": run.lora_path},
             "baseline": {"lora_name": run.parent_lora_name, "lora_path": run.parent_lora_path},
             "share": self.config.share, "training_run_id": run.training_run_id, "created_at": now_iso(),
@@ -202,7 +203,7 @@ class RolloutController:
     async def task_started(self, task: "Task") -> None:
         """Mark a new Task's arm in its timeline while a canary runs (best-effort, like every note event)."""
         live = self._live
-        if live is None or live.get("kind") != "canary" or live.get("status") not in ("running", "paused"):
+        if live is None or live.get("kind") != "canary" or live.get("status") not in DECIDING:
             return
         arms = {live["candidate"]["lora_name"]: "candidate", live["baseline"]["lora_name"]: "active"}
         arm = arms.get(task.policy_lora_name)
@@ -221,14 +222,14 @@ class RolloutController:
                 self._live = None
                 self._report(None, None)
                 return None
-            if record["status"] in ("promoting", "rolling_back", "activating"):
+            if record["status"] in IN_FLIGHT:
                 await self._finish(record)
                 return None
             if record["kind"] != "canary":
                 return None
             decision = await self.evaluate(record)
             self._report(record, decision)
-            if record["mode"] == CANARY and record["status"] == "running" and decision.action != WAIT:
+            if record["mode"] == CANARY and record["status"] == RolloutStatus.RUNNING and decision.action != WAIT:
                 await self._act(record, decision.action, decision.public(), by="auto")
             return decision
 
@@ -277,13 +278,13 @@ class RolloutController:
             self._metrics.rollout_state(record, decision)
 
     async def _act(self, record: dict[str, Any], action: str, decision: dict[str, Any], *, by: str) -> dict[str, Any]:
-        target = "promoting" if action == PROMOTE else "rolling_back"
+        target = RolloutStatus.PROMOTING if action == PROMOTE else RolloutStatus.ROLLING_BACK
         note = {**decision, "by": by, "at": now_iso()}
         note.pop("arms", None)
         arms = decision.get("arms")
 
         def change(r: dict[str, Any]) -> dict[str, Any] | None:
-            if r["status"] not in ("running", "paused"):
+            if r["status"] not in DECIDING:
                 return None
             return {**r, "status": target, "decision": {**note, "arms": arms}}
 
@@ -302,39 +303,39 @@ class RolloutController:
         rollout_id, status = record["rollout_id"], record["status"]
         candidate, baseline = record["candidate"], record["baseline"]
         try:
-            if status == "promoting":
+            if status == RolloutStatus.PROMOTING:
                 await self._gateway.promote_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"],
                                                    expected=baseline["lora_name"])
                 await self._now_active(candidate, record.get("training_run_id") or "")
                 self._fault("rollout.switched")
-                return await self._update(rollout_id, lambda r: {**r, "status": "promoted"}, "canary_promoted",
+                return await self._update(rollout_id, lambda r: {**r, "status": RolloutStatus.PROMOTED}, "canary_promoted",
                                                {"lora_name": candidate["lora_name"]})
-            if status == "rolling_back":
+            if status == RolloutStatus.ROLLING_BACK:
                 await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"])
                 self._fault("rollout.switched")
-                return await self._update(rollout_id, lambda r: {**r, "status": "rolled_back"},
+                return await self._update(rollout_id, lambda r: {**r, "status": RolloutStatus.ROLLED_BACK},
                                                "canary_rolled_back", {"lora_name": candidate["lora_name"],
                                                                       "active": baseline["lora_name"]})
-            if status == "activating":
+            if status == RolloutStatus.ACTIVATING:
                 await self._gateway.activate(base_model=self._base_model_path, lora_name=candidate["lora_name"],
                                              lora_path=candidate["lora_path"], expected=baseline["lora_name"],
                                              run_id="")
                 await self._now_active(candidate, "")
-                return await self._update(rollout_id, lambda r: {**r, "status": "activated"},
+                return await self._update(rollout_id, lambda r: {**r, "status": RolloutStatus.ACTIVATED},
                                                "version_activated", {"lora_name": candidate["lora_name"],
                                                                      "previous": baseline["lora_name"]})
         except GatewayTransient:
             raise
         except GatewayError as exc:
-            if status == "promoting" and isinstance(exc, GatewayRejected):
+            if status == RolloutStatus.PROMOTING and isinstance(exc, GatewayRejected):
                 # The gateway no longer has this candidate against this baseline: never leave a half state.
                 log.warning("rollout %s: promotion refused (%s); rolling back", rollout_id, exc)
-                with_reason = {**record, "status": "rolling_back"}
+                with_reason = {**record, "status": RolloutStatus.ROLLING_BACK}
                 await self._update(rollout_id, lambda r: with_reason, "rollback_started",
                                         {"reason": "promotion_refused", "detail": str(exc)[:500], "by": "auto"})
                 return await self._finish(with_reason)
-            if status == "activating" or isinstance(exc, GatewayRejected):
-                return await self._update(rollout_id, lambda r: {**r, "status": "failed", "error": str(exc)},
+            if status == RolloutStatus.ACTIVATING or isinstance(exc, GatewayRejected):
+                return await self._update(rollout_id, lambda r: {**r, "status": RolloutStatus.FAILED, "error": str(exc)},
                                                "failed", {"error": str(exc)[:500]})
             raise
         return record
@@ -379,7 +380,7 @@ class RolloutController:
     async def promote(self) -> dict[str, Any]:
         async with self._lock:
             record = await self._require_canary()
-            if record["status"] not in ("running", "paused"):
+            if record["status"] not in DECIDING:
                 raise Conflict(f"the canary is already {record['status']}", code="no_rollout")
             decision = (await self.evaluate(record)).public()
             return await self._act(record, PROMOTE, {**decision, "action": PROMOTE, "reason": "operator",
@@ -388,7 +389,7 @@ class RolloutController:
     async def rollback(self) -> dict[str, Any]:
         async with self._lock:
             record = await self._require_canary()
-            if record["status"] not in ("running", "paused"):
+            if record["status"] not in DECIDING:
                 raise Conflict(f"the canary is already {record['status']}", code="no_rollout")
             decision = (await self.evaluate(record)).public()
             return await self._act(record, ROLLBACK, {**decision, "action": ROLLBACK, "reason": "operator",
@@ -398,7 +399,8 @@ class RolloutController:
         """Stop (or resume) automatic decisions; the split of new Tasks goes on meanwhile."""
         async with self._lock:
             record = await self._require_canary()
-            want, have = ("paused", "running") if paused else ("running", "paused")
+            want, have = ((RolloutStatus.PAUSED, RolloutStatus.RUNNING) if paused
+                          else (RolloutStatus.RUNNING, RolloutStatus.PAUSED))
 
             def change(r: dict[str, Any]) -> dict[str, Any] | None:
                 return {**r, "status": want} if r["status"] == have else None
@@ -430,7 +432,7 @@ class RolloutController:
                 raise Conflict(f"cannot read the active policy from the gateway: {exc}",
                                code="gateway_unavailable") from exc
             record = {
-                "rollout_id": new_rollout_id(), "kind": "activation", "mode": "operator", "status": "activating",
+                "rollout_id": new_rollout_id(), "kind": "activation", "mode": "operator", "status": RolloutStatus.ACTIVATING,
                 "candidate": {"lora_name": lora_name, "lora_path": path},
                 "baseline": {"lora_name": policy.lora_name, "lora_path": policy.lora_path},
                 "share": 1.0, "training_run_id": None, "created_at": now_iso(), "window_started_at": now_iso(),

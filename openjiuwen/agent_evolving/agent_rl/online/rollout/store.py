@@ -25,9 +25,8 @@ from ...common.ids import is_run_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import text
 from ..store.tx import transact
+from .status import ENDED, ROLLOUT_TRANSITIONS
 
-LIVE = frozenset({"running", "paused", "promoting", "rolling_back", "activating"})
-ENDED = frozenset({"promoted", "rolled_back", "activated", "failed"})
 RUN_EVENTS = ("canary_started", "canary_promoted", "canary_rolled_back")
 
 
@@ -105,6 +104,8 @@ class RolloutStore:
             changed = change(dict(record))
             if changed is None:
                 return record
+            if changed["status"] != record["status"]:
+                ROLLOUT_TRANSITIONS.check(record["status"], changed["status"])  # raises on a move the table lacks
             pointer = await pipe.get(keys.ROLLOUT_CURRENT)
             ended = changed["status"] in ENDED
             if ended:
