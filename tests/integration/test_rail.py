@@ -351,23 +351,20 @@ async def test_expired_staged_sample_is_skipped_by_prev_feedback(
 # ---------------------------------------------------------------------------------------------- route
 
 
-@pytest.fixture
-def holder(ingestor: RailIngestor) -> dict[str, RailIngestor | None]:
-    return {"ingestor": ingestor}
-
-
-@pytest.fixture
-async def client(holder: dict[str, RailIngestor | None]) -> Any:
+def rail_client(ingestor: RailIngestor) -> httpx.AsyncClient:
     app = FastAPI()
     install_error_envelope(app)
-    app.include_router(build_rail_router(lambda: holder["ingestor"]))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://rl") as c:
+    app.include_router(build_rail_router(ingestor))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://rl")
+
+
+@pytest.fixture
+async def client(ingestor: RailIngestor) -> Any:
+    async with rail_client(ingestor) as c:
         yield c
 
 
-async def test_upload_route(
-    client: httpx.AsyncClient, holder: dict[str, RailIngestor | None], redis: Redis, store: TrajectoryStore
-) -> None:
+async def test_upload_route(client: httpx.AsyncClient, redis: Redis, store: TrajectoryStore) -> None:
     ok = await client.post("/v1/gateway/upload/batch", json=batch(rail_sample(0), user_id="bob", session_done=True))
     assert ok.status_code == 200
     assert ok.json() == {
@@ -390,8 +387,8 @@ async def test_upload_route(
         resp = await client.post("/v1/gateway/upload/batch", content=raw, headers={"content-type": "application/json"})
         assert (resp.status_code, resp.json()["error"]["code"]) == (400, "invalid_request")
 
-    holder["ingestor"] = RailIngestor(redis, store, None, model_id=MODEL, retention_seconds=RETENTION_S)
-    no_judge = await client.post("/v1/gateway/upload/batch", json=batch(rail_sample(1)))
+    async with rail_client(RailIngestor(redis, store, None, model_id=MODEL, retention_seconds=RETENTION_S)) as bare:
+        no_judge = await bare.post("/v1/gateway/upload/batch", json=batch(rail_sample(1)))
     assert (no_judge.status_code, no_judge.json()["error"]["code"]) == (400, "judge_not_configured")
     assert orjson.loads(no_judge.content)["error"]["message"]
 
