@@ -20,6 +20,7 @@ from openjiuwen.agent_evolving.agent_rl.online.rail.ingest import RailIngestor
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
+from tests.support.samples import sample_status
 
 MODEL = "qwen-test"
 RETENTION_S = 3600
@@ -274,7 +275,7 @@ async def test_prev_feedback_judges_the_earliest_staged_sample(
     doc = (await store.get_documents([f"{TRAJ}:0"]))[0]
     assert doc["judge"] == FakeResult(0.8).as_sample_judge("prev_feedback")
     assert doc["trajectory"]["response_ids"] == [200, 201]
-    assert await store.status_of(f"{TRAJ}:0") == "pending"
+    assert await sample_status(store, f"{TRAJ}:0") == "pending"
 
     for feedback in ("plain text", {"text": "t"}, {"feedback": "f"}):
         await ingestor.ingest(batch(prev_feedback=feedback))
