@@ -395,7 +395,7 @@ def create_app(
     ))
     app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards,
                                           on_created=deps.rollout.task_started))
-    app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle, deps.metrics))
+    app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle, deps.registry, deps.metrics))
     app.include_router(build_rewards_router(deps.reward_ledger))
     reward_stats = deps.reward_ledger.stats if deps.reward_ledger.policy.configured else None
     app.include_router(build_trajectories_router(deps.store, reward_stats=reward_stats))
