@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.online.training.backends import TrainingJob  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.local import LocalBackend  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.training.ppo_settings import PPOSettings  # noqa: E402
 from bench.machine import write_result  # noqa: E402
@@ -43,8 +44,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
         steps.append(m)
 
     started = time.perf_counter()
-    await backend.train(training_run_id="run-00000000beef", model_id="tiny", base_model_path=str(model_dir),
-                        samples=docs, init_lora_name="base", init_lora_path="", on_progress=record)
+    job = TrainingJob(training_run_id="run-00000000beef", model_id="tiny", base_model_path=str(model_dir),
+                      samples=docs, init_lora_name="base", init_lora_path="")
+    await backend.train(job, on_progress=record)
     wall = time.perf_counter() - started
     tokens = args.samples * (args.prompt_tokens + args.response_tokens)
     return {

@@ -15,6 +15,7 @@ from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import
 from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import check_invariants
+from tests.support.samples import sample_status
 from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_headers
 
 REQUEST, RESPONSE = load_fixture("chat_request.json"), load_fixture("chat_response.json")
@@ -128,7 +129,7 @@ async def test_retention_removes_old_evaluation_samples_and_keeps_the_aggregates
     store = app.state.deps.store
     assert await store.sweep_expired(retention_seconds=3600, now=time.time()) == 0  # not old yet
     assert await store.sweep_expired(retention_seconds=3600, now=time.time() + 7200) == 1  # pending never expires
-    assert await store.status_of("c1-0") is None and await store.status_of("c2-0") == "pending"
+    assert await sample_status(store, "c1-0") is None and await sample_status(store, "c2-0") == "pending"
     stats = (await client.get("/v1/rl/trajectories/stats")).json()
     assert stats["by_status"] == {"pending": 1, "training": 0, "trained": 0, "failed": 0} and stats["total"] == 1
     (base,) = (await client.get("/v1/rl/policies")).json()["items"]

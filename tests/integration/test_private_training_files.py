@@ -65,15 +65,13 @@ class SnoopingBackend(LocalBackend):
         self.watch = watch
         self.during: dict[str, int] = {}
 
-    async def train(self, **kwargs: Any) -> Any:
-        report = kwargs["on_progress"]
-
-        async def on_progress(metrics: dict[str, Any]) -> None:
+    async def train(self, job: Any, *, on_progress: Any) -> Any:
+        async def snoop(metrics: dict[str, Any]) -> None:
             if not self.during:
                 self.during = modes(*self.watch)  # the worker is still running: batch and spec are in place
-            await report(metrics)
+            await on_progress(metrics)
 
-        return await super().train(**{**kwargs, "on_progress": on_progress})
+        return await super().train(job, on_progress=snoop)
 
 
 async def run_once(redis_url: str, tmp: Path, model_dir: Path, docs: list[dict[str, Any]], train_root: Path):

@@ -23,6 +23,7 @@ from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import Traject
 from tests.conftest import load_fixture
 from tests.integration.test_trajectory_store import MODEL, T0, iso_at, make_doc, move
 from tests.support.invariants import ClientRecord, check_invariants
+from tests.support.samples import sample_status
 from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_task, with_user
 
 BLOCK_PATTERN = keys.PREFIX + "prompt_block:*"
@@ -225,7 +226,7 @@ async def test_concurrent_publications_and_deletions_keep_refcounts_exact(
                 await store.delete_pending(picked)
 
     await asyncio.gather(*(worker(rng.randrange(10**6)) for _ in range(6)))
-    present = [s for s in names if await store.status_of(s) is not None]
+    present = [s for s in names if await sample_status(store, s) is not None]
     assert await prompts_read(store, present) == {s: prompt_of[s] for s in present}
     await holds_invariants(redis)
     await store.delete_pending(names)

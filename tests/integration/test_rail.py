@@ -20,6 +20,7 @@ from openjiuwen.agent_evolving.agent_rl.online.rail.ingest import RailIngestor
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
+from tests.support.samples import sample_status
 
 MODEL = "qwen-test"
 RETENTION_S = 3600
@@ -274,7 +275,7 @@ async def test_prev_feedback_judges_the_earliest_staged_sample(
     doc = (await store.get_documents([f"{TRAJ}:0"]))[0]
     assert doc["judge"] == FakeResult(0.8).as_sample_judge("prev_feedback")
     assert doc["trajectory"]["response_ids"] == [200, 201]
-    assert await store.status_of(f"{TRAJ}:0") == "pending"
+    assert await sample_status(store, f"{TRAJ}:0") == "pending"
 
     for feedback in ("plain text", {"text": "t"}, {"feedback": "f"}):
         await ingestor.ingest(batch(prev_feedback=feedback))
@@ -351,23 +352,20 @@ async def test_expired_staged_sample_is_skipped_by_prev_feedback(
 # ---------------------------------------------------------------------------------------------- route
 
 
-@pytest.fixture
-def holder(ingestor: RailIngestor) -> dict[str, RailIngestor | None]:
-    return {"ingestor": ingestor}
-
-
-@pytest.fixture
-async def client(holder: dict[str, RailIngestor | None]) -> Any:
+def rail_client(ingestor: RailIngestor) -> httpx.AsyncClient:
     app = FastAPI()
     install_error_envelope(app)
-    app.include_router(build_rail_router(lambda: holder["ingestor"]))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://rl") as c:
+    app.include_router(build_rail_router(ingestor))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://rl")
+
+
+@pytest.fixture
+async def client(ingestor: RailIngestor) -> Any:
+    async with rail_client(ingestor) as c:
         yield c
 
 
-async def test_upload_route(
-    client: httpx.AsyncClient, holder: dict[str, RailIngestor | None], redis: Redis, store: TrajectoryStore
-) -> None:
+async def test_upload_route(client: httpx.AsyncClient, redis: Redis, store: TrajectoryStore) -> None:
     ok = await client.post("/v1/gateway/upload/batch", json=batch(rail_sample(0), user_id="bob", session_done=True))
     assert ok.status_code == 200
     assert ok.json() == {
@@ -390,8 +388,8 @@ async def test_upload_route(
         resp = await client.post("/v1/gateway/upload/batch", content=raw, headers={"content-type": "application/json"})
         assert (resp.status_code, resp.json()["error"]["code"]) == (400, "invalid_request")
 
-    holder["ingestor"] = RailIngestor(redis, store, None, model_id=MODEL, retention_seconds=RETENTION_S)
-    no_judge = await client.post("/v1/gateway/upload/batch", json=batch(rail_sample(1)))
+    async with rail_client(RailIngestor(redis, store, None, model_id=MODEL, retention_seconds=RETENTION_S)) as bare:
+        no_judge = await bare.post("/v1/gateway/upload/batch", json=batch(rail_sample(1)))
     assert (no_judge.status_code, no_judge.json()["error"]["code"]) == (400, "judge_not_configured")
     assert orjson.loads(no_judge.content)["error"]["message"]
 

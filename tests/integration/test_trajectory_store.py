@@ -24,6 +24,7 @@ from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
 from openjiuwen.agent_evolving.agent_rl.online.store.tx import transact
+from tests.support.samples import sample_status
 
 MODEL = "qwen-test"
 T0 = 1_750_000_000.0
@@ -162,7 +163,7 @@ async def test_insert_is_idempotent_and_never_resets(redis: Redis, store: Trajec
     assert await store.insert_if_absent(packed(make_doc("a"), make_doc("b"), make_doc("c"))) == []
     assert await store.insert_if_absent([]) == []
 
-    assert await store.status_of("a") == "training"
+    assert await sample_status(store, "a") == "training"
     assert decode_meta(await redis.hget(keys.traj("a"), "sample_json"))["judge"]["score"] == 0.5
     assert await index_sizes(redis) == {"pending": 2, "training": 1, "trained": 0, "failed": 0}
     assert await stats_hash(redis) == {
@@ -181,7 +182,7 @@ async def test_delete_pending_removes_only_pending_samples(redis: Redis, store: 
     assert await store.delete_pending(["a", "b", "c", "unknown", "a"]) == 2
     assert await store.delete_pending(["a"]) == 0
     assert await redis.exists(keys.traj("a"), keys.traj("b")) == 0
-    assert await store.status_of("c") == "training"
+    assert await sample_status(store, "c") == "training"
     assert await index_sizes(redis) == {"pending": 0, "training": 1, "trained": 0, "failed": 0}
     stats = await store.stats()
     assert stats["by_status"] == {"pending": 0, "training": 1, "trained": 0, "failed": 0}
@@ -220,7 +221,7 @@ async def test_stats_equal_index_sizes_after_a_random_sequence(redis: Redis, sto
     versions = ["base", f"{MODEL}:v1", f"{MODEL}:v2"]
     for step in range(60):
         op = rng.choice(["insert", "insert", "delete", "claim", "finish", "restore", "sweep"])
-        statuses = {s: await store.status_of(s) for s in universe}
+        statuses = {s: await sample_status(store, s) for s in universe}
         if op == "insert":
             picked = rng.sample(universe, rng.randint(1, 6))
             docs = [
@@ -422,7 +423,7 @@ async def test_detail_reassembles_the_full_view(redis: Redis, store: TrajectoryS
     docs = await store.get_documents(["d2", "missing", "d1"])
     assert [d["sample_id"] for d in docs] == ["d2", "d1"]
     assert docs[1]["trajectory"]["prompt_ids"] == prompt and docs[1]["trajectory"]["response_mask"] == [1, 0, 1]
-    assert await store.status_of("missing") is None and await store.status_of("no/such") is None
+    assert await sample_status(store, "missing") is None and await sample_status(store, "no/such") is None
 
 
 # ---------------------------------------------------------------------------------------------- retention
@@ -444,7 +445,7 @@ async def test_sweep_removes_only_old_trained_and_failed(redis: Redis, store: Tr
     assert await store.sweep_expired(retention_seconds=500, now=T0 + 1200) == 0
     for gone in ("tr_old", "f_old", "f_old2"):
         assert not await redis.exists(keys.traj(gone))
-    assert {n: await store.status_of(n) for n in ("p", "t", "tr_new", "f_new")} == {
+    assert {n: await sample_status(store, n) for n in ("p", "t", "tr_new", "f_new")} == {
         "p": "pending", "t": "training", "tr_new": "trained", "f_new": "failed"
     }
     assert await index_sizes(redis) == {"pending": 1, "training": 1, "trained": 1, "failed": 1}

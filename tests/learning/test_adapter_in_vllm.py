@@ -17,6 +17,7 @@ import pytest
 
 from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+from openjiuwen.agent_evolving.agent_rl.online.training.backends import TrainingJob
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.local import LocalBackend
 from openjiuwen.agent_evolving.agent_rl.online.training.ppo_settings import PPOSettings
 from tests.support import learning as L
@@ -42,10 +43,9 @@ async def test_trained_adapter_loads_and_serves_in_vllm(tmp_path):
     async def ignore(_: dict) -> None:
         return None
 
-    artifact = await backend.train(
+    artifact = await backend.train(TrainingJob(
         training_run_id="run-0000000000aa", model_id="tiny", base_model_path=str(model_dir), samples=docs,
-        init_lora_name="base", init_lora_path="", on_progress=ignore,
-    )
+        init_lora_name="base", init_lora_path=""), on_progress=ignore)
     port = free_port()
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="true", VLLM_CPU_KVCACHE_SPACE="1",
                HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")

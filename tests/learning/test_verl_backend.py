@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model
-from openjiuwen.agent_evolving.agent_rl.online.training.backends import TrainingCanceled
+from openjiuwen.agent_evolving.agent_rl.online.training.backends import TrainingCanceled, TrainingJob
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.verl import VerlBackend, actor_name, ray_namespace
 from openjiuwen.agent_evolving.agent_rl.online.training.verl.compose import compose_ppo_config, settings_from_config
 from tests.support import learning as L
@@ -125,9 +125,9 @@ async def test_cancel_kills_the_actor_and_a_leftover_of_the_same_name_is_replace
         name=actor_name("tiny"), namespace=backend.namespace, lifetime="detached", num_cpus=0,
     ).remote(rank=0, world_size=1, tmp_root=str(tmp_path / "train-tmp"))
     await asyncio.wrap_future(leftover.progress.remote(0).future())
-    task = asyncio.create_task(backend.train(
+    task = asyncio.create_task(backend.train(TrainingJob(
         training_run_id="run-cancel", model_id="tiny", base_model_path=str(tiny_model),
-        samples=few_samples(tiny_model), init_lora_name="base", init_lora_path="", on_progress=_noop))
+        samples=few_samples(tiny_model), init_lora_name="base", init_lora_path=""), on_progress=_noop))
     await _wait_for_own_actor(backend, "run-cancel")
     own = ray.get_actor(actor_name("tiny"), namespace=backend.namespace)
     assert own._actor_id != leftover._actor_id  # the leftover was killed and its name taken over
@@ -146,9 +146,9 @@ async def test_canceling_the_train_call_while_actors_start_leaves_no_actor(tmp_p
     from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 
     backend = make_backend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), tmp_path)
-    task = asyncio.create_task(backend.train(
+    task = asyncio.create_task(backend.train(TrainingJob(
         training_run_id="run-early", model_id="tiny", base_model_path=str(tiny_model),
-        samples=few_samples(tiny_model), init_lora_name="base", init_lora_path="", on_progress=_noop))
+        samples=few_samples(tiny_model), init_lora_name="base", init_lora_path=""), on_progress=_noop))
     await asyncio.sleep(0.05)  # the starter thread is under way (it may or may not have created the actor yet)
     await backend.cancel("run-early")
     task.cancel()
@@ -162,9 +162,9 @@ async def test_an_actor_dying_on_its_own_fails_the_run_and_the_health(tmp_path, 
     from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 
     backend = make_backend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), tmp_path)
-    task = asyncio.create_task(backend.train(
+    task = asyncio.create_task(backend.train(TrainingJob(
         training_run_id="run-dies", model_id="tiny", base_model_path=str(tiny_model),
-        samples=few_samples(tiny_model), init_lora_name="base", init_lora_path="", on_progress=_noop))
+        samples=few_samples(tiny_model), init_lora_name="base", init_lora_path=""), on_progress=_noop))
     await _wait_for_own_actor(backend, "run-dies")
     ray.kill(ray.get_actor(actor_name("tiny"), namespace=backend.namespace))  # e.g. the node's OOM killer
     with pytest.raises(RuntimeError, match="verl trainer actor died"):
@@ -197,9 +197,9 @@ async def test_a_run_starts_from_the_parent_adapter_and_steps_by_ppo_samples_per
     async def on_progress(metrics: dict) -> None:
         seen.append(metrics)
 
-    artifact = await backend.train(
+    artifact = await backend.train(TrainingJob(
         training_run_id="run-parent", model_id="tiny", base_model_path=str(tiny_model),
-        samples=few_samples(tiny_model, 5), init_lora_name="tiny:v7", init_lora_path=str(parent),
+        samples=few_samples(tiny_model, 5), init_lora_name="tiny:v7", init_lora_path=str(parent)),
         on_progress=on_progress)
     assert [(m["step"], m["samples"]) for m in seen] == [(1, 3), (2, 2)]
     assert (artifact.metadata["training_source"], artifact.metadata["parent_lora_id"]) == ("active_lora", "tiny:v7")
@@ -229,9 +229,9 @@ async def test_tis_cap_trains_against_pi_old_of_the_parent(tmp_path, tiny_model,
     backend = VerlBackend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), model_id="tiny",
                           ppo_config=tree, settings=settings_from_config(tree, tis_cap=2.0, ppo_samples_per_step=0),
                           tmp_root=tmp_path / "train-tmp")
-    artifact = await backend.train(
+    artifact = await backend.train(TrainingJob(
         training_run_id="run-tis", model_id="tiny", base_model_path=str(tiny_model),
-        samples=few_samples(tiny_model, 4), init_lora_name="base", init_lora_path="", on_progress=_noop)
+        samples=few_samples(tiny_model, 4), init_lora_name="base", init_lora_path=""), on_progress=_noop)
     step = artifact.metadata["ppo_step_metrics"][0]
     assert step["samples"] == 4 and step["ppo_kl"] == pytest.approx(0.0, abs=1e-5)
     assert step["clip_fraction"] == 0.0
@@ -248,9 +248,9 @@ async def test_two_ranks_shard_the_batch_and_export_one_adapter(tmp_path, tiny_m
     async def on_progress(metrics: dict) -> None:
         seen.append(metrics)
 
-    artifact = await backend.train(
+    artifact = await backend.train(TrainingJob(
         training_run_id="run-two", model_id="tiny", base_model_path=str(tiny_model),
-        samples=few_samples(tiny_model, 5), init_lora_name="base", init_lora_path="", on_progress=on_progress)
+        samples=few_samples(tiny_model, 5), init_lora_name="base", init_lora_path=""), on_progress=on_progress)
     assert [(m["step"], m["samples"]) for m in seen] == [(1, 5)]
     assert sorted(p.name for p in Path(artifact.lora_path).iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors", "metadata.json"]

@@ -18,6 +18,7 @@ from openjiuwen.agent_evolving.agent_rl.online.config import (
     load_config,
 )
 from openjiuwen.agent_evolving.agent_rl.online.rollout.config import RolloutConfig
+from openjiuwen.agent_evolving.agent_rl.online.service import make_judge
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "rl-service.example.yaml"
@@ -36,6 +37,16 @@ REQUIRED: dict[str, Any] = {
 
 def make(**overrides: Any) -> RLServiceConfig:
     return config_from_mapping({**REQUIRED, **overrides})
+
+
+def required_votes(config: RLServiceConfig) -> int:
+    """Votes the service's Judge needs, through the real path (config → `make_judge` → `JudgeScorer`); a Judge
+    endpoint is added when `config` names none, so the judge_votes/judge_min_votes under test decide alone."""
+    if not config.judge_configured:
+        config = config.model_copy(update={"judge_endpoint": "http://127.0.0.1:8000", "judge_model": "judge"})
+    judge = make_judge(config)
+    assert judge is not None
+    return judge.min_votes
 
 
 def error_of(**overrides: Any) -> str:
@@ -110,7 +121,7 @@ def test_defaults_match_the_contract() -> None:
     assert isinstance(config.judge_api_key, SecretStr)
     assert config.judge_api_key.get_secret_value() == ""
     assert config.judge_configured is False
-    assert config.effective_judge_min_votes == 1
+    assert required_votes(config) == 1
 
 
 def test_config_is_frozen() -> None:
@@ -240,13 +251,13 @@ def test_bad_judge_endpoint_is_refused(url: str) -> None:
 
 @pytest.mark.parametrize(("votes", "effective"), [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3)])
 def test_effective_min_votes_defaults_to_majority(votes: int, effective: int) -> None:
-    assert make(judge_votes=votes).effective_judge_min_votes == effective
+    assert required_votes(make(judge_votes=votes)) == effective
 
 
 @pytest.mark.parametrize("min_votes", [1, 2, 3])
 def test_min_votes_within_bounds(min_votes: int) -> None:
     config = make(judge_votes=3, judge_min_votes=min_votes)
-    assert config.effective_judge_min_votes == min_votes
+    assert required_votes(config) == min_votes
 
 
 @pytest.mark.parametrize("min_votes", [0, -1, 4, True, "2"])

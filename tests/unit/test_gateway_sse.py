@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openjiuwen.agent_evolving.agent_rl.gateway.sse import DONE, SSEDecoder, SSEEvent, encode_sse, iter_sse_events
+from openjiuwen.agent_evolving.agent_rl.gateway.sse import DONE, SSEDecoder, SSEEvent, encode_sse, iter_sse_batches
 from tests.conftest import FIXTURES
 
 T = TypeVar("T")
@@ -35,7 +35,8 @@ async def _source(chunks: Iterable[bytes]) -> AsyncIterator[bytes]:
 
 
 async def _collect(chunks: Iterable[bytes]) -> list[SSEEvent]:
-    return [event async for event in iter_sse_events(_source(chunks))]
+    # The gateway's relay path: events batched per upstream read, flattened here.
+    return [event async for batch in iter_sse_batches(_source(chunks)) for event in batch]
 
 
 def parse(chunks: Iterable[bytes]) -> list[SSEEvent]:
@@ -164,8 +165,6 @@ def test_encode_then_parse_round_trips(pairs: list[tuple[str | None, str]], data
 
 
 async def test_batches_group_the_events_each_read_completes() -> None:
-    from openjiuwen.agent_evolving.agent_rl.gateway.sse import iter_sse_batches
-
     chunks = [b"data: a\n\ndata: b\n\nda", b"ta: c", b"\n\n", b"", b"data: d"]
     batches = [[e.data for e in batch] async for batch in iter_sse_batches(_source(chunks))]
     assert batches == [["a", "b"], ["c"], ["d"]]  # reads that complete nothing give no batch; the tail is flushed

@@ -74,9 +74,10 @@ def test_remove_temp_and_active_marker(tmp_path):
     keep = repo.create_temp_sync("run-bbbbbbbbbbbb")
     assert repo.remove_temp_sync("run-aaaaaaaaaaaa") == 2
     assert keep.exists()
-    assert repo.read_active_sync() is None
+    active = tmp_path / "m" / "active"  # CONTRACT §4.8: read by operators, as a plain JSON file
+    assert not active.exists()
     repo.write_active_sync("m:v1", "/x/m/v1", "run-aaaaaaaaaaaa")
-    marker = repo.read_active_sync()
+    marker = orjson.loads(active.read_bytes())
     assert marker["lora_name"] == "m:v1" and marker["training_run_id"] == "run-aaaaaaaaaaaa"
     assert [p.name for p in (tmp_path / "m").iterdir() if p.name.startswith(".tmp-active")] == []
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
 
 import httpx
 import orjson

@@ -88,16 +88,6 @@ class SSEDecoder:
         return SSEEvent(event, data)
 
 
-async def iter_sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[SSEEvent]:
-    """Events from a byte stream as soon as each one is complete; a final event without a blank line is kept."""
-    decoder = SSEDecoder()
-    async for chunk in chunks:
-        for event in decoder.feed(chunk):
-            yield event
-    for event in decoder.close():
-        yield event
-
-
 async def iter_sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[SSEEvent]]:
     """The events completed by each chunk read, as one list (empty reads skipped); the final flush comes last. A
     relay that answers per batch writes once per upstream read instead of once per event."""

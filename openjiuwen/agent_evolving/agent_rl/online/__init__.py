@@ -1,1 +1,2 @@
-"""The online RL Service: Tasks, capture, rewards, trajectories and (later) Training Runs over Redis."""
+"""The online RL Service: Tasks, capture, rewards, trajectories, Training Runs and the rollout of what they train,
+over Redis."""

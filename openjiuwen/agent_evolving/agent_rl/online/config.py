@@ -246,13 +246,6 @@ class RLServiceConfig(BaseModel):
     def judge_configured(self) -> bool:
         return self.judge_endpoint != ""
 
-    @property
-    def effective_judge_min_votes(self) -> int:
-        """Votes that must succeed for a Judge score: the configured value, else a strict majority."""
-        if self.judge_min_votes is not None:
-            return self.judge_min_votes
-        return self.judge_votes // 2 + 1
-
 
 # --- loader ---------------------------------------------------------------------------------------------------------
 

@@ -212,3 +212,6 @@ class MeteredJudge:
         if len(result.votes) > failed:
             m.judge_votes.labels(m.model_id, "ok").inc(len(result.votes) - failed)
         return result
+
+    async def aclose(self) -> None:
+        await self._judge.aclose()

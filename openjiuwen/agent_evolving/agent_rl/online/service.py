@@ -118,18 +118,7 @@ class ServiceDeps:
         fault: FaultHook = no_faults,
     ) -> "ServiceDeps":
         redis = redis or Redis.from_url(config.redis_url.get_secret_value(), decode_responses=False)
-        if judge is None and config.judge_configured:
-            from .judge import JudgeScorer
-
-            judge = JudgeScorer(
-                endpoint=config.judge_endpoint,
-                model=config.judge_model,
-                api_key=config.judge_api_key.get_secret_value(),
-                votes=config.judge_votes,
-                min_votes=config.judge_min_votes,
-                retries=config.judge_retries,
-                timeout_s=config.judge_timeout,
-            )
+        judge = judge if judge is not None else make_judge(config)
         metrics = ServiceMetrics(config.model_id)  # per app: its own CollectorRegistry
         metered_judge = MeteredJudge(judge, metrics) if judge is not None else None
         registry = TaskRegistry(redis, signals=TaskSignals(), metrics=metrics)
@@ -142,39 +131,9 @@ class ServiceDeps:
         publisher = TurnPublisher(registry, store, metered_judge, metrics=metrics, fault=fault)
         rewards = RewardProjector(redis, store, fault=fault)
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
-        gateway = GatewayLoraClient(
-            endpoint=config.aigw_endpoint,
-            model_id=config.model_id,
-            timeout_s=config.lora_activation_timeout,
-            attempts=config.lora_activation_attempts,
-            token=token,
-            on_attempt=metrics.activation_attempt,
-        )
+        gateway = _make_gateway_client(config, token, metrics)
         backend = backend or make_backend(config, repository)
-        runs = RunStore(
-            redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds, metrics=metrics,
-        )
-        rollout = RolloutController(
-            redis, RolloutStore(redis), gateway, repository, config=config.rollout, model_id=config.model_id,
-            base_model_path=config.base_model_path, observe_policy=runs.observe_policy, active_run=runs.active,
-            metrics=metrics, fault=fault,
-        )
-        runner = TrainingRunner(
-            runs,
-            store,
-            backend,
-            repository,
-            gateway,
-            model_id=config.model_id,
-            base_model_path=config.base_model_path,
-            min_samples=config.min_samples_for_training,
-            max_samples=config.max_samples_per_run,
-            max_policy_lag=config.max_policy_lag,
-            tmp_root=config.training_tmp_root,
-            metrics=metrics,
-            fault=fault,
-            rollout=rollout,
-        )
+        rollout, runner = _make_training(config, redis, store, backend, repository, gateway, metrics, fault)
         return cls(
             config=config,
             redis=redis,
@@ -189,26 +148,10 @@ class ServiceDeps:
                 registry, publisher, model_id=config.model_id, judge_configured=judge is not None, fault=fault
             ),
             rewards=rewards,
-            sweeper=RetentionSweeper(
-                redis,
-                store,
-                rewards,
-                owner=config.model_id,
-                task_retention_s=config.task_retention_seconds,
-                reward_timeout_s=config.reward_timeout_seconds,
-                trajectory_retention_s=config.trajectory_retention_seconds,
-                run_retention_s=config.run_retention_seconds,
-                interval_s=config.retention_sweep_interval_seconds,
-                on_error=metrics.exception,
-            ),
+            sweeper=_make_retention_sweeper(config, redis, store, rewards, metrics),
             reward_ledger=reward_ledger,
             reward_sweeper=RewardDeadlineSweeper(reward_ledger, interval_s=reward_policy.sweep_interval_s),
-            rail=RailIngestor(
-                redis, store, metered_judge, model_id=config.model_id,
-                retention_seconds=config.trajectory_retention_seconds,
-                recorder=RailRecorder(config.record_dir, max_bytes=config.record_max_bytes,
-                                      backup_count=config.record_backup_count),
-            ),
+            rail=_make_rail_ingestor(config, redis, store, metered_judge),
             repository=repository,
             gateway=gateway,
             backend=backend,
@@ -275,9 +218,104 @@ class ServiceDeps:
     async def aclose(self) -> None:
         await self.backend.close()
         await self.gateway.aclose()
-        if self.judge is not None and hasattr(self.judge, "aclose"):
-            await self.judge.aclose()  # type: ignore[union-attr]
+        if self.judge is not None:
+            await self.judge.aclose()
         await self.redis.aclose()
+
+
+def make_judge(config: RLServiceConfig) -> "Judge | None":
+    """The Judge of `judge_*`, or None when no judge endpoint is configured."""
+    if not config.judge_configured:
+        return None
+    from .judge import JudgeScorer
+
+    return JudgeScorer(
+        endpoint=config.judge_endpoint,
+        model=config.judge_model,
+        api_key=config.judge_api_key.get_secret_value(),
+        votes=config.judge_votes,
+        min_votes=config.judge_min_votes,
+        retries=config.judge_retries,
+        timeout_s=config.judge_timeout,
+    )
+
+
+def _make_gateway_client(config: RLServiceConfig, token: str | None, metrics: ServiceMetrics) -> GatewayLoraClient:
+    return GatewayLoraClient(
+        endpoint=config.aigw_endpoint,
+        model_id=config.model_id,
+        timeout_s=config.lora_activation_timeout,
+        attempts=config.lora_activation_attempts,
+        token=token,
+        on_attempt=metrics.activation_attempt,
+    )
+
+
+def _make_training(
+    config: RLServiceConfig,
+    redis: Redis,
+    store: TrajectoryStore,
+    backend: TrainerBackend,
+    repository: LoraRepository,
+    gateway: GatewayLoraClient,
+    metrics: ServiceMetrics,
+    fault: FaultHook,
+) -> tuple[RolloutController, TrainingRunner]:
+    """Training Runs and the rollout of what they produce: the run store, the rollout controller, the runner."""
+    runs = RunStore(
+        redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds, metrics=metrics,
+    )
+    rollout = RolloutController(
+        redis, RolloutStore(redis), gateway, repository, config=config.rollout, model_id=config.model_id,
+        base_model_path=config.base_model_path, observe_policy=runs.observe_policy, active_run=runs.active,
+        metrics=metrics, fault=fault,
+    )
+    runner = TrainingRunner(
+        runs,
+        store,
+        backend,
+        repository,
+        gateway,
+        model_id=config.model_id,
+        base_model_path=config.base_model_path,
+        min_samples=config.min_samples_for_training,
+        max_samples=config.max_samples_per_run,
+        max_policy_lag=config.max_policy_lag,
+        tmp_root=config.training_tmp_root,
+        metrics=metrics,
+        fault=fault,
+        rollout=rollout,
+    )
+    return rollout, runner
+
+
+def _make_retention_sweeper(
+    config: RLServiceConfig, redis: Redis, store: TrajectoryStore, rewards: RewardProjector, metrics: ServiceMetrics
+) -> RetentionSweeper:
+    return RetentionSweeper(
+        redis,
+        store,
+        rewards,
+        owner=config.model_id,
+        task_retention_s=config.task_retention_seconds,
+        reward_timeout_s=config.reward_timeout_seconds,
+        trajectory_retention_s=config.trajectory_retention_seconds,
+        run_retention_s=config.run_retention_seconds,
+        interval_s=config.retention_sweep_interval_seconds,
+        on_error=metrics.exception,
+    )
+
+
+def _make_rail_ingestor(
+    config: RLServiceConfig, redis: Redis, store: TrajectoryStore, judge: "Judge | None"
+) -> RailIngestor:
+    recorder = RailRecorder(
+        config.record_dir, max_bytes=config.record_max_bytes, backup_count=config.record_backup_count
+    )
+    return RailIngestor(
+        redis, store, judge, model_id=config.model_id, retention_seconds=config.trajectory_retention_seconds,
+        recorder=recorder,
+    )
 
 
 def make_backend(config: RLServiceConfig, repository: LoraRepository) -> TrainerBackend:
@@ -359,11 +397,11 @@ def create_app(
     ))
     app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards,
                                           on_created=deps.rollout.task_started))
-    app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle, deps.metrics))
+    app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle, deps.registry, deps.metrics))
     app.include_router(build_rewards_router(deps.reward_ledger))
     reward_stats = deps.reward_ledger.stats if deps.reward_ledger.policy.configured else None
     app.include_router(build_trajectories_router(deps.store, reward_stats=reward_stats))
-    app.include_router(build_rail_router(lambda: deps.rail))
+    app.include_router(build_rail_router(deps.rail))
     app.include_router(build_training_router(deps.runner))
     app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id)))
     app.include_router(build_rollout_router(deps.rollout))

@@ -10,6 +10,7 @@ from ..capture.lifecycle import TaskLifecycle
 from ..capture.pipeline import CapturePipeline
 from ..metrics import ServiceMetrics
 from ..tasks.models import FinishReason
+from ..tasks.registry import TaskRegistry
 from . import openapi
 from .body import json_object
 from ...common.errors import JSONBody
@@ -25,7 +26,9 @@ async def _hook_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def build_hooks_router(pipeline: CapturePipeline, lifecycle: TaskLifecycle, metrics: ServiceMetrics) -> APIRouter:
+def build_hooks_router(
+    pipeline: CapturePipeline, lifecycle: TaskLifecycle, registry: TaskRegistry, metrics: ServiceMetrics
+) -> APIRouter:
     router = APIRouter()
 
     @router.post("/internal/v1/completions:before", openapi_extra=openapi.HOOK_BEFORE)
@@ -72,7 +75,7 @@ def build_hooks_router(pipeline: CapturePipeline, lifecycle: TaskLifecycle, metr
         allowed = {FinishReason.CAPTURE_FAILED.value, FinishReason.TIMEOUT.value}
         reason = reason_from_body(body, allowed, "invalid_abort_reason")
         with domain_errors(not_found="task_conflict", conflict="task_conflict"):
-            task = await lifecycle.abort(rl_task_id, reason)
+            task = await registry.abort(rl_task_id, reason)
         return task.public()
 
     return router

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -10,20 +9,16 @@ from fastapi import APIRouter, Request
 from ..rail.ingest import RailIngestor
 from . import openapi
 from .body import json_object
-from ...common.errors import ApiError
 from .errors import domain_errors
 
 
-def build_rail_router(ingestor_provider: Callable[[], RailIngestor | None]) -> APIRouter:
+def build_rail_router(ingestor: RailIngestor) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/gateway/upload/batch", openapi_extra=openapi.RAIL_BATCH)
     async def upload_batch(request: Request) -> dict[str, Any]:
         """Stage, judge and store one rail-v1 batch; 400 `invalid_rail_batch` / `judge_not_configured`."""
         body = await json_object(request)
-        ingestor = ingestor_provider()
-        if ingestor is None:  # the service wires one at startup; this only guards a half-built app
-            raise ApiError(503, "service_not_ready", "rail ingestion is not ready")
         with domain_errors(not_found="invalid_rail_batch", conflict="invalid_rail_batch"):
             result = await ingestor.ingest(body)
         return {"ok": True, "result": result}

@@ -34,7 +34,7 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
             h.get("x-aigw-rl-policy-model"),
         )
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
-            task, created = await lifecycle.start(lifecycle.parse_start(headers, body))
+            task, created = await registry.start(lifecycle.parse_start(headers, body))
         if created and on_created is not None:
             await on_created(task)
         return JSONBody(task.public(), status_code=201 if created else 200)

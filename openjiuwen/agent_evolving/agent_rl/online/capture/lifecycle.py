@@ -1,4 +1,5 @@
-"""Task start, stop, finish and abort, plus startup recovery and shutdown (CONTRACT §2.1, §2.4, §2.5, §2.9)."""
+"""A Task start request's checks, finishing a Task (stop, internal finish), startup recovery and shutdown
+(CONTRACT §2.1, §2.4, §2.5, §2.9). Starting and aborting are the registry's own transactions, called directly."""
 
 from __future__ import annotations
 
@@ -78,9 +79,6 @@ class TaskLifecycle:
             evaluation=evaluation,
         )
 
-    async def start(self, requested: Task) -> tuple[Task, bool]:
-        return await self._registry.start(requested)
-
     async def finish(self, rl_task_id: str, reason: FinishReason) -> Task:
         """Finalize; delayed mode publishes the current turn first (feedback "", tag `session_done`) without
         waiting: open captures are a conflict and the Task stays active."""
@@ -94,9 +92,6 @@ class TaskLifecycle:
         done = await self._registry.finalize(rl_task_id, reason)
         self._fault("task.finalized")
         return done
-
-    async def abort(self, rl_task_id: str, reason: FinishReason) -> Task:
-        return await self._registry.abort(rl_task_id, reason)
 
     async def recover(self) -> int:
         """Startup: abort every indexed active Task with `service_restarted`; drop stale index entries. A delayed

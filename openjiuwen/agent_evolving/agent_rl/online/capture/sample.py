@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...common.ids import now_iso
 from ..store.codec import PackedSample, pack_ids, pack_logprobs
+from ..store.documents import sample_document
 from ..tasks.models import Task
 from .response import ValidatedResponse
 
@@ -34,26 +34,22 @@ def build_sample(
         trajectory["routed_experts"] = validated.routed_experts
     if validated.routing_metadata is not None:
         trajectory["routing_metadata"] = validated.routing_metadata
-    meta = {
-        "sample_id": capture_id,
-        "trajectory_id": capture_id,
-        "rl_task_id": task.rl_task_id,
-        "task_id": task.rl_task_id,
-        "agent_turn_id": agent_turn_id,
-        "session_id": task.agent_session_id,
-        "user_id": task.model_id,
-        "model": task.model_id,
-        "policy_version": task.policy_lora_name,
-        "source": "rl_task",
-        "mode": "gateway",
-        "io_mode": "gateway",
-        "turn_num": 0,
-        "created_at": now_iso(),
-        "request": request,
-        "response": stripped_response(response),
-        "trajectory": trajectory,
-        "judge": None,
-    }
+    meta = sample_document(
+        sample_id=capture_id,
+        rl_task_id=task.rl_task_id,
+        agent_turn_id=agent_turn_id,
+        session_id=task.agent_session_id,
+        model_id=task.model_id,
+        policy_version=task.policy_lora_name,
+        source="rl_task",
+        mode="gateway",
+        io_mode="gateway",
+        turn_num=0,
+        request=request,
+        response=stripped_response(response),
+        trajectory=trajectory,
+    )
+    meta["judge"] = None
     if task.evaluation:
         meta["evaluation"] = True  # the store files it under `evaluation`: measured, never trained on
     return PackedSample(

@@ -34,3 +34,5 @@ class Judge(Protocol):
     """Scores one assistant reply. Raises `JudgeFailed` when too few votes succeed."""
 
     async def score(self, request: dict, response: dict, feedback: str) -> JudgeResult: ...
+
+    async def aclose(self) -> None: ...  # the service closes its Judge on shutdown

@@ -200,12 +200,6 @@ class LoraRepository:
              "activated_at": now_iso()},
         )
 
-    def read_active_sync(self) -> dict[str, Any] | None:
-        try:
-            return orjson.loads((self.model_dir / "active").read_bytes())
-        except FileNotFoundError:
-            return None
-
     # ---------------------------------------------------------------- async façade
 
     async def create_temp(self, run_id: str) -> Path:

@@ -11,13 +11,13 @@ A pop moves the entries from the session index to `rail:inflight:{s}` and leaves
 are deleted only once judged and stored (or reported as failed). An upload that fails on the way (a Redis or store
 error) puts its entries back, and startup puts back whatever a crash left in flight, so the client's retry of the
 same batch pops the same samples again: a crash never loses a staged sample nor pairs its feedback with the next.
+Each sample's checks and its sample document are `samples.py`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,9 +29,10 @@ from ...common import ids
 from ...common.policy_names import BASE_POLICY
 from ..errors import InvalidInput, JudgeFailed
 from ..store import keys
-from ..store.codec import MAX_TOKEN_ID, PackedSample
+from ..store.codec import PackedSample
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
+from .samples import INVALID, PROTOCOL_VERSION, BatchContext, StagedSample, build_rail_sample
 
 if TYPE_CHECKING:
     from ..judge import Judge
@@ -39,9 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("openjiuwen.agent_rl.online.rail")
 
-PROTOCOL_VERSION = "rail-v1"
-INVALID = "invalid_rail_batch"
-_MAX_STEP_INDEX = 2**31 - 1
 _FEEDBACK_KEYS = ("raw_user_text", "text", "feedback")
 # Staging scores of one batch are spaced by this much so that its samples keep their batch order (equal scores
 # would fall back to member order, where "t:10" sorts before "t:2").
@@ -52,24 +50,11 @@ TAG_SESSION_DONE = "session_done"
 TAG_SESSION_FLUSH = "session_flush"
 
 
-@dataclass(slots=True)
-class _Batch:
-    session_id: str
-    trajectory_id: str
+@dataclass(frozen=True, slots=True)
+class _Batch(BatchContext):
     samples: list[Any]
     feedback: str | None  # None: no prev_feedback in this batch
     session_done: bool
-    trajectory_meta: dict[str, Any]
-    user_id: Any
-    tenant_id: Any
-    instruction_text: Any
-
-
-@dataclass(slots=True)
-class _Staged:
-    sample_id: str
-    step: int
-    sample: PackedSample
 
 
 @dataclass(slots=True)
@@ -103,13 +88,16 @@ class RailIngestor:
         parsed = self._parse_batch(batch)
         if self._judge is None:
             raise InvalidInput("judge_not_configured", "rail-v1 uploads need a Judge and none is configured")
-        valid: list[_Staged] = []
+        valid: list[StagedSample] = []
         errors: list[dict[str, str]] = []
         seen_steps: set[int] = set()
         policy_version = self._policy_version(parsed.trajectory_meta)
         for position, raw in enumerate(parsed.samples):
             try:
-                staged = self._build_sample(parsed, raw, position, policy_version, seen_steps)
+                staged = build_rail_sample(
+                    parsed, raw, position, model_id=self._model_id, policy_version=policy_version,
+                    seen_steps=seen_steps,
+                )
             except InvalidInput as exc:
                 sample_id = _fallback_sample_id(parsed.trajectory_id, raw, position)
                 errors.append({"sample_id": sample_id, "error": exc.message})
@@ -143,7 +131,7 @@ class RailIngestor:
             "errors": errors,
         }
 
-    # ------------------------------------------------------------------ validation and sample building
+    # ------------------------------------------------------------------ batch validation
 
     def _parse_batch(self, batch: dict[str, Any]) -> _Batch:
         if not isinstance(batch, dict):
@@ -188,110 +176,9 @@ class RailIngestor:
         version = trajectory_meta.get("policy_version")
         return version if ids.is_policy_name(version, self._model_id) else BASE_POLICY
 
-    def _build_sample(
-        self, batch: _Batch, raw: Any, position: int, policy_version: str, seen_steps: set[int]
-    ) -> _Staged:
-        where = f"samples[{position}]"
-        if not isinstance(raw, dict):
-            raise InvalidInput(INVALID, f"{where} must be an object")
-        step = raw.get("step_index", position)
-        if step is None:
-            step = position
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= _MAX_STEP_INDEX:
-            raise InvalidInput(INVALID, f"{where}.step_index must be an integer between 0 and {_MAX_STEP_INDEX}")
-        if step in seen_steps:
-            raise InvalidInput(INVALID, f"{where}.step_index {step} repeats an earlier sample of the batch")
-        messages = raw.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise InvalidInput(INVALID, f"{where}.messages must be a non-empty list of objects")
-        prompt_ids = _token_ids(raw, "prompt_ids", where)
-        response_ids = _token_ids(raw, "response_tokens", where)
-        logprobs = _logprobs(raw, len(response_ids), where)
-        response_mask = _response_mask(raw, len(response_ids), where)
-        tools = raw.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise InvalidInput(INVALID, f"{where}.tools must be a list")
-        response_in = raw.get("response")
-        if response_in is not None and not isinstance(response_in, dict):
-            raise InvalidInput(INVALID, f"{where}.response must be an object")
-        response_in = response_in or {}
-        meta = raw.get("meta")
-        if meta is not None and not isinstance(meta, dict):
-            raise InvalidInput(INVALID, f"{where}.meta must be an object")
-        meta = meta or {}
-        expected = raw.get("render_fingerprint_expected", batch.trajectory_meta.get("render_fingerprint_expected"))
-        if expected is not None and raw.get("render_fingerprint") is not None and raw["render_fingerprint"] != expected:
-            raise InvalidInput(INVALID, f"{where}.render_fingerprint does not match render_fingerprint_expected")
-        response_text = _response_text(raw, response_in, where)
-        tool_calls = response_in.get("tool_calls")
-        if tool_calls is not None and not isinstance(tool_calls, list):
-            raise InvalidInput(INVALID, f"{where}.response.tool_calls must be a list")
-
-        sample_id = f"{batch.trajectory_id}:{step}"
-        message: dict[str, Any] = {"role": "assistant", "content": response_in.get("content", response_text)}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        usage = response_in.get("usage")
-        if not isinstance(usage, dict):
-            usage = {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(response_ids),
-                "total_tokens": len(prompt_ids) + len(response_ids),
-            }
-        trajectory: dict[str, Any] = {
-            "prompt_ids": prompt_ids,
-            "response_ids": response_ids,
-            "response_logprobs": logprobs,
-            "response_text": response_text,
-            "tool_calls": tool_calls or [],
-            "routed_experts": meta.get("routed_experts"),
-            "routing_metadata": meta.get("routing_metadata"),
-        }
-        if response_mask is not None:
-            trajectory["response_mask"] = response_mask
-        instruction_text = raw.get("instruction_text", batch.instruction_text)
-        document = {
-            "sample_id": sample_id,
-            "trajectory_id": sample_id,
-            "rl_task_id": None,
-            "task_id": None,
-            "agent_turn_id": None,
-            "session_id": batch.session_id,
-            "user_id": self._model_id,  # the owner is always the service model; the batch's user_id is metadata
-            "model": self._model_id,
-            "policy_version": policy_version,
-            "source": "rail",
-            "mode": PROTOCOL_VERSION,
-            "io_mode": "rail",
-            "turn_num": step + 1,
-            "created_at": ids.now_iso(),
-            "request": {"messages": messages, "tools": tools or []},
-            "response": {
-                "object": "chat.completion",
-                "model": self._model_id,
-                "choices": [{"index": 0, "message": message, "finish_reason": response_in.get("finish_reason")}],
-                "usage": usage,
-            },
-            "trajectory": trajectory,
-            "rail_meta": {
-                "protocol_version": PROTOCOL_VERSION,
-                "user_id": batch.user_id,
-                "tenant_id": batch.tenant_id,
-                "sample_meta": meta,
-                "trajectory_meta": batch.trajectory_meta,
-                "instruction_text": instruction_text if isinstance(instruction_text, str) else None,
-            },
-        }
-        packed = PackedSample.from_document(document)
-        try:
-            packed.meta_json()  # refuse here, per sample, what JSON cannot carry (nesting, huge integers)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise InvalidInput(INVALID, f"{where} cannot be stored: {exc}") from exc
-        return _Staged(sample_id, step, packed)
-
     # ------------------------------------------------------------------ staging and atomic pops
 
-    async def _stage(self, session_id: str, trajectory_id: str, samples: list[_Staged]) -> None:
+    async def _stage(self, session_id: str, trajectory_id: str, samples: list[StagedSample]) -> None:
         index = keys.pending_judge_session(session_id)
         # A retried upload must not re-judge what is already stored: skip samples the store already holds.
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -320,7 +207,7 @@ class RailIngestor:
 
         await transact(self._redis, body, index)
 
-    async def _pop(self, session_id: str, *, first_only: bool) -> list[_Staged]:
+    async def _pop(self, session_id: str, *, first_only: bool) -> list[StagedSample]:
         """Atomically take the session's earliest staged sample (or all of them), in staging order, into the
         session's in-flight set; `_settle` deletes them once stored.
 
@@ -351,7 +238,7 @@ class RailIngestor:
                 ]
 
             popped = await transact(self._redis, body, index)
-            out = [_Staged(member, step, PackedSample.decode_staged(blob)) for member, step, blob in popped if blob]
+            out = [StagedSample(member, step, PackedSample.decode_staged(blob)) for member, step, blob in popped if blob]
             gone = [member for member, _, blob in popped if not blob]
             if gone:
                 await self._release(session_id, gone)
@@ -362,7 +249,7 @@ class RailIngestor:
     async def _settle(
         self,
         session_id: str,
-        popped: list[_Staged],
+        popped: list[StagedSample],
         feedback: str,
         outcome: _Outcome,
         errors: list[dict[str, str]],
@@ -431,7 +318,7 @@ class RailIngestor:
 
     async def _judge_and_store(
         self,
-        popped: list[_Staged],
+        popped: list[StagedSample],
         feedback: str,
         outcome: _Outcome,
         errors: list[dict[str, str]],
@@ -456,7 +343,7 @@ class RailIngestor:
                 by_id = {str(s.meta["sample_id"]): s for s in reversed(judged)}  # the first of a duplicate id won
                 await self._recorder.record([by_id[sample_id] for sample_id in inserted])
 
-    async def _judge_one(self, staged: _Staged, feedback: str, tag: str) -> PackedSample | str:
+    async def _judge_one(self, staged: StagedSample, feedback: str, tag: str) -> PackedSample | str:
         """The judged sample, or the failure text when the Judge could not score it."""
         assert self._judge is not None  # checked before anything was popped
         meta = staged.sample.meta
@@ -479,50 +366,6 @@ def _feedback_text(value: Any) -> str | None:
             if isinstance(value.get(name), str):
                 return value[name]
     raise InvalidInput(INVALID, "prev_feedback must be a string or an object with raw_user_text, text or feedback")
-
-
-def _token_ids(raw: dict[str, Any], name: str, where: str) -> list[int]:
-    if name not in raw:
-        raise InvalidInput(INVALID, f"{where}: missing field: {name}")
-    value = raw[name]
-    if not isinstance(value, list) or not all(
-        type(x) is int and 0 <= x <= MAX_TOKEN_ID for x in value  # bool is not a token id
-    ):
-        raise InvalidInput(INVALID, f"{where}.{name} must be a list of integers between 0 and {MAX_TOKEN_ID}")
-    return value
-
-
-def _logprobs(raw: dict[str, Any], length: int, where: str) -> list[float]:
-    if "logprobs" not in raw:
-        raise InvalidInput(INVALID, f"{where}: missing field: logprobs")
-    value = raw["logprobs"]
-    if not isinstance(value, list) or not all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value
-    ):
-        raise InvalidInput(INVALID, f"{where}.logprobs must be a list of finite numbers")
-    # Aligned with the response: extra values dropped, missing ones zero-padded (§4.6).
-    return [float(x) for x in value[:length]] + [0.0] * max(0, length - len(value))
-
-
-def _response_mask(raw: dict[str, Any], length: int, where: str) -> list[int] | None:
-    value = raw.get("response_mask")
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(type(x) is int and x in (0, 1) for x in value):
-        raise InvalidInput(INVALID, f"{where}.response_mask must be a list of 0 and 1")
-    if len(value) != length:
-        raise InvalidInput(INVALID, f"{where}.response_mask must have as many entries as response_tokens")
-    return None if all(value) else value  # all ones is the default, so it is not stored
-
-
-def _response_text(raw: dict[str, Any], response: dict[str, Any], where: str) -> str:
-    text = raw.get("response_text")
-    if text is not None and not isinstance(text, str):
-        raise InvalidInput(INVALID, f"{where}.response_text must be a string")
-    content = response.get("content")
-    if content is not None and not isinstance(content, str):
-        raise InvalidInput(INVALID, f"{where}.response.content must be a string")
-    return text if text is not None else content or ""
 
 
 def _parse_member(member: str) -> tuple[str | None, int]:

@@ -187,7 +187,7 @@ class TrajectoryStore:
                     },
                 )
                 pipe.zadd(self.index_key(status), {sample_id: ids.parse_iso_epoch(created_at)})
-                self._queue_counters(pipe, status, source, policy_version, +1)
+                self.queue_counters(pipe, status, source, policy_version, +1)
                 self._queue_policy_stats(pipe, policy_version, meta, sample.response_ids, +1)
             pipe.sadd(keys.TRAJ_USERS, self._owner)
             await pipe.execute()
@@ -229,7 +229,7 @@ class TrajectoryStore:
                 pipe.zrem(self.index_key(status), sample_id)
                 if status == SampleStatus.AWAITING_REWARDS:
                     pipe.zrem(self._deadlines_key, sample_id)
-                self._queue_counters(pipe, status, source, policy_version, -1)
+                self.queue_counters(pipe, status, source, policy_version, -1)
                 meta = decode_meta(sample_json)
                 self._queue_policy_stats(pipe, policy_version, meta, response_ids or b"", -1)
             await pipe.execute()
@@ -280,9 +280,6 @@ class TrajectoryStore:
 
     def queue_counters(self, pipe: Pipeline, status: str, source: str, policy_version: str, delta: int) -> None:
         """Queue the counter changes of a sample of `status` entering (+1) or leaving (-1) the store."""
-        self._queue_counters(pipe, status, source, policy_version, delta)
-
-    def _queue_counters(self, pipe: Pipeline, status: str, source: str, policy_version: str, delta: int) -> None:
         pipe.hincrby(self._stats_key, _status_field(status), delta)
         pipe.hincrby(self._stats_key, _source_field(source), delta)
         if status == SampleStatus.PENDING:
@@ -376,13 +373,6 @@ class TrajectoryStore:
             counters, model_id=self._model_id, current_version=ids.policy_lag_version(name, self._model_id),
             max_policy_lag=self._max_policy_lag,
         )
-
-    async def status_of(self, sample_id: str) -> str | None:
-        try:
-            key = keys.traj(sample_id)
-        except InvalidIdentifier:
-            return None
-        return text(await self._redis.hget(key, "status"))
 
     async def get_documents(self, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
         """Logical documents (§4.5, arrays unpacked) of the samples that exist, in input order."""

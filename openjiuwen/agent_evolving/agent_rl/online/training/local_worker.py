@@ -13,7 +13,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:  # torch, peft and transformers load in the worker only, inside the functions that use them
+    from .batch import ConvertedBatch
+    from .ppo_settings import PPOSettings
 
 
 def _events_stream() -> TextIO:
@@ -30,18 +34,39 @@ def _emit(stream: TextIO, event: dict[str, Any]) -> None:
 
 
 def train(spec: dict[str, Any], emit: Any) -> dict[str, Any]:
+    from .adapter_files import save_peft_adapter
+    from .ppo_settings import PPOSettings
+
+    settings = PPOSettings.from_dict(spec["settings"])
+    _seed_torch(settings)
+    model, tokenizer = _load_policy(spec, settings)
+    batch = _load_batch(spec, settings, tokenizer)
+    update = _PPOUpdate(model, batch, settings)
+    step_metrics: list[dict[str, Any]] = []
+    for step, rows in enumerate(update.slices(), start=1):
+        metrics = update.step(step, rows)
+        step_metrics.append(metrics)
+        emit({"event": "step", "metrics": metrics})
+    save_peft_adapter(model, Path(spec["output_dir"]))
+    return {
+        "metrics": update.run_record(step_metrics),
+        "dropped_sample_ids": batch.dropped_sample_ids,
+    }
+
+
+def _seed_torch(settings: PPOSettings) -> None:
+    import torch
+
+    torch.manual_seed(settings.seed)  # before the LoRA exists: a new adapter's initial weights come from it
+    torch.set_num_threads(settings.num_threads if settings.num_threads > 0 else max(1, os.cpu_count() or 1))
+
+
+def _load_policy(spec: dict[str, Any], settings: PPOSettings) -> tuple[Any, Any]:
+    """The base model with the parent adapter (trainable) when there is one, else a new LoRA; and its tokenizer."""
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import ppo_math
-    from .adapter_files import save_peft_adapter
-    from .batch import chunk_rows, convert_samples
-    from .ppo_settings import PPOSettings
-
-    settings = PPOSettings.from_dict(spec["settings"])
-    torch.manual_seed(settings.seed)
-    torch.set_num_threads(settings.num_threads if settings.num_threads > 0 else max(1, os.cpu_count() or 1))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         settings.dtype, torch.float32
     )
@@ -49,73 +74,123 @@ def train(spec: dict[str, Any], emit: Any) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
     if spec.get("init_lora_path"):
-        model = PeftModel.from_pretrained(model, spec["init_lora_path"], is_trainable=True)
-    else:
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=settings.lora_rank, lora_alpha=settings.lora_alpha, target_modules=settings.target_modules,
-                lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-            ),
-        )
+        return PeftModel.from_pretrained(model, spec["init_lora_path"], is_trainable=True), tokenizer
+    lora = LoraConfig(
+        r=settings.lora_rank, lora_alpha=settings.lora_alpha, target_modules=settings.target_modules,
+        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora), tokenizer
+
+
+def _load_batch(spec: dict[str, Any], settings: PPOSettings, tokenizer: Any) -> ConvertedBatch:
+    from .batch import convert_samples
+
     samples = json.loads(Path(spec["batch_path"]).read_bytes())
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batch = convert_samples(
+    return convert_samples(
         samples, pad_token_id=pad, max_prompt_length=settings.max_prompt_length,
         max_response_length=settings.max_response_length,
         filter_overlong_prompts=settings.filter_overlong_prompts,
         advantage_estimator=settings.advantage_estimator,
     )
-    actor = ppo_math.actor_config(settings)
-    mask = batch.response_mask
 
-    def forward(rows: list[int], *, grad: bool, entropy: bool = False) -> ppo_math.TokenStats:
+
+class _PPOUpdate:
+    """One run's PPO state: the policy and its optimizer, the converted batch, and the log-probs fixed before any
+    update (the frozen base model as KL reference; π_old, the parent weights, only matters with TIS)."""
+
+    def __init__(self, model: Any, batch: ConvertedBatch, settings: PPOSettings) -> None:
+        import torch
+
+        from . import ppo_math
+
+        self._model = model
+        self._batch = batch
+        self._settings = settings
+        self._actor = ppo_math.actor_config(settings)
+        want_kl = settings.use_kl_in_reward and settings.kl_coef > 0
+        self._ref_log_probs = self._forward_all(disable_adapter=True) if want_kl else None
+        self._pi_old = self._forward_all() if settings.tis_cap else None
+        self._optimizer = torch.optim.AdamW(self._trainable(), lr=settings.learning_rate, weight_decay=0.01)
+
+    def _trainable(self) -> list[Any]:
+        return [p for p in self._model.parameters() if p.requires_grad]
+
+    def slices(self) -> list[list[int]]:
+        from .batch import chunk_rows
+
+        batch = self._batch
+        grpo = self._settings.advantage_estimator == "grpo"  # a group is never split across steps
+        return chunk_rows(
+            len(batch), self._settings.ppo_samples_per_step, uids=batch.uid if grpo else None,
+            created_at=batch.created_at if grpo else None,
+        )
+
+    def _forward(self, rows: list[int], *, grad: bool, entropy: bool = False) -> Any:
+        import torch
+
+        from . import ppo_math
+
+        batch = self._batch
         idx = torch.tensor(rows, dtype=torch.long)
         with torch.set_grad_enabled(grad):
             return ppo_math.response_log_probs(
-                model, batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
-                batch.responses[idx], with_entropy=entropy, detach_prompt=grad and settings.detach_prompt,
+                self._model, batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
+                batch.responses[idx], with_entropy=entropy, detach_prompt=grad and self._settings.detach_prompt,
             )
 
-    def forward_all(*, disable_adapter: bool = False) -> torch.Tensor:
-        micro = max(1, settings.ppo_micro_batch_size)
+    def _forward_all(self, *, disable_adapter: bool = False) -> Any:
+        import torch
+
+        micro = max(1, self._settings.ppo_micro_batch_size)
         parts = []
-        model.eval()
-        for start in range(0, len(batch), micro):
-            rows = list(range(start, min(start + micro, len(batch))))
+        self._model.eval()
+        for start in range(0, len(self._batch), micro):
+            rows = list(range(start, min(start + micro, len(self._batch))))
             if disable_adapter:
-                with model.disable_adapter():
-                    parts.append(forward(rows, grad=False).log_probs)
+                with self._model.disable_adapter():
+                    parts.append(self._forward(rows, grad=False).log_probs)
             else:
-                parts.append(forward(rows, grad=False).log_probs)
+                parts.append(self._forward(rows, grad=False).log_probs)
         return torch.cat(parts).detach()
 
-    # The frozen base model is the KL reference; π_old (parent weights before any update) only matters with TIS.
-    want_kl = settings.use_kl_in_reward and settings.kl_coef > 0
-    ref_log_probs = forward_all(disable_adapter=True) if want_kl else None
-    pi_old = forward_all() if settings.tis_cap else None
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=settings.learning_rate, weight_decay=0.01
-    )
-    grpo = settings.advantage_estimator == "grpo"
-    slices = chunk_rows(
-        len(batch), settings.ppo_samples_per_step, uids=batch.uid if grpo else None,
-        created_at=batch.created_at if grpo else None,
-    )
-    step_metrics: list[dict[str, Any]] = []
-    for step, rows in enumerate(slices, start=1):
+    def step(self, step: int, rows: list[int]) -> dict[str, Any]:
+        """One PPO step over the batch rows `rows`: rewards and advantages of the slice, then the update; its
+        metrics record."""
+        import torch
+
+        from . import ppo_math
+
+        batch, settings = self._batch, self._settings
         started = time.perf_counter()
         idx = torch.tensor(rows, dtype=torch.long)
         behaviour = batch.old_log_probs[idx]
-        slice_mask = mask[idx]
+        slice_mask = batch.response_mask[idx]
+        ref = None if self._ref_log_probs is None else self._ref_log_probs[idx]
         rewards, kl = ppo_math.token_level_rewards(
-            batch.token_level_scores[idx], slice_mask, behaviour_log_probs=behaviour,
-            ref_log_probs=None if ref_log_probs is None else ref_log_probs[idx], settings=settings,
+            batch.token_level_scores[idx], slice_mask, behaviour_log_probs=behaviour, ref_log_probs=ref,
+            settings=settings,
         )
         adv = ppo_math.advantages(rewards, slice_mask, [batch.uid[i] for i in rows], settings)
+        pi_old = self._pi_old
         old = behaviour if pi_old is None else pi_old[idx]
         weights = None if pi_old is None else ppo_math.truncated_is_weights(pi_old[idx], behaviour, settings.tis_cap)
-        model.train()
+        totals = self._update(rows, old=old, adv=adv, mask=slice_mask, weights=weights)
+        elapsed = time.perf_counter() - started
+        return ppo_math.step_record(
+            totals, step=step, samples=len(rows), response_mask=slice_mask, kl=kl,
+            scores=batch.token_level_scores[idx], epochs=settings.ppo_epochs, elapsed_s=elapsed, meta=batch.meta,
+        )
+
+    def _update(self, rows: list[int], *, old: Any, adv: Any, mask: Any, weights: Any) -> dict[str, float]:
+        """`ppo_epochs` passes over the slice in mini-batches (one optimizer step each) of micro-batches (one
+        backward each); the loss parts averaged over the micro-batches, and the mean gradient norm."""
+        import torch
+
+        from . import ppo_math
+
+        settings = self._settings
+        self._model.train()
         totals: dict[str, float] = {}
         grad_norms: list[float] = []
         micro_count = 0
@@ -124,40 +199,32 @@ def train(spec: dict[str, Any], emit: Any) -> dict[str, Any]:
         for _ in range(settings.ppo_epochs):
             for m_start in range(0, len(rows), mini):
                 mini_rows = list(range(m_start, min(m_start + mini, len(rows))))
-                optimizer.zero_grad(set_to_none=True)
+                self._optimizer.zero_grad(set_to_none=True)
                 for u_start in range(0, len(mini_rows), micro):
                     local = mini_rows[u_start : u_start + micro]
-                    stats = forward([rows[i] for i in local], grad=True, entropy=bool(settings.entropy_coeff))
+                    stats = self._forward([rows[i] for i in local], grad=True, entropy=bool(settings.entropy_coeff))
                     loc = torch.tensor(local, dtype=torch.long)
                     loss, parts = ppo_math.policy_loss(
                         old_log_probs=old[loc], log_probs=stats.log_probs, adv=adv[loc],
-                        response_mask=slice_mask[loc], entropy=stats.entropy,
-                        is_weights=None if weights is None else weights[loc], actor=actor, settings=settings,
+                        response_mask=mask[loc], entropy=stats.entropy,
+                        is_weights=None if weights is None else weights[loc], actor=self._actor, settings=settings,
                     )
                     (loss * (len(local) / len(mini_rows))).backward()
                     parts["loss"] = float(loss.detach())
                     for key, value in parts.items():
                         totals[key] = totals.get(key, 0.0) + value
                     micro_count += 1
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    [p for p in model.parameters() if p.requires_grad], settings.grad_clip
-                )
+                grad_norm = torch.nn.utils.clip_grad_norm_(self._trainable(), settings.grad_clip)
                 grad_norms.append(float(grad_norm))
-                optimizer.step()
-        elapsed = time.perf_counter() - started
+                self._optimizer.step()
         totals = {key: value / max(1, micro_count) for key, value in totals.items()}
         totals["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
-        metrics = ppo_math.step_record(
-            totals, step=step, samples=len(rows), response_mask=slice_mask, kl=kl,
-            scores=batch.token_level_scores[idx], epochs=settings.ppo_epochs, elapsed_s=elapsed, meta=batch.meta,
-        )
-        step_metrics.append(metrics)
-        emit({"event": "step", "metrics": metrics})
-    save_peft_adapter(model, Path(spec["output_dir"]))
-    return {
-        "metrics": ppo_math.run_record(step_metrics, batch.meta),
-        "dropped_sample_ids": batch.dropped_sample_ids,
-    }
+        return totals
+
+    def run_record(self, step_metrics: list[dict[str, Any]]) -> dict[str, Any]:
+        from . import ppo_math
+
+        return ppo_math.run_record(step_metrics, self._batch.meta)
 
 
 def main(argv: list[str] | None = None) -> int:

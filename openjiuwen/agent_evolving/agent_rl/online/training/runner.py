@@ -30,7 +30,7 @@ from ...common.ids import now_iso, parse_iso_epoch, policy_lag_version
 from ..lora.gateway_client import GatewayError, GatewayLoraClient
 from ..lora.repository import Artifact, LoraRepository
 from ..store.trajectories import TrajectoryStore
-from .backends import TrainerBackend
+from .backends import TrainerBackend, TrainingJob
 from .models import RunStage, RunStatus, TrainingRun, empty_metrics, new_run_id
 from .runs import RunNotFound, RunStore
 
@@ -297,15 +297,15 @@ class TrainingRunner:
         started = time.perf_counter()
         try:
             samples = await self._store.get_documents(run.sample_ids)
-            artifact = await self._backend.train(
+            job = TrainingJob(
                 training_run_id=run_id,
                 model_id=self._model_id,
                 base_model_path=self._base_model_path,
                 samples=samples,
                 init_lora_name=run.parent_lora_name,
                 init_lora_path=run.parent_lora_path,
-                on_progress=self._progress_recorder(run_id),
             )
+            artifact = await self._backend.train(job, on_progress=self._progress_recorder(run_id))
             await asyncio.to_thread(self._repository.validate_artifact, artifact)
             self._fault("run.trained")
         except asyncio.CancelledError:

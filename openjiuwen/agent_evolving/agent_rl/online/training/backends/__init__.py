@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ....common.policy_names import BASE_POLICY
 from ...lora.repository import Artifact
 
 OnProgress = Callable[[dict[str, Any]], Awaitable[None]]
@@ -14,20 +16,26 @@ class TrainingCanceled(RuntimeError):
     """`train` ended because its run was canceled through `cancel`."""
 
 
+@dataclass(frozen=True, slots=True)
+class TrainingJob:
+    """What one Training Run trains: its claimed samples, on top of the base model or of a parent LoRA version."""
+
+    training_run_id: str
+    model_id: str
+    base_model_path: str
+    samples: Sequence[dict[str, Any]]
+    init_lora_name: str  # "base", or the LoRA version training continues from
+    init_lora_path: str  # that version's repository directory; "" from the base model
+
+    @property
+    def from_lora(self) -> bool:
+        return self.init_lora_name != BASE_POLICY
+
+
 class TrainerBackend(Protocol):
     name: str
 
-    async def train(
-        self,
-        *,
-        training_run_id: str,
-        model_id: str,
-        base_model_path: str,
-        samples: Sequence[dict[str, Any]],
-        init_lora_name: str,
-        init_lora_path: str,
-        on_progress: OnProgress,
-    ) -> Artifact: ...
+    async def train(self, job: TrainingJob, *, on_progress: OnProgress) -> Artifact: ...
 
     async def cancel(self, training_run_id: str) -> bool: ...  # True only once the worker is gone for good
 

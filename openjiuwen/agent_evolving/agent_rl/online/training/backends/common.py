@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from ....common.ids import lora_version, now_iso
 from ....common.policy_names import BASE_POLICY
 from ..ppo_settings import PPOSettings
+from . import TrainingJob
 
 
 def sample_score(sample: dict[str, Any]) -> float:
@@ -20,33 +20,24 @@ def sample_score(sample: dict[str, Any]) -> float:
 
 
 def artifact_metadata(
-    *,
-    training_run_id: str,
-    model_id: str,
-    base_model_path: str,
-    samples: Sequence[dict[str, Any]],
-    init_lora_name: str,
-    init_lora_path: str,
-    trainer_backend: str,
-    ppo_samples_per_step: int,
-    metrics: dict[str, Any],
+    job: TrainingJob, *, trainer_backend: str, ppo_samples_per_step: int, metrics: dict[str, Any]
 ) -> dict[str, Any]:
     versions: dict[str, int] = {}
-    for s in samples:
+    for s in job.samples:
         v = str(s.get("policy_version") or BASE_POLICY)
         versions[v] = versions.get(v, 0) + 1
-    scores = [sample_score(s) for s in samples]
-    from_lora = init_lora_name != BASE_POLICY
+    scores = [sample_score(s) for s in job.samples]
+    from_lora = job.from_lora
     return {
-        "training_run_id": training_run_id,
+        "training_run_id": job.training_run_id,
         "created_at": now_iso(),
-        "base_model": base_model_path,
-        "parent_lora_id": init_lora_name if from_lora else "",
-        "parent_lora_version": lora_version(init_lora_name, model_id) if from_lora else None,
-        "parent_lora_path": init_lora_path if from_lora else "",
+        "base_model": job.base_model_path,
+        "parent_lora_id": job.init_lora_name if from_lora else "",
+        "parent_lora_version": lora_version(job.init_lora_name, job.model_id) if from_lora else None,
+        "parent_lora_path": job.init_lora_path if from_lora else "",
         "training_source": "active_lora" if from_lora else "base_model",
-        "trajectory_count": len({s.get("trajectory_id") for s in samples}),
-        "sample_count": len(samples),
+        "trajectory_count": len({s.get("trajectory_id") for s in job.samples}),
+        "sample_count": len(job.samples),
         "reward_avg": sum(scores) / len(scores) if scores else 0.0,
         "policy_versions": versions,
         "trainer_backend": trainer_backend,
@@ -62,22 +53,12 @@ def artifact_metadata(
 
 
 def trained_metadata(
-    result: dict[str, Any],
-    *,
-    settings: PPOSettings,
-    trainer_backend: str,
-    training_run_id: str,
-    model_id: str,
-    base_model_path: str,
-    samples: Sequence[dict[str, Any]],
-    init_lora_name: str,
-    init_lora_path: str,
+    job: TrainingJob, result: dict[str, Any], *, settings: PPOSettings, trainer_backend: str
 ) -> dict[str, Any]:
     """The metadata of a PPO trainer's artifact from its result (`metrics`, `dropped_sample_ids`)."""
     meta = artifact_metadata(
-        training_run_id=training_run_id, model_id=model_id, base_model_path=base_model_path, samples=samples,
-        init_lora_name=init_lora_name, init_lora_path=init_lora_path, trainer_backend=trainer_backend,
-        ppo_samples_per_step=settings.ppo_samples_per_step, metrics=result.get("metrics", {}),
+        job, trainer_backend=trainer_backend, ppo_samples_per_step=settings.ppo_samples_per_step,
+        metrics=result.get("metrics", {}),
     )
     meta["dropped_sample_ids"] = list(result.get("dropped_sample_ids", []))
     meta["settings"] = settings.to_dict()

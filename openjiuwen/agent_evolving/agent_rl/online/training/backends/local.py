@@ -22,11 +22,10 @@ from typing import Any
 
 import orjson
 
-from ....common.policy_names import BASE_POLICY
 from ...lora.repository import Artifact, LoraRepository
 from ....common.private_files import make_run_dir, write_private
 from ..ppo_settings import PPOSettings
-from . import OnProgress, TrainingCanceled
+from . import OnProgress, TrainingCanceled, TrainingJob
 from .common import trained_metadata
 
 log = logging.getLogger("openjiuwen.agent_rl.online.training.local")
@@ -55,17 +54,8 @@ class LocalBackend:
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._canceled: set[str] = set()
 
-    async def train(
-        self,
-        *,
-        training_run_id: str,
-        model_id: str,
-        base_model_path: str,
-        samples: Sequence[dict[str, Any]],
-        init_lora_name: str,
-        init_lora_path: str,
-        on_progress: OnProgress,
-    ) -> Artifact:
+    async def train(self, job: TrainingJob, *, on_progress: OnProgress) -> Artifact:
+        training_run_id = job.training_run_id
         run_dir: Path | None = None
         try:
             # Before anything else: an unsafe root fails the run with its reason, and nothing is written into it.
@@ -73,19 +63,15 @@ class LocalBackend:
             output = await self._repository.create_temp(training_run_id)
             spec = {
                 "training_run_id": training_run_id,
-                "base_model_path": base_model_path,
-                "init_lora_path": init_lora_path if init_lora_name != BASE_POLICY else "",
+                "base_model_path": job.base_model_path,
+                "init_lora_path": job.init_lora_path if job.from_lora else "",
                 "output_dir": str(output),
                 "batch_path": str(run_dir / "batch.json"),
                 "settings": self._settings.to_dict(),
             }
-            await asyncio.to_thread(self._write_inputs, run_dir, spec, samples)
+            await asyncio.to_thread(self._write_inputs, run_dir, spec, job.samples)
             result = await self._run_worker(training_run_id, run_dir / "spec.json", on_progress)
-            meta = trained_metadata(
-                result, settings=self._settings, trainer_backend=self.name, training_run_id=training_run_id,
-                model_id=model_id, base_model_path=base_model_path, samples=samples,
-                init_lora_name=init_lora_name, init_lora_path=init_lora_path,
-            )
+            meta = trained_metadata(job, result, settings=self._settings, trainer_backend=self.name)
             return await self._repository.publish(output, meta)
         finally:
             self._canceled.discard(training_run_id)

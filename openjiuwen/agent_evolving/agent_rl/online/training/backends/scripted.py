@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from ...lora.repository import Artifact, LoraRepository
-from . import OnProgress, TrainingCanceled
+from . import OnProgress, TrainingCanceled, TrainingJob
 from .common import artifact_metadata
 
 
@@ -44,20 +43,11 @@ class ScriptedBackend:
             return orjson.loads(self._plan_path.read_bytes())
         return dict(self.plan)
 
-    async def train(
-        self,
-        *,
-        training_run_id: str,
-        model_id: str,
-        base_model_path: str,
-        samples: Sequence[dict[str, Any]],
-        init_lora_name: str,
-        init_lora_path: str,
-        on_progress: OnProgress,
-    ) -> Artifact:
+    async def train(self, job: TrainingJob, *, on_progress: OnProgress) -> Artifact:
+        training_run_id, samples = job.training_run_id, job.samples
         plan = await asyncio.to_thread(self._current_plan)
         self.calls.append({"training_run_id": training_run_id, "sample_ids": [s["sample_id"] for s in samples],
-                           "init_lora_name": init_lora_name})
+                           "init_lora_name": job.init_lora_name})
         cancel = self._cancel_events.setdefault(training_run_id, asyncio.Event())
         try:
             delay = float(plan.get("delay_seconds", 0))
@@ -80,11 +70,7 @@ class ScriptedBackend:
             temp = await self._repository.create_temp(training_run_id)
             await asyncio.to_thread(self._write_adapter, temp)
             metrics = {"steps": len(steps), "step_metrics": [], "dropped_samples": len(plan.get("drop", []))}
-            meta = artifact_metadata(
-                training_run_id=training_run_id, model_id=model_id, base_model_path=base_model_path,
-                samples=samples, init_lora_name=init_lora_name, init_lora_path=init_lora_path,
-                trainer_backend=self.name, ppo_samples_per_step=0, metrics=metrics,
-            )
+            meta = artifact_metadata(job, trainer_backend=self.name, ppo_samples_per_step=0, metrics=metrics)
             meta["dropped_sample_ids"] = list(plan.get("drop", []))
             return await self._repository.publish(temp, meta)
         finally:

@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ....common.policy_names import BASE_POLICY
 from ...lora.repository import Artifact, LoraRepository
 from ..adapter_files import ADAPTER_FILES
 from ..ppo_settings import PPOSettings
-from . import OnProgress, TrainingCanceled
+from . import OnProgress, TrainingCanceled, TrainingJob
 from .common import trained_metadata
 
 log = logging.getLogger("openjiuwen.agent_rl.online.training.verl")
@@ -184,35 +183,19 @@ class VerlBackend:
 
     # --- the interface ---------------------------------------------------------------------------------------------
 
-    async def train(
-        self,
-        *,
-        training_run_id: str,
-        model_id: str,
-        base_model_path: str,
-        samples: Sequence[dict[str, Any]],
-        init_lora_name: str,
-        init_lora_path: str,
-        on_progress: OnProgress,
-    ) -> Artifact:
+    async def train(self, job: TrainingJob, *, on_progress: OnProgress) -> Artifact:
+        training_run_id = job.training_run_id
         run = self._runs[training_run_id] = _Run()
         try:
-            init_files = (
-                await asyncio.to_thread(self._read_adapter, Path(init_lora_path))
-                if init_lora_name != BASE_POLICY else {}
-            )
-            job = {
-                "training_run_id": training_run_id, "config": self._ppo_config, "base_model_path": base_model_path,
-                "samples": list(samples), "settings": self._settings.to_dict(), "init_lora_files": init_files,
+            init_files = await asyncio.to_thread(self._read_adapter, Path(job.init_lora_path)) if job.from_lora else {}
+            actor_job = {
+                "training_run_id": training_run_id, "config": self._ppo_config, "base_model_path": job.base_model_path,
+                "samples": list(job.samples), "settings": self._settings.to_dict(), "init_lora_files": init_files,
             }
-            result = await self._execute(training_run_id, run, job, on_progress)
+            result = await self._execute(training_run_id, run, actor_job, on_progress)
             output = await self._repository.create_temp(training_run_id)
             await asyncio.to_thread(self._write_adapter, output, result["adapter_files"])
-            meta = trained_metadata(
-                result, settings=self._settings, trainer_backend=self.name, training_run_id=training_run_id,
-                model_id=model_id, base_model_path=base_model_path, samples=samples,
-                init_lora_name=init_lora_name, init_lora_path=init_lora_path,
-            )
+            meta = trained_metadata(job, result, settings=self._settings, trainer_backend=self.name)
             meta["ray"] = {"namespace": self.namespace, "actor": actor_name(self._model_id), "nproc": self._nproc}
             return await self._repository.publish(output, meta)
         finally:
