@@ -66,7 +66,7 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
-class ApiError(CliError):
+class ErrorAnswer(CliError):
     """A non-2xx answer: its status and the envelope's code and message."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
@@ -119,7 +119,7 @@ class GatewayClient:
                 code, message = str(error["code"]), str(error["message"])
             except (ValueError, KeyError, TypeError):
                 code, message = "http_error", resp.text[:300] or resp.reason_phrase
-            raise ApiError(resp.status_code, code, message)
+            raise ErrorAnswer(resp.status_code, code, message)
         if not resp.content:
             return None
         try:
@@ -481,7 +481,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
     while True:
         try:
             run = ctx.client.request("GET", f"/v1/rl/training/runs/{_q(run_id)}")
-        except ApiError as exc:
+        except ErrorAnswer as exc:
             if exc.status < 500:  # unknown run, bad key: waiting does not help
                 raise
             problem = str(exc)

@@ -8,15 +8,14 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from ..common.errors import JSONBody, envelope
 from .rl_client import RLAnswer
+
+__all__ = ["envelope", "json_response", "passthrough", "upstream_error"]
 
 
 def json_response(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
-
-
-def envelope(status: int, code: str, message: str) -> Response:
-    return json_response({"error": {"code": code, "message": message}}, status)
+    return JSONBody(data, status_code=status)
 
 
 def passthrough(answer: RLAnswer) -> Response:
