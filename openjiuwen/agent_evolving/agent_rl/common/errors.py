@@ -13,6 +13,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+log = logging.getLogger("openjiuwen.agent_rl.http")  # unhandled errors of an app that names no logger of its own
+
 
 class JSONBody(Response):
     """A JSON response rendered with orjson (bodies here carry large token arrays)."""
@@ -87,7 +89,7 @@ class CatchAllMiddleware:
 
 
 def install_error_envelope(
-    app: FastAPI, *, logger: logging.Logger, message: str = "internal service error",
+    app: FastAPI, *, logger: logging.Logger | None = None, message: str = "internal service error",
     on_error: Callable[[Exception], None] | None = None,
 ) -> None:
     """Every client mistake and every unhandled error of `app` answered with the envelope."""
@@ -108,4 +110,4 @@ def install_error_envelope(
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONBody:
         return envelope(400, "invalid_request", "invalid request parameters")
 
-    app.add_middleware(CatchAllMiddleware, message=message, logger=logger, on_error=on_error)
+    app.add_middleware(CatchAllMiddleware, message=message, logger=logger or log, on_error=on_error)
