@@ -12,7 +12,7 @@ import pytest
 from openjiuwen.agent_evolving.agent_rl.gateway.canary import in_candidate_arm, split_point
 from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
 from tests.integration.test_gateway_lora_manager import (  # noqa: F401  (fixtures)
-    MODEL, V1, V2, V3, activate, artifact, fakes, lora_root, make_manager, manager, state_path,
+    MODEL, V1, V2, V3, activate, artifact, fakes, lora_root, make_manager, manager, pin, state_path,
 )
 from tests.support.fake_vllm import FakeVLLM
 
@@ -115,7 +115,7 @@ async def test_abort_keeps_the_candidate_loaded_while_a_task_is_pinned_to_it(
     await activate(manager, lora_root, 1, "base")
     await start(manager, lora_root, 2, V1, share=0.5)
     task = next(f"t{i:032x}" for i in range(100) if in_candidate_arm(f"t{i:032x}", 0.5))
-    assert manager.pin(MODEL, rl_task_id=task) == (V2, V2)
+    assert pin(manager, MODEL, rl_task_id=task) == (V2, V2)
 
     with pytest.raises(LoraError) as wrong:
         await manager.abort_canary(base_model=BASE_MODEL, lora_name=V3)
@@ -123,7 +123,7 @@ async def test_abort_keeps_the_candidate_loaded_while_a_task_is_pinned_to_it(
     answer = await manager.abort_canary(base_model=BASE_MODEL, lora_name=V2)
     assert answer["candidate"] is None and answer["active_lora"]["lora_name"] == V1
     assert manager.snapshot(MODEL, rl_task_id=task) == (V1, V1)  # new Tasks: all on the active version
-    assert manager.pick(MODEL, V2).name in {f.name for f in fakes}  # the pinned Task keeps its version
+    assert manager.routing.pick(MODEL, V2).name in {f.name for f in fakes}  # the pinned Task keeps its version
     assert all(f.loaded == {V1, V2} for f in fakes)
     assert "candidates" not in json.loads(state_path.read_text())
     assert (await manager.abort_canary(base_model=BASE_MODEL, lora_name=V2))["candidate"] is None  # idempotent

@@ -58,7 +58,7 @@ async def test_threshold_then_readmission_with_the_active_adapter_before_routing
         await monitor.check_once()
         assert not registry.is_serving("vllm-b")
         assert [i.name for i in registry.serving(MODEL)] == ["vllm-a"]
-        assert all(loras.pick(MODEL, MODEL).name == "vllm-a" for _ in range(4))
+        assert all(loras.routing.pick(MODEL, MODEL).name == "vllm-a" for _ in range(4))
 
         # Out of the quorum: the next version activates on a alone, and b neither blocks nor counts.
         await loras.activate(base_model="/m", lora_name=f"{MODEL}:v2", lora_path=str(lora_root / MODEL / "v2"),
@@ -94,7 +94,7 @@ async def test_activation_with_every_instance_out_of_routing_fails_clearly(
         assert (refused.value.status, refused.value.code) == (503, "no_healthy_instances")
         assert loras.status(MODEL)["status"] == "base" and not (tmp_path / "state.json").exists()
         with pytest.raises(LoraError) as no_route:
-            loras.pick(MODEL, MODEL)
+            loras.routing.pick(MODEL, MODEL)
         assert (no_route.value.status, no_route.value.code) == (503, "no_healthy_instances")
         assert all(f.loaded == set() for f in fakes)
     finally:

@@ -65,6 +65,13 @@ async def activate(loras: LoraManager, root: Path, n: int, expected: str, *, pat
                                 lora_path=path if path is not None else artifact(root, n), expected_lora_name=expected)
 
 
+def pin(loras: LoraManager, model: str, *, rl_task_id: str | None = None) -> tuple[str, str]:
+    """A Task start's pinning (RLControl.task_start): the policy, then its lease, with no await between."""
+    policy_name, policy_model = loras.snapshot(model, rl_task_id=rl_task_id)
+    loras.acquire(policy_name)
+    return policy_name, policy_model
+
+
 def unload_bodies(fake: FakeVLLM) -> list[dict]:
     return [r.body for r in fake.requests if r.path == UNLOAD_PATH]
 
@@ -181,7 +188,7 @@ async def test_no_instances_is_503(lora_root: Path, state_path: Path, fakes: lis
                                    expected_lora_name="base")
             assert (refused.value.status, refused.value.code) == (503, "no_instances")
         with pytest.raises(LoraError) as no_route:
-            empty.pick(MODEL, MODEL)
+            empty.routing.pick(MODEL, MODEL)
         assert (no_route.value.status, no_route.value.code) == (503, "no_instances")
     finally:
         await empty.close()
@@ -207,7 +214,7 @@ async def test_partial_failure_rolls_back_and_keeps_the_previous_policy(
     assert status_of(manager.status(MODEL)) == ("active", V1, 3, 0)
     assert state_models(state_path)[MODEL]["lora_name"] == V1
     with pytest.raises(LoraError) as unavailable:
-        manager.pick(MODEL, V2)
+        manager.routing.pick(MODEL, V2)
     assert (unavailable.value.status, unavailable.value.code) == (503, "lora_unavailable")
 
 
@@ -245,16 +252,16 @@ async def test_previous_version_is_unloaded_only_when_no_task_holds_it(
     manager: LoraManager, fakes: list[FakeVLLM], lora_root: Path
 ) -> None:
     await activate(manager, lora_root, 1, "base")
-    assert manager.pin(MODEL) == (V1, V1)  # a Task pinned to v1
-    assert manager.lease_count(V1) == 1
+    assert pin(manager, MODEL) == (V1, V1)  # a Task pinned to v1
+    assert manager.leases.count(V1) == 1
 
     await activate(manager, lora_root, 2, V1)
     assert all(f.loaded == {V1, V2} for f in fakes)  # v1 is leased: it stays
-    assert manager.pick(MODEL, V1).name in {f.name for f in fakes}
+    assert manager.routing.pick(MODEL, V1).name in {f.name for f in fakes}
 
     await manager.release(V1)  # the last lease
     assert all(f.loaded == {V2} for f in fakes)
-    assert manager.lease_count(V1) == 0
+    assert manager.leases.count(V1) == 0
 
     await activate(manager, lora_root, 3, V2)  # v2 was never leased: unloaded right after the switch
     assert all(f.loaded == {V3} for f in fakes)
@@ -265,7 +272,7 @@ async def test_leases_count_per_version_and_base_is_never_leased(
 ) -> None:
     manager.acquire("base")
     manager.acquire(MODEL)
-    assert manager.lease_count("base") == manager.lease_count(MODEL) == 0
+    assert manager.leases.count("base") == manager.leases.count(MODEL) == 0
     await manager.release("base")
 
     await activate(manager, lora_root, 1, "base")
@@ -277,24 +284,27 @@ async def test_leases_count_per_version_and_base_is_never_leased(
     await manager.release(V1)
     assert all(f.loaded == set() for f in fakes)
     await manager.release(V1)  # an extra release is harmless
-    assert manager.lease_count(V1) == 0
+    assert manager.leases.count(V1) == 0
 
 
 async def test_deactivate_gives_base_at_once_while_leased_tasks_keep_their_version(
     manager: LoraManager, fakes: list[FakeVLLM], lora_root: Path, state_path: Path
 ) -> None:
     await activate(manager, lora_root, 1, "base")
-    async with manager.lease(V1):
+    manager.acquire(V1)
+    try:
         await manager.deactivate(MODEL)
         assert manager.snapshot(MODEL) == ("base", MODEL)
         assert status_of(manager.status(MODEL)) == ("base", None, 3, 0)
         assert state_models(state_path) == {}
-        assert manager.pick(MODEL, V1).name in {f.name for f in fakes}  # the pinned Task still routes
+        assert manager.routing.pick(MODEL, V1).name in {f.name for f in fakes}  # the pinned Task still routes
         assert all(f.loaded == {V1} for f in fakes)
+    finally:
+        await manager.release(V1)
     assert all(f.loaded == set() for f in fakes)
     await manager.deactivate(MODEL)  # idempotent
     with pytest.raises(LoraError) as gone:
-        manager.pick(MODEL, V1)
+        manager.routing.pick(MODEL, V1)
     assert gone.value.code == "lora_unavailable"
 
 
@@ -304,9 +314,12 @@ async def test_lease_is_released_when_the_body_fails(
     await activate(manager, lora_root, 1, "base")
     await manager.deactivate(MODEL)
     with pytest.raises(RuntimeError):
-        async with manager.lease(V1):
+        manager.acquire(V1)
+        try:
             raise RuntimeError("client went away")
-    assert manager.lease_count(V1) == 0
+        finally:
+            await manager.release(V1)
+    assert manager.leases.count(V1) == 0
     assert all(f.loaded == set() for f in fakes)
 
 
@@ -317,17 +330,17 @@ async def test_pick_spreads_lora_traffic_and_keeps_base_affinity(
     manager: LoraManager, fakes: list[FakeVLLM], lora_root: Path
 ) -> None:
     await activate(manager, lora_root, 1, "base")
-    assert {manager.pick(MODEL, V1).name for _ in range(6)} == {"vllm-a", "vllm-b", "vllm-c"}
-    busy = manager.pick(MODEL, V1)
-    with manager.in_flight(busy):
-        assert all(manager.pick(MODEL, V1) != busy for _ in range(4))  # least in flight first
-    assert manager.inflight_count(busy) == 0
-    sticky = {manager.pick(MODEL, MODEL, affinity_key="session-42").name for _ in range(5)}
+    assert {manager.routing.pick(MODEL, V1).name for _ in range(6)} == {"vllm-a", "vllm-b", "vllm-c"}
+    busy = manager.routing.pick(MODEL, V1)
+    with manager.routing.in_flight(busy):
+        assert all(manager.routing.pick(MODEL, V1) != busy for _ in range(4))  # least in flight first
+    assert manager.routing.in_flight_count(busy.name) == 0
+    sticky = {manager.routing.pick(MODEL, MODEL, affinity_key="session-42").name for _ in range(5)}
     assert len(sticky) == 1
-    spread = {manager.pick(MODEL, MODEL, affinity_key=f"s{i}").name for i in range(30)}
+    spread = {manager.routing.pick(MODEL, MODEL, affinity_key=f"s{i}").name for i in range(30)}
     assert len(spread) > 1
     with pytest.raises(LoraError) as unknown:
-        manager.pick(MODEL, "tiny:v9")
+        manager.routing.pick(MODEL, "tiny:v9")
     assert (unknown.value.status, unknown.value.code) == (503, "lora_unavailable")
 
 
@@ -341,8 +354,8 @@ async def test_degraded_model_never_routes_the_adapter_to_an_instance_without_it
 
         assert status_of(manager.status(MODEL)) == ("degraded", V1, 3, 1)
         assert manager.snapshot(MODEL) == (V1, V1)  # degraded still pins the active LoRA
-        assert "vllm-d" not in {manager.pick(MODEL, V1).name for _ in range(12)}
-        assert "vllm-d" in {manager.pick(MODEL, MODEL).name for _ in range(8)}  # it serves base traffic
+        assert "vllm-d" not in {manager.routing.pick(MODEL, V1).name for _ in range(12)}
+        assert "vllm-d" in {manager.routing.pick(MODEL, MODEL).name for _ in range(8)}  # it serves base traffic
 
 
 async def test_register_instance_loads_the_active_adapter_and_recovers_on_retry(
@@ -405,7 +418,7 @@ async def test_restore_after_a_restart_brings_back_the_active_lora(
         assert status_of(second.status(MODEL)) == ("active", V1, 3, 0)
         assert second.snapshot(MODEL) == (V1, V1)
         assert all(f.loaded == {V1} for f in fakes)
-        assert {second.pick(MODEL, V1).name for _ in range(6)} == {"vllm-a", "vllm-b", "vllm-c"}
+        assert {second.routing.pick(MODEL, V1).name for _ in range(6)} == {"vllm-a", "vllm-b", "vllm-c"}
         assert await activate(second, lora_root, 1, "base") == {
             "status": "active", "active_lora": {"lora_name": V1, "lora_path": artifact(lora_root, 1)}}
     finally:
@@ -426,7 +439,7 @@ async def test_restore_is_degraded_when_an_instance_fails_and_recovers(
     try:
         await second.restore()
         assert status_of(second.status(MODEL)) == ("degraded", V1, 2, 1)
-        assert "vllm-a" not in {second.pick(MODEL, V1).name for _ in range(12)}
+        assert "vllm-a" not in {second.routing.pick(MODEL, V1).name for _ in range(12)}
         a.fail_loads = False
         await second.retry_failed()
         assert status_of(second.status(MODEL)) == ("active", V1, 3, 0)
@@ -453,7 +466,7 @@ async def test_restore_is_degraded_when_the_artifact_is_missing(
         assert second.snapshot(MODEL) == (V1, V1)  # explicit, never silently base
         assert all(f.count(LOAD_PATH) == 0 for f in fakes)
         with pytest.raises(LoraError) as unavailable:
-            second.pick(MODEL, V1)
+            second.routing.pick(MODEL, V1)
         assert (unavailable.value.status, unavailable.value.code) == (503, "lora_unavailable")
     finally:
         await second.close()
