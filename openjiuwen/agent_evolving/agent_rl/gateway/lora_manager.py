@@ -105,11 +105,8 @@ class LoraManager:
         if problem is not None:
             raise LoraError(400, "invalid_lora_request", problem)
         require_serving(self._registry, model)
-        state = self._state(model)
         wanted = ActiveLora(lora_name, lora_path)
-        async with _holding(state.lock, load_deadline) as held:
-            if not held:
-                raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
+        async with self._switching(model, load_deadline) as state:
             current = state.active
             if current is not None and current.lora_name == lora_name:
                 if os.path.normpath(current.lora_path) == os.path.normpath(lora_path):
@@ -122,9 +119,7 @@ class LoraManager:
             if current_name != expected:
                 raise LoraError(409, "lora_cas_conflict", f"active policy is {current_name}, expected {expected}")
             instances = require_serving(self._registry, model)
-            async with _holding(self._version_lock(lora_name), load_deadline) as held_version:
-                if not held_version:
-                    raise LoraError(502, "lora_activation_failed", f"an operation on {lora_name} is still running")
+            async with self._loading(lora_name, load_deadline):
                 entry = {"lora_name": lora_name, "lora_path": lora_path, "base_model": base_model,
                          "activated_at": datetime.now(timezone.utc).isoformat()}
                 instances = await self._load_everywhere(model, wanted, instances, load_deadline, deadline,
@@ -221,10 +216,7 @@ class LoraManager:
             fraction = parse_share(share)
         except ValueError as exc:
             raise LoraError(400, "invalid_lora_request", str(exc)) from exc
-        state = self._state(model)
-        async with _holding(state.lock, load_deadline) as held:
-            if not held:
-                raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
+        async with self._switching(model, load_deadline) as state:
             current = state.candidate
             if current is not None:
                 if current.lora_name == lora_name and os.path.normpath(current.lora_path) == os.path.normpath(path):
@@ -237,9 +229,7 @@ class LoraManager:
                 raise LoraError(409, "lora_cas_conflict", f"active policy is {active_name}, expected {expected}")
             instances = require_serving(self._registry, model)
             wanted = Candidate(lora_name, path, fraction, datetime.now(timezone.utc).isoformat(), base_model)
-            async with _holding(self._version_lock(lora_name), load_deadline) as held_version:
-                if not held_version:
-                    raise LoraError(502, "lora_activation_failed", f"an operation on {lora_name} is still running")
+            async with self._loading(lora_name, load_deadline):
                 instances = await self._load_everywhere(
                     model, ActiveLora(lora_name, path), instances, load_deadline, deadline,
                     lambda: self._state_file.write(model, KEEP, candidate=wanted.entry()),
@@ -262,10 +252,7 @@ class LoraManager:
     async def _promote_canary(self, base_model: Any, lora_name: Any, expected: Any) -> dict[str, Any]:
         deadline = self._now() + self._timeout_s
         model = self._checked_name(base_model, lora_name, expected)
-        state = self._state(model)
-        async with _holding(state.lock, deadline) as held:
-            if not held:
-                raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
+        async with self._switching(model, deadline) as state:
             candidate, previous = state.candidate, state.active
             active_name = previous.lora_name if previous is not None else BASE
             if candidate is None:
@@ -299,10 +286,7 @@ class LoraManager:
     async def _abort_canary(self, base_model: Any, lora_name: Any) -> dict[str, Any]:
         deadline = self._now() + self._timeout_s
         model = self._checked_name(base_model, lora_name, BASE)
-        state = self._state(model)
-        async with _holding(state.lock, deadline) as held:
-            if not held:
-                raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
+        async with self._switching(model, deadline) as state:
             candidate = state.candidate
             if candidate is None:
                 if state.active is not None and state.active.lora_name == lora_name:
@@ -594,6 +578,23 @@ class LoraManager:
         if state is None:
             state = self._models[model] = _ModelState()
         return state
+
+    @contextlib.asynccontextmanager
+    async def _switching(self, model: str, deadline: float) -> AsyncIterator[_ModelState]:
+        """Hold the model's lock for a policy switch; 502 when another operation holds it past `deadline`."""
+        state = self._state(model)
+        async with _holding(state.lock, deadline) as held:
+            if not held:
+                raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
+            yield state
+
+    @contextlib.asynccontextmanager
+    async def _loading(self, lora_name: str, deadline: float) -> AsyncIterator[None]:
+        """Hold a version's lock to load it as active or candidate; 502 when it is busy past `deadline`."""
+        async with _holding(self._version_lock(lora_name), deadline) as held:
+            if not held:
+                raise LoraError(502, "lora_activation_failed", f"an operation on {lora_name} is still running")
+            yield
 
     def _version_lock(self, lora_name: str) -> asyncio.Lock:
         lock = self._version_locks.get(lora_name)
