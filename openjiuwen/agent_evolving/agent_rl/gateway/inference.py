@@ -82,7 +82,6 @@ class _PendingCapture:
     """A captured call counted among its Task's captures in flight: `capture` once `:before` answered, `committed`
     once `:after` took the count over."""
 
-    rl_task_id: str
     capture: Capture | None = None
     committed: bool = False
 
@@ -232,7 +231,7 @@ class InferenceProxy:
         """Count a captured call among its Task's captures in flight until its capture ends: by `:after` (which takes
         the count over, `_commit`), else by `:discard` in the background once `:before` answered, else at once."""
         self._sessions.begin(rl_task_id)
-        pending = _PendingCapture(rl_task_id)
+        pending = _PendingCapture()
         try:
             yield pending
         finally:
