@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.gateway.canary import in_candidate_arm, split_point
+from openjiuwen.agent_evolving.agent_rl.gateway.domain_errors import http_status
 from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
 from tests.integration.test_gateway_lora_manager import (  # noqa: F401  (fixtures)
-    MODEL, V1, V2, V3, activate, artifact, fakes, lora_root, make_manager, manager, state_path,
+    MODEL, V1, V2, V3, activate, artifact, fakes, lora_root, make_manager, manager, pin, state_path,
 )
 from tests.support.fake_vllm import FakeVLLM
 
@@ -60,14 +61,14 @@ async def test_start_is_compare_and_swap_and_one_candidate_at_a_time(
     await activate(manager, lora_root, 1, "base")
     with pytest.raises(LoraError) as stale:
         await start(manager, lora_root, 2, "base")
-    assert (stale.value.status, stale.value.code) == (409, "lora_cas_conflict")
+    assert (http_status(stale.value), stale.value.code) == (409, "lora_cas_conflict")
     with pytest.raises(LoraError) as active_again:
         await start(manager, lora_root, 1, V1)
-    assert (active_again.value.status, active_again.value.code) == (409, "lora_cas_conflict")
+    assert (http_status(active_again.value), active_again.value.code) == (409, "lora_cas_conflict")
     for bad in (0, 1, 1.5, -0.1, "0.5", True, float("nan")):
         with pytest.raises(LoraError) as invalid:
             await start(manager, lora_root, 2, V1, share=bad)
-        assert (invalid.value.status, invalid.value.code) == (400, "invalid_lora_request")
+        assert (http_status(invalid.value), invalid.value.code) == (400, "invalid_lora_request")
     assert manager.candidate(MODEL) is None and all(f.loaded == {V1} for f in fakes)
 
     first = await start(manager, lora_root, 2, V1)
@@ -75,10 +76,10 @@ async def test_start_is_compare_and_swap_and_one_candidate_at_a_time(
     assert again["candidate"] == first["candidate"]
     with pytest.raises(LoraError) as second:
         await start(manager, lora_root, 3, V1)
-    assert (second.value.status, second.value.code) == (409, "canary_conflict")
+    assert (http_status(second.value), second.value.code) == (409, "canary_conflict")
     with pytest.raises(LoraError) as activation:  # a plain activation would leave a candidate without its arm
         await activate(manager, lora_root, 3, V1)
-    assert (activation.value.status, activation.value.code) == (409, "canary_conflict")
+    assert (http_status(activation.value), activation.value.code) == (409, "canary_conflict")
     assert all(f.loaded == {V1, V2} for f in fakes)
 
 
@@ -92,7 +93,7 @@ async def test_promote_switches_with_cas_and_pinned_tasks_keep_the_old_version(
     for name, expected in ((V3, V1), (V2, "base")):
         with pytest.raises(LoraError) as wrong:
             await manager.promote_canary(base_model=BASE_MODEL, lora_name=name, expected_lora_name=expected)
-        assert (wrong.value.status, wrong.value.code) == (409, "lora_cas_conflict")
+        assert (http_status(wrong.value), wrong.value.code) == (409, "lora_cas_conflict")
 
     answer = await manager.promote_canary(base_model=BASE_MODEL, lora_name=V2, expected_lora_name=V1)
     assert answer["active_lora"]["lora_name"] == V2 and answer["candidate"] is None
@@ -106,7 +107,7 @@ async def test_promote_switches_with_cas_and_pinned_tasks_keep_the_old_version(
     assert all(f.loaded == {V2} for f in fakes)
     with pytest.raises(LoraError) as none:
         await manager.promote_canary(base_model=BASE_MODEL, lora_name=V3, expected_lora_name=V2)
-    assert (none.value.status, none.value.code) == (409, "no_canary")
+    assert (http_status(none.value), none.value.code) == (409, "no_canary")
 
 
 async def test_abort_keeps_the_candidate_loaded_while_a_task_is_pinned_to_it(
@@ -115,15 +116,15 @@ async def test_abort_keeps_the_candidate_loaded_while_a_task_is_pinned_to_it(
     await activate(manager, lora_root, 1, "base")
     await start(manager, lora_root, 2, V1, share=0.5)
     task = next(f"t{i:032x}" for i in range(100) if in_candidate_arm(f"t{i:032x}", 0.5))
-    assert manager.pin(MODEL, rl_task_id=task) == (V2, V2)
+    assert pin(manager, MODEL, rl_task_id=task) == (V2, V2)
 
     with pytest.raises(LoraError) as wrong:
         await manager.abort_canary(base_model=BASE_MODEL, lora_name=V3)
-    assert (wrong.value.status, wrong.value.code) == (409, "lora_cas_conflict")
+    assert (http_status(wrong.value), wrong.value.code) == (409, "lora_cas_conflict")
     answer = await manager.abort_canary(base_model=BASE_MODEL, lora_name=V2)
     assert answer["candidate"] is None and answer["active_lora"]["lora_name"] == V1
     assert manager.snapshot(MODEL, rl_task_id=task) == (V1, V1)  # new Tasks: all on the active version
-    assert manager.pick(MODEL, V2).name in {f.name for f in fakes}  # the pinned Task keeps its version
+    assert manager.routing.pick(MODEL, V2).name in {f.name for f in fakes}  # the pinned Task keeps its version
     assert all(f.loaded == {V1, V2} for f in fakes)
     assert "candidates" not in json.loads(state_path.read_text())
     assert (await manager.abort_canary(base_model=BASE_MODEL, lora_name=V2))["candidate"] is None  # idempotent
@@ -131,7 +132,7 @@ async def test_abort_keeps_the_candidate_loaded_while_a_task_is_pinned_to_it(
     assert all(f.loaded == {V1} for f in fakes)
     with pytest.raises(LoraError) as promoted:  # aborting what is active would be a lie
         await manager.abort_canary(base_model=BASE_MODEL, lora_name=V1)
-    assert (promoted.value.status, promoted.value.code) == (409, "lora_cas_conflict")
+    assert (http_status(promoted.value), promoted.value.code) == (409, "lora_cas_conflict")
 
 
 async def test_candidate_survives_a_gateway_restart(
@@ -178,6 +179,6 @@ async def test_corrupt_candidate_entry_refuses_to_guess(
     try:
         with pytest.raises(LoraError) as bad:
             await loras.restore()
-        assert (bad.value.status, bad.value.code) == (500, "invalid_lora_state")
+        assert (http_status(bad.value), bad.value.code) == (500, "invalid_lora_state")
     finally:
         await loras.close()

@@ -11,6 +11,7 @@ import pytest
 
 from openjiuwen.agent_evolving.agent_rl.gateway.health import HEALTH_PATH, HealthMonitor
 from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
+from openjiuwen.agent_evolving.agent_rl.gateway.domain_errors import http_status
 from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
 from tests.support.fake_vllm import FakeVLLM
 
@@ -58,7 +59,7 @@ async def test_threshold_then_readmission_with_the_active_adapter_before_routing
         await monitor.check_once()
         assert not registry.is_serving("vllm-b")
         assert [i.name for i in registry.serving(MODEL)] == ["vllm-a"]
-        assert all(loras.pick(MODEL, MODEL).name == "vllm-a" for _ in range(4))
+        assert all(loras.routing.pick(MODEL, MODEL).name == "vllm-a" for _ in range(4))
 
         # Out of the quorum: the next version activates on a alone, and b neither blocks nor counts.
         await loras.activate(base_model="/m", lora_name=f"{MODEL}:v2", lora_path=str(lora_root / MODEL / "v2"),
@@ -91,11 +92,11 @@ async def test_activation_with_every_instance_out_of_routing_fails_clearly(
         with pytest.raises(LoraError) as refused:
             await loras.activate(base_model="/m", lora_name=f"{MODEL}:v1",
                                  lora_path=str(lora_root / MODEL / "v1"), expected_lora_name="base")
-        assert (refused.value.status, refused.value.code) == (503, "no_healthy_instances")
+        assert (http_status(refused.value), refused.value.code) == (503, "no_healthy_instances")
         assert loras.status(MODEL)["status"] == "base" and not (tmp_path / "state.json").exists()
         with pytest.raises(LoraError) as no_route:
-            loras.pick(MODEL, MODEL)
-        assert (no_route.value.status, no_route.value.code) == (503, "no_healthy_instances")
+            loras.routing.pick(MODEL, MODEL)
+        assert (http_status(no_route.value), no_route.value.code) == (503, "no_healthy_instances")
         assert all(f.loaded == set() for f in fakes)
     finally:
         await loras.close()

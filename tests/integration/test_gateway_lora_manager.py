@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
+from openjiuwen.agent_evolving.agent_rl.gateway.domain_errors import http_status
 from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
 from tests.support.fake_vllm import LOAD_PATH, UNLOAD_PATH, FakeVLLM
 
@@ -65,6 +66,13 @@ async def activate(loras: LoraManager, root: Path, n: int, expected: str, *, pat
                                 lora_path=path if path is not None else artifact(root, n), expected_lora_name=expected)
 
 
+def pin(loras: LoraManager, model: str, *, rl_task_id: str | None = None) -> tuple[str, str]:
+    """A Task start's pinning (RLControl.task_start): the policy, then its lease, with no await between."""
+    policy_name, policy_model = loras.snapshot(model, rl_task_id=rl_task_id)
+    loras.acquire(policy_name)
+    return policy_name, policy_model
+
+
 def unload_bodies(fake: FakeVLLM) -> list[dict]:
     return [r.body for r in fake.requests if r.path == UNLOAD_PATH]
 
@@ -113,10 +121,10 @@ async def test_cas_conflict_is_409_and_changes_nothing(
     await activate(manager, lora_root, 1, "base")
     with pytest.raises(LoraError) as stale:
         await activate(manager, lora_root, 2, "base")
-    assert (stale.value.status, stale.value.code) == (409, "lora_cas_conflict")
+    assert (http_status(stale.value), stale.value.code) == (409, "lora_cas_conflict")
     with pytest.raises(LoraError) as other_path:  # versions are immutable: same name, another directory
         await activate(manager, lora_root, 1, V1, path=artifact(lora_root, 2))
-    assert (other_path.value.status, other_path.value.code) == (409, "lora_cas_conflict")
+    assert (http_status(other_path.value), other_path.value.code) == (409, "lora_cas_conflict")
     assert manager.snapshot(MODEL) == (V1, V1)
     assert all(f.loaded == {V1} and f.count(LOAD_PATH) == 1 for f in fakes)
 
@@ -128,7 +136,7 @@ async def test_concurrent_activations_are_serialized(
                                    return_exceptions=True)
     winners = [r for r in results if isinstance(r, dict)]
     losers = [r for r in results if isinstance(r, LoraError)]
-    assert len(winners) == 1 and [(e.status, e.code) for e in losers] == [(409, "lora_cas_conflict")]
+    assert len(winners) == 1 and [(http_status(e), e.code) for e in losers] == [(409, "lora_cas_conflict")]
     name = winners[0]["active_lora"]["lora_name"]
     assert all(f.loaded == {name} for f in fakes)
 
@@ -158,7 +166,7 @@ async def test_invalid_name_or_path_is_400(
     }[case]
     with pytest.raises(LoraError) as refused:
         await manager.activate(base_model="/models/tiny", lora_name=name, lora_path=path, expected_lora_name="base")
-    assert (refused.value.status, refused.value.code) == (400, "invalid_lora_request")
+    assert (http_status(refused.value), refused.value.code) == (400, "invalid_lora_request")
     assert all(f.count(LOAD_PATH) == 0 for f in fakes)
     assert manager.snapshot(MODEL) == ("base", MODEL)
 
@@ -179,10 +187,10 @@ async def test_no_instances_is_503(lora_root: Path, state_path: Path, fakes: lis
             with pytest.raises(LoraError) as refused:
                 await mgr.activate(base_model="/m", lora_name=f"{model}:v1", lora_path=artifact(lora_root, 1, model),
                                    expected_lora_name="base")
-            assert (refused.value.status, refused.value.code) == (503, "no_instances")
+            assert (http_status(refused.value), refused.value.code) == (503, "no_instances")
         with pytest.raises(LoraError) as no_route:
-            empty.pick(MODEL, MODEL)
-        assert (no_route.value.status, no_route.value.code) == (503, "no_instances")
+            empty.routing.pick(MODEL, MODEL)
+        assert (http_status(no_route.value), no_route.value.code) == (503, "no_instances")
     finally:
         await empty.close()
         await loras.close()
@@ -198,7 +206,7 @@ async def test_partial_failure_rolls_back_and_keeps_the_previous_policy(
     with pytest.raises(LoraError) as failed:
         await activate(manager, lora_root, 2, V1)
 
-    assert (failed.value.status, failed.value.code) == (502, "lora_activation_failed")
+    assert (http_status(failed.value), failed.value.code) == (502, "lora_activation_failed")
     assert "vllm-c" in failed.value.message
     assert unload_bodies(a) == unload_bodies(b) == [{"lora_name": V2}]  # the instances that loaded it
     assert unload_bodies(c) == []
@@ -207,8 +215,8 @@ async def test_partial_failure_rolls_back_and_keeps_the_previous_policy(
     assert status_of(manager.status(MODEL)) == ("active", V1, 3, 0)
     assert state_models(state_path)[MODEL]["lora_name"] == V1
     with pytest.raises(LoraError) as unavailable:
-        manager.pick(MODEL, V2)
-    assert (unavailable.value.status, unavailable.value.code) == (503, "lora_unavailable")
+        manager.routing.pick(MODEL, V2)
+    assert (http_status(unavailable.value), unavailable.value.code) == (503, "lora_unavailable")
 
 
 async def test_load_timeout_fails_within_the_deadline_and_rolls_back(
@@ -223,7 +231,7 @@ async def test_load_timeout_fails_within_the_deadline_and_rolls_back(
             await activate(loras, lora_root, 1, "base")
         elapsed = asyncio.get_running_loop().time() - started
 
-        assert (failed.value.status, failed.value.code) == (502, "lora_activation_failed")
+        assert (http_status(failed.value), failed.value.code) == (502, "lora_activation_failed")
         assert elapsed < 0.4 + 0.4  # one deadline for loads and rollback (the slow load takes 1 s)
         assert a.loaded == c.loaded == set()
         assert unload_bodies(a) == unload_bodies(c) == [{"lora_name": V1}]
@@ -245,16 +253,16 @@ async def test_previous_version_is_unloaded_only_when_no_task_holds_it(
     manager: LoraManager, fakes: list[FakeVLLM], lora_root: Path
 ) -> None:
     await activate(manager, lora_root, 1, "base")
-    assert manager.pin(MODEL) == (V1, V1)  # a Task pinned to v1
-    assert manager.lease_count(V1) == 1
+    assert pin(manager, MODEL) == (V1, V1)  # a Task pinned to v1
+    assert manager.leases.count(V1) == 1
 
     await activate(manager, lora_root, 2, V1)
     assert all(f.loaded == {V1, V2} for f in fakes)  # v1 is leased: it stays
-    assert manager.pick(MODEL, V1).name in {f.name for f in fakes}
+    assert manager.routing.pick(MODEL, V1).name in {f.name for f in fakes}
 
     await manager.release(V1)  # the last lease
     assert all(f.loaded == {V2} for f in fakes)
-    assert manager.lease_count(V1) == 0
+    assert manager.leases.count(V1) == 0
 
     await activate(manager, lora_root, 3, V2)  # v2 was never leased: unloaded right after the switch
     assert all(f.loaded == {V3} for f in fakes)
@@ -265,7 +273,7 @@ async def test_leases_count_per_version_and_base_is_never_leased(
 ) -> None:
     manager.acquire("base")
     manager.acquire(MODEL)
-    assert manager.lease_count("base") == manager.lease_count(MODEL) == 0
+    assert manager.leases.count("base") == manager.leases.count(MODEL) == 0
     await manager.release("base")
 
     await activate(manager, lora_root, 1, "base")
@@ -277,24 +285,27 @@ async def test_leases_count_per_version_and_base_is_never_leased(
     await manager.release(V1)
     assert all(f.loaded == set() for f in fakes)
     await manager.release(V1)  # an extra release is harmless
-    assert manager.lease_count(V1) == 0
+    assert manager.leases.count(V1) == 0
 
 
 async def test_deactivate_gives_base_at_once_while_leased_tasks_keep_their_version(
     manager: LoraManager, fakes: list[FakeVLLM], lora_root: Path, state_path: Path
 ) -> None:
     await activate(manager, lora_root, 1, "base")
-    async with manager.lease(V1):
+    manager.acquire(V1)
+    try:
         await manager.deactivate(MODEL)
         assert manager.snapshot(MODEL) == ("base", MODEL)
         assert status_of(manager.status(MODEL)) == ("base", None, 3, 0)
         assert state_models(state_path) == {}
-        assert manager.pick(MODEL, V1).name in {f.name for f in fakes}  # the pinned Task still routes
+        assert manager.routing.pick(MODEL, V1).name in {f.name for f in fakes}  # the pinned Task still routes
         assert all(f.loaded == {V1} for f in fakes)
+    finally:
+        await manager.release(V1)
     assert all(f.loaded == set() for f in fakes)
     await manager.deactivate(MODEL)  # idempotent
     with pytest.raises(LoraError) as gone:
-        manager.pick(MODEL, V1)
+        manager.routing.pick(MODEL, V1)
     assert gone.value.code == "lora_unavailable"
 
 
@@ -304,9 +315,12 @@ async def test_lease_is_released_when_the_body_fails(
     await activate(manager, lora_root, 1, "base")
     await manager.deactivate(MODEL)
     with pytest.raises(RuntimeError):
-        async with manager.lease(V1):
+        manager.acquire(V1)
+        try:
             raise RuntimeError("client went away")
-    assert manager.lease_count(V1) == 0
+        finally:
+            await manager.release(V1)
+    assert manager.leases.count(V1) == 0
     assert all(f.loaded == set() for f in fakes)
 
 
@@ -317,18 +331,18 @@ async def test_pick_spreads_lora_traffic_and_keeps_base_affinity(
     manager: LoraManager, fakes: list[FakeVLLM], lora_root: Path
 ) -> None:
     await activate(manager, lora_root, 1, "base")
-    assert {manager.pick(MODEL, V1).name for _ in range(6)} == {"vllm-a", "vllm-b", "vllm-c"}
-    busy = manager.pick(MODEL, V1)
-    with manager.in_flight(busy):
-        assert all(manager.pick(MODEL, V1) != busy for _ in range(4))  # least in flight first
-    assert manager.inflight_count(busy) == 0
-    sticky = {manager.pick(MODEL, MODEL, affinity_key="session-42").name for _ in range(5)}
+    assert {manager.routing.pick(MODEL, V1).name for _ in range(6)} == {"vllm-a", "vllm-b", "vllm-c"}
+    busy = manager.routing.pick(MODEL, V1)
+    with manager.routing.in_flight(busy):
+        assert all(manager.routing.pick(MODEL, V1) != busy for _ in range(4))  # least in flight first
+    assert manager.routing.in_flight_count(busy.name) == 0
+    sticky = {manager.routing.pick(MODEL, MODEL, affinity_key="session-42").name for _ in range(5)}
     assert len(sticky) == 1
-    spread = {manager.pick(MODEL, MODEL, affinity_key=f"s{i}").name for i in range(30)}
+    spread = {manager.routing.pick(MODEL, MODEL, affinity_key=f"s{i}").name for i in range(30)}
     assert len(spread) > 1
     with pytest.raises(LoraError) as unknown:
-        manager.pick(MODEL, "tiny:v9")
-    assert (unknown.value.status, unknown.value.code) == (503, "lora_unavailable")
+        manager.routing.pick(MODEL, "tiny:v9")
+    assert (http_status(unknown.value), unknown.value.code) == (503, "lora_unavailable")
 
 
 async def test_degraded_model_never_routes_the_adapter_to_an_instance_without_it(
@@ -341,8 +355,8 @@ async def test_degraded_model_never_routes_the_adapter_to_an_instance_without_it
 
         assert status_of(manager.status(MODEL)) == ("degraded", V1, 3, 1)
         assert manager.snapshot(MODEL) == (V1, V1)  # degraded still pins the active LoRA
-        assert "vllm-d" not in {manager.pick(MODEL, V1).name for _ in range(12)}
-        assert "vllm-d" in {manager.pick(MODEL, MODEL).name for _ in range(8)}  # it serves base traffic
+        assert "vllm-d" not in {manager.routing.pick(MODEL, V1).name for _ in range(12)}
+        assert "vllm-d" in {manager.routing.pick(MODEL, MODEL).name for _ in range(8)}  # it serves base traffic
 
 
 async def test_register_instance_loads_the_active_adapter_and_recovers_on_retry(
@@ -373,7 +387,7 @@ async def test_register_instance_loads_the_active_adapter_and_recovers_on_retry(
 
     with pytest.raises(LoraError) as invalid:
         await manager.register_instance("x", MODEL, "127.0.0.1", "not-a-port")
-    assert (invalid.value.status, invalid.value.code) == (400, "invalid_request")
+    assert (http_status(invalid.value), invalid.value.code) == (400, "invalid_request")
 
 
 async def test_register_instance_without_active_lora_and_unused_adapters_are_swept(
@@ -405,7 +419,7 @@ async def test_restore_after_a_restart_brings_back_the_active_lora(
         assert status_of(second.status(MODEL)) == ("active", V1, 3, 0)
         assert second.snapshot(MODEL) == (V1, V1)
         assert all(f.loaded == {V1} for f in fakes)
-        assert {second.pick(MODEL, V1).name for _ in range(6)} == {"vllm-a", "vllm-b", "vllm-c"}
+        assert {second.routing.pick(MODEL, V1).name for _ in range(6)} == {"vllm-a", "vllm-b", "vllm-c"}
         assert await activate(second, lora_root, 1, "base") == {
             "status": "active", "active_lora": {"lora_name": V1, "lora_path": artifact(lora_root, 1)}}
     finally:
@@ -426,7 +440,7 @@ async def test_restore_is_degraded_when_an_instance_fails_and_recovers(
     try:
         await second.restore()
         assert status_of(second.status(MODEL)) == ("degraded", V1, 2, 1)
-        assert "vllm-a" not in {second.pick(MODEL, V1).name for _ in range(12)}
+        assert "vllm-a" not in {second.routing.pick(MODEL, V1).name for _ in range(12)}
         a.fail_loads = False
         await second.retry_failed()
         assert status_of(second.status(MODEL)) == ("active", V1, 3, 0)
@@ -453,8 +467,8 @@ async def test_restore_is_degraded_when_the_artifact_is_missing(
         assert second.snapshot(MODEL) == (V1, V1)  # explicit, never silently base
         assert all(f.count(LOAD_PATH) == 0 for f in fakes)
         with pytest.raises(LoraError) as unavailable:
-            second.pick(MODEL, V1)
-        assert (unavailable.value.status, unavailable.value.code) == (503, "lora_unavailable")
+            second.routing.pick(MODEL, V1)
+        assert (http_status(unavailable.value), unavailable.value.code) == (503, "lora_unavailable")
     finally:
         await second.close()
 
@@ -480,7 +494,7 @@ async def test_corrupt_state_file_refuses_to_guess(fakes: list[FakeVLLM], lora_r
     try:
         with pytest.raises(LoraError) as corrupt:
             await loras.restore()
-        assert (corrupt.value.status, corrupt.value.code) == (500, "invalid_lora_state")
+        assert (http_status(corrupt.value), corrupt.value.code) == (500, "invalid_lora_state")
     finally:
         await loras.close()
 
@@ -505,4 +519,4 @@ async def test_closed_manager_refuses_operations(fakes: list[FakeVLLM], lora_roo
     await loras.close()  # idempotent
     with pytest.raises(LoraError) as closed:
         await activate(loras, lora_root, 1, "base")
-    assert closed.value.status == 503
+    assert http_status(closed.value) == 503

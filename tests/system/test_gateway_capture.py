@@ -89,6 +89,12 @@ def eventually(check: Callable[[], T], what: str, timeout_s: float = WAIT_S) -> 
         time.sleep(0.05)
 
 
+def assert_nothing_in_flight(gw: GatewayProcess) -> None:
+    """Every answer ended, a broken or abandoned stream included: no instance still counts a request."""
+    eventually(lambda: all(i["inflight"] == 0 for i in gw.signed("GET", "/aigw/v1/instances").json()["items"]),
+               "no request in flight")
+
+
 def start_task(gw: GatewayProcess, session: str, mode: str = "terminal") -> str:
     r = gw.start_task(session, mode)
     assert r.status_code == 201, r.text
@@ -583,6 +589,7 @@ def test_client_disconnect_discards_and_stop_finalizes_without_trajectory(redis,
         r = gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0})
         assert error_of(r) == (409, "reward_conflict") and "at least one capture" in r.json()["error"]["message"]
         assert stats(gw)["total"] == 0
+        assert_nothing_in_flight(gw)
 
 
 # ----------------------------------------------------------------------------------------- 6. drain timeout
@@ -649,6 +656,7 @@ def test_vllm_errors_pass_through_for_bypassed_and_captured_calls(redis, redis_u
         r = gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0})
         assert error_of(r) == (409, "reward_conflict") and "at least one capture" in r.json()["error"]["message"]
         assert stats(gw)["total"] == 0
+        assert_nothing_in_flight(gw)
 
 
 @pytest.mark.parametrize(

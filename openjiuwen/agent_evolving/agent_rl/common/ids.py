@@ -16,7 +16,7 @@ TASK_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOKEN_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 TRAINING_RUN_ID_RE = re.compile(r"run-[0-9a-f]{12}")
 ROLLOUT_ID_RE = re.compile(r"ro-[0-9a-f]{12}")
-_LORA_SUFFIX_RE = re.compile(r":v([1-9][0-9]*)")
+_LORA_NAME_RE = re.compile(r"(?P<model>.+):v(?P<version>[1-9][0-9]*)")  # the model part is greedy
 
 
 class InvalidIdentifier(ValueError):
@@ -63,12 +63,26 @@ def require_rollout_id(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
+def parse_lora_name(name: object) -> tuple[str, int] | None:
+    """(model, N) of a LoRA version name `<model>:vN` (N = `[1-9][0-9]*`, model not blank), else None."""
+    if not isinstance(name, str):
+        return None
+    match = _LORA_NAME_RE.fullmatch(name)
+    if match is None or not match.group("model").strip():
+        return None
+    return match.group("model"), int(match.group("version"))
+
+
+def model_of(lora_name: str) -> str | None:
+    """The base model a version belongs to; None when `lora_name` is not `<model>:vN`."""
+    parsed = parse_lora_name(lora_name)
+    return parsed[0] if parsed is not None else None
+
+
 def lora_version(name: str, model_id: str) -> int | None:
     """N of `<model_id>:vN`, else None."""
-    if not name.startswith(model_id):
-        return None
-    m = _LORA_SUFFIX_RE.fullmatch(name, len(model_id))
-    return int(m.group(1)) if m else None
+    parsed = parse_lora_name(name)
+    return parsed[1] if parsed is not None and parsed[0] == model_id else None
 
 
 def is_policy_name(name: object, model_id: str) -> bool:

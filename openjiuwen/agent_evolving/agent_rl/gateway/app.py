@@ -25,7 +25,7 @@ from ..common.guards import GuardMiddleware
 from ..common.http_metrics import HttpMetricsMiddleware
 from .assembly import Gateway, build_gateway
 from .lora_manager import LoraError
-from .responses import envelope
+from .domain_errors import error_answer
 from .routes import console, control, internal, lora, public
 from .security_headers import SecurityHeadersMiddleware
 
@@ -67,7 +67,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
 
     @app.exception_handler(LoraError)
     async def lora_error(_: Request, exc: LoraError) -> Response:
-        return envelope(exc.status, exc.code, exc.message)
+        return error_answer(exc)
 
     # Every route takes JSON or nothing: other bodies get 415 before any route (or signature check) sees them.
     app.add_middleware(JsonBodyMiddleware)

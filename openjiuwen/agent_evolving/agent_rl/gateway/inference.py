@@ -6,6 +6,11 @@ instance. For a captured call: `:before` (the RL Service injects the flags) → 
 (or stream-aggregated) response before the client sees the end, or `:discard` on an upstream error, a broken stream
 or a client disconnect. Private fields never reach a client.
 
+A request holds two counts while it runs: its instance's requests in flight (least-busy routing) and, when captured,
+its Task's captures in flight (a Task stop drains them). Both live in one `ExitStack` per request, closed when the
+handler returns or, for a stream, when the relay ends; a capture still pending then is discarded, and the Task's count
+ends when the hook that ends the capture (`:after` or `:discard`) returns.
+
 Inside a Task the request is screened first (capture_fields.py: refused, pinned and dropped fields), and a Task
 started with a capture secret needs it on every call (capture_secret.py). Outside a Task the body goes upstream as
 the client sent it, but may name only the base model or the active version. A vLLM error answer reaches the client
@@ -15,10 +20,11 @@ as JSON only (responses.upstream_error).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +37,15 @@ from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, opena
 from .capture_fields import IGNORED_FIELDS_HEADER, FieldRefused, ignored_header, screen
 from .http11 import HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
-from .lora_manager import LoraError, LoraManager, parse_lora_name
+from .lora_manager import LoraManager
+from ..common.ids import parse_lora_name
+from .domain_errors import error_answer
+from .lora_types import LoraError
 from .openai_shapes import (
     ClientWants, StreamAggregator, client_view_chunk, client_view_response, client_wants, stream_fields_refused,
 )
-from .responses import envelope, json_response, passthrough, upstream_error
-from .rl_client import HookUnreachable, RLClient
+from .responses import envelope, json_response, upstream_error
+from .rl_client import CaptureFailed, HookUnreachable, RLClient
 from .sessions import Binding
 from .sse import DONE, encode_sse, iter_sse_batches
 from .tasks import TaskTracker
@@ -70,10 +79,13 @@ class Capture:
         return b"".join((head[:-1], b',"request":', request_json, b',"response":', response_json, b"}"))
 
 
-class CaptureFailed(Exception):
-    def __init__(self, response: Response) -> None:
-        super().__init__("capture refused")
-        self.response = response
+@dataclass
+class _PendingCapture:
+    """A captured call counted among its Task's captures in flight: `capture` once `:before` answered, `committed`
+    once `:after` took the count over."""
+
+    capture: Capture | None = None
+    committed: bool = False
 
 
 class InferenceProxy:
@@ -93,6 +105,7 @@ class InferenceProxy:
         self._tracker = tracker
         self._sessions = tracker.sessions
         self._loras = loras
+        self._routing = loras.routing
         self._rl = rl
         self._rl_running = rl_running
         self._upstream = upstream
@@ -139,8 +152,16 @@ class InferenceProxy:
             wants = ClientWants(wants.logprobs, wants.usage, wants.stream, client_model)
         session_id = request.headers.get("x-agent-session-id")
         binding = self._sessions.for_session(session_id)
-        if binding is None or not self._rl_running():
-            return await self._bypass(body, wants, flavor, session_id)
+        # The request's counts: closed here when the answer is returned, or by the stream's relay that takes them over.
+        with contextlib.ExitStack() as counts:
+            if binding is None or not self._rl_running():
+                return await self._bypass(body, wants, flavor, session_id, counts)
+            return await self._serve_captured(request, body, wants, flavor, binding, names, counts)
+
+    async def _serve_captured(
+        self, request: Request, body: dict[str, Any], wants: ClientWants, flavor: str, binding: Binding,
+        names: dict[str, str] | None, counts: contextlib.ExitStack,
+    ) -> Response:
         if binding.secret_digest is not None:
             presented = request.headers.get(capture_secret.HEADER)
             if presented is None:
@@ -153,7 +174,7 @@ class InferenceProxy:
         except FieldRefused as exc:
             return envelope(400, "capture_field_refused", str(exc))
         response = await self._captured(screened.request, wants, flavor, binding,
-                                        request.headers.get("x-agent-turn-id"))
+                                        request.headers.get("x-agent-turn-id"), counts)
         if screened.ignored:
             response.headers[IGNORED_FIELDS_HEADER] = ignored_header(screened.ignored)
         return response
@@ -161,7 +182,8 @@ class InferenceProxy:
     # ---------------------------------------------------------------- bypass
 
     async def _bypass(
-        self, body: dict[str, Any], wants: ClientWants, flavor: str, session_id: str | None
+        self, body: dict[str, Any], wants: ClientWants, flavor: str, session_id: str | None,
+        counts: contextlib.ExitStack,
     ) -> Response:
         model = body.get("model")
         parsed = parse_lora_name(model)
@@ -173,40 +195,49 @@ class InferenceProxy:
                             "active version")
         try:
             # Base traffic of one session sticks to one instance (prefix-cache reuse); LoRA traffic never does.
-            instance = self._loras.pick(
+            instance = self._routing.pick(
                 self._model_id, model if isinstance(model, str) else self._model_id, affinity_key=session_id
             )
         except LoraError as exc:
-            return envelope(exc.status, exc.code, exc.message)
-        return await self._upstream_call(instance, body, wants, flavor, capture=None)
+            return error_answer(exc)
+        return await self._upstream_answer(instance, body, wants, flavor, counts, pending=None)
 
     # -------------------------------------------------------------- captured
 
     async def _captured(
-        self, body: dict[str, Any], wants: ClientWants, flavor: str, binding: Binding, turn_id: str | None
+        self, body: dict[str, Any], wants: ClientWants, flavor: str, binding: Binding, turn_id: str | None,
+        counts: contextlib.ExitStack,
     ) -> Response:
-        t = binding.rl_task_id
-        request = body  # screened, `model` already the pinned policy model
+        """`body`: screened, `model` already the pinned policy model."""
         capture_id = "cap-" + uuid.uuid4().hex
-        self._sessions.begin(t)
-        handed_over = False
+        pending = counts.enter_context(self._capture_in_flight(binding.rl_task_id))
         try:
-            try:
-                injected = await self._before(binding, capture_id, turn_id, request)
-            except CaptureFailed as exc:
-                return exc.response
-            capture = Capture(binding, capture_id, turn_id, injected)
-            try:
-                instance = self._loras.pick(self._model_id, binding.policy_model, affinity_key=binding.session_id)
-            except LoraError as exc:
-                self._discard_in_background(capture)
-                handed_over = True
-                return envelope(exc.status, exc.code, exc.message)
-            handed_over = True  # from here `_upstream_call` ends the in-flight count
-            return await self._upstream_call(instance, injected, wants, flavor, capture=capture)
+            injected = await self._before(binding, capture_id, turn_id, body)
+        except CaptureFailed as exc:
+            return error_answer(exc)
+        pending.capture = Capture(binding, capture_id, turn_id, injected)  # from here it ends by `:after` or `:discard`
+        try:
+            instance = self._routing.pick(self._model_id, binding.policy_model, affinity_key=binding.session_id)
+        except LoraError as exc:
+            return error_answer(exc)
+        return await self._upstream_answer(instance, injected, wants, flavor, counts, pending=pending)
+
+    @contextlib.contextmanager
+    def _capture_in_flight(self, rl_task_id: str) -> Iterator[_PendingCapture]:
+        """Count a captured call among its Task's captures in flight until its capture ends: by `:after` (which takes
+        the count over, `_commit`), else by `:discard` in the background once `:before` answered, else at once."""
+        self._sessions.begin(rl_task_id)
+        pending = _PendingCapture()
+        try:
+            yield pending
         finally:
-            if not handed_over:
-                self._sessions.end(t)
+            if pending.committed:
+                pass
+            elif pending.capture is not None:
+                # In a detached task: a stream's relay may be inside a cancelled scope where every await fails at once.
+                self._spawn(self._discard(pending.capture))
+            else:
+                self._sessions.end(rl_task_id)
 
     async def _before(
         self, binding: Binding, capture_id: str, turn_id: str | None, request: dict[str, Any]
@@ -217,39 +248,29 @@ class InferenceProxy:
             answer = await self._rl.before(body)
         except HookUnreachable:
             self._abort_in_background(t)
-            raise CaptureFailed(envelope(504, "rl_hook_timeout", "the RL Service did not answer the capture hook"))
+            raise CaptureFailed("rl_hook_timeout", "the RL Service did not answer the capture hook")
         if answer.ok:
             return answer.json()["request"]
         if answer.status == 404:
             await self._tracker.release(t)
-            raise CaptureFailed(envelope(409, "completion_conflict", "the RL Task is no longer active"))
+            raise CaptureFailed("completion_conflict", "the RL Task is no longer active")
         if answer.status == 409:
             self._abort_in_background(t)
-            raise CaptureFailed(passthrough(answer))
+            raise CaptureFailed(relayed=answer)
         if answer.status >= 500:
             self._abort_in_background(t)
-            raise CaptureFailed(envelope(502, "rl_hook_failed", "the RL Service failed the capture hook"))
-        raise CaptureFailed(passthrough(answer))  # other 4xx: the Task stays active
+            raise CaptureFailed("rl_hook_failed", "the RL Service failed the capture hook")
+        raise CaptureFailed(relayed=answer)  # other 4xx: the Task stays active
 
     # -------------------------------------------------------------- upstream
 
-    async def _upstream_call(
-        self, instance: Instance, body: dict[str, Any], wants: ClientWants, flavor: str, *, capture: Capture | None
-    ) -> Response:
-        """Send to `instance`; the instance counts the call in flight until the answer (or stream) ends."""
-        self._loras.begin(instance)
-        streaming = False
-        try:
-            response = await self._upstream_answer(instance, body, wants, flavor, capture)
-            streaming = isinstance(response, StreamingResponse)
-            return response
-        finally:
-            if not streaming:
-                self._loras.end(instance)
-
     async def _upstream_answer(
-        self, instance: Instance, body: dict[str, Any], wants: ClientWants, flavor: str, capture: Capture | None
+        self, instance: Instance, body: dict[str, Any], wants: ClientWants, flavor: str, counts: contextlib.ExitStack,
+        *, pending: _PendingCapture | None,
     ) -> Response:
+        """Send to `instance`, counted in flight there until the answer (or the stream) ends. An error answer leaves
+        the capture pending: the request's counts discard it when they close."""
+        counts.enter_context(self._routing.in_flight(instance))
         stream = body.get("stream") is True
         request_json = orjson.dumps(body)
         started = time.perf_counter()
@@ -261,8 +282,6 @@ class InferenceProxy:
         except HttpError as exc:
             if self._metrics is not None:
                 self._metrics.upstream_answered(instance.name, "error", time.perf_counter() - started)
-            if capture is not None:
-                self._discard_in_background(capture)
             return envelope(502, "upstream_unavailable", f"vLLM instance unreachable: {type(exc).__name__}")
         if self._metrics is not None:
             self._metrics.upstream_answered(instance.name, str(resp.status), time.perf_counter() - started)
@@ -274,19 +293,15 @@ class InferenceProxy:
                                                   "message": f"vLLM answer broken: {type(exc).__name__}"}})
             finally:
                 await resp.aclose()
-            if capture is not None:
-                self._discard_in_background(capture)
             return upstream_error(resp.status, content, resp.headers.get("content-type"))
         if stream:
             return StreamingResponse(
-                self._relay_stream(instance, resp, wants, flavor, capture), media_type="text/event-stream",
+                self._relay_stream(resp, wants, flavor, pending, counts.pop_all()), media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
         try:
             content = await resp.aread()
         except HttpError as exc:
-            if capture is not None:
-                self._discard_in_background(capture)
             return envelope(502, "upstream_unavailable", f"vLLM answer broken: {type(exc).__name__}")
         finally:
             await resp.aclose()
@@ -295,8 +310,6 @@ class InferenceProxy:
             if not isinstance(completion, dict):
                 raise ValueError("not an object")
         except ValueError:
-            if capture is not None:
-                self._discard_in_background(capture)
             return envelope(502, "upstream_invalid", "vLLM answered with invalid JSON")
         # The client's answer is built before `:after` and the parsed completion dropped: while `:after` runs, the
         # ~20k objects of a large answer would otherwise stay alive for the collector to walk, once per session.
@@ -307,8 +320,8 @@ class InferenceProxy:
         except Exception as exc:  # noqa: BLE001 - re-raised below, unchanged
             failure = exc
         del completion
-        if capture is not None:
-            await self._after_shielded(capture, capture.after_body(request_json, content))
+        if pending is not None and (capture := pending.capture) is not None:
+            await self._commit(pending, capture, capture.after_body(request_json, content))
         if failure is not None:
             raise failure
         return answer
@@ -326,13 +339,15 @@ class InferenceProxy:
         )
 
     async def _relay_stream(
-        self, instance: Instance, resp: StreamedAnswer, wants: ClientWants, flavor: str, capture: Capture | None
+        self, resp: StreamedAnswer, wants: ClientWants, flavor: str, pending: _PendingCapture | None,
+        counts: contextlib.ExitStack,
     ) -> AsyncIterator[bytes]:
+        """The client's stream. It took the request's `counts` over: they close when it ends, a broken stream or a
+        client disconnect included."""
         aggregator = StreamAggregator()
         writer = AnthropicStreamWriter() if flavor == "anthropic" else None
         finish_reason: str | None = None
         usage: dict[str, Any] | None = None
-        completed = False
         started = False
         done = False
         # The events of one upstream read leave in one write: a per-event write costs more than the event itself.
@@ -344,9 +359,8 @@ class InferenceProxy:
                         done = True
                         if aggregator.error is not None:
                             break  # vLLM reported an error inside the stream: nothing valid to commit
-                        completed = True  # from here the `:after` task owns the capture's ending
-                        if capture is not None:
-                            await self._after_shielded(capture, orjson.dumps(
+                        if pending is not None and (capture := pending.capture) is not None:
+                            await self._commit(pending, capture, orjson.dumps(
                                 capture.hook_body(request=capture.request, response=aggregator.result())))
                         if writer is not None:
                             for name, data in writer.finish(finish_reason, usage):
@@ -389,11 +403,7 @@ class InferenceProxy:
             if out:  # what was relayable before the break still reaches the client, as before batching
                 yield b"".join(out)
         finally:
-            self._loras.end(instance)
-            if capture is not None and not completed:
-                # A broken stream or a client disconnect: the capture is dropped. In a detached task, because this
-                # generator may be inside a cancelled scope where every await fails at once.
-                self._discard_in_background(capture)
+            counts.close()  # before any await: this generator may be inside a cancelled scope
             await resp.aclose()
 
     # --------------------------------------------------------- hook endings
@@ -414,14 +424,11 @@ class InferenceProxy:
         finally:
             self._sessions.end(t)
 
-    def _discard_in_background(self, capture: Capture) -> None:
-        self._spawn(self._discard(capture))
-
-    async def _after_shielded(self, capture: Capture, body: bytes) -> None:
-        """`_after` in its own task: a client that disconnects while it runs cannot cut it in half (which would
-        leave the RL Service unsure whether the capture was committed)."""
-        task = self._spawn(self._after(capture, body))
-        await asyncio.shield(task)
+    async def _commit(self, pending: _PendingCapture, capture: Capture, body: bytes) -> None:
+        """`:after` in its own task, which takes the capture's count over: a client that disconnects while it runs
+        cannot cut it in half (which would leave the RL Service unsure whether the capture was committed)."""
+        pending.committed = True  # no await before the task owns the count
+        await asyncio.shield(self._spawn(self._after(capture, body)))
 
     async def _discard(self, capture: Capture) -> None:
         t = capture.binding.rl_task_id

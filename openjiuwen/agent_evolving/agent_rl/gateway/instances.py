@@ -55,11 +55,11 @@ class Instance:
 
 
 class InstanceRefused(Exception):
-    """A registration or removal the registry refuses; routers answer it as the error envelope as it is."""
+    """A registration or removal the registry refuses, named by its contract code (the LoRA manager re-raises it as
+    a LoraError)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"{status} {code}: {message}")
-        self.status = status
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
 
@@ -103,13 +103,13 @@ class InstanceRegistry:
             if existing == instance:
                 return existing, False
             if name in self._static:
-                raise InstanceRefused(409, "instance_static",
+                raise InstanceRefused("instance_static",
                                       f"instance {name!r} is configured statically; registration cannot move it")
-            raise InstanceRefused(409, "instance_conflict",
+            raise InstanceRefused("instance_conflict",
                                   f"instance {name!r} is registered at another address or model; an operator must "
                                   "remove it first")
         if self.registered_count() >= self._max_registered:
-            raise InstanceRefused(409, "instance_limit_reached",
+            raise InstanceRefused("instance_limit_reached",
                                   f"{self._max_registered} instances are registered already "
                                   "(registration.maxInstances); an operator must remove one first")
         self._by_name[name] = instance  # not serving until admitted
@@ -120,9 +120,9 @@ class InstanceRegistry:
         `instance_static` (static instances change only with the config file and a restart)."""
         instance = self._by_name.get(name)
         if instance is None:
-            raise InstanceRefused(404, "instance_not_found", f"no instance named {name!r}")
+            raise InstanceRefused("instance_not_found", f"no instance named {name!r}")
         if name in self._static:
-            raise InstanceRefused(409, "instance_static",
+            raise InstanceRefused("instance_static",
                                   f"instance {name!r} is configured statically; remove it from the config file")
         del self._by_name[name]
         self._serving.discard(name)

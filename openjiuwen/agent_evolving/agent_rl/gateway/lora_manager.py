@@ -1,13 +1,11 @@
-"""LoRA lifecycle on the vLLM instances: activation, leases, routing, registration and restart (CONTRACT §3.3-§3.9).
+"""LoRA lifecycle on the vLLM instances: activation, canary candidates, leases, registration and restart (CONTRACT
+§3.3-§3.9). The manager orchestrates; each piece of state it changes has its own module: what each instance holds
+(holdings.py), the Tasks pinned per version (leases.py), the state file (lora_state_file.py), vLLM's adapter calls
+(vllm_adapters.py); routing.py picks the instance of each request from the holdings.
 
-What the manager knows per instance is which adapters it holds *confirmed* (`_loaded`: a load answered 200 or "already
-been loaded", or `GET /v1/models` listed it) and which it *may* hold (`_stale`: an answer was lost, so a later sweep
-unloads again; 404 = gone). Routing trusts only confirmed adapters, so a request never reaches an instance or a
-version lacking the adapter.
-
-Concurrency (one event loop): the model lock serializes policy switches (activate, deactivate); a lock per LoRA
-version serializes every load and unload of that version, so an unload never races a load of the same name. Order is
-always model lock, then version lock. Mutating operations run as owned tasks shielded from the caller's
+Concurrency (one event loop): the model lock serializes policy switches (activate, deactivate, canary); a lock per
+LoRA version serializes every load and unload of that version, so an unload never races a load of the same name.
+Order is always model lock, then version lock. Mutating operations run as owned tasks shielded from the caller's
 cancellation: a client that goes away cannot split "loaded everywhere" from "persisted and switched". Every vLLM call
 has a timeout taken from the operation's one deadline (`operation_timeout_s`); the last `ROLLBACK_SHARE` of an
 activation's budget is kept for its rollback (`lora.operationTimeout` bounds "one multi-instance load + rollback").
@@ -17,76 +15,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import hashlib
 import logging
 import os
-import re
-import tempfile
-from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-import orjson
 
-from ..common.policy_names import BASE_POLICY
-from .canary import Candidate, in_candidate_arm, parse_candidates, parse_share
+from .canary import Candidate, in_candidate_arm, parse_share
+from .holdings import Holdings
 from .instances import Instance, InstanceRefused, InstanceRegistry
+from .leases import Leases
+from .lora_state_file import KEEP, LoraStateFile
+from ..common.ids import model_of, parse_lora_name
+from ..common.policy_names import BASE_POLICY
+from .lora_types import ActiveLora, LoraError
+from .routing import Router, require_serving
+from .vllm_adapters import AdapterClient, Load
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
 
-LOAD_PATH = "/v1/load_lora_adapter"
-UNLOAD_PATH = "/v1/unload_lora_adapter"
-MODELS_PATH = "/v1/models"
 ROLLBACK_SHARE = 0.25  # of operation_timeout_s, kept after the loads for unloading a failed activation
-STATE_FILE_VERSION = 1
-_KEEP: Any = object()  # `_persist`: leave this part of the model's entry as it is
-
-_LORA_NAME_RE = re.compile(r"(?P<model>.+):v(?P<version>[1-9][0-9]*)")
-_ALREADY_LOADED = "already been loaded"  # vLLM's 400 text for a repeated load (load_lora_again.txt)
 
 T = TypeVar("T")
-
-
-def parse_lora_name(name: object) -> tuple[str, int] | None:
-    """(model, N) of `<model>:vN`, else None."""
-    if not isinstance(name, str):
-        return None
-    match = _LORA_NAME_RE.fullmatch(name)
-    if match is None or not match.group("model").strip():
-        return None
-    return match.group("model"), int(match.group("version"))
-
-
-class LoraError(Exception):
-    """A refused or failed LoRA operation; routers turn it into the error envelope as it is."""
-
-    def __init__(self, status: int, code: str, message: str = "") -> None:
-        super().__init__(f"{status} {code}: {message or code}")
-        self.status = status
-        self.code = code
-        self.message = message or code
-
-
-@dataclass(frozen=True, slots=True)
-class ActiveLora:
-    lora_name: str
-    lora_path: str
-
-    def public(self) -> dict[str, str]:
-        return {"lora_name": self.lora_name, "lora_path": self.lora_path}
-
-
-class _Load(enum.Enum):
-    NEW = "new"  # 2xx: this call loaded it
-    ALREADY = "already"  # 400 "already been loaded": it was there
-    FAILED = "failed"  # any other answer: not loaded
-    UNKNOWN = "unknown"  # timeout or transport error: it may land later
-    UNREACHABLE = "unreachable"  # the connection was refused: nothing was sent, the instance is down
 
 
 @dataclass
@@ -114,23 +68,17 @@ class LoraManager:
             raise ValueError("operation_timeout_s must be positive")
         self._registry = registry
         self._root = Path(lora_root)
-        self._state_path = Path(state_path)
         self._timeout_s = float(operation_timeout_s)
-        self._owns_client = client is None
-        self._client = client if client is not None else httpx.AsyncClient(trust_env=False)
+        self.holdings = Holdings()
+        self.routing = Router(registry, self.holdings)  # the inference proxy picks instances and counts requests
+        self.leases = Leases()
+        self._state_file = LoraStateFile(state_path)
+        self._vllm = AdapterClient(client)
         self._models: dict[str, _ModelState] = {}
-        self._loaded: defaultdict[str, set[str]] = defaultdict(set)  # instance name → adapters confirmed loaded
-        self._stale: defaultdict[str, set[str]] = defaultdict(set)  # instance name → adapters that may be loaded
         self._version_locks: dict[str, asyncio.Lock] = {}
         self._paths: dict[str, str] = {}  # lora name → path, for versions active now or still leased (readmission)
         self._probe = probe
         self._admitting: set[str] = set()  # instances being admitted (a probe round must not start a second one)
-        self._leases: Counter[str] = Counter()
-        self._inflight: Counter[str] = Counter()  # instance name → requests in flight
-        self._turns: dict[str, int] = {}  # round-robin position per routing key
-        self._persisted: dict[str, dict[str, str]] = {}  # the state file's content, model → entry
-        self._persisted_candidates: dict[str, dict[str, Any]] = {}  # … and its canary candidates, model → entry
-        self._file_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
 
@@ -150,44 +98,38 @@ class LoraManager:
         for what, value in (("base_model", base_model), ("lora_name", lora_name), ("lora_path", lora_path),
                             ("expected_lora_name", expected)):
             if not isinstance(value, str):
-                raise LoraError(400, "invalid_lora_request", f"{what} must be a string")
+                raise LoraError("invalid_lora_request", f"{what} must be a string")
         parsed = parse_lora_name(lora_name)
         if parsed is None:
-            raise LoraError(400, "invalid_lora_request", "lora_name must be `<model>:v<N>`")
+            raise LoraError("invalid_lora_request", "lora_name must be `<model>:v<N>`")
         model = parsed[0]
         problem = await asyncio.to_thread(_artifact_problem, self._root, lora_path)
         if problem is not None:
-            raise LoraError(400, "invalid_lora_request", problem)
-        self._require_serving(model)
-        state = self._state(model)
+            raise LoraError("invalid_lora_request", problem)
+        require_serving(self._registry, model)
         wanted = ActiveLora(lora_name, lora_path)
-        async with _holding(state.lock, load_deadline) as held:
-            if not held:
-                raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
+        async with self._switching(model, load_deadline) as state:
             current = state.active
             if current is not None and current.lora_name == lora_name:
                 if os.path.normpath(current.lora_path) == os.path.normpath(lora_path):
                     return _activated(current)  # idempotent, whatever expected_lora_name says
-                raise LoraError(409, "lora_cas_conflict", f"{lora_name} is already active from another path")
+                raise LoraError("lora_cas_conflict", f"{lora_name} is already active from another path")
             if state.candidate is not None:  # one version in flight at a time: the canary decides first
-                raise LoraError(409, "canary_conflict",
+                raise LoraError("canary_conflict",
                                 f"{state.candidate.lora_name} is the candidate of {model}: promote or abort it first")
             current_name = current.lora_name if current is not None else BASE_POLICY
             if current_name != expected:
-                raise LoraError(409, "lora_cas_conflict", f"active policy is {current_name}, expected {expected}")
-            instances = self._require_serving(model)
-            async with _holding(self._version_lock(lora_name), load_deadline) as held_version:
-                if not held_version:
-                    raise LoraError(502, "lora_activation_failed", f"an operation on {lora_name} is still running")
+                raise LoraError("lora_cas_conflict", f"active policy is {current_name}, expected {expected}")
+            instances = require_serving(self._registry, model)
+            async with self._loading(lora_name, load_deadline):
                 entry = {"lora_name": lora_name, "lora_path": lora_path, "base_model": base_model,
                          "activated_at": datetime.now(timezone.utc).isoformat()}
                 instances = await self._load_everywhere(model, wanted, instances, load_deadline, deadline,
-                                                        lambda: self._persist(model, entry))
+                                                        lambda: self._state_file.write(model, entry))
                 # Loaded everywhere and persisted: switch. Nothing awaits between here and the return of the lock.
                 self._paths[lora_name] = lora_path
                 for instance in instances:
-                    self._loaded[instance.name].add(lora_name)
-                    self._stale[instance.name].discard(lora_name)
+                    self.holdings.loaded(instance.name, lora_name)
                 state.active = wanted
                 state.failed.clear()
                 state.artifact_missing = False
@@ -205,38 +147,35 @@ class LoraManager:
         failed: it leaves routing and the quorum (readmission loads it later) and the activation goes on without it;
         when that leaves no instance, 503 `no_healthy_instances`. Runs under the model lock and the version lock."""
         name = wanted.lora_name
-        known = {i.name for i in instances if name in self._loaded[i.name]}
-        results = await asyncio.gather(*(self._load(i, wanted, load_deadline) for i in instances))
+        known = {i.name for i in instances if self.holdings.holds(i.name, name)}
+        results = await asyncio.gather(*(self._vllm.load(i, wanted, load_deadline) for i in instances))
         for instance, (outcome, detail) in zip(instances, results):
-            if outcome is _Load.UNREACHABLE and self._registry.set_serving(instance, False):
+            if outcome is Load.UNREACHABLE and self._registry.set_serving(instance, False):
                 log.warning("instance %s is down (%s): out of routing until it answers again", instance.name, detail)
-        reached = [(i, r) for i, r in zip(instances, results) if r[0] is not _Load.UNREACHABLE]
+        reached = [(i, r) for i, r in zip(instances, results) if r[0] is not Load.UNREACHABLE]
         instances, results = [i for i, _ in reached], [r for _, r in reached]
-        failures = [detail for outcome, detail in results if outcome in (_Load.FAILED, _Load.UNKNOWN)]
+        failures = [detail for outcome, detail in results if outcome in (Load.FAILED, Load.UNKNOWN)]
         if not instances:
-            raise LoraError(503, "no_healthy_instances", f"no instance of {model} answered; kept the previous policy")
+            raise LoraError("no_healthy_instances", f"no instance of {model} answered; kept the previous policy")
         if not failures:
             try:
                 await persist()
                 return instances
             except OSError as exc:
-                log.error("could not write the LoRA state file %s", self._state_path, exc_info=exc)
+                log.error("could not write the LoRA state file %s", self._state_file.path, exc_info=exc)
                 failures = [f"state file not written: {type(exc).__name__}"]
         # Instances that held it before this call keep it (a leased version stays routable there).
-        loaded_here = [(i, outcome is _Load.UNKNOWN) for i, (outcome, _) in zip(instances, results)
-                       if outcome is not _Load.FAILED and i.name not in known]
+        loaded_here = [(i, outcome is Load.UNKNOWN) for i, (outcome, _) in zip(instances, results)
+                       if outcome is not Load.FAILED and i.name not in known]
         await self._roll_back(name, loaded_here, deadline)
         log.warning("activation of %s failed, kept the previous policy: %s", name, "; ".join(failures))
-        raise LoraError(502, "lora_activation_failed", "; ".join(failures)[:1000])
+        raise LoraError("lora_activation_failed", "; ".join(failures)[:1000])
 
     async def _roll_back(self, name: str, targets: list[tuple[Instance, bool]], deadline: float) -> None:
-        results = await asyncio.gather(*(self._unload(i, name, deadline) for i, _ in targets))
+        results = await asyncio.gather(*(self._vllm.unload(i, name, deadline) for i, _ in targets))
         for (instance, outcome_unknown), gone in zip(targets, results):
-            self._loaded[instance.name].discard(name)
-            if gone and not outcome_unknown:
-                self._stale[instance.name].discard(name)
-            else:  # a lost load may still land after our unload: sweep it again later
-                self._stale[instance.name].add(name)
+            # A lost load may still land after our unload: then it may be there, for a later sweep.
+            self.holdings.unloaded(instance.name, name, gone=gone and not outcome_unknown)
 
     async def deactivate(self, model: str) -> None:
         """New Tasks use base at once (DELETE /v1/loras/{model}); the old version is unloaded unless leased."""
@@ -250,11 +189,7 @@ class LoraManager:
             previous = state.active
             if previous is None:
                 return
-            try:
-                await self._persist(model, None)
-            except OSError as exc:
-                log.error("could not write the LoRA state file %s", self._state_path, exc_info=exc)
-                raise LoraError(500, "internal_error", "could not write the LoRA state file") from exc
+            await self._write_state(model, None)
             state.active = None
             state.failed.clear()
             state.artifact_missing = False
@@ -282,35 +217,29 @@ class LoraManager:
         try:
             fraction = parse_share(share)
         except ValueError as exc:
-            raise LoraError(400, "invalid_lora_request", str(exc)) from exc
-        state = self._state(model)
-        async with _holding(state.lock, load_deadline) as held:
-            if not held:
-                raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
+            raise LoraError("invalid_lora_request", str(exc)) from exc
+        async with self._switching(model, load_deadline) as state:
             current = state.candidate
             if current is not None:
                 if current.lora_name == lora_name and os.path.normpath(current.lora_path) == os.path.normpath(path):
                     return self.canary_status(model)  # a repeated start (a lost answer): idempotent
-                raise LoraError(409, "canary_conflict", f"{current.lora_name} is already the candidate of {model}")
+                raise LoraError("canary_conflict", f"{current.lora_name} is already the candidate of {model}")
             active_name = state.active.lora_name if state.active is not None else BASE_POLICY
             if active_name == lora_name:
-                raise LoraError(409, "lora_cas_conflict", f"{lora_name} is already active")
+                raise LoraError("lora_cas_conflict", f"{lora_name} is already active")
             if active_name != expected:
-                raise LoraError(409, "lora_cas_conflict", f"active policy is {active_name}, expected {expected}")
-            instances = self._require_serving(model)
+                raise LoraError("lora_cas_conflict", f"active policy is {active_name}, expected {expected}")
+            instances = require_serving(self._registry, model)
             wanted = Candidate(lora_name, path, fraction, datetime.now(timezone.utc).isoformat(), base_model)
-            async with _holding(self._version_lock(lora_name), load_deadline) as held_version:
-                if not held_version:
-                    raise LoraError(502, "lora_activation_failed", f"an operation on {lora_name} is still running")
+            async with self._loading(lora_name, load_deadline):
                 instances = await self._load_everywhere(
                     model, ActiveLora(lora_name, path), instances, load_deadline, deadline,
-                    lambda: self._persist(model, _KEEP, candidate=wanted.entry()),
+                    lambda: self._state_file.write(model, KEEP, candidate=wanted.entry()),
                 )
                 # Loaded everywhere and persisted: new Tasks may be pinned to it from here on.
                 self._paths[lora_name] = path
                 for instance in instances:
-                    self._loaded[instance.name].add(lora_name)
-                    self._stale[instance.name].discard(lora_name)
+                    self.holdings.loaded(instance.name, lora_name)
                 state.candidate = wanted
         log.info("canary %s started on %d instance(s) for %.0f%% of new Tasks (active %s)",
                  lora_name, len(instances), fraction * 100, active_name)
@@ -325,28 +254,21 @@ class LoraManager:
     async def _promote_canary(self, base_model: Any, lora_name: Any, expected: Any) -> dict[str, Any]:
         deadline = self._now() + self._timeout_s
         model = self._checked_name(base_model, lora_name, expected)
-        state = self._state(model)
-        async with _holding(state.lock, deadline) as held:
-            if not held:
-                raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
+        async with self._switching(model, deadline) as state:
             candidate, previous = state.candidate, state.active
             active_name = previous.lora_name if previous is not None else BASE_POLICY
             if candidate is None:
                 if active_name == lora_name:
                     return self.canary_status(model)  # promoted already (a lost answer)
-                raise LoraError(409, "no_canary", f"{model} has no candidate")
+                raise LoraError("no_canary", f"{model} has no candidate")
             if candidate.lora_name != lora_name:
-                raise LoraError(409, "lora_cas_conflict", f"the candidate is {candidate.lora_name}, not {lora_name}")
+                raise LoraError("lora_cas_conflict", f"the candidate is {candidate.lora_name}, not {lora_name}")
             if active_name != expected:
-                raise LoraError(409, "lora_cas_conflict", f"active policy is {active_name}, expected {expected}")
+                raise LoraError("lora_cas_conflict", f"active policy is {active_name}, expected {expected}")
             entry = {"lora_name": candidate.lora_name, "lora_path": candidate.lora_path,
                      "base_model": candidate.base_model or str(base_model),
                      "activated_at": datetime.now(timezone.utc).isoformat()}
-            try:
-                await self._persist(model, entry, candidate=None)  # one write: active and candidate together
-            except OSError as exc:
-                log.error("could not write the LoRA state file %s", self._state_path, exc_info=exc)
-                raise LoraError(500, "internal_error", "could not write the LoRA state file") from exc
+            await self._write_state(model, entry, candidate=None)  # one write: active and candidate together
             state.active = ActiveLora(candidate.lora_name, candidate.lora_path)
             state.candidate = None
             state.failed.clear()
@@ -366,22 +288,15 @@ class LoraManager:
     async def _abort_canary(self, base_model: Any, lora_name: Any) -> dict[str, Any]:
         deadline = self._now() + self._timeout_s
         model = self._checked_name(base_model, lora_name, BASE_POLICY)
-        state = self._state(model)
-        async with _holding(state.lock, deadline) as held:
-            if not held:
-                raise LoraError(502, "lora_activation_failed", f"another LoRA operation on {model} is still running")
+        async with self._switching(model, deadline) as state:
             candidate = state.candidate
             if candidate is None:
                 if state.active is not None and state.active.lora_name == lora_name:
-                    raise LoraError(409, "lora_cas_conflict", f"{lora_name} was promoted")
+                    raise LoraError("lora_cas_conflict", f"{lora_name} was promoted")
                 return self.canary_status(model)  # aborted already (a lost answer)
             if candidate.lora_name != lora_name:
-                raise LoraError(409, "lora_cas_conflict", f"the candidate is {candidate.lora_name}, not {lora_name}")
-            try:
-                await self._persist(model, _KEEP, candidate=None)
-            except OSError as exc:
-                log.error("could not write the LoRA state file %s", self._state_path, exc_info=exc)
-                raise LoraError(500, "internal_error", "could not write the LoRA state file") from exc
+                raise LoraError("lora_cas_conflict", f"the candidate is {candidate.lora_name}, not {lora_name}")
+            await self._write_state(model, KEEP, candidate=None)
             state.candidate = None
         log.info("canary %s aborted", lora_name)
         await self._collect_version(lora_name, deadline)  # unloads only when no Task is pinned to it
@@ -393,34 +308,32 @@ class LoraManager:
 
     def canary_status(self, model: str) -> dict[str, Any]:
         """`status(model)` with the candidate (null when none) and the lease count per version of the model."""
-        leases = {name: n for name, n in sorted(self._leases.items())
-                  if n > 0 and (parsed := parse_lora_name(name)) is not None and parsed[0] == model}
-        return {**self.status(model), "candidate": self._candidate_row(model), "leases": leases}
+        return {**self.status(model), "candidate": self._candidate_row(model), "leases": self.leases.counts(model)}
 
     def _candidate_row(self, model: str) -> dict[str, Any] | None:
         candidate = self.candidate(model)
         if candidate is None:
             return None
-        ready = sum(1 for i in self._registry.serving(model) if candidate.lora_name in self._loaded[i.name])
+        ready = sum(1 for i in self._registry.serving(model) if self.holdings.holds(i.name, candidate.lora_name))
         return {**candidate.public(), "instances": {"ready": ready}}
 
     def _checked_name(self, base_model: Any, lora_name: Any, expected: Any) -> str:
         for what, value in (("base_model", base_model), ("lora_name", lora_name), ("expected_lora_name", expected)):
             if not isinstance(value, str):
-                raise LoraError(400, "invalid_lora_request", f"{what} must be a string")
+                raise LoraError("invalid_lora_request", f"{what} must be a string")
         parsed = parse_lora_name(lora_name)
         if parsed is None:
-            raise LoraError(400, "invalid_lora_request", "lora_name must be `<model>:v<N>`")
+            raise LoraError("invalid_lora_request", "lora_name must be `<model>:v<N>`")
         return parsed[0]
 
     async def _checked_target(self, base_model: Any, lora_name: Any, lora_path: Any, expected: Any) -> tuple[str, str]:
         if not isinstance(lora_path, str):
-            raise LoraError(400, "invalid_lora_request", "lora_path must be a string")
+            raise LoraError("invalid_lora_request", "lora_path must be a string")
         model = self._checked_name(base_model, lora_name, expected)
         problem = await asyncio.to_thread(_artifact_problem, self._root, lora_path)
         if problem is not None:
-            raise LoraError(400, "invalid_lora_request", problem)
-        self._require_serving(model)
+            raise LoraError("invalid_lora_request", problem)
+        require_serving(self._registry, model)
         return model, lora_path
 
     # ------------------------------------------------------------------------------------------------ status
@@ -438,8 +351,8 @@ class LoraManager:
             answer = {"status": BASE_POLICY, "active_lora": None, "instances": {"ready": len(instances), "failed": 0}}
             return self._with_candidate(model, answer)
         name = state.active.lora_name
-        ready = sum(1 for i in instances if name in self._loaded[i.name])
-        failed = sum(1 for i in instances if i.name in state.failed and name not in self._loaded[i.name])
+        ready = sum(1 for i in instances if self.holdings.holds(i.name, name))
+        failed = sum(1 for i in instances if i.name in state.failed and not self.holdings.holds(i.name, name))
         status = "degraded" if failed or state.artifact_missing else "active"
         answer = {"status": status, "active_lora": state.active.public(), "instances": {"ready": ready, "failed": failed}}
         return self._with_candidate(model, answer)
@@ -457,9 +370,7 @@ class LoraManager:
         instances = [
             {**self._instance_row(i), "failed": i.name in failed} for i in self._registry.for_model(model)
         ]
-        leases = {name: n for name, n in sorted(self._leases.items())
-                  if n > 0 and (parsed := parse_lora_name(name)) is not None and parsed[0] == model}
-        return {**self.status(model), "model": model, "instance_list": instances, "leases": leases}
+        return {**self.status(model), "model": model, "instance_list": instances, "leases": self.leases.counts(model)}
 
     def instances(self) -> list[dict[str, Any]]:
         """Every instance with its origin, health and adapters (`GET /aigw/v1/instances`)."""
@@ -468,8 +379,8 @@ class LoraManager:
     def _instance_row(self, i: Instance) -> dict[str, Any]:
         return {"name": i.name, "model": i.model, "address": f"{i.host}:{i.port}",
                 "origin": "static" if self._registry.is_static(i.name) else "registered",
-                "serving": self._registry.is_serving(i.name), "loaded": sorted(self._loaded.get(i.name, ())),
-                "inflight": self._inflight[i.name]}
+                "serving": self._registry.is_serving(i.name), "loaded": sorted(self.holdings.confirmed(i.name)),
+                "inflight": self.routing.in_flight_count(i.name)}
 
     async def refresh_status(self, model: str) -> dict[str, Any]:
         """Retry loading the active adapter where it is missing, then `status(model)`."""
@@ -493,7 +404,7 @@ class LoraManager:
         candidate = self.candidate(model)
         if candidate is None:
             return
-        lacking = [i for i in self._registry.serving(model) if candidate.lora_name not in self._loaded[i.name]]
+        lacking = [i for i in self._registry.serving(model) if not self.holdings.holds(i.name, candidate.lora_name)]
         await asyncio.gather(*(self._load_leased(i, deadline) for i in lacking))
 
     # ------------------------------------------------------------------------------------------------ pinning
@@ -512,97 +423,16 @@ class LoraManager:
             return BASE_POLICY, model
         return state.active.lora_name, state.active.lora_name
 
-    def pin(self, model: str, *, rl_task_id: str | None = None) -> tuple[str, str]:
-        """`snapshot` and `acquire` with no await between them."""
-        policy_name, policy_model = self.snapshot(model, rl_task_id=rl_task_id)
-        self.acquire(policy_name)
-        return policy_name, policy_model
-
     def acquire(self, lora_name: str) -> None:
-        """Lease a version so it stays loaded; base (anything not `<model>:vN`) is never leased."""
-        if parse_lora_name(lora_name) is not None:
-            self._leases[lora_name] += 1
+        """Lease a version so it stays loaded (a Task pinned to it); base is never leased."""
+        self.leases.acquire(lora_name)
 
     async def release(self, lora_name: str) -> None:
         """Drop one lease; the last one of a version that is not active unloads it from every instance."""
-        if parse_lora_name(lora_name) is None:
-            return
-        count = self._leases.get(lora_name, 0)
-        if count <= 0:
-            log.warning("release of %s without a lease", lora_name)
-            return
-        if count > 1:
-            self._leases[lora_name] = count - 1
-            return
-        del self._leases[lora_name]
-        if self._in_use(lora_name) or self._closed:
+        if not self.leases.drop(lora_name) or self._in_use(lora_name) or self._closed:
             return
         await self._shielded(self._collect_version(lora_name, self._now() + self._timeout_s),
                              f"lora-unload:{lora_name}")
-
-    @contextlib.asynccontextmanager
-    async def lease(self, lora_name: str) -> AsyncIterator[None]:
-        self.acquire(lora_name)  # no await before the try
-        try:
-            yield
-        finally:
-            await self.release(lora_name)
-
-    def leases(self) -> dict[str, int]:
-        """Lease count per leased version (metrics)."""
-        return {name: n for name, n in self._leases.items() if n > 0}
-
-    def lease_count(self, lora_name: str) -> int:
-        return self._leases.get(lora_name, 0)
-
-    # ------------------------------------------------------------------------------------------------ routing
-
-    def pick(self, model: str, policy_model: str, *, affinity_key: str | None = None) -> Instance:
-        """The instance for one request. A LoRA policy (`<model>:vN`) goes only to instances holding that adapter,
-        least in flight then round robin, never by affinity; anything else is base traffic: any instance of the
-        model, by rendezvous hash of `affinity_key` when given (prefix-cache locality)."""
-        instances = self._require_serving(model)
-        parsed = parse_lora_name(policy_model)
-        if parsed is None or parsed[0] != model:
-            if affinity_key is not None:
-                return max(instances, key=lambda i: _rendezvous(affinity_key, i.name))
-            return self._least_busy(model, instances)
-        holders = [i for i in instances if policy_model in self._loaded[i.name]]
-        if not holders:
-            raise LoraError(503, "lora_unavailable", f"no instance has {policy_model} loaded")
-        return self._least_busy(policy_model, holders)
-
-    def begin(self, instance: Instance) -> None:
-        self._inflight[instance.name] += 1
-
-    def end(self, instance: Instance) -> None:
-        left = self._inflight[instance.name] - 1
-        if left > 0:
-            self._inflight[instance.name] = left
-        else:
-            self._inflight.pop(instance.name, None)
-
-    @contextlib.contextmanager
-    def in_flight(self, instance: Instance) -> Iterator[Instance]:
-        self.begin(instance)
-        try:
-            yield instance
-        finally:
-            self.end(instance)
-
-    def inflight_count(self, instance: Instance) -> int:
-        return self._inflight[instance.name]
-
-    def loaded_on(self, instance_name: str) -> frozenset[str]:
-        """Adapters confirmed loaded on an instance (what routing uses)."""
-        return frozenset(self._loaded.get(instance_name, ()))
-
-    def _least_busy(self, key: str, candidates: list[Instance]) -> Instance:
-        low = min(self._inflight[i.name] for i in candidates)
-        tied = [i for i in candidates if self._inflight[i.name] == low]
-        turn = self._turns.get(key, 0)
-        self._turns[key] = turn + 1
-        return tied[turn % len(tied)]
 
     # ------------------------------------------------------------------------------------------------ instances
 
@@ -614,9 +444,9 @@ class LoraManager:
         try:
             instance, new = self._registry.register(name, model, host, _port(port))
         except InstanceRefused as exc:
-            raise LoraError(exc.status, exc.code, exc.message) from exc
+            raise LoraError(exc.code, exc.message) from exc
         except (TypeError, ValueError) as exc:
-            raise LoraError(400, "invalid_request", f"invalid instance: {exc}") from exc
+            raise LoraError("invalid_request", f"invalid instance: {exc}") from exc
         if new:
             log.info("instance %s registered for %s at %s", name, model, instance.base_url)
         return await self._shielded(self._admit(instance, probed=False), f"lora-register:{name}")
@@ -633,7 +463,7 @@ class LoraManager:
         try:
             instance = self._registry.remove(name)
         except InstanceRefused as exc:
-            raise LoraError(exc.status, exc.code, exc.message) from exc
+            raise LoraError(exc.code, exc.message) from exc
         self._forget(instance)
         log.info("instance %s at %s removed", name, instance.base_url)
         return instance
@@ -661,12 +491,11 @@ class LoraManager:
         returns the active version it dealt with."""
         deadline = self._now() + self._timeout_s
         if not await self._sync_loaded(instance, deadline):  # a restarted vLLM re-registers with nothing loaded
-            # Holdings unknown: confirm nothing (routing trusts confirmed adapters only); sweep what it may hold.
-            self._stale[instance.name] |= self._loaded.pop(instance.name, set())
+            self.holdings.distrust(instance.name)  # routing trusts confirmed adapters only
         state = self._state(instance.model)
         for _ in range(3):  # the active version may switch while we load; catch up, within the deadline
             active = state.active
-            if active is None or active.lora_name in self._loaded[instance.name]:
+            if active is None or self.holdings.holds(instance.name, active.lora_name):
                 break
             await self._converge(instance.model, deadline, only={instance.name})
             if state.active == active:
@@ -681,26 +510,23 @@ class LoraManager:
         them again, and the model's canary candidate; a failure only means pinned traffic keeps going to the other
         holders."""
         candidate = self.candidate(instance.model)
-        for name in sorted({*self._leases, *([candidate.lora_name] if candidate is not None else [])}):
+        for name in sorted({*self.leases.names(), *([candidate.lora_name] if candidate is not None else [])}):
             path = self._paths.get(name)
-            parsed = parse_lora_name(name)
-            if path is None or parsed is None or parsed[0] != instance.model or name in self._loaded[instance.name]:
+            if path is None or model_of(name) != instance.model or self.holdings.holds(instance.name, name):
                 continue
             async with _holding(self._version_lock(name), deadline) as held:
-                if not held or not self._in_use(name) or name in self._loaded[instance.name]:
+                if not held or not self._in_use(name) or self.holdings.holds(instance.name, name):
                     continue
-                outcome, detail = await self._load(instance, ActiveLora(name, path), deadline)
-                if outcome in (_Load.NEW, _Load.ALREADY):
-                    self._loaded[instance.name].add(name)
-                    self._stale[instance.name].discard(name)
+                outcome, detail = await self._vllm.load(instance, ActiveLora(name, path), deadline)
+                if outcome.held:
+                    self.holdings.loaded(instance.name, name)
                 else:
-                    if outcome is _Load.UNKNOWN:
-                        self._stale[instance.name].add(name)
+                    if outcome is Load.UNKNOWN:
+                        self.holdings.uncertain(instance.name, name)
                     log.warning("could not load leased %s: %s", name, detail)
 
     def _forget(self, instance: Instance) -> None:
-        self._loaded.pop(instance.name, None)
-        self._stale.pop(instance.name, None)
+        self.holdings.forget(instance.name)
         for state in self._models.values():
             state.failed.discard(instance.name)
 
@@ -713,10 +539,7 @@ class LoraManager:
         await self._shielded(self._restore(), "lora-restore")
 
     async def _restore(self) -> None:
-        raw = await asyncio.to_thread(_read_bytes, self._state_path)
-        entries, candidates = _parse_state(raw) if raw is not None else ({}, {})
-        self._persisted = entries
-        self._persisted_candidates = {m: c.entry() for m, c in candidates.items()}
+        entries, candidates = await self._state_file.read()
         for model, candidate in candidates.items():
             self._state(model).candidate = candidate
             self._paths[candidate.lora_name] = candidate.lora_path
@@ -745,8 +568,7 @@ class LoraManager:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._owns_client:
-            await self._client.aclose()
+        await self._vllm.aclose()
 
     # ------------------------------------------------------------------------------------------------ internals
 
@@ -759,6 +581,23 @@ class LoraManager:
             state = self._models[model] = _ModelState()
         return state
 
+    @contextlib.asynccontextmanager
+    async def _switching(self, model: str, deadline: float) -> AsyncIterator[_ModelState]:
+        """Hold the model's lock for a policy switch; 502 when another operation holds it past `deadline`."""
+        state = self._state(model)
+        async with _holding(state.lock, deadline) as held:
+            if not held:
+                raise LoraError("lora_activation_failed", f"another LoRA operation on {model} is still running")
+            yield state
+
+    @contextlib.asynccontextmanager
+    async def _loading(self, lora_name: str, deadline: float) -> AsyncIterator[None]:
+        """Hold a version's lock to load it as active or candidate; 502 when it is busy past `deadline`."""
+        async with _holding(self._version_lock(lora_name), deadline) as held:
+            if not held:
+                raise LoraError("lora_activation_failed", f"an operation on {lora_name} is still running")
+            yield
+
     def _version_lock(self, lora_name: str) -> asyncio.Lock:
         lock = self._version_locks.get(lora_name)
         if lock is None:
@@ -767,11 +606,11 @@ class LoraManager:
 
     def _in_use(self, lora_name: str) -> bool:
         """Active for its model, or leased: such a version must stay loaded."""
-        if self._leases.get(lora_name, 0) > 0:
+        if self.leases.count(lora_name) > 0:
             return True
-        parsed = parse_lora_name(lora_name)
-        active = self.active(parsed[0]) if parsed is not None else None
-        candidate = self.candidate(parsed[0]) if parsed is not None else None
+        model = model_of(lora_name)
+        active = self.active(model) if model is not None else None
+        candidate = self.candidate(model) if model is not None else None
         return (active is not None and active.lora_name == lora_name) or (
             candidate is not None and candidate.lora_name == lora_name)
 
@@ -780,23 +619,14 @@ class LoraManager:
         if state is None or state.active is None:
             return False
         name = state.active.lora_name
-        return state.artifact_missing or any(name not in self._loaded[i.name] for i in self._registry.serving(model))
-
-    def _require_serving(self, model: str) -> list[Instance]:
-        """The model's serving instances; 503 `no_instances` when it has none at all, 503 `no_healthy_instances`
-        when every one is out of routing (unhealthy or not yet admitted)."""
         serving = self._registry.serving(model)
-        if serving:
-            return serving
-        if not self._registry.for_model(model):
-            raise LoraError(503, "no_instances", f"no vLLM instance serves {model}")
-        raise LoraError(503, "no_healthy_instances", f"no instance of {model} is healthy")
+        return state.artifact_missing or any(not self.holdings.holds(i.name, name) for i in serving)
 
     async def _shielded(self, coro: Coroutine[Any, Any, T], name: str) -> T:
         """Run an operation as an owned task that the caller's cancellation does not interrupt."""
         if self._closed:
             coro.close()
-            raise LoraError(503, "gateway_closing", "the LoRA manager is closed")
+            raise LoraError("gateway_closing", "the LoRA manager is closed")
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)  # the loop keeps only a weak reference
         task.add_done_callback(self._tasks.discard)
@@ -817,7 +647,7 @@ class LoraManager:
             # `only` may name an instance being admitted (not serving yet); otherwise the serving ones.
             pool = self._registry.for_model(model) if only_set is not None else self._registry.serving(model)
             targets = [i for i in pool
-                       if name not in self._loaded[i.name] and (only_set is None or i.name in only_set)]
+                       if not self.holdings.holds(i.name, name) and (only_set is None or i.name in only_set)]
             if not targets and not state.artifact_missing and not force_check:
                 return
             problem = await asyncio.to_thread(_artifact_problem, self._root, wanted.lora_path)
@@ -830,18 +660,17 @@ class LoraManager:
                 return
             if not targets:
                 return
-            results = await asyncio.gather(*(self._load(i, wanted, deadline) for i in targets))
+            results = await asyncio.gather(*(self._vllm.load(i, wanted, deadline) for i in targets))
             still_active = state.active == wanted
             for instance, (outcome, detail) in zip(targets, results):
-                if outcome in (_Load.NEW, _Load.ALREADY):
-                    self._loaded[instance.name].add(name)
-                    self._stale[instance.name].discard(name)
+                if outcome.held:
+                    self.holdings.loaded(instance.name, name)
                     if still_active:
                         state.failed.discard(instance.name)
                     continue
-                if outcome is _Load.UNKNOWN:
-                    self._stale[instance.name].add(name)
-                if outcome is _Load.UNREACHABLE and only_set is None:
+                if outcome is Load.UNKNOWN:
+                    self.holdings.uncertain(instance.name, name)
+                if outcome is Load.UNREACHABLE and only_set is None:
                     self._registry.set_serving(instance, False)  # down: readmission loads it when it is back
                 elif still_active:
                     state.failed.add(instance.name)
@@ -852,7 +681,7 @@ class LoraManager:
     async def _collect_unused(self, model: str, deadline: float, *, also: Instance | None = None) -> None:
         names: set[str] = set()
         for instance in [*self._registry.serving(model), *([also] if also is not None else [])]:
-            names |= self._loaded[instance.name] | self._stale[instance.name]
+            names |= self.holdings.all_names(instance.name)
         await asyncio.gather(*(self._collect_version(n, deadline, also=also) for n in sorted(names)
                                if not self._in_use(n)))
 
@@ -868,104 +697,37 @@ class LoraManager:
             self._paths.pop(name, None)
             # Out-of-routing instances are skipped (a dead host would hold the unload until the deadline); their
             # readmission lists what they hold and unloads what is unused.
-            parsed = parse_lora_name(name)
-            pool = self._registry.serving(parsed[0]) if parsed is not None else []
+            model = model_of(name)
+            pool = self._registry.serving(model) if model is not None else []
             if also is not None and also not in pool:
                 pool.append(also)
-            holders = [i for i in pool if name in self._loaded[i.name] or name in self._stale[i.name]]
+            holders = [i for i in pool if self.holdings.may_hold(i.name, name)]
             for instance in holders:
-                self._loaded[instance.name].discard(name)  # no new request goes there from now on
-            results = await asyncio.gather(*(self._unload(i, name, deadline) for i in holders))
+                self.holdings.unrouted(instance.name, name)  # no new request goes there from now on
+            results = await asyncio.gather(*(self._vllm.unload(i, name, deadline) for i in holders))
             for instance, gone in zip(holders, results):
-                if gone:
-                    self._stale[instance.name].discard(name)
-                else:
-                    self._stale[instance.name].add(name)
+                self.holdings.unloaded(instance.name, name, gone=gone)
             if holders:
                 log.info("unloaded %s from %d instance(s)", name, sum(results))
 
-    async def _call(
-        self, method: str, instance: Instance, path: str, body: dict[str, Any] | None, deadline: float
-    ) -> httpx.Response:
-        remaining = deadline - self._now()
-        if remaining <= 0:
-            raise TimeoutError("operation deadline passed")
-        async with asyncio.timeout_at(deadline):  # httpx's timeout is per phase; this bounds the whole call
-            return await self._client.request(method, instance.base_url + path, json=body, timeout=remaining)
-
-    async def _load(self, instance: Instance, lora: ActiveLora, deadline: float) -> tuple[_Load, str]:
-        body = {"lora_name": lora.lora_name, "lora_path": lora.lora_path}
-        try:
-            resp = await self._call("POST", instance, LOAD_PATH, body, deadline)
-        except httpx.ConnectError as exc:
-            return _Load.UNREACHABLE, f"{instance.name}: connection failed ({type(exc).__name__})"
-        except (httpx.HTTPError, TimeoutError) as exc:
-            return _Load.UNKNOWN, f"{instance.name}: no answer ({type(exc).__name__})"
-        if resp.is_success:
-            return _Load.NEW, ""
-        if resp.status_code == 400 and _ALREADY_LOADED in resp.text:
-            return _Load.ALREADY, ""
-        return _Load.FAILED, f"{instance.name}: status {resp.status_code}: {resp.text[:200]}"
-
-    async def _unload(self, instance: Instance, name: str, deadline: float) -> bool:
-        """True when the instance no longer holds the adapter (200, or 404 = already gone)."""
-        try:
-            resp = await self._call("POST", instance, UNLOAD_PATH, {"lora_name": name}, deadline)
-        except (httpx.HTTPError, TimeoutError) as exc:
-            log.warning("unload of %s on %s got no answer (%s)", name, instance.name, type(exc).__name__)
-            return False
-        if resp.is_success or resp.status_code == 404:
-            return True
-        log.warning("unload of %s on %s: status %d: %s", name, instance.name, resp.status_code, resp.text[:200])
-        return False
-
     async def _sync_loaded(self, instance: Instance, deadline: float) -> bool:
-        """Learn which of the model's adapters the instance holds (`GET /v1/models`); False on failure, keeping
-        what we knew."""
-        try:
-            resp = await self._call("GET", instance, MODELS_PATH, None, deadline)
-            data = resp.json() if resp.status_code == 200 else None
-        except (httpx.HTTPError, TimeoutError, ValueError) as exc:
-            log.warning("could not list the adapters of %s (%s)", instance.name, type(exc).__name__)
+        """Learn which of the model's adapters the instance holds; False on failure, keeping what we knew."""
+        held = await self._vllm.held(instance, deadline)
+        if held is None:
             return False
-        entries = data.get("data") if isinstance(data, dict) else None
-        if not isinstance(entries, list):
-            log.warning("could not list the adapters of %s (status %d)", instance.name, resp.status_code)
-            return False
-        held = set()
-        for entry in entries:
-            model_id = entry.get("id") if isinstance(entry, dict) else None
-            parsed = parse_lora_name(model_id)
-            if parsed is not None and parsed[0] == instance.model:
-                held.add(model_id)
-        self._loaded[instance.name] = held
-        self._stale.pop(instance.name, None)
+        self.holdings.listed(instance.name, held)
         return True
 
-    async def _persist(self, model: str, entry: Any, *, candidate: Any = _KEEP) -> None:
-        """Write the whole state file with this model's active entry and / or candidate changed (`_KEEP`: as it
-        is; None: removed), in one atomic replace, off the loop."""
-        async with self._file_lock:
-            models = _changed(self._persisted, model, entry)
-            candidates = _changed(self._persisted_candidates, model, candidate)
-            document: dict[str, Any] = {"version": STATE_FILE_VERSION, "models": models}
-            if candidates:  # absent without a canary: the file stays what an older gateway reads
-                document["candidates"] = candidates
-            payload = orjson.dumps(document, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
-            await asyncio.to_thread(_atomic_write, self._state_path, payload)
-            self._persisted, self._persisted_candidates = models, candidates
+    async def _write_state(self, model: str, entry: Any, *, candidate: Any = KEEP) -> None:
+        """`LoraStateFile.write` for an operation that cannot go on without it: LoraError 500 on failure."""
+        try:
+            await self._state_file.write(model, entry, candidate=candidate)
+        except OSError as exc:
+            log.error("could not write the LoRA state file %s", self._state_file.path, exc_info=exc)
+            raise LoraError("internal_error", "could not write the LoRA state file") from exc
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-
-
-def _changed(current: dict[str, Any], model: str, value: Any) -> dict[str, Any]:
-    out = dict(current)
-    if value is None:
-        out.pop(model, None)
-    elif value is not _KEEP:
-        out[model] = value
-    return out
 
 
 def _activated(lora: ActiveLora) -> dict[str, Any]:
@@ -978,12 +740,6 @@ def _port(port: int | str) -> int:
             raise ValueError(f"port must be a number, got {port!r}")
         return int(port)
     return port
-
-
-def _rendezvous(key: str, instance_name: str) -> int:
-    """Highest-random-weight hash: a key keeps its instance while others come and go."""
-    digest = hashlib.blake2b(f"{key}\x00{instance_name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
 
 
 @contextlib.asynccontextmanager
@@ -1021,54 +777,3 @@ def _artifact_problem(root: Path, lora_path: str) -> str | None:
     if real == real_root or not real.is_relative_to(real_root):
         return "lora_path is outside the LoRA root"
     return None
-
-
-def _read_bytes(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
-
-
-def _parse_state(raw: bytes) -> tuple[dict[str, dict[str, str]], dict[str, Candidate]]:
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise LoraError(500, "invalid_lora_state", "the LoRA state file is not valid JSON") from exc
-    models = data.get("models") if isinstance(data, dict) else None
-    if not isinstance(models, dict):
-        raise LoraError(500, "invalid_lora_state", "the LoRA state file has no `models` object")
-    entries: dict[str, dict[str, str]] = {}
-    for model, entry in models.items():
-        name = entry.get("lora_name") if isinstance(entry, dict) else None
-        path = entry.get("lora_path") if isinstance(entry, dict) else None
-        parsed = parse_lora_name(name)
-        if parsed is None or parsed[0] != model or not isinstance(path, str):
-            raise LoraError(500, "invalid_lora_state", f"invalid LoRA state entry for {model!r}")
-        entries[model] = {k: v for k, v in entry.items() if isinstance(v, str)}
-    try:
-        candidates = parse_candidates(data.get("candidates"), parse_lora_name)
-    except ValueError as exc:
-        raise LoraError(500, "invalid_lora_state", f"the LoRA state file's candidates: {exc}") from exc
-    return entries, candidates
-
-
-def _atomic_write(path: Path, payload: bytes) -> None:
-    """Temp file in the same directory, fsync, rename over the target, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

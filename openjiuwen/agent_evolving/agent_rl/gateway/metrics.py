@@ -86,7 +86,7 @@ class GatewayMetrics:
                 self.lora_state.labels(model, state).set(1 if status["status"] == state else 0)
             active = loras.active(model)
             for instance in instances.for_model(model):
-                ready = active is None or active.lora_name in loras.loaded_on(instance.name)
+                ready = active is None or loras.holdings.holds(instance.name, active.lora_name)
                 self.lora_instance_ready.labels(model, instance.name).set(1 if ready else 0)
                 self.instance_serving.labels(model, instance.name).set(1 if instances.is_serving(instance.name) else 0)
         self.instances_registered.set(instances.registered_count())
@@ -94,7 +94,7 @@ class GatewayMetrics:
             for status in self._upstream_statuses.pop(name):
                 self.upstream.remove(name, status)
         self.lora_leases.clear()
-        for name, count in loras.leases().items():
+        for name, count in loras.leases.counts().items():
             self.lora_leases.labels(name).set(count)
         self.tasks_mapped.set(len(sessions.all_tasks()))
         self.rl_service_up.set(1 if rl_running else 0)

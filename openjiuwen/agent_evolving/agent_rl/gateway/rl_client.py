@@ -42,6 +42,17 @@ class RLAnswer:
         return 200 <= self.status < 300
 
 
+class CaptureFailed(Exception):
+    """The capture hook refused or failed a captured call: the gateway's own contract code, or the RL Service's
+    answer to relay as it is (`relayed`). domain_errors.py turns either into the client's answer."""
+
+    def __init__(self, code: str = "", message: str = "", *, relayed: RLAnswer | None = None) -> None:
+        super().__init__(f"capture refused: {code or (relayed.status if relayed else '')}")
+        self.code = code
+        self.message = message
+        self.relayed = relayed
+
+
 class RLClient:
     def __init__(
         self,

@@ -13,14 +13,16 @@ from .sessions import Binding, SessionMap
 log = logging.getLogger("openjiuwen.agent_rl.gateway.tasks")
 
 
-class Leases(Protocol):
+class LeaseHolder(Protocol):
+    """Who keeps a pinned version loaded while Tasks hold it (the LoRA manager)."""
+
     def acquire(self, lora_name: str) -> None: ...
 
     async def release(self, lora_name: str) -> None: ...
 
 
 class TaskTracker:
-    def __init__(self, sessions: SessionMap, leases: Leases) -> None:
+    def __init__(self, sessions: SessionMap, leases: LeaseHolder) -> None:
         self.sessions = sessions
         self._leases = leases
 

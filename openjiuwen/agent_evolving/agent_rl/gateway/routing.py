@@ -1,0 +1,80 @@
+"""Which instance serves one request (CONTRACT §3.5, docs/gateway.md "Routing"), and the requests in flight per
+instance that least-busy routing reads.
+
+A LoRA policy (`<model>:vN`) goes only to instances with that adapter confirmed loaded (holdings.py), least in
+flight first, then round robin; never by affinity. Anything else is base traffic: any serving instance of the model,
+by rendezvous hash of the affinity key when there is one (prefix-cache locality), else least in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections import Counter
+from collections.abc import Iterator
+
+from .holdings import Holdings
+from .instances import Instance, InstanceRegistry
+from ..common.ids import parse_lora_name
+from .lora_types import LoraError
+
+
+def require_serving(registry: InstanceRegistry, model: str) -> list[Instance]:
+    """The model's serving instances; 503 `no_instances` when it has none at all, 503 `no_healthy_instances` when
+    every one is out of routing (unhealthy or not yet admitted)."""
+    serving = registry.serving(model)
+    if serving:
+        return serving
+    if not registry.for_model(model):
+        raise LoraError("no_instances", f"no vLLM instance serves {model}")
+    raise LoraError("no_healthy_instances", f"no instance of {model} is healthy")
+
+
+class Router:
+    def __init__(self, registry: InstanceRegistry, holdings: Holdings) -> None:
+        self._registry = registry
+        self._holdings = holdings
+        self._inflight: Counter[str] = Counter()  # instance name → requests in flight
+        self._turns: dict[str, int] = {}  # round-robin position per routing key
+
+    def pick(self, model: str, policy_model: str, *, affinity_key: str | None = None) -> Instance:
+        """The instance for one request; LoraError 503 when none can serve it."""
+        instances = require_serving(self._registry, model)
+        parsed = parse_lora_name(policy_model)
+        if parsed is None or parsed[0] != model:
+            if affinity_key is not None:
+                return max(instances, key=lambda i: _rendezvous(affinity_key, i.name))
+            return self._least_busy(model, instances)
+        holders = [i for i in instances if self._holdings.holds(i.name, policy_model)]
+        if not holders:
+            raise LoraError("lora_unavailable", f"no instance has {policy_model} loaded")
+        return self._least_busy(policy_model, holders)
+
+    @contextlib.contextmanager
+    def in_flight(self, instance: Instance) -> Iterator[Instance]:
+        """Count one request on `instance` while the block runs."""
+        self._inflight[instance.name] += 1
+        try:
+            yield instance
+        finally:
+            left = self._inflight[instance.name] - 1
+            if left > 0:
+                self._inflight[instance.name] = left
+            else:
+                self._inflight.pop(instance.name, None)
+
+    def in_flight_count(self, instance_name: str) -> int:
+        return self._inflight.get(instance_name, 0)
+
+    def _least_busy(self, key: str, candidates: list[Instance]) -> Instance:
+        low = min(self._inflight[i.name] for i in candidates)
+        tied = [i for i in candidates if self._inflight[i.name] == low]
+        turn = self._turns.get(key, 0)
+        self._turns[key] = turn + 1
+        return tied[turn % len(tied)]
+
+
+def _rendezvous(key: str, instance_name: str) -> int:
+    """Highest-random-weight hash: a key keeps its instance while others come and go."""
+    digest = hashlib.blake2b(f"{key}\x00{instance_name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
