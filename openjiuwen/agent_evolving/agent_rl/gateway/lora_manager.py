@@ -32,7 +32,7 @@ from .leases import Leases
 from .lora_state_file import KEEP, LoraStateFile
 from ..common.ids import model_of, parse_lora_name
 from ..common.policy_names import BASE_POLICY
-from .lora_types import ActiveLora, LoraError
+from .lora_types import ActiveLora, LoraError, LoraStatus
 from .routing import Router, require_serving
 from .vllm_adapters import AdapterClient, Load
 
@@ -348,12 +348,12 @@ class LoraManager:
         instances = self._registry.serving(model)
         state = self._models.get(model)
         if state is None or state.active is None:
-            answer = {"status": BASE_POLICY, "active_lora": None, "instances": {"ready": len(instances), "failed": 0}}
+            answer = {"status": LoraStatus.BASE, "active_lora": None, "instances": {"ready": len(instances), "failed": 0}}
             return self._with_candidate(model, answer)
         name = state.active.lora_name
         ready = sum(1 for i in instances if self.holdings.holds(i.name, name))
         failed = sum(1 for i in instances if i.name in state.failed and not self.holdings.holds(i.name, name))
-        status = "degraded" if failed or state.artifact_missing else "active"
+        status = LoraStatus.DEGRADED if failed or state.artifact_missing else LoraStatus.ACTIVE
         answer = {"status": status, "active_lora": state.active.public(), "instances": {"ready": ready, "failed": failed}}
         return self._with_candidate(model, answer)
 
@@ -731,7 +731,7 @@ class LoraManager:
 
 
 def _activated(lora: ActiveLora) -> dict[str, Any]:
-    return {"status": "active", "active_lora": lora.public()}
+    return {"status": LoraStatus.ACTIVE, "active_lora": lora.public()}
 
 
 def _port(port: int | str) -> int:

@@ -4,6 +4,15 @@ common/ids.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+class LoraStatus(StrEnum):
+    """A model's LoRA status in `GET /v1/loras/{model}` (CONTRACT §3.3)."""
+
+    BASE = "base"  # no active version: the base model serves
+    ACTIVE = "active"
+    DEGRADED = "degraded"  # active, but some instance failed to load it or its artifact is missing
+
 
 class LoraError(Exception):
     """A refused or failed LoRA operation, named by its contract code; domain_errors.py answers it over HTTP."""

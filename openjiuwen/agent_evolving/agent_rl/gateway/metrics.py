@@ -13,13 +13,13 @@ from contextlib import contextmanager
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..common.http_metrics import FAST_BUCKETS_S
-from ..common.policy_names import BASE_POLICY
 from .instances import InstanceRegistry
 from .lora_manager import LoraManager
+from .lora_types import LoraStatus
 from .sessions import SessionMap
 
 UPSTREAM_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-LORA_STATES = (BASE_POLICY, "active", "degraded")
+LORA_STATES = tuple(LoraStatus)
 
 
 class GatewayMetrics:

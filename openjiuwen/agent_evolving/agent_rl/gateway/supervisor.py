@@ -23,6 +23,7 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,7 +33,17 @@ from ..common.private_files import make_private_dirs, private_opener
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.supervisor")
 
-RUNNING, STOPPED, FAILED = "running", "stopped", "failed"
+
+
+class ServiceStatus(StrEnum):
+    """The RL Service child as `GET /v1/rl/service` reports it (CONTRACT §3.3)."""
+
+    STOPPED = "stopped"
+    RUNNING = "running"
+    FAILED = "failed"  # exited without a stop request, or never became healthy: `failure_reason` says why
+
+
+RUNNING, STOPPED, FAILED = ServiceStatus.RUNNING, ServiceStatus.STOPPED, ServiceStatus.FAILED
 TOKEN_ENV = "RL_SERVICE_TOKEN"
 PR_SET_PDEATHSIG = 1
 PARENT_GONE_EXIT_CODE = 70  # same code as the service's own watchdog
@@ -170,7 +181,7 @@ class RLSupervisor:
     def endpoint(self) -> str:
         return self._endpoint
 
-    def _set(self, status: str, reason: str | None = None) -> None:
+    def _set(self, status: ServiceStatus, reason: str | None = None) -> None:
         self._status = status
         self._failure_reason = reason
 
