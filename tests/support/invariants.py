@@ -188,7 +188,7 @@ class InvariantReport:
     def summary(self) -> dict[str, Any]:
         return {
             "ok": self.ok, "violations": len(self.violations), "keys": self.keys, "samples": self.samples,
-            "samples_by_status": dict(self.samples_by_status), "tasks": self.tasks, "captures": self.captures,
+            "samples_by_status": {str(status): n for status, n in self.samples_by_status.items()},  # JSON keys "tasks": self.tasks, "captures": self.captures,
             "runs": self.runs, "client_samples_checked": self.client_samples_checked,
         }
 
