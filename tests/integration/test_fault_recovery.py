@@ -10,6 +10,7 @@ import asyncio
 import orjson
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
@@ -160,3 +161,55 @@ async def test_startup_finishes_a_reward_projection_cut_by_a_crash(redis, redis_
             assert await redis.zscore(keys.TASKS_AWAITING_REWARD, "t1") is None
             assert (await restarted.post("/v1/rl/tasks/t1/reward", json={"reward": 0.5})).json() == {"sample_count": 2}
             await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)
+
+
+async def test_training_run_whose_claim_answer_was_lost_still_executes(tmp_path, monkeypatch):
+    """Redis applied the claim's EXEC but its answer never came back (a pause longer than the socket timeout, the
+    chaos suite's `redis:pause`): the start answers 500, yet the claimed run executes instead of sitting queued
+    with its batch claimed, and a second start returns that run."""
+    with RedisServer(tmp_path / "redis") as server:
+        async with FakeGateway(model_id=MODEL_ID) as gateway:
+            config = make_config(
+                server.url, tmp_path, aigw_endpoint=gateway.url, trainer_backend="scripted",
+                min_samples_for_training=2, max_samples_per_run=2, training_tmp_root=str(tmp_path / "train-tmp"),
+            )
+            backend = ScriptedBackend(LoraRepository(config.lora_repository_path, model_id=MODEL_ID))
+            backend.plan = {"outcome": "succeed", "delay_seconds": 0.3}
+            async with running_app(config, backend=backend) as (app, client):
+                await start_task(client, "s1", "t1")
+                for i in range(2):
+                    _, after = await capture(client, "t1", f"c{i}", REQUEST, RESPONSE)
+                    assert after is not None and after.status_code == 204
+                assert (await client.post("/v1/rl/tasks/t1/stop")).status_code == 200
+                assert (await client.post("/v1/rl/tasks/t1/reward", json={"reward": 1.0})).status_code == 200
+
+                runs = app.state.deps.runner._runs
+                applied = runs.claim
+
+                async def claim_answer_lost(*args, **kwargs):
+                    await applied(*args, **kwargs)
+                    raise RedisTimeoutError("Timeout reading from socket")
+
+                monkeypatch.setattr(runs, "claim", claim_answer_lost)
+                lost = await client.post("/v1/rl/training/runs")
+                assert (lost.status_code, lost.json()["error"]["code"]) == (500, "internal_error")
+                monkeypatch.setattr(runs, "claim", applied)
+
+                redis = Redis.from_url(server.url)
+                try:
+                    run_id = (await redis.get(keys.ACTIVE_RUN)).decode()
+                    again = await client.post("/v1/rl/training/runs")
+                    assert (again.status_code, again.json()["training_run_id"]) == (200, run_id)
+                    done = await asyncio.wait_for(app.state.deps.runner.wait(run_id), 30)
+                    for _ in range(200):  # wait() can meet the run between its claim and its launch
+                        if done.terminal:
+                            break
+                        await asyncio.sleep(0.05)
+                        done = await app.state.deps.runner.wait(run_id)
+                    assert (done.status, done.lora_name, len(backend.calls)) == ("succeeded", "tiny:v1", 1)
+                    assert gateway.active is not None and gateway.active[0] == "tiny:v1"
+                    assert (await client.get("/health")).status_code == 200
+                    report = await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)
+                    assert report.samples_by_status["trained"] == 2
+                finally:
+                    await redis.aclose()

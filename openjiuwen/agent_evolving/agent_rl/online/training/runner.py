@@ -84,6 +84,7 @@ class TrainingRunner:
         self._metrics = metrics
         self._lock = asyncio.Lock()
         self._executions: dict[str, asyncio.Task[None]] = {}
+        self._claim_checks: set[asyncio.Task[None]] = set()  # claims whose EXEC answer was lost (_settle_lost_claim)
         self._stop_requested: set[str] = set()
         self._failure: str | None = None
         self._fault = fault  # chaos tests only (faults.py)
@@ -112,6 +113,7 @@ class TrainingRunner:
         async with self._lock:
             active = await self._runs.active()
             if active is not None:
+                self._adopt(active)
                 return active, False
             if self._rollout is not None and (current := await self._rollout.in_progress()) is not None:
                 # Never two candidates, and a run trained while one is judged would have an undecided parent.
@@ -133,13 +135,19 @@ class TrainingRunner:
                 parent_lora_name=parent.lora_name,
                 parent_lora_path=parent.lora_path,
             )
-            claim = await self._runs.claim(
-                draft,
-                parent_version=policy_lag_version(parent.lora_name, self._model_id),
-                max_policy_lag=self._max_policy_lag,
-                min_samples=self._min_samples,
-                max_samples=self._max_samples,
-            )
+            try:
+                claim = await self._runs.claim(
+                    draft,
+                    parent_version=policy_lag_version(parent.lora_name, self._model_id),
+                    max_policy_lag=self._max_policy_lag,
+                    min_samples=self._min_samples,
+                    max_samples=self._max_samples,
+                )
+            except _REDIS_DOWN:
+                # Redis may have applied the claim's EXEC and lost only its answer: the run would then sit queued
+                # with its batch claimed and nothing executing it. Look again once Redis answers.
+                self._settle_lost_claim(draft.training_run_id)
+                raise
             if claim.existing:
                 assert claim.run is not None
                 return claim.run, False
@@ -213,6 +221,9 @@ class TrainingRunner:
 
     async def shutdown(self) -> None:
         """Stop the active run of this process as `POST .../stop` would."""
+        for check in list(self._claim_checks):
+            check.cancel()
+        await asyncio.gather(*self._claim_checks, return_exceptions=True)
         for run_id in list(self._executions):
             try:
                 await self.stop(run_id)
@@ -233,6 +244,24 @@ class TrainingRunner:
         self._backend.check_health()
 
     # ------------------------------------------------------------ execution
+
+    def _adopt(self, run: TrainingRun) -> None:
+        """Launch a queued run that no execution of this process owns: a claim whose answer was lost. (Startup
+        recovery settles queued runs before the service serves, so every other queued run has its execution.)"""
+        if run.stage == RunStage.QUEUED and not run.terminal and run.training_run_id not in self._executions:
+            log.warning("training run %s was claimed without an execution; launching it", run.training_run_id,
+                        extra={"training_run_id": run.training_run_id})
+            self._launch(run)
+
+    def _settle_lost_claim(self, run_id: str) -> None:
+        async def settle() -> None:
+            run = await self._durable(f"run {run_id} claim outcome", lambda: self._runs.get(run_id))
+            if run is not None:
+                self._adopt(run)
+
+        task = asyncio.create_task(settle(), name=f"training-run-claim:{run_id}")
+        self._claim_checks.add(task)
+        task.add_done_callback(self._claim_checks.discard)
 
     def _launch(self, run: TrainingRun) -> None:
         run_id = run.training_run_id
