@@ -116,9 +116,12 @@ def test_sigint_during_a_training_run_stops_everything_and_names_the_step(tmp_pa
     run_dir, out_dir = tmp_path / "run", tmp_path / "out"
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"outcome": "block"}))  # the Training Run waits until canceled
+    # A suite started in the background by a shell without job control (`make test &`) ignores SIGINT, and an
+    # ignored SIGINT is inherited across exec: the demo must get Ctrl-C as a terminal would deliver it.
     proc = subprocess.Popen(demo_argv(vllm, run_dir, out_dir), cwd=REPO_ROOT,
                             env=demo_env(ONLINE_RL_SCRIPTED_PLAN=str(plan)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         seen = []
         deadline = time.monotonic() + DEMO_TIMEOUT_S
