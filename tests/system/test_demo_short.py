@@ -9,6 +9,7 @@ The full demo on a real vLLM (CPU build) is run by hand: `make demo` (docs/demo.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,7 +50,19 @@ def demo_env(**extra: str) -> dict[str, str]:
 
 
 def running_in(run_dir: Path) -> list[str]:
-    """Command lines of live processes (not zombies) that name a path inside `run_dir`."""
+    """Command lines of live processes (not zombies) that name a path inside `run_dir` or run in it."""
+    return [cmdline for _, cmdline in _live_in(run_dir)]
+
+
+def kill_left_in(run_dir: Path) -> None:
+    """A demo the test had to SIGKILL could not stop its gateway, RL Service and Redis: they must not outlive the
+    test (they would hold ports and CPU for the rest of the suite)."""
+    for pid, _ in _live_in(run_dir):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _live_in(run_dir: Path) -> list[tuple[int, str]]:
     needle = f"{run_dir}{os.sep}".encode()
     found = []
     for entry in Path("/proc").iterdir():
@@ -58,10 +71,11 @@ def running_in(run_dir: Path) -> list[str]:
         try:
             cmdline = (entry / "cmdline").read_bytes()
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cwd = os.readlink(entry / "cwd").encode() + os.sep.encode()  # the demo's Redis runs in run/redis
         except OSError:
             continue
-        if needle in cmdline and state not in ("Z", "X"):
-            found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+        if (needle in cmdline or cwd.startswith(needle)) and state not in ("Z", "X"):
+            found.append((int(entry.name), cmdline.replace(b"\0", b" ").decode(errors="replace")))
     return found
 
 
@@ -142,6 +156,7 @@ def test_sigint_during_a_training_run_stops_everything_and_names_the_step(tmp_pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+            kill_left_in(run_dir)
     assert proc.returncode == 130, "".join(seen) + out + err
     assert "interrupted (SIGINT) during step 'training run 1/1'" in err, err
     assert f"its log: {run_dir / 'gateway' / 'rl-service.log'}" in err, err
