@@ -6,6 +6,9 @@ Redis pause instead of leaving its run stuck."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 import pytest
@@ -96,45 +99,58 @@ async def test_stop_takes_over_a_publication_whose_publisher_failed_to_roll_back
         await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)
 
 
-async def test_training_run_outlives_a_redis_pause(tmp_path):
+@contextlib.asynccontextmanager
+async def rewarded_samples(tmp_path, count: int, *, socket_timeout_s: float | None = None,
+                           train_s: float) -> AsyncIterator[tuple[RedisServer, FakeGateway, Any, Any, ScriptedBackend]]:
+    """A service on its own Redis and a fake gateway, with `count` rewarded pending samples: one Training Run's
+    batch (`min_samples_for_training` = `max_samples_per_run` = `count`), trained by the scripted backend in
+    `train_s`. Yields (Redis server, gateway, app, client, backend)."""
     with RedisServer(tmp_path / "redis") as server:
         async with FakeGateway(model_id=MODEL_ID) as gateway:
+            url = server.url if socket_timeout_s is None else f"{server.url}?socket_timeout={socket_timeout_s}"
             config = make_config(
-                server.url + "?socket_timeout=0.5", tmp_path, aigw_endpoint=gateway.url, trainer_backend="scripted",
-                min_samples_for_training=3, max_samples_per_run=3, training_tmp_root=str(tmp_path / "train-tmp"),
+                url, tmp_path, aigw_endpoint=gateway.url, trainer_backend="scripted",
+                min_samples_for_training=count, max_samples_per_run=count,
+                training_tmp_root=str(tmp_path / "train-tmp"),
             )
             backend = ScriptedBackend(LoraRepository(config.lora_repository_path, model_id=MODEL_ID))
-            backend.plan = {"outcome": "succeed", "delay_seconds": 0.5}
+            backend.plan = {"outcome": "succeed", "delay_seconds": train_s}
             async with running_app(config, backend=backend) as (app, client):
                 await start_task(client, "s1", "t1")
-                for i in range(3):
-                    before, after = await capture(client, "t1", f"c{i}", REQUEST, RESPONSE)
+                for i in range(count):
+                    _, after = await capture(client, "t1", f"c{i}", REQUEST, RESPONSE)
                     assert after is not None and after.status_code == 204
                 assert (await client.post("/v1/rl/tasks/t1/stop")).status_code == 200
                 assert (await client.post("/v1/rl/tasks/t1/reward", json={"reward": 1.0})).status_code == 200
-                run = await client.post("/v1/rl/training/runs")
-                assert run.status_code == 201
-                while not backend.calls:
-                    await asyncio.sleep(0.01)
-                server.pause()  # training ends inside the pause: its state writes meet a Redis that does not answer
-                try:
-                    await asyncio.sleep(2.0)
-                    health = await client.get("/health")
-                    assert (health.status_code, health.json()["error"]["code"]) == (503, "service_not_ready")
-                finally:
-                    server.resume()
-                done = await asyncio.wait_for(app.state.deps.runner.wait(run.json()["training_run_id"]), 30)
-                assert (done.status, done.lora_name) == ("succeeded", "tiny:v1")
-                assert gateway.active is not None and gateway.active[0] == "tiny:v1"
-                assert (await client.get("/health")).status_code == 200
-                stats = (await client.get("/v1/rl/trajectories/stats")).json()
-                assert stats["by_status"] == {"pending": 0, "training": 0, "trained": 3, "failed": 0}
-                redis = Redis.from_url(server.url)
-                try:
-                    report = await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)
-                    assert report.samples_by_status["trained"] == 3
-                finally:
-                    await redis.aclose()
+                yield server, gateway, app, client, backend
+
+
+async def test_training_run_outlives_a_redis_pause(tmp_path):
+    async with rewarded_samples(tmp_path, 3, socket_timeout_s=0.5, train_s=0.5) as (server, gateway, app, client,
+                                                                                    backend):
+        run = await client.post("/v1/rl/training/runs")
+        assert run.status_code == 201
+        while not backend.calls:
+            await asyncio.sleep(0.01)
+        server.pause()  # training ends inside the pause: its state writes meet a Redis that does not answer
+        try:
+            await asyncio.sleep(2.0)
+            health = await client.get("/health")
+            assert (health.status_code, health.json()["error"]["code"]) == (503, "service_not_ready")
+        finally:
+            server.resume()
+        done = await asyncio.wait_for(app.state.deps.runner.wait(run.json()["training_run_id"]), 30)
+        assert (done.status, done.lora_name) == ("succeeded", "tiny:v1")
+        assert gateway.active is not None and gateway.active[0] == "tiny:v1"
+        assert (await client.get("/health")).status_code == 200
+        stats = (await client.get("/v1/rl/trajectories/stats")).json()
+        assert stats["by_status"] == {"pending": 0, "training": 0, "trained": 3, "failed": 0}
+        redis = Redis.from_url(server.url)
+        try:
+            report = await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)
+            assert report.samples_by_status["trained"] == 3
+        finally:
+            await redis.aclose()
 
 
 async def test_startup_finishes_a_reward_projection_cut_by_a_crash(redis, redis_url, tmp_path):
@@ -167,49 +183,34 @@ async def test_training_run_whose_claim_answer_was_lost_still_executes(tmp_path,
     """Redis applied the claim's EXEC but its answer never came back (a pause longer than the socket timeout, the
     chaos suite's `redis:pause`): the start answers 500, yet the claimed run executes instead of sitting queued
     with its batch claimed, and a second start returns that run."""
-    with RedisServer(tmp_path / "redis") as server:
-        async with FakeGateway(model_id=MODEL_ID) as gateway:
-            config = make_config(
-                server.url, tmp_path, aigw_endpoint=gateway.url, trainer_backend="scripted",
-                min_samples_for_training=2, max_samples_per_run=2, training_tmp_root=str(tmp_path / "train-tmp"),
-            )
-            backend = ScriptedBackend(LoraRepository(config.lora_repository_path, model_id=MODEL_ID))
-            backend.plan = {"outcome": "succeed", "delay_seconds": 0.3}
-            async with running_app(config, backend=backend) as (app, client):
-                await start_task(client, "s1", "t1")
-                for i in range(2):
-                    _, after = await capture(client, "t1", f"c{i}", REQUEST, RESPONSE)
-                    assert after is not None and after.status_code == 204
-                assert (await client.post("/v1/rl/tasks/t1/stop")).status_code == 200
-                assert (await client.post("/v1/rl/tasks/t1/reward", json={"reward": 1.0})).status_code == 200
+    async with rewarded_samples(tmp_path, 2, train_s=0.3) as (server, gateway, app, client, backend):
+        runs = app.state.deps.runner._runs
+        applied = runs.claim
 
-                runs = app.state.deps.runner._runs
-                applied = runs.claim
+        async def claim_answer_lost(*args, **kwargs):
+            await applied(*args, **kwargs)
+            raise RedisTimeoutError("Timeout reading from socket")
 
-                async def claim_answer_lost(*args, **kwargs):
-                    await applied(*args, **kwargs)
-                    raise RedisTimeoutError("Timeout reading from socket")
+        monkeypatch.setattr(runs, "claim", claim_answer_lost)
+        lost = await client.post("/v1/rl/training/runs")
+        assert (lost.status_code, lost.json()["error"]["code"]) == (500, "internal_error")
+        monkeypatch.setattr(runs, "claim", applied)
 
-                monkeypatch.setattr(runs, "claim", claim_answer_lost)
-                lost = await client.post("/v1/rl/training/runs")
-                assert (lost.status_code, lost.json()["error"]["code"]) == (500, "internal_error")
-                monkeypatch.setattr(runs, "claim", applied)
-
-                redis = Redis.from_url(server.url)
-                try:
-                    run_id = (await redis.get(keys.ACTIVE_RUN)).decode()
-                    again = await client.post("/v1/rl/training/runs")
-                    assert (again.status_code, again.json()["training_run_id"]) == (200, run_id)
-                    done = await asyncio.wait_for(app.state.deps.runner.wait(run_id), 30)
-                    for _ in range(200):  # wait() can meet the run between its claim and its launch
-                        if done.terminal:
-                            break
-                        await asyncio.sleep(0.05)
-                        done = await app.state.deps.runner.wait(run_id)
-                    assert (done.status, done.lora_name, len(backend.calls)) == ("succeeded", "tiny:v1", 1)
-                    assert gateway.active is not None and gateway.active[0] == "tiny:v1"
-                    assert (await client.get("/health")).status_code == 200
-                    report = await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)
-                    assert report.samples_by_status["trained"] == 2
-                finally:
-                    await redis.aclose()
+        redis = Redis.from_url(server.url)
+        try:
+            run_id = (await redis.get(keys.ACTIVE_RUN)).decode()
+            again = await client.post("/v1/rl/training/runs")
+            assert (again.status_code, again.json()["training_run_id"]) == (200, run_id)
+            done = await asyncio.wait_for(app.state.deps.runner.wait(run_id), 30)
+            for _ in range(200):  # wait() can meet the run between its claim and its launch
+                if done.terminal:
+                    break
+                await asyncio.sleep(0.05)
+                done = await app.state.deps.runner.wait(run_id)
+            assert (done.status, done.lora_name, len(backend.calls)) == ("succeeded", "tiny:v1", 1)
+            assert gateway.active is not None and gateway.active[0] == "tiny:v1"
+            assert (await client.get("/health")).status_code == 200
+            report = await check_invariants(redis, model_id=MODEL_ID, strict_active_index=True)
+            assert report.samples_by_status["trained"] == 2
+        finally:
+            await redis.aclose()
