@@ -144,10 +144,12 @@ async def test_start_stop_with_the_real_service(supervisors, redis, redis_url, t
 
     assert await sup.start() == {"status": "running", "failure_reason": None}  # idempotent: same child
     assert (sup.pid, sup.token) == (pid, token)
+    assert sup.accepts_hook_encoding("packed-v1") and not sup.accepts_hook_encoding("packed-v2")
 
     await start_task(endpoint, token, "s1", "t1")
     assert await sup.stop() == {"status": "stopped", "failure_reason": None}
     assert process_gone(pid) and sup.pid is None and sup.token is None
+    assert not sup.accepts_hook_encoding("packed-v1")  # no child: the gateway would send JSON
     record = await task_record(redis, "t1")
     assert (record["status"], record["finish_reason"]) == ("finalized", "service_stopped")
     assert await sup.stop() == {"status": "stopped", "failure_reason": None}  # idempotent
@@ -316,3 +318,12 @@ async def test_child_dies_with_the_gateway(redis_url, tmp_path: Path, child: str
             await gateway.wait()
         if child_pid is not None and not process_gone(child_pid):
             os.killpg(child_pid, signal.SIGKILL)  # the group this test's gateway created
+
+
+async def test_a_child_whose_health_lists_no_encodings_gets_json(supervisors, tmp_path: Path):
+    """A service that predates `hook_encodings` (the stand-in's `/health` has no body) is sent the JSON `:after`."""
+    config_path, endpoint = stand_in_config(tmp_path)
+    sup = supervisors(command=[sys.executable, "-c", STAND_IN], config_path=config_path, endpoint=endpoint)
+    assert (await sup.start())["status"] == "running"
+    assert not sup.accepts_hook_encoding("packed-v1")
+    await sup.stop()

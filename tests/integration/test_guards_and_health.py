@@ -108,7 +108,8 @@ def limited(redis, redis_url, tmp_path: Path) -> RLServiceConfig:
 async def test_health_ready(redis, redis_url, tmp_path):
     async with running_app(make_config(redis_url, tmp_path)) as (_, client):
         r = await client.get("/health")
-        assert (r.status_code, r.json()) == (200, {"status": "ready", "model_id": "tiny"})
+        assert (r.status_code, r.json()) == (200, {"status": "ready", "model_id": "tiny",
+                                              "hook_encodings": ["json", "packed-v1"]})
         assert r.headers["content-type"].startswith("application/json")
 
 

@@ -191,6 +191,11 @@ def _tokens(reply: Reply) -> list[_Token]:
     return tokens or [_Token("content", "")]
 
 
+def completion_tokens(reply: Reply) -> list[_Token]:
+    """The tokens (`.id`, `.logprob`) the fake answers `reply` with, for tests that check what was captured."""
+    return _tokens(reply)
+
+
 @dataclass(frozen=True)
 class _Generation:
     """One completion, shared by the JSON and the SSE renderings so both aggregate to the same thing."""

@@ -23,7 +23,7 @@ from redis import Redis as SyncRedis
 
 from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import sign_request
 from tests.support.fake_judge import FakeJudge, Hold, Status
-from tests.support.fake_vllm import FakeVLLM, Reply, ToolCall, prompt_token_ids
+from tests.support.fake_vllm import FakeVLLM, Reply, ToolCall, completion_tokens, prompt_token_ids
 from tests.support.gateway_process import API_KEY, INS_KEY, GatewayProcess
 
 pytestmark = pytest.mark.system
@@ -695,3 +695,32 @@ def test_task_start_with_redis_paused_is_500_then_201(redis_server, redis, redis
         assert r.status_code == 201, r.text
         assert r.json()["status"] == "active"
 
+
+
+def test_the_gateway_sends_the_packed_after_its_child_advertises_for_json_and_streams(redis, redis_url, tmp_path,
+                                                                                      vllm):
+    """The child's `/health` lists `packed-v1`, so both a JSON and a streamed completion reach `:after` packed (the
+    capture record's response fingerprint says which body committed it), and the samples read back whole: the
+    token ids and logprobs the fake vLLM answered with."""
+    with running_gateway(tmp_path, redis_url, vllm) as gw:
+        client = openai_client(gw)
+        headers = {SESSION: "sess-packed"}
+        t = start_task(gw, "sess-packed")
+        client.chat.completions.create(model="agent-model", messages=[{"role": "user", "content": "json"}],
+                                       max_tokens=64, extra_headers=headers)
+        stream_openai(client, [{"role": "user", "content": "stream"}], headers)
+        assert gw.signed("POST", f"/v1/rl/tasks/{t}/stop").json()["status"] == "finalized"
+        with SyncRedis.from_url(redis_url) as sync:
+            committed = [c.decode() for c in sync.smembers(f"rl:v1:task:{t}:captures:committed")]
+            records = [orjson.loads(sync.get(f"rl:v1:task:{t}:capture:{c}")) for c in committed]
+        assert len(records) == 2 and all(r["response_fingerprint"].startswith("packed:") for r in records), records
+        assert gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0}).status_code == 200
+        got = samples(gw)
+        assert len(got) == 2
+        tokens = completion_tokens(vllm.reply)
+        by_prompt = {tuple(prompt_token_ids(body["messages"])) for body in chat_bodies(vllm)}
+        for sample in got:
+            trajectory = sample["trajectory"]
+            assert tuple(trajectory["prompt_ids"]) in by_prompt
+            assert trajectory["response_ids"] == [token.id for token in tokens]
+            assert trajectory["response_logprobs"] == pytest.approx([token.logprob for token in tokens], abs=1e-6)

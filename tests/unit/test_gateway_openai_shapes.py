@@ -19,6 +19,7 @@ from openjiuwen.agent_evolving.agent_rl.gateway.openai_shapes import (
 )
 from openjiuwen.agent_evolving.agent_rl.gateway.sse import DONE, SSEDecoder, encode_sse
 from openjiuwen.agent_evolving.agent_rl.online.capture.response import validate_response
+from openjiuwen.agent_evolving.agent_rl.online.store.codec import unpack_ids, unpack_logprobs
 from tests.conftest import FIXTURES, load_fixture
 
 try:  # the official SDKs moved from httpx to httpx2; the mock transport must come from the SDK's own library
@@ -91,9 +92,9 @@ def test_recorded_stream_aggregates_to_a_valid_capture_response() -> None:
     assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) == result["usage"]["completion_tokens"]
 
     validated = validate_response(result, policy_model="tiny")
-    assert validated.prompt_ids == chunks[0]["prompt_token_ids"]
-    assert validated.response_ids == choice["token_ids"]
-    assert validated.logprobs[1] == pytest.approx(-5.583738327026367)
+    assert unpack_ids(validated.prompt_ids) == chunks[0]["prompt_token_ids"]
+    assert unpack_ids(validated.response_ids) == choice["token_ids"]
+    assert unpack_logprobs(validated.logprobs)[1] == pytest.approx(-5.583738327026367)
 
 
 def test_aggregation_does_not_mutate_chunks_and_result_is_independent() -> None:

@@ -34,15 +34,21 @@ def declares_body(headers: dict[bytes, bytes]) -> bool:
 
 
 class JsonBodyMiddleware:
-    def __init__(self, app: ASGIApp) -> None:
+    """`binary_routes`: path → the one non-JSON media type that path also takes (the RL Service's packed `:after`,
+    common/packed_hook.py). Such a type is no CORS-safelisted one, so a browser preflights it: the door stays shut."""
+
+    def __init__(self, app: ASGIApp, *, binary_routes: dict[str, str] | None = None) -> None:
         self.app = app
+        self._binary = {path: media.encode() for path, media in (binary_routes or {}).items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             headers: dict[bytes, bytes] = {}
             for name, value in scope.get("headers") or ():
                 headers.setdefault(name.lower(), value)  # the first of a repeated header, as routes read it
-            if declares_body(headers) and not is_json_media_type(headers.get(b"content-type", b"")):
+            media = headers.get(b"content-type", b"")
+            if (declares_body(headers) and not is_json_media_type(media)
+                    and media.split(b";", 1)[0].strip().lower() != self._binary.get(scope.get("path", ""))):
                 await send({"type": "http.response.start", "status": 415, "headers": [
                     (b"content-type", b"application/json"), (b"content-length", str(len(_BODY)).encode())]})
                 await send({"type": "http.response.body", "body": _BODY})

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..common import packed_hook
 from .config import GatewayConfig
 from .console import Console
 from .console_auth import ConsoleAuth
@@ -75,6 +76,7 @@ def build_gateway(
     rl = RLClient(
         endpoint=online.endpoint, token=lambda: supervisor.token, hook_timeout_s=online.hook_timeout_s,
         hook_retries=online.hook_retries, control_timeout_s=online.control_timeout_s, metrics=metrics,
+        packs_after=lambda: supervisor.accepts_hook_encoding(packed_hook.ENCODING),
     )
     control = RLControl(
         model_id=model_id, supervisor=supervisor, rl=rl, tracker=tracker, loras=loras,

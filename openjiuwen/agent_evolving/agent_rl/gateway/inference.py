@@ -39,6 +39,7 @@ from .http11 import HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
 from .lora_manager import LoraManager
 from ..common.ids import parse_lora_name
+from ..common.packed_hook import pack_after
 from .domain_errors import error_answer
 from .lora_types import LoraError
 from .openai_shapes import (
@@ -72,11 +73,18 @@ class Capture:
         return {"rl_task_id": self.binding.rl_task_id, "capture_id": self.capture_id,
                 "agent_turn_id": self.turn_id, **extra}
 
+    def _head(self, request_json: bytes) -> bytes:
+        head = orjson.dumps(self.hook_body())
+        return b"".join((head[:-1], b',"request":', request_json, b"}"))
+
     def after_body(self, request_json: bytes, response_json: bytes) -> bytes:
         """The `:after` body spliced from JSON already at hand: the upstream answer's bytes go in as they came
         (parsed once, for validity and the client's view), never re-serialized."""
-        head = orjson.dumps(self.hook_body())
-        return b"".join((head[:-1], b',"request":', request_json, b',"response":', response_json, b"}"))
+        return b"".join((self._head(request_json)[:-1], b',"response":', response_json, b"}"))
+
+    def packed_after_body(self, request_json: bytes, response: dict[str, Any]) -> bytes | None:
+        """The packed `:after` body (common/packed_hook.py), or None for a response it cannot carry."""
+        return pack_after(self._head(request_json), response)
 
 
 @dataclass
@@ -319,9 +327,15 @@ class InferenceProxy:
             answer = self._client_answer(completion, wants, flavor)
         except Exception as exc:  # noqa: BLE001 - re-raised below, unchanged
             failure = exc
+        packed = None
+        if pending is not None and pending.capture is not None and self._rl.packs_after():
+            packed = pending.capture.packed_after_body(request_json, completion)
         del completion
         if pending is not None and (capture := pending.capture) is not None:
-            await self._commit(pending, capture, capture.after_body(request_json, content))
+            if packed is not None:
+                await self._commit(pending, capture, packed, packed=True)
+            else:
+                await self._commit(pending, capture, capture.after_body(request_json, content))
         if failure is not None:
             raise failure
         return answer
@@ -360,8 +374,15 @@ class InferenceProxy:
                         if aggregator.error is not None:
                             break  # vLLM reported an error inside the stream: nothing valid to commit
                         if pending is not None and (capture := pending.capture) is not None:
-                            await self._commit(pending, capture, orjson.dumps(
-                                capture.hook_body(request=capture.request, response=aggregator.result())))
+                            result = aggregator.result()
+                            request_json = orjson.dumps(capture.request)
+                            packed = capture.packed_after_body(request_json, result) if self._rl.packs_after() \
+                                else None
+                            if packed is not None:
+                                await self._commit(pending, capture, packed, packed=True)
+                            else:
+                                await self._commit(pending, capture, orjson.dumps(
+                                    capture.hook_body(request=capture.request, response=result)))
                         if writer is not None:
                             for name, data in writer.finish(finish_reason, usage):
                                 out.append(encode_sse(orjson.dumps(data), event=name))
@@ -408,13 +429,13 @@ class InferenceProxy:
 
     # --------------------------------------------------------- hook endings
 
-    async def _after(self, capture: Capture, body: bytes) -> None:
-        """Commit the capture (`body`: the `:after` JSON); a refusal still gives the client its completion, but the
-        Task is aborted."""
+    async def _after(self, capture: Capture, body: bytes, packed: bool) -> None:
+        """Commit the capture (`body`: the `:after` JSON, or its packed form); a refusal still gives the client its
+        completion, but the Task is aborted."""
         t = capture.binding.rl_task_id
         try:
             try:
-                answer = await self._rl.after(body)
+                answer = await self._rl.after(body, packed=packed)
             except HookUnreachable:
                 answer = None
             if answer is None or not answer.ok:
@@ -424,11 +445,11 @@ class InferenceProxy:
         finally:
             self._sessions.end(t)
 
-    async def _commit(self, pending: _PendingCapture, capture: Capture, body: bytes) -> None:
+    async def _commit(self, pending: _PendingCapture, capture: Capture, body: bytes, *, packed: bool = False) -> None:
         """`:after` in its own task, which takes the capture's count over: a client that disconnects while it runs
         cannot cut it in half (which would leave the RL Service unsure whether the capture was committed)."""
         pending.committed = True  # no await before the task owns the count
-        await asyncio.shield(self._spawn(self._after(capture, body)))
+        await asyncio.shield(self._spawn(self._after(capture, body, packed)))
 
     async def _discard(self, capture: Capture) -> None:
         t = capture.binding.rl_task_id

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import orjson
 
+from ..common import packed_hook
 from .http11 import Http11Client, TransportError
 
 if TYPE_CHECKING:
@@ -65,8 +66,10 @@ class RLClient:
         client: httpx.AsyncClient | None = None,
         hook_client: Http11Client | None = None,
         metrics: "GatewayMetrics | None" = None,
+        packs_after: Callable[[], bool] = lambda: False,
     ) -> None:
         self._metrics = metrics
+        self.packs_after = packs_after  # whether the running service takes the packed `:after` (its /health says)
         self._endpoint = endpoint.rstrip("/")
         self._token = token
         self._hook_timeout_s = hook_timeout_s
@@ -83,8 +86,9 @@ class RLClient:
         await self._client.aclose()
         await self._hooks.aclose()
 
-    def _headers(self, extra: dict[str, str | bytes] | None = None) -> dict[str, str | bytes]:
-        headers: dict[str, str | bytes] = {"content-type": "application/json"}
+    def _headers(self, extra: dict[str, str | bytes] | None = None, *,
+                 content_type: str = "application/json") -> dict[str, str | bytes]:
+        headers: dict[str, str | bytes] = {"content-type": content_type}
         token = self._token()
         if token:
             headers["authorization"] = f"Bearer {token}"
@@ -92,15 +96,15 @@ class RLClient:
             headers.update(extra)
         return headers
 
-    async def hook(self, path: str, body: dict[str, Any] | bytes) -> RLAnswer:
-        """POST a hook (a body, or its JSON bytes) with the hook timeout and retries; raises HookUnreachable when
-        nothing answered."""
+    async def hook(self, path: str, body: dict[str, Any] | bytes, *, packed: bool = False) -> RLAnswer:
+        """POST a hook (a body, or its JSON bytes, or with `packed` its packed bytes) with the hook timeout and
+        retries; raises HookUnreachable when nothing answered."""
         if self._metrics is None:
-            return await self._hook(path, body)
+            return await self._hook(path, body, packed)
         name = path.rsplit(":", 1)[-1]  # before, after, discard, abort
         with self._metrics.hook(name):
             try:
-                answer = await self._hook(path, body)
+                answer = await self._hook(path, body, packed)
             except HookUnreachable:
                 self._metrics.hook_error(name, "unreachable")
                 raise
@@ -108,14 +112,15 @@ class RLClient:
             self._metrics.hook_error(name, str(answer.status))
         return answer
 
-    async def _hook(self, path: str, body: dict[str, Any] | bytes) -> RLAnswer:
+    async def _hook(self, path: str, body: dict[str, Any] | bytes, packed: bool) -> RLAnswer:
         payload = body if isinstance(body, bytes) else orjson.dumps(body)
+        headers = self._headers(content_type=packed_hook.MEDIA_TYPE) if packed else self._headers()
         url = self._endpoint + path
         last: Exception | None = None
         for attempt in range(self._hook_retries + 1):
             try:
                 resp = await self._hooks.request(
-                    "POST", url, content=payload, headers=self._headers(), timeout_s=self._hook_timeout_s
+                    "POST", url, content=payload, headers=headers, timeout_s=self._hook_timeout_s
                 )
             except TransportError as exc:  # includes timeouts
                 last = exc
@@ -127,8 +132,8 @@ class RLClient:
     async def before(self, body: dict[str, Any] | bytes) -> RLAnswer:
         return await self.hook("/internal/v1/completions:before", body)
 
-    async def after(self, body: dict[str, Any] | bytes) -> RLAnswer:
-        return await self.hook("/internal/v1/completions:after", body)
+    async def after(self, body: dict[str, Any] | bytes, *, packed: bool = False) -> RLAnswer:
+        return await self.hook("/internal/v1/completions:after", body, packed=packed)
 
     async def discard(self, body: dict[str, Any]) -> RLAnswer:
         return await self.hook("/internal/v1/completions:discard", body)

@@ -102,6 +102,7 @@ class _Child:
     exited: asyncio.Task[int]  # proc.wait(); waited on with asyncio.wait so no waiter can cancel it
     stop_requested: bool = False
     watcher: asyncio.Task[None] | None = None
+    hook_encodings: frozenset[str] = frozenset()  # what its `/health` listed (`packed-v1`: the packed `:after`)
 
 
 class RLSupervisor:
@@ -161,6 +162,12 @@ class RLSupervisor:
     def token(self) -> str | None:
         """The bearer token of the running child (`Authorization: Bearer <token>`); None when none runs."""
         return self._child.token if self._child is not None and self._status == RUNNING else None
+
+    def accepts_hook_encoding(self, name: str) -> bool:
+        """Whether the running child listed `name` in its `/health` `hook_encodings` (a child that predates them,
+        or an AIGW-era service, lists none: the gateway then sends JSON)."""
+        child = self._child
+        return child is not None and self._status == RUNNING and name in child.hook_encodings
 
     @property
     def internal_token(self) -> str | None:
@@ -319,6 +326,7 @@ class RLSupervisor:
                 resp = await client.get(url, timeout=min(HEALTH_REQUEST_TIMEOUT_S, remaining))
                 if resp.status_code == 200 and not child.exited.done():
                     self._check_model(resp)
+                    child.hook_encodings = _hook_encodings(resp)
                     return
             except httpx.TransportError:
                 pass  # not listening yet, or still starting up
@@ -409,3 +417,11 @@ class RLSupervisor:
     async def close(self) -> None:
         """Gateway shutdown: stop the child without draining."""
         await self.stop()
+
+
+def _hook_encodings(health: httpx.Response) -> frozenset[str]:
+    try:
+        listed = health.json().get("hook_encodings")
+    except (ValueError, AttributeError):
+        return frozenset()
+    return frozenset(x for x in listed if isinstance(x, str)) if isinstance(listed, list) else frozenset()

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from ..common import packed_hook
 from ..common.content_type import JsonBodyMiddleware
 from ..common.errors import install_error_envelope
 from ..common.guards import GuardMiddleware
 from .api.health import build_health_router
-from .api.hooks import build_hooks_router
+from .api.hooks import AFTER_PATH, build_hooks_router
 from .api.metrics import build_metrics_router
 from .api.policies import build_policies_router
 from .api.rail import build_rail_router
@@ -406,7 +407,7 @@ def create_app(
     app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id)))
     app.include_router(build_rollout_router(deps.rollout))
     # Inside the guards (bearer 401 and size 413 first): a non-JSON body is 415 (a browser's cross-site simple POST).
-    app.add_middleware(JsonBodyMiddleware)
+    app.add_middleware(JsonBodyMiddleware, binary_routes={AFTER_PATH: packed_hook.MEDIA_TYPE})
     app.add_middleware(GuardMiddleware, token=token, max_body_bytes=config.max_body_bytes)
     app.include_router(build_metrics_router(deps.metrics, deps.redis, deps.store.stats))
     # Outermost: every answer is counted, the guards' 401/413 included.

@@ -9,10 +9,12 @@ from fastapi import APIRouter
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from ...common import packed_hook
 from ..store import keys
 from ...common.errors import JSONBody, envelope
 
 HEALTH_REDIS_TIMEOUT_S = 2.0
+HOOK_ENCODINGS = ["json", packed_hook.ENCODING]
 
 
 def build_health_router(
@@ -39,6 +41,7 @@ def build_health_router(
                     await result
             except Exception as exc:  # a failing background part makes the service not ready, with its cause
                 return envelope(503, "service_not_ready", str(exc) or type(exc).__name__)
-        return JSONBody({"status": "ready", "model_id": model_id})
+        # `hook_encodings`: this project's gateway sends the packed `:after` body only to a service that lists it.
+        return JSONBody({"status": "ready", "model_id": model_id, "hook_encodings": HOOK_ENCODINGS})
 
     return router

@@ -6,6 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
+from ...common import packed_hook
+from ...common.errors import ApiError, JSONBody
 from ..capture.lifecycle import TaskLifecycle
 from ..capture.pipeline import CapturePipeline
 from ..metrics import ServiceMetrics
@@ -13,9 +15,11 @@ from ..tasks.models import FinishReason
 from ..tasks.registry import TaskRegistry
 from . import openapi
 from .body import json_object
-from ...common.errors import JSONBody
 from .errors import domain_errors
 from .tasks import reason_from_body
+
+
+AFTER_PATH = "/internal/v1/completions:after"
 
 
 async def _hook_body(request: Request) -> dict[str, Any]:
@@ -24,6 +28,18 @@ async def _hook_body(request: Request) -> dict[str, Any]:
     body = await json_object(request, lenient=True)
     assert body is not None
     return body
+
+
+def _is_packed(request: Request) -> bool:
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    return media == packed_hook.MEDIA_TYPE
+
+
+def _packed_body(raw: bytes) -> tuple[dict[str, Any], packed_hook.PackedArrays]:
+    try:
+        return packed_hook.unpack_after(raw)
+    except packed_hook.PackedBodyError as exc:
+        raise ApiError(400, "invalid_request", str(exc)) from exc
 
 
 def build_hooks_router(
@@ -39,12 +55,15 @@ def build_hooks_router(
                 injected = await pipeline.before(body)
         return JSONBody({"request": injected})
 
-    @router.post("/internal/v1/completions:after", status_code=204, openapi_extra=openapi.HOOK_AFTER)
+    @router.post(AFTER_PATH, status_code=204, openapi_extra=openapi.HOOK_AFTER)
     async def after(request: Request) -> Response:
         with metrics.hook("after"):
             with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
                 # No local keeps the parsed body: the pipeline drops it before its Redis commit (GC cost).
-                committed = await pipeline.after(await _hook_body(request))
+                if _is_packed(request):
+                    committed = await pipeline.after_packed(*_packed_body(await request.body()))
+                else:
+                    committed = await pipeline.after(await _hook_body(request))
         if committed:  # an idempotent repeat is not a second capture
             metrics.capture("committed")
         return Response(status_code=204)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from typing import Any
 
+from ...common.packed_hook import PackedArrays
 from ..errors import Conflict, InvalidInput
 from ..faults import FaultHook, no_faults
 from ..judge import feedback_from_request
@@ -20,11 +21,12 @@ from .hooks import HookBody, parse_hook
 from .request import (
     RequestModelMismatch,
     normalize_request,
+    packed_response_fingerprint,
     request_fingerprint,
     response_fingerprint,
     validate_request,
 )
-from .response import ResponseModelMismatch, validate_response
+from .response import ResponseModelMismatch, validate_packed_response, validate_response
 from .sample import build_sample
 from .turns import TurnPublisher
 
@@ -80,6 +82,15 @@ class CapturePipeline:
         """Commit a capture; True when this call committed it (False for an idempotent repeat)."""
         hook = parse_hook(body, with_request=True, with_response=True)
         del body  # from here `hook` holds the only reference; it gives the large response up before the commit
+        return await self._commit(hook, None)
+
+    async def after_packed(self, head: dict[str, Any], arrays: PackedArrays) -> bool:
+        """`after` for a packed body (common/packed_hook.py): the JSON part, and the arrays as they came."""
+        hook = parse_hook(head, with_request=True, with_response=True)
+        del head
+        return await self._commit(hook, arrays)
+
+    async def _commit(self, hook: HookBody, arrays: PackedArrays | None) -> bool:
         task = await self._registry.require(hook.rl_task_id)
         try:
             try:
@@ -87,7 +98,10 @@ class CapturePipeline:
                     hook.request, policy_model=task.policy_model, delayed=task.delayed,
                     agent_turn_id=hook.agent_turn_id,
                 )
-                validated = validate_response(hook.response, policy_model=task.policy_model)
+                if arrays is None:
+                    validated = validate_response(hook.response, policy_model=task.policy_model)
+                else:
+                    validated = validate_packed_response(hook.response, arrays, policy_model=task.policy_model)
             except (RequestModelMismatch, ResponseModelMismatch) as exc:
                 raise Conflict(str(exc)) from exc
             injected = normalize_request(hook.request)
@@ -95,11 +109,14 @@ class CapturePipeline:
                 task, capture_id=hook.capture_id, agent_turn_id=hook.agent_turn_id, request=injected,
                 response=hook.response, validated=validated,
             )
-            fingerprints = request_fingerprint(injected), response_fingerprint(hook.response)
+            fingerprints = request_fingerprint(injected), (
+                response_fingerprint(hook.response) if arrays is None
+                else packed_response_fingerprint(hook.response, arrays)
+            )
             # The parsed response (~20k objects for 2,048 tokens, logprob entries included) is not needed past
             # this point: dropped here, the collector never walks it while the commit waits on Redis.
             hook = HookBody(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)
-            del validated
+            del validated, arrays
             committed = await self._registry.commit(
                 task.rl_task_id, hook.capture_id, hook.agent_turn_id, *fingerprints, sample,
             )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from ..errors import InvalidInput
 from ...common.ids import NotCanonicalJSON, fingerprint
+from ...common.packed_hook import PackedArrays
 
 
 class RequestModelMismatch(ValueError):
@@ -60,3 +62,12 @@ def response_fingerprint(response: dict[str, Any]) -> str:
         return fingerprint(response)
     except NotCanonicalJSON as exc:
         raise _invalid(f"response cannot be stored: {exc}") from exc
+
+
+def packed_response_fingerprint(response: dict[str, Any], arrays: PackedArrays) -> str:
+    """The fingerprint of a packed `:after`'s response: its JSON part and its arrays. It differs from the JSON
+    body's for the same completion, so the repeats of one capture use one encoding (the gateway's retries do)."""
+    digest = hashlib.sha256(response_fingerprint(response).encode())
+    for part in (arrays.prompt_ids, arrays.response_ids, arrays.logprobs):
+        digest.update(part)
+    return "packed:" + digest.hexdigest()

@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ...common.packed_hook import PackedArrays, logprobs_valid
 from ..errors import InvalidInput
-from ..store.codec import MAX_TOKEN_ID
+from ..store.codec import MAX_TOKEN_ID, pack_ids, pack_logprobs
 
 
 class ResponseModelMismatch(ValueError):
@@ -16,9 +17,10 @@ class ResponseModelMismatch(ValueError):
 
 @dataclass(slots=True)
 class ValidatedResponse:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
+    # The three arrays in their stored form (store/codec.py): token ids uint32 LE, logprobs float32 LE.
+    prompt_ids: bytes
+    response_ids: bytes
+    logprobs: bytes
     choice: dict[str, Any]
     routed_experts: Any
     routing_metadata: Any
@@ -86,7 +88,8 @@ def _usage_int(usage: dict[str, Any], name: str) -> int:
     return value
 
 
-def validate_response(response: Any, *, policy_model: str) -> ValidatedResponse:
+def _checked_choice(response: Any) -> dict[str, Any]:
+    """The response's one choice, after the checks that do not involve the token arrays."""
     if not isinstance(response, dict):
         raise _invalid("response must be an object")
     if response.get("object") != "chat.completion":
@@ -100,16 +103,20 @@ def validate_response(response: Any, *, policy_model: str) -> ValidatedResponse:
     finish = choice.get("finish_reason")
     if not isinstance(finish, str) or not finish:
         raise _invalid("choices[0].finish_reason must be a non-empty string")
-    prompt_ids = _token_ids(response.get("prompt_token_ids"), "prompt_token_ids")
-    response_ids = _token_ids(choice.get("token_ids"), "choices[0].token_ids")
-    logprobs = _logprobs(choice.get("logprobs"), len(response_ids))
+    return choice
+
+
+def _validated(
+    response: dict[str, Any], choice: dict[str, Any], *, prompt_count: int, response_count: int, policy_model: str,
+) -> tuple[Any, Any]:
+    """Usage against the token counts, the model, and the routing fields: (routed_experts, routing_metadata)."""
     usage = response.get("usage")
     if not isinstance(usage, dict):
         raise _invalid("usage must be an object")
     prompt_tokens = _usage_int(usage, "prompt_tokens")
     completion_tokens = _usage_int(usage, "completion_tokens")
     total_tokens = _usage_int(usage, "total_tokens")
-    if prompt_tokens != len(prompt_ids) or completion_tokens != len(response_ids):
+    if prompt_tokens != prompt_count or completion_tokens != response_count:
         raise _invalid("usage does not match the token ids")
     if total_tokens != prompt_tokens + completion_tokens:
         raise _invalid("usage.total_tokens is not the sum of prompt and completion tokens")
@@ -121,4 +128,33 @@ def validate_response(response: Any, *, policy_model: str) -> ValidatedResponse:
     routing = choice.get("routing_metadata")
     if routing is None:
         routing = response.get("routing_metadata")
-    return ValidatedResponse(prompt_ids, response_ids, logprobs, choice, routed, routing)
+    return routed, routing
+
+
+def validate_response(response: Any, *, policy_model: str) -> ValidatedResponse:
+    choice = _checked_choice(response)
+    prompt_ids = _token_ids(response.get("prompt_token_ids"), "prompt_token_ids")
+    response_ids = _token_ids(choice.get("token_ids"), "choices[0].token_ids")
+    logprobs = _logprobs(choice.get("logprobs"), len(response_ids))
+    routed, routing = _validated(response, choice, prompt_count=len(prompt_ids), response_count=len(response_ids),
+                                 policy_model=policy_model)
+    return ValidatedResponse(pack_ids(prompt_ids), pack_ids(response_ids), pack_logprobs(logprobs), choice, routed,
+                             routing)
+
+
+def validate_packed_response(response: Any, arrays: PackedArrays, *, policy_model: str) -> ValidatedResponse:
+    """The same checks for a packed `:after` (common/packed_hook.py): the arrays came as binary, so their ids are
+    uint32 by construction and only their counts and the logprobs' values are left to check."""
+    choice = _checked_choice(response)
+    if "prompt_token_ids" in response or any(k in choice for k in ("token_ids", "logprobs")):
+        raise _invalid("a packed body carries the token ids and logprobs in its arrays, not in the JSON part")
+    if not arrays.prompt_count:
+        raise _invalid("prompt_token_ids must be a non-empty list of non-negative integers")
+    if not arrays.response_count:
+        raise _invalid("choices[0].token_ids must be a non-empty list of non-negative integers")
+    if not logprobs_valid(arrays.logprobs):
+        raise _invalid("every logprob must be a finite number <= 0")
+    routed, routing = _validated(response, choice, prompt_count=arrays.prompt_count,
+                                 response_count=arrays.response_count, policy_model=policy_model)
+    return ValidatedResponse(arrays.prompt_ids, arrays.response_ids, pack_logprobs(arrays.logprobs), choice, routed,
+                             routing)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..store.codec import PackedSample, pack_ids, pack_logprobs
+from ..store.codec import PackedSample
 from ..store.documents import sample_document
 from ..tasks.models import Task
 from .response import ValidatedResponse
 
 
 def stripped_response(response: dict[str, Any]) -> dict[str, Any]:
-    """The response without the three token arrays, which are stored once, packed."""
+    """The response without the three token arrays, which are stored once, packed (a packed `:after` body's
+    response comes without them already)."""
     out = {k: v for k, v in response.items() if k != "prompt_token_ids"}
     choice = {k: v for k, v in response["choices"][0].items() if k not in ("token_ids", "logprobs")}
     out["choices"] = [choice]
@@ -52,6 +53,4 @@ def build_sample(
     meta["judge"] = None
     if task.evaluation:
         meta["evaluation"] = True  # the store files it under `evaluation`: measured, never trained on
-    return PackedSample(
-        meta, pack_ids(validated.prompt_ids), pack_ids(validated.response_ids), pack_logprobs(validated.logprobs)
-    )
+    return PackedSample(meta, validated.prompt_ids, validated.response_ids, validated.logprobs)
