@@ -214,7 +214,8 @@ async def test_bearer_token_guards_every_route_but_health(redis, redis_url, tmp_
     with ServiceProcess(tmp_path, with_password(redis_url), env=env) as svc:
         async with httpx.AsyncClient(base_url=svc.url, timeout=10) as client:
             health = await client.get("/health")
-            assert (health.status_code, health.json()) == (200, {"status": "ready", "model_id": "tiny"})
+            assert (health.status_code, health.json()) == (200, {"status": "ready", "model_id": "tiny",
+                                                                 "hook_encodings": ["json", "packed-v1"]})
             good = {"Authorization": f"Bearer {TOKEN}"}
             for bad in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
                         {"Authorization": f"Bearer {TOKEN}x"}, {"Authorization": f"Basic {TOKEN}"}):
