@@ -327,15 +327,12 @@ class InferenceProxy:
             answer = self._client_answer(completion, wants, flavor)
         except Exception as exc:  # noqa: BLE001 - re-raised below, unchanged
             failure = exc
-        packed = None
-        if pending is not None and pending.capture is not None and self._rl.packs_after():
-            packed = pending.capture.packed_after_body(request_json, completion)
-        del completion
+        after = None
         if pending is not None and (capture := pending.capture) is not None:
-            if packed is not None:
-                await self._commit(pending, capture, packed, packed=True)
-            else:
-                await self._commit(pending, capture, capture.after_body(request_json, content))
+            after = self._after_body(capture, request_json, completion, content)
+        del completion
+        if after is not None:
+            await self._commit(pending, capture, *after)
         if failure is not None:
             raise failure
         return answer
@@ -374,15 +371,9 @@ class InferenceProxy:
                         if aggregator.error is not None:
                             break  # vLLM reported an error inside the stream: nothing valid to commit
                         if pending is not None and (capture := pending.capture) is not None:
-                            result = aggregator.result()
-                            request_json = orjson.dumps(capture.request)
-                            packed = capture.packed_after_body(request_json, result) if self._rl.packs_after() \
-                                else None
-                            if packed is not None:
-                                await self._commit(pending, capture, packed, packed=True)
-                            else:
-                                await self._commit(pending, capture, orjson.dumps(
-                                    capture.hook_body(request=capture.request, response=result)))
+                            body, packed = self._after_body(capture, orjson.dumps(capture.request),
+                                                            aggregator.result())
+                            await self._commit(pending, capture, body, packed)
                         if writer is not None:
                             for name, data in writer.finish(finish_reason, usage):
                                 out.append(encode_sse(orjson.dumps(data), event=name))
@@ -445,7 +436,17 @@ class InferenceProxy:
         finally:
             self._sessions.end(t)
 
-    async def _commit(self, pending: _PendingCapture, capture: Capture, body: bytes, *, packed: bool = False) -> None:
+    def _after_body(self, capture: Capture, request_json: bytes, response: dict[str, Any],
+                    response_json: bytes | None = None) -> tuple[bytes, bool]:
+        """(the `:after` body, whether packed): packed when the running service takes it and the response fits
+        the packed form, else JSON spliced from `response_json` (the upstream's bytes) or, for an aggregated
+        stream, from the response serialized once."""
+        if self._rl.packs_after() and (packed := capture.packed_after_body(request_json, response)) is not None:
+            return packed, True
+        spliced = orjson.dumps(response) if response_json is None else response_json
+        return capture.after_body(request_json, spliced), False
+
+    async def _commit(self, pending: _PendingCapture, capture: Capture, body: bytes, packed: bool) -> None:
         """`:after` in its own task, which takes the capture's count over: a client that disconnects while it runs
         cannot cut it in half (which would leave the RL Service unsure whether the capture was committed)."""
         pending.committed = True  # no await before the task owns the count
