@@ -296,13 +296,10 @@ class RLSupervisor:
     def _where_to_look(self) -> str:
         return f"; see {self._log_dir / STDERR_NAME}" if self._log_dir is not None else ""
 
-    def _check_model(self, health: httpx.Response) -> None:
+    def _check_model(self, health: dict[str, Any]) -> None:
         if self._model_id is None:
             return
-        try:
-            served = health.json().get("model_id")
-        except (ValueError, AttributeError):
-            served = None
+        served = health.get("model_id")
         if served != self._model_id:
             raise SupervisorError(f"the RL Service serves model {served!r} but onlineRL.modelId is "
                                   f"{self._model_id!r}; set both to the same model id")
@@ -325,8 +322,9 @@ class RLSupervisor:
             try:
                 resp = await client.get(url, timeout=min(HEALTH_REQUEST_TIMEOUT_S, remaining))
                 if resp.status_code == 200 and not child.exited.done():
-                    self._check_model(resp)
-                    child.hook_encodings = _hook_encodings(resp)
+                    health = _health_body(resp)
+                    self._check_model(health)
+                    child.hook_encodings = _hook_encodings(health)
                     return
             except httpx.TransportError:
                 pass  # not listening yet, or still starting up
@@ -419,9 +417,15 @@ class RLSupervisor:
         await self.stop()
 
 
-def _hook_encodings(health: httpx.Response) -> frozenset[str]:
+def _health_body(resp: httpx.Response) -> dict[str, Any]:
+    """The child's `/health` answer as an object; {} for a body that is not one (a stand-in's empty 200)."""
     try:
-        listed = health.json().get("hook_encodings")
-    except (ValueError, AttributeError):
-        return frozenset()
+        body = resp.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _hook_encodings(health: dict[str, Any]) -> frozenset[str]:
+    listed = health.get("hook_encodings")
     return frozenset(x for x in listed if isinstance(x, str)) if isinstance(listed, list) else frozenset()
