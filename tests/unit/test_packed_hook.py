@@ -11,12 +11,8 @@ from array import array
 import orjson
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.common.packed_hook import (
-    PackedBodyError,
-    logprobs_valid,
-    pack_after,
-    unpack_after,
-)
+from openjiuwen.agent_evolving.agent_rl.common.packed_hook import PackedBodyError, pack_after, unpack_after
+from openjiuwen.agent_evolving.agent_rl.online.capture.response import logprobs_valid
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import pack_ids, unpack_ids
 from tests.conftest import load_fixture
 

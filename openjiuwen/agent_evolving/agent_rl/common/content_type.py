@@ -18,9 +18,14 @@ _BODY = envelope_bytes("unsupported_media_type",
                        "a request body must be JSON: send it with Content-Type: application/json")
 
 
+def media_type(value: bytes) -> bytes:
+    """A `Content-Type` value without its parameters (`; charset=utf-8`), lower-cased."""
+    return value.split(b";", 1)[0].strip().lower()
+
+
 def is_json_media_type(value: bytes) -> bool:
     """`application/json` or `application/<anything>+json`, parameters (`; charset=utf-8`) allowed."""
-    media = value.split(b";", 1)[0].strip().lower()
+    media = media_type(value)
     kind, slash, subtype = media.partition(b"/")
     return kind == b"application" and bool(slash) and (subtype == b"json" or (subtype.endswith(b"+json")
                                                                              and len(subtype) > 5))
@@ -48,7 +53,7 @@ class JsonBodyMiddleware:
                 headers.setdefault(name.lower(), value)  # the first of a repeated header, as routes read it
             media = headers.get(b"content-type", b"")
             if (declares_body(headers) and not is_json_media_type(media)
-                    and media.split(b";", 1)[0].strip().lower() != self._binary.get(scope.get("path", ""))):
+                    and media_type(media) != self._binary.get(scope.get("path", ""))):
                 await send({"type": "http.response.start", "status": 415, "headers": [
                     (b"content-type", b"application/json"), (b"content-length", str(len(_BODY)).encode())]})
                 await send({"type": "http.response.body", "body": _BODY})

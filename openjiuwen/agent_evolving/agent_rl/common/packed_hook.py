@@ -20,7 +20,6 @@ per-token Python object. Logprobs travel as float64, so the service checks exact
 
 from __future__ import annotations
 
-import math
 import struct
 import sys
 from array import array
@@ -102,7 +101,8 @@ def pack_after(head_json: bytes, response: dict[str, Any]) -> bytes | None:
 
 def unpack_after(body: bytes) -> tuple[dict[str, Any], PackedArrays]:
     """(the JSON hook body, its arrays). Raises PackedBodyError for a malformed body. Values are not checked
-    here beyond their framing: the capture's validation does that (`packed_token_ids`, `packed_logprobs`)."""
+    here beyond their framing: the capture's validation does that (`online/capture/response.py:
+    validate_packed_response`)."""
     if len(body) < _HEADER.size:
         raise PackedBodyError("packed body shorter than its header")
     magic, json_len, prompt_count, response_count = _HEADER.unpack_from(body)
@@ -124,13 +124,3 @@ def unpack_after(body: bytes) -> tuple[dict[str, Any], PackedArrays]:
         logprobs.byteswap()
     split = ids_at + 4 * prompt_count
     return head, PackedArrays(body[ids_at:split], body[split:logprobs_at], logprobs)
-
-
-def logprobs_valid(logprobs: array) -> bool:
-    """Every logprob finite and <= 0 (C loops: a NaN or an infinity makes the sum non-finite, so `max` is only
-    trusted on a finite sum; a finite array whose sum overflows is checked element by element)."""
-    if not logprobs:
-        return True
-    if math.isfinite(sum(logprobs)):
-        return max(logprobs) <= 0
-    return all(math.isfinite(x) and x <= 0 for x in logprobs)

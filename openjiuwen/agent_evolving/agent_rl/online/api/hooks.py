@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from ...common import packed_hook
+from ...common.content_type import media_type
 from ...common.errors import ApiError, JSONBody
 from ..capture.lifecycle import TaskLifecycle
 from ..capture.pipeline import CapturePipeline
@@ -20,6 +21,7 @@ from .tasks import reason_from_body
 
 
 AFTER_PATH = "/internal/v1/completions:after"
+_PACKED_MEDIA_TYPE = packed_hook.MEDIA_TYPE.encode()
 
 
 async def _hook_body(request: Request) -> dict[str, Any]:
@@ -31,8 +33,7 @@ async def _hook_body(request: Request) -> dict[str, Any]:
 
 
 def _is_packed(request: Request) -> bool:
-    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    return media == packed_hook.MEDIA_TYPE
+    return media_type(request.headers.get("content-type", "").encode("latin-1")) == _PACKED_MEDIA_TYPE
 
 
 def _packed_body(raw: bytes) -> tuple[dict[str, Any], packed_hook.PackedArrays]:

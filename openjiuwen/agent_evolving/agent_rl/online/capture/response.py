@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...common.packed_hook import PackedArrays, logprobs_valid
+from ...common.packed_hook import PackedArrays
 from ..errors import InvalidInput
 from ..store.codec import MAX_TOKEN_ID, pack_ids, pack_logprobs
 
@@ -67,18 +68,25 @@ def _logprobs(value: Any, expected: int) -> list[float]:
 
 def _logprobs_fast(content: list[Any], expected: int) -> list[float] | None:
     """The logprobs when every entry is a dict whose `logprob` is a float, all finite and <= 0, and their count is
-    `expected`; else None (the caller's per-entry loop then finds the exact error, or converts int logprobs).
-    A NaN or an infinity makes the sum non-finite, so `max` is only trusted on NaN-free lists; a finite list whose
-    sum overflows merely falls back to the loop."""
+    `expected` (`logprobs_valid`); else None (the caller's per-entry loop then finds the exact error, or converts
+    int logprobs)."""
     try:
         out = [entry["logprob"] for entry in content]
     except (TypeError, KeyError):  # a non-dict entry or a missing `logprob`
         return None
     if len(out) != expected or set(map(type, out)) != {float}:
         return None
-    if out and not (math.isfinite(sum(out)) and max(out) <= 0):
-        return None
-    return out
+    return out if logprobs_valid(out) else None
+
+
+def logprobs_valid(logprobs: Sequence[float]) -> bool:
+    """Every logprob finite and <= 0, in C loops: a NaN or an infinity makes the sum non-finite, so `max` is only
+    trusted on a finite sum; a finite sequence whose sum overflows is checked element by element."""
+    if not logprobs:
+        return True
+    if math.isfinite(sum(logprobs)):
+        return max(logprobs) <= 0
+    return all(math.isfinite(x) and x <= 0 for x in logprobs)
 
 
 def _usage_int(usage: dict[str, Any], name: str) -> int:
