@@ -111,17 +111,20 @@ async def closed_loop(
     start = asyncio.Event()
     ready: list[int] = []
     tasks = [asyncio.create_task(session(i)) for i in range(concurrency)]
-    # Warm-up first on every connection, then all sessions start together.
-    while len(ready) < concurrency and not any(t.done() for t in tasks):
-        await asyncio.sleep(0.01)
-    for t in tasks:
-        if t.done() and t.exception():
-            raise t.exception()  # type: ignore[misc]
-    t_start = time.perf_counter()
-    start.set()
     try:
+        # Warm-up first on every connection, then all sessions start together.
+        while len(ready) < concurrency and not any(t.done() for t in tasks):
+            await asyncio.sleep(0.01)
+        for t in tasks:
+            if t.done() and t.exception():
+                raise t.exception()  # type: ignore[misc]
+        t_start = time.perf_counter()
+        start.set()
         await asyncio.gather(*tasks)
     finally:
+        for t in tasks:  # one session failed: the others stop, and their errors are collected, not left unretrieved
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for c in conns:
             await c.close()
     wall = time.perf_counter() - t_start

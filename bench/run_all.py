@@ -173,6 +173,10 @@ def render(mode: str, seconds: dict[str, float], results: Path = RESULTS, machin
                     halves.append(r["captured"]["p50_ms"] - r["direct"]["p50_ms"] <= min(peers_p50) / 2)
             out += ["", f"Target \"our capture overhead at most half of the best peer's\" (p50): met in "
                         f"{sum(halves)} of {len(halves)} rows.", ""]
+        for r in cap["results"]:
+            for name, error in (r.get("peer_errors") or {}).items():
+                out += [f"Peer `{name}` failed in the {r['size']} {r['format']} row at {r['concurrency']} sessions "
+                        f"(its cell is —): {error}", ""]
         for name, status in (cap.get("peers") or {}).items():
             if status != "measured":
                 out += [f"Peer `{name}` not measured: {status}", ""]

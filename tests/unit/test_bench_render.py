@@ -125,3 +125,18 @@ def test_the_notes_page_holds_the_figures_that_left_the_generator() -> None:
     source = (Path(run_all.ROOT) / "bench" / "run_all.py").read_text(encoding="utf-8")
     for figure in ("~65 %", "~2.2 ms", "7.88", "29056", "~230 ms"):
         assert figure not in source
+
+
+def test_a_peer_that_failed_in_a_row_is_reported_and_its_cell_left_empty(tmp_path: Path) -> None:
+    results = result_set(1.0)
+    small, large = results["capture"]["results"]
+    small["peer:agentlightning"] = _timings(3.3)
+    large["peer_errors"] = {"agentlightning": "ConnectionResetError: [Errno 104] Connection reset by peer"}
+    for name, result in results.items():
+        (tmp_path / f"{name}.json").write_bytes(orjson.dumps(result))
+    machine = {"cpus": 2, "cpu_model": "test CPU", "python": "3.11.7", "load_avg": [0.5, 0.5, 0.5]}
+    page = run_all.render("quick", {name: 1.0 for name in run_all.BENCHES}, tmp_path, machine=machine).splitlines()
+    assert ("Peer `agentlightning` failed in the large json row at 64 sessions (its cell is —): "
+            "ConnectionResetError: [Errno 104] Connection reset by peer") in page
+    peer_rows = [line for line in page if line.startswith("| large | json | 64 |") and line.count("|") == 7]
+    assert len(peer_rows) == 1 and peer_rows[0].split("|")[5].strip() == "—", peer_rows
