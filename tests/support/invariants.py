@@ -85,6 +85,7 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("turns_closed", f"task:(?P<t>{_T}):turns:closed"),
         ("turn_captures", f"task:(?P<t>{_T}):turn:(?P<u>{_I}):captures"),
         ("turn_publish", f"task:(?P<t>{_T}):turn:(?P<u>{_I}):publish"),
+        ("turn_publisher", f"task:(?P<t>{_T}):turn:(?P<u>{_I}):publisher"),
         ("staged", f"task:(?P<t>{_T}):pending:(?P<c>{_I})"),
         ("reward", f"task:(?P<t>{_T}):reward"),
         ("task_events", f"task:(?P<t>{_T}):events"),
@@ -96,6 +97,7 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("pending_judge_session", f"pending_judge_session:{_I}"),
         ("rail_inflight_sessions", "rail:inflight_sessions"),
         ("rail_inflight", f"rail:inflight:(?P<rs>{_I})"),
+        ("rail_inflight_owners", "rail:inflight_owners"),
         ("run", f"training_run:(?P<r>{_R})"),
         ("run_events", f"training_run:(?P<r>{_R}):events"),
         # Listings (docs/observability.md): creation-ordered indexes and the expiry index that trims them.
@@ -115,6 +117,12 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("rollouts_by_created", "rollouts:by_created"),
         ("rollout", "rollout:(?P<ro>ro-[0-9a-f]{12})"),
         ("rollout_events", "rollout:(?P<ro>ro-[0-9a-f]{12}):events"),
+        # Worker processes (CONTRACT §2.11): the leader lease, its epoch, the recovered boot, heartbeats, the fault.
+        ("service_leader", "service:leader"),
+        ("service_leader_epoch", "service:leader_epoch"),
+        ("service_recovered_boot", "service:recovered_boot"),
+        ("service_workers", "service:workers"),
+        ("service_leader_fault", "service:leader_fault"),
     )
 )
 
@@ -247,6 +255,7 @@ class _TaskState:
     staged: set[str] = field(default_factory=set)
     turn_captures: dict[str, set[str]] = field(default_factory=dict)
     turn_publish: dict[str, str] = field(default_factory=dict)
+    turn_publishers: set[str] = field(default_factory=set)  # turns whose claim names its holder
     reward: dict[str, Any] | None = None
     ttl: int = -1
 
@@ -309,6 +318,9 @@ async def check_invariants(
     for key, groups in typed.get("rail_inflight", []):
         if await redis.zcard(key) and groups["rs"] not in inflight_sessions:
             report.add(f"rail samples in flight for session {groups['rs']} but the session is not listed for recovery")
+    # The owner of a session's pop leaves with the session's last in-flight entry.
+    for session in sorted({_s(f) or "" for f in await redis.hkeys(keys.RAIL_INFLIGHT_OWNERS)} - inflight_sessions):
+        report.add(f"rail session {session} has an in-flight owner but nothing in flight")
 
     owner = _s(await redis.get(keys.OWNER))
     if owner is not None and owner != model_id:
@@ -595,6 +607,8 @@ async def _load_tasks(redis: Redis, tasks: dict[str, _TaskState], typed: dict[st
     publish = [(g["t"], g["u"], k) for k, g in typed.get("turn_publish", [])]
     for (t, u, _), raw in zip(publish, await _pipelined(redis, publish, lambda p, m: p.get(m[2]))):
         tasks[t].turn_publish[u] = _s(raw) or ""
+    for _, g in typed.get("turn_publisher", []):
+        tasks[g["t"]].turn_publishers.add(g["u"])
 
 
 async def _check_tasks(
@@ -701,6 +715,9 @@ def _check_task_samples(report: InvariantReport, tasks: dict[str, _TaskState], s
                 must |= state.turn_captures.get(u, set())
             elif published == "publishing" and rec.get("status") != "active":
                 report.add(f"task {t} is {rec.get('status')} with turn {u} left `publishing`")
+        for u in sorted(state.turn_publishers):
+            if state.turn_publish.get(u) != "publishing":
+                report.add(f"task {t}: turn {u} names a publication holder but is {state.turn_publish.get(u)!r}")
         for c in sorted(must):
             sample = samples.get(c)
             if sample is None:

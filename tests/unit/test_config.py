@@ -64,6 +64,19 @@ def write(tmp_path: Path, text: str, name: str = "rl.yaml") -> Path:
 # --- defaults ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("cores", "count"), [(1, 1), (2, 1), (4, 2), (16, 8), (64, 8), (None, 1)])
+def test_auto_workers_are_half_the_cores_from_one_to_eight(monkeypatch, cores, count) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    assert make().worker_count == count
+    assert make(workers=3).worker_count == 3
+
+
+@pytest.mark.parametrize("bad", [0, -1, 65, "many", True, 2.0, None])
+def test_workers_must_be_auto_or_a_count(bad) -> None:
+    with pytest.raises(ConfigError, match="workers"):
+        make(workers=bad)
+
+
 def test_defaults_match_the_contract() -> None:
     config = make()
     expected = {
@@ -113,6 +126,7 @@ def test_defaults_match_the_contract() -> None:
         "log_level": "INFO",
         "log_format": "text",
         "rollout": RolloutConfig(),
+        "workers": "auto",
     }
     assert {name: getattr(config, name) for name in expected} == expected
     assert set(RLServiceConfig.model_fields) == set(expected) | {"redis_url", "judge_api_key"}

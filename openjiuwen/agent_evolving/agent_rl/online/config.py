@@ -143,6 +143,9 @@ class RLServiceConfig(BaseModel):
     model_id: ModelId
     base_model_path: NonBlank
     aigw_endpoint: HttpUrl = "http://127.0.0.1:8080"
+    # Worker processes serving the port (online/workers/): "auto" = half the cores, 1 to 8 (the gateway, Redis and
+    # vLLM share the host). 1 = one process, no supervisor and no lease.
+    workers: Literal["auto"] | Annotated[StrictInt, Field(ge=1, le=64)] = "auto"
 
     # Judge (configured iff judge_endpoint is non-empty).
     judge_endpoint: Annotated[StrictStr, AfterValidator(_check_optional_http_url)] = ""
@@ -245,6 +248,13 @@ class RLServiceConfig(BaseModel):
     @property
     def judge_configured(self) -> bool:
         return self.judge_endpoint != ""
+
+    @property
+    def worker_count(self) -> int:
+        """`workers` resolved: "auto" is half the cores, at least 1 and at most 8."""
+        if self.workers == "auto":
+            return max(1, min(8, (os.cpu_count() or 1) // 2))
+        return self.workers
 
 
 # --- loader ---------------------------------------------------------------------------------------------------------

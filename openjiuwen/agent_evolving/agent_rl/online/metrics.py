@@ -5,6 +5,10 @@
 Recording is in-process only (a counter or histogram update, no Redis round trip on the hook path). Gauges that
 describe stored state (`rl_trajectories`, `rl_tasks`, `rl_lora_active_version`) are read at scrape time from the
 O(1) counters and index sizes, in one pipelined round trip.
+
+Under a worker group (`workers` > 1, workers/group.py) every worker records into the group's private directory
+(prometheus_client's multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`), and a scrape of any worker answers the sum of
+the group's counters and histograms; a gauge answers the value last set by any worker (`mostrecent`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import orjson
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -26,6 +33,8 @@ from .store import keys
 if TYPE_CHECKING:
     from .judge import Judge, JudgeResult
 
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+LAST = "mostrecent"  # a gauge of a worker group: the value last set by any worker
 SLOW_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)
 
 
@@ -45,7 +54,7 @@ class ServiceMetrics:
                                       m + ("status", "reason"), registry=r)
         self.tasks = Gauge("rl_tasks_by_status",
                            "Tasks by status (active: the recovery index; terminal: still retained)",
-                           m + ("status",), registry=r)
+                           m + ("status",), registry=r, multiprocess_mode=LAST)
         self.turn_publish = Histogram("rl_turn_publish_duration_seconds", "Delayed-feedback turn publication time",
                                       m, buckets=FAST_BUCKETS_S[4:] + (60.0, 120.0), registry=r)
         self.judge_requests = Counter("rl_judge_requests_total", "Judge scorings by result (ok, failed)",
@@ -57,7 +66,7 @@ class ServiceMetrics:
         self.samples_published = Counter("rl_samples_published_total", "Samples inserted into the trajectory store",
                                          m + ("source",), registry=r)
         self.trajectories = Gauge("rl_trajectories", "Samples by status (from the O(1) counters)",
-                                  m + ("status",), registry=r)
+                                  m + ("status",), registry=r, multiprocess_mode=LAST)
         self.training_runs = Counter("rl_training_runs_total", "Training Runs that reached a terminal status",
                                      m + ("status",), registry=r)
         self.stage_duration = Histogram("rl_training_stage_duration_seconds",
@@ -71,18 +80,19 @@ class ServiceMetrics:
                                              m + ("result",), buckets=SLOW_BUCKETS_S, registry=r)
         self.lora_active_version = Gauge("rl_lora_active_version",
                                          "N of the last active policy <model>:vN seen on the gateway (0 = base)",
-                                         m, registry=r)
+                                         m, registry=r, multiprocess_mode=LAST)
         self.redis_errors = Counter("rl_redis_errors_total", "Redis errors seen by requests, sweeps and scrapes",
                                     m, registry=r)
         # Rollouts (docs/rollout.md): the canary's arms as the last decision round saw them, and the decisions.
         self.rollout_arm_tasks = Gauge("rl_rollout_arm_tasks", "Tasks of the running canary window by arm and outcome "
-                                       "(started, ended, failed, rewarded)", m + ("arm", "outcome"), registry=r)
+                                       "(started, ended, failed, rewarded)", m + ("arm", "outcome"), registry=r,
+                                       multiprocess_mode=LAST)
         self.rollout_arm_reward = Gauge("rl_rollout_arm_reward_mean",
                                         "Mean per-Task reward of each arm of the running canary", m + ("arm",),
-                                        registry=r)
+                                        registry=r, multiprocess_mode=LAST)
         self.rollout_in_progress = Gauge("rl_rollout_in_progress",
                                          "1 while a canary runs, by status (running, paused)", m + ("status",),
-                                         registry=r)
+                                         registry=r, multiprocess_mode=LAST)
         self.rollout_decisions = Counter("rl_rollout_decisions_total", "Rollout decisions by action, reason, by whom",
                                          m + ("action", "reason", "by"), registry=r)
 
@@ -185,7 +195,12 @@ class ServiceMetrics:
             self.lora_active_version.labels(self.model_id).set(lora_version(name, self.model_id) or 0)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        directory = os.environ.get(MULTIPROC_DIR_ENV)
+        if not directory:
+            return generate_latest(self.registry)
+        group = CollectorRegistry()
+        MultiProcessCollector(group, path=directory)
+        return generate_latest(group)
 
 
 class MeteredJudge:

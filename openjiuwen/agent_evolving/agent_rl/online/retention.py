@@ -114,7 +114,7 @@ class RetentionSweeper:
         ]
         out += [keys.capture(t, c) for c in captures]
         for u in turns:
-            out += [keys.turn_captures(t, u), keys.turn_publish(t, u)]
+            out += [keys.turn_captures(t, u), keys.turn_publish(t, u), keys.turn_publisher(t, u)]
         return out
 
     async def _expire_unrewarded(self, now: float) -> int:

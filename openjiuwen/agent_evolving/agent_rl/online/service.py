@@ -11,10 +11,11 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -65,6 +66,10 @@ from .training.backends import TrainerBackend
 from .training.runner import TrainingRunner
 from .training.runs import RunStore
 from .watchdog import install_parent_death_watchdog
+from .workers.coordinator import Placement, WorkerCoordinator
+from .workers.forward import LeaderForwarding
+from .workers.group import WORKER_ENV, WorkerGroup, WorkerSlot
+from .workers.membership import Membership
 
 if TYPE_CHECKING:
     from .judge import Judge
@@ -77,6 +82,9 @@ TOKEN_ENV = "RL_SERVICE_TOKEN"
 SCRIPTED_PLAN_ENV = "ONLINE_RL_SCRIPTED_PLAN"  # tests only: the plan file of the scripted backend
 VISIBLE_DEVICES_ENV = "ONLINE_RL_VISIBLE_DEVICES_ENV"  # verl: the variable training_gpu_ids is exported as
 CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"  # chaos tests only: `<point>[@<n>]` of faults.POINTS; unset = no fault
+# At shutdown the leader finishes the active Tasks only once the other workers left (their servers drained their
+# hooks first), waiting at most this long.
+SHUTDOWN_WAIT_FOR_WORKERS_S = 35.0
 
 
 class OwnerMismatch(RuntimeError):
@@ -106,6 +114,9 @@ class ServiceDeps:
     runner: TrainingRunner
     metrics: ServiceMetrics
     rollout: RolloutController
+    membership: Membership
+    coordinator: WorkerCoordinator = field(init=False)
+    run_reward_sweeper: bool = field(init=False, default=False)
 
     @classmethod
     def build(
@@ -117,8 +128,11 @@ class ServiceDeps:
         backend: TrainerBackend | None = None,
         token: str | None = None,
         fault: FaultHook = no_faults,
+        placement: Placement | None = None,
     ) -> "ServiceDeps":
+        placement = placement or Placement()
         redis = redis or Redis.from_url(config.redis_url.get_secret_value(), decode_responses=False)
+        membership = Membership(redis, boot=placement.boot, slot=placement.index, solo=placement.solo)
         judge = judge if judge is not None else make_judge(config)
         metrics = ServiceMetrics(config.model_id)  # per app: its own CollectorRegistry
         metered_judge = MeteredJudge(judge, metrics) if judge is not None else None
@@ -129,13 +143,13 @@ class ServiceDeps:
             reward_policy=reward_policy, metrics=metrics,
         )
         reward_ledger = RewardLedger(redis, store, reward_policy, owner=config.model_id)
-        publisher = TurnPublisher(registry, store, metered_judge, metrics=metrics, fault=fault)
+        publisher = TurnPublisher(registry, store, metered_judge, metrics=metrics, fault=fault, membership=membership)
         rewards = RewardProjector(redis, store, fault=fault)
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
         gateway = _make_gateway_client(config, token, metrics)
         backend = backend or make_backend(config, repository)
         rollout, runner = _make_training(config, redis, store, backend, repository, gateway, metrics, fault)
-        return cls(
+        deps = cls(
             config=config,
             redis=redis,
             registry=registry,
@@ -152,14 +166,17 @@ class ServiceDeps:
             sweeper=_make_retention_sweeper(config, redis, store, rewards, metrics),
             reward_ledger=reward_ledger,
             reward_sweeper=RewardDeadlineSweeper(reward_ledger, interval_s=reward_policy.sweep_interval_s),
-            rail=_make_rail_ingestor(config, redis, store, metered_judge),
+            rail=_make_rail_ingestor(config, redis, store, metered_judge, membership),
             repository=repository,
             gateway=gateway,
             backend=backend,
             runner=runner,
             metrics=metrics,
             rollout=rollout,
+            membership=membership,
         )
+        deps.coordinator = WorkerCoordinator(redis, placement, membership, deps, leader_check=runner.check_health)
+        return deps
 
     async def claim_owner(self) -> None:
         """Startup step 1: this database belongs to exactly one model id."""
@@ -172,41 +189,74 @@ class ServiceDeps:
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         try:
             await self.claim_owner()
-            await self.lifecycle.recover()
-            await self.rewards.resume_interrupted()
-            await self.rail.recover()
-            await self.rollout.probe()  # canary / manual under a gateway without the canary routes: refuse
-            await self.rollout.recover()
-            await self.runner.recover()
-            await self.sweeper.sweep_once()
-            # Without a policy the reward sweeper runs only to release samples that still wait from a time a policy
-            # was configured (their open sources are gone, so each is released at its next deadline).
-            run_reward_sweeper = self.reward_ledger.policy.configured or await self.reward_ledger.waiting() > 0
-            if run_reward_sweeper:
-                await self.reward_sweeper.sweep_once()
-            await self._check_training_root()
+            await self.coordinator.start()  # alone, or as the first leader of a boot: startup recovery is done
+            if not self.coordinator.is_leader:
+                await self.recover_worker()
         except Exception as exc:
             log.error("RL service startup failed: %s", exc, exc_info=True)
+            await self.coordinator.stop()
             await self.aclose()
             raise
-        self.sweeper.start()
-        self.rollout.start()
-        if run_reward_sweeper:
-            self.reward_sweeper.start()
         # Everything allocated so far (modules, app, clients, recovered state) lives for the whole process: frozen
         # out of the collector, and gen 0 collected less often (common/gc_tuning.py). Here, not in main(), so the uvicorn
         # factory gets it too, and once.
         tune_gc()
-        log.info("RL service ready for model %s", self.config.model_id)
+        log.info("RL service ready for model %s%s", self.config.model_id, "" if self.coordinator.placement.solo
+                 else f" (worker {self.coordinator.placement.index} of {self.coordinator.placement.count})")
         try:
             yield
         finally:
-            await self.reward_sweeper.stop()
-            await self.sweeper.stop()
-            await self.rollout.stop()
-            await self.runner.shutdown()
-            await self.lifecycle.shutdown()
+            await self.coordinator.stop()
             await self.aclose()
+
+    # ------------------------------------------------------------------ the leader's duties (workers/coordinator.py)
+
+    async def take_office(self, *, first_of_boot: bool) -> None:
+        """Startup recovery (a first leader of a boot: Tasks of the previous boot are aborted) or takeover recovery
+        (a later leader: the run and rollout the previous leader left), then the singleton loops."""
+        if first_of_boot:
+            await self.lifecycle.recover()
+        await self.rewards.resume_interrupted()
+        await self.rail.recover()
+        await self.rollout.probe()  # canary / manual under a gateway without the canary routes: refuse
+        await self.rollout.recover()
+        await self.runner.recover()
+        await self.sweeper.sweep_once()
+        # Without a policy the reward sweeper runs only to release samples that still wait from a time a policy
+        # was configured (their open sources are gone, so each is released at its next deadline).
+        self.run_reward_sweeper = self.reward_ledger.policy.configured or await self.reward_ledger.waiting() > 0
+        if self.run_reward_sweeper:
+            await self.reward_sweeper.sweep_once()
+        await self._check_training_root()
+        self.sweeper.start()
+        self.rollout.start()
+        if self.run_reward_sweeper:
+            self.reward_sweeper.start()
+
+    async def leave_office(self, *, shutdown: bool) -> None:
+        """Stop the singleton loops. At shutdown the active run is stopped and, once the other workers left, every
+        active Task is finished; a leader that lost its lease only drops its executions (the next one settles)."""
+        await self.reward_sweeper.stop()
+        await self.sweeper.stop()
+        await self.rollout.stop()
+        if not shutdown:
+            await self.runner.relinquish()
+            return
+        await self.runner.shutdown()
+        left = await self.coordinator.wait_alone(SHUTDOWN_WAIT_FOR_WORKERS_S)
+        if left:
+            log.warning("shutdown: %d other worker(s) still running; finishing the active Tasks anyway", left)
+        await self.lifecycle.shutdown()
+
+    async def follow(self) -> None:
+        """A follower's beat: the live canary as Redis has it, so that a Task start here marks its arm."""
+        await self.rollout.in_progress()
+
+    async def recover_worker(self) -> None:
+        """A worker that replaces a dead one finishes what that one may have left half done and nobody else would:
+        an interrupted reward projection (idempotent beside a live one) and its in-flight rail samples."""
+        await self.rewards.resume_interrupted()
+        await self.rail.recover()
 
     async def _check_training_root(self) -> None:
         """Say at start when `training_tmp_root` is unsafe. Capture keeps working; each Training Run checks the root
@@ -308,14 +358,14 @@ def _make_retention_sweeper(
 
 
 def _make_rail_ingestor(
-    config: RLServiceConfig, redis: Redis, store: TrajectoryStore, judge: "Judge | None"
+    config: RLServiceConfig, redis: Redis, store: TrajectoryStore, judge: "Judge | None", membership: Membership,
 ) -> RailIngestor:
     recorder = RailRecorder(
         config.record_dir, max_bytes=config.record_max_bytes, backup_count=config.record_backup_count
     )
     return RailIngestor(
         redis, store, judge, model_id=config.model_id, retention_seconds=config.trajectory_retention_seconds,
-        recorder=recorder,
+        recorder=recorder, membership=membership,
     )
 
 
@@ -372,9 +422,11 @@ def create_app(
     backend: TrainerBackend | None = None,
     token: str | None = None,
     fault: FaultHook | None = None,
+    placement: Placement | None = None,
 ) -> FastAPI:
     """The ASGI app. With no arguments (uvicorn factory) the config comes from `RL_SERVICE_CONFIG`, the bearer
-    token from `RL_SERVICE_TOKEN` and the fault injection point (chaos tests only) from `ONLINE_RL_CRASH_AT`."""
+    token from `RL_SERVICE_TOKEN` and the fault injection point (chaos tests only) from `ONLINE_RL_CRASH_AT`.
+    `placement`: this process's place in a worker group (workers/); None runs alone."""
     if config is None:
         path = os.environ.get(CONFIG_ENV)
         if not path:
@@ -385,7 +437,8 @@ def create_app(
         token = os.environ.get(TOKEN_ENV) or None
     if fault is None:
         fault = fault_hook(os.environ.get(CRASH_AT_ENV))
-    deps = ServiceDeps.build(config, redis=redis, judge=judge, backend=backend, token=token, fault=fault)
+    deps = ServiceDeps.build(config, redis=redis, judge=judge, backend=backend, token=token, fault=fault,
+                             placement=placement)
     app = FastAPI(
         title="openjiuwen online RL service", lifespan=deps.lifespan, docs_url=None, redoc_url=None,
         redirect_slashes=False,  # `/v1/rl/trajectories/` is an unknown path (404 envelope), not a 307 to the listing
@@ -393,8 +446,9 @@ def create_app(
     app.state.deps = deps  # for tests and operators' debugging only; routers get their parts explicitly
     install_error_envelope(app, logger=api_log, on_error=deps.metrics.exception)
     app.include_router(build_health_router(
-        deps.redis, model_id=config.model_id, extra_checks=[deps.runner.check_health],
+        deps.redis, model_id=config.model_id, extra_checks=[deps.coordinator.check_health],
         on_redis_error=deps.metrics.redis_error,
+        workers=None if deps.coordinator.placement.solo else deps.coordinator.snapshot,
     ))
     app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards,
                                           on_created=deps.rollout.task_started))
@@ -408,6 +462,9 @@ def create_app(
     app.include_router(build_rollout_router(deps.rollout))
     # Inside the guards (bearer 401 and size 413 first): a non-JSON body is 415 (a browser's cross-site simple POST).
     app.add_middleware(JsonBodyMiddleware, binary_routes={AFTER_PATH: packed_hook.MEDIA_TYPE})
+    if not deps.coordinator.placement.solo:  # inside the guards: only an authorised request is relayed
+        coordinator = deps.coordinator
+        app.add_middleware(LeaderForwarding, is_leader=lambda: coordinator.is_leader, leader=coordinator.leader)
     app.add_middleware(GuardMiddleware, token=token, max_body_bytes=config.max_body_bytes)
     app.include_router(build_metrics_router(deps.metrics, deps.redis, deps.store.stats))
     # Outermost: every answer is counted, the guards' 401/413 included.
@@ -443,11 +500,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {CRASH_AT_ENV}: {exc}", file=sys.stderr)
         return 2
     configure_logging(config)
-    install_parent_death_watchdog()
+    install_parent_death_watchdog()  # the gateway's child, or a worker of the group (workers/group.py)
+    slot = os.environ.get(WORKER_ENV)
+    if slot:
+        return _serve_worker(config, fault, WorkerSlot.decode(slot))
+    if config.worker_count > 1:
+        group = WorkerGroup(config_path=path, host=config.listen_host, port=config.listen_port,
+                            count=config.worker_count)
+        return group.run()
+    return _serve(config, fault, placement=None, sockets=None)
+
+
+def _serve_worker(config: RLServiceConfig, fault: FaultHook, slot: WorkerSlot) -> int:
+    """One worker of a group: the group's shared socket, plus a private loopback one the followers relay
+    leader-only requests to (workers/forward.py)."""
+    shared = socket.socket(fileno=slot.listen_fd)
+    private = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    private.bind(("127.0.0.1", 0))
+    placement = Placement(boot=slot.boot, index=slot.slot, count=slot.count, port=private.getsockname()[1])
+    return _serve(config, fault, placement=placement, sockets=[shared, private], ready_fd=slot.ready_fd)
+
+
+def _serve(
+    config: RLServiceConfig, fault: FaultHook, *, placement: Placement | None, sockets: list[socket.socket] | None,
+    ready_fd: int = -1,
+) -> int:
     import uvicorn
     import uvloop  # hooks are mostly event-loop and socket work: uvloop's loop does it in C
 
-    app = create_app(config, token=os.environ.get(TOKEN_ENV) or None, fault=fault)
+    app = create_app(config, token=os.environ.get(TOKEN_ENV) or None, fault=fault, placement=placement)
     limits = ConnectionLimits(header_timeout_s=config.http_header_timeout_seconds,
                               keep_alive_s=config.http_keep_alive_seconds,
                               max_connections=config.http_max_connections)
@@ -464,10 +545,21 @@ def main(argv: list[str] | None = None) -> int:
             timeout_graceful_shutdown=30,
         )
     )
+
+    async def serve() -> None:
+        serving = asyncio.create_task(server.serve(sockets=sockets))
+        if ready_fd >= 0:  # a worker tells its group once it serves
+            while not server.started and not serving.done():
+                await asyncio.wait({serving}, timeout=0.05)
+            if server.started:
+                os.write(ready_fd, f"{placement.index if placement else 0}\n".encode())
+            os.close(ready_fd)
+        await serving
+
     # uvicorn re-raises the SIGTERM it handled once shutdown is done; exit 0 then, not "killed by SIGTERM".
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        uvloop.run(server.serve())
+        uvloop.run(serve())
     except Exception:
         log.exception("RL service failed")
         return 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter
 from redis.asyncio import Redis
@@ -19,8 +20,9 @@ HOOK_ENCODINGS = ["json", packed_hook.ENCODING]
 
 def build_health_router(
     redis: Redis, *, model_id: str, extra_checks: list[Callable[[], Awaitable[None] | None]] | None = None,
-    on_redis_error: Callable[[], None] | None = None,
+    on_redis_error: Callable[[], None] | None = None, workers: Callable[[], dict[str, Any]] | None = None,
 ) -> APIRouter:
+    """`workers`: the answering worker's view of its group (`workers: N` > 1), added to the body as `workers`."""
     router = APIRouter()
     checks = list(extra_checks or [])
 
@@ -42,6 +44,9 @@ def build_health_router(
             except Exception as exc:  # a failing background part makes the service not ready, with its cause
                 return envelope(503, "service_not_ready", str(exc) or type(exc).__name__)
         # `hook_encodings`: this project's gateway sends the packed `:after` body only to a service that lists it.
-        return JSONBody({"status": "ready", "model_id": model_id, "hook_encodings": HOOK_ENCODINGS})
+        body = {"status": "ready", "model_id": model_id, "hook_encodings": HOOK_ENCODINGS}
+        if workers is not None:
+            body["workers"] = workers()
+        return JSONBody(body)
 
     return router

@@ -1,7 +1,9 @@
 """Publication of a delayed-feedback turn through the Judge (CONTRACT §4.3).
 
-One caller claims a turn (`publishing`), scores every staged sample of the turn concurrently, inserts them into the
-trajectory store and completes atomically; everyone else waits, event-driven, under one deadline.
+One caller claims a turn (`publishing`, naming its worker process), scores every staged sample of the turn
+concurrently, inserts them into the trajectory store and completes atomically; everyone else waits, event-driven,
+under one deadline. A claim whose process died (a worker SIGKILLed; workers/membership.py) is taken over by the next
+caller instead of waiting for the deadline.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ..store.codec import PackedSample
 from ..store.trajectories import TrajectoryStore
 from ..tasks.models import FinishReason, Task, TurnPublication
 from ..tasks.registry import TaskRegistry
+from ..workers.membership import SOLO, Membership
 
 if TYPE_CHECKING:
     from ..judge import Judge
@@ -33,9 +36,10 @@ class PublicationTimeout(Conflict):
 class TurnPublisher:
     def __init__(
         self, registry: TaskRegistry, store: TrajectoryStore, judge: "Judge | None", *,
-        metrics: "ServiceMetrics | None" = None, fault: FaultHook = no_faults,
+        metrics: "ServiceMetrics | None" = None, fault: FaultHook = no_faults, membership: Membership = SOLO,
     ) -> None:
         self._registry = registry
+        self._membership = membership
         self._store = store
         self._judge = judge
         self._metrics = metrics
@@ -59,13 +63,17 @@ class TurnPublisher:
                 state = TurnPublication.PUBLISHING  # still held by this process's publisher when the deadline came
             else:
                 try:
-                    state = await self._registry.claim_publish(t, turn_id)
+                    me = self._membership.member
+                    state = await self._registry.claim_publish(t, turn_id, owner=me)
                     if state == TurnPublication.PUBLISHING:
-                        # No publisher of this process holds the turn (we hold its lock), and startup recovery
-                        # settles those of a crashed one: its publisher failed even to roll back (a Redis outage).
-                        # Take the publication over instead of leaving the turn stuck.
-                        await self._take_over(t, turn_id)
-                        state = TurnPublication.CLAIMED
+                        # No publisher of this process holds the turn (we hold its lock). A claim of another live
+                        # worker is waited for; one of a dead process (a crash, or this process failing even to
+                        # roll back during a Redis outage) is taken over instead of leaving the turn stuck.
+                        holder = await self._registry.publisher(t, turn_id)
+                        if not await self._membership.alive(holder) and await self._registry.take_over_publish(
+                                t, turn_id, dead=holder, owner=me):
+                            await self._take_over(t, turn_id)
+                            state = TurnPublication.CLAIMED
                     if state == TurnPublication.CLAIMED:
                         await self._publish_claimed(task, turn_id, feedback=feedback, tag=tag)
                         return
@@ -108,7 +116,8 @@ class TurnPublisher:
                 inserted = await self._store.insert_if_absent(samples)
                 self._fault("turn.inserted")
             reward = sum(r.score for r in results) / len(results) if samples else None
-            await self._registry.complete_publish(t, turn_id, [c for c, _ in staged], reward=reward)
+            await self._registry.complete_publish(t, turn_id, [c for c, _ in staged], reward=reward,
+                                                  owner=self._membership.member)
             if self._metrics is not None:
                 self._metrics.turn_published(time.perf_counter() - started)
         except BaseException as exc:
@@ -142,6 +151,11 @@ class TurnPublisher:
     async def _roll_back(self, t: str, turn_id: str, inserted: list[str], exc: BaseException) -> None:
         log.warning("publication of turn %s of task %s failed: %s", turn_id, t, exc,
                     extra={"rl_task_id": t, "agent_turn_id": turn_id})
+        holder = await self._registry.publisher(t, turn_id)
+        if holder is not None and holder != self._membership.member:
+            # Taken over by another worker while this one was thought dead: the turn and what is inserted are its.
+            log.warning("publication of turn %s of task %s was taken over by %s", turn_id, t, holder)
+            return
         if inserted:
             await self._store.delete_pending(inserted)
         await self._registry.fail_publish(t, turn_id)

@@ -9,8 +9,9 @@ go to the trajectory store as `pending`; a sample whose judging fails is dropped
 
 A pop moves the entries from the session index to `rail:inflight:{s}` and leaves the staged samples in place; they
 are deleted only once judged and stored (or reported as failed). An upload that fails on the way (a Redis or store
-error) puts its entries back, and startup puts back whatever a crash left in flight, so the client's retry of the
-same batch pops the same samples again: a crash never loses a staged sample nor pairs its feedback with the next.
+error) puts its entries back, and startup puts back whatever a crash left in flight (as does a worker that replaces a
+dead one, for the sessions that worker held: `rail:inflight_owners`), so the client's retry of the same batch pops
+the same samples again: a crash never loses a staged sample nor pairs its feedback with the next.
 Each sample's checks and its sample document are `samples.py`'s.
 """
 
@@ -32,6 +33,7 @@ from ..store import keys
 from ..store.codec import PackedSample
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
+from ..workers.membership import SOLO, Membership
 from .samples import INVALID, PROTOCOL_VERSION, BatchContext, StagedSample, build_rail_sample
 
 if TYPE_CHECKING:
@@ -75,8 +77,10 @@ class RailIngestor:
         model_id: str,
         retention_seconds: int,
         recorder: RailRecorder | None = None,
+        membership: Membership = SOLO,
     ) -> None:
         self._recorder = recorder  # the optional JSONL copy of stored samples (`record_dir`, records.py)
+        self._membership = membership  # whose in-flight pops are left from a dead worker
         self._redis = redis
         self._store = store
         self._judge = judge
@@ -231,6 +235,7 @@ class RailIngestor:
                 pipe.zadd(inflight, {member: score for member, score, _, _ in entries})
                 pipe.expire(inflight, self._retention_s)
                 pipe.sadd(keys.RAIL_INFLIGHT_SESSIONS, session_id)
+                pipe.hset(keys.RAIL_INFLIGHT_OWNERS, session_id, self._membership.member)
                 replies = iter(await pipe.execute())
                 return [
                     (member, step, next(replies) if trajectory_id is not None else None)
@@ -279,16 +284,21 @@ class RailIngestor:
             pipe.zrem(inflight, *members)
             if left <= len(members):  # nothing else of this session in flight: off the recovery list
                 pipe.srem(keys.RAIL_INFLIGHT_SESSIONS, session_id)
+                pipe.hdel(keys.RAIL_INFLIGHT_OWNERS, session_id)
             await pipe.execute()
 
         await transact(self._redis, body, inflight)
 
-    async def _restore(self, session_id: str, members: list[str] | None = None) -> int:
+    async def _restore(self, session_id: str, members: list[str] | None = None, *, owner: bytes | None = None) -> int:
         """Put popped entries (all of the session's when `members` is None) back into the session index at their
-        original place, so that the next pop takes them again. Returns how many went back."""
+        original place, so that the next pop takes them again. Returns how many went back. With `owner` (recovery
+        of a dead worker's pops), only while that worker is still the session's last popper: a live worker that
+        popped the session meanwhile settles its own entries."""
         index, inflight = keys.pending_judge_session(session_id), keys.rail_inflight(session_id)
 
         async def body(pipe: Pipeline) -> int:
+            if owner is not None and await pipe.hget(keys.RAIL_INFLIGHT_OWNERS, session_id) != owner:
+                return 0
             entries = await pipe.zrange(inflight, 0, -1, withscores=True)
             wanted = None if members is None else set(members)
             back = {m.decode(): score for m, score in entries if wanted is None or m.decode() in wanted}
@@ -300,18 +310,25 @@ class RailIngestor:
                 pipe.zrem(inflight, *back)
             if left == 0:
                 pipe.srem(keys.RAIL_INFLIGHT_SESSIONS, session_id)
+                pipe.hdel(keys.RAIL_INFLIGHT_OWNERS, session_id)
             await pipe.execute()
             return len(back)
 
-        return await transact(self._redis, body, inflight)
+        watched = (inflight, keys.RAIL_INFLIGHT_OWNERS) if owner is not None else (inflight,)
+        return await transact(self._redis, body, *watched)
 
     async def recover(self) -> int:
-        """Startup: every rail sample a crash left in flight goes back to its session's staging order."""
+        """Startup, and a worker replacing a dead one: every rail sample a crash left in flight goes back to its
+        session's staging order, unless another live worker holds the session's pop (it settles it itself)."""
         restored = 0
         for raw in await self._redis.smembers(keys.RAIL_INFLIGHT_SESSIONS):
-            restored += await self._restore(raw.decode())
+            session_id = raw.decode()
+            owner = await self._redis.hget(keys.RAIL_INFLIGHT_OWNERS, session_id)
+            if await self._membership.alive(owner.decode() if owner else None):
+                continue
+            restored += await self._restore(session_id, owner=owner) if owner else await self._restore(session_id)
         if restored:
-            log.info("startup recovery put %d in-flight rail sample(s) back into staging", restored)
+            log.info("recovery put %d in-flight rail sample(s) back into staging", restored)
         return restored
 
     # ------------------------------------------------------------------ judging

@@ -34,6 +34,15 @@ POLICY_VERSIONS = PREFIX + "policy_versions"  # SET of policy versions with aggr
 # creation epoch. Invariant 10: the pointer names exactly the one non-terminal rollout record.
 ROLLOUT_CURRENT = PREFIX + "rollout:current"
 ROLLOUTS_BY_CREATION = PREFIX + "rollouts:by_created"
+# Workers (online/workers/, only with `workers` > 1): the leader lease (STRING `<boot>:<slot>:<pid>:<port>`, PX TTL),
+# its fencing epoch (INCR at every acquisition), the boot whose startup recovery is done, the live worker processes
+# (ZSET member `<boot>:<slot>:<pid>`, scored by the epoch ms its heartbeat entry expires), and the fault the leader's
+# duties report (STRING with a TTL, read by the followers' `GET /health`).
+LEADER = PREFIX + "service:leader"
+LEADER_EPOCH = PREFIX + "service:leader_epoch"
+SERVICE_BOOT = PREFIX + "service:recovered_boot"
+WORKERS = PREFIX + "service:workers"
+LEADER_FAULT = PREFIX + "service:leader_fault"
 
 
 def tasks_by_status(status: str) -> str:
@@ -98,6 +107,11 @@ def turn_publish(t: str, u: str) -> str:
     return f"{task(t)}:turn:{require_token_id(u, 'agent_turn_id')}:publish"
 
 
+def turn_publisher(t: str, u: str) -> str:
+    """The worker process (`<boot>:<slot>:<pid>`, workers/membership.py) holding a `publishing` claim on turn u."""
+    return f"{task(t)}:turn:{require_token_id(u, 'agent_turn_id')}:publisher"
+
+
 def staged(t: str, c: str) -> str:
     return f"{task(t)}:pending:{require_token_id(c, 'capture_id')}"
 
@@ -159,6 +173,10 @@ def pending_judge(s: str, trajectory_id: str, step: int) -> str:
 
 def pending_judge_session(s: str) -> str:
     return f"{PREFIX}pending_judge_session:{require_token_id(s, 'session_id')}"
+
+
+# HASH session → the worker process (`<boot>:<slot>:<pid>`) that last popped rail samples of that session.
+RAIL_INFLIGHT_OWNERS = PREFIX + "rail:inflight_owners"
 
 
 def rail_inflight(s: str) -> str:

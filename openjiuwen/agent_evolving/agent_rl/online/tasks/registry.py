@@ -410,11 +410,13 @@ class TaskRegistry:
         )
         return text(current), text(transition)
 
-    async def claim_publish(self, rl_task_id: str, turn_id: str) -> TurnPublication:
-        """Claim the publication of a turn. Returns CLAIMED when this caller must publish, OPEN when captures are
-        still open (wait and retry), or the existing state (PUBLISHING, PUBLISHED, FAILED).
+    async def claim_publish(self, rl_task_id: str, turn_id: str, *, owner: str = "") -> TurnPublication:
+        """Claim the publication of a turn for the worker process `owner`. Returns CLAIMED when this caller must
+        publish, OPEN when captures are still open (wait and retry), or the existing state (PUBLISHING, PUBLISHED,
+        FAILED).
 
-        Invariant 7: only one caller publishes a turn; the claim is taken only while no capture is open."""
+        Invariant 7: only one caller publishes a turn; the claim is taken only while no capture is open, and it
+        names its holder in the same EXEC (a claim of a dead holder is taken over with `take_over_publish`)."""
         t = rl_task_id
         task_key, open_key, publish_key = keys.task(t), keys.open_captures(t), keys.turn_publish(t, turn_id)
 
@@ -429,6 +431,7 @@ class TaskRegistry:
                 return TurnPublication.OPEN
             pipe.multi()
             pipe.set(publish_key, TurnPublication.PUBLISHING)
+            pipe.set(keys.turn_publisher(t, turn_id), owner)
             events.queue(pipe, keys.task_events(t), "turn_publishing", {"agent_turn_id": turn_id})
             await pipe.execute()
             return TurnPublication.CLAIMED
@@ -437,6 +440,27 @@ class TaskRegistry:
         if state == TurnPublication.CLAIMED:
             self.signals.notify(t)
         return state
+
+    async def publisher(self, rl_task_id: str, turn_id: str) -> str | None:
+        """The worker process holding the turn's `publishing` claim ("" for a claim from before workers)."""
+        return text(await self._redis.get(keys.turn_publisher(rl_task_id, turn_id)))
+
+    async def take_over_publish(self, rl_task_id: str, turn_id: str, *, dead: str | None, owner: str) -> bool:
+        """Move a `publishing` claim from the dead holder `dead` to `owner`; False when the claim changed meanwhile
+        (another process took it over first, or the publication ended). Invariant 7: one publisher per turn."""
+        t = rl_task_id
+        publish_key, publisher_key = keys.turn_publish(t, turn_id), keys.turn_publisher(t, turn_id)
+
+        async def body(pipe: Pipeline) -> bool:
+            state, holder = await pipe.mget(publish_key, publisher_key)
+            if text(state) != TurnPublication.PUBLISHING or text(holder) != dead:
+                return False
+            pipe.multi()
+            pipe.set(publisher_key, owner)
+            await pipe.execute()
+            return True
+
+        return await transact(self._redis, body, publish_key, publisher_key)
 
     async def publish_state(self, rl_task_id: str, turn_id: str) -> TurnPublication | None:
         state = text(await self._redis.get(keys.turn_publish(rl_task_id, turn_id)))
@@ -455,23 +479,28 @@ class TaskRegistry:
         return [(c, b) for c, b in zip(ids, blobs) if b is not None]
 
     async def complete_publish(
-        self, rl_task_id: str, turn_id: str, capture_ids: list[str], *, reward: float | None = None
+        self, rl_task_id: str, turn_id: str, capture_ids: list[str], *, reward: float | None = None, owner: str = ""
     ) -> None:
         """publishing → published: the turn joins the closed set and its staged samples go, atomically, only while
-        the Task is active and this publication still holds the claim. Invariants 3 and 7. `reward` (the turn's mean
-        Judge score) goes into the `turn_published` event so a timeline shows what the turn earned."""
+        the Task is active and this publication (`owner`) still holds the claim. Invariants 3 and 7. `reward` (the
+        turn's mean Judge score) goes into the `turn_published` event so a timeline shows what the turn earned."""
         t = rl_task_id
         task_key, publish_key = keys.task(t), keys.turn_publish(t, turn_id)
-        turn_set = keys.turn_captures(t, turn_id)
+        turn_set, publisher_key = keys.turn_captures(t, turn_id), keys.turn_publisher(t, turn_id)
 
         async def body(pipe: Pipeline) -> None:
             task = await self._read_task(pipe, task_key)
             if not task.active:
                 raise Conflict("RL Task was aborted during turn publication")
-            if not TURN_PUBLICATION_TRANSITIONS.allows(text(await pipe.get(publish_key)), TurnPublication.PUBLISHED):
-                raise Conflict("turn publication lost its claim")  # only `publishing` may become `published`
+            state, holder = await pipe.mget(publish_key, publisher_key)
+            # Only `publishing` may become `published`, and only by the process holding the claim (another one
+            # took it over when this one was thought dead).
+            if not TURN_PUBLICATION_TRANSITIONS.allows(text(state), TurnPublication.PUBLISHED) or \
+                    (holder is not None and text(holder) != owner):
+                raise Conflict("turn publication lost its claim")
             pipe.multi()
             pipe.set(publish_key, TurnPublication.PUBLISHED)
+            pipe.delete(keys.turn_publisher(t, turn_id))
             pipe.sadd(keys.turns_closed(t), turn_id)
             if capture_ids:
                 pipe.delete(*(keys.staged(t, c) for c in capture_ids))
@@ -481,13 +510,14 @@ class TaskRegistry:
             events.queue(pipe, keys.task_events(t), "turn_published", data)
             await pipe.execute()
 
-        await transact(self._redis, body, task_key, publish_key, turn_set)
+        await transact(self._redis, body, task_key, publish_key, turn_set, publisher_key)
         self.signals.notify(t)
 
     async def fail_publish(self, rl_task_id: str, turn_id: str) -> None:
         t = rl_task_id
-        async with self._redis.pipeline(transaction=True) as pipe:  # the state and its event together
+        async with self._redis.pipeline(transaction=True) as pipe:  # the state, its holder and its event together
             pipe.set(keys.turn_publish(t, turn_id), TurnPublication.FAILED)
+            pipe.delete(keys.turn_publisher(t, turn_id))
             events.queue(pipe, keys.task_events(t), "turn_failed", {"agent_turn_id": turn_id})
             await pipe.execute()
         self.signals.notify(t)

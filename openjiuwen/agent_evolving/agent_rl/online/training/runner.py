@@ -231,6 +231,15 @@ class TrainingRunner:
                 log.exception("training run %s could not be stopped at shutdown", run_id,
                               extra={"training_run_id": run_id})
 
+    async def relinquish(self) -> None:
+        """This worker lost the leader lease (workers/coordinator.py): stop every execution of this process without
+        settling its record. The next leader's takeover recovery settles it (`recover`); a settle from here could
+        race that. A cancelled execution writes nothing (the local backend kills its trainer on the way)."""
+        running = [*self._claim_checks, *self._executions.values()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
     async def wait(self, run_id: str) -> TrainingRun:
         """Wait for this process's execution of a run to end (tests, shutdown); then return the record."""
         task = self._executions.get(run_id)
