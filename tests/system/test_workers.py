@@ -1,0 +1,253 @@
+"""The RL Service as a worker group of real processes (`workers: 3`, CONTRACT §2.11): one port, restarts, leader
+failover under SIGKILL, relayed leader-only routes, aggregated metrics, a clean SIGTERM.
+
+Every test starts `python -m …online.service` with `workers: 3` against the session's private Redis and a fake
+gateway (policy reads, activations) and checks the stored state with the invariant checker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from openjiuwen.agent_evolving.agent_rl.online.workers.lease import Holder
+from tests.conftest import load_fixture
+from tests.support.fake_gateway import FakeGateway
+from tests.support.invariants import ClientRecord, check_invariants
+from tests.support.service_app import start_headers
+from tests.support.service_process import ServiceProcess, process_gone
+
+pytestmark = pytest.mark.system
+
+REQUEST = load_fixture("chat_request.json")
+RESPONSE = load_fixture("chat_response.json")
+WORKERS = 3
+
+
+def children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out |= {int(c) for c in (task / "children").read_text().split()}
+    return out
+
+
+def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def health(url: str) -> dict:
+    with httpx.Client(timeout=5) as c:  # a new connection each time: any worker may answer
+        r = c.get(url + "/health")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def live_workers(svc: ServiceProcess) -> bool:
+    return len(children(svc.pid)) == WORKERS and health(svc.url)["workers"]["live"] == WORKERS
+
+
+def leader(svc: ServiceProcess, redis_url: str) -> Holder | None:
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        return Holder.parse(r.get(keys.LEADER))
+    finally:
+        r.close()
+
+
+def follower_port(svc: ServiceProcess) -> int:
+    """A follower's private port, as its /health tells (connections spread over the workers)."""
+    for _ in range(200):
+        w = health(svc.url)["workers"]
+        if not w["leader"]:
+            return w["port"]
+    raise AssertionError("no follower answered /health in 200 tries")
+
+
+class Agent:
+    """Tasks with captures the way the gateway sends them: a hook whose answer is lost is sent again (the hooks
+    are idempotent per capture id), and only acknowledged outcomes are recorded."""
+
+    def __init__(self, url: str, record: ClientRecord) -> None:
+        self.url, self.record = url, record
+        self.retries = 0
+
+    def _post(self, path: str, **kw) -> httpx.Response:
+        for _ in range(40):
+            try:
+                with httpx.Client(base_url=self.url, timeout=20) as c:
+                    r = c.post(path, **kw)
+                if r.status_code < 500:
+                    return r
+            except httpx.TransportError:
+                pass
+            self.retries += 1
+            time.sleep(0.1)
+        raise AssertionError(f"{path} never answered")
+
+    def task(self, t: str, captures: int, reward: float = 1.0) -> None:
+        r = self._post("/v1/rl/tasks/start", json={"reward_mode": "terminal"}, headers=start_headers(f"s-{t}", t))
+        assert r.status_code in (200, 201) and r.json()["status"] == "active", r.text
+        self.record.task_started(t, "terminal")
+        for i in range(captures):
+            hook = {"rl_task_id": t, "capture_id": f"{t}-c{i}", "agent_turn_id": None}
+            before = self._post("/internal/v1/completions:before", json={**hook, "request": REQUEST})
+            assert before.status_code == 200, before.text
+            after = self._post("/internal/v1/completions:after",
+                               json={**hook, "request": before.json()["request"], "response": RESPONSE})
+            assert after.status_code == 204, after.text
+            self.record.capture_committed(t, f"{t}-c{i}", None)
+        assert self._post(f"/v1/rl/tasks/{t}/stop").json()["status"] == "finalized"
+        self.record.task_finalized(t)
+        r = self._post(f"/v1/rl/tasks/{t}/reward", json={"reward": reward})
+        assert r.status_code == 200, r.text
+        self.record.reward_acknowledged(t, reward, r.json()["sample_count"])
+
+
+@pytest.fixture
+async def gateway():
+    async with FakeGateway(model_id="tiny") as gw:
+        yield gw
+
+
+def group(tmp_path: Path, redis_url: str, gateway: FakeGateway, plan: Path, **overrides) -> ServiceProcess:
+    return ServiceProcess(
+        tmp_path, redis_url, env={"ONLINE_RL_SCRIPTED_PLAN": str(plan)}, aigw_endpoint=gateway.url,
+        trainer_backend="scripted", min_samples_for_training=2, max_samples_per_run=64, workers=WORKERS,
+        training_tmp_root=str(tmp_path / "train-tmp"), **overrides,
+    )
+
+
+def plan(tmp_path: Path, **fields) -> Path:
+    path = tmp_path / "plan.json"
+    path.write_bytes(orjson.dumps({"outcome": "succeed", **fields}))
+    return path
+
+
+async def test_workers_share_the_port_relay_leader_routes_and_sum_their_metrics(redis, redis_url, tmp_path, gateway):
+    with group(tmp_path, redis_url, gateway, plan(tmp_path)).start() as svc:
+        wait_for(lambda: live_workers(svc), what="3 live workers")
+        answered = {health(svc.url)["workers"]["worker"] for _ in range(60)}
+        assert len(answered) >= 2, answered  # the kernel spreads connections over the workers
+        record = ClientRecord()
+        agent = Agent(svc.url, record)
+        for n in range(3):
+            agent.task(f"t{n}", captures=2)
+        # A Training Run started on a follower's own port runs on the leader.
+        port = follower_port(svc)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/rl/training/runs", timeout=30)
+        assert r.status_code == 201, r.text
+        run_id = r.json()["training_run_id"]
+        wait_for(lambda: httpx.get(f"{svc.url}/v1/rl/training/runs/{run_id}").json()["status"] == "succeeded",
+                 what="the run to succeed")
+        assert [a["lora_name"] for a in gateway.activations] == ["tiny:v1"]
+        again = httpx.post(f"http://127.0.0.1:{port}/v1/rl/training/runs", timeout=30)
+        assert (again.status_code, again.json()["error"]["code"]) == (409, "insufficient_samples")
+        # Every worker's counts are in one scrape, whichever worker answers it.
+        for _ in range(5):
+            text = httpx.get(svc.url + "/metrics").text
+            assert 'rl_captures_total{model_id="tiny",result="committed"} 6.0' in text
+            assert 'rl_tasks_total{model_id="tiny",reward_mode="terminal"} 3.0' in text
+        report = await check_invariants(redis, model_id="tiny", sent=record, raise_on_violation=False)
+        assert report.ok, report.violations
+
+
+async def test_a_killed_follower_is_restarted_and_every_capture_lands_once(redis, redis_url, tmp_path, gateway):
+    with group(tmp_path, redis_url, gateway, plan(tmp_path)).start() as svc:
+        wait_for(lambda: live_workers(svc), what="3 live workers")
+        record = ClientRecord()
+        agent = Agent(svc.url, record)
+        agent.task("t-before", captures=2)
+        holder = leader(svc, redis_url)
+        assert holder is not None
+        victims = sorted(children(svc.pid) - {holder.pid})
+        for n, victim in enumerate(victims):
+            os.kill(victim, signal.SIGKILL)
+            agent.task(f"t-after-{n}", captures=3)  # served by the others while the group restarts the victim
+            wait_for(lambda v=victim: v not in children(svc.pid) and live_workers(svc), what="the restart")
+        assert leader(svc, redis_url) == holder  # the leader never changed
+        report = await check_invariants(redis, model_id="tiny", sent=record, raise_on_violation=False)
+        assert report.ok, report.violations
+        assert record.expected_samples == 8 == report.samples
+        assert "worker" in svc.log() and "killed by signal SIGKILL; restarting it" in svc.log()
+
+
+async def test_a_killed_leader_hands_its_duties_over_and_its_run_is_settled(redis, redis_url, tmp_path, gateway):
+    path = plan(tmp_path, outcome="block")
+    with group(tmp_path, redis_url, gateway, path).start() as svc:
+        wait_for(lambda: live_workers(svc), what="3 live workers")
+        record = ClientRecord()
+        agent = Agent(svc.url, record)
+        for n in range(2):
+            agent.task(f"t{n}", captures=2)
+        run_id = httpx.post(svc.url + "/v1/rl/training/runs", timeout=30).json()["training_run_id"]
+        wait_for(lambda: httpx.get(f"{svc.url}/v1/rl/training/runs/{run_id}").json()["stage"] == "training",
+                 what="stage training")
+        old = leader(svc, redis_url)
+        assert old is not None
+        os.kill(old.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        run = wait_for(lambda: (r := httpx.get(f"{svc.url}/v1/rl/training/runs/{run_id}").json())["status"] != "running"
+                       and r, what="the run to be settled", timeout_s=20)
+        assert (run["status"], run["failure_reason"]) == ("failed", "service_restarted")
+        new = leader(svc, redis_url)
+        assert new is not None and new.pid != old.pid
+        assert time.monotonic() - killed_at < 10  # a lease TTL (5 s) plus a start, not a timeout
+        stats = httpx.get(svc.url + "/v1/rl/trajectories/stats").json()["by_status"]
+        assert stats["pending"] == 4 and stats["training"] == 0
+        # Captures went on meanwhile; the next run (relayed to the new leader wherever it lands) trains everything.
+        agent.task("t-late", captures=1)
+        path.write_bytes(orjson.dumps({"outcome": "succeed"}))
+        nxt = wait_for(lambda: (r := httpx.post(svc.url + "/v1/rl/training/runs", timeout=30)).status_code == 201
+                       and r, what="a new run")
+        nid = nxt.json()["training_run_id"]
+        done = wait_for(lambda: (r := httpx.get(f"{svc.url}/v1/rl/training/runs/{nid}").json())["status"]
+                        == "succeeded" and r, what="the new run")
+        assert done["sample_count"] == 5
+        epoch = int(await redis.get(keys.LEADER_EPOCH))
+        assert epoch >= 2
+        report = await check_invariants(redis, model_id="tiny", sent=record, raise_on_violation=False)
+        assert report.ok, report.violations
+
+
+async def test_sigterm_stops_every_worker_and_finishes_the_active_tasks(redis, redis_url, tmp_path, gateway):
+    svc = group(tmp_path, redis_url, gateway, plan(tmp_path)).start()
+    with svc:
+        wait_for(lambda: live_workers(svc), what="3 live workers")
+        workers = children(svc.pid)
+        with httpx.Client(base_url=svc.url, timeout=10) as c:
+            for n in range(4):
+                r = c.post("/v1/rl/tasks/start", json={"reward_mode": "terminal"},
+                           headers=start_headers(f"s{n}", f"t{n}"))
+                assert r.status_code == 201
+        svc.sigterm()
+        assert svc.wait(60) == 0
+        assert all(process_gone(pid) for pid in workers)
+        for n in range(4):
+            record = orjson.loads(await redis.get(keys.task(f"t{n}")))
+            assert (record["status"], record["finish_reason"]) == ("finalized", "service_stopped")
+        assert await redis.zcard(keys.WORKERS) == 0 and await redis.get(keys.LEADER) is None
+        assert "RL Service worker group stopped (clean)" in svc.log()
+
+
+async def test_a_group_whose_workers_cannot_start_fails_like_a_lone_service(redis, redis_url, tmp_path, gateway):
+    await redis.set(keys.OWNER, "another-model")
+    svc = group(tmp_path, redis_url, gateway, plan(tmp_path))
+    with svc.start(wait_ready=False):
+        assert svc.wait(60) == 1
+        assert "belongs to another model id" in svc.log() + svc.stderr()
+        assert "before the group was ready; stopping the RL Service" in svc.log()
