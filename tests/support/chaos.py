@@ -27,6 +27,13 @@ Faults (`SCENARIOS`):
   Redis writes the AOF before it answers, so a crash of the process alone loses nothing acknowledged);
 - `judge:flaky`: a quarter of the Judge's answers fail (500, garbage, not JSON, too slow): the delayed Tasks they
   hit are aborted with nothing of the turn published, and redone.
+
+Single workers of a worker group (`workers: 3`, CONTRACT §2.11) — the service keeps serving, nothing is aborted by
+a restart, and what a dead worker held is taken over:
+- `wcrash:<point>`: every first-generation worker exits at the point's seeded n-th hit in that worker; the group
+  restarts it without the fault;
+- `kill:worker`: 4 SIGKILLs of seeded random workers (leader or follower) at seeded moments during traffic;
+- `kill:leader`: 2 SIGKILLs of whichever worker holds the leader lease, the second one during a Training Run.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import os
 import random
+import signal
 import threading
 import time
 from collections import Counter
@@ -49,12 +58,13 @@ from redis.asyncio import Redis
 
 from openjiuwen.agent_evolving.agent_rl.online.faults import POINTS
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from openjiuwen.agent_evolving.agent_rl.online.workers.lease import Holder
 from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway
 from tests.support.fake_judge import Content, Delay, FakeJudge, Raw, Status, Verdict
 from tests.support.invariants import ClientRecord, check_invariants
 from tests.support.redis_server import RedisServer
-from tests.support.service_process import ServiceProcess
+from tests.support.service_process import ServiceProcess, worker_pids
 
 MODEL_ID = "tiny"
 CRASH_ENV = "ONLINE_RL_CRASH_AT"
@@ -64,7 +74,10 @@ RECOVERY_POINTS = ("reward.inserted", "run.activated")
 # The rollout points need a canary the chaos workload never starts: test_training_crash.py crashes there.
 SCENARIOS = (*(f"crash:{p}" for p in POINTS if not p.startswith("rollout.")),
              *(f"recrash:{p}" for p in RECOVERY_POINTS), "kill:random",
-             "redis:pause", "redis:restart", "redis:kill", "judge:flaky")
+             "redis:pause", "redis:restart", "redis:kill", "judge:flaky",
+             *(f"wcrash:{p}" for p in POINTS if not p.startswith("rollout.")), "kill:worker", "kill:leader")
+WORKERS = 3  # the group size of the single-worker scenarios
+_WORKER_KINDS = ("wcrash", "kill:worker", "kill:leader")
 # Crash points reached by several operations of one round get a seeded hit count; the others crash at the first hit.
 _CRASH_MAX_HIT = {"capture.committed": 6, "task.finalized": 3, "reward.claimed": 3, "reward.inserted": 3,
                   "turn.inserted": 2, "turn.published": 2, "run.claimed": 2}
@@ -184,6 +197,7 @@ class _Harness:
         self.w = replace(workload, delayed_tasks=max(3, workload.delayed_tasks)) if scenario == "judge:flaky" \
             else workload
         self.outcome = ChaosOutcome(scenario, seed)
+        self.workers = WORKERS if scenario.startswith(_WORKER_KINDS) else 1
         self.record = ClientRecord()
         self.request = load_fixture("chat_request.json")
         self.response = load_fixture("chat_response.json")
@@ -218,7 +232,9 @@ class _Harness:
             assert self.svc.proc is not None
             if seen_generation is not None and seen_generation != self.generation:
                 return  # someone already restarted it
-            deadline = time.monotonic() + (2.0 if seen_generation is not None else 0.0)
+            # A worker group outlives its workers' deaths: only the group's own exit is a restart of the service.
+            wait_s = 2.0 if seen_generation is not None and self.workers == 1 else 0.0
+            deadline = time.monotonic() + wait_s
             while self.svc.proc.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             if self.svc.proc.poll() is None:
@@ -421,6 +437,41 @@ class _Harness:
                 self.outcome.kills += 1
                 await self._restart()
 
+    async def _worker_kills(self, count: int, *, leader_only: bool) -> None:
+        """SIGKILL single workers of the group at seeded moments (the group restarts each); with `leader_only`, the
+        lease holder, the last time while a Training Run is being claimed or trained."""
+        for n in range(count):
+            if leader_only and n == count - 1:
+                await self.claiming.wait()
+                await asyncio.sleep(self.rng.uniform(0.0, 0.3))
+            else:
+                await asyncio.sleep(self.rng.uniform(0.2, 0.8))
+            victim = await self._victim(leader_only)
+            if victim is None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+                self.outcome.kills += 1
+            await self._until(lambda v=victim: self._worker_back(v), timeout_s=20.0)
+
+    async def _victim(self, leader_only: bool) -> int | None:
+        assert self.svc.pid is not None
+        if not leader_only:
+            workers = sorted(worker_pids(self.svc.pid))
+            return self.rng.choice(workers) if workers else None
+        async with Redis.from_url(self.redis_server.url) as redis:
+            for _ in range(200):  # a failover in progress: wait until a live worker holds the lease
+                holder = Holder.parse(await redis.get(keys.LEADER))
+                if holder is not None and holder.pid in worker_pids(self.svc.pid):
+                    return holder.pid
+                await asyncio.sleep(0.05)
+        return None
+
+    async def _worker_back(self, victim: int) -> bool:
+        assert self.svc.pid is not None
+        pids = worker_pids(self.svc.pid)
+        return victim not in pids and len(pids) == self.workers
+
     async def _pause_redis(self, when: Callable[[], Awaitable[None]], seconds: float) -> None:
         await when()
         self.redis_server.pause()
@@ -463,7 +514,7 @@ class _Harness:
         began = time.monotonic()
         kind, _, arg = self.scenario.partition(":")
         env = {"ONLINE_RL_SCRIPTED_PLAN": str(self.plan)}
-        if kind in ("crash", "recrash"):
+        if kind in ("crash", "recrash", "wcrash"):
             env[CRASH_ENV] = f"{arg}@{self.rng.randint(1, _CRASH_MAX_HIT.get(arg, 1))}"
         redis_url = self.redis_server.url
         if kind == "redis":
@@ -477,7 +528,7 @@ class _Harness:
                         min_samples_for_training=self.w.min_samples, max_samples_per_run=self.w.max_samples,
                         judge_endpoint=judge.url, judge_model="judge", judge_retries=0, judge_timeout=1.0,
                         lora_activation_timeout=10.0, training_tmp_root=str(self.workdir / "train-tmp"),
-                        turn_publish_timeout_seconds=3.0,
+                        turn_publish_timeout_seconds=3.0, workers=self.workers,
                     )
                     with self.svc.start():
                         c = _Client(self)
@@ -487,8 +538,10 @@ class _Harness:
                         finally:
                             await c.http.aclose()
                         await self._verify(redis, gateway)
+                        if self.workers > 1:
+                            self._count_worker_restarts()
                         self.svc.sigterm()
-                        if self.svc.wait(15) != 0:
+                        if self.svc.wait(60 if self.workers > 1 else 15) != 0:
                             self.unexpected(f"graceful stop exited {self.svc.proc.returncode}")
             finally:
                 await redis.aclose()
@@ -501,6 +554,9 @@ class _Harness:
         faults: list[asyncio.Task[None]] = []
         if self.scenario == "kill:random":
             faults.append(asyncio.create_task(self._random_kills(3)))
+        elif self.scenario in ("kill:worker", "kill:leader"):
+            leader = self.scenario == "kill:leader"
+            faults.append(asyncio.create_task(self._worker_kills(2 if leader else 4, leader_only=leader)))
         elif self.scenario == "redis:pause":
             async def mid_captures() -> None:
                 await self._until(lambda: _count_keys(redis, "rl:v1:task:*:captures:committed", 3))
@@ -517,7 +573,8 @@ class _Harness:
         try:
             r = 0
             # Random kills land during traffic: rounds go on (up to 10) until the last kill has happened.
-            while r < self.w.rounds or (self.scenario == "kill:random" and not faults[0].done() and r < 10):
+            killing = self.scenario in ("kill:random", "kill:worker", "kill:leader")
+            while r < self.w.rounds or (killing and not faults[0].done() and r < 10):
                 async with asyncio.timeout(ROUND_TIMEOUT_S):
                     await self.round(c, r)
                 r += 1
@@ -529,6 +586,16 @@ class _Harness:
                 f.cancel()
             await asyncio.gather(*faults, return_exceptions=True)
         await self.ensure_service()
+
+    def _count_worker_restarts(self) -> None:
+        """A worker group: the deaths and restarts its own log reports (an injected crash kills only a worker)."""
+        log = self.svc.log()
+        died = log.count("; restarting it in")
+        if self.scenario.startswith("wcrash:"):
+            self.outcome.kills = died
+        self.outcome.restarts = died
+        if died < self.outcome.kills:
+            self.outcome.violations.append(f"{self.outcome.kills} workers killed but {died} restarts reported")
 
     async def _settle(self, c: _Client) -> None:
         """No Task left active, no run left running: the state the invariants are checked in."""

@@ -56,6 +56,17 @@ def process_gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+def worker_pids(pid: int) -> set[int]:
+    """The worker processes of a worker group (`workers` > 1): the children of the group's process."""
+    out: set[int] = set()
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            out |= {int(c) for c in (task / "children").read_text().split()}
+    except OSError:
+        pass
+    return out
+
+
 class ServiceProcess:
     def __init__(
         self,

@@ -22,20 +22,13 @@ from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import ClientRecord, check_invariants
 from tests.support.service_app import start_headers
-from tests.support.service_process import ServiceProcess, process_gone
+from tests.support.service_process import ServiceProcess, process_gone, worker_pids as children
 
 pytestmark = pytest.mark.system
 
 REQUEST = load_fixture("chat_request.json")
 RESPONSE = load_fixture("chat_response.json")
 WORKERS = 3
-
-
-def children(pid: int) -> set[int]:
-    out: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out |= {int(c) for c in (task / "children").read_text().split()}
-    return out
 
 
 def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition"):

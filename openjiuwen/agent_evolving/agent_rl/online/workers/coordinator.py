@@ -155,7 +155,7 @@ class WorkerCoordinator:
             return 0
         deadline = time.monotonic() + timeout_s
         while True:
-            others = [m for m in await self.membership.members() if m != self.member]
+            others = [m for m in await self.membership.members(live_only=True) if m != self.member]
             if not others or time.monotonic() >= deadline:
                 return len(others)
             await asyncio.sleep(0.1)

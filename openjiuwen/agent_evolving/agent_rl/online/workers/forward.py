@@ -3,13 +3,15 @@
 The Training Runner and the rollout controller keep in-process state (the executing run, the one change of rollout
 state at a time), so the routes that change them run on the leader only. The shared port hands a connection to any
 worker; a follower relays such a request over loopback to the leader's private port (the lease names it) and
-returns the leader's answer unchanged. With no leader (a failover, at most the lease TTL) the answer is 503
-`service_not_ready`: the caller retries as after any 503. A relayed request that finds no leader either is never
-relayed twice.
+returns the leader's answer unchanged. With no leader (a failover: the dead leader's slot restarted, or its lease
+TTL passed) the follower waits for one up to `FAILOVER_WAIT_S`, then answers 503 `service_not_ready`. A relay that
+loses its answer (the leader died mid-request) is not repeated — the outcome is unknown, as after any 5xx — and a
+relayed request is never relayed twice.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -25,6 +27,8 @@ log = logging.getLogger("openjiuwen.agent_rl.online.workers")
 FORWARDED_HEADER = b"x-rl-forwarded"
 # Training Runs and rollouts can take long to settle (a stop waits for the run); the caller bounds its own wait.
 FORWARD_TIMEOUT_S = 600.0
+FAILOVER_WAIT_S = 10.0  # longer than a lease TTL (5 s) plus a worker's restart
+FAILOVER_POLL_S = 0.1
 _RELAYED_HEADERS = (b"authorization", b"content-type")
 
 LEADER_ROUTES = (
@@ -57,31 +61,46 @@ class LeaderForwarding:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        holder = None if FORWARDED_HEADER in headers else await self._leader()
-        if holder is None:
-            await _answer(send, 503, "service_not_ready",
-                          "no RL Service worker holds the leader lease right now; retry shortly")
+        if FORWARDED_HEADER in headers:  # relayed to a worker that lost the lease meanwhile: never twice
+            await _answer(send, 503, "service_not_ready", "this RL Service worker is not the leader; retry shortly")
             return
         body = await _read_body(receive)
-        url = f"http://127.0.0.1:{holder.port}{scope['path']}"
-        if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
         relayed = {k.decode(): v.decode("latin-1") for k, v in headers.items() if k in _RELAYED_HEADERS}
         relayed[FORWARDED_HEADER.decode()] = "1"
-        if self._client is None:
-            self._client = httpx.AsyncClient(trust_env=False)  # loopback: never through an HTTP proxy
-        try:
-            resp = await self._client.request(scope["method"], url, content=body, headers=relayed,
-                                              timeout=FORWARD_TIMEOUT_S)
-        except httpx.HTTPError as exc:
-            log.warning("relaying %s %s to the leader (worker %d) failed: %s", scope["method"], scope["path"],
-                        holder.worker, type(exc).__name__)
-            await _answer(send, 503, "service_not_ready", "the leader worker did not answer; retry shortly")
+        target = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
+        resp = await self._relay(scope["method"], target, body, relayed)
+        if resp is None:
+            await _answer(send, 503, "service_not_ready",
+                          "no RL Service worker holds the leader lease right now; retry shortly")
             return
         out = [(b"content-type", resp.headers.get("content-type", "application/json").encode("latin-1")),
                (b"content-length", str(len(resp.content)).encode())]
         await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
         await send({"type": "http.response.body", "body": resp.content})
+
+    async def _relay(self, method: str, target: str, body: bytes, headers: dict[str, str]) -> httpx.Response | None:
+        """The leader's answer; None when no leader took the request within the failover wait, or when it died
+        with the request (its outcome is then unknown: not repeated). A refused connection is a leader that is
+        gone before it read anything: wait for the next one."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(trust_env=False)  # loopback: never through an HTTP proxy
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FAILOVER_WAIT_S
+        while True:
+            holder = await self._leader()  # this worker, if it won the lease meanwhile: relaying to itself is fine
+            if holder is not None:
+                try:
+                    return await self._client.request(method, f"http://127.0.0.1:{holder.port}{target}",
+                                                      content=body, headers=headers, timeout=FORWARD_TIMEOUT_S)
+                except httpx.ConnectError:
+                    pass
+                except httpx.HTTPError as exc:
+                    log.warning("relaying %s %s to the leader (worker %d) failed: %s", method, target,
+                                holder.worker, type(exc).__name__)
+                    return None
+            if loop.time() >= deadline:
+                return None
+            await asyncio.sleep(FAILOVER_POLL_S)
 
     async def aclose(self) -> None:
         if self._client is not None:

@@ -9,7 +9,8 @@ workers that accept on it. The parent serves nothing itself. It
   reaped it: the replacement may take over what the dead process held (workers/lease.py, membership.py);
 - fails the whole start, as a lone service would, when a worker exits before any worker of the group was ready;
 - on SIGTERM (or SIGINT) stops every worker with SIGTERM and waits for them: each drains its requests; the leader
-  then finishes the active Tasks once the others left (service.py `leave_office`);
+  then finishes the active Tasks once the others left (service.py `leave_office`); it exits 0 when every worker
+  stopped cleanly (or died of that SIGTERM while still starting, before it served anything);
 - dies with the gateway (the parent-death watchdog), and its workers die with it (their own watchdog).
 
 Workers report readiness through a pipe (one line `<slot>`), and their metrics go to a private directory that
@@ -34,6 +35,7 @@ log = logging.getLogger("openjiuwen.agent_rl.online.workers")
 
 WORKER_ENV = "ONLINE_RL_WORKER"  # `<boot>:<slot>:<count>:<listen fd>:<ready fd>`, set by the group only
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"  # chaos tests only (faults.py): a fault crashes the first workers, not their heirs
 MODULE = "openjiuwen.agent_evolving.agent_rl.online.service"
 STOP_TIMEOUT_S = 45.0  # a worker's graceful stop (30 s) plus the leader's wait for the others
 FIRST_BACKOFF_S = 0.2
@@ -144,9 +146,11 @@ class WorkerGroup:
                     log.info("RL Service worker group ready")
                 self._ready_slots.add(int(line))
 
-    async def _spawn(self, slot: int) -> None:
+    async def _spawn(self, slot: int, *, replacement: bool = False) -> None:
         assert self._sock is not None
         env = dict(os.environ)
+        if replacement:  # as a lone service restarted after an injected crash, its replacement runs without it
+            env.pop(CRASH_AT_ENV, None)
         env[WORKER_ENV] = WorkerSlot(self._boot, slot, self._count, self._sock.fileno(), self._ready_w).encode()
         env[METRICS_DIR_ENV] = self._metrics_dir
         proc = await asyncio.create_subprocess_exec(
@@ -202,7 +206,7 @@ class WorkerGroup:
     async def _restart(self, slot: int, delay: float) -> None:
         await asyncio.sleep(delay)
         if not self._stopping.is_set():
-            await self._spawn(slot)
+            await self._spawn(slot, replacement=True)
 
     async def _stop_all(self) -> int:
         """SIGTERM every worker, wait for them (bounded), SIGKILL what is left. 0 when all exited with 0."""
@@ -230,7 +234,8 @@ class WorkerGroup:
         codes = [w.result() for w in waits if w.done()]
         self._waits.clear()
         self._procs.clear()
-        clean = len(codes) == len(waits) and all(code == 0 for code in codes)
+        # A worker still starting when the SIGTERM came dies of it before it can handle it: it served nothing.
+        clean = len(codes) == len(waits) and all(code in (0, -signal.SIGTERM) for code in codes)
         log.info("RL Service worker group stopped (%s)", "clean" if clean else f"exit codes {codes}")
         return 0 if clean else 1
 

@@ -35,12 +35,14 @@ class Membership:
         score = await self._redis.zscore(keys.WORKERS, member)
         return score is not None and score > time.time() * 1000
 
-    async def members(self) -> list[str]:
-        """The members of this boot in the heartbeat set (expired entries included until the next beat)."""
+    async def members(self, *, live_only: bool = False) -> list[str]:
+        """The members of this boot in the heartbeat set; with `live_only`, those whose entry has not expired."""
         if self._redis is None:
             return [self.member]
         prefix = f"{self.boot}:"
-        return [m.decode() for m in await self._redis.zrange(keys.WORKERS, 0, -1) if m.decode().startswith(prefix)]
+        low = time.time() * 1000 if live_only else "-inf"
+        return [m.decode() for m in await self._redis.zrangebyscore(keys.WORKERS, low, "+inf")
+                if m.decode().startswith(prefix)]
 
     async def forget_predecessors(self) -> None:
         """An earlier process of this slot is dead (the group restarts a slot only after reaping it): its claims
