@@ -78,14 +78,41 @@ def request_body(prompt_tokens: int, completion_tokens: int, stream: bool) -> by
     return orjson.dumps(body)
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (and its reaped children), from /proc."""
+def _stat_fields(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+            return f.read().rsplit(")", 1)[1].split()
     except OSError:
+        return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process, from /proc."""
+    fields = _stat_fields(pid)
+    return sum(int(x) for x in fields[11:13]) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU of `pid` and everything below it, the children it reaped included (cutime + cstime): an RL Service
+    worker group, whose workers each spend their own CPU."""
+    fields = _stat_fields(pid)
+    if not fields:
         return 0.0
-    return sum(int(x) for x in fields[11:13]) / os.sysconf("SC_CLK_TCK")
+    total = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        total += sum(tree_cpu_seconds(int(c)) for c in children)
+    return total
+
+
+TREES = ("rl_service",)  # processes measured with everything below them
+
+
+def process_cpu(name: str, pid: int) -> float:
+    return tree_cpu_seconds(pid) if name in TREES else cpu_seconds(pid)
 
 
 def child_pid(parent: int) -> int:
@@ -104,10 +131,11 @@ def _ok(status: int, body: bytes) -> None:
 async def _measured(pids: dict[str, int], port: int, requests, concurrency: int, calls: int) -> dict:
     """One closed loop, plus the CPU milliseconds each process spent per call during it (robust to a noisy
     machine where wall-clock percentiles are not)."""
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    before = {name: process_cpu(name, pid) for name, pid in pids.items()}
     result = await closed_loop(port, requests, concurrency=concurrency, calls=calls, check=_ok)
     n = result["calls"] + concurrency  # the warm-up calls ran inside the window too
-    result["cpu_ms_per_call"] = {name: (cpu_seconds(pid) - before[name]) * 1000 / n for name, pid in pids.items()}
+    result["cpu_ms_per_call"] = {name: (process_cpu(name, pid) - before[name]) * 1000 / n
+                                 for name, pid in pids.items()}
     return result
 
 
@@ -168,8 +196,8 @@ def run(args: argparse.Namespace) -> dict:
         instance = SimpleNamespace(name="bench-upstream", port=upstream.port)
         try:
             upstream.start(*SIZES[args.sizes[0]])
-            with GatewayProcess(Path(tmp), redis_server.url, instances=[instance],
-                                rl_overrides={"max_body_bytes": 64 * 1024 * 1024},
+            rl_overrides = {"max_body_bytes": 64 * 1024 * 1024, "workers": args.workers}
+            with GatewayProcess(Path(tmp), redis_server.url, instances=[instance], rl_overrides=rl_overrides,
                                 online_overrides={"hookTimeout": "60s", "hookRetries": 0}) as gw:
                 gw.start_service()
                 for i in range(max(args.concurrency)):
@@ -204,7 +232,7 @@ def run(args: argparse.Namespace) -> dict:
                 committed = committed_captures(redis_server.url)
         finally:
             upstream.stop()
-    return {"latency_ms": args.latency_ms, "machine": machine_facts(), "results": results,
+    return {"latency_ms": args.latency_ms, "machine": machine_facts(), "results": results, "workers": args.workers,
             "captures_expected": expected, "captures_committed": committed, "peers": peer_status}
 
 
@@ -245,6 +273,10 @@ def print_row(r: dict, flush: bool = False) -> None:
         print(f"{'':>15}peer:{name:<9} failed: {error}", flush=flush)
 
 
+def _workers(value: str) -> str | int:
+    return value if value == "auto" else int(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls, concurrency 1 and 64, JSON and SSE")
@@ -254,6 +286,8 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=200.0, help="fixed upstream latency per completion")
     parser.add_argument("--peers", nargs="*", default=sorted(peer_gateways.PEERS),
                         help="peer gateways to measure in the same run (installed into bench/.peers on first use)")
+    parser.add_argument("--workers", type=_workers, default="auto",
+                        help="RL Service worker processes (its `workers` setting: auto or a count; default auto)")
     parser.add_argument("--calls-per-session", type=int, default=None)
     parser.add_argument("--min-calls", type=int, default=None)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "capture.json"))

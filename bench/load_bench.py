@@ -1,19 +1,26 @@
 """Sustained load of concurrent agent sessions through the reference gateway and its RL Service.
 
     .venv/bin/python bench/load_bench.py [--sessions 32] [--turns 4] [--duration 60] [--instances 2]
+                                         [--workers auto] [--kill-workers 0]
 
-Real processes: the gateway, its RL Service child and a private redis-server; `--instances` fake vLLM servers
-(recorded shapes, no model) and a fake Judge in this process. Each session loops: signed Task start (a share in
-delayed-feedback mode), `--turns` chat completions (JSON or SSE), signed stop, signed reward for terminal Tasks, until
-`--duration` has passed after a warm-up. Prints requests, errors, latency percentiles, the RSS of both processes
-after the warm-up and at the end, and the result of the Redis invariant checker (tests/support/invariants.py);
-writes bench/results/load.json. Exits non-zero when a request failed or an invariant does not hold. Loopback only.
+Real processes: the gateway, its RL Service child (`--workers` worker processes) and a private redis-server;
+`--instances` fake vLLM servers (recorded shapes, no model) and a fake Judge in this process. Each session loops:
+signed Task start (a share in delayed-feedback mode), `--turns` chat completions (JSON or SSE), signed stop, signed
+reward for terminal Tasks, until `--duration` has passed after a warm-up. `--kill-workers K` SIGKILLs K RL Service
+workers at even intervals of the load (the worker group restarts each; captures in flight on them are repeated by
+the gateway's hook retries). Prints requests, errors, latency percentiles, the RSS of the gateway and of the RL
+Service (all its processes) after the warm-up and at the end, and the result of the Redis invariant checker
+(tests/support/invariants.py); writes bench/results/load.json. Exits non-zero when a request failed, a completion
+is not exactly one sample, or an invariant does not hold. Loopback only.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import random
+import signal
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -31,6 +38,7 @@ from tests.support.gateway_process import API_KEY, GatewayProcess  # noqa: E402
 from tests.support.invariants import check_invariants  # noqa: E402
 from tests.support.load import LoadResult, LoadSpec, Pids, child_pid, run_load  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
+from tests.support.service_process import worker_pids  # noqa: E402
 
 SERVICE_MODULE = "openjiuwen.agent_evolving.agent_rl.online.service"
 
@@ -44,10 +52,33 @@ async def _invariants(redis_url: str) -> dict:
     return {**report.summary(), "violations": report.violations[:20]}
 
 
-def _print(result: LoadResult, invariants: dict, stats: dict, out: Path) -> None:
+async def _kill_workers(group_pid: int, kills: int, spec: LoadSpec, seed: int) -> list[int]:
+    """SIGKILL `kills` workers of the group at even intervals of the load, each once its predecessor is back."""
+    rng, killed = random.Random(seed), []
+    interval = spec.duration_s / (kills + 1)
+    await asyncio.sleep(spec.warmup_s)
+    for _ in range(kills):
+        await asyncio.sleep(interval)
+        workers = sorted(worker_pids(group_pid))
+        if not workers:
+            continue
+        victim = rng.choice(workers)
+        os.kill(victim, signal.SIGKILL)
+        killed.append(victim)
+    return killed
+
+
+async def _load(url: str, spec: LoadSpec, pids: Pids, kills: int, seed: int) -> tuple[LoadResult, list[int]]:
+    killer = asyncio.create_task(_kill_workers(pids.rl_service, kills, spec, seed)) if kills else None
+    result = await run_load(url, spec, api_key=API_KEY, model_id="tiny", pids=pids)
+    return result, (await killer if killer is not None else [])
+
+
+def _print(result: LoadResult, invariants: dict, stats: dict, out: Path, workers: int, killed: list[int]) -> None:
     s = result.summary()
     print(f"load: {s['sessions']} sessions x {s['turns']} turns, {s['duration_s']} s "
-          f"(warm-up {result.spec.warmup_s} s included), fake vLLM and Judge")
+          f"(warm-up {result.spec.warmup_s} s included), fake vLLM and Judge; RL Service with {workers} worker(s), "
+          f"{len(killed)} SIGKILLed")
     print(f"  requests {s['requests']} ({s['requests_per_s']}/s), errors {s['errors']}, tasks {s['tasks']}, "
           f"completions {s['completions']}, samples stored {stats.get('total')}")
     print(f"  {'kind':<12} {'count':>7} {'p50 ms':>8} {'p99 ms':>8}")
@@ -74,6 +105,11 @@ def main() -> int:
     parser.add_argument("--instances", type=int, default=2, help="fake vLLM instances (default 2)")
     parser.add_argument("--delayed-share", type=float, default=0.25, help="share of delayed-feedback Tasks")
     parser.add_argument("--stream-share", type=float, default=0.5, help="share of SSE completions")
+    parser.add_argument("--workers", default="auto", type=lambda v: v if v == "auto" else int(v),
+                        help="RL Service worker processes (auto or a count; default auto)")
+    parser.add_argument("--kill-workers", type=int, default=0,
+                        help="SIGKILL this many RL Service workers during the load (needs --workers 2 or more)")
+    parser.add_argument("--hook-timeout", default="30s", help="the gateway's hookTimeout (default 30s)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "load.json"))
     args = parser.parse_args()
     spec = LoadSpec(sessions=args.sessions, turns=args.turns, duration_s=args.duration, warmup_s=args.warmup,
@@ -86,18 +122,21 @@ def main() -> int:
         for v in vllms:
             v.reply = Reply(content="A short answer to the question.")
         gw = stack.enter_context(GatewayProcess(
-            Path(tmp), redis_server.url, instances=vllms, judge_url=judge.url,
-            online_overrides={"hookTimeout": "30s", "drainTimeout": "30s"},
+            Path(tmp), redis_server.url, instances=vllms, judge_url=judge.url, rl_overrides={"workers": args.workers},
+            online_overrides={"hookTimeout": args.hook_timeout, "drainTimeout": "30s"},
         ))
         gw.start_service()
         assert gw.proc is not None
         pids = Pids(gateway=gw.proc.pid, rl_service=child_pid(gw.proc.pid, SERVICE_MODULE))
-        result = asyncio.run(run_load(gw.url, spec, api_key=API_KEY, model_id="tiny", pids=pids))
+        workers = len(worker_pids(pids.rl_service)) or 1
+        result, killed = asyncio.run(_load(gw.url, spec, pids, args.kill_workers, spec.seed))
         stats = gw.signed("GET", "/v1/rl/trajectories/stats").json()
         invariants = asyncio.run(_invariants(redis_server.url))
+        restarted = gw.rl_log().count("; restarting it in") if killed else 0
     out = write_result({**result.summary(), "samples_stored": stats.get("total"), "invariants": invariants,
-                        "errors_sample": result.errors[:10]}, args.out)
-    _print(result, invariants, stats, out)
+                        "errors_sample": result.errors[:10], "workers": workers, "workers_killed": len(killed),
+                        "workers_restarted": restarted}, args.out)
+    _print(result, invariants, stats, out, workers, killed)
     consistent = stats.get("total") == result.completions
     return 0 if result.error_count == 0 and invariants["ok"] and consistent else 1
 

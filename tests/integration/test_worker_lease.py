@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.workers.coordinator import Placement, WorkerCoordinator
-from openjiuwen.agent_evolving.agent_rl.online.workers.lease import Holder, LeaderLease
+from openjiuwen.agent_evolving.agent_rl.online.workers.lease import Holder, LeaderLease, bury
 from openjiuwen.agent_evolving.agent_rl.online.workers.membership import Membership
 from tests.support.redis_server import RedisServer
 
@@ -172,3 +172,18 @@ async def test_a_restarted_slot_forgets_its_dead_predecessor(redis) -> None:
     assert not await m.alive("b1:0:11")  # slot 0's old process is dead: the group restarted the slot
     assert await m.alive("b1:1:12")
     assert not await Membership(redis).alive("b1:1:12")  # alone, nobody else is alive
+
+
+async def test_a_reaped_worker_is_buried_at_once_its_lease_too(redis) -> None:
+    now_ms = time.time() * 1000
+    await redis.zadd(keys.WORKERS, {"b1:0:11": now_ms + 60_000, "b1:1:12": now_ms + 60_000})
+    a = LeaderLease(redis, Holder("b1", 0, 11, 5), ttl_s=5.0)
+    assert await a.acquire() == 1
+    assert await bury(redis, "b1:1:12") is False  # not the holder: only its heartbeat goes
+    assert await redis.get(keys.LEADER) == b"b1:0:11:5"
+    assert await bury(redis, "b1:0:1") is False  # a pid that is a prefix of the holder's is another process
+    assert await redis.get(keys.LEADER) == b"b1:0:11:5"
+    assert await bury(redis, "b1:0:11") is True
+    assert await redis.get(keys.LEADER) is None and await redis.zcard(keys.WORKERS) == 0
+    b = LeaderLease(redis, Holder("b1", 2, 13, 6), ttl_s=5.0)
+    assert await b.acquire() == 2  # the next leader is elected without waiting out the TTL

@@ -158,6 +158,11 @@ class GatewayProcess:
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile_soft, self.nofile_hard or hard))
 
+    def rl_log(self) -> str:
+        """The RL Service's business log (`log_path` of its config)."""
+        path = self.dir / "rl-service.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
     def stderr(self) -> str:
         path = self.dir / "gateway.stderr.log"
         return path.read_text(errors="replace") if path.exists() else ""

@@ -8,7 +8,8 @@ Each of `sessions` agents loops until the deadline: a signed Task start (termina
 chat completions with its session header (JSON or SSE, the conversation growing each turn, one `X-Agent-Turn-Id`
 per turn), a signed stop, and for terminal Tasks a signed reward. A loop that has begun when the deadline passes is
 finished, so no Task is left mid-way. Any status or body other than the contract's success answer is an error. The
-RSS of the gateway and of its RL child is read after a warm-up phase (load running) and again at the end.
+RSS of the gateway and of its RL child (with its worker processes, `workers` > 1) is read after a warm-up phase
+(load running) and again at the end.
 """
 
 from __future__ import annotations
@@ -96,6 +97,30 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (an RL Service worker group: the group and its workers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def tree_rss_kib(pid: int) -> int:
+    total = 0
+    for p in descendants(pid):
+        try:
+            total += rss_kib(p)
+        except (OSError, RuntimeError):
+            continue  # exited between the listing and the read
+    return total
 
 
 def child_pid(parent: int, needle: str) -> int:
@@ -234,7 +259,7 @@ async def run_load(url: str, spec: LoadSpec, *, api_key: bytes, model_id: str, p
         deadline = started + spec.warmup_s + spec.duration_s
         runs = [asyncio.create_task(a.run_until(deadline), name=f"agent-{a.index}") for a in agents]
         await asyncio.sleep(spec.warmup_s)
-        before = {"gateway": rss_kib(pids.gateway), "rl_service": rss_kib(pids.rl_service)}
+        before = {"gateway": rss_kib(pids.gateway), "rl_service": tree_rss_kib(pids.rl_service)}
         try:
             await asyncio.gather(*runs)
         finally:
@@ -242,5 +267,5 @@ async def run_load(url: str, spec: LoadSpec, *, api_key: bytes, model_id: str, p
                 run.cancel()
         result.duration_s = time.monotonic() - started
         result.rss_kib = {"gateway": (before["gateway"], rss_kib(pids.gateway)),
-                          "rl_service": (before["rl_service"], rss_kib(pids.rl_service))}
+                          "rl_service": (before["rl_service"], tree_rss_kib(pids.rl_service))}
     return result

@@ -3,12 +3,15 @@ routes (CONTRACT §3.3, §3.5). Always with `Authorization: Bearer <RL_SERVICE_T
 
 Hooks are retried `hookRetries` times on transport errors and timeouts only — safe, since they are idempotent per
 capture id; an HTTP answer is never retried. Hooks sit on every captured completion's path, so they go through the
-lean keep-alive client (http11.py); the proxied control calls use httpx.
+lean keep-alive client (http11.py); the proxied control calls use httpx. A proxied call that is idempotent (a GET, a
+Task start with the id the gateway minted, a stop, a terminal reward) is also sent again, as often, when its
+connection broke before an answer (a worker of the RL Service died with it, CONTRACT §2.11); a timeout is not.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +26,15 @@ if TYPE_CHECKING:
     from .metrics import GatewayMetrics
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.rl_client")
+
+
+# Repeating these answers the same (the RL Service's own idempotency, CONTRACT §2.4, §2.5).
+_IDEMPOTENT_POSTS = re.compile(r"^/v1/rl/tasks/(start|[^/]+/(stop|reward))$")
+_BROKEN = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+def idempotent(method: str, path: str) -> bool:
+    return method in ("GET", "HEAD") or (method == "POST" and _IDEMPOTENT_POSTS.match(path) is not None)
 
 
 class HookUnreachable(RuntimeError):
@@ -152,7 +164,17 @@ class RLClient:
     ) -> RLAnswer:
         """A proxied public call, bounded by `controlTimeout`; raises httpx.TimeoutException / TransportError."""
         url = self._endpoint + path + (f"?{query}" if query else "")
-        resp = await self._client.request(
-            method, url, content=body or None, headers=self._headers(headers), timeout=self._control_timeout_s
-        )
-        return RLAnswer(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))
+        tries, attempt = (self._hook_retries + 1 if idempotent(method, path) else 1), 0
+        while True:
+            attempt += 1
+            try:
+                resp = await self._client.request(
+                    method, url, content=body or None, headers=self._headers(headers), timeout=self._control_timeout_s
+                )
+            except _BROKEN as exc:
+                if attempt >= tries:
+                    raise
+                log.warning("%s %s attempt %d failed: %s; sending it again", method, path, attempt,
+                            type(exc).__name__)
+                continue
+            return RLAnswer(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))

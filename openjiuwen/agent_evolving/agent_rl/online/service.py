@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve_worker(config, fault, WorkerSlot.decode(slot))
     if config.worker_count > 1:
         group = WorkerGroup(config_path=path, host=config.listen_host, port=config.listen_port,
-                            count=config.worker_count)
+                            count=config.worker_count, redis_url=config.redis_url.get_secret_value())
         return group.run()
     return _serve(config, fault, placement=None, sockets=None)
 

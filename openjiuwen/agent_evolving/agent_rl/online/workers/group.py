@@ -6,7 +6,8 @@ FILE` with `ONLINE_RL_WORKER` set, inheriting the bound socket: the kernel hands
 workers that accept on it. The parent serves nothing itself. It
 
 - restarts a worker that exits while the group runs (after a pause that grows while a slot keeps failing), once it
-  reaped it: the replacement may take over what the dead process held (workers/lease.py, membership.py);
+  reaped it; first it tells Redis that process is dead (`lease.bury`: out of the heartbeat set, the lease dropped if
+  it held it), so the claims it held are taken over and a new leader elected without waiting out a TTL;
 - fails the whole start, as a lone service would, when a worker exits before any worker of the group was ready;
 - on SIGTERM (or SIGINT) stops every worker with SIGTERM and waits for them: each drains its requests; the leader
   then finishes the active Tasks once the others left (service.py `leave_office`); it exits 0 when every worker
@@ -31,6 +32,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from .lease import bury
+
 log = logging.getLogger("openjiuwen.agent_rl.online.workers")
 
 WORKER_ENV = "ONLINE_RL_WORKER"  # `<boot>:<slot>:<count>:<listen fd>:<ready fd>`, set by the group only
@@ -41,6 +47,7 @@ STOP_TIMEOUT_S = 45.0  # a worker's graceful stop (30 s) plus the leader's wait 
 FIRST_BACKOFF_S = 0.2
 MAX_BACKOFF_S = 10.0
 STABLE_AFTER_S = 30.0  # a worker that ran this long resets its slot's backoff
+BURY_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -72,8 +79,9 @@ def exit_description(code: int) -> str:
 
 
 class WorkerGroup:
-    def __init__(self, *, config_path: str, host: str, port: int, count: int) -> None:
+    def __init__(self, *, config_path: str, host: str, port: int, count: int, redis_url: str) -> None:
         self._config_path = config_path
+        self._redis_url = redis_url
         self._host, self._port, self._count = host, port, count
         self._boot = secrets.token_hex(6)
         self._procs: dict[int, asyncio.subprocess.Process] = {}
@@ -183,6 +191,7 @@ class WorkerGroup:
                     proc = self._procs.pop(slot)
                     code = wait.result()
                     self._mark_dead(proc.pid)
+                    await self._bury(slot, proc.pid)
                     if not self._ready_slots:
                         log.error("worker %d %s before the group was ready; stopping the RL Service", slot,
                                   exit_description(code))
@@ -238,6 +247,17 @@ class WorkerGroup:
         clean = len(codes) == len(waits) and all(code in (0, -signal.SIGTERM) for code in codes)
         log.info("RL Service worker group stopped (%s)", "clean" if clean else f"exit codes {codes}")
         return 0 if clean else 1
+
+    async def _bury(self, slot: int, pid: int) -> None:
+        """Best-effort (Redis may be down): otherwise the dead process's heartbeat entry and lease expire by TTL."""
+        member = f"{self._boot}:{slot}:{pid}"
+        try:
+            async with Redis.from_url(self._redis_url, socket_timeout=BURY_TIMEOUT_S,
+                                      socket_connect_timeout=BURY_TIMEOUT_S) as redis:
+                if await bury(redis, member):
+                    log.info("worker %d held the leader lease; released it for the next leader", slot)
+        except (RedisError, OSError) as exc:
+            log.warning("could not tell Redis that worker %d (pid %d) is dead: %s", slot, pid, type(exc).__name__)
 
     def _mark_dead(self, pid: int) -> None:
         """A dead worker's live gauges leave the aggregate; its counters stay (they never go backwards)."""

@@ -47,6 +47,17 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+# KEYS: lease, workers. ARGV: member (`<boot>:<slot>:<pid>`). A process known dead (its group reaped it) leaves the
+# membership and, if it held the lease, the lease: nobody waits out its TTL. Never touches another holder's lease.
+_BURY = """
+redis.call('ZREM', KEYS[2], ARGV[1])
+local current = redis.call('GET', KEYS[1])
+if current and string.sub(current, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. ':' then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
 # KEYS: lease. ARGV: holder value. Deletes the lease only if this holder still has it.
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -113,3 +124,9 @@ class LeaderLease:
 
     async def current(self) -> Holder | None:
         return Holder.parse(await self._redis.get(keys.LEADER))
+
+
+async def bury(redis: Redis, member: str) -> bool:
+    """A worker process is dead (reaped by its group): drop its heartbeat entry and the lease if it held it, so
+    its claims are taken over and a new leader elected at once. True when it held the lease."""
+    return bool(await redis.eval(_BURY, 2, keys.LEADER, keys.WORKERS, member))
