@@ -1,5 +1,5 @@
 """Cost of one captured completion: a `:before` + `:after` pair on a 2,048-prompt + 2,048-completion-token
-response with `top_logprobs=1`, against the RL Service running as a real process on a real socket, plus the Redis
+response as vLLM answers the injected request (`top_logprobs=0`: each token's logprob, no alternatives), against the RL Service running as a real process on a real socket, plus the Redis
 bytes kept per captured token (staged, then published).
 
     .venv/bin/python bench/hooks_bench.py [--pairs 200] [--prompt-tokens 2048] [--completion-tokens 2048] [--service sdk]
@@ -108,7 +108,7 @@ def synthetic_exchange(prompt_tokens: int, completion_tokens: int, seed: int) ->
     for piece in pieces:
         lp = -rng.random() * 8
         entry = {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
-        content.append(dict(entry, top_logprobs=[dict(entry)]))
+        content.append(dict(entry, top_logprobs=[]))
     response = {
         "id": f"chatcmpl-{seed:016x}",
         "object": "chat.completion",
@@ -294,7 +294,7 @@ def main() -> None:
     out = write_result(result, args.out)
     p = result["pair_ms"]
     print(f"{result['service_label']}: hook pair :before+:after  ({result['prompt_tokens']}+{result['completion_tokens']} tokens, "
-          f"top_logprobs=1, :after body {result['after_body_bytes'] / 1024:.0f} KiB, {result['pairs']} pairs)")
+          f"top_logprobs=0, :after body {result['after_body_bytes'] / 1024:.0f} KiB, {result['pairs']} pairs)")
     print(f"  {'median ms':>12} {'p99 ms':>10} {'mean ms':>10} {'pairs/s':>10} {'before ms':>10} {'after ms':>10}")
     print(f"  {p['median']:12.2f} {p['p99']:10.2f} {p['mean']:10.2f} {result['pairs_per_second']:10.1f} "
           f"{result['before_ms_median']:10.2f} {result['after_ms_median']:10.2f}")

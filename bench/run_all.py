@@ -215,7 +215,7 @@ def render(mode: str, seconds: dict[str, float], results: Path = RESULTS, machin
             "## RL Service hook path (`bench/hooks_bench.py`)",
             "",
             f"`:before` + `:after` against the RL Service process, {hooks['prompt_tokens']} prompt + "
-            f"{hooks['completion_tokens']} completion tokens with `top_logprobs=1` (`:after` body "
+            f"{hooks['completion_tokens']} completion tokens as vLLM answers the injected `top_logprobs=0` (`:after` body "
             f"{hooks['after_body_bytes'] / 1024:.0f} KiB), {hooks['pairs']} pairs one at a time, then "
             f"{cc['callers'] if cc else '?'} concurrent callers. The second row runs the same sequence, same bodies, "
             f"against the online-RL service that ships in PyPI's `openjiuwen` SDK (`{peers.INSTALLS['openjiuwen'][0][0]}`, "

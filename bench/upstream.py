@@ -5,7 +5,8 @@
 Runs as its own process (uvloop, httptools) so the upstream costs the gateway nothing but its latency. Every
 `POST /v1/chat/completions` is answered after `--latency-ms` with one of four bodies rendered once at start-up: JSON
 or SSE (`"stream":true`), full (the request carries the injected `"return_token_ids":true`: prompt and completion
-token ids, logprobs with one top logprob, usage chunk) or plain (what vLLM sends without those flags: nulls). The
+token ids, logprobs with as many top logprobs as `top_logprobs` asks, 0 or 1, usage chunk) or plain (what vLLM sends
+without those flags: nulls). The
 `model` of every answer is `--model`. `GET /health` answers 200. Loopback only.
 """
 
@@ -21,16 +22,17 @@ import orjson
 
 _STREAM = re.compile(rb'"stream"\s*:\s*true')
 _TOKEN_IDS = re.compile(rb'"return_token_ids"\s*:\s*true')  # the flag capture gateways inject (any JSON spacing)
+_TOP_ONE = re.compile(rb'"top_logprobs"\s*:\s*[1-9]')  # one alternative per token asked for (else none)
 WORDS = ["alpha", "beta", "gamma", "delta", "tool", "call", "result", "plan", "step", "answer"]
 
 
-def _logprob_entry(piece: str, lp: float) -> dict[str, Any]:
+def _logprob_entry(piece: str, lp: float, top: int) -> dict[str, Any]:
     entry = {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
-    return dict(entry, top_logprobs=[dict(entry)])
+    return dict(entry, top_logprobs=[dict(entry)][:top])
 
 
 def render(model: str, prompt_tokens: int, completion_tokens: int, seed: int = 7) -> dict[str, bytes]:
-    """The four answer bodies: json_full, json_plain, sse_full, sse_plain."""
+    """The answer bodies: json_full, json_full1 (one top logprob per token), json_plain, and the same for sse."""
     rng = random.Random(seed)
     prompt_ids = [rng.randrange(3, 151_000) for _ in range(prompt_tokens)]
     ids = [rng.randrange(3, 151_000) for _ in range(completion_tokens)]
@@ -40,11 +42,11 @@ def render(model: str, prompt_tokens: int, completion_tokens: int, seed: int = 7
              "completion_tokens": completion_tokens}
     head = {"id": "chatcmpl-bench0000000000", "created": 1795951800, "model": model}
 
-    def completion(full: bool) -> bytes:
+    def completion(full: bool, top: int = 0) -> bytes:
         message = {"role": "assistant", "content": "".join(pieces), "refusal": None, "annotations": None,
                    "audio": None, "function_call": None, "reasoning": None}
         choice = {"index": 0, "message": message,
-                  "logprobs": {"content": [_logprob_entry(p, lp) for p, lp in zip(pieces, lps)]} if full else None,
+                  "logprobs": {"content": [_logprob_entry(p, lp, top) for p, lp in zip(pieces, lps)]} if full else None,
                   "finish_reason": "length", "stop_reason": None, "token_ids": ids if full else None,
                   "routed_experts": None}
         return orjson.dumps({**head, "object": "chat.completion", "choices": [choice], "service_tier": None,
@@ -52,7 +54,7 @@ def render(model: str, prompt_tokens: int, completion_tokens: int, seed: int = 7
                              "prompt_token_ids": prompt_ids if full else None, "prompt_text": None,
                              "kv_transfer_params": None})
 
-    def stream(full: bool) -> bytes:
+    def stream(full: bool, top: int = 0) -> bytes:
         chunk = {**head, "object": "chat.completion.chunk"}
         events = [dict(chunk, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                          "finish_reason": None}],
@@ -60,7 +62,7 @@ def render(model: str, prompt_tokens: int, completion_tokens: int, seed: int = 7
         for n, (piece, lp, tid) in enumerate(zip(pieces, lps, ids)):
             last = n == completion_tokens - 1
             choice: dict[str, Any] = {"index": 0, "delta": {"content": piece},
-                                      "logprobs": {"content": [_logprob_entry(piece, lp)]} if full else None,
+                                      "logprobs": {"content": [_logprob_entry(piece, lp, top)]} if full else None,
                                       "finish_reason": "length" if last else None}
             if last:
                 choice["stop_reason"] = None
@@ -70,8 +72,8 @@ def render(model: str, prompt_tokens: int, completion_tokens: int, seed: int = 7
             events.append(dict(chunk, choices=[], usage=usage, system_fingerprint="vllm-0.32.0-bench"))
         return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
-    return {"json_full": completion(True), "json_plain": completion(False),
-            "sse_full": stream(True), "sse_plain": stream(False)}
+    return {"json_full": completion(True), "json_full1": completion(True, 1), "json_plain": completion(False),
+            "sse_full": stream(True), "sse_full1": stream(True, 1), "sse_plain": stream(False)}
 
 
 def _http(status: bytes, body: bytes, content_type: bytes) -> bytes:
@@ -111,6 +113,8 @@ class _Conn(asyncio.Protocol):
             stream = _STREAM.search(body) is not None
             full = _TOKEN_IDS.search(body) is not None
             key = ("sse_" if stream else "json_") + ("full" if full else "plain")
+            if full and _TOP_ONE.search(body) is not None:
+                key += "1"
             answer = self._answers[key]
         loop = asyncio.get_running_loop()
         loop.call_later(self._latency_s, self._send, answer)

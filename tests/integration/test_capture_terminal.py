@@ -39,7 +39,7 @@ async def test_before_injects_flags_and_is_idempotent(client, redis):
     r = await client.post("/internal/v1/completions:before", json=body)
     assert r.status_code == 200
     injected = r.json()["request"]
-    assert (injected["logprobs"], injected["top_logprobs"], injected["return_token_ids"]) == (True, 1, True)
+    assert (injected["logprobs"], injected["top_logprobs"], injected["return_token_ids"]) == (True, 0, True)
     assert injected["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
     assert injected["messages"] == request["messages"]
     assert (await client.post("/internal/v1/completions:before", json=body)).json() == r.json()
@@ -49,6 +49,22 @@ async def test_before_injects_flags_and_is_idempotent(client, redis):
     assert await task_status(client) == ("active", None)
     meta = orjson.loads(await redis.get(keys.capture("t1", "c1")))
     assert meta["status"] == "open" and meta["response_fingerprint"] is None
+
+
+async def test_a_recorded_answer_to_the_injected_request_commits_its_sampled_logprobs(client, redis):
+    """vLLM's real answer to the request `:before` injects (`top_logprobs=0`, recorded): no alternatives per token,
+    and every sampled logprob lands in the sample."""
+    await start_task(client, "s1", "t1")
+    request, response = load_fixture("chat_request_top0.json"), load_fixture("chat_response_top0.json")
+    before, after = await capture(client, "t1", "c1", request, response)
+    assert before.json()["request"]["top_logprobs"] == 0
+    assert after.status_code == 204
+    assert (await client.post("/v1/rl/tasks/t1/stop")).status_code == 200
+    assert (await client.post("/v1/rl/tasks/t1/reward", json={"reward": 1.0})).json() == {"sample_count": 1}
+    sample = (await client.get("/v1/rl/trajectories/c1")).json()
+    expected = [e["logprob"] for e in response["choices"][0]["logprobs"]["content"]]
+    assert sample["trajectory"]["response_logprobs"] == pytest.approx(expected, rel=1e-6)
+    assert sample["trajectory"]["response_ids"] == response["choices"][0]["token_ids"]
 
 
 async def test_capture_reward_and_sample_fields(client, redis):

@@ -35,7 +35,7 @@ SETTINGS = settings(
 
 REQUEST = load_fixture("chat_request.json")
 RESPONSE = load_fixture("chat_response.json")
-INJECTED = dict(REQUEST, logprobs=True, top_logprobs=1, return_token_ids=True)
+INJECTED = dict(REQUEST, logprobs=True, top_logprobs=0, return_token_ids=True)
 
 
 @dataclass

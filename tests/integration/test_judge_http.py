@@ -18,7 +18,7 @@ from tests.support.fake_judge import Content, Delay, FakeJudge, Hold, Raw, Statu
 REQUEST = {
     "model": "policy",
     "messages": [{"role": "user", "content": "What is 2+2?"}],
-    "logprobs": True, "top_logprobs": 1, "return_token_ids": True,
+    "logprobs": True, "top_logprobs": 0, "return_token_ids": True,
 }
 RESPONSE = {
     "id": "c1", "object": "chat.completion", "prompt_token_ids": [151644, 77777],

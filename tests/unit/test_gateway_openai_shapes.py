@@ -33,9 +33,9 @@ PRIVATE_KEYS = frozenset(
 )  # fmt: skip
 
 
-def recorded_chunks() -> list[dict[str, Any]]:
+def recorded_chunks(name: str = "chat_stream_response.sse") -> list[dict[str, Any]]:
     decoder = SSEDecoder()
-    events = decoder.feed((FIXTURES / "chat_stream_response.sse").read_bytes()) + decoder.close()
+    events = decoder.feed((FIXTURES / name).read_bytes()) + decoder.close()
     assert events[-1].data == DONE
     return [orjson.loads(e.data) for e in events[:-1]]
 
@@ -95,6 +95,20 @@ def test_recorded_stream_aggregates_to_a_valid_capture_response() -> None:
     assert unpack_ids(validated.prompt_ids) == chunks[0]["prompt_token_ids"]
     assert unpack_ids(validated.response_ids) == choice["token_ids"]
     assert unpack_logprobs(validated.logprobs)[1] == pytest.approx(-5.583738327026367)
+
+
+def test_recorded_stream_of_the_injected_request_aggregates_with_each_sampled_logprob() -> None:
+    """What vLLM streams for the request the RL Service injects (`top_logprobs=0`): every token's logprob with no
+    alternatives; the aggregate validates and carries one logprob per token id."""
+    chunks = recorded_chunks("chat_stream_response_top0.sse")
+    result = aggregate(chunks)
+    (choice,) = result["choices"]
+    entries = choice["logprobs"]["content"]
+    assert all(e["top_logprobs"] == [] for e in entries)
+    assert len(entries) == len(choice["token_ids"]) == result["usage"]["completion_tokens"]
+    validated = validate_response(result, policy_model="tiny")
+    assert unpack_ids(validated.response_ids) == choice["token_ids"]
+    assert unpack_logprobs(validated.logprobs) == pytest.approx([e["logprob"] for e in entries])
 
 
 def test_aggregation_does_not_mutate_chunks_and_result_is_independent() -> None:
@@ -240,7 +254,7 @@ def test_client_wants_reads_the_original_request() -> None:
     assert client_wants({}) == ClientWants(False, False, False, None)
 
 
-@pytest.mark.parametrize("name", ["chat_response.json", "chat_lora_response.json"])
+@pytest.mark.parametrize("name", ["chat_response.json", "chat_response_top0.json", "chat_lora_response.json"])
 def test_client_view_of_recorded_json_hides_every_private_field(name: str) -> None:
     body = load_fixture(name)
     before = copy.deepcopy(body)

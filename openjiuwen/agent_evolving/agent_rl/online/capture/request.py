@@ -36,11 +36,13 @@ def validate_request(request: Any, *, policy_model: str, delayed: bool, agent_tu
 
 def normalize_request(request: dict[str, Any]) -> dict[str, Any]:
     """The injected request: a copy that asks vLLM for token ids, sampled-token logprobs and, for streams, a usage
-    chunk. Idempotent, so normalizing an already injected request changes nothing. Only top-level keys change
+    chunk. `top_logprobs = 0`: vLLM then reports each sampled token's logprob with no alternatives (`"top_logprobs":
+    []`), which is all a sample keeps; one alternative per token made a captured answer ~1.6× larger to send, parse
+    and free. Idempotent, so normalizing an already injected request changes nothing. Only top-level keys change
     (and `stream_options` is replaced by a new dict), so a shallow copy leaves the caller's request untouched."""
     injected = dict(request)
     injected["logprobs"] = True
-    injected["top_logprobs"] = 1
+    injected["top_logprobs"] = 0
     injected["return_token_ids"] = True
     if injected.get("stream") is True:
         options = injected.get("stream_options")
