@@ -251,7 +251,10 @@ async def run_load(url: str, spec: LoadSpec, *, api_key: bytes, model_id: str, p
     result = LoadResult(spec)
     signer = RequestSigner(api_key)
     rng = random.Random(spec.seed)
-    limits = httpx.Limits(max_connections=spec.sessions * 2, max_keepalive_connections=spec.sessions * 2)
+    # Idle connections are dropped well before the gateway's keep-alive timeout (5 s): a request sent on a connection
+    # the server is closing at that moment is lost (httpx's default expiry is the same 5 s, a race under load).
+    limits = httpx.Limits(max_connections=spec.sessions * 2, max_keepalive_connections=spec.sessions * 2,
+                          keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits, trust_env=False) as client:
         agents = [_Agent(i, client, signer, result, model_id=model_id, rng=random.Random(rng.random()))
                   for i in range(spec.sessions)]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 
 from ..common import packed_hook
 from ..common.content_type import JsonBodyMiddleware
@@ -85,6 +85,8 @@ CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"  # chaos tests only: `<point>[@<n>]` of faul
 # At shutdown the leader finishes the active Tasks only once the other workers left (their servers drained their
 # hooks first), waiting at most this long.
 SHUTDOWN_WAIT_FOR_WORKERS_S = 35.0
+REDIS_MAX_CONNECTIONS = 512  # per process; Redis serves 10,000 clients by default
+REDIS_POOL_WAIT_S = 20.0  # a request waits this long for a pooled connection, then fails as on a Redis outage
 
 
 class OwnerMismatch(RuntimeError):
@@ -131,7 +133,7 @@ class ServiceDeps:
         placement: Placement | None = None,
     ) -> "ServiceDeps":
         placement = placement or Placement()
-        redis = redis or Redis.from_url(config.redis_url.get_secret_value(), decode_responses=False)
+        redis = redis or make_redis(config)
         membership = Membership(redis, boot=placement.boot, slot=placement.index, solo=placement.solo)
         judge = judge if judge is not None else make_judge(config)
         metrics = ServiceMetrics(config.model_id)  # per app: its own CollectorRegistry
@@ -272,6 +274,14 @@ class ServiceDeps:
         if self.judge is not None:
             await self.judge.aclose()
         await self.redis.aclose()
+
+
+def make_redis(config: RLServiceConfig) -> Redis:
+    """This process's Redis client. Its pool blocks for a free connection instead of failing: redis-py's default
+    pool raises `Too many connections` past 100, which 256 concurrent agent sessions reached (500 on a Task start)."""
+    pool = BlockingConnectionPool.from_url(config.redis_url.get_secret_value(), max_connections=REDIS_MAX_CONNECTIONS,
+                                           timeout=REDIS_POOL_WAIT_S)
+    return Redis(connection_pool=pool, decode_responses=False)
 
 
 def make_judge(config: RLServiceConfig) -> "Judge | None":

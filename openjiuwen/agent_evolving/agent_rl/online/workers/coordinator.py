@@ -36,7 +36,7 @@ log = logging.getLogger("openjiuwen.agent_rl.online.workers")
 
 LEASE_TTL_S = 5.0
 LEASE_MARGIN_S = 2.0  # a leader's duties stop this long before its lease can expire in Redis
-BEAT_S = 0.5
+BEAT_S = 1.0  # heartbeats cost every worker two Redis round trips: one a second
 
 
 class Duties(Protocol):
