@@ -7,7 +7,9 @@ Runs, one after the other (each a bounded loop on loopback, each writing <result
 default): capture (bench/capture_bench.py, with the peer gateways of bench/peers.py), hooks (bench/hooks_bench.py),
 hooks-sdk and storage-sdk (the same hook and storage workloads against the online-RL service of PyPI's `openjiuwen`
 SDK, installed into bench/.peers/openjiuwen on first use), storage (bench/storage_bench.py), scaling
-(bench/scaling_bench.py), training (bench/training_bench.py). `--no-peers` leaves out every third-party process
+(bench/scaling_bench.py), training (bench/training_bench.py), load (bench/load_bench.py: 256 concurrent agent sessions
+through the gateway), load-kills (64 sessions while RL Service workers are SIGKILLed), chaos (bench/chaos/run.py:
+every fault scenario, single-worker kills included). `--no-peers` leaves out every third-party process
 (capture peers, hooks-sdk, storage-sdk). Then renders docs/benchmarks.md from the JSON files (the machine, its load
 average, the commands, one table per bench, the targets met or missed); what the numbers mean and why lives in the
 hand-written docs/benchmarks-notes.md, which the generated page links to. `--quick` shortens every bench (about 4
@@ -36,6 +38,9 @@ RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 
 TINY_HOOKS = ["--pairs", "2", "--warmup", "0", "--callers", "1", "--prompt-tokens", "16", "--completion-tokens", "16"]
+TINY_LOAD = ["--sessions", "2", "--turns", "1", "--duration", "1", "--warmup", "0.5", "--instances", "1"]
+LOAD_AT_SCALE = ["bench/load_bench.py", "--sessions", "256", "--turns", "4"]  # issue 18: 256 sessions, 0 errors
+LOAD_KILLS = ["bench/load_bench.py", "--sessions", "64", "--turns", "4", "--workers", "3"]
 TINY_STORAGE = ["--sessions", "1", "--turns", "2", "--first-prompt-tokens", "16", "--completion-tokens", "8"]
 # name: (full args, quick args, smoke args). Smoke = the smallest run that still goes through every code path of
 # the bench and writes every key render() reads (scaling's claim needs at least 128 pending samples).
@@ -57,6 +62,14 @@ BENCHES: dict[str, tuple[list[str], list[str], list[str]]] = {
                 ["bench/scaling_bench.py", "--sizes", "200", "--reps", "2", "--active-tasks", "10"]),
     "training": (["bench/training_bench.py"], ["bench/training_bench.py", "--samples", "8"],
                  ["bench/training_bench.py", "--samples", "2", "--prompt-tokens", "8", "--response-tokens", "8"]),
+    "load": ([*LOAD_AT_SCALE, "--duration", "60"], [*LOAD_AT_SCALE, "--duration", "20"],
+             ["bench/load_bench.py", *TINY_LOAD]),
+    "load-kills": ([*LOAD_KILLS, "--duration", "60", "--kill-workers", "6"],
+                   [*LOAD_KILLS, "--duration", "20", "--kill-workers", "3"],
+                   ["bench/load_bench.py", *TINY_LOAD, "--duration", "3", "--workers", "2", "--kill-workers", "1"]),
+    "chaos": (["bench/chaos/run.py", "--seeds", "5"], ["bench/chaos/run.py", "--seeds", "1"],
+              ["bench/chaos/run.py", "--seeds", "1", "--scenario", "kill:worker", "--rounds", "1",
+               "--terminal-tasks", "1", "--delayed-tasks", "0"]),
 }
 MODES = ("full", "quick", "smoke")
 
@@ -87,6 +100,10 @@ def _verdict(ok: bool) -> str:
 
 
 TARGET_SESSIONS = 64  # the capture targets are stated for this many concurrent sessions
+# Issue 18's starting point, `make bench-quick` on the machine it was filed from: ms of CPU per captured call,
+# gateway added (captured − bypass) + RL Service + Redis. Its target: at most a third of each.
+CPU_BASELINE_MS = {("small", "json", 1): 1.29 + 6.13 + 0.97, ("small", "json", 64): 0.73 + 3.44 + 0.26,
+                   ("large", "json", 64): 4.17 + 7.92 + 0.36}
 NOTES = "benchmarks-notes.md"  # hand-written: what the numbers mean, profiles, history (no generated figure)
 
 
@@ -96,6 +113,103 @@ def _sizes(cap: dict) -> str:
     for r in cap["results"]:
         seen.setdefault(r["size"], (r["prompt_tokens"], r["completion_tokens"]))
     return ", ".join(f"*{size}* = {p:,} prompt + {c:,} completion tokens" for size, (p, c) in seen.items())
+
+
+def _cpu_per_capture(cap: dict) -> list[str]:
+    """CPU per captured call, the three processes added, against issue 18's target (a third of its baseline)."""
+    out = [
+        f"CPU per captured call, all processes: the gateway's added CPU (captured − bypass), the RL Service "
+        f"({cap.get('workers', 'auto')} workers: every process of it) and Redis, in ms.",
+        "",
+        "| size | format | sessions | gateway added | RL Service | Redis | total | target (a third of issue 18's) |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    met = []
+    for r in cap["results"]:
+        b, c = r["bypass"]["cpu_ms_per_call"], r["captured"]["cpu_ms_per_call"]
+        added = c["gateway"] - b["gateway"]
+        total = added + c["rl_service"] + c["redis"]
+        baseline = CPU_BASELINE_MS.get((r["size"], r["format"], r["concurrency"]))
+        verdict = "—"
+        if baseline is not None:
+            met.append(total <= baseline / 3)
+            verdict = f"≤ {baseline / 3:.2f}: {_verdict(met[-1])}"
+        out.append(f"| {r['size']} | {r['format']} | {r['concurrency']} | {added:.2f} | {c['rl_service']:.2f} | "
+                   f"{c['redis']:.2f} | {total:.2f} | {verdict} |")
+    out += ["", f"Target \"CPU per captured call at most a third of issue 18's\": met in {sum(met)} of {len(met)} rows "
+                "that issue measured.", ""] if met else [""]
+    return out
+
+
+def _load_row(label: str, ld: dict) -> str:
+    rss = ld["rss_mib"]
+    killed = f"{ld.get('workers_killed', 0)} killed" if ld.get("workers_killed") else "none killed"
+    lat = [v for k, v in ld["latency_ms"].items() if k.startswith("chat")]
+    p50 = max((v["p50"] for v in lat), default=0.0)
+    p99 = max((v["p99"] for v in lat), default=0.0)
+    return (f"| {label} | {ld['sessions']} × {ld['turns']} | {ld['duration_s']:.0f} s | {ld['requests']:,} "
+            f"({ld['requests_per_s']:.0f}/s) | {ld['errors']} | {ld['completions']:,} = {ld['samples_stored']:,} | "
+            f"{p50:.0f} / {p99:.0f} | {rss['gateway']['before']:.0f} → {rss['gateway']['after']:.0f} | "
+            f"{rss['rl_service']['before']:.0f} → {rss['rl_service']['after']:.0f} | {ld.get('workers', 1)}, {killed} "
+            f"| {'ok' if ld['invariants']['ok'] else '**violated**'} |")
+
+
+def _load_section(results: Path) -> list[str]:
+    rows = [(label, ld) for label, ld in (("load", _load(results, "load")),
+                                          ("load with worker kills", _load(results, "load-kills"))) if ld]
+    if not rows:
+        return []
+    out = [
+        "## Load at scale (`bench/load_bench.py`)",
+        "",
+        "Concurrent agent sessions through the real gateway and RL Service (fake vLLM and Judge in the bench process):",
+        "signed Task start, chat completions (JSON and SSE), stop, reward, until the duration has passed. Errors = any",
+        "answer other than the contract's success; completions = samples stored; RSS in MiB after the warm-up → at",
+        "the end (the RL Service: all its processes); latency = the slower of JSON and SSE chat, ms.",
+        "",
+        "| run | sessions × turns | duration | requests | errors | completions = samples | chat p50 / p99 "
+        "| gateway RSS | RL Service RSS | RL workers | invariants |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        *(_load_row(label, ld) for label, ld in rows),
+        "",
+    ]
+    for label, ld in rows:
+        ok = ld["errors"] == 0 and ld["completions"] == ld["samples_stored"] and ld["invariants"]["ok"]
+        out.append(f"- {label}: target 0 errors, every completion one sample, invariants hold: {_verdict(ok)}")
+    out.append("")
+    return out
+
+
+def _chaos_section(results: Path) -> list[str]:
+    ch = _load(results, "chaos")
+    if not ch:
+        return []
+    t = ch["totals"]
+    by_kind: dict[str, list[dict]] = {}
+    for run in ch["runs"]:
+        kind = run["scenario"].split(":")[0] if not run["scenario"].startswith("kill:") else run["scenario"]
+        by_kind.setdefault(kind, []).append(run)
+    out = [
+        "## Chaos sweep (`bench/chaos/run.py`)",
+        "",
+        f"{t['runs']} runs of {t['scenarios']} scenarios ({t['wall_s']:.0f} s), each followed by the invariant checker "
+        "and a check of every sample the client was acknowledged (docs/reliability.md).",
+        "",
+        "| scenarios | runs ok | kills | Redis faults | Tasks (redone) | samples (client-checked) | slowest error |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind, runs in by_kind.items():
+        out.append(
+            f"| `{kind}` | {sum(r['ok'] for r in runs)}/{len(runs)} | {sum(r['kills'] for r in runs)} | "
+            f"{sum(r['redis_faults'] for r in runs)} | {sum(r['tasks_started'] for r in runs)} "
+            f"({sum(r['tasks_abandoned'] for r in runs)}) | {sum(r['samples'] for r in runs)} "
+            f"({sum(r['samples_checked'] for r in runs)}) | {max(r['max_error_latency_s'] for r in runs):.2f} s |")
+    worker_kills = t.get("worker_kills", 0)
+    ok = t["kills"] >= 200 and t["failed_runs"] == 0 and worker_kills > 0
+    out += ["", f"Totals: {t['kills']} kills ({worker_kills} of single workers), {t['redis_faults']} Redis faults, "
+                f"{t['failed_runs']} failed runs. Target \"≥ 200 kills, single workers included, 0 invariant "
+                f"failures\": {_verdict(ok)}.", ""]
+    return out
 
 
 def render(mode: str, seconds: dict[str, float], results: Path = RESULTS, machine: dict | None = None) -> str:
@@ -145,6 +259,7 @@ def render(mode: str, seconds: dict[str, float], results: Path = RESULTS, machin
                 f"{c['cpu_ms_per_call']['gateway']:.2f} | {c['cpu_ms_per_call']['rl_service']:.2f} | "
                 f"{c['cpu_ms_per_call']['redis']:.2f} | {r['load_avg_1m']:.1f} |")
         out += ["", f"Captures committed: {cap['captures_committed']} of {cap['captures_expected']} sent.", ""]
+        out += _cpu_per_capture(cap)
         peer_names = sorted({k for r in cap["results"] for k in r if k.startswith("peer:")})
         if peer_names:
             out += [
@@ -215,7 +330,8 @@ def render(mode: str, seconds: dict[str, float], results: Path = RESULTS, machin
             "## RL Service hook path (`bench/hooks_bench.py`)",
             "",
             f"`:before` + `:after` against the RL Service process, {hooks['prompt_tokens']} prompt + "
-            f"{hooks['completion_tokens']} completion tokens as vLLM answers the injected `top_logprobs=0` (`:after` body "
+            f"{hooks['completion_tokens']} completion tokens as vLLM answers the injected `top_logprobs=0` "
+            "(`:after` body "
             f"{hooks['after_body_bytes'] / 1024:.0f} KiB), {hooks['pairs']} pairs one at a time, then "
             f"{cc['callers'] if cc else '?'} concurrent callers. The second row runs the same sequence, same bodies, "
             f"against the online-RL service that ships in PyPI's `openjiuwen` SDK (`{peers.INSTALLS['openjiuwen'][0][0]}`, "
@@ -308,6 +424,7 @@ def render(mode: str, seconds: dict[str, float], results: Path = RESULTS, machin
             f"{tr['sequence_tokens_per_second_wall']:.0f} |",
             "",
         ]
+    out += _load_section(results) + _chaos_section(results)
     peers_measured = bool(cap) and any(k.startswith("peer:") for r in cap["results"] for k in r)
     out += [
         "## Peers",

@@ -2,14 +2,16 @@
 
     .venv/bin/python bench/chaos/run.py [--seeds 3] [--first-seed 1] [--scenario crash:run.marked ...]
                                         [--rounds 2] [--terminal-tasks 3] [--delayed-tasks 1]
-                                        [--json bench/results/chaos.json]
+                                        [--json | --out bench/results/chaos.json]
 
 Scenarios (tests/support/chaos.py): `crash:<point>` for each fault injection point of online/faults.py (the service
 exits there, is restarted without the fault and the workload resumes), `kill:random` (3 SIGKILLs at seeded
 moments), `redis:pause` (Redis SIGSTOPped 2.5 s during captures and during a run claim), `redis:restart` (Redis
-stopped and started again mid-traffic, AOF on). Each run owns a private redis-server, fake gateway and Judge and the
-scripted trainer, all on loopback. Prints a table (scenario × seed → outcome) and totals, writes the JSON, and exits
-non-zero when any run broke an invariant. `tests/system/test_chaos.py` runs a fast subset in `make test`.
+stopped and started again mid-traffic, AOF on), and against a group of 3 workers `wcrash:<point>` (a worker exits
+at the point, the group restarts it), `kill:worker` and `kill:leader` (SIGKILLs of single workers). Each run owns a
+private redis-server, fake gateway and Judge and the scripted trainer, all on loopback. Prints a table (scenario ×
+seed → outcome) and totals, writes the JSON (`--json`, or `--out` as the other benches name it), and exits non-zero
+when any run broke an invariant. `tests/system/test_chaos.py` runs a fast subset in `make test`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import write_result  # noqa: E402
-from tests.support.chaos import SCENARIOS, ChaosOutcome, Workload, run_scenario  # noqa: E402
+from tests.support.chaos import SCENARIOS, WORKER_KINDS, ChaosOutcome, Workload, run_scenario  # noqa: E402
 
 
 def _row(o: ChaosOutcome) -> str:
@@ -66,7 +68,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="workload rounds per run (default 2)")
     parser.add_argument("--terminal-tasks", type=int, default=3, help="concurrent terminal Tasks per round (3)")
     parser.add_argument("--delayed-tasks", type=int, default=1, help="concurrent delayed-feedback Tasks per round (1)")
-    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
+    parser.add_argument("--json", "--out", dest="json", type=Path, default=ROOT / "bench" / "results" / "chaos.json",
+                        help="the result file (default bench/results/chaos.json)")
     args = parser.parse_args()
     began = time.monotonic()
     outcomes = asyncio.run(sweep(args))
@@ -76,6 +79,8 @@ def main() -> int:
     totals = {
         "runs": len(outcomes), "failed_runs": sum(not o.ok for o in outcomes),
         "scenarios": len({o.scenario for o in outcomes}), "kills": sum(o.kills for o in outcomes),
+        # A worker of a worker group (wcrash:, kill:worker, kill:leader) dies alone; the others kill the service.
+        "worker_kills": sum(o.kills for o in outcomes if o.scenario.startswith(WORKER_KINDS)),
         "redis_faults": sum(o.redis_faults for o in outcomes), "tasks_started": sum(o.tasks_started for o in outcomes),
         "tasks_redone": sum(o.tasks_abandoned for o in outcomes), "samples": sum(o.samples for o in outcomes),
         "samples_checked": sum(o.samples_checked for o in outcomes),

@@ -77,7 +77,7 @@ SCENARIOS = (*(f"crash:{p}" for p in POINTS if not p.startswith("rollout.")),
              "redis:pause", "redis:restart", "redis:kill", "judge:flaky",
              *(f"wcrash:{p}" for p in POINTS if not p.startswith("rollout.")), "kill:worker", "kill:leader")
 WORKERS = 3  # the group size of the single-worker scenarios
-_WORKER_KINDS = ("wcrash", "kill:worker", "kill:leader")
+WORKER_KINDS = ("wcrash:", "kill:worker", "kill:leader")  # scenario prefixes run against a worker group
 # Crash points reached by several operations of one round get a seeded hit count; the others crash at the first hit.
 _CRASH_MAX_HIT = {"capture.committed": 6, "task.finalized": 3, "reward.claimed": 3, "reward.inserted": 3,
                   "turn.inserted": 2, "turn.published": 2, "run.claimed": 2}
@@ -197,7 +197,7 @@ class _Harness:
         self.w = replace(workload, delayed_tasks=max(3, workload.delayed_tasks)) if scenario == "judge:flaky" \
             else workload
         self.outcome = ChaosOutcome(scenario, seed)
-        self.workers = WORKERS if scenario.startswith(_WORKER_KINDS) else 1
+        self.workers = WORKERS if scenario.startswith(WORKER_KINDS) else 1
         self.record = ClientRecord()
         self.request = load_fixture("chat_request.json")
         self.response = load_fixture("chat_response.json")

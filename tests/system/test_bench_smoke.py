@@ -38,6 +38,11 @@ RUN_ALL_KEYS = {
     "scaling": {"claim_batch", "claim_and_stats", "recovery", "machine"},
     "training": {"samples", "prompt_tokens", "response_tokens", "wall_seconds", "ppo_seconds",
                  "response_tokens_per_second_ppo", "sequence_tokens_per_second_wall"},
+    "load": {"sessions", "turns", "duration_s", "requests", "requests_per_s", "errors", "completions", "latency_ms",
+             "rss_mib", "invariants", "samples_stored", "workers", "workers_killed"},
+    "load-kills": {"sessions", "turns", "duration_s", "requests", "requests_per_s", "errors", "completions",
+                   "latency_ms", "rss_mib", "invariants", "samples_stored", "workers", "workers_killed"},
+    "chaos": {"totals", "runs"},
 }
 CAPTURE_ROW_KEYS = {"size", "format", "concurrency", "calls", "prompt_tokens", "completion_tokens", "direct",
                     "bypass", "captured", "added_p50_ms", "added_p99_ms", "throughput_ratio", "load_avg_1m"}
@@ -48,13 +53,9 @@ NOT_BENCHES = {
     "bench/peer_agentlightning.py": "launches a third-party peer: never in tests",
     "bench/gpu/verl_run.py": "GPU check: tests/unit/test_verl_gpu_script.py runs its checks",
 }
-# Benches outside run_all.py, each with its smallest arguments (documented in its --help).
-SEPARATE = {
-    "bench/load_bench.py": ["--sessions", "2", "--turns", "1", "--duration", "1", "--warmup", "0.5",
-                            "--instances", "1"],
-    "bench/chaos/run.py": ["--seeds", "1", "--scenario", "crash:capture.committed", "--rounds", "1",
-                           "--terminal-tasks", "1", "--delayed-tasks", "0"],
-}
+# Benches outside run_all.py, each with its smallest arguments (documented in its --help): none left, the load and
+# chaos benches are part of the suite since issue 18.
+SEPARATE: dict[str, list[str]] = {}
 
 
 def run(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
@@ -102,25 +103,18 @@ def test_run_all_smoke_runs_every_bench_and_renders_the_page(tmp_path: Path) -> 
     page = doc.read_text(encoding="utf-8")
     assert "Mode: smoke." in page
     for section in ("## Capture overhead", "## RL Service hook path", "## Storage", "## Scaling",
-                    "## Training throughput", "## Peers"):
+                    "## Training throughput", "## Load at scale", "## Chaos sweep", "## Peers"):
         assert section in page
     assert (sorted(peers_dir.iterdir()) if peers_dir.exists() else None) == peers_before  # nothing installed
-
-
-def test_load_bench_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "load.json"
-    run(["bench/load_bench.py", *SEPARATE["bench/load_bench.py"], "--out", str(out)], tmp_path)
-    result = load(out)
-    assert {"requests", "errors", "completions", "latency_ms", "rss_mib", "invariants", "samples_stored"} <= set(result)
-    assert result["errors"] == 0 and result["invariants"]["ok"] and result["completions"] > 0
-
-
-def test_chaos_bench_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "chaos.json"
-    run(["bench/chaos/run.py", *SEPARATE["bench/chaos/run.py"], "--json", str(out)], tmp_path)
-    result = load(out)
-    assert result["totals"]["runs"] == 1 and result["totals"]["failed_runs"] == 0
-    assert result["runs"] and {"scenario", "seed"} <= set(result["runs"][0])
+    # The load runs, one of them killing a worker of the RL Service under the load, and the chaos run.
+    for name in ("load", "load-kills"):
+        result = load(results / f"{name}.json")
+        assert result["errors"] == 0 and result["invariants"]["ok"] and result["completions"] > 0, result
+        assert result["samples_stored"] == result["completions"]
+    kills = load(results / "load-kills.json")
+    assert (kills["workers"], kills["workers_killed"], kills["workers_restarted"]) == (2, 1, 1)
+    chaos = load(results / "chaos.json")["totals"]
+    assert chaos["runs"] == 1 and chaos["failed_runs"] == 0 and chaos["worker_kills"] >= 1
 
 
 @pytest.mark.parametrize("script", sorted({args[0] for *_, args in run_all.BENCHES.values()} | set(SEPARATE)))
@@ -130,5 +124,5 @@ def test_help_documents_every_size_flag(script: str, tmp_path: Path) -> None:
     used = [*SEPARATE.get(script, []), *(a for variants in run_all.BENCHES.values() for args in variants
                                           if args[0] == script for a in args[1:])]
     text = run([script, "--help"], tmp_path).stdout
-    for flag in {a for a in used if a.startswith("--")} | {"--out" if script != "bench/chaos/run.py" else "--json"}:
+    for flag in {a for a in used if a.startswith("--")} | {"--out"}:
         assert flag in text, f"{script} --help does not mention {flag}"

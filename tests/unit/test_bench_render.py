@@ -70,7 +70,29 @@ def result_set(k: float) -> dict[str, dict]:
         "training": {"samples": round(7 * k), "prompt_tokens": round(230 * k), "response_tokens": round(220 * k),
                      "wall_seconds": 3.9 * k, "ppo_seconds": 0.9 * k, "response_tokens_per_second_ppo": 13000 * k,
                      "sequence_tokens_per_second_wall": 900 * k},
+        "load": _load_result(k, workers=round(2 * k), killed=0),
+        "load-kills": _load_result(1.1 * k, workers=round(3 * k), killed=round(5 * k)),
+        "chaos": {"totals": {"runs": round(40 * k), "scenarios": round(29 * k), "wall_s": 310.0 * k,
+                             "kills": round(210 * k), "worker_kills": round(90 * k), "redis_faults": round(12 * k),
+                             "failed_runs": round(1 * k)},
+                  "runs": [{"scenario": s, "ok": True, "kills": round(n * k), "redis_faults": round(2 * n * k),
+                            "tasks_started": round(8 * n * k), "tasks_abandoned": round(n * k),
+                            "samples": round(17 * n * k), "samples_checked": round(16 * n * k),
+                            "max_error_latency_s": 0.07 * n * k}
+                           for s, n in (("crash:capture.committed", 1.1), ("wcrash:run.claimed", 1.3),
+                                        ("kill:worker", 1.7)) for _ in range(round(2 * k))]},
     }
+
+
+def _load_result(k: float, *, workers: int, killed: int) -> dict:
+    return {"sessions": round(250 * k), "turns": round(4 * k), "duration_s": 61.0 * k, "requests": round(9000 * k),
+            "requests_per_s": 140.0 * k, "errors": round(3 * k), "completions": round(5000 * k),
+            "samples_stored": round(5001 * k), "workers": workers, "workers_killed": killed,
+            "latency_ms": {"chat_json": {"p50": 410.0 * k, "p99": 1300.0 * k},
+                           "chat_sse": {"p50": 420.0 * k, "p99": 1400.0 * k}},
+            "rss_mib": {"gateway": {"before": 70.0 * k, "after": 73.0 * k},
+                        "rl_service": {"before": 210.0 * k, "after": 217.0 * k}},
+            "invariants": {"ok": True}}
 
 
 def render(tmp_path: Path, k: float) -> list[str]:
@@ -102,7 +124,7 @@ def test_every_number_on_the_generated_page_comes_from_the_results(tmp_path: Pat
     assert fixed_numbers(a, b) == []
     page = "\n".join(a)
     for section in ("## Capture overhead", "## RL Service hook path", "## Storage", "## Scaling",
-                    "## Training throughput", "## Peers"):
+                    "## Training throughput", "## Load at scale", "## Chaos sweep", "## Peers"):
         assert section in page
     assert "benchmarks-notes.md" in page  # the hand-written notes are linked
 
