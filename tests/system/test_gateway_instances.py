@@ -21,6 +21,7 @@ from openjiuwen.agent_evolving.agent_rl.cli.operator import KEY_FILE_ENV, URL_EN
 from tests.support.fake_vllm import CHAT_PATH, FakeVLLM
 from tests.support.gateway_process import INS_KEY, GatewayProcess
 from tests.support.redis_server import free_port
+from tests.support.waiting import wait_for
 from tests.system.test_gateway_lora import (
     activate_v1,
     agent,
@@ -62,13 +63,6 @@ def instances(gw: GatewayProcess) -> dict[str, dict[str, Any]]:
     r = gw.signed("GET", LIST)
     assert r.status_code == 200, r.text
     return {i["name"]: i for i in r.json()["items"]}
-
-
-def wait_for(predicate: Any, what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
 
 
 def base_chats(gw: GatewayProcess, n: int) -> None:
@@ -219,7 +213,7 @@ def test_instance_that_comes_back_gets_the_active_and_leased_adapters_before_it_
         old = start_task(gw, "on-v1")  # pins v1: a leased version
 
         c.stop()
-        wait_for(lambda: not instances(gw)["vllm-c"]["serving"], "the dead instance leaves routing")
+        wait_for(lambda: not instances(gw)["vllm-c"]["serving"], WAIT_S, "the dead instance leaves routing")
         run = train(gw, client, "train-v2")
         assert (run["status"], run["lora_name"]) == ("succeeded", "tiny:v2"), run
         v2_path = run["lora_path"]
@@ -227,7 +221,7 @@ def test_instance_that_comes_back_gets_the_active_and_leased_adapters_before_it_
 
         # vLLM restarts at the same address with nothing loaded.
         with FakeVLLM(name="vllm-c", port=c.port) as back:
-            wait_for(lambda: instances(gw)["vllm-c"]["serving"], "the instance comes back")
+            wait_for(lambda: instances(gw)["vllm-c"]["serving"], WAIT_S, "the instance comes back")
             # It serves only after both loads: the active version and the one the running Task still holds.
             assert back.loaded_paths == {"tiny:v1": v1_path, "tiny:v2": v2_path}
             assert lora_status(gw)["instances"] == {"ready": 3, "failed": 0}

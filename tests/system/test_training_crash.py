@@ -13,6 +13,7 @@ from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway, Hang
 from tests.support.invariants import check_invariants
 from tests.support.service_process import ServiceProcess
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.system
 
@@ -32,16 +33,6 @@ def publish_samples(url: str, count: int) -> None:
             assert r.status_code == 204
         assert c.post("/v1/rl/tasks/tcrash/stop").status_code == 200
         assert c.post("/v1/rl/tasks/tcrash/reward", json={"reward": 1.0}).json() == {"sample_count": count}
-
-
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def by_status(url: str) -> dict[str, int]:

@@ -22,23 +22,14 @@ from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import ClientRecord, check_invariants
 from tests.support.service_app import start_headers
-from tests.support.service_process import ServiceProcess, process_gone, worker_pids as children
+from tests.support.service_process import ServiceProcess, process_gone, worker_pids
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.system
 
 REQUEST = load_fixture("chat_request.json")
 RESPONSE = load_fixture("chat_response.json")
 WORKERS = 3
-
-
-def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def health(url: str) -> dict:
@@ -49,7 +40,7 @@ def health(url: str) -> dict:
 
 
 def live_workers(svc: ServiceProcess) -> bool:
-    return len(children(svc.pid)) == WORKERS and health(svc.url)["workers"]["live"] == WORKERS
+    return len(worker_pids(svc.pid)) == WORKERS and health(svc.url)["workers"]["live"] == WORKERS
 
 
 def leader(svc: ServiceProcess, redis_url: str) -> Holder | None:
@@ -133,7 +124,7 @@ def plan(tmp_path: Path, **fields) -> Path:
 
 async def test_workers_share_the_port_relay_leader_routes_and_sum_their_metrics(redis, redis_url, tmp_path, gateway):
     with group(tmp_path, redis_url, gateway, plan(tmp_path)).start() as svc:
-        wait_for(lambda: live_workers(svc), what="3 live workers")
+        wait_for(lambda: live_workers(svc), timeout_s=15.0, what="3 live workers")
         answered = {health(svc.url)["workers"]["worker"] for _ in range(60)}
         assert len(answered) >= 2, answered  # the kernel spreads connections over the workers
         record = ClientRecord()
@@ -161,17 +152,17 @@ async def test_workers_share_the_port_relay_leader_routes_and_sum_their_metrics(
 
 async def test_a_killed_follower_is_restarted_and_every_capture_lands_once(redis, redis_url, tmp_path, gateway):
     with group(tmp_path, redis_url, gateway, plan(tmp_path)).start() as svc:
-        wait_for(lambda: live_workers(svc), what="3 live workers")
+        wait_for(lambda: live_workers(svc), timeout_s=15.0, what="3 live workers")
         record = ClientRecord()
         agent = Agent(svc.url, record)
         agent.task("t-before", captures=2)
         holder = leader(svc, redis_url)
         assert holder is not None
-        victims = sorted(children(svc.pid) - {holder.pid})
+        victims = sorted(worker_pids(svc.pid) - {holder.pid})
         for n, victim in enumerate(victims):
             os.kill(victim, signal.SIGKILL)
             agent.task(f"t-after-{n}", captures=3)  # served by the others while the group restarts the victim
-            wait_for(lambda v=victim: v not in children(svc.pid) and live_workers(svc), what="the restart")
+            wait_for(lambda v=victim: v not in worker_pids(svc.pid) and live_workers(svc), timeout_s=15.0, what="the restart")
         assert leader(svc, redis_url) == holder  # the leader never changed
         report = await check_invariants(redis, model_id="tiny", sent=record, raise_on_violation=False)
         assert report.ok, report.violations
@@ -182,7 +173,7 @@ async def test_a_killed_follower_is_restarted_and_every_capture_lands_once(redis
 async def test_a_killed_leader_hands_its_duties_over_and_its_run_is_settled(redis, redis_url, tmp_path, gateway):
     path = plan(tmp_path, outcome="block")
     with group(tmp_path, redis_url, gateway, path).start() as svc:
-        wait_for(lambda: live_workers(svc), what="3 live workers")
+        wait_for(lambda: live_workers(svc), timeout_s=15.0, what="3 live workers")
         record = ClientRecord()
         agent = Agent(svc.url, record)
         for n in range(2):
@@ -220,8 +211,8 @@ async def test_a_killed_leader_hands_its_duties_over_and_its_run_is_settled(redi
 async def test_sigterm_stops_every_worker_and_finishes_the_active_tasks(redis, redis_url, tmp_path, gateway):
     svc = group(tmp_path, redis_url, gateway, plan(tmp_path)).start()
     with svc:
-        wait_for(lambda: live_workers(svc), what="3 live workers")
-        workers = children(svc.pid)
+        wait_for(lambda: live_workers(svc), timeout_s=15.0, what="3 live workers")
+        workers = worker_pids(svc.pid)
         with httpx.Client(base_url=svc.url, timeout=10) as c:
             for n in range(4):
                 r = c.post("/v1/rl/tasks/start", json={"reward_mode": "terminal"},
