@@ -25,7 +25,7 @@ from ..common.content_type import JsonBodyMiddleware
 from ..common.errors import install_error_envelope
 from ..common.guards import GuardMiddleware
 from .api.health import build_health_router
-from .api.hooks import AFTER_PATH, build_hooks_router
+from .api.hooks import AFTER_PATH, CaptureHooks, build_hooks_router
 from .api.metrics import build_metrics_router
 from .api.policies import build_policies_router
 from .api.rail import build_rail_router
@@ -392,13 +392,14 @@ def create_app(
     )
     app.state.deps = deps  # for tests and operators' debugging only; routers get their parts explicitly
     install_error_envelope(app, logger=api_log, on_error=deps.metrics.exception)
+    hooks = CaptureHooks(deps.pipeline, deps.metrics)
     app.include_router(build_health_router(
         deps.redis, model_id=config.model_id, extra_checks=[deps.runner.check_health],
         on_redis_error=deps.metrics.redis_error,
     ))
     app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards,
                                           on_created=deps.rollout.task_started))
-    app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle, deps.registry, deps.metrics))
+    app.include_router(build_hooks_router(hooks, deps.lifecycle, deps.registry))
     app.include_router(build_rewards_router(deps.reward_ledger))
     reward_stats = deps.reward_ledger.stats if deps.reward_ledger.policy.configured else None
     app.include_router(build_trajectories_router(deps.store, reward_stats=reward_stats))
