@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from ..common import packed_hook
-from ..common.content_type import JsonBodyMiddleware
-from ..common.errors import install_error_envelope
-from ..common.guards import GuardMiddleware
+from ..common.content_type import BodyTypeGuard, JsonBodyMiddleware
+from ..common.errors import INTERNAL_ERROR_MESSAGE, UnhandledErrors, install_error_envelope
+from ..common.guards import GuardMiddleware, RequestGuard
+from .api.fast_hooks import HookFastPath, ServiceApp
 from .api.health import build_health_router
-from .api.hooks import AFTER_PATH, CaptureHooks, build_hooks_router
+from .api.hooks import BINARY_ROUTES as HOOK_BINARY_ROUTES, CaptureHooks, build_hooks_router
 from .api.metrics import build_metrics_router
 from .api.policies import build_policies_router
 from .api.rail import build_rail_router
@@ -386,7 +386,7 @@ def create_app(
     if fault is None:
         fault = fault_hook(os.environ.get(CRASH_AT_ENV))
     deps = ServiceDeps.build(config, redis=redis, judge=judge, backend=backend, token=token, fault=fault)
-    app = FastAPI(
+    app = ServiceApp(
         title="openjiuwen online RL service", lifespan=deps.lifespan, docs_url=None, redoc_url=None,
         redirect_slashes=False,  # `/v1/rl/trajectories/` is an unknown path (404 envelope), not a 307 to the listing
     )
@@ -408,11 +408,19 @@ def create_app(
     app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id)))
     app.include_router(build_rollout_router(deps.rollout))
     # Inside the guards (bearer 401 and size 413 first): a non-JSON body is 415 (a browser's cross-site simple POST).
-    app.add_middleware(JsonBodyMiddleware, binary_routes={AFTER_PATH: packed_hook.MEDIA_TYPE})
+    app.add_middleware(JsonBodyMiddleware, binary_routes=HOOK_BINARY_ROUTES)
     app.add_middleware(GuardMiddleware, token=token, max_body_bytes=config.max_body_bytes)
     app.include_router(build_metrics_router(deps.metrics, deps.redis, deps.store.stats))
     # Outermost: every answer is counted, the guards' 401/413 included.
     app.add_middleware(HttpMetricsMiddleware, observe=deps.metrics.http)
+    # In front of all of it, the hooks' lean path: the same checks, answers and counts as the stack above.
+    app.hook_fast_path = HookFastPath(
+        hooks,
+        guard=RequestGuard(token=token, max_body_bytes=config.max_body_bytes),
+        body_types=BodyTypeGuard(HOOK_BINARY_ROUTES),
+        unhandled=UnhandledErrors(message=INTERNAL_ERROR_MESSAGE, logger=api_log, on_error=deps.metrics.exception),
+        observe=deps.metrics.http,
+    )
     return app
 
 
