@@ -38,24 +38,42 @@ def declares_body(headers: dict[bytes, bytes]) -> bool:
     return length is not None and length.strip() not in (b"", b"0")
 
 
-class JsonBodyMiddleware:
-    """`binary_routes`: path → the one non-JSON media type that path also takes (the RL Service's packed `:after`,
+class BodyTypeGuard:
+    """The check of JsonBodyMiddleware, for any ASGI path that answers before the app's routing (the RL Service's
+    hook fast path, online/api/fast_hooks.py, runs it as the middleware does).
+
+    `binary_routes`: path → the one non-JSON media type that path also takes (the RL Service's packed `:after`,
     common/packed_hook.py). Such a type is no CORS-safelisted one, so a browser preflights it: the door stays shut."""
+
+    def __init__(self, binary_routes: dict[str, str] | None = None) -> None:
+        self._binary = {path: media.encode() for path, media in (binary_routes or {}).items()}
+
+    def refuses(self, scope: Scope) -> bool:
+        """True when the request declares a body whose type the path does not take (answer `send_unsupported`)."""
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope.get("headers") or ():
+            headers.setdefault(name.lower(), value)  # the first of a repeated header, as routes read it
+        media = headers.get(b"content-type", b"")
+        return (declares_body(headers) and not is_json_media_type(media)
+                and media_type(media) != self._binary.get(scope.get("path", "")))
+
+
+async def send_unsupported(send: Send) -> None:
+    """The 415 `unsupported_media_type` answer."""
+    await send({"type": "http.response.start", "status": 415, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(_BODY)).encode())]})
+    await send({"type": "http.response.body", "body": _BODY})
+
+
+class JsonBodyMiddleware:
+    """415 for a declared body that is not JSON (nor the path's binary type, see BodyTypeGuard)."""
 
     def __init__(self, app: ASGIApp, *, binary_routes: dict[str, str] | None = None) -> None:
         self.app = app
-        self._binary = {path: media.encode() for path, media in (binary_routes or {}).items()}
+        self._guard = BodyTypeGuard(binary_routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            headers: dict[bytes, bytes] = {}
-            for name, value in scope.get("headers") or ():
-                headers.setdefault(name.lower(), value)  # the first of a repeated header, as routes read it
-            media = headers.get(b"content-type", b"")
-            if (declares_body(headers) and not is_json_media_type(media)
-                    and media_type(media) != self._binary.get(scope.get("path", ""))):
-                await send({"type": "http.response.start", "status": 415, "headers": [
-                    (b"content-type", b"application/json"), (b"content-length", str(len(_BODY)).encode())]})
-                await send({"type": "http.response.body", "body": _BODY})
-                return
+        if scope["type"] == "http" and self._guard.refuses(scope):
+            await send_unsupported(send)
+            return
         await self.app(scope, receive, send)

@@ -48,8 +48,33 @@ def envelope_bytes(code: str, message: str) -> bytes:
     return orjson.dumps({"error": {"code": code, "message": message}})
 
 
+class UnhandledErrors:
+    """What happens to an exception no handler answered: logged with its details, counted (`on_error`), and answered
+    with exactly the 500 envelope, unless the response had started (then nothing sound can be sent)."""
+
+    def __init__(
+        self, *, message: str, logger: logging.Logger, on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
+        self._body = envelope_bytes("internal_error", message)
+        self._log = logger
+        self._on_error = on_error
+
+    async def answer(self, scope: Scope, send: Send, exc: Exception, *, started: bool) -> bool:
+        """Log and count `exc`; send the 500 envelope and return True, or return False when the response had
+        started (the caller re-raises)."""
+        self._log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+        if self._on_error is not None:
+            self._on_error(exc)  # e.g. counting Redis errors
+        if started:
+            return False
+        await send({"type": "http.response.start", "status": 500, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(self._body)).encode())]})
+        await send({"type": "http.response.body", "body": self._body})
+        return True
+
+
 class CatchAllMiddleware:
-    """Any unhandled exception → exactly the 500 envelope, with the details in the log only.
+    """Any unhandled exception → exactly the 500 envelope, with the details in the log only (`UnhandledErrors`).
 
     A pure ASGI middleware rather than an `exception_handler(Exception)`: Starlette re-raises after such a handler
     answered, and the server then drops the keep-alive connection under a client that is about to reuse it."""
@@ -59,9 +84,7 @@ class CatchAllMiddleware:
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
         self.app = app
-        self._body = envelope_bytes("internal_error", message)
-        self._log = logger
-        self._on_error = on_error
+        self._unhandled = UnhandledErrors(message=message, logger=logger, on_error=on_error)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -78,18 +101,15 @@ class CatchAllMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
-            self._log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
-            if self._on_error is not None:
-                self._on_error(exc)  # e.g. counting Redis errors
-            if started:
-                raise  # the answer is already on its way: nothing sound can be sent any more
-            await send({"type": "http.response.start", "status": 500, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(self._body)).encode())]})
-            await send({"type": "http.response.body", "body": self._body})
+            if not await self._unhandled.answer(scope, send, exc, started=started):
+                raise  # the answer is already on its way
+
+
+INTERNAL_ERROR_MESSAGE = "internal service error"  # the 500 envelope's message (CONTRACT §2.1)
 
 
 def install_error_envelope(
-    app: FastAPI, *, logger: logging.Logger | None = None, message: str = "internal service error",
+    app: FastAPI, *, logger: logging.Logger | None = None, message: str = INTERNAL_ERROR_MESSAGE,
     on_error: Callable[[Exception], None] | None = None,
 ) -> None:
     """Every client mistake and every unhandled error of `app` answered with the envelope."""

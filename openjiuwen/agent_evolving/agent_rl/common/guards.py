@@ -14,8 +14,10 @@ BrokenPipeError or ConnectionResetError instead of the 413.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import ipaddress
+from enum import Enum
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -67,7 +69,7 @@ async def _drain(receive: Receive) -> int:
     return drained
 
 
-class _TooLargeAnswer:
+class TooLargeAnswer:
     """Sends a 413 (ours or the app's) with `Connection: close` and, when the client may still be writing the body,
     holds the end of the response until the rest of the body is drained: the whole answer is on the wire first (it
     carries its Content-Length), so a client reading while it writes has it at once; the server then closes only
@@ -94,13 +96,84 @@ def _arrived_on_loopback(scope: Scope) -> bool:
     server = scope.get("server")
     if not server:
         return True
+    return _is_loopback_address(str(server[0]))
+
+
+@functools.lru_cache(maxsize=256)
+def _is_loopback_address(host: str) -> bool:
+    """Per local address string (a server listens on a few: cached, not parsed again per request)."""
     try:
-        address = ipaddress.ip_address(str(server[0]).split("%", 1)[0])
+        address = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         return True
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     return address.is_loopback
+
+
+class Admission(Enum):
+    """What `RequestGuard.admit` decided."""
+
+    REFUSED = "refused"  # answered already: 403, 401, 400 (Content-Length), 413
+    SIZED = "sized"  # passes, with a Content-Length within the limit
+    UNSIZED = "unsized"  # passes without a Content-Length: count the body while reading it (`BodyCounter`)
+
+
+class RequestGuard:
+    """The checks of GuardMiddleware, in the contract's order, for any ASGI path that answers before the app's
+    routing (the RL Service's hook fast path, online/api/fast_hooks.py, runs them as the middleware does)."""
+
+    def __init__(self, *, token: str | None, max_body_bytes: int, loopback_only: bool = True) -> None:
+        self.loopback_only = loopback_only  # the RL Service; the gateway serves the network and passes False
+        self._token = token.encode() if token else None
+        self.max_body_bytes = max_body_bytes
+
+    async def admit(self, scope: Scope, receive: Receive, send: Send) -> Admission:
+        """Loopback, bearer token on every route but `GET /health` (when a token is set), then the declared body
+        size; a refusal is answered on `send` here."""
+        if self.loopback_only and not _arrived_on_loopback(scope):
+            await _send_error(send, 403, "forbidden", "the RL Service serves loopback clients only")
+            return Admission.REFUSED
+        headers = dict(scope.get("headers") or [])
+        if self._token is not None and not (scope["method"] == "GET" and scope["path"] in _UNAUTHENTICATED_PATHS):
+            presented = headers.get(b"authorization", b"")
+            expected = b"Bearer " + self._token
+            if not hmac.compare_digest(presented, expected):
+                await _send_error(send, 401, "unauthorized", "missing or invalid bearer token")
+                return Admission.REFUSED
+        length = headers.get(b"content-length")
+        if length is None:
+            return Admission.UNSIZED
+        try:
+            too_large = int(length) > self.max_body_bytes
+        except ValueError:
+            await _send_error(send, 400, "invalid_request", "invalid Content-Length")
+            return Admission.REFUSED
+        if too_large:
+            # No byte of the body was read; a client that waits for `100 Continue` sends none, and asking for
+            # the body would make the server send that interim answer after this final one.
+            drain = headers.get(b"expect", b"").lower() != b"100-continue"
+            await _send_error(TooLargeAnswer(send, receive, drain=drain), 413, "payload_too_large",
+                              f"request body exceeds {self.max_body_bytes} bytes")
+            return Admission.REFUSED
+        return Admission.SIZED
+
+
+class BodyCounter:
+    """Counts an unsized (chunked) body as its messages are read. Past the limit it raises PayloadTooLarge and
+    keeps in `over` how the answer must go out (413 with `Connection: close`, then the rest drained)."""
+
+    def __init__(self, limit: int, send: Send, receive: Receive) -> None:
+        self._limit, self._send, self._receive = limit, send, receive
+        self.received = 0
+        self.over: TooLargeAnswer | None = None
+
+    def add(self, message: Message) -> None:
+        """Count one `http.request` message."""
+        self.received += len(message.get("body", b""))
+        if self.received > self._limit:
+            self.over = TooLargeAnswer(self._send, self._receive, drain=bool(message.get("more_body", False)))
+            raise PayloadTooLarge(self._limit)
 
 
 class GuardMiddleware:
@@ -109,55 +182,29 @@ class GuardMiddleware:
 
     def __init__(self, app: ASGIApp, *, token: str | None, max_body_bytes: int, loopback_only: bool = True) -> None:
         self.app = app
-        self._loopback_only = loopback_only  # the RL Service; the gateway serves the network and passes False
-        self._token = token.encode() if token else None
+        self._guard = RequestGuard(token=token, max_body_bytes=max_body_bytes, loopback_only=loopback_only)
         self._max = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self._loopback_only and not _arrived_on_loopback(scope):
-            await _send_error(send, 403, "forbidden", "the RL Service serves loopback clients only")
+        admission = await self._guard.admit(scope, receive, send)
+        if admission is Admission.REFUSED:
             return
-        headers = dict(scope.get("headers") or [])
-        if self._token is not None and not (scope["method"] == "GET" and scope["path"] in _UNAUTHENTICATED_PATHS):
-            presented = headers.get(b"authorization", b"")
-            expected = b"Bearer " + self._token
-            if not hmac.compare_digest(presented, expected):
-                await _send_error(send, 401, "unauthorized", "missing or invalid bearer token")
-                return
-        length = headers.get(b"content-length")
-        if length is not None:
-            try:
-                too_large = int(length) > self._max
-            except ValueError:
-                await _send_error(send, 400, "invalid_request", "invalid Content-Length")
-                return
-            if too_large:
-                # No byte of the body was read; a client that waits for `100 Continue` sends none, and asking for
-                # the body would make the server send that interim answer after this final one.
-                drain = headers.get(b"expect", b"").lower() != b"100-continue"
-                await _send_error(_TooLargeAnswer(send, receive, drain=drain), 413, "payload_too_large",
-                                  f"request body exceeds {self._max} bytes")
-                return
+        if admission is Admission.SIZED:
             await self.app(scope, receive, send)
             return
         await self._chunked(scope, receive, send)
 
     async def _chunked(self, scope: Scope, receive: Receive, send: Send) -> None:
-        received = 0
-        over: _TooLargeAnswer | None = None  # set once the body went past the limit: how the answer is sent
+        counter = BodyCounter(self._max, send, receive)  # `over` set once the body went past the limit
         response_started = False
 
         async def counting_receive() -> Message:
-            nonlocal received, over
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self._max:
-                    over = _TooLargeAnswer(send, receive, drain=bool(message.get("more_body", False)))
-                    raise PayloadTooLarge(self._max)
+                counter.add(message)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -165,10 +212,11 @@ class GuardMiddleware:
             if message["type"] == "http.response.start":
                 response_started = True
             # The route's handler answers PayloadTooLarge (the envelope handler); that answer closes the connection.
-            await (over or send)(message)
+            await (counter.over or send)(message)
 
         try:
             await self.app(scope, counting_receive, tracking_send)
         except PayloadTooLarge:  # normally answered by the envelope handler; this catches reads outside routes
             if not response_started:
-                await _send_error(over or send, 413, "payload_too_large", f"request body exceeds {self._max} bytes")
+                await _send_error(counter.over or send, 413, "payload_too_large",
+                                  f"request body exceeds {self._max} bytes")

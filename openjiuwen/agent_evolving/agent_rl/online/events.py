@@ -2,7 +2,8 @@
 §2.6, §5.1).
 
 An entry has the fields `type`, `at` (ISO-8601 UTC) and `data` (JSON). Events of a state transition are queued with
-`queue` inside that transition's MULTI, so the timeline and the state never disagree; other events (an activation
+`queue` inside that transition's MULTI (or appended by its Lua script, tasks/capture_scripts.py, with the same
+fields and MAXLEN), so the timeline and the state never disagree; other events (an activation
 attempt, a stop request) go through `append`, best-effort: a failure is logged and never fails the caller.
 """
 
@@ -38,8 +39,13 @@ ROLLOUT_EVENT_TYPES = (
 )
 
 
+def encode_data(data: dict[str, Any] | None) -> bytes:
+    """An entry's `data` field as stored (the capture scripts of tasks/capture_scripts.py take it ready-made)."""
+    return orjson.dumps(data or {})
+
+
 def _fields(event_type: str, data: dict[str, Any] | None, at: str | None) -> dict[str, bytes | str]:
-    return {"type": event_type, "at": at or now_iso(), "data": orjson.dumps(data or {})}
+    return {"type": event_type, "at": at or now_iso(), "data": encode_data(data)}
 
 
 def queue(pipe: Pipeline, stream_key: str, event_type: str, data: dict[str, Any] | None = None, *,

@@ -95,11 +95,21 @@ class ServiceMetrics:
                                          registry=r, multiprocess_mode=LAST)
         self.rollout_decisions = Counter("rl_rollout_decisions_total", "Rollout decisions by action, reason, by whom",
                                          m + ("action", "reason", "by"), registry=r)
+        # Labelled children of the per-request series, looked up once (`.labels()` builds and hashes a key tuple
+        # under a lock on every call). The label sets are bounded: route templates (or `unmatched`) x statuses the
+        # app sends, the three hooks, the capture results.
+        self._http_children: dict[tuple[str, int], Any] = {}
+        self._hook_children: dict[str, Any] = {}
+        self._capture_children: dict[str, Any] = {}
 
     # ------------------------------------------------------------ recording (cheap, in-process)
 
     def http(self, route: str, status: int) -> None:
-        self.http_requests.labels(self.model_id, route, str(status)).inc()
+        child = self._http_children.get((route, status))
+        if child is None:
+            child = self._http_children[(route, status)] = self.http_requests.labels(self.model_id, route,
+                                                                                      str(status))
+        child.inc()
 
     @contextmanager
     def hook(self, hook: str) -> Iterator[None]:
@@ -108,13 +118,19 @@ class ServiceMetrics:
         try:
             yield
         except BaseException:
-            self.captures.labels(self.model_id, "rejected").inc()
+            self.capture("rejected")
             raise
         finally:
-            self.hook_duration.labels(self.model_id, hook).observe(time.perf_counter() - started)
+            child = self._hook_children.get(hook)
+            if child is None:
+                child = self._hook_children[hook] = self.hook_duration.labels(self.model_id, hook)
+            child.observe(time.perf_counter() - started)
 
     def capture(self, result: str) -> None:
-        self.captures.labels(self.model_id, result).inc()
+        child = self._capture_children.get(result)
+        if child is None:
+            child = self._capture_children[result] = self.captures.labels(self.model_id, result)
+        child.inc()
 
     def task_created(self, reward_mode: str) -> None:
         self.tasks_created.labels(self.model_id, reward_mode).inc()

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from ..common import packed_hook
-from ..common.content_type import JsonBodyMiddleware
-from ..common.errors import install_error_envelope
-from ..common.guards import GuardMiddleware
+from ..common.content_type import BodyTypeGuard, JsonBodyMiddleware
+from ..common.errors import INTERNAL_ERROR_MESSAGE, UnhandledErrors, install_error_envelope
+from ..common.guards import GuardMiddleware, RequestGuard
+from .api.fast_hooks import HookFastPath, ServiceApp
 from .api.health import build_health_router
-from .api.hooks import AFTER_PATH, build_hooks_router
+from .api.hooks import BINARY_ROUTES as HOOK_BINARY_ROUTES, CaptureHooks, build_hooks_router
 from .api.metrics import build_metrics_router
 from .api.policies import build_policies_router
 from .api.rail import build_rail_router
@@ -449,12 +449,13 @@ def create_app(
         fault = fault_hook(os.environ.get(CRASH_AT_ENV))
     deps = ServiceDeps.build(config, redis=redis, judge=judge, backend=backend, token=token, fault=fault,
                              placement=placement)
-    app = FastAPI(
+    app = ServiceApp(
         title="openjiuwen online RL service", lifespan=deps.lifespan, docs_url=None, redoc_url=None,
         redirect_slashes=False,  # `/v1/rl/trajectories/` is an unknown path (404 envelope), not a 307 to the listing
     )
     app.state.deps = deps  # for tests and operators' debugging only; routers get their parts explicitly
     install_error_envelope(app, logger=api_log, on_error=deps.metrics.exception)
+    hooks = CaptureHooks(deps.pipeline, deps.metrics)
     app.include_router(build_health_router(
         deps.redis, model_id=config.model_id, extra_checks=[deps.coordinator.check_health],
         on_redis_error=deps.metrics.redis_error,
@@ -462,7 +463,7 @@ def create_app(
     ))
     app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards,
                                           on_created=deps.rollout.task_started))
-    app.include_router(build_hooks_router(deps.pipeline, deps.lifecycle, deps.registry, deps.metrics))
+    app.include_router(build_hooks_router(hooks, deps.lifecycle, deps.registry))
     app.include_router(build_rewards_router(deps.reward_ledger))
     reward_stats = deps.reward_ledger.stats if deps.reward_ledger.policy.configured else None
     app.include_router(build_trajectories_router(deps.store, reward_stats=reward_stats))
@@ -471,7 +472,7 @@ def create_app(
     app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id)))
     app.include_router(build_rollout_router(deps.rollout))
     # Inside the guards (bearer 401 and size 413 first): a non-JSON body is 415 (a browser's cross-site simple POST).
-    app.add_middleware(JsonBodyMiddleware, binary_routes={AFTER_PATH: packed_hook.MEDIA_TYPE})
+    app.add_middleware(JsonBodyMiddleware, binary_routes=HOOK_BINARY_ROUTES)
     if not deps.coordinator.placement.solo:  # inside the guards: only an authorised request is relayed
         coordinator = deps.coordinator
         app.add_middleware(LeaderForwarding, is_leader=lambda: coordinator.is_leader, leader=coordinator.leader)
@@ -479,6 +480,14 @@ def create_app(
     app.include_router(build_metrics_router(deps.metrics, deps.redis, deps.store.stats))
     # Outermost: every answer is counted, the guards' 401/413 included.
     app.add_middleware(HttpMetricsMiddleware, observe=deps.metrics.http)
+    # In front of all of it, the hooks' lean path: the same checks, answers and counts as the stack above.
+    app.hook_fast_path = HookFastPath(
+        hooks,
+        guard=RequestGuard(token=token, max_body_bytes=config.max_body_bytes),
+        body_types=BodyTypeGuard(HOOK_BINARY_ROUTES),
+        unhandled=UnhandledErrors(message=INTERNAL_ERROR_MESSAGE, logger=api_log, on_error=deps.metrics.exception),
+        observe=deps.metrics.http,
+    )
     return app
 
 

@@ -24,11 +24,15 @@ async def json_value(request: Request) -> Any:
 async def json_object(
     request: Request, *, allow_empty: bool = False, lenient: bool = False
 ) -> dict[str, Any] | None:
-    """The body as a JSON object. Malformed JSON or a non-object → 400 `invalid_request`.
+    """The body as a JSON object (`parse_json_object` of the body)."""
+    return parse_json_object(await request.body(), allow_empty=allow_empty, lenient=lenient)
+
+
+def parse_json_object(raw: bytes, *, allow_empty: bool = False, lenient: bool = False) -> dict[str, Any] | None:
+    """A body as a JSON object. Malformed JSON or a non-object → 400 `invalid_request`.
 
     With `allow_empty`, an absent body or `null` gives None. With `lenient`, NaN and Infinity are read as numbers
     so that the route can refuse them with its own code."""
-    raw = await request.body()
     if not raw.strip():
         if allow_empty:
             return None

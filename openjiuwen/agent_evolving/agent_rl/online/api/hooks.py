@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
 
@@ -13,27 +14,34 @@ from ..capture.lifecycle import TaskLifecycle
 from ..capture.pipeline import CapturePipeline
 from ..metrics import ServiceMetrics
 from ..tasks.models import FinishReason
-from ..tasks.registry import TaskRegistry
+from ..tasks.registry import StaleTask, TaskRegistry
 from . import openapi
-from .body import json_object
+from .body import json_object, parse_json_object
 from .errors import domain_errors
 from .tasks import reason_from_body
 
+T = TypeVar("T")
 
+BEFORE_PATH = "/internal/v1/completions:before"
 AFTER_PATH = "/internal/v1/completions:after"
+DISCARD_PATH = "/internal/v1/completions:discard"
+# The one non-JSON body of the service: the packed `:after` (CONTRACT §2.8); JsonBodyMiddleware and the fast path
+# (api/fast_hooks.py) both let it through on that route only.
+BINARY_ROUTES = {AFTER_PATH: packed_hook.MEDIA_TYPE}
 _PACKED_MEDIA_TYPE = packed_hook.MEDIA_TYPE.encode()
+# A hook meets StaleTask only when its Task id was started again as another Task after its record expired; each
+# retry runs with the Task as it is now, so a second one is already beyond anything seen.
+_STALE_RETRIES = 4
+
+BodyReader = Callable[[], Awaitable[bytes]]
 
 
-async def _hook_body(request: Request) -> dict[str, Any]:
+def _hook_body(raw: bytes) -> dict[str, Any]:
     # Lenient: a NaN logprob from an upstream must reach response validation (400 and an aborted Task), not stop
     # at the parser; values JSON cannot carry are refused when the capture is fingerprinted.
-    body = await json_object(request, lenient=True)
+    body = parse_json_object(raw, lenient=True)
     assert body is not None
     return body
-
-
-def _is_packed(request: Request) -> bool:
-    return media_type(request.headers.get("content-type", "").encode("latin-1")) == _PACKED_MEDIA_TYPE
 
 
 def _packed_body(raw: bytes) -> tuple[dict[str, Any], packed_hook.PackedArrays]:
@@ -43,40 +51,79 @@ def _packed_body(raw: bytes) -> tuple[dict[str, Any], packed_hook.PackedArrays]:
         raise ApiError(400, "invalid_request", str(exc)) from exc
 
 
-def build_hooks_router(
-    pipeline: CapturePipeline, lifecycle: TaskLifecycle, registry: TaskRegistry, metrics: ServiceMetrics
-) -> APIRouter:
+async def _again_on_stale(call: Callable[[], Awaitable[T]]) -> T:
+    """`call()`, run again when it met a Task id that names another Task now (StaleTask: nothing was written)."""
+    for _ in range(_STALE_RETRIES):
+        try:
+            return await call()
+        except StaleTask:
+            continue
+    return await call()
+
+
+class CaptureHooks:
+    """The three capture hooks from a body reader to the answer's content, metrics included: what the FastAPI
+    routes below and the raw ASGI path in front of the app (api/fast_hooks.py) both run, so that they answer
+    alike. Errors are raised as ApiError (the envelope's status, code and message)."""
+
+    def __init__(self, pipeline: CapturePipeline, metrics: ServiceMetrics) -> None:
+        self._pipeline = pipeline
+        self._metrics = metrics
+
+    async def before(self, read_body: BodyReader) -> dict[str, Any]:
+        """The 200 body `{"request": <injected>}`."""
+        with self._metrics.hook("before"):
+            body = _hook_body(await read_body())
+            with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
+                injected = await _again_on_stale(lambda: self._pipeline.before(body))
+        return {"request": injected}
+
+    async def after(self, read_body: BodyReader, content_type: bytes) -> None:
+        """Commit (204). `content_type`: the request's first Content-Type value, raw."""
+        with self._metrics.hook("after"):
+            with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
+                packed = media_type(content_type) == _PACKED_MEDIA_TYPE
+                raw = await read_body()
+                # No local keeps the parsed body: the pipeline drops it before its Redis commit (GC cost); a retry
+                # parses the raw body again.
+                if packed:
+                    committed = await _again_on_stale(lambda: self._pipeline.after_packed(*_packed_body(raw)))
+                else:
+                    committed = await _again_on_stale(lambda: self._pipeline.after(_hook_body(raw)))
+        if committed:  # an idempotent repeat is not a second capture
+            self._metrics.capture("committed")
+
+    async def discard(self, read_body: BodyReader) -> None:
+        """Drop an open capture (204)."""
+        with self._metrics.hook("discard"):
+            body = _hook_body(await read_body())
+            with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
+                dropped = await self._pipeline.discard(body)
+        if dropped:
+            self._metrics.capture("discarded")
+
+
+def _content_type(request: Request) -> bytes:
+    return request.headers.get("content-type", "").encode("latin-1")
+
+
+def build_hooks_router(hooks: CaptureHooks, lifecycle: TaskLifecycle, registry: TaskRegistry) -> APIRouter:
+    """The hook routes (for every request the fast path leaves to FastAPI, and for the OpenAPI document) and the
+    internal finish and abort."""
     router = APIRouter()
 
-    @router.post("/internal/v1/completions:before", openapi_extra=openapi.HOOK_BEFORE)
+    @router.post(BEFORE_PATH, openapi_extra=openapi.HOOK_BEFORE)
     async def before(request: Request) -> JSONBody:
-        with metrics.hook("before"):
-            body = await _hook_body(request)
-            with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
-                injected = await pipeline.before(body)
-        return JSONBody({"request": injected})
+        return JSONBody(await hooks.before(request.body))
 
     @router.post(AFTER_PATH, status_code=204, openapi_extra=openapi.HOOK_AFTER)
     async def after(request: Request) -> Response:
-        with metrics.hook("after"):
-            with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
-                # No local keeps the parsed body: the pipeline drops it before its Redis commit (GC cost).
-                if _is_packed(request):
-                    committed = await pipeline.after_packed(*_packed_body(await request.body()))
-                else:
-                    committed = await pipeline.after(await _hook_body(request))
-        if committed:  # an idempotent repeat is not a second capture
-            metrics.capture("committed")
+        await hooks.after(request.body, _content_type(request))
         return Response(status_code=204)
 
-    @router.post("/internal/v1/completions:discard", status_code=204, openapi_extra=openapi.HOOK_DISCARD)
+    @router.post(DISCARD_PATH, status_code=204, openapi_extra=openapi.HOOK_DISCARD)
     async def discard(request: Request) -> Response:
-        with metrics.hook("discard"):
-            body = await _hook_body(request)
-            with domain_errors(not_found="completion_conflict", conflict="completion_conflict"):
-                dropped = await pipeline.discard(body)
-        if dropped:
-            metrics.capture("discarded")
+        await hooks.discard(request.body)
         return Response(status_code=204)
 
     @router.post("/internal/v1/rl/tasks/{rl_task_id}:finish", openapi_extra=openapi.TASK_FINISH)

@@ -1,6 +1,8 @@
 """The capture hooks `:before`, `:after` and `:discard` (CONTRACT §2.8, §4.2, §4.3).
 
-Each hook parses its body once, validates, and touches Redis in a few round trips. Abort rules: at `:before` input
+Each hook parses its body once, validates against the Task's immutable facts (remembered per process,
+`TaskRegistry.task_facts`), and touches Redis in one script round trip (two for a commit whose reservation another
+process made); the scripts check the Task's existence, identity and live status. Abort rules: at `:before` input
 errors, model mismatch, capture-id reuse and "another turn waiting" leave the Task active, while a closed or closing
 turn and a failed or timed-out publication abort it; at `:after` every rejection past the body shape aborts it.
 """
@@ -49,16 +51,23 @@ class CapturePipeline:
         self._fault = fault  # chaos tests only (faults.py)
 
     async def before(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Reserve a capture; the injected request. May raise StaleTask (nothing written): call again."""
         hook = parse_hook(body, with_request=True, with_response=False)
-        task = await self._registry.require(hook.rl_task_id)
+        task, cached = await self._registry.task_facts(hook.rl_task_id)
         try:
-            validate_request(
-                hook.request, policy_model=task.policy_model, delayed=task.delayed, agent_turn_id=hook.agent_turn_id
-            )
-        except RequestModelMismatch as exc:
-            raise Conflict(str(exc)) from exc
-        injected = normalize_request(hook.request)
-        fp = request_fingerprint(injected)
+            try:
+                validate_request(
+                    hook.request, policy_model=task.policy_model, delayed=task.delayed,
+                    agent_turn_id=hook.agent_turn_id,
+                )
+            except RequestModelMismatch as exc:
+                raise Conflict(str(exc)) from exc
+            injected = normalize_request(hook.request)
+            fp = request_fingerprint(injected)
+        except (InvalidInput, Conflict):
+            if cached:  # what the Task read the facts replaced would have answered first
+                await self._registry.confirm(task)
+            raise
         deadline = asyncio.get_running_loop().time() + self._turn_publish_timeout_s
         while True:
             try:
@@ -79,7 +88,8 @@ class CapturePipeline:
             await self._registry.advance_turn(task.rl_task_id, current, hook.agent_turn_id)
 
     async def after(self, body: dict[str, Any]) -> bool:
-        """Commit a capture; True when this call committed it (False for an idempotent repeat)."""
+        """Commit a capture; True when this call committed it (False for an idempotent repeat). May raise
+        StaleTask (nothing written): call again with the body parsed anew (this call drops the parsed one)."""
         hook = parse_hook(body, with_request=True, with_response=True)
         del body  # from here `hook` holds the only reference; it gives the large response up before the commit
         return await self._commit(hook, None)
@@ -91,34 +101,39 @@ class CapturePipeline:
         return await self._commit(hook, arrays)
 
     async def _commit(self, hook: HookBody, arrays: PackedArrays | None) -> bool:
-        task = await self._registry.require(hook.rl_task_id)
+        task, cached = await self._registry.task_facts(hook.rl_task_id)
         try:
             try:
-                validate_request(
-                    hook.request, policy_model=task.policy_model, delayed=task.delayed,
-                    agent_turn_id=hook.agent_turn_id,
+                try:
+                    validate_request(
+                        hook.request, policy_model=task.policy_model, delayed=task.delayed,
+                        agent_turn_id=hook.agent_turn_id,
+                    )
+                    if arrays is None:
+                        validated = validate_response(hook.response, policy_model=task.policy_model)
+                    else:
+                        validated = validate_packed_response(hook.response, arrays, policy_model=task.policy_model)
+                except (RequestModelMismatch, ResponseModelMismatch) as exc:
+                    raise Conflict(str(exc)) from exc
+                injected = normalize_request(hook.request)
+                sample = build_sample(
+                    task, capture_id=hook.capture_id, agent_turn_id=hook.agent_turn_id, request=injected,
+                    response=hook.response, validated=validated,
                 )
-                if arrays is None:
-                    validated = validate_response(hook.response, policy_model=task.policy_model)
-                else:
-                    validated = validate_packed_response(hook.response, arrays, policy_model=task.policy_model)
-            except (RequestModelMismatch, ResponseModelMismatch) as exc:
-                raise Conflict(str(exc)) from exc
-            injected = normalize_request(hook.request)
-            sample = build_sample(
-                task, capture_id=hook.capture_id, agent_turn_id=hook.agent_turn_id, request=injected,
-                response=hook.response, validated=validated,
-            )
-            fingerprints = request_fingerprint(injected), (
-                response_fingerprint(hook.response) if arrays is None
-                else packed_response_fingerprint(hook.response, arrays)
-            )
+                fingerprints = request_fingerprint(injected), (
+                    response_fingerprint(hook.response) if arrays is None
+                    else packed_response_fingerprint(hook.response, arrays)
+                )
+            except (InvalidInput, Conflict):
+                if cached:  # what the Task read the facts replaced would have answered first
+                    await self._registry.confirm(task)
+                raise
             # The parsed response (~20k objects for 2,048 tokens, logprob entries included) is not needed past
             # this point: dropped here, the collector never walks it while the commit waits on Redis.
             hook = HookBody(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)
             del validated, arrays
             committed = await self._registry.commit(
-                task.rl_task_id, hook.capture_id, hook.agent_turn_id, *fingerprints, sample,
+                task, hook.capture_id, hook.agent_turn_id, *fingerprints, sample,
             )
             self._fault("capture.committed")
             return committed
@@ -130,7 +145,6 @@ class CapturePipeline:
             raise
 
     async def discard(self, body: dict[str, Any]) -> bool:
-        """Drop an open capture; True when this call dropped one."""
+        """Drop an open capture; True when this call dropped one. The script checks the Task exists (404)."""
         hook = parse_hook(body, with_request=False, with_response=False)
-        await self._registry.require(hook.rl_task_id)
         return await self._registry.discard(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)

@@ -139,9 +139,14 @@ class CaptureMeta:
     created_at: str
 
     def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self), option=orjson.OPT_SORT_KEYS)
+        # What `asdict` gives, without its per-field deep copies (every field is a str or None): written on every
+        # hook.
+        return orjson.dumps({name: getattr(self, name) for name in _CAPTURE_FIELDS}, option=orjson.OPT_SORT_KEYS)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "CaptureMeta":
         data = orjson.loads(raw)
         return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+
+
+_CAPTURE_FIELDS = tuple(CaptureMeta.__dataclass_fields__)

@@ -1,4 +1,5 @@
-"""Redis TaskRegistry: every Task, capture and turn transition as one optimistic transaction (CONTRACT §4, §5).
+"""Redis TaskRegistry: every Task, capture and turn transition as one atomic unit (CONTRACT §4, §5): an optimistic
+transaction, or for the capture hooks' transitions one Lua script (`capture_scripts.py`).
 
 Each method states the invariant of CONTRACT §5.4 it keeps. Methods raise domain errors (NotFound, Conflict) and
 never decide HTTP statuses.
@@ -10,18 +11,19 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from .. import events
+from . import capture_scripts as scripts
 from ..errors import Conflict, NotFound
 from ...common.ids import is_token_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import PackedSample, text
 from ..store.listing import newest_first
-from ..store.tx import transact
+from ..store.tx import MAX_WATCH_RETRIES, RedisContention, transact
 from .models import (
     TASK_STATUSES, TURN_PUBLICATION_TRANSITIONS, CaptureMeta, CaptureStatus, FinishReason, RewardMode, Task, TaskStatus,
     TurnPublication,
@@ -34,9 +36,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("openjiuwen.agent_rl.online.tasks")
 
+# Bounds of the hook path's in-process memories (`TaskRegistry.task_facts`, the open-capture hints of `commit`):
+# past them the oldest entries go, and a hook of a forgotten Task or capture costs one more round trip.
+FACTS_CACHE_SIZE = 4096
+OPEN_HINTS_SIZE = 4096
+
 
 class AbortingConflict(Conflict):
     """A conflict after which the Task must be aborted `capture_failed` (closed or closing turn)."""
+
+
+class StaleTask(Exception):
+    """The Task id names another Task than the facts a hook validated against (its record expired and the id was
+    started again). Nothing was written; the hook is redone with `task`, the Task as it is now."""
+
+    def __init__(self, task: Task) -> None:
+        super().__init__(f"RL Task {task.rl_task_id} is another Task now")
+        self.task = task
 
 
 class ReserveOutcome(Enum):
@@ -58,6 +74,10 @@ class TaskRegistry:
         self._redis = redis
         self.signals = signals or TaskSignals()
         self._metrics = metrics
+        self._scripts = scripts.CaptureScripts(redis)
+        # The hook path's memories (`task_facts`, `commit`): caches of facts the scripts verify, never the truth.
+        self._facts: dict[str, Task] = {}
+        self._open_hints: dict[tuple[str, str], bytes] = {}  # (task, capture) → the open metadata we reserved
 
     # ------------------------------------------------------------------ Tasks
 
@@ -248,70 +268,102 @@ class TaskRegistry:
 
     # --------------------------------------------------------------- Captures
 
+    async def task_facts(self, rl_task_id: str) -> tuple[Task, bool]:
+        """The Task a hook validates against, and whether it came from this process's memory.
+
+        Only the fields a Task never changes may be used from it (`Task.spec()`, `rl_task_id`, `created_at`): a
+        Task's spec is fixed at start (a start with another spec is a conflict), so they are facts of the id for as
+        long as its record exists. `status` may be stale and is never read from it: the capture scripts read the
+        live status, and check existence and identity (`created_at`) themselves, so a remembered Task never decides
+        anything the record contradicts, whichever process changed it. NotFound for an unknown Task (not
+        remembered)."""
+        task = self._facts.get(rl_task_id)
+        if task is not None:
+            return task, True
+        task = await self.require(rl_task_id)
+        return self._remember(task), False
+
+    async def confirm(self, task: Task) -> None:
+        """Before answering an error found with remembered facts: the Task must still exist (NotFound, as the read
+        that was skipped would have answered first) and be the same Task (StaleTask)."""
+        raw = await self._redis.get(keys.task(task.rl_task_id))
+        if raw is None:
+            self._facts.pop(task.rl_task_id, None)
+            raise NotFound("RL Task not found")
+        current = Task.from_json(raw)
+        if current.created_at != task.created_at:
+            raise StaleTask(self._remember(current))
+
+    def _remember(self, task: Task) -> Task:
+        facts = self._facts
+        if task.rl_task_id not in facts and len(facts) >= FACTS_CACHE_SIZE:
+            del facts[next(iter(facts))]  # the oldest entry: a forgotten Task costs one read at its next hook
+        facts[task.rl_task_id] = task
+        return task
+
+    def _hint_open(self, t: str, capture_id: str, meta_json: bytes) -> None:
+        hints = self._open_hints
+        key = (t, capture_id)
+        if key not in hints and len(hints) >= OPEN_HINTS_SIZE:
+            del hints[next(iter(hints))]
+        hints[key] = meta_json
+
+    def _task_reply(self, t: str, reply: list[Any]) -> NoReturn:
+        """NOT_FOUND and TASK_CHANGED, the answers every capture script may give before deciding anything."""
+        if reply[0] == scripts.TASK_CHANGED:
+            raise StaleTask(self._remember(Task.from_json(reply[1])))
+        self._facts.pop(t, None)
+        raise NotFound("RL Task not found")
+
     async def reserve(
         self, task: Task, capture_id: str, turn_id: str | None, request_fingerprint: str
     ) -> Reservation:
-        """Reserve an open capture (CONTRACT §4.2 before, §4.3 for delayed mode).
+        """Reserve an open capture (CONTRACT §4.2 before, §4.3 for delayed mode), in one script round trip
+        (`capture_scripts.RESERVE`).
 
         Invariant 2: the metadata, the `captures` set and the open set change together. Invariant 7: a closed
         turn never accepts a capture, and the current turn only moves forward through `advance_turn`."""
         t = task.rl_task_id
-        task_key, capture_key = keys.task(t), keys.capture(t, capture_id)
-        watch = [task_key, capture_key]
-        if task.delayed:
+        script_keys = [keys.task(t), keys.capture(t, capture_id), keys.captures(t), keys.open_captures(t),
+                       keys.task_events(t)]
+        delayed = task.delayed  # reward_mode never changes for a Task (the script checks it is the same Task)
+        if delayed:
             assert turn_id is not None
-            watch += [
+            script_keys += [
                 keys.turn_current(t), keys.turn_transition(t), keys.turns_closed(t), keys.turn_publish(t, turn_id),
             ]
-
-        async def body(pipe: Pipeline) -> Reservation:
-            current_task, raw = await self._read_task_and(pipe, task_key, capture_key)
-            if raw is not None:
-                meta = CaptureMeta.from_json(raw)
-                if meta.agent_turn_id == turn_id and meta.request_fingerprint == request_fingerprint:
-                    return Reservation(ReserveOutcome.IDEMPOTENT)
-                raise Conflict("capture_id already used with different input")
-            if not current_task.active:
-                raise Conflict("RL Task is not active")
-            set_current = False
-            if current_task.delayed:
-                assert turn_id is not None
-                if await pipe.sismember(keys.turns_closed(t), turn_id) or await pipe.exists(
-                    keys.turn_publish(t, turn_id)
-                ):
-                    raise AbortingConflict(f"turn {turn_id} is closed")
-                current = text(await pipe.get(keys.turn_current(t)))
-                transition = text(await pipe.get(keys.turn_transition(t)))
-                if current is None:
-                    set_current = True
-                elif current == turn_id:
-                    if transition is not None:
-                        raise AbortingConflict(f"turn {turn_id} is closing")
-                else:
-                    if transition is not None and transition != turn_id:
-                        raise Conflict(f"turn {transition} is already waiting for {current}")
-                    if transition is None:
-                        pipe.multi()
-                        pipe.set(keys.turn_transition(t), turn_id)
-                        await pipe.execute()
-                    return Reservation(ReserveOutcome.PUBLISH_CURRENT, current_turn=current)
-            meta = CaptureMeta(capture_id, turn_id, request_fingerprint, None, CaptureStatus.OPEN, now_iso())
-            pipe.multi()
-            if set_current:
-                pipe.set(keys.turn_current(t), turn_id)
-            pipe.set(capture_key, meta.to_json())
-            pipe.sadd(keys.captures(t), capture_id)
-            pipe.sadd(keys.open_captures(t), capture_id)
-            events.queue(pipe, keys.task_events(t), "capture_reserved",
-                         {"capture_id": capture_id, "agent_turn_id": turn_id}, at=meta.created_at)
-            await pipe.execute()
+        meta = CaptureMeta(capture_id, turn_id, request_fingerprint, None, CaptureStatus.OPEN, now_iso())
+        meta_json = meta.to_json()
+        reply = await self._scripts.reserve(keys=script_keys, args=[
+            task.created_at, capture_id, turn_id or "", meta_json, meta.created_at,
+            events.encode_data({"capture_id": capture_id, "agent_turn_id": turn_id}), "1" if delayed else "0",
+        ])
+        code = reply[0]
+        if code == scripts.DONE:
+            self._hint_open(t, capture_id, meta_json)
             return Reservation(ReserveOutcome.RESERVED)
-
-        return await transact(self._redis, body, *watch)
+        if code == scripts.CAPTURE_EXISTS:
+            existing = CaptureMeta.from_json(reply[1])
+            if existing.agent_turn_id == turn_id and existing.request_fingerprint == request_fingerprint:
+                if existing.status == CaptureStatus.OPEN:
+                    self._hint_open(t, capture_id, reply[1])
+                return Reservation(ReserveOutcome.IDEMPOTENT)
+            raise Conflict("capture_id already used with different input")
+        if code == scripts.INACTIVE:
+            raise Conflict("RL Task is not active")
+        if code == scripts.TURN_CLOSED:
+            raise AbortingConflict(f"turn {turn_id} is closed")
+        if code == scripts.TURN_CLOSING:
+            raise AbortingConflict(f"turn {turn_id} is closing")
+        if code == scripts.TURN_WAITING:
+            raise Conflict(f"turn {text(reply[1])} is already waiting for {text(reply[2])}")
+        if code == scripts.PUBLISH_CURRENT:
+            return Reservation(ReserveOutcome.PUBLISH_CURRENT, current_turn=text(reply[1]))
+        self._task_reply(t, reply)
 
     async def commit(
         self,
-        rl_task_id: str,
+        task: Task,
         capture_id: str,
         turn_id: str | None,
         request_fingerprint: str,
@@ -321,12 +373,51 @@ class TaskRegistry:
         """open → committed with its staged sample; returns False for an idempotent repeat.
 
         `sample` may be None only when the caller knows the capture is already committed. Invariants 2 and 3:
-        the capture leaves the open set, joins the committed (and turn) set and gains its staged sample at once."""
-        t = rl_task_id
-        task_key, capture_key = keys.task(t), keys.capture(t, capture_id)
+        the capture leaves the open set, joins the committed (and turn) set and gains its staged sample at once.
 
-        async def body(pipe: Pipeline) -> bool:
-            task, raw = await self._read_task_and(pipe, task_key, capture_key)
+        The staged sample carries `completion_latency_ms` (this commit's time minus the reservation's `created_at`),
+        so it is encoded here from the capture metadata the decision is based on, and the script
+        (`capture_scripts.COMMIT`) writes only while the stored metadata is still exactly those bytes and the Task
+        active: the check WATCH made. The metadata comes from this process's own reservation when it made one (one
+        round trip); else the first script call only reads it (two). A commit that finds the capture changed under
+        it decides again from what the script returned, as a lost WATCH retried."""
+        t = task.rl_task_id
+        capture_key = keys.capture(t, capture_id)
+        script_keys = [keys.task(t), capture_key, keys.staged(t, capture_id), keys.open_captures(t),
+                       keys.committed_captures(t), keys.task_events(t)]
+        if turn_id is not None:
+            script_keys.append(keys.turn_captures(t, turn_id))
+        event_data = events.encode_data({"capture_id": capture_id, "agent_turn_id": turn_id})
+        expected = self._open_hints.get((t, capture_id))
+        for _ in range(MAX_WATCH_RETRIES):
+            args: list[Any] = [task.created_at, b"", b"", b"", capture_id, b"", b""]
+            if expected is not None and sample is not None:
+                meta = CaptureMeta.from_json(expected)
+                if (meta.status == CaptureStatus.OPEN and meta.agent_turn_id == turn_id
+                        and meta.request_fingerprint == request_fingerprint):
+                    now = now_iso()
+                    # Completion latency: from the reservation at `:before` to this commit (per-version evaluation).
+                    sample.meta["completion_latency_ms"] = round(
+                        max(0.0, (parse_iso_epoch(now) - parse_iso_epoch(meta.created_at)) * 1000.0), 3
+                    )
+                    committed = CaptureMeta(
+                        meta.capture_id, meta.agent_turn_id, meta.request_fingerprint, response_fingerprint,
+                        CaptureStatus.COMMITTED, meta.created_at,
+                    )
+                    args = [task.created_at, expected, committed.to_json(), sample.encode_staged(), capture_id, now,
+                            event_data]
+            reply = await self._scripts.commit(keys=script_keys, args=args)
+            code = reply[0]
+            if code == scripts.DONE:
+                self._open_hints.pop((t, capture_id), None)
+                self.signals.notify(t)
+                log.debug("capture %s of task %s committed", capture_id, t,
+                          extra={"rl_task_id": t, "capture_id": capture_id, "agent_turn_id": turn_id})
+                return True
+            if code != scripts.STATE:
+                self._task_reply(t, reply)
+            # Not written: decide from the capture as stored, in the order the contract gives (§4.2 after).
+            raw, active = reply[1], reply[2] == 1
             if raw is None:
                 raise Conflict("capture has no matching before")
             meta = CaptureMeta.from_json(raw)
@@ -335,68 +426,39 @@ class TaskRegistry:
             if meta.request_fingerprint != request_fingerprint:
                 raise Conflict("request differs from the one seen at before")
             if meta.status == CaptureStatus.COMMITTED:
+                self._open_hints.pop((t, capture_id), None)
                 if meta.response_fingerprint == response_fingerprint:
                     return False
                 raise Conflict("capture already committed with a different response")
-            if not task.active:
+            if not active:
                 raise Conflict("RL Task is not active")
             if sample is None:
                 raise Conflict("capture is not committed")
-            # Completion latency: from the reservation at `:before` to this commit (per-version evaluation).
-            sample.meta["completion_latency_ms"] = round(
-                max(0.0, (parse_iso_epoch(now_iso()) - parse_iso_epoch(meta.created_at)) * 1000.0), 3
-            )
-            committed = CaptureMeta(
-                meta.capture_id, meta.agent_turn_id, meta.request_fingerprint, response_fingerprint,
-                CaptureStatus.COMMITTED, meta.created_at,
-            )
-            pipe.multi()
-            pipe.set(capture_key, committed.to_json())
-            pipe.set(keys.staged(t, capture_id), sample.encode_staged())
-            pipe.srem(keys.open_captures(t), capture_id)
-            pipe.sadd(keys.committed_captures(t), capture_id)
-            if turn_id is not None:
-                pipe.sadd(keys.turn_captures(t, turn_id), capture_id)
-            events.queue(pipe, keys.task_events(t), "capture_committed",
-                         {"capture_id": capture_id, "agent_turn_id": turn_id})
-            await pipe.execute()
-            return True
-
-        changed = await transact(self._redis, body, task_key, capture_key)
-        if changed:
-            self.signals.notify(t)
-            log.debug("capture %s of task %s committed", capture_id, t,
-                      extra={"rl_task_id": t, "capture_id": capture_id, "agent_turn_id": turn_id})
-        return changed
+            expected = raw  # open, same input, Task active: commit it if it is still exactly this record
+        raise RedisContention("commit kept finding its capture changed")
 
     async def discard(self, rl_task_id: str, capture_id: str, turn_id: str | None) -> bool:
-        """Drop an open capture (True when dropped). Unknown capture or inactive Task: no-op. Invariant 2 as in
-        `reserve`."""
+        """Drop an open capture (True when dropped), in one script round trip (`capture_scripts.DISCARD`). Unknown
+        capture or inactive Task: no-op. Invariant 2 as in `reserve`."""
         t = rl_task_id
-        task_key, capture_key = keys.task(t), keys.capture(t, capture_id)
-
-        async def body(pipe: Pipeline) -> bool:
-            task, raw = await self._read_task_and(pipe, task_key, capture_key)
-            if raw is None or not task.active:
-                return False
-            meta = CaptureMeta.from_json(raw)
-            if meta.status == CaptureStatus.COMMITTED:
-                raise Conflict("capture is already committed")
-            if meta.agent_turn_id != turn_id:
-                raise Conflict("agent_turn_id differs from the one seen at before")
-            pipe.multi()
-            pipe.delete(capture_key)
-            pipe.srem(keys.captures(t), capture_id)
-            pipe.srem(keys.open_captures(t), capture_id)
-            events.queue(pipe, keys.task_events(t), "capture_discarded",
-                         {"capture_id": capture_id, "agent_turn_id": turn_id})
-            await pipe.execute()
-            return True
-
-        if await transact(self._redis, body, task_key, capture_key):
+        reply = await self._scripts.discard(
+            keys=[keys.task(t), keys.capture(t, capture_id), keys.captures(t), keys.open_captures(t),
+                  keys.task_events(t)],
+            args=[turn_id or "", capture_id, now_iso(),
+                  events.encode_data({"capture_id": capture_id, "agent_turn_id": turn_id})],
+        )
+        code = reply[0]
+        if code == scripts.DONE:
+            self._open_hints.pop((t, capture_id), None)
             self.signals.notify(t)
             return True
-        return False
+        if code == scripts.NO_CAPTURE:
+            return False
+        if code == scripts.COMMITTED:
+            raise Conflict("capture is already committed")
+        if code == scripts.OTHER_TURN:
+            raise Conflict("agent_turn_id differs from the one seen at before")
+        self._task_reply(t, reply)
 
     async def committed_ids(self, rl_task_id: str) -> list[str]:
         return sorted(text(c) for c in await self._redis.smembers(keys.committed_captures(rl_task_id)))
@@ -546,14 +608,6 @@ class TaskRegistry:
         self.signals.notify(t)
 
     # -------------------------------------------------------------- internals
-
-    @staticmethod
-    async def _read_task_and(pipe: Pipeline, task_key: str, other_key: str) -> tuple[Task, bytes | None]:
-        """The Task record and one more key in one round trip (a hook's transaction reads both)."""
-        raw_task, raw = await pipe.mget(task_key, other_key)
-        if raw_task is None:
-            raise NotFound("RL Task not found")
-        return Task.from_json(raw_task), raw
 
     @staticmethod
     async def _read_task(pipe: Pipeline, task_key: str) -> Task:
