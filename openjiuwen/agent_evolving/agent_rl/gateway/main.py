@@ -20,10 +20,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def _serve(config_path: str) -> int:
-    import uvicorn
-
     from ..common.gc_tuning import tune_gc
     from ..common.http_guard import ConnectionLimits, server_config
+    from ..common.quiet_server import QuietServer
     from .app import build_gateway, create_gateway_app
     from .config import GatewayConfigError, load_gateway_config, load_hmac_keys
     from .console_auth import ConsoleAuth
@@ -49,7 +48,7 @@ async def _serve(config_path: str) -> int:
                               keep_alive_s=config.global_.keep_alive_timeout_s,
                               max_connections=config.global_.max_connections)
     # Raises the soft open-files limit to the hard one first (the RL Service child inherits it).
-    server = uvicorn.Server(server_config(app, host=host.strip("[]") or "127.0.0.1", port=int(port), limits=limits,
+    server = QuietServer(server_config(app, host=host.strip("[]") or "127.0.0.1", port=int(port), limits=limits,
                                           name="gateway", log_config=None, access_log=False,
                                           timeout_graceful_shutdown=30))
     await server.serve()

@@ -544,14 +544,15 @@ def _serve(
     config: RLServiceConfig, fault: FaultHook, *, placement: Placement | None, sockets: list[socket.socket] | None,
     ready_fd: int = -1,
 ) -> int:
-    import uvicorn
     import uvloop  # hooks are mostly event-loop and socket work: uvloop's loop does it in C
+
+    from ..common.quiet_server import QuietServer
 
     app = create_app(config, token=os.environ.get(TOKEN_ENV) or None, fault=fault, placement=placement)
     limits = ConnectionLimits(header_timeout_s=config.http_header_timeout_seconds,
                               keep_alive_s=config.http_keep_alive_seconds,
                               max_connections=config.http_max_connections)
-    server = uvicorn.Server(
+    server = QuietServer(
         server_config(  # raises the soft open-files limit to the hard one first
             app,
             host=config.listen_host,
