@@ -16,6 +16,7 @@ from openjiuwen.agent_evolving.agent_rl.gateway.openai_shapes import (
     client_view_chunk,
     client_view_response,
     client_wants,
+    parse_completion,
 )
 from openjiuwen.agent_evolving.agent_rl.gateway.sse import DONE, SSEDecoder, encode_sse
 from openjiuwen.agent_evolving.agent_rl.online.capture.response import validate_response
@@ -389,3 +390,35 @@ def test_openai_sdk_parses_the_stream_view_without_private_attributes(include_us
         assert PRIVATE_KEYS.isdisjoint(chunk.model_extra or {})
         assert all(PRIVATE_KEYS.isdisjoint(choice.model_extra or {}) for choice in chunk.choices)
         assert private_keys_in(chunk.to_dict()) == set()
+
+
+# ------------------------------------------------------------------------------------------- parsing an answer
+
+
+def _without_token_bytes(body: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(body)
+    for choice in out["choices"]:
+        for entry in (choice.get("logprobs") or {}).get("content") or []:
+            entry.pop("bytes")
+            for alt in entry.get("top_logprobs") or []:
+                alt.pop("bytes")
+    return out
+
+
+@pytest.mark.parametrize("name", ["chat_response.json", "chat_response_top0.json", "chat_lora_response.json"])
+def test_an_answer_is_parsed_without_token_bytes_unless_the_client_asked_for_logprobs(name: str) -> None:
+    raw = (FIXTURES / name).read_bytes()
+    full = orjson.loads(raw)
+    assert parse_completion(raw, keep_token_bytes=True) == full
+    assert parse_completion(raw, keep_token_bytes=False) == _without_token_bytes(full)
+
+
+def test_token_bytes_inside_a_string_are_text_and_stay() -> None:
+    content = 'a key in prose: ,"bytes":[1,2] and {"bytes":[3]}'
+    body = {"choices": [{"message": {"content": content},
+                         "logprobs": {"content": [{"token": "a", "logprob": -1.0, "bytes": [97], "top_logprobs": []}]}}]}
+    parsed = parse_completion(orjson.dumps(body), keep_token_bytes=False)
+    assert parsed["choices"][0]["message"]["content"] == content
+    assert parsed["choices"][0]["logprobs"]["content"] == [{"token": "a", "logprob": -1.0, "top_logprobs": []}]
+    with pytest.raises(ValueError):
+        parse_completion(b'{"choices": [', keep_token_bytes=False)

@@ -43,7 +43,8 @@ from ..common.packed_hook import pack_after
 from .domain_errors import error_answer
 from .lora_types import LoraError
 from .openai_shapes import (
-    ClientWants, StreamAggregator, client_view_chunk, client_view_response, client_wants, stream_fields_refused,
+    ClientWants, StreamAggregator, client_view_chunk, client_view_response, client_wants, parse_completion,
+    stream_fields_refused,
 )
 from .responses import envelope, json_response, upstream_error
 from .rl_client import CaptureFailed, HookUnreachable, RLClient
@@ -314,7 +315,7 @@ class InferenceProxy:
         finally:
             await resp.aclose()
         try:
-            completion = orjson.loads(content)
+            completion = parse_completion(content, keep_token_bytes=wants.logprobs)
             if not isinstance(completion, dict):
                 raise ValueError("not an object")
         except ValueError:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 # Private fields: asked for by the gateway/RL injection (token ids, logprobs, routing) or vLLM internals. They feed
 # the capture hooks only; no client ever sees them, captured or not.
@@ -12,6 +15,9 @@ PRIVATE_TOP_LEVEL = frozenset(
 )
 PRIVATE_CHOICE = frozenset({"token_ids", "routed_experts", "routing_metadata"})
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
+# A logprob entry's `"bytes":[…]`, the token's UTF-8 bytes as a list of small integers: most of the objects a parse of
+# a captured answer creates. Only inside JSON text as a key: a `"` within a JSON string is always escaped (`\"`).
+_TOKEN_BYTES = re.compile(rb',"bytes":\[[0-9,]*\]')
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +67,16 @@ def _view_usage(usage: Any) -> Any:
     if not isinstance(usage, dict):
         return usage  # null stays null
     return {k: usage[k] for k in USAGE_KEYS if k in usage}
+
+
+def parse_completion(content: bytes, *, keep_token_bytes: bool) -> Any:
+    """A JSON answer parsed; without `keep_token_bytes` the logprob entries come without their `bytes`. Nothing but a
+    client that asked for logprobs reads them (the capture keeps token ids and logprobs, and the RL Service's JSON
+    `:after` gets the upstream's own bytes), and cutting them from the text first makes a large captured answer's
+    parse and release a third cheaper. Raises ValueError for invalid JSON."""
+    if not keep_token_bytes and b'"bytes":[' in content:
+        content = _TOKEN_BYTES.sub(b"", content)
+    return orjson.loads(content)
 
 
 def client_view_response(body: dict[str, Any], *, wants_logprobs: bool, client_model: str | None) -> dict[str, Any]:
