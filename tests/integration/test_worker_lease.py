@@ -10,7 +10,6 @@ import asyncio
 import time
 from pathlib import Path
 
-import pytest
 from redis.asyncio import Redis
 
 from openjiuwen.agent_evolving.agent_rl.online.store import keys

@@ -9,9 +9,7 @@ registry and `/metrics` without bound.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx

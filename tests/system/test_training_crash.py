@@ -3,7 +3,6 @@ private Redis and a fake gateway on real sockets."""
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import orjson

@@ -423,9 +423,11 @@ class TrainingRunner:
             self._activation_done("failed", time.perf_counter() - started)
             log.warning("activation of %s failed: %s", run.lora_name, exc,
                         extra={"training_run_id": run.training_run_id, "lora_name": run.lora_name})
+            # Bound here: a shielded write may outlive this `except` (a cancelled caller), which unbinds `exc`.
+            error = str(exc)
             return await asyncio.shield(self._durable(f"run {run.training_run_id} failed", lambda: self._runs.finish(
-                run.training_run_id, RunStatus.FAILED, failure_reason=str(exc),
-                before=[("activation_failed", {"lora_name": run.lora_name, "error": str(exc)})],
+                run.training_run_id, RunStatus.FAILED, failure_reason=error,
+                before=[("activation_failed", {"lora_name": run.lora_name, "error": error})],
             )))
         self._activation_done("ok", time.perf_counter() - started)
         self._fault("run.activated")
@@ -449,9 +451,10 @@ class TrainingRunner:
             self._activation_done("failed", time.perf_counter() - started)
             log.warning("canary of %s could not start: %s", run.lora_name, exc,
                         extra={"training_run_id": run_id, "lora_name": run.lora_name})
+            error = str(exc)  # bound here: the shielded write may outlive this `except`
             return await asyncio.shield(self._durable(f"run {run_id} failed", lambda: self._runs.finish(
-                run_id, RunStatus.FAILED, failure_reason=str(exc),
-                before=[("activation_failed", {"lora_name": run.lora_name, "error": str(exc)})],
+                run_id, RunStatus.FAILED, failure_reason=error,
+                before=[("activation_failed", {"lora_name": run.lora_name, "error": error})],
             )))
         self._activation_done("ok", time.perf_counter() - started)
         log.info("training run %s succeeded: %s is the candidate of rollout %s", run_id, run.lora_name,
