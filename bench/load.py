@@ -42,6 +42,10 @@ class _Parser:
         self.keep_alive = self.parser.should_keep_alive()  # the parser resets once the message is complete
 
 
+class _ClosedIdle(Exception):
+    """The connection ended before any byte of the answer."""
+
+
 class Connection:
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
@@ -49,15 +53,37 @@ class Connection:
         self.writer: asyncio.StreamWriter | None = None
 
     async def request(self, raw: bytes) -> tuple[int, bytes]:
+        reused = self.writer is not None
+        try:
+            return await self._exchange(raw)
+        except _ClosedIdle:
+            if not reused:
+                raise ConnectionError("server closed the connection") from None
+            # The server closed this kept-alive connection while it sat idle (its keep-alive timeout: a session that
+            # waited for the others' warm-up); it never read this request. Once more on a fresh connection.
+            await self.close()
+            try:
+                return await self._exchange(raw)
+            except _ClosedIdle:
+                raise ConnectionError("server closed the connection") from None
+
+    async def _exchange(self, raw: bytes) -> tuple[int, bytes]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 22)
         assert self.reader is not None
         p = _Parser()
         self.writer.write(raw)
+        received = False
         while not p.answer.done:
-            data = await self.reader.read(1 << 20)
+            try:
+                data = await self.reader.read(1 << 20)
+            except ConnectionResetError:
+                data = b""
             if not data:
+                if not received:
+                    raise _ClosedIdle
                 raise ConnectionError("server closed the connection")
+            received = True
             p.parser.feed_data(data)
         status = p.parser.get_status_code()
         if not p.keep_alive:

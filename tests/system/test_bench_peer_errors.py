@@ -55,3 +55,32 @@ async def test_a_peer_that_resets_is_reported_and_the_others_measured():
                                                concurrency=2, calls=6)
     assert list(measured) == ["peer:answers"] and measured["peer:answers"]["calls"] == 6
     assert list(errors) == ["resets"] and errors["resets"].startswith(("ConnectionResetError", "ConnectionError"))
+
+
+async def test_a_kept_alive_connection_closed_while_idle_is_opened_again():
+    """A server closes each connection after one answer, as one whose keep-alive timeout passed while a session
+    waited for the others' warm-up (the full bench's 256 large-SSE sessions died of it): the request never read
+    is sent again on a fresh connection. A fresh connection that ends before answering is still an error."""
+    from bench.load import Connection, closed_loop, post
+
+    async def one_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(OK)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()  # without `connection: close`: the client believes the connection kept alive
+
+    async def never_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    closing = await asyncio.start_server(one_answer, "127.0.0.1", 0)
+    silent = await asyncio.start_server(never_answers, "127.0.0.1", 0)
+    async with closing, silent:
+        port = closing.sockets[0].getsockname()[1]
+
+        result = await closed_loop(port, lambda i: post("/x", b"{}"), concurrency=2, calls=6)
+        assert result["calls"] == 6
+        with pytest.raises(ConnectionError):
+            await Connection("127.0.0.1", silent.sockets[0].getsockname()[1]).request(post("/x", b"{}"))
