@@ -157,6 +157,8 @@ class _Client:
         except httpx.TransportError as exc:
             self.h.note_error(f"transport:{type(exc).__name__}", time.monotonic() - began)
             await self.h.ensure_service(seen_generation=generation)
+            if self.h.workers > 1:  # every worker may be restarting at once: a moment before the next try
+                await asyncio.sleep(0.1)
             raise Interrupted(path) from exc
         if r.status_code >= 500:
             code = _code(r)

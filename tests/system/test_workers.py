@@ -235,3 +235,22 @@ async def test_a_group_whose_workers_cannot_start_fails_like_a_lone_service(redi
         assert svc.wait(60) == 1
         assert "belongs to another model id" in svc.log() + svc.stderr()
         assert "before the group was ready; stopping the RL Service" in svc.log()
+
+
+async def test_a_group_that_was_ready_outlives_every_worker_dying_twice(redis, redis_url, tmp_path, gateway):
+    """All workers SIGKILLed at once, then their replacements killed again while still starting: once the group
+    served, no death is a failed start; it restarts them until they serve (the chaos sweep found a group that took
+    the death of a replacement, after all ready workers had died, for a failed start and exited)."""
+    with group(tmp_path, redis_url, gateway, plan(tmp_path)).start() as svc:
+        wait_for(lambda: live_workers(svc), timeout_s=15.0, what="3 live workers")
+        first = worker_pids(svc.pid)
+        for pid in first:
+            os.kill(pid, signal.SIGKILL)
+        second = wait_for(lambda: (p := worker_pids(svc.pid)) and not p & first and len(p) == WORKERS and p,
+                          timeout_s=15.0, what="the replacements")
+        for pid in second:
+            os.kill(pid, signal.SIGKILL)  # before they are ready: a worker takes a second or more to start
+        wait_for(lambda: live_workers(svc) and not worker_pids(svc.pid) & (first | second), timeout_s=30.0,
+                 what="a third generation serving")
+        assert svc.proc is not None and svc.proc.poll() is None
+        assert "before the group was ready" not in svc.log()

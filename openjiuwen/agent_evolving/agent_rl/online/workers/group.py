@@ -88,7 +88,7 @@ class WorkerGroup:
         self._waits: dict[int, asyncio.Task[int]] = {}
         self._started_at: dict[int, float] = {}
         self._backoff: dict[int, float] = {}
-        self._ready_slots: set[int] = set()
+        self._was_ready = False  # sticky: once any worker served, a later death is a restart, never a failed start
         self._stopping = asyncio.Event()
         self._sock: socket.socket | None = None
         self._ready_r = self._ready_w = -1
@@ -150,9 +150,9 @@ class WorkerGroup:
             return
         for line in data.decode(errors="replace").split():
             if line.isdigit():
-                if not self._ready_slots:
+                if not self._was_ready:
                     log.info("RL Service worker group ready")
-                self._ready_slots.add(int(line))
+                self._was_ready = True
 
     async def _spawn(self, slot: int, *, replacement: bool = False) -> None:
         assert self._sock is not None
@@ -192,12 +192,11 @@ class WorkerGroup:
                     code = wait.result()
                     self._mark_dead(proc.pid)
                     await self._bury(slot, proc.pid)
-                    if not self._ready_slots:
+                    if not self._was_ready:
                         log.error("worker %d %s before the group was ready; stopping the RL Service", slot,
                                   exit_description(code))
                         await self._stop_all()
                         return 1
-                    self._ready_slots.discard(slot)
                     delay = self._next_backoff(slot)
                     log.error("worker %d (pid %d) %s; restarting it in %.1f s", slot, proc.pid,
                               exit_description(code), delay)
