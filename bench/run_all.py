@@ -12,8 +12,8 @@ through the gateway), load-kills (64 sessions while RL Service workers are SIGKI
 every fault scenario, single-worker kills included). `--no-peers` leaves out every third-party process
 (capture peers, hooks-sdk, storage-sdk). Then renders docs/benchmarks.md from the JSON files (the machine, its load
 average, the commands, one table per bench, the targets met or missed); what the numbers mean and why lives in the
-hand-written docs/benchmarks-notes.md, which the generated page links to. `--quick` shortens every bench (about 4
-minutes instead of about 10). `--smoke` runs every bench once at its smallest size (seconds each; the numbers mean
+hand-written docs/benchmarks-notes.md, which the generated page links to. `--quick` shortens every bench (about 15
+minutes instead of about 80 on 2 cores). `--smoke` runs every bench once at its smallest size (seconds each; the numbers mean
 nothing): tests/system/test_bench_smoke.py uses it, with `--no-peers`, `--results` and `--doc` in a temporary
 folder, to prove every bench still runs and writes the result shape the renderer reads.
 """
@@ -445,7 +445,7 @@ def render(mode: str, seconds: dict[str, float], results: Path = RESULTS, machin
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="shorter runs of every bench (about 4 minutes)")
+    size.add_argument("--quick", action="store_true", help="shorter runs of every bench (about 15 minutes)")
     size.add_argument("--smoke", action="store_true",
                       help="every bench once at its smallest size, seconds each; the numbers mean nothing (tests)")
     parser.add_argument("--skip", nargs="*", default=[], choices=sorted(BENCHES))
