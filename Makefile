@@ -24,7 +24,7 @@ DEMO_ARGS ?=
 
 help:
 	@echo "make test    - create .venv and .venv-vllm, install pinned deps, ensure redis-server and chromium, run the CPU suite"
-	@echo "make bench   - run the bench suite (bench/run_all.py, ~80 min) and rewrite docs/benchmarks.md"
+	@echo "make bench   - run the bench suite (bench/run_all.py, 45-80 min) and rewrite docs/benchmarks.md"
 	@echo "make bench-quick - the same, shorter runs (~15 min)"
 	@echo "make demo    - create .venv and .venv-vllm, then run the online-RL demo on a real vLLM (docs/demo.md)"
 	@echo "make demo-tiny - the same as make demo: the tiny random model, 'answer in plain words' (~4 min)"

@@ -196,7 +196,9 @@ class InvariantReport:
     def summary(self) -> dict[str, Any]:
         return {
             "ok": self.ok, "violations": len(self.violations), "keys": self.keys, "samples": self.samples,
-            "samples_by_status": {str(status): n for status, n in self.samples_by_status.items()},  # JSON keys "tasks": self.tasks, "captures": self.captures,
+            # str(): JSON object keys
+            "samples_by_status": {str(status): n for status, n in self.samples_by_status.items()},
+            "tasks": self.tasks, "captures": self.captures,
             "runs": self.runs, "client_samples_checked": self.client_samples_checked,
         }
 

@@ -110,7 +110,8 @@ def test_run_all_smoke_runs_every_bench_and_renders_the_page(tmp_path: Path) -> 
     for name in ("load", "load-kills"):
         result = load(results / f"{name}.json")
         assert result["errors"] == 0 and result["invariants"]["ok"] and result["completions"] > 0, result
-        assert result["samples_stored"] == result["completions"]
+        assert result["samples_stored"] == result["completions"] == result["invariants"]["samples"]
+        assert result["invariants"]["tasks"] > 0  # the checker's own count, printed by the bench
     kills = load(results / "load-kills.json")
     assert (kills["workers"], kills["workers_killed"], kills["workers_restarted"]) == (2, 1, 1)
     chaos = load(results / "chaos.json")["totals"]
