@@ -44,6 +44,14 @@ def modes(*roots: Path) -> dict[str, int]:
     return out
 
 
+def worker_umask(pid: int) -> int:
+    """A live process's umask, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    raise AssertionError(f"no Umask line for pid {pid}")
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     """A tiny model and four samples drawn from it with their true logprobs."""
@@ -64,11 +72,14 @@ class SnoopingBackend(LocalBackend):
         super().__init__(*args, **kwargs)
         self.watch = watch
         self.during: dict[str, int] = {}
+        self.worker_umask: int | None = None
 
     async def train(self, job: Any, *, on_progress: Any) -> Any:
         async def snoop(metrics: dict[str, Any]) -> None:
             if not self.during:
                 self.during = modes(*self.watch)  # the worker is still running: batch and spec are in place
+                (proc,) = self._procs.values()
+                self.worker_umask = worker_umask(proc.pid)
             await on_progress(metrics)
 
         return await super().train(job, on_progress=snoop)
@@ -127,7 +138,9 @@ async def test_a_real_local_run_writes_only_private_files(redis, redis_url, tmp_
     assert after[str(version.parent / "active")] == 0o600
     assert after[str(tmp_path / "logs")] == 0o700
     assert after[str(tmp_path / "logs" / "rl-service.log")] == 0o600
-    # Nothing written by the run, at any point, is open to other users.
+    # Nothing written by the run, at any point, is open to other users: the trainer process writes with umask 077
+    # (peft's model card, written and then removed, was 0o644 whenever the snapshot caught it).
+    assert backend.worker_umask == 0o077
     everything = {**during, **after}
     assert {p: oct(m) for p, m in everything.items() if m & 0o007} == {}
 

@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m openjiuwen.agent_evolving.agent_rl.online.training.local_worker SPEC.json",
               file=sys.stderr)
         return 2
+    # Everything the trainer writes (the adapter, peft's model card before it is removed, library caches) is private
+    # while it is written; the LoRA repository sets the published modes when it seals the version.
+    os.umask(0o077)
     events = _events_stream()
     from ..watchdog import install_parent_death_watchdog
 
