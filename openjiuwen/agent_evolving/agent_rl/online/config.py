@@ -31,6 +31,7 @@ from pydantic_core import PydanticCustomError
 from ..common.validation import ModelId, validation_problems
 from .rewards.config import RewardPolicyConfig
 from .rollout.config import RolloutConfig
+from .training.policy import TrainingPolicyConfig
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -186,6 +187,9 @@ class RLServiceConfig(BaseModel):
 
     # How a new version reaches users (docs/rollout.md): immediate (default), canary or manual.
     rollout: RolloutConfig = RolloutConfig()
+
+    # When the leader starts Training Runs by itself (docs/training.md); off by default: manual runs only.
+    training_policy: TrainingPolicyConfig = TrainingPolicyConfig()
 
     # HTTP and logging.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432

@@ -35,6 +35,9 @@ PROXIED_ROUTES = (
     ("POST", "/v1/rl/rollout/pause"),
     ("POST", "/v1/rl/rollout/resume"),
     ("GET", "/v1/rl/rollout/{rollout_id}/events"),
+    ("GET", "/v1/rl/lineages/{lineage}"),
+    ("POST", "/v1/rl/lineages/{lineage}/pause"),
+    ("POST", "/v1/rl/lineages/{lineage}/resume"),
     ("POST", "/v1/rl/loras/activate"),
     ("POST", "/v1/gateway/upload/batch"),
 )
