@@ -233,7 +233,7 @@ def test_calculator_family_evaluates_each_version_on_the_same_held_out_problems(
     seconds = [c for c in chats if c["messages"][-1]["content"].startswith("RESULT:")]
     assert len(seconds) == len(chats) // 2
     assert [c["model"] for c in chats[-6:]] == ["tiny:v1"] * 6
-    assert "held-out success" in done.stdout and "example answers" in done.stdout
+    assert "held-out success gain over base" in done.stdout and "side by side" in done.stdout
     assert (out_dir / "demo-reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_all_gone(run_dir, report)
 

@@ -720,7 +720,9 @@ class Demo:
         a = self.args
         count = (a.tasks if count is None else count) if problems is None else len(problems)
         kind = "evaluation" if evaluation else "round" if problems is None else "training"
-        bar = Bar(title or f"{kind} {r + 1}/{a.rounds + 1} ({label})", total=count, unit="tasks")
+        # Training rounds are counted like the Training Runs they feed; evaluations and rounds per version.
+        step = f"training round {r + 1}/{a.rounds}" if kind == "training" else f"{kind} {r + 1}/{a.rounds + 1}"
+        bar = Bar(title or f"{step} ({label})", total=count, unit="tasks")
         self._executor = futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
         results: list[dict[str, Any]] = []
         pins = {lora or BASE_POLICY, candidate or lora or BASE_POLICY}
