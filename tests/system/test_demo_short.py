@@ -144,13 +144,16 @@ def test_short_demo_reports_each_version_and_leaves_nothing_running(tmp_path, vl
     assert_all_gone(run_dir, report)
 
 
-def test_sigint_during_a_training_run_stops_everything_and_names_the_step(tmp_path, vllm):
+# Both families: `make demo-tiny`'s and `make demo`'s (calculator: evaluation and training Tasks before the run).
+@pytest.mark.parametrize("family", [(), ("--family", "calculator", "--eval-tasks", "2", "--model-id", "tiny")],
+                         ids=["words", "calculator"])
+def test_sigint_during_a_training_run_stops_everything_and_names_the_step(tmp_path, vllm, family):
     run_dir, out_dir = tmp_path / "run", tmp_path / "out"
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"outcome": "block"}))  # the Training Run waits until canceled
     # A suite started in the background by a shell without job control (`make test &`) ignores SIGINT, and an
     # ignored SIGINT is inherited across exec: the demo must get Ctrl-C as a terminal would deliver it.
-    proc = subprocess.Popen(demo_argv(vllm, run_dir, out_dir), cwd=REPO_ROOT,
+    proc = subprocess.Popen(demo_argv(vllm, run_dir, out_dir, *family), cwd=REPO_ROOT,
                             env=demo_env(ONLINE_RL_SCRIPTED_PLAN=str(plan)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
