@@ -8,8 +8,9 @@
 `nofile_soft=1024` starts the gateway with that soft open-files limit (systemd's default for a service), `nofile_hard`
 with that hard one.
 It writes the HMAC key file (mode 0600: the gateway refuses any other; the operator, instance and agent keys of
-`API_KEY`, `INS_KEY`, `AGENT_KEYS` unless told otherwise), the RL Service YAML (scripted trainer, the test's Redis and Judge) and the gateway JSON
-config, starts the gateway in its own process group, and waits for `GET /aigw/v1/health`. Leaving the block kills
+`API_KEY`, `INS_KEY`, `AGENT_KEYS` unless told otherwise), the RL Service YAML (scripted trainer, the test's Redis
+and Judge) and the gateway JSON config, starts the gateway in its own process group, and waits for
+`GET /aigw/v1/health`. Leaving the block kills
 the gateway's group and the child's (the child's own parent-death signal covers a gateway SIGKILL too).
 """
 
@@ -78,9 +79,10 @@ class GatewayProcess:
         self.model_id = model_id
         self.key_file = self.dir / "hmac.json"
         self.agent_keys = dict(AGENT_KEYS if agent_keys is None else agent_keys)
+        assert all(len(key) == 32 for key in self.agent_keys.values())  # written as 64 hex digits
         write_key_file(self.key_file, {
             "apiHmacKey": api_key.decode(), "insHmacKey": ins_key.decode(),
-            "agentHmacKeys": [{"id": key_id, "key": key.decode()} for key_id, key in self.agent_keys.items()],
+            "agentHmacKeys": [{"id": key_id, "key": key.hex()} for key_id, key in self.agent_keys.items()],
         })
         self.api_key = api_key
         self.log_level = log_level
@@ -229,6 +231,12 @@ class GatewayProcess:
         # One signer per key: strictly increasing timestamps, so identical calls in one millisecond are no replay.
         signer = self._signers.setdefault(signing, RequestSigner(signing[0], key_id=signing[1]))
         return signer.sign_httpx(request)
+
+    def agent_key_file(self, agent: str) -> Path:
+        """The agent's own key file (what `openjiuwen-rl keys add-agent` writes), for clients run as processes."""
+        path = self.dir / f"{agent}.key.json"
+        write_key_file(path, {"agentKeyId": agent, "agentHmacKey": self.agent_keys[agent].hex()})
+        return path
 
     def start_service(self) -> None:
         r = self.signed("POST", "/v1/rl/service/start")

@@ -403,8 +403,11 @@ async def test_agent_keys_from_file_and_socket(tmp_path: Path):
         ({"id": "a", "key": AGENT_KEY_HEX}, "agentHmacKeys: must be a list"),
         (["support-bot"], "agentHmacKeys[0]: must be an object with exactly the members id and key"),
         ([{"id": "a"}], "agentHmacKeys[0]: must be an object with exactly the members id and key"),
-        # A member this gateway does not know (a later per-key restriction) is never silently ignored.
-        ([{"id": "a", "key": AGENT_KEY_HEX, "lineages": ["x"]}], "agentHmacKeys[0]: must be an object with exactly"),
+        # A member this gateway does not know (a later per-key restriction) is never silently ignored; the one
+        # reserved for the lineage limit says so.
+        ([{"id": "a", "key": AGENT_KEY_HEX, "lineages": ["x"]}],
+         "agentHmacKeys[0].lineages: reserved for limiting an agent key to lineages, not supported"),
+        ([{"id": "a", "key": AGENT_KEY_HEX, "role": "operator"}], "agentHmacKeys[0]: must be an object with exactly"),
         ([{"id": "bad id", "key": AGENT_KEY_HEX}], "agentHmacKeys[0].id: must match"),
         ([{"id": "", "key": AGENT_KEY_HEX}], "agentHmacKeys[0].id: must match"),
         ([{"id": 7, "key": AGENT_KEY_HEX}], "agentHmacKeys[0].id: must match"),

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", help="path and query, e.g. /v1/rl/trajectories/stats")
     parser.add_argument("--url", default="http://127.0.0.1:8080", help="gateway base URL (default %(default)s)")
     parser.add_argument("--key-file", required=True,
-                        help='the gateway\'s key file {"apiHmacKey": ...} or an agent\'s {"agentKeyId", "agentHmacKey"}')
+                        help="the gateway's key file (operator key) or an agent's own key file (agent key)")
     parser.add_argument("--data", default="", help="request body (JSON text); empty for bodiless requests")
     parser.add_argument("-H", "--header", action="append", default=[], help="extra header 'Name: value'")
     parser.add_argument("--timeout", type=float, default=330.0, help="seconds (default %(default)s)")

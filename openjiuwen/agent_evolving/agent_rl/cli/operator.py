@@ -17,9 +17,9 @@
 
 Every request is signed anew with the key of the key file: the gateway's (the operator key, `apiHmacKey`: every
 command) or an agent's own (an agent key: `task start|stop|reward` only; `openjiuwen-rl keys add-agent` writes one).
-Output is human-readable; `--json` prints the raw answers. Exit status: 0 on success; 1 for an error answer (its code and message are printed), an unreachable gateway,
-or a watched run that failed or was canceled; 2 for a usage or key problem. This is an edge: it reads its
-environment (see ENVIRONMENT below).
+Output is human-readable; `--json` prints the raw answers. Exit status: 0 on success; 1 for an error answer (its
+code and message are printed), an unreachable gateway, or a watched run that failed or was canceled; 2 for a usage
+or key problem. This is an edge: it reads its environment (see ENVIRONMENT below).
 """
 
 from __future__ import annotations

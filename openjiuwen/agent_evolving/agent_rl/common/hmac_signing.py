@@ -62,9 +62,10 @@ def sign_request(key: bytes, method: str, target: str | bytes, body: bytes, *, n
     """The headers of a version-3 signed request: `target` is the path as sent (percent-encoded) plus `?query` when
     there is one, e.g. `httpx.Request.url.raw_path`; `body` the exact bytes sent (b"" for none); `key_id` the agent
     key's id (None for the operator key: no `X-Key-Id` is sent); `session_id` the `X-Agent-Session-Id` the request
-    carries (None when it carries none). The caller sends that session header itself; `X-Key-Id` is returned here."""
+    carries (None when it carries none; as text, the Latin-1 bytes HTTP/1.1 clients send for it). The caller sends
+    that session header itself; `X-Key-Id` is returned here."""
     timestamp = str(int(now_ms))
-    session = session_id.encode("utf-8") if isinstance(session_id, str) else session_id or b""
+    session = session_id.encode("latin-1") if isinstance(session_id, str) else session_id or b""
     mac = hmac.new(key, v3_message(method.upper(), target, timestamp, body, key_id=key_id or b"",
                                    session_id=session), hashlib.sha256).hexdigest()
     headers = {TIMESTAMP_HEADER: timestamp, SIGNATURE_HEADER: mac, VERSION_HEADER: CURRENT_VERSION}

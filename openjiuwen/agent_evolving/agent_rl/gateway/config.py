@@ -45,6 +45,7 @@ from .instances import valid_host
 MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
 MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is a few short strings per key
 KEY_SOCKET_TIMEOUT_S = 5.0
+RESERVED_AGENT_KEY_MEMBER = "lineages"  # an agent key entry's future restriction (docs/gateway.md)
 _OPEN_TO_OTHERS = stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
@@ -242,9 +243,10 @@ class GlobalSection(_Model):
     # could otherwise make it buffer any amount). Larger bodies get 413 `payload_too_large`.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(default=33_554_432, alias="maxBodyBytes")
     # Project gateway: accept the AIGW signature form (timestamp ‖ body; method, path and query unsigned) beside
-    # version 2. Off by default: only then can no signed request be replayed on another route (hmac_auth.py).
+    # version 3 (operator and instance keys only). Off by default: only then can no signed request be replayed on
+    # another route or re-targeted to another session (hmac_auth.py).
     accept_legacy_signatures: StrictBool = Field(default=False, alias="acceptLegacySignatures")
-    # Project gateway: live (timestamp, signature) pairs remembered per key (api key and instance key apart); a key
+    # Project gateway: live (timestamp, signature) pairs remembered per key (api, instance, each agent key apart); a key
     # whose cache is full of live pairs has its further requests refused until some expire.
     replay_cache_size: Annotated[StrictInt, Field(ge=1)] = Field(default=REPLAY_CAPACITY, alias="replayCacheSize")
     # Project gateway, slow clients (common/http_guard.py): a request head must be complete within headerTimeout
@@ -451,6 +453,11 @@ def _agent_keys(entries: Any, source: str) -> dict[str, bytes]:
     agents: dict[str, bytes] = {}
     for i, entry in enumerate(entries):
         where = f"agentHmacKeys[{i}]"
+        if isinstance(entry, Mapping) and RESERVED_AGENT_KEY_MEMBER in entry:
+            # Reserved for limiting a key to lineages (issue 27): accepting it unenforced would grant more than
+            # the operator wrote, so until it is enforced it is refused (fail closed).
+            raise GatewayConfigError(f"{source}: {where}.{RESERVED_AGENT_KEY_MEMBER}: reserved for limiting an agent "
+                                     "key to lineages, not supported by this gateway yet; remove it")
         if not isinstance(entry, Mapping) or set(entry) != {"id", "key"}:
             raise GatewayConfigError(f"{source}: {where}: must be an object with exactly the members id and key")
         key_id, text = entry["id"], entry["key"]

@@ -3,8 +3,8 @@ bearer check of internal routes.
 
 Each guard raises `ApiError` (answered with the envelope by the app's handler) and fails closed: with no RL Service
 child alive the internal routes have no token and refuse everyone. A route lists the key roles it takes; a valid
-signature by any other agent key gets 403 `key_not_permitted` (the instance key is tried on register-instance only,
-so elsewhere it is simply an invalid signature)."""
+agent-key signature on a route that takes no agent key gets 403 `key_not_permitted` (the instance key is tried on
+register-instance only, so elsewhere it is simply an invalid signature)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ async def _verified(request: Request, gw: Gateway, *, roles: frozenset[KeyRole])
     )
     if caller is None:
         raise ApiError(401, "invalid_signature", "missing, invalid, stale or replayed signature")
-    if caller.role not in roles:
+    if caller.role not in roles:  # only an agent key gets here: the others are tried only where they are taken
         raise ApiError(403, "key_not_permitted",
                        f"the agent key {caller.agent_key_id!r} may only start, stop and reward its own Tasks and "
                        "upload rail batches")
