@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.fake_judge import FakeJudge
 from tests.support.fake_vllm import FakeVLLM, Reply
 from tests.support.gateway_process import AGENT_KEYS, API_KEY, GatewayProcess
 
@@ -55,3 +56,20 @@ def test_openai_agent_example_and_curl_signing(redis, redis_url, tmp_path):
             bad = run(["bash", "examples/sign_with_curl.sh", "GET", "/v1/rl/service"],
                       env=dict(env, KEY="wrong-key"))
             assert "invalid_signature" in bad.stdout
+
+
+def test_delayed_feedback_agent_example_with_its_agent_key(redis, redis_url, tmp_path):
+    """examples/delayed_feedback_agent.py as documented: an agent key file, a Judge, three streamed turns."""
+    with FakeJudge() as judge, FakeVLLM(served_model="tiny", name="vllm-a") as vllm:
+        vllm.reply = Reply(content="Lyon in two days.")
+        with GatewayProcess(tmp_path, redis_url, instances=[vllm], judge_url=judge.url) as gw:
+            gw.start_service()
+            out = run([sys.executable, "examples/delayed_feedback_agent.py", "--gateway", gw.url,
+                       "--key-file", str(gw.agent_key_file("agent-a"))])
+            assert out.returncode == 0, out.stderr
+            assert "stop: finalized" in out.stdout and out.stdout.count("Lyon in two days.") == 3, out.stdout
+            # The Task is the agent key's, and each of the three turns was judged into a pending sample.
+            task = gw.signed("GET", "/v1/rl/tasks").json()["items"][0]
+            assert (task["agent_key_id"], task["reward_mode"]) == ("agent-a", "delayed_feedback")
+            assert len(judge.requests) == 3
+            assert gw.signed("GET", "/v1/rl/trajectories/stats").json()["by_status"]["pending"] == 3
