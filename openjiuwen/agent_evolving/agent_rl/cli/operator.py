@@ -15,10 +15,11 @@
     openjiuwen-rl rl traj get ID
     openjiuwen-rl rl console url [--ttl SECONDS]
 
-Every request is signed anew with the gateway's `apiHmacKey`. Output is human-readable; `--json` prints the raw
-answers. Exit status: 0 on success; 1 for an error answer (its code and message are printed), an unreachable gateway,
-or a watched run that failed or was canceled; 2 for a usage or key problem. This is an edge: it reads its
-environment (see ENVIRONMENT below).
+Every request is signed anew with the key of the key file: the gateway's (the operator key, `apiHmacKey`: every
+command) or an agent's own (an agent key: `task start|stop|reward` only; `openjiuwen-rl keys add-agent` writes one).
+Output is human-readable; `--json` prints the raw answers. Exit status: 0 on success; 1 for an error answer (its
+code and message are printed), an unreachable gateway, or a watched run that failed or was canceled; 2 for a usage
+or key problem. This is an edge: it reads its environment (see ENVIRONMENT below).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import orjson
 from ..common.policy_names import BASE_POLICY
 from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS, login_token
 from ..common.hmac_signing import HmacAuth
+from ..common.signing_keys import KeyFileError, SigningKey, decode_key, load_signing_key
 from ..online.store.sample_status import ALL_SAMPLE_STATUSES
 from ..online.training.models import TERMINAL_STATUSES, RunStatus
 
@@ -53,7 +55,8 @@ ENVIRONMENT = f"""\
 environment:
   {URL_ENV:<24} gateway base URL when --url is not given (else {DEFAULT_URL})
   {KEY_ENV:<24} the apiHmacKey string itself, when --key-file is not given
-  {KEY_FILE_ENV:<24} JSON key file {{"apiHmacKey": ...}}, when neither of the above is set
+  {KEY_FILE_ENV:<24} key file, when neither of the above is set: the gateway's {{"apiHmacKey": ...}} or an agent's
+  {"":<24} {{"agentKeyId": ..., "agentHmacKey": ...}}
   {MODEL_ENV:<24} default MODEL of `lora status`
 """
 
@@ -83,7 +86,8 @@ def _q(segment: str) -> str:
 class GatewayClient:
     """Signed requests to one gateway; each answer is the decoded JSON (None for an empty 2xx body)."""
 
-    def __init__(self, url: str, key: bytes, *, timeout_s: float, transport: httpx.BaseTransport | None = None):
+    def __init__(self, url: str, key: SigningKey, *, timeout_s: float,
+                 transport: httpx.BaseTransport | None = None):
         self.url = url.rstrip("/")
         self._key = key
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport, auth=HmacAuth(key))
@@ -94,7 +98,10 @@ class GatewayClient:
     def console_login_url(self, *, expires_ms: int) -> str:
         """The web console's single-use login link. The token sits in the fragment: browsers never send it, so no
         access log or proxy sees it."""
-        return f"{self.url}/console/login#token={login_token(self._key, expires_ms=expires_ms)}"
+        if self._key.is_agent:
+            raise CliError("the console login is signed with the operator key: use the gateway's key file",
+                           exit_code=2)
+        return f"{self.url}/console/login#token={login_token(self._key.key, expires_ms=expires_ms)}"
 
     def request(
         self,
@@ -672,7 +679,8 @@ def _add_common(parser: argparse.ArgumentParser, *, leaf: bool) -> None:
     parser.add_argument("--url", default=default(None),
                         help=f"gateway base URL (default ${URL_ENV} or {DEFAULT_URL})")
     parser.add_argument("--key-file", default=default(None),
-                        help=f'JSON file with {{"apiHmacKey": ...}} (default ${KEY_ENV}, then ${KEY_FILE_ENV})')
+                        help=f"the gateway's key file (operator) or an agent's key file (default ${KEY_ENV}, then "
+                             f"${KEY_FILE_ENV})")
     parser.add_argument("--json", action="store_true", default=default(False), help="print the raw JSON answer")
     parser.add_argument("--timeout", type=float, default=default(DEFAULT_TIMEOUT_S),
                         help=f"seconds per request (default {DEFAULT_TIMEOUT_S:g})")
@@ -800,30 +808,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _key(key_file: str | None, env: Mapping[str, str]) -> bytes:
-    from ..gateway.config import GatewayConfigError, decode_key, keys_from_document
-
+def _key(key_file: str | None, env: Mapping[str, str]) -> SigningKey:
     path = key_file
     if path is None:
         text = env.get(KEY_ENV, "")
         if text:
             try:
-                return decode_key(text)
+                return SigningKey(decode_key(text))
             except ValueError as exc:
                 raise CliError(f"{KEY_ENV}: {exc}", exit_code=2) from None
         path = env.get(KEY_FILE_ENV) or None
     if path is None:
         raise CliError(f"no HMAC key: pass --key-file FILE, or set {KEY_ENV} or {KEY_FILE_ENV}", exit_code=2)
     try:
-        with open(path, "rb") as fh:
-            document = orjson.loads(fh.read())
-    except OSError as exc:
-        raise CliError(f"cannot read key file {path}: {exc.strerror}", exit_code=2) from None
-    except orjson.JSONDecodeError:
-        raise CliError(f"key file {path} is not JSON", exit_code=2) from None
-    try:
-        return keys_from_document(document, source=path).api
-    except GatewayConfigError as exc:
+        return load_signing_key(path)
+    except KeyFileError as exc:
         raise CliError(str(exc), exit_code=2) from None
 
 

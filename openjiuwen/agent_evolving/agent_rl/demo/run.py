@@ -55,6 +55,7 @@ from . import calculator_family as calc
 from .task_family import FOLLOW_UP, PROMPTS, word_char_share
 
 TERMINAL_RUN = ("succeeded", "failed", "canceled")
+DEMO_AGENT_KEY_ID = "demo-agent"  # the agents' own key in the gateway's key file (agentHmacKeys)
 # Per task family: "words" is the tiny random model's "answer in plain words" (fast, for tests and a quick look);
 # "calculator" is SmolLM2-135M-Instruct solving word problems with a calculator tool (docs/learning.md says why
 # each PPO value is what it is). Its two rounds are what fits in about ten minutes on two cores (docs/demo.md);
@@ -231,7 +232,8 @@ class Demo:
         self.timings: dict[str, Any] = {"setup": {}, "rounds": [], "training_runs": []}
         self.versions: list[dict[str, Any]] = []
         self.status = "running"
-        self._auth: Any = None  # the HmacAuth of api_key, made with the key
+        self._auth: Any = None  # the HmacAuth of api_key (the operator's calls), made with the key
+        self._agent_auth: Any = None  # the HmacAuth of the demo agents' own agent key (Task start, stop, reward)
         self._http: Any = None
         self._agent: Any = None
         self._executor: futures.ThreadPoolExecutor | None = None
@@ -495,17 +497,20 @@ class Demo:
         port, rl_port = free_port(), free_port()
         while rl_port == port:
             rl_port = free_port()
-        api_hex = secrets.token_hex(32)
+        api_hex, agent_hex = secrets.token_hex(32), secrets.token_hex(32)
         key_file = gw_dir / "hmac-keys.json"
         fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"apiHmacKey": api_hex, "insHmacKey": secrets.token_hex(32)}, f)
-        from ..gateway.config import decode_key
-
+            json.dump({"apiHmacKey": api_hex, "insHmacKey": secrets.token_hex(32),
+                       "agentHmacKeys": [{"id": DEMO_AGENT_KEY_ID, "key": agent_hex}]}, f)
         from ..common.hmac_signing import HmacAuth
+        from ..common.signing_keys import SigningKey, decode_key
 
         self.api_key = decode_key(api_hex)
-        self._auth = HmacAuth(self.api_key)  # one signer for every thread: strictly increasing timestamps
+        # One signer per key for every thread: strictly increasing timestamps. The agents sign with their own agent
+        # key, which may only start, stop and reward their Tasks; the operator key stays with the demo's operator.
+        self._auth = HmacAuth(self.api_key)
+        self._agent_auth = HmacAuth(SigningKey(decode_key(agent_hex), DEMO_AGENT_KEY_ID))
         samples = a.tasks * a.turns
         self.ppo_yaml = {
             "actor_rollout_ref": {"actor": {"optim": {"lr": a.lr}, "ppo_epochs": a.ppo_epochs,
@@ -595,15 +600,16 @@ class Demo:
     # ------------------------------------------------------------------------------------------ control calls
 
     def signed(self, method: str, path: str, *, json_body: Any = None, headers: dict[str, str] | None = None,
-               params: dict[str, Any] | None = None) -> Any:
+               params: dict[str, Any] | None = None, agent: bool = False) -> Any:
         """An HMAC-signed control request (common/hmac_signing.py: strictly increasing timestamps, so concurrent
-        identical bodies never look like a replay)."""
+        identical bodies never look like a replay), with the operator key, or the agents' key when `agent`."""
         import orjson
 
         body = b"" if json_body is None else orjson.dumps(json_body)
         h = {"content-type": "application/json"} if json_body is not None else {}
         h.update(headers or {})
-        return self._http.request(method, path, content=body, headers=h, params=params, auth=self._auth)
+        return self._http.request(method, path, content=body, headers=h, params=params,
+                                  auth=self._agent_auth if agent else self._auth)
 
     def active_policy(self) -> str | None:
         r = self.signed("GET", f"/v1/loras/{self.args.model_id}")
@@ -760,7 +766,7 @@ class Demo:
         t = time.monotonic()
         body: dict[str, Any] = {"reward_mode": "terminal", **({"evaluation": True} if evaluation else {})}
         started = self.signed("POST", "/v1/rl/tasks/start", json_body=body,
-                              headers={"X-Agent-Session-Id": session})
+                              headers={"X-Agent-Session-Id": session}, agent=True)
         if started.status_code != 201:
             raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
         task = started.json()
@@ -777,7 +783,7 @@ class Demo:
             text = out.choices[0].message.content or ""
             answers.append(text)
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UP}]
-        stopped = self.signed("POST", f"/v1/rl/tasks/{task_id}/stop")
+        stopped = self.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
         if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
             raise DemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
         reward = word_char_share(answers)
@@ -795,7 +801,7 @@ class Demo:
         return pinned
 
     def _publish_reward(self, task_id: str, reward: float) -> dict[str, Any]:
-        rewarded = self.signed("POST", f"/v1/rl/tasks/{task_id}/reward", json_body={"reward": reward})
+        rewarded = self.signed("POST", f"/v1/rl/tasks/{task_id}/reward", json_body={"reward": reward}, agent=True)
         if rewarded.status_code != 200:
             raise DemoFailed(f"Task {task_id} reward answered {rewarded.status_code}: {rewarded.text[:300]}")
         return rewarded.json()
@@ -811,7 +817,8 @@ class Demo:
         body: dict[str, Any] = {"reward_mode": "terminal"}
         if evaluation:
             body["evaluation"] = True
-        started = self.signed("POST", "/v1/rl/tasks/start", json_body=body, headers={"X-Agent-Session-Id": session})
+        started = self.signed("POST", "/v1/rl/tasks/start", json_body=body, headers={"X-Agent-Session-Id": session},
+                              agent=True)
         if started.status_code != 201:
             raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
         task = started.json()
@@ -832,7 +839,7 @@ class Demo:
             if turn == 0:
                 _, feedback = calc.tool_call(text)  # the agent runs the tool
                 messages = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": feedback}]
-        stopped = self.signed("POST", f"/v1/rl/tasks/{task_id}/stop")
+        stopped = self.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
         if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
             raise DemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
         scored = calc.score(problem, answers)

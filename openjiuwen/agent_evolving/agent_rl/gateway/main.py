@@ -34,7 +34,8 @@ async def _serve(config_path: str) -> int:
     except (GatewayConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    verifier = HmacVerifier(keys.api, keys.ins, replay_capacity=config.global_.replay_cache_size,
+    verifier = HmacVerifier(keys.api, keys.ins, agent_keys=keys.agents,
+                            replay_capacity=config.global_.replay_cache_size,
                             accept_legacy=config.global_.accept_legacy_signatures)
     if config.global_.accept_legacy_signatures:
         logging.getLogger("openjiuwen.agent_rl.gateway").warning(
