@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from . import capture_secret
+from ..common import json_nesting
 from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
 from .capture_fields import IGNORED_FIELDS_HEADER, FieldRefused, ignored_header, screen
 from .http11 import HttpError, Http11Client, StreamedAnswer
@@ -145,7 +146,9 @@ class InferenceProxy:
     @staticmethod
     async def _json_body(request: Request) -> dict[str, Any] | Response:
         try:
-            body = orjson.loads(await request.body())
+            body = json_nesting.loads(await request.body())
+        except json_nesting.TooDeep as exc:
+            return envelope(400, "invalid_request", f"request body is {exc}")
         except orjson.JSONDecodeError:
             return envelope(400, "invalid_request", "request body is not valid JSON")
         if not isinstance(body, dict):
@@ -340,15 +343,18 @@ class InferenceProxy:
 
     @staticmethod
     def _client_answer(completion: dict[str, Any], wants: ClientWants, flavor: str) -> Response:
-        if flavor == "anthropic":
-            try:
-                message = openai_to_anthropic_response(completion, client_model=wants.model)
-            except ValueError as exc:
-                return envelope(502, "upstream_invalid", f"vLLM answer cannot be converted: {exc}")
-            return json_response(message)
-        return json_response(
-            client_view_response(completion, wants_logprobs=wants.logprobs, client_model=wants.model)
-        )
+        try:
+            if flavor == "anthropic":
+                try:
+                    message = openai_to_anthropic_response(completion, client_model=wants.model)
+                except ValueError as exc:
+                    return envelope(502, "upstream_invalid", f"vLLM answer cannot be converted: {exc}")
+                return json_response(message)
+            return json_response(
+                client_view_response(completion, wants_logprobs=wants.logprobs, client_model=wants.model)
+            )
+        except orjson.JSONEncodeError:  # nested deeper than orjson writes; not walked on read, to keep reads cheap
+            return envelope(502, "upstream_invalid", "vLLM answer is nested too deep to be relayed")
 
     async def _relay_stream(
         self, resp: StreamedAnswer, wants: ClientWants, flavor: str, pending: _PendingCapture | None,
@@ -381,7 +387,7 @@ class InferenceProxy:
                         else:
                             out.append(encode_sse(DONE))
                         break
-                    chunk = orjson.loads(event.data)
+                    chunk = json_nesting.loads(event.data)  # bounded: the chunk is written again
                     if not isinstance(chunk, dict):
                         raise ValueError("stream chunk is not a JSON object")
                     aggregator.feed(chunk)
