@@ -73,9 +73,14 @@ def anthropic_body() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[GatewayProcess]:
-    with FakeVLLM(served_model="tiny") as vllm, \
-            GatewayProcess(tmp_path_factory.mktemp("nesting-gw"), redis_url, instances=[vllm]) as gw:
+def vllm() -> Iterator[FakeVLLM]:
+    with FakeVLLM(served_model="tiny") as v:
+        yield v
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, redis_url: str, vllm: FakeVLLM) -> Iterator[GatewayProcess]:
+    with GatewayProcess(tmp_path_factory.mktemp("nesting-gw"), redis_url, instances=[vllm]) as gw:
         gw.start_service()
         yield gw
 
@@ -112,6 +117,29 @@ def test_the_gateway_refuses_deep_bodies_with_and_without_a_task(gateway: Gatewa
     assert gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0}).json() == {"sample_count": 1}
     assert "unhandled error" not in gw.stderr() and "Traceback" not in gw.stderr(), gw.stderr()[-3000:]
     assert "unhandled error" not in gw.rl_log(), gw.rl_log()[-3000:]
+
+
+def test_a_vllm_answer_too_deep_to_relay_is_a_502_not_a_500(gateway: GatewayProcess, vllm: FakeVLLM, redis) -> None:
+    """A rogue instance's answer nested 300 levels: orjson reads it, but the client's view cannot be written."""
+    gw = gateway
+    answer = json.loads(json.dumps(RESPONSE))
+    answer["choices"][0]["message"]["tool_calls"] = [
+        {"id": HOLE, "type": "function", "function": {"name": "f", "arguments": "{}"}}]  # survives both views
+    deep_answer = with_deep(answer, 300)
+    for path, body in ((CHAT, {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/messages", {"model": "tiny", "max_tokens": 4,
+                                         "messages": [{"role": "user", "content": "hi"}]})):
+        vllm.fail_next(CHAT, 200, body=deep_answer, content_type="application/json")
+        r = gw.http.post(path, json=body)
+        assert (r.status_code, r.json()["error"]["code"]) == (502, "upstream_invalid"), (path, r.text[:300])
+    # In a stream the chunk is refused when read: the stream ends without its end marker, as any broken stream.
+    chunk = with_deep({"id": "c", "object": "chat.completion.chunk", "model": "tiny", "system_fingerprint": HOLE,
+                       "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}, 300)
+    vllm.fail_next(CHAT, 200, body=b"data: " + chunk + b"\n\ndata: [DONE]\n\n", content_type="text/event-stream")
+    r = gw.http.post(CHAT, json={"model": "tiny", "max_tokens": 4, "stream": True,
+                                 "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and "[DONE]" not in r.text, r.text[:300]
+    assert "unhandled error" not in gw.stderr() and "Traceback" not in gw.stderr(), gw.stderr()[-3000:]
 
 
 # ------------------------------------------------------------------------------------------- the RL Service
