@@ -194,6 +194,10 @@ def test_exactly_one_key_source(tmp_path: Path, sources: dict):
         ("onlineRL", "endpoint", "http://10.0.0.5:18081", "onlineRL.endpoint"),
         ("onlineRL", "endpoint", "https://127.0.0.1:18081", "onlineRL.endpoint"),
         ("onlineRL", "endpoint", "http://127.0.0.1:18081/v1", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://localhost:18081", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://LOCALHOST:18081", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://ip6-localhost:18081", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://128.0.0.1:18081", "onlineRL.endpoint"),
         ("onlineRL", "configPath", "", "onlineRL.configPath"),
         ("lora", "root", "relative/loras", "lora.root"),
         ("lora", "operationTimeout", "1d", "lora.operationTimeout"),
@@ -207,6 +211,15 @@ def test_invalid_values_name_the_field(tmp_path: Path, section: str, key: str, v
     data[section][key] = value
     message = error_of(data)
     assert message.startswith(f"gateway config: {field}: "), message
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:18081", "http://[::1]:18081", "http://127.0.0.2:18081/"])
+def test_the_rl_endpoint_is_an_ip_literal_of_loopback(tmp_path: Path, endpoint: str):
+    data = example(tmp_path)
+    data["onlineRL"]["endpoint"] = endpoint
+    assert gateway_config_from_mapping(data).online_rl.endpoint == endpoint.rstrip("/")
+    data["onlineRL"]["endpoint"] = "http://localhost:18081"
+    assert "IP literal of loopback" in error_of(data)
 
 
 def test_errors_do_not_echo_values(tmp_path: Path):

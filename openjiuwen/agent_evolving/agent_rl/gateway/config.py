@@ -35,6 +35,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..common import loopback
 from ..common.validation import ModelId, validation_problems
 from .hmac_auth import REPLAY_CAPACITY
 from .instances import valid_host
@@ -44,7 +45,6 @@ MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is two short strings
 MIN_KEY_BYTES = 32  # CONTRACT §3.1: 32-byte keys
 MAX_KEY_BYTES = 1024
 KEY_SOCKET_TIMEOUT_S = 5.0
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 _DURATION_UNITS_S = {
     "ns": 1e-9,
@@ -214,8 +214,8 @@ def _check_loopback_url(value: str) -> str:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
         raise _invalid("must be an http URL on loopback such as http://127.0.0.1:18081") from None
-    if parts.scheme != "http" or host not in LOOPBACK_HOSTS:
-        raise _invalid("must be an http URL on loopback (127.0.0.1, ::1 or localhost)")
+    if parts.scheme != "http" or host is None or not loopback.is_loopback_ip(host):
+        raise _invalid(f"must be an http URL on {loopback.ALLOWED}, such as http://127.0.0.1:18081")
     if parts.username or parts.password or parts.query or parts.fragment or parts.path not in ("", "/"):
         raise _invalid("must be a base URL without credentials, path, query or fragment")
     return value.rstrip("/")

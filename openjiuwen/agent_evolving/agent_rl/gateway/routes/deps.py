@@ -11,10 +11,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from ...common import loopback
 from ...common.errors import ApiError
 from ..assembly import Gateway
-
-_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 async def gateway_of(request: Request) -> Gateway:
@@ -61,7 +60,7 @@ SignedBody = Annotated[bytes, Depends(api_signed_body)]
 async def internal_caller(request: Request, gw: GatewayDep) -> None:
     """Loopback and the bearer token of the RL Service child the gateway spawned, else refused."""
     host = request.client.host if request.client else ""
-    if host not in _LOOPBACK:
+    if not loopback.is_loopback_ip(host):
         raise ApiError(403, "forbidden", "internal routes are served to loopback only")
     token = gw.supervisor.internal_token
     if not token:
