@@ -15,9 +15,11 @@
     openjiuwen-rl rl traj get ID
     openjiuwen-rl rl console url [--ttl SECONDS]
 
-Every request is signed anew with the gateway's `apiHmacKey`. Output is human-readable; `--json` prints the raw
-answers. Exit status: 0 on success; 1 for an error answer (its code and message are printed), an unreachable gateway,
-or a watched run that failed or was canceled; 2 for a usage or key problem. This is an edge: it reads its
+Every request is signed anew with the gateway's `apiHmacKey`. Output is human-readable, one line per item, with
+every control character of the answers' text escaped (ESC as `\\x1b`, a line break as `\\n`: captured text and ids
+come from agents and models and must not drive the operator's terminal); `--json` prints the raw answers, exactly.
+Exit status: 0 on success; 1 for an error answer (its code and message are printed), an unreachable gateway, or a
+watched run that failed or was canceled; 2 for a usage or key problem. This is an edge: it reads its
 environment (see ENVIRONMENT below).
 """
 
@@ -35,6 +37,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 
+from ..common.control_chars import escape_controls
 from ..common.policy_names import BASE_POLICY
 from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS, login_token
 from ..common.hmac_signing import HmacAuth
@@ -139,13 +142,24 @@ class Context:
 
     def show(self, data: Any, human: Callable[[Any], None]) -> None:
         if self.as_json:
-            _out(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+            _raw(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         else:
             human(data)
 
 
 def _out(text: str = "") -> None:
-    print(text, flush=True)  # flushed per line: `train watch` is read live through pipes
+    """One line of human-readable output, its control characters escaped (issue 28 item 6)."""
+    print(escape_controls(text), flush=True)  # flushed per line: `train watch` is read live through pipes
+
+
+def _raw(text: str) -> None:
+    """`--json` output: the answer exactly as orjson writes it."""
+    print(text, flush=True)
+
+
+def _err(text: str) -> None:
+    """A human-readable line on stderr (errors quote the gateway's messages), escaped like `_out`."""
+    print(escape_controls(text), file=sys.stderr, flush=True)
 
 
 def _fields(rows: Sequence[tuple[str, Any]]) -> None:
@@ -383,7 +397,7 @@ def _pages(ctx: Context, path: str, params: dict[str, Any]) -> dict[str, Any]:
         items += page.get("items", [])
     result = {"items": items, "next_cursor": page.get("next_cursor")}
     if not ctx.as_json and result["next_cursor"]:
-        print(f"more: --cursor {result['next_cursor']} (or --all)", file=sys.stderr, flush=True)
+        _err(f"more: --cursor {result['next_cursor']} (or --all)")
     return result
 
 
@@ -474,7 +488,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
     last_state: tuple[Any, Any] | None = None
     last_record: Any = None
     if seen is not None and seen.get("status") not in TERMINAL_STATUSES:
-        _out(orjson.dumps(seen).decode() if ctx.as_json else _run_line(seen))
+        _raw(orjson.dumps(seen).decode()) if ctx.as_json else _out(_run_line(seen))
         last_state, last_record = (seen.get("status"), seen.get("stage")), seen
     steps_shown = 0
     failures = 0
@@ -491,7 +505,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
             problem = None
         if problem is not None:
             failures += 1
-            print(f"warning: polling {run_id}: {problem}", file=sys.stderr, flush=True)
+            _err(f"warning: polling {run_id}: {problem}")
             if failures >= WATCH_MAX_ERRORS:
                 raise CliError(f"gave up watching {run_id} after {failures} failed polls")
         else:
@@ -499,7 +513,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
             steps = (run.get("metrics") or {}).get("step_metrics") or []
             if ctx.as_json:
                 if run != last_record:
-                    _out(orjson.dumps(run).decode())
+                    _raw(orjson.dumps(run).decode())
             else:
                 for step in steps[steps_shown:]:
                     _out(_step_line(step))
@@ -657,7 +671,7 @@ def _console_url(ctx: Context) -> int:
     url = ctx.client.console_login_url(expires_ms=expires_ms)
     expires_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires_ms / 1000))
     ctx.show({"url": url, "expires_at": expires_at},
-             lambda d: (_out(d["url"]), print(f"single use; open it before {d['expires_at']}", file=sys.stderr)))
+             lambda d: (_out(d["url"]), _err(f"single use; open it before {d['expires_at']}")))
     return 0
 
 
@@ -673,7 +687,7 @@ def _add_common(parser: argparse.ArgumentParser, *, leaf: bool) -> None:
                         help=f"gateway base URL (default ${URL_ENV} or {DEFAULT_URL})")
     parser.add_argument("--key-file", default=default(None),
                         help=f'JSON file with {{"apiHmacKey": ...}} (default ${KEY_ENV}, then ${KEY_FILE_ENV})')
-    parser.add_argument("--json", action="store_true", default=default(False), help="print the raw JSON answer")
+    parser.add_argument("--json", action="store_true", default=default(False), help="print the raw JSON answer, exactly (human-readable output escapes control characters)")
     parser.add_argument("--timeout", type=float, default=default(DEFAULT_TIMEOUT_S),
                         help=f"seconds per request (default {DEFAULT_TIMEOUT_S:g})")
 
@@ -847,7 +861,7 @@ def main(
         finally:
             client.close()
     except CliError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        _err(f"error: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
