@@ -400,6 +400,17 @@ def test_max_body_bytes_default_and_bounds(tmp_path: Path):
         assert "maxBodyBytes" in error_of(data), bad
 
 
+def test_max_upstream_body_bytes_default_and_bounds(tmp_path: Path):
+    """Generous but bounded by default (issue 28 item 4): no value turns the bound off."""
+    data = example(tmp_path)
+    assert gateway_config_from_mapping(data).global_.max_upstream_body_bytes == 64 << 20
+    data["global"]["maxUpstreamBodyBytes"] = 4096
+    assert gateway_config_from_mapping(data).global_.max_upstream_body_bytes == 4096
+    for bad in (1023, 0, -1, None, "4096", 1.5, True):
+        data["global"]["maxUpstreamBodyBytes"] = bad
+        assert "maxUpstreamBodyBytes" in error_of(data), bad
+
+
 def test_signature_settings_default_and_bounds(tmp_path: Path):
     data = example(tmp_path)
     section = gateway_config_from_mapping(data).global_

@@ -240,6 +240,11 @@ class GlobalSection(_Model):
     # Project gateway: a bound on every request body (inference routes are unsigned, so anyone who reaches the port
     # could otherwise make it buffer any amount). Larger bodies get 413 `payload_too_large`.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(default=33_554_432, alias="maxBodyBytes")
+    # Project gateway: a bound on what a vLLM instance's answer may make the gateway hold: a JSON answer, an error
+    # answer, one SSE event, a captured stream in all (past it 502 `upstream_too_large`, or the stream ends). 64 MiB
+    # is about five times the largest answer a capture asks for (131,072 tokens with their logprobs, ~100 bytes each).
+    max_upstream_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(
+        default=67_108_864, alias="maxUpstreamBodyBytes")
     # Project gateway: accept the AIGW signature form (timestamp ‖ body; method, path and query unsigned) beside
     # version 2. Off by default: only then can no signed request be replayed on another route (hmac_auth.py).
     accept_legacy_signatures: StrictBool = Field(default=False, alias="acceptLegacySignatures")
