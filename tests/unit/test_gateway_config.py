@@ -205,6 +205,10 @@ def test_exactly_one_key_source(tmp_path: Path, sources: dict):
         ("onlineRL", "endpoint", "http://10.0.0.5:18081", "onlineRL.endpoint"),
         ("onlineRL", "endpoint", "https://127.0.0.1:18081", "onlineRL.endpoint"),
         ("onlineRL", "endpoint", "http://127.0.0.1:18081/v1", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://localhost:18081", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://LOCALHOST:18081", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://ip6-localhost:18081", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://128.0.0.1:18081", "onlineRL.endpoint"),
         ("onlineRL", "configPath", "", "onlineRL.configPath"),
         ("lora", "root", "relative/loras", "lora.root"),
         ("lora", "operationTimeout", "1d", "lora.operationTimeout"),
@@ -218,6 +222,15 @@ def test_invalid_values_name_the_field(tmp_path: Path, section: str, key: str, v
     data[section][key] = value
     message = error_of(data)
     assert message.startswith(f"gateway config: {field}: "), message
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:18081", "http://[::1]:18081", "http://127.0.0.2:18081/"])
+def test_the_rl_endpoint_is_an_ip_literal_of_loopback(tmp_path: Path, endpoint: str):
+    data = example(tmp_path)
+    data["onlineRL"]["endpoint"] = endpoint
+    assert gateway_config_from_mapping(data).online_rl.endpoint == endpoint.rstrip("/")
+    data["onlineRL"]["endpoint"] = "http://localhost:18081"
+    assert "IP literal of loopback" in error_of(data)
 
 
 def test_errors_do_not_echo_values(tmp_path: Path):
@@ -490,6 +503,17 @@ def test_max_body_bytes_default_and_bounds(tmp_path: Path):
     for bad in (1023, 0, -1, "4096", 1.5, True):
         data["global"]["maxBodyBytes"] = bad
         assert "maxBodyBytes" in error_of(data), bad
+
+
+def test_max_upstream_body_bytes_default_and_bounds(tmp_path: Path):
+    """Generous but bounded by default (issue 28 item 4): no value turns the bound off."""
+    data = example(tmp_path)
+    assert gateway_config_from_mapping(data).global_.max_upstream_body_bytes == 64 << 20
+    data["global"]["maxUpstreamBodyBytes"] = 4096
+    assert gateway_config_from_mapping(data).global_.max_upstream_body_bytes == 4096
+    for bad in (1023, 0, -1, None, "4096", 1.5, True):
+        data["global"]["maxUpstreamBodyBytes"] = bad
+        assert "maxUpstreamBodyBytes" in error_of(data), bad
 
 
 def test_signature_settings_default_and_bounds(tmp_path: Path):

@@ -195,6 +195,24 @@ def test_non_envelope_error_body(gw: FakeGateway, capsys) -> None:
     assert capsys.readouterr().err == "error: 502 http_error: Bad Gateway\n"
 
 
+def test_error_messages_and_listings_escape_control_characters(gw: FakeGateway, capsys) -> None:
+    """Errors, cursors and table cells quote what the gateway, agents and models wrote (issue 28 item 6): one line
+    each, nothing that drives the terminal; `--json` keeps the answer exact."""
+    gw.on("POST", "/v1/rl/training/runs", error(409, "insufficient_samples", "no\n\x1b[2Jsamples\x9b31m"))
+    assert run_cli(gw, "train", "start") == 1
+    assert capsys.readouterr().err == "error: 409 insufficient_samples: no\\n\\x1b[2Jsamples\\x9b31m\n"
+    rows = {"items": [task_record(agent_session_id="s\x1b]0;owned\x07", finish_reason="x\ry")],
+            "next_cursor": "c\x1b[1A"}
+    gw.on("GET", "/v1/rl/tasks", ok(rows))
+    assert run_cli(gw, "task", "list") == 0
+    captured = capsys.readouterr()
+    assert "s\\x1b]0;owned\\x07" in captured.out and "x\\ry" in captured.out
+    assert captured.err == "more: --cursor c\\x1b[1A (or --all)\n"
+    assert not any(c in captured.out + captured.err for c in "\x1b\x07\x9b\r")
+    assert run_cli(gw, "task", "list", "--json") == 0
+    assert orjson.loads(capsys.readouterr().out) == rows
+
+
 # ---------------------------------------------------------------------------------------------- commands
 
 

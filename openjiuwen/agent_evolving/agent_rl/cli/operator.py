@@ -17,9 +17,11 @@
 
 Every request is signed anew with the key of the key file: the gateway's (the operator key, `apiHmacKey`: every
 command) or an agent's own (an agent key: `task start|stop|reward` only; `openjiuwen-rl keys add-agent` writes one).
-Output is human-readable; `--json` prints the raw answers. Exit status: 0 on success; 1 for an error answer (its
-code and message are printed), an unreachable gateway, or a watched run that failed or was canceled; 2 for a usage
-or key problem. This is an edge: it reads its environment (see ENVIRONMENT below).
+Output is human-readable, one line per item, with every control character of the answers' text escaped (ESC as
+`\\x1b`, a line break as `\\n`: captured text and ids come from agents and models and must not drive the operator's
+terminal); `--json` prints the raw answers, exactly. Exit status: 0 on success; 1 for an error answer (its code and
+message are printed), an unreachable gateway, or a watched run that failed or was canceled; 2 for a usage or key
+problem. This is an edge: it reads its environment (see ENVIRONMENT below).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 
+from ..common.control_chars import escape_controls
 from ..common.policy_names import BASE_POLICY
 from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS, login_token
 from ..common.hmac_signing import HmacAuth
@@ -146,13 +149,24 @@ class Context:
 
     def show(self, data: Any, human: Callable[[Any], None]) -> None:
         if self.as_json:
-            _out(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+            _raw(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         else:
             human(data)
 
 
 def _out(text: str = "") -> None:
-    print(text, flush=True)  # flushed per line: `train watch` is read live through pipes
+    """One line of human-readable output, its control characters escaped (issue 28 item 6)."""
+    print(escape_controls(text), flush=True)  # flushed per line: `train watch` is read live through pipes
+
+
+def _raw(text: str) -> None:
+    """`--json` output: the answer exactly as orjson writes it."""
+    print(text, flush=True)
+
+
+def _err(text: str) -> None:
+    """A human-readable line on stderr (errors quote the gateway's messages), escaped like `_out`."""
+    print(escape_controls(text), file=sys.stderr, flush=True)
 
 
 def _fields(rows: Sequence[tuple[str, Any]]) -> None:
@@ -390,7 +404,7 @@ def _pages(ctx: Context, path: str, params: dict[str, Any]) -> dict[str, Any]:
         items += page.get("items", [])
     result = {"items": items, "next_cursor": page.get("next_cursor")}
     if not ctx.as_json and result["next_cursor"]:
-        print(f"more: --cursor {result['next_cursor']} (or --all)", file=sys.stderr, flush=True)
+        _err(f"more: --cursor {result['next_cursor']} (or --all)")
     return result
 
 
@@ -481,7 +495,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
     last_state: tuple[Any, Any] | None = None
     last_record: Any = None
     if seen is not None and seen.get("status") not in TERMINAL_STATUSES:
-        _out(orjson.dumps(seen).decode() if ctx.as_json else _run_line(seen))
+        _raw(orjson.dumps(seen).decode()) if ctx.as_json else _out(_run_line(seen))
         last_state, last_record = (seen.get("status"), seen.get("stage")), seen
     steps_shown = 0
     failures = 0
@@ -498,7 +512,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
             problem = None
         if problem is not None:
             failures += 1
-            print(f"warning: polling {run_id}: {problem}", file=sys.stderr, flush=True)
+            _err(f"warning: polling {run_id}: {problem}")
             if failures >= WATCH_MAX_ERRORS:
                 raise CliError(f"gave up watching {run_id} after {failures} failed polls")
         else:
@@ -506,7 +520,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
             steps = (run.get("metrics") or {}).get("step_metrics") or []
             if ctx.as_json:
                 if run != last_record:
-                    _out(orjson.dumps(run).decode())
+                    _raw(orjson.dumps(run).decode())
             else:
                 for step in steps[steps_shown:]:
                     _out(_step_line(step))
@@ -664,7 +678,7 @@ def _console_url(ctx: Context) -> int:
     url = ctx.client.console_login_url(expires_ms=expires_ms)
     expires_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires_ms / 1000))
     ctx.show({"url": url, "expires_at": expires_at},
-             lambda d: (_out(d["url"]), print(f"single use; open it before {d['expires_at']}", file=sys.stderr)))
+             lambda d: (_out(d["url"]), _err(f"single use; open it before {d['expires_at']}")))
     return 0
 
 
@@ -681,7 +695,7 @@ def _add_common(parser: argparse.ArgumentParser, *, leaf: bool) -> None:
     parser.add_argument("--key-file", default=default(None),
                         help=f"the gateway's key file (operator) or an agent's key file (default ${KEY_ENV}, then "
                              f"${KEY_FILE_ENV})")
-    parser.add_argument("--json", action="store_true", default=default(False), help="print the raw JSON answer")
+    parser.add_argument("--json", action="store_true", default=default(False), help="print the raw JSON answer, exactly (human-readable output escapes control characters)")
     parser.add_argument("--timeout", type=float, default=default(DEFAULT_TIMEOUT_S),
                         help=f"seconds per request (default {DEFAULT_TIMEOUT_S:g})")
 
@@ -846,7 +860,7 @@ def main(
         finally:
             client.close()
     except CliError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        _err(f"error: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

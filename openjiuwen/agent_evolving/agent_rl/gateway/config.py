@@ -38,6 +38,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..common.signing_keys import decode_key, is_agent_key_id
+from ..common import loopback
 from ..common.validation import ModelId, validation_problems
 from .hmac_auth import REPLAY_CAPACITY
 from .instances import valid_host
@@ -47,7 +48,6 @@ MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is a few short strings per ke
 KEY_SOCKET_TIMEOUT_S = 5.0
 RESERVED_AGENT_KEY_MEMBER = "lineages"  # an agent key entry's future restriction (docs/gateway.md)
 _OPEN_TO_OTHERS = stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 _DURATION_UNITS_S = {
     "ns": 1e-9,
@@ -216,8 +216,8 @@ def _check_loopback_url(value: str) -> str:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
         raise _invalid("must be an http URL on loopback such as http://127.0.0.1:18081") from None
-    if parts.scheme != "http" or host not in LOOPBACK_HOSTS:
-        raise _invalid("must be an http URL on loopback (127.0.0.1, ::1 or localhost)")
+    if parts.scheme != "http" or host is None or not loopback.is_loopback_ip(host):
+        raise _invalid(f"must be an http URL on {loopback.ALLOWED}, such as http://127.0.0.1:18081")
     if parts.username or parts.password or parts.query or parts.fragment or parts.path not in ("", "/"):
         raise _invalid("must be a base URL without credentials, path, query or fragment")
     return value.rstrip("/")
@@ -242,6 +242,11 @@ class GlobalSection(_Model):
     # Project gateway: a bound on every request body (inference routes are unsigned, so anyone who reaches the port
     # could otherwise make it buffer any amount). Larger bodies get 413 `payload_too_large`.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(default=33_554_432, alias="maxBodyBytes")
+    # Project gateway: a bound on what a vLLM instance's answer may make the gateway hold: a JSON answer, an error
+    # answer, one SSE event, a captured stream in all (past it 502 `upstream_too_large`, or the stream ends). 64 MiB
+    # is about five times the largest answer a capture asks for (131,072 tokens with their logprobs, ~100 bytes each).
+    max_upstream_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(
+        default=67_108_864, alias="maxUpstreamBodyBytes")
     # Project gateway: accept the AIGW signature form (timestamp ‖ body; method, path and query unsigned) beside
     # version 3 (operator and instance keys only). Off by default: only then can no signed request be replayed on
     # another route or re-targeted to another session (hmac_auth.py).

@@ -16,6 +16,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..common import json_nesting
 from ..common.ids import is_task_id
 from ..common.signing_keys import AGENT_KEY_HEADER
 from . import capture_secret
@@ -201,8 +202,8 @@ def _take_secret_request(body: bytes) -> tuple[bool, bytes]:
     """(whether the signed start body asks for a capture secret, the body to forward without that gateway field).
     A body that is not a JSON object, or has no such field, is forwarded as it came (the RL Service judges it)."""
     try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
+        data = json_nesting.loads(body)
+    except orjson.JSONDecodeError:  # too deep included: the RL Service refuses it with its own words
         return False, body
     if not isinstance(data, dict) or capture_secret.REQUEST_FIELD not in data:
         return False, body

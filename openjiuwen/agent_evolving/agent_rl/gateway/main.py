@@ -57,9 +57,12 @@ async def _serve(config_path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..common.log_format import EscapingFormatter
+
     args = _parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(EscapingFormatter())  # messages quote registrations and vLLM errors: one line each
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     # uvicorn re-raises SIGTERM after its graceful shutdown; a requested stop is a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     import uvloop  # the proxy's per-request work is mostly event-loop work: uvloop's loop does it in C

@@ -15,11 +15,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from ...common import loopback
 from ...common.errors import ApiError
 from ..assembly import Gateway
 from ..hmac_auth import Caller, KeyRole
-
-_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 async def gateway_of(request: Request) -> Gateway:
@@ -89,7 +88,7 @@ AgentSigned = Annotated[Signed, Depends(agent_signed)]
 async def internal_caller(request: Request, gw: GatewayDep) -> None:
     """Loopback and the bearer token of the RL Service child the gateway spawned, else refused."""
     host = request.client.host if request.client else ""
-    if host not in _LOOPBACK:
+    if not loopback.is_loopback_ip(host):
         raise ApiError(403, "forbidden", "internal routes are served to loopback only")
     token = gw.supervisor.internal_token
     if not token:
