@@ -695,7 +695,8 @@ def _add_common(parser: argparse.ArgumentParser, *, leaf: bool) -> None:
     parser.add_argument("--key-file", default=default(None),
                         help=f"the gateway's key file (operator) or an agent's key file (default ${KEY_ENV}, then "
                              f"${KEY_FILE_ENV})")
-    parser.add_argument("--json", action="store_true", default=default(False), help="print the raw JSON answer, exactly (human-readable output escapes control characters)")
+    parser.add_argument("--json", action="store_true", default=default(False),
+                        help="print the raw JSON answer, exactly (human-readable output escapes control characters)")
     parser.add_argument("--timeout", type=float, default=default(DEFAULT_TIMEOUT_S),
                         help=f"seconds per request (default {DEFAULT_TIMEOUT_S:g})")
 
