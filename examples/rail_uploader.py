@@ -1,7 +1,7 @@
 """An agent that is not behind the gateway feeding online RL with rail-v1 uploads through `RLOnlineRail`.
 
-    # through the gateway (signed uploads), the model called directly on a vLLM server:
-    .venv/bin/python examples/rail_uploader.py --url http://127.0.0.1:8080 --key-file keys.json \
+    # through the gateway (uploads signed with the agent's own key), the model called directly on a vLLM server:
+    .venv/bin/python examples/rail_uploader.py --url http://127.0.0.1:8080 --key-file rail-bot.key.json \
         --vllm http://127.0.0.1:8000 --model tiny
     # straight to an RL Service that has a token, with canned replies instead of a model:
     .venv/bin/python examples/rail_uploader.py --url http://127.0.0.1:18081 --token "$RL_SERVICE_TOKEN"
@@ -9,22 +9,23 @@
 The agent holds a short conversation. After each model call it reports the step (messages, reply, token ids and
 logprobs: read from vLLM's answer when it is asked with `return_token_ids` and `logprobs`); the user's next message
 is reported as feedback on the previous reply; the end of the conversation closes the session. The service's Judge
-scores each reply with that feedback and stores the samples as pending (`openjiuwen-rl rl traj list`). The RL Service
-must have a Judge configured (`judge_endpoint`).
+scores each reply with that feedback and stores the samples as pending (the operator's `openjiuwen-rl rl traj list`).
+The RL Service must have a Judge configured (`judge_endpoint`). The agent key file comes from the operator
+(`openjiuwen-rl keys add-agent rail-bot --key-file gateway-keys.json --out rail-bot.key.json`): that key may upload
+rail batches, never more.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import uuid
 from typing import Any
 
 import httpx
 
-from openjiuwen.agent_evolving.agent_rl.gateway.config import keys_from_document
+from openjiuwen.agent_evolving.agent_rl.common.signing_keys import load_agent_key
 from openjiuwen.agent_evolving.agent_rl.rail import RLOnlineRail, TrajectoryUploader
 
 USER_TURNS = [
@@ -57,10 +58,7 @@ def canned(turn: int) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> int:
-    sign_key = None
-    if args.key_file:
-        with open(args.key_file, "rb") as fh:
-            sign_key = keys_from_document(json.loads(fh.read()), source=args.key_file).api
+    sign_key = load_agent_key(args.key_file) if args.key_file else None
     session = "rail-example-" + uuid.uuid4().hex[:8]
     vllm = httpx.AsyncClient(base_url=args.vllm, timeout=120) if args.vllm else None
     try:
@@ -93,7 +91,7 @@ async def run(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8080", help="gateway or RL Service base URL")
-    parser.add_argument("--key-file", help='gateway key file {"apiHmacKey": ...}: sign the uploads')
+    parser.add_argument("--key-file", help="the agent's own key file (openjiuwen-rl keys add-agent): sign the uploads")
     parser.add_argument("--token", default="", help="RL_SERVICE_TOKEN, when uploading to an RL Service directly")
     parser.add_argument("--vllm", default="", help="vLLM base URL; without it the replies are canned")
     parser.add_argument("--model", default="tiny", help="the model (or LoRA) name to ask vLLM for")

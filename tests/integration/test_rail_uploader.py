@@ -21,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import HmacVerifier
+from openjiuwen.agent_evolving.agent_rl.common.signing_keys import SigningKey
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import Caller, HmacVerifier, KeyRole
 from openjiuwen.agent_evolving.agent_rl.rail import RLOnlineRail, TrajectoryUploader, UploaderClosed
 from openjiuwen.agent_evolving.agent_rl.rail.uploader import UPLOAD_PATH
 from tests.support.asgi_server import ThreadedServer
@@ -29,7 +30,7 @@ from tests.support.fake_judge import FakeJudge, Gate, Status
 from tests.support.service_process import ServiceProcess
 
 TOKEN = "rail-uploader-test-token"
-SIGN_KEY = b"s" * 32
+SIGN_KEY = SigningKey(b"s" * 32, "rail-bot")  # the agent's own key (the operator key is refused)
 
 
 @pytest.fixture(scope="module")
@@ -282,10 +283,12 @@ async def test_429_and_5xx_are_retried_with_backoff_and_fresh_signatures(redis, 
     assert len(seen) == 3 and len({s.body for s in seen}) == 1  # the same batch each time
     assert seen[1].at - seen[0].at >= 0.05 * 0.5  # first backoff, jittered down to half at most
     assert seen[2].at - seen[1].at >= 0.10 * 0.5  # doubled
-    verifier = HmacVerifier(SIGN_KEY)
+    verifier = HmacVerifier(b"k" * 32, agent_keys={"rail-bot": SIGN_KEY.key})
     now_ms = time.time_ns() // 1_000_000
-    # Every attempt signed anew (version 2, over POST and the upload path): none is a replay of another.
-    assert all(verifier.verify_request("POST", UPLOAD_PATH, s.headers, s.body, now_ms=now_ms) for s in seen)
+    # Every attempt signed anew (version 3, with the agent key, over POST and the upload path): none is a replay of
+    # another.
+    assert all(verifier.verify_request("POST", UPLOAD_PATH, s.headers, s.body, now_ms=now_ms)
+               == Caller(KeyRole.AGENT, "rail-bot") for s in seen)
     assert all(s.headers["authorization"] == f"Bearer {TOKEN}" for s in seen)
     assert [s["sample_id"] for s in stored(service, "retry")] == ["retry:0", "retry:1"]
 
@@ -373,4 +376,6 @@ async def test_invalid_items_are_refused_before_queueing() -> None:
         TrajectoryUploader(endpoint="ftp://x")
     with pytest.raises(ValueError, match="credentials"):
         TrajectoryUploader(endpoint="http://user:secret@x")
+    with pytest.raises(ValueError, match="must be an agent key"):  # an agent never gets the operator key
+        TrajectoryUploader(endpoint="http://x", sign_key=SigningKey(b"k" * 32))
     assert "wrong" not in repr(TrajectoryUploader(endpoint="http://x", bearer="wrong"))

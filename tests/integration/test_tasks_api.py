@@ -28,7 +28,7 @@ async def test_start_creates_then_reuses(app_client, redis):
     assert body == {
         "rl_task_id": "t1", "agent_session_id": "s1", "model_id": "tiny", "policy_lora_name": "base",
         "reward_mode": "terminal", "status": "active", "created_at": body["created_at"], "finished_at": None,
-        "finish_reason": None, "policy_model": "tiny", "evaluation": False,
+        "finish_reason": None, "policy_model": "tiny", "evaluation": False, "agent_key_id": None,
     }
     assert (await start_task(app_client, "s1", "t1")).json() == body  # identical repeat → 200 same record
     assert (await start_task(app_client, "s1", "t1")).status_code == 200
@@ -101,6 +101,51 @@ async def test_concurrent_starts_from_two_instances_converge(redis, redis_url, t
         assert await redis.smembers(keys.ACTIVE_TASKS) == {winner.encode()}
         losers = [f"t{i}" for i in range(8) if f"t{i}" != winner]
         assert not any([await redis.exists(keys.task(t)) for t in losers])
+
+
+AGENT = "X-AIGW-RL-Agent-Key"
+
+
+async def test_a_task_started_with_an_agent_key_answers_only_to_that_key(app_client, redis):
+    """Issue 28 item 3: the gateway names the agent key behind a start, stop or reward (ext header); a Task started
+    with one agent key is unknown to another, while the operator (no header, as an AIGW sends) reaches every Task."""
+    a_start = {**start_headers("s-a", "ta"), AGENT: "agent-a"}
+    r = await app_client.post("/v1/rl/tasks/start", json={"reward_mode": "terminal"}, headers=a_start)
+    assert r.status_code == 201 and r.json()["agent_key_id"] == "agent-a"
+    events = (await app_client.get("/v1/rl/tasks/ta/events")).json()["items"]
+    assert events[0]["data"]["agent_key_id"] == "agent-a"
+    # Another agent key: the Task does not exist for it, and nothing changes.
+    b = {AGENT: "agent-b"}
+    assert error_code(await app_client.post("/v1/rl/tasks/ta/stop", headers=b)) == (404, "task_not_found")
+    r = await app_client.post("/v1/rl/tasks/ta/reward", json={"reward": 1}, headers=b)
+    assert error_code(r) == (404, "task_not_found")
+    # It can neither start a second Task on the session nor be handed the first one.
+    r = await app_client.post("/v1/rl/tasks/start", json={"reward_mode": "terminal"},
+                              headers={**start_headers("s-a", "tb"), **b})
+    assert error_code(r) == (409, "task_conflict") and "rl_task_id" not in r.text
+    assert not await redis.exists(keys.task("tb"))
+    # A malformed caller is nobody's Task owner; a malformed owner is refused at start.
+    assert error_code(await app_client.post("/v1/rl/tasks/ta/stop", headers={AGENT: ""})) == (404, "task_not_found")
+    r = await app_client.post("/v1/rl/tasks/start", json={"reward_mode": "terminal"},
+                              headers={**start_headers("s-x", "tx"), AGENT: "bad key"})
+    assert error_code(r) == (400, "invalid_gateway_task")
+    assert (await app_client.get("/v1/rl/tasks/ta")).json()["status"] == "active"
+    # The owner and the operator reach it: a repeated start answers it, the owner's reward passes the ownership
+    # check (and meets the reward rules: no capture yet), the owner stops it.
+    r = await app_client.post("/v1/rl/tasks/start", json={"reward_mode": "terminal"},
+                              headers={**start_headers("s-a", "tc"), AGENT: "agent-a"})
+    assert (r.status_code, r.json()["rl_task_id"]) == (200, "ta")
+    assert ((await start_task(app_client, "s-a", "td")).json()["rl_task_id"]) == "ta"  # the operator
+    r = await app_client.post("/v1/rl/tasks/ta/reward", json={"reward": 1}, headers={AGENT: "agent-a"})
+    assert error_code(r) == (409, "reward_conflict")
+    r = await app_client.post("/v1/rl/tasks/ta/stop", headers={AGENT: "agent-a"})
+    assert (r.status_code, r.json()["status"]) == (200, "finalized")
+    r = await app_client.post("/v1/rl/tasks/ta/reward", json={"reward": 1}, headers=b)
+    assert error_code(r) == (404, "task_not_found")  # still unknown to the other key once finalized
+    # An operator's Task is unknown to every agent key.
+    assert (await start_task(app_client, "s-op", "top")).status_code == 201
+    assert error_code(await app_client.post("/v1/rl/tasks/top/stop", headers=b)) == (404, "task_not_found")
+    assert (await app_client.post("/v1/rl/tasks/top/stop")).json()["status"] == "finalized"
 
 
 async def test_get_and_unknown(app_client):

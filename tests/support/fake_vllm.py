@@ -12,6 +12,8 @@
         vllm.fail_next("/v1/chat/completions", 418, body="<script>…</script>", content_type="text/html")
         vllm.delay_next("/v1/load_lora_adapter", 2.0)                # answers (and takes effect) 2 s late
         vllm.break_stream_after(3)                                   # next SSE drops the connection after 3 chunks
+        vllm.bloat_next(300 << 20)                                   # next chat answer ~300 MB, written as generated
+        vllm.bloat_sent                                              # bytes each bloated answer got out
         vllm.fail_loads = True                                       # every load → 500
         vllm.preload("tiny:v1", "/abs/dir"); vllm.drop_loras()       # as if loaded earlier / as if vLLM restarted
         vllm.requests, vllm.loaded, vllm.loaded_paths, vllm.chat_models, vllm.count("/v1/load_lora_adapter")
@@ -54,7 +56,7 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -299,6 +301,69 @@ class _Generation:
         return chunks
 
 
+_PLACEHOLDER = "@@bloat@@"
+_BLOAT_BLOCK_BYTES = 1 << 16
+
+
+class _Bloat:
+    """A completion of about `total_bytes`, generated as it is written: the recorded shape (see `bloat_next`)."""
+
+    def __init__(self, generation: "_Generation", total_bytes: int, status: int, include_usage: bool,
+                 on_end: Callable[[int], None]) -> None:
+        self._generation, self._total, self._status = generation, total_bytes, status
+        self._include_usage, self._on_end = include_usage, on_end
+
+    def response(self, stream: bool) -> Response:
+        if self._status != 200:
+            body = _error_body(self._status, _PLACEHOLDER)
+            return self._stream(self._json(body, b"x"), "application/json")
+        if stream:
+            return self._stream(self._sse(), "text/event-stream")
+        body = self._generation.json_body()
+        token = self._generation.tokens[0]
+        body["choices"][0]["message"]["content"] = _PLACEHOLDER  # one token's text repeated; the lists stay aligned
+        return self._stream(self._json(body, token.text.encode()), "application/json")
+
+    def _json(self, body: dict[str, Any], unit: bytes) -> list[tuple[bytes, int]]:
+        """(bytes, repeats) pieces: the body with its placeholder string grown to the total size."""
+        head, _, tail = orjson.dumps(body).partition(f'"{_PLACEHOLDER}"'.encode())
+        count = max(1, (self._total - len(head) - len(tail)) // len(unit))
+        return [(head + b'"', 1), (unit, count), (b'"' + tail, 1)]
+
+    def _sse(self) -> list[tuple[bytes, int]]:
+        chunks = self._generation.sse_chunks(self._include_usage)
+        first, token_chunk = chunks[0], copy.deepcopy(chunks[1])
+        token_chunk["choices"][0]["finish_reason"] = None
+        unit = b"data: " + orjson.dumps(token_chunk) + b"\n\n"
+        count = max(1, self._total // len(unit))
+        for chunk in chunks:  # the usage chunk counts the repeated tokens too, as vLLM's would
+            if isinstance(chunk, dict) and chunk.get("usage"):
+                usage = chunk["usage"] = dict(chunk["usage"])
+                usage["completion_tokens"] += count
+                usage["total_tokens"] += count
+        last = b"".join(b"data: " + (c.encode() if isinstance(c, str) else orjson.dumps(c)) + b"\n\n"
+                        for c in chunks[1:])
+        return [(b"data: " + orjson.dumps(first) + b"\n\n", 1), (unit, count), (last, 1)]
+
+    def _stream(self, pieces: list[tuple[bytes, int]], media_type: str) -> Response:
+        async def body() -> Any:
+            sent = 0
+            try:
+                for unit, count in pieces:
+                    per_block = max(1, _BLOAT_BLOCK_BYTES // len(unit))
+                    while count > 0:
+                        n = min(per_block, count)
+                        block = unit * n
+                        yield block
+                        sent += len(block)
+                        count -= n
+                        await asyncio.sleep(0)  # a closed connection cancels this generator here
+            finally:
+                self._on_end(sent)
+
+        return StreamingResponse(body(), status_code=self._status, media_type=media_type)
+
+
 class _SSEResponse(Response):
     """Sends the chunks one by one; `drop_after` ends the exchange without the final empty body, so uvicorn closes
     the connection mid-stream (the client sees an incomplete chunked body, like a crashed upstream)."""
@@ -357,6 +422,8 @@ class FakeVLLM:
         self._failures: dict[str, deque[tuple[int, Any, str]]] = {}
         self._delays: dict[str, deque[float]] = {}
         self._breaks: deque[int] = deque()
+        self._bloats: deque[tuple[int, int]] = deque()
+        self._bloat_sent: list[int] = []
         self._replies: deque[Reply] = deque()
         self._reply = Reply()
         self._model_replies: dict[str, Reply] = {}  # served model or LoRA name → its own reply
@@ -466,6 +533,24 @@ class FakeVLLM:
         with self._lock:
             self._breaks.append(n_chunks)
 
+    def bloat_next(self, total_bytes: int, status: int = 200) -> None:
+        """The next chat answer is about `total_bytes` long, written as it is generated (chunked; never held whole):
+        JSON, the recorded shape whose reply is one token's text repeated; SSE, the recorded chunks with one token
+        chunk repeated, then the usage chunk and `[DONE]`; with another `status`, vLLM's error envelope with a long
+        message. `bloat_sent` records the bytes each such answer got out before it ended or its reader left."""
+        with self._lock:
+            self._bloats.append((total_bytes, status))
+
+    @property
+    def bloat_sent(self) -> list[int]:
+        with self._lock:
+            return list(self._bloat_sent)
+
+    def _bloat_ended(self, sent: int) -> None:
+        with self._changed:
+            self._bloat_sent.append(sent)
+            self._notify()
+
     @property
     def fail_loads(self) -> bool:
         with self._lock:
@@ -532,6 +617,7 @@ class FakeVLLM:
             self._failures.clear()
             self._delays.clear()
             self._breaks.clear()
+            self._bloats.clear()
             self._replies.clear()
 
     def wait_until(self, predicate: Callable[[FakeVLLM], bool], timeout_s: float = 5.0) -> None:
@@ -684,10 +770,16 @@ class FakeVLLM:
                 f"fewer output tokens. (parameter=max_tokens, value={max_tokens})")
             return _json_response(error, status)
         generation = self._generate(body, model, prompt_ids, max_tokens)
-        if not body.get("stream"):
-            return _json_response(generation.json_body())
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        with self._lock:
+            bloat = self._bloats.popleft() if self._bloats else None
+        if bloat is not None:
+            total, status = bloat
+            bloated = _Bloat(generation, total, status, include_usage, self._bloat_ended)
+            return bloated.response(stream=bool(body.get("stream")))
+        if not body.get("stream"):
+            return _json_response(generation.json_body())
         chunks = [b"data: " + (c.encode() if isinstance(c, str) else orjson.dumps(c)) + b"\n\n"
                   for c in generation.sse_chunks(include_usage)]
         with self._lock:

@@ -2,12 +2,15 @@
 
     with GatewayProcess(tmp_path, redis_url, instances=[vllm_a, vllm_b], judge_url=judge.url) as gw:
         gw.signed("POST", "/v1/rl/service/start")               # HMAC-signed control call (httpx.Response)
+        gw.signed("POST", "/v1/rl/tasks/start", agent="agent-a", ...)  # signed with an agent key instead
         openai.OpenAI(base_url=gw.url + "/v1", api_key="x")     # agents talk to gw.url, unsigned
 
 `nofile_soft=1024` starts the gateway with that soft open-files limit (systemd's default for a service), `nofile_hard`
 with that hard one.
-It writes the HMAC key file, the RL Service YAML (scripted trainer, the test's Redis and Judge) and the gateway JSON
-config, starts the gateway in its own process group, and waits for `GET /aigw/v1/health`. Leaving the block kills
+It writes the HMAC key file (mode 0600: the gateway refuses any other; the operator, instance and agent keys of
+`API_KEY`, `INS_KEY`, `AGENT_KEYS` unless told otherwise), the RL Service YAML (scripted trainer, the test's Redis
+and Judge) and the gateway JSON config, starts the gateway in its own process group, and waits for
+`GET /aigw/v1/health`. Leaving the block kills
 the gateway's group and the child's (the child's own parent-death signal covers a gateway SIGKILL too).
 """
 
@@ -32,7 +35,16 @@ from tests.support.redis_server import free_port
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_KEY = b"k" * 32
 INS_KEY = b"i" * 32
+AGENT_KEYS = {"agent-a": b"A" * 32, "agent-b": b"B" * 32}
 READY_TIMEOUT_S = 30.0
+
+
+def write_key_file(path: Path, document: dict[str, Any]) -> None:
+    """A key file private to its owner from its first byte (the gateway refuses one group or others may read)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        os.fchmod(handle.fileno(), 0o600)  # an existing file keeps its mode through O_CREAT
+        handle.write(orjson.dumps(document))
 
 
 class GatewayProcess:
@@ -54,6 +66,7 @@ class GatewayProcess:
         log_level: str = "INFO",
         api_key: bytes = API_KEY,
         ins_key: bytes = INS_KEY,
+        agent_keys: dict[str, bytes] | None = None,
         nofile_soft: int | None = None,
         nofile_hard: int | None = None,
     ) -> None:
@@ -64,8 +77,13 @@ class GatewayProcess:
         self.lora_root = (Path(tmp) / "loras").resolve()
         self.lora_root.mkdir(parents=True, exist_ok=True)
         self.model_id = model_id
-        key_file = self.dir / "hmac.json"
-        key_file.write_bytes(orjson.dumps({"apiHmacKey": api_key.decode(), "insHmacKey": ins_key.decode()}))
+        self.key_file = self.dir / "hmac.json"
+        self.agent_keys = dict(AGENT_KEYS if agent_keys is None else agent_keys)
+        assert all(len(key) == 32 for key in self.agent_keys.values())  # written as 64 hex digits
+        write_key_file(self.key_file, {
+            "apiHmacKey": api_key.decode(), "insHmacKey": ins_key.decode(),
+            "agentHmacKeys": [{"id": key_id, "key": key.hex()} for key_id, key in self.agent_keys.items()],
+        })
         self.api_key = api_key
         self.log_level = log_level
         rl_config = {
@@ -103,7 +121,8 @@ class GatewayProcess:
             **(online_overrides or {}),
         }
         self.config = {
-            "global": {"listen": f"{listen_host}:{self.port}", "hmacKeyFile": str(key_file), **(global_overrides or {})},
+            "global": {"listen": f"{listen_host}:{self.port}", "hmacKeyFile": str(self.key_file),
+                       **(global_overrides or {})},
             "instances": [
                 {"name": v.name, "model": model_id, "instanceIp": "127.0.0.1", "port": v.port} for v in instances
             ],
@@ -121,7 +140,7 @@ class GatewayProcess:
         self.nofile_hard = nofile_hard  # and this hard one (None: the test's own)
         self.proc: subprocess.Popen[bytes] | None = None
         self.http = httpx.Client(base_url=self.url, timeout=60)
-        self._signers: dict[bytes, RequestSigner] = {}
+        self._signers: dict[tuple[bytes, str | None], RequestSigner] = {}
 
     @property
     def url(self) -> str:
@@ -196,22 +215,36 @@ class GatewayProcess:
     # ------------------------------------------------------------ calls
 
     def signed(self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
-               key: bytes | None = None, **kwargs: Any) -> httpx.Response:
+               key: bytes | None = None, agent: str | None = None, **kwargs: Any) -> httpx.Response:
+        """A signed control call: with the operator key, `key`, or the agent key of id `agent`."""
+        return self.http.send(self.signed_request(method, path, json=json, headers=headers, key=key, agent=agent,
+                                                  **kwargs))
+
+    def signed_request(self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
+                       key: bytes | None = None, agent: str | None = None, **kwargs: Any) -> httpx.Request:
+        """The signed request `signed` sends, built and not sent (to tamper with it, as an interceptor would)."""
         body = b"" if json is None else orjson.dumps(json)
         h = {"content-type": "application/json"} if json is not None else {}
         h.update(headers or {})
         request = self.http.build_request(method, path, content=body, headers=h, **kwargs)
+        signing = (self.agent_keys[agent], agent) if agent is not None else (key or self.api_key, None)
         # One signer per key: strictly increasing timestamps, so identical calls in one millisecond are no replay.
-        signer = self._signers.setdefault(key or self.api_key, RequestSigner(key or self.api_key))
-        return self.http.send(signer.sign_httpx(request))
+        signer = self._signers.setdefault(signing, RequestSigner(signing[0], key_id=signing[1]))
+        return signer.sign_httpx(request)
+
+    def agent_key_file(self, agent: str) -> Path:
+        """The agent's own key file (what `openjiuwen-rl keys add-agent` writes), for clients run as processes."""
+        path = self.dir / f"{agent}.key.json"
+        write_key_file(path, {"agentKeyId": agent, "agentHmacKey": self.agent_keys[agent].hex()})
+        return path
 
     def start_service(self) -> None:
         r = self.signed("POST", "/v1/rl/service/start")
         assert r.status_code == 200 and r.json()["status"] == "running", r.text
 
-    def start_task(self, session: str, mode: str = "terminal") -> httpx.Response:
+    def start_task(self, session: str, mode: str = "terminal", *, agent: str | None = None) -> httpx.Response:
         return self.signed("POST", "/v1/rl/tasks/start", json={"reward_mode": mode},
-                           headers={"X-Agent-Session-Id": session})
+                           headers={"X-Agent-Session-Id": session}, agent=agent)
 
     def set_plan(self, plan: dict[str, Any]) -> None:
         self.plan_path.write_bytes(orjson.dumps(plan))

@@ -1,10 +1,13 @@
-"""`make demo`'s driver, shortened (one round, a small batch), end to end WITHOUT a real vLLM: the driver starts its
+"""The demo driver, shortened (a round or two, small batches), end to end WITHOUT a real vLLM: the driver starts its
 private Redis and the reference gateway with its RL Service child (scripted trainer) as real processes, its agents
 use the official `openai` SDK through the gateway against a fake vLLM on a loopback socket (`--instances`), and the
-test checks the report, the plot, the pinning of the second round to v1, and that nothing the demo started is left
-running — after a normal end, after Ctrl-C (SIGINT) during a Training Run, and after a failing step.
+test checks the report, the plot, the pinning of each round to the version before it, and that nothing the demo
+started is left running — after a normal end, after Ctrl-C (SIGINT) during a Training Run, and after a failing step.
 
-The full demo on a real vLLM (CPU build) is run by hand: `make demo` (docs/demo.md).
+`make demo`'s own path (the driver's arguments read from a dry run of the Makefile: SmolLM2's calculator family,
+two Training Runs) is `test_make_demo_shows_held_out_success_per_version_the_gain_and_answers_side_by_side`; the
+tiny model's family (`make demo-tiny`) is the rest. The full demos on a real vLLM (CPU build) are run by hand:
+`make demo`, `make demo-tiny`, `make demo-real` (docs/demo.md).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,11 +25,13 @@ from pathlib import Path
 
 import pytest
 
+from openjiuwen.agent_evolving.agent_rl.demo import calculator_family as calc
 from tests.support.fake_vllm import CHAT_PATH, FakeVLLM, Reply
 
 pytestmark = pytest.mark.system
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+DEMO_MODULE = "openjiuwen.agent_evolving.agent_rl.demo"
 DEMO_TIMEOUT_S = 120
 TASKS, TURNS = 4, 2
 
@@ -37,9 +43,21 @@ def vllm() -> Iterator[FakeVLLM]:
 
 
 def demo_argv(vllm: FakeVLLM, run_dir: Path, out_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.demo", "--instances", vllm.url,
+    """The tiny model's family (`make demo-tiny`), one round; `extra` may switch the family."""
+    return [sys.executable, "-m", DEMO_MODULE, "--family", "words", "--instances", vllm.url,
             "--trainer", "scripted", "--rounds", "1", "--tasks", str(TASKS), "--turns", str(TURNS),
             "--concurrency", "2", "--run-dir", str(run_dir), "--out-dir", str(out_dir), *extra]
+
+
+def make_demo_args() -> list[str]:
+    """The driver's arguments exactly as `make demo` passes them, from a dry run of the Makefile (`make -n` builds
+    nothing and runs nothing)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "demo"], cwd=REPO_ROOT, env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    [line] = [line for line in dry.splitlines() if f" -m {DEMO_MODULE} " in f"{line} "]
+    words = shlex.split(line)
+    return words[words.index(DEMO_MODULE) + 1:]
 
 
 def demo_env(**extra: str) -> dict[str, str]:
@@ -126,13 +144,16 @@ def test_short_demo_reports_each_version_and_leaves_nothing_running(tmp_path, vl
     assert_all_gone(run_dir, report)
 
 
-def test_sigint_during_a_training_run_stops_everything_and_names_the_step(tmp_path, vllm):
+# Both families: `make demo-tiny`'s and `make demo`'s (calculator: evaluation and training Tasks before the run).
+@pytest.mark.parametrize("family", [(), ("--family", "calculator", "--eval-tasks", "2", "--model-id", "tiny")],
+                         ids=["words", "calculator"])
+def test_sigint_during_a_training_run_stops_everything_and_names_the_step(tmp_path, vllm, family):
     run_dir, out_dir = tmp_path / "run", tmp_path / "out"
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"outcome": "block"}))  # the Training Run waits until canceled
     # A suite started in the background by a shell without job control (`make test &`) ignores SIGINT, and an
     # ignored SIGINT is inherited across exec: the demo must get Ctrl-C as a terminal would deliver it.
-    proc = subprocess.Popen(demo_argv(vllm, run_dir, out_dir), cwd=REPO_ROOT,
+    proc = subprocess.Popen(demo_argv(vllm, run_dir, out_dir, *family), cwd=REPO_ROOT,
                             env=demo_env(ONLINE_RL_SCRIPTED_PLAN=str(plan)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -215,7 +236,7 @@ def test_calculator_family_evaluates_each_version_on_the_same_held_out_problems(
     seconds = [c for c in chats if c["messages"][-1]["content"].startswith("RESULT:")]
     assert len(seconds) == len(chats) // 2
     assert [c["model"] for c in chats[-6:]] == ["tiny:v1"] * 6
-    assert "held-out success" in done.stdout and "example answers" in done.stdout
+    assert "held-out success gain over base" in done.stdout and "side by side" in done.stdout
     assert (out_dir / "demo-reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_all_gone(run_dir, report)
 
@@ -257,4 +278,55 @@ def test_bad_version_option_shows_the_inverted_reward_version_rolled_back(tmp_pa
     assert {x["policy"] for x in canary} == {"tiny:v1", "tiny:v2"} and len(canary) == check["canary_tasks"]
     assert "decision: rolled_back (regression, by auto)" in done.stdout
     assert "tiny:v2" not in vllm.loaded
+    assert_all_gone(run_dir, report)
+
+
+def test_make_demo_shows_held_out_success_per_version_the_gain_and_answers_side_by_side(tmp_path):
+    """`make demo`'s path, shortened: its own driver arguments (SmolLM2's calculator family, two Training Runs), with
+    the fake vLLM serving `smollm2` and the scripted trainer instead of the real model and the local trainer, and
+    smaller batches. The fake answers every held-out problem wrong on base and v1 and the first one right on v2, so
+    the report must show v2's gain over base and that problem in the side-by-side answers."""
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    held_out = calc.problems("held-out", 3, 0)
+    right = [p.answer == held_out[0].answer for p in held_out]
+    with FakeVLLM(served_model="smollm2", name="vllm-fake") as vllm:
+        vllm.reply = Reply(content="CALL calc(6*7)")  # a valid call, never a final answer
+        vllm.reply_for_model("smollm2:v2", Reply(content=f"ANSWER: {held_out[0].answer}"))
+        argv = [sys.executable, "-m", DEMO_MODULE, *make_demo_args(), "--instances", vllm.url, "--trainer",
+                "scripted", "--tasks", str(TASKS), "--eval-tasks", "3", "--concurrency", "2", "--run-dir",
+                str(run_dir), "--out-dir", str(out_dir)]
+
+        done = subprocess.run(argv, cwd=REPO_ROOT, env=demo_env(), capture_output=True, text=True,
+                              timeout=DEMO_TIMEOUT_S)
+        chats = [r.body for r in vllm.requests if r.path == CHAT_PATH]
+
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    report = json.loads((out_dir / "demo-report.json").read_text())
+    settings = report["settings"]
+    assert (settings["family"], settings["model_id"], settings["rounds"]) == ("calculator", "smollm2", 2)
+    assert [v["policy"] for v in report["versions"]] == ["base", "v1", "v2"]
+    for version, successes in zip(report["versions"], ([False] * 3, [False] * 3, right)):
+        assert [a["success"] for a in version["answers"]] == successes
+        assert version["success_rate"] == round(sum(successes) / 3, 4)
+        lo, hi = version["success_ci95"]
+        assert lo <= version["success_rate"] <= hi
+    gain = round(sum(right) / 3, 4)
+    assert [(g["policy"], g["success_minus_base"]) for g in report["success_gains"]] == [("v1", 0.0), ("v2", gain)]
+    assert report["success_gains"][1]["ci95"][0] <= gain <= report["success_gains"][1]["ci95"][1]
+    # The same held-out problems for every version; the last evaluation was served by v2.
+    assert len({tuple(a["question"] for a in v["answers"]) for v in report["versions"]}) == 1
+    assert [c["model"] for c in chats[-6:]] == ["smollm2:v2"] * 6
+    timings = report["timings"]
+    assert timings["preparation"]["before_driver_s"] >= 0 and timings["preparation"]["model_conversion_s"] is None
+    assert 0 < timings["demo_seconds"] <= timings["total_seconds"]
+    # What a reader sees at the end: the table with intervals, the gain per version, the answers side by side.
+    out = done.stdout
+    assert "success" in out and "95% CI" in out and "shaped reward" in out
+    assert f"  v2  {gain:+.3f}  [" in out.split("held-out success gain over base (95% CI):", 1)[1]
+    side = out.split("held-out problems, base vs v2: ", 1)[1]
+    assert side.startswith(f"wrong → right {sum(right)}, right → wrong 0")
+    assert f"Q: {held_out[0].question} (answer {held_out[0].answer})" in side
+    assert f"v2 [right, reward 1.0]: 'ANSWER: {held_out[0].answer}'" in side
+    assert "time: the demo " in out and "preparation, not counted in the demo's time: " in out
     assert_all_gone(run_dir, report)

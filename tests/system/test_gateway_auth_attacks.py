@@ -1,7 +1,7 @@
-"""Attacks on the gateway's authentication, each against real processes (issue 19 items 1 and 3, and the weakness
-"signatures cover neither method nor path"): a real gateway with its RL Service child, a private Redis and a fake
-vLLM on loopback sockets; the attacker is a local process (or a browser's cross-site form) with no key, or the holder
-of the instance key only.
+"""Attacks on the gateway's authentication, each against real processes (issue 19 items 1 and 3, the weakness
+"signatures cover neither method nor path", issue 28 items 7 and 10): a real gateway with its RL Service child, a
+private Redis and a fake vLLM on loopback sockets; the attacker is a local process (or a browser's cross-site form)
+with no key, the holder of the instance key only, or someone who intercepts a signed request in flight.
 
 Only `sign` (the AIGW form) is imported from the signing module: everything else is signed the way this repository's
 clients sign (`GatewayProcess.signed`), so each test also runs against the code before the fix and fails there.
@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import orjson
@@ -26,6 +28,7 @@ from tests.support.service_process import ServiceProcess
 from tests.system.test_gateway_lora import rl_child_pid, wait_gone, wait_service
 
 pytestmark = pytest.mark.system
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 ACTIVATE = "/internal/v1/rl/loras/activate"
 POLICY = "/internal/v1/rl/loras/tiny"
@@ -260,3 +263,89 @@ def test_the_aigw_signature_form_is_accepted_only_where_configured(redis, redis_
         assert aigw(gw).status_code == 200
         assert gw.signed("GET", "/v1/rl/service").status_code == 200
         assert "acceptLegacySignatures is on" in gw.stderr()
+
+
+# ---------------------------------------------------------------------------------------------- issue 28 items 7, 10
+
+
+def tampered(request: httpx.Request, **changes: str | None) -> httpx.Request:
+    """`request` as sent, with headers replaced (a value), removed (None) or doubled (a `+` prefix appends one)."""
+    headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in {n.lower() for n in changes}]
+    for name, value in changes.items():
+        if value is None:
+            continue
+        if value.startswith("+"):
+            headers += [(name, request.headers[name]), (name, value[1:])]
+        else:
+            headers.append((name, value))
+    return httpx.Request(request.method, request.url, headers=headers, content=request.content)
+
+
+def test_an_intercepted_task_start_cannot_be_retargeted_to_another_session(redis, redis_url, tmp_path, vllm):
+    """Issue 28 item 7: the session header of a signed Task start is signed, and so is the key id: a start taken in
+    flight cannot be pointed at a victim's session (whose captures would then go into the attacker's Task), at no
+    session, or at another agent key, nor sent twice."""
+    with GatewayProcess(tmp_path, redis_url, instances=[vllm]) as gw:
+        gw.start_service()
+        for agent in (None, "agent-a"):
+            session = f"caller-{agent or 'operator'}"
+            request = gw.signed_request("POST", "/v1/rl/tasks/start", json={"reward_mode": "terminal"},
+                                        headers={"X-Agent-Session-Id": session}, agent=agent)
+            attempts = [tampered(request, **{"X-Agent-Session-Id": "victim"}),
+                        tampered(request, **{"X-Agent-Session-Id": None}),
+                        tampered(request, **{"X-Agent-Session-Id": "+victim"}),
+                        tampered(request, **{"X-Key-Id": "agent-b"})]
+            if agent is not None:
+                attempts.append(tampered(request, **{"X-Key-Id": None}))
+            for attempt in attempts:
+                r = gw.http.send(attempt)
+                assert error_code(r) == (401, "invalid_signature"), (agent, attempt.headers, r.text)
+            tasks = gw.signed("GET", "/v1/rl/tasks").json()["items"]
+            assert not any(t["agent_session_id"] in ("victim", session) for t in tasks), tasks
+            # The intercepted request itself still starts its own Task, once.
+            r = gw.http.send(request)
+            assert r.status_code == 201 and r.json()["agent_session_id"] == session, r.text
+            assert r.json()["agent_key_id"] == agent
+            # Sent again as it was, it is a replay: refused, and the Task is not re-started.
+            assert error_code(gw.http.send(tampered(request))) == (401, "invalid_signature")
+
+
+def test_the_gateway_refuses_to_start_with_an_open_key_file_or_a_key_two_holders_share(redis, redis_url, tmp_path,
+                                                                                       vllm):
+    """Issue 28 item 10: at start, a key file group or others may read or write, or one key serving two holders
+    (api, instance, any agent), is a clear configuration error that names the problem and never the key."""
+    gw = GatewayProcess(tmp_path, redis_url, instances=[vllm])
+    good = gw.key_file.read_bytes()
+
+    def refused(problem: str) -> None:
+        try:
+            run = subprocess.run(
+                [sys.executable, "-m", "openjiuwen.agent_evolving.agent_rl.cli.main", "gateway",
+                 "--config", str(gw.config_path)],
+                cwd=REPO_ROOT, env=gw.env, capture_output=True, text=True, timeout=30,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the gateway started despite: {problem}")
+        assert run.returncode == 2, run.stderr
+        assert problem in run.stderr and str(gw.key_file) in run.stderr, run.stderr
+        for key in (API_KEY, INS_KEY, *gw.agent_keys.values()):
+            assert key.decode() not in run.stderr and key.hex() not in run.stderr
+
+    os.chmod(gw.key_file, 0o644)
+    refused("mode 0644 lets group or others read or write the keys")
+    os.chmod(gw.key_file, 0o640)
+    refused("mode 0640 lets group or others read or write the keys")
+    os.chmod(gw.key_file, 0o600)
+    document = orjson.loads(good)
+    for shared, problem in (
+        ({"insHmacKey": document["apiHmacKey"]}, "insHmacKey is the same key as apiHmacKey"),
+        ({"agentHmacKeys": [{"id": "agent-a", "key": document["insHmacKey"]}]},
+         "agentHmacKeys[0] (id 'agent-a') is the same key as insHmacKey"),
+        ({"agentHmacKeys": [{"id": "agent-a", "key": "ab" * 32}, {"id": "agent-b", "key": "AB" * 32}]},
+         "agentHmacKeys[1] (id 'agent-b') is the same key as agentHmacKeys[0] (id 'agent-a')"),
+    ):
+        gw.key_file.write_bytes(orjson.dumps({**document, **shared}))
+        refused(problem)
+    gw.key_file.write_bytes(good)
+    with gw:  # the same configuration with a private file of distinct keys starts
+        assert gw.signed("GET", "/v1/rl/service").status_code == 200

@@ -35,10 +35,10 @@ def gw(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gat
         yield gw
 
 
-def signed_headers(route: str, body: bytes) -> dict[str, str]:
+def signed_headers(route: str, body: bytes, session: str | None = None) -> dict[str, str]:
     time.sleep(0.002)  # distinct timestamps: the same body twice in one millisecond would be a replay
-    return {**sign_request(API_KEY, "POST", route, body, now_ms=int(time.time() * 1000)),
-            "content-type": "application/json"}
+    signed = sign_request(API_KEY, "POST", route, body, now_ms=int(time.time() * 1000), session_id=session)
+    return {**signed, "content-type": "application/json", **({"X-Agent-Session-Id": session} if session else {})}
 
 
 def error_code(r: httpx.Response) -> tuple[int, str]:
@@ -101,6 +101,6 @@ def test_bodies_within_the_limit_are_served(gw: GatewayProcess) -> None:
     assert gw.http.post("/v1/chat/completions", content=chat, headers={"content-type": "application/json"}
                         ).status_code == 200
     start = b'{"reward_mode": "terminal"}'
-    headers = {**signed_headers("/v1/rl/tasks/start", start), "X-Agent-Session-Id": "s"}
+    headers = signed_headers("/v1/rl/tasks/start", start, session="s")
     r = gw.http.post("/v1/rl/tasks/start", content=start, headers=headers)
     assert r.status_code == 201, r.text

@@ -64,8 +64,9 @@ class Signer(AuthBase):
         Signer.last_ms = max(int(time.time() * 1000), Signer.last_ms + 1)
         key = {"forged": b"f" * 32, "instance_key": INS_KEY}.get(self.mode, API_KEY)
         offset = {"stale": -SKEW_MS - 60_000, "future": SKEW_MS + 60_000}.get(self.mode, 0)
-        # Version 2, over the method and the path and query exactly as requests will send them.
-        r.headers.update(sign_request(key, r.method or "GET", r.path_url, body, now_ms=Signer.last_ms + offset))
+        # Version 3, over the method, the path and query and the session header exactly as requests will send them.
+        r.headers.update(sign_request(key, r.method or "GET", r.path_url, body, now_ms=Signer.last_ms + offset,
+                                      session_id=r.headers.get("X-Agent-Session-Id")))
         if self.mode == "no_signature":
             del r.headers["X-Signature"]
         return r

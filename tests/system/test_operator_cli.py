@@ -15,10 +15,11 @@ import orjson
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.cli.operator import KEY_FILE_ENV, URL_ENV, main
+from openjiuwen.agent_evolving.agent_rl.common.signing_keys import SigningKey
 from openjiuwen.agent_evolving.agent_rl.rail import RLOnlineRail, TrajectoryUploader
 from tests.support.fake_judge import FakeJudge
 from tests.support.fake_vllm import FakeVLLM
-from tests.support.gateway_process import API_KEY, GatewayProcess
+from tests.support.gateway_process import AGENT_KEYS, GatewayProcess
 
 pytestmark = pytest.mark.system
 
@@ -57,8 +58,9 @@ def captured_completion(gw: GatewayProcess, session: str) -> None:
 
 
 async def upload_rail_session(gw: GatewayProcess, session: str) -> TrajectoryUploader:
-    """Two steps with feedback between them, through the gateway's signed upload route."""
-    async with TrajectoryUploader(endpoint=gw.url, sign_key=API_KEY, flush_interval_s=0.05) as uploader:
+    """Two steps with feedback between them, through the gateway's signed upload route, with an agent's own key."""
+    key = SigningKey(AGENT_KEYS["agent-a"], "agent-a")
+    async with TrajectoryUploader(endpoint=gw.url, sign_key=key, flush_interval_s=0.05) as uploader:
         rail = RLOnlineRail(uploader, session_id=session)
         for step in range(2):
             if step:
@@ -144,13 +146,15 @@ def test_operator_workflow(gw: GatewayProcess, capsys: pytest.CaptureFixture[str
 
 def test_rail_example_through_the_gateway(gw: GatewayProcess, vllm: FakeVLLM,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    """examples/rail_uploader.py as documented: the model called directly, the uploads signed for the gateway."""
+    """examples/rail_uploader.py as documented: the model called directly, the uploads signed for the gateway with
+    the agent's own key file."""
     rl = Operator(gw, capsys)
     assert rl("service", "start")[0] == 0
     example = subprocess.run(
-        [sys.executable, "examples/rail_uploader.py", "--url", gw.url, "--key-file", str(gw.dir / "hmac.json"),
-         "--vllm", vllm.url, "--model", "tiny"],
+        [sys.executable, "examples/rail_uploader.py", "--url", gw.url,
+         "--key-file", str(gw.agent_key_file("agent-a")), "--vllm", vllm.url, "--model", "tiny"],
         capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),  # this checkout's package, not an installed one
     )
     assert example.returncode == 0, example.stdout + example.stderr
     assert "3 samples sent" in example.stdout and "0 lost, 0 not judged" in example.stdout

@@ -165,15 +165,22 @@ def test_every_error_is_reported() -> None:
 # --- process and peers ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
-def test_loopback_hosts_are_accepted(host: str) -> None:
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "127.0.0.2", "127.255.255.254"])
+def test_loopback_ip_literals_are_accepted(host: str) -> None:
     assert make(listen_host=host).listen_host == host
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.10", "example.com", "", "127.0.0.2"])
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.10", "example.com", "", "128.0.0.1", "::2"])
 def test_non_loopback_host_is_refused(host: str) -> None:
     message = error_of(listen_host=host)
     assert "listen_host:" in message and "loopback only" in message
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST", "localhost.", "ip6-localhost", "[::1]", "::1%lo"])
+def test_loopback_names_are_refused(host: str) -> None:
+    """A name resolves as /etc/hosts and the resolver say (`::1` first on many hosts): only IP literals bind."""
+    message = error_of(listen_host=host)
+    assert "listen_host:" in message and "IP literal of loopback" in message
 
 
 @pytest.mark.parametrize("port", [1, 65535])

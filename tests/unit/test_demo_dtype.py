@@ -30,4 +30,6 @@ def test_calculator_dtype_auto_follows_the_cpu_and_an_explicit_one_wins(monkeypa
         monkeypatch.setattr(run, "native_bf16", lambda native=native: native)
         assert run.parse_args(["--family", "calculator"]).dtype == expected
     assert run.parse_args(["--family", "calculator", "--dtype", "bfloat16"]).dtype == "bfloat16"
-    assert run.parse_args([]).dtype == "float32"  # words
+    assert run.parse_args([]).dtype == "float32"  # the default family is calculator: auto, native_bf16 stubbed False
+    monkeypatch.setattr(run, "native_bf16", lambda: True)
+    assert run.parse_args(["--family", "words"]).dtype == "float32"  # the tiny model: always float32

@@ -46,7 +46,7 @@ def keys_in(value: Any) -> set[str]:
 
 
 def recorded_chunks() -> list[dict[str, Any]]:
-    decoder = SSEDecoder()
+    decoder = SSEDecoder(1 << 20)
     events = decoder.feed((FIXTURES / "chat_stream_response.sse").read_bytes()) + decoder.close()
     return [orjson.loads(e.data) for e in events if e.data != DONE]
 
@@ -406,7 +406,7 @@ def test_official_sdk_parses_the_converted_response() -> None:
 
 def test_writer_on_the_recorded_stream_matches_vllm_native_event_sequence() -> None:
     events = write_stream(recorded_chunks(), model="tiny")
-    decoder = SSEDecoder()
+    decoder = SSEDecoder(1 << 20)
     native = [
         (e.event, orjson.loads(e.data))
         for e in decoder.feed((FIXTURES / "messages_stream_response.sse").read_bytes()) + decoder.close()

@@ -1,10 +1,12 @@
-"""Gateway configuration (CONTRACT §3.1): Go durations, the AIGW JSON shape, and loading the HMAC keys."""
+"""Gateway configuration (CONTRACT §3.1): Go durations, the AIGW JSON shape, and loading the HMAC keys (agent keys,
+the key file's mode, one key per role)."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +16,25 @@ from openjiuwen.agent_evolving.agent_rl.gateway.config import (
     GatewayConfig,
     GatewayConfigError,
     HmacKeys,
-    decode_key,
     format_duration,
     gateway_config_from_mapping,
     load_gateway_config,
     load_hmac_keys,
     parse_duration,
 )
+from openjiuwen.agent_evolving.agent_rl.common.signing_keys import decode_key
 
 API_KEY = "api-key-0123456789abcdef-SECRET-x"  # 33 characters: used as its UTF-8 bytes
 INS_KEY_HEX = "9f" * 32  # 64 hex digits: decoded to 32 bytes
+AGENT_KEY_HEX = "a7" * 32
+OTHER_AGENT_KEY = "agent-key-two-0123456789-SECRET-z"
+
+
+def write_keys(path: Path, document: Any, mode: int = 0o600) -> Path:
+    """A key file as an operator must keep it: private to its owner (the gateway refuses anything else)."""
+    path.write_text(document if isinstance(document, str) else json.dumps(document))
+    os.chmod(path, mode)
+    return path
 
 
 def example(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
@@ -194,6 +205,10 @@ def test_exactly_one_key_source(tmp_path: Path, sources: dict):
         ("onlineRL", "endpoint", "http://10.0.0.5:18081", "onlineRL.endpoint"),
         ("onlineRL", "endpoint", "https://127.0.0.1:18081", "onlineRL.endpoint"),
         ("onlineRL", "endpoint", "http://127.0.0.1:18081/v1", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://localhost:18081", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://LOCALHOST:18081", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://ip6-localhost:18081", "onlineRL.endpoint"),
+        ("onlineRL", "endpoint", "http://128.0.0.1:18081", "onlineRL.endpoint"),
         ("onlineRL", "configPath", "", "onlineRL.configPath"),
         ("lora", "root", "relative/loras", "lora.root"),
         ("lora", "operationTimeout", "1d", "lora.operationTimeout"),
@@ -207,6 +222,15 @@ def test_invalid_values_name_the_field(tmp_path: Path, section: str, key: str, v
     data[section][key] = value
     message = error_of(data)
     assert message.startswith(f"gateway config: {field}: "), message
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:18081", "http://[::1]:18081", "http://127.0.0.2:18081/"])
+def test_the_rl_endpoint_is_an_ip_literal_of_loopback(tmp_path: Path, endpoint: str):
+    data = example(tmp_path)
+    data["onlineRL"]["endpoint"] = endpoint
+    assert gateway_config_from_mapping(data).online_rl.endpoint == endpoint.rstrip("/")
+    data["onlineRL"]["endpoint"] = "http://localhost:18081"
+    assert "IP literal of loopback" in error_of(data)
 
 
 def test_errors_do_not_echo_values(tmp_path: Path):
@@ -284,14 +308,14 @@ def test_decode_key():
 
 async def test_keys_from_file(tmp_path: Path):
     key_file = tmp_path / "keys.json"
-    key_file.write_text(json.dumps({"apiHmacKey": API_KEY, "insHmacKey": INS_KEY_HEX, "other": 1}))
+    write_keys(key_file, {"apiHmacKey": API_KEY, "insHmacKey": INS_KEY_HEX, "other": 1})
     keys = await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))
     assert keys == HmacKeys(api=API_KEY.encode(), ins=bytes([0x9F]) * 32)
     assert API_KEY not in repr(keys) and "9f9f" not in repr(keys) and "32 bytes" in repr(keys)
 
-    key_file.write_text(json.dumps({"apiHmacKey": API_KEY}))
+    write_keys(key_file, {"apiHmacKey": API_KEY})
     assert (await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))).ins is None
-    key_file.write_text(json.dumps({"apiHmacKey": API_KEY, "insHmacKey": ""}))
+    write_keys(key_file, {"apiHmacKey": API_KEY, "insHmacKey": ""})
     assert (await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))).ins is None
 
 
@@ -346,7 +370,7 @@ async def test_missing_socket(tmp_path: Path):
 )
 async def test_key_errors_never_contain_key_material(tmp_path: Path, document: Any, expected: str):
     key_file = tmp_path / "keys.json"
-    key_file.write_text(json.dumps(document))
+    write_keys(key_file, document)
     with pytest.raises(GatewayConfigError) as info:
         await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))
     message = str(info.value)
@@ -357,7 +381,7 @@ async def test_key_errors_never_contain_key_material(tmp_path: Path, document: A
 
 async def test_malformed_key_json_is_not_quoted(tmp_path: Path):
     key_file = tmp_path / "keys.json"
-    key_file.write_text('{"apiHmacKey": "' + API_KEY + '", oops}')
+    write_keys(key_file, '{"apiHmacKey": "' + API_KEY + '", oops}')
     with pytest.raises(GatewayConfigError) as info:
         await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))
     assert "invalid JSON at line 1" in str(info.value) and "SECRET" not in str(info.value)
@@ -368,6 +392,100 @@ async def test_malformed_key_json_is_not_quoted(tmp_path: Path):
         with pytest.raises(GatewayConfigError) as info:
             await load_hmac_keys(config_with(tmp_path, cryptoSock=str(sock)), timeout_s=5)
     assert "invalid JSON" in str(info.value) and "SECRET" not in str(info.value)
+
+
+async def test_agent_keys_from_file_and_socket(tmp_path: Path):
+    document = {"apiHmacKey": API_KEY, "insHmacKey": INS_KEY_HEX, "agentHmacKeys": [
+        {"id": "support-bot", "key": AGENT_KEY_HEX}, {"id": "sales.bot_2", "key": OTHER_AGENT_KEY}]}
+    key_file = write_keys(tmp_path / "keys.json", document)
+    keys = await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))
+    assert keys.agents == {"support-bot": bytes([0xA7]) * 32, "sales.bot_2": OTHER_AGENT_KEY.encode()}
+    assert "support-bot" in repr(keys) and "a7a7" not in repr(keys) and "SECRET" not in repr(keys)
+    sock = tmp_path / "crypto.sock"
+    async with await serve_keys(sock, json.dumps(document).encode()):
+        assert (await load_hmac_keys(config_with(tmp_path, cryptoSock=str(sock)), timeout_s=5)) == keys
+    for absent in ({"apiHmacKey": API_KEY}, {"apiHmacKey": API_KEY, "agentHmacKeys": None},
+                   {"apiHmacKey": API_KEY, "agentHmacKeys": []}):
+        write_keys(key_file, absent)
+        assert (await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))).agents == {}
+
+
+@pytest.mark.parametrize(
+    ("entries", "expected"),
+    [
+        ({"id": "a", "key": AGENT_KEY_HEX}, "agentHmacKeys: must be a list"),
+        (["support-bot"], "agentHmacKeys[0]: must be an object with exactly the members id and key"),
+        ([{"id": "a"}], "agentHmacKeys[0]: must be an object with exactly the members id and key"),
+        # A member this gateway does not know (a later per-key restriction) is never silently ignored; the one
+        # reserved for the lineage limit says so.
+        ([{"id": "a", "key": AGENT_KEY_HEX, "lineages": ["x"]}],
+         "agentHmacKeys[0].lineages: reserved for limiting an agent key to lineages, not supported"),
+        ([{"id": "a", "key": AGENT_KEY_HEX, "role": "operator"}], "agentHmacKeys[0]: must be an object with exactly"),
+        ([{"id": "bad id", "key": AGENT_KEY_HEX}], "agentHmacKeys[0].id: must match"),
+        ([{"id": "", "key": AGENT_KEY_HEX}], "agentHmacKeys[0].id: must match"),
+        ([{"id": 7, "key": AGENT_KEY_HEX}], "agentHmacKeys[0].id: must match"),
+        ([{"id": "a", "key": AGENT_KEY_HEX}, {"id": "a", "key": OTHER_AGENT_KEY}],
+         "agentHmacKeys[1].id: duplicate id 'a'"),
+        ([{"id": "a", "key": "tiny-SECRET"}], "agentHmacKeys[0].key: must be 64 hex digits"),
+        ([{"id": "a", "key": ""}], "agentHmacKeys[0].key: required"),
+    ],
+)
+async def test_agent_key_errors_name_the_entry_never_the_key(tmp_path: Path, entries: Any, expected: str):
+    key_file = write_keys(tmp_path / "keys.json", {"apiHmacKey": API_KEY, "agentHmacKeys": entries})
+    with pytest.raises(GatewayConfigError) as info:
+        await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))
+    assert expected in str(info.value)
+    for secret in ("SECRET", AGENT_KEY_HEX, API_KEY):
+        assert secret not in str(info.value)
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o620, 0o602, 0o644, 0o666, 0o660])
+async def test_a_key_file_group_or_others_may_read_or_write_is_refused(tmp_path: Path, mode: int):
+    """Issue 28 item 10: the keys of every holder sit in this file; nobody but its owner may read or change it."""
+    key_file = write_keys(tmp_path / "keys.json", {"apiHmacKey": API_KEY}, mode=mode)
+    with pytest.raises(GatewayConfigError) as info:
+        await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))
+    message = str(info.value)
+    assert f"mode {mode:04o}" in message and "chmod 600" in message and str(key_file) in message
+    assert "SECRET" not in message
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400, 0o700])
+async def test_a_key_file_private_to_its_owner_is_accepted(tmp_path: Path, mode: int):
+    key_file = write_keys(tmp_path / "keys.json", {"apiHmacKey": API_KEY}, mode=mode)
+    assert (await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))).api == API_KEY.encode()
+    link = tmp_path / "link.json"  # a symlink to a private file (as secret mounts use) is judged by its target
+    link.symlink_to(key_file)
+    assert (await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(link)))).api == API_KEY.encode()
+
+
+@pytest.mark.parametrize(
+    ("document", "expected"),
+    [
+        ({"apiHmacKey": API_KEY, "insHmacKey": API_KEY}, "insHmacKey is the same key as apiHmacKey"),
+        # The same bytes written two ways are the same key.
+        ({"apiHmacKey": "AB" * 32, "insHmacKey": "ab" * 32}, "insHmacKey is the same key as apiHmacKey"),
+        ({"apiHmacKey": API_KEY, "agentHmacKeys": [{"id": "a", "key": API_KEY}]},
+         "agentHmacKeys[0] (id 'a') is the same key as apiHmacKey"),
+        ({"apiHmacKey": API_KEY, "insHmacKey": INS_KEY_HEX, "agentHmacKeys": [{"id": "a", "key": INS_KEY_HEX}]},
+         "agentHmacKeys[0] (id 'a') is the same key as insHmacKey"),
+        ({"apiHmacKey": API_KEY, "agentHmacKeys": [{"id": "a", "key": AGENT_KEY_HEX},
+                                                   {"id": "b", "key": AGENT_KEY_HEX}]},
+         "agentHmacKeys[1] (id 'b') is the same key as agentHmacKeys[0] (id 'a')"),
+    ],
+)
+async def test_identical_keys_of_different_holders_are_refused(tmp_path: Path, document: Any, expected: str):
+    """Issue 28 item 10: a key shared by two roles (or two agents) lets either act as the other."""
+    key_file = write_keys(tmp_path / "keys.json", document)
+    with pytest.raises(GatewayConfigError) as info:
+        await load_hmac_keys(config_with(tmp_path, hmacKeyFile=str(key_file)))
+    assert expected in str(info.value) and "needs its own key" in str(info.value)
+    for secret in ("SECRET", AGENT_KEY_HEX, INS_KEY_HEX, "AB" * 32, "ab" * 32):
+        assert secret not in str(info.value)
+    sock = tmp_path / "crypto.sock"  # the same rule for the AIGW key source
+    async with await serve_keys(sock, json.dumps(document).encode()):
+        with pytest.raises(GatewayConfigError, match="is the same key as"):
+            await load_hmac_keys(config_with(tmp_path, cryptoSock=str(sock)), timeout_s=5)
 
 
 def test_config_copy_is_independent(tmp_path: Path):
@@ -385,6 +503,17 @@ def test_max_body_bytes_default_and_bounds(tmp_path: Path):
     for bad in (1023, 0, -1, "4096", 1.5, True):
         data["global"]["maxBodyBytes"] = bad
         assert "maxBodyBytes" in error_of(data), bad
+
+
+def test_max_upstream_body_bytes_default_and_bounds(tmp_path: Path):
+    """Generous but bounded by default (issue 28 item 4): no value turns the bound off."""
+    data = example(tmp_path)
+    assert gateway_config_from_mapping(data).global_.max_upstream_body_bytes == 64 << 20
+    data["global"]["maxUpstreamBodyBytes"] = 4096
+    assert gateway_config_from_mapping(data).global_.max_upstream_body_bytes == 4096
+    for bad in (1023, 0, -1, None, "4096", 1.5, True):
+        data["global"]["maxUpstreamBodyBytes"] = bad
+        assert "maxUpstreamBodyBytes" in error_of(data), bad
 
 
 def test_signature_settings_default_and_bounds(tmp_path: Path):

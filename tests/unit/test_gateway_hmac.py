@@ -1,5 +1,5 @@
-"""HMAC-signed control (CONTRACT §3.2): signature versions, skew window, per-key replay caches, the instance key. The
-clock is injected."""
+"""HMAC-signed control (CONTRACT §3.2): signature versions, skew window, per-key replay caches, the instance key and
+agent keys. The clock is injected."""
 
 from __future__ import annotations
 
@@ -10,8 +10,17 @@ import logging
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.gateway import hmac_auth
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import REPLAY_CAPACITY, HmacVerifier
+from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import (
+    INSTANCE,
+    OPERATOR,
+    REPLAY_CAPACITY,
+    Caller,
+    HmacVerifier,
+    KeyRole,
+)
 from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import (
+    CURRENT_VERSION,
+    KEY_ID_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     VERSION_HEADER,
@@ -19,9 +28,11 @@ from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import (
     sign,
     sign_request,
 )
+from openjiuwen.agent_evolving.agent_rl.common.signing_keys import SigningKey
 
 API = b"a" * 32
 INS = b"i" * 32
+AGENTS = {"support-bot": b"s" * 32, "sales-bot": b"b" * 32}
 NOW = 1_735_787_045_123  # 2025-01-02T03:04:05.123Z in ms
 SKEW = 300_000
 BODY = b'{"reward_mode": "terminal"}'
@@ -29,26 +40,52 @@ METHOD, TARGET = "POST", "/v1/rl/tasks/start"
 
 
 def headers(key: bytes = API, body: bytes = BODY, at: int = NOW, method: str = METHOD,
-            target: str = TARGET) -> tuple[str, str]:
-    h = sign_request(key, method, target, body, now_ms=at)
+            target: str = TARGET, key_id: str | None = None, session: str | None = None) -> tuple[str, str]:
+    h = sign_request(key, method, target, body, now_ms=at, key_id=key_id, session_id=session)
     return h[TIMESTAMP_HEADER], h[SIGNATURE_HEADER]
 
 
 def check(verifier: HmacVerifier, ts: str | None, body: bytes, sig: str | None, *, now_ms: int = NOW,
-          allow_ins: bool = False, method: str = METHOD, target: str = TARGET) -> bool:
+          allow_ins: bool = False, method: str = METHOD, target: str = TARGET, key_id: str | None = None,
+          session: bytes = b"") -> Caller | None:
     return verifier.verify(ts, body, sig, now_ms=now_ms, allow_ins=allow_ins, method=method, target=target,
-                           version="2")
+                           version=CURRENT_VERSION, key_id=key_id, session_id=session)
 
 
 # ---------------------------------------------------------------------------------------------- formats
 
 
-def test_sign_request_matches_the_version_2_formula():
+def test_sign_request_matches_the_version_3_formula():
     h = sign_request(API, "post", "/v1/rl/tasks?limit=5", BODY, now_ms=NOW)
     assert set(h) == {"X-Timestamp", "X-Signature", "X-Signature-Version"}
-    assert (h["X-Timestamp"], h["X-Signature-Version"]) == (str(NOW), "2")
-    message = b"OJRL-HMAC-V2\nPOST\n/v1/rl/tasks?limit=5\n" + str(NOW).encode() + b"\n" + BODY
+    assert (h["X-Timestamp"], h["X-Signature-Version"]) == (str(NOW), "3")
+    message = b"OJRL-HMAC-V3\nPOST\n/v1/rl/tasks?limit=5\n" + str(NOW).encode() + b"\n\n\n" + BODY
     assert h["X-Signature"] == hmac.new(API, message, hashlib.sha256).hexdigest()
+    # An agent key's request names the key in X-Key-Id; both it and the session header are signed.
+    h = sign_request(AGENTS["support-bot"], "POST", TARGET, BODY, now_ms=NOW, key_id="support-bot", session_id="s1")
+    assert set(h) == {"X-Timestamp", "X-Signature", "X-Signature-Version", "X-Key-Id"}
+    assert h[KEY_ID_HEADER] == "support-bot"
+    message = b"OJRL-HMAC-V3\nPOST\n" + TARGET.encode() + b"\n" + str(NOW).encode() + b"\nsupport-bot\ns1\n" + BODY
+    assert h["X-Signature"] == hmac.new(AGENTS["support-bot"], message, hashlib.sha256).hexdigest()
+
+
+def test_version_3_binds_the_session_header():
+    """Issue 28 item 7: an intercepted Task start re-targeted to another session (or to none) is refused."""
+    ts, sig = headers(session="s1")
+    for session in (b"victim", b"", b"s1 ", b"S1"):
+        assert not check(HmacVerifier(API), ts, BODY, sig, session=session), session
+    assert check(HmacVerifier(API), ts, BODY, sig, session=b"s1") == OPERATOR
+
+
+def test_version_2_signatures_are_refused():
+    """Version 2 left the session unsigned: a client still sending it is refused, never half-checked."""
+    timestamp = str(NOW)
+    message = b"OJRL-HMAC-V2\nPOST\n" + TARGET.encode() + b"\n" + timestamp.encode() + b"\n" + BODY
+    sig = hmac.new(API, message, hashlib.sha256).hexdigest()
+    for verifier in (HmacVerifier(API), HmacVerifier(API, accept_legacy=True)):
+        for version in ("2", CURRENT_VERSION):
+            assert not verifier.verify(timestamp, BODY, sig, now_ms=NOW, method=METHOD, target=TARGET,
+                                       version=version)
 
 
 def test_sign_matches_the_aigw_formula():
@@ -64,7 +101,7 @@ def test_good_signature():
     assert check(HmacVerifier(API), ts, BODY, sig)
 
 
-def test_version_2_binds_method_path_and_query():
+def test_version_3_binds_method_path_and_query():
     """The attack the AIGW form allows: a captured signed request replayed once on another route or method."""
     ts, sig = headers(body=b"", method="GET", target="/v1/rl/service")
     for method, target in (("POST", "/v1/rl/service/stop"), ("GET", "/v1/rl/service?x=1"), ("POST", "/v1/rl/service"),
@@ -80,7 +117,7 @@ def test_the_aigw_form_only_where_configured():
         assert not strict.verify(h[TIMESTAMP_HEADER], BODY, h[SIGNATURE_HEADER], now_ms=NOW, version=version)
     assert legacy.verify(h[TIMESTAMP_HEADER], BODY, h[SIGNATURE_HEADER], now_ms=NOW)
     assert not legacy.verify(h[TIMESTAMP_HEADER], BODY, h[SIGNATURE_HEADER], now_ms=NOW, version="1")  # replay
-    # Version 2 works on both; an AIGW signature presented as version 2 (or the reverse) does not match.
+    # Version 3 works on both; an AIGW signature presented as version 3 (or the reverse) does not match.
     ts, sig = headers(at=NOW + 1)
     assert check(legacy, ts, BODY, sig)
     assert not legacy.verify(ts, BODY, sig, now_ms=NOW, version=None)
@@ -88,19 +125,19 @@ def test_the_aigw_form_only_where_configured():
     assert not check(legacy, h2[TIMESTAMP_HEADER], BODY, h2[SIGNATURE_HEADER])
 
 
-@pytest.mark.parametrize("version", ["3", "", "02", "2 ", "v2"])
+@pytest.mark.parametrize("version", ["2", "4", "", "03", "3 ", "v3"])
 def test_unknown_versions_refused(version: str):
     ts, sig = headers()
     verifier = HmacVerifier(API, accept_legacy=True)
     assert not verifier.verify(ts, BODY, sig, now_ms=NOW, method=METHOD, target=TARGET, version=version)
 
 
-def test_version_2_needs_a_method_and_a_printable_target():
+def test_version_3_needs_a_method_and_a_printable_target():
     ts, sig = headers()
     verifier = HmacVerifier(API)
-    assert not verifier.verify(ts, BODY, sig, now_ms=NOW, version="2")  # no method, no target
-    assert not verifier.verify(ts, BODY, sig, now_ms=NOW, version="2", method="POST\nX", target=TARGET)
-    assert not verifier.verify(ts, BODY, sig, now_ms=NOW, version="2", method=METHOD, target="/é")
+    assert not verifier.verify(ts, BODY, sig, now_ms=NOW, version="3")  # no method, no target
+    assert not verifier.verify(ts, BODY, sig, now_ms=NOW, version="3", method="POST\nX", target=TARGET)
+    assert not verifier.verify(ts, BODY, sig, now_ms=NOW, version="3", method=METHOD, target="/é")
 
 
 def test_verify_request_reads_the_headers_case_insensitively():
@@ -108,9 +145,41 @@ def test_verify_request_reads_the_headers_case_insensitively():
 
     request = httpx.Request("GET", "http://gw/v1/rl/tasks", params={"status": "active", "limit": 5})
     RequestSigner(API).sign_httpx(request)
-    assert request.headers[VERSION_HEADER] == "2"
+    assert request.headers[VERSION_HEADER] == "3"
     assert HmacVerifier(API).verify_request("GET", request.url.raw_path, request.headers, b"",
-                                            now_ms=int(request.headers["x-timestamp"]))
+                                            now_ms=int(request.headers["x-timestamp"])) == OPERATOR
+
+
+def test_the_signer_covers_the_session_header_it_sends_and_verify_request_reads_it():
+    import httpx
+
+    request = httpx.Request("POST", "http://gw/v1/rl/tasks/start", content=BODY,
+                            headers={"X-Agent-Session-Id": "s1", "content-type": "application/json"})
+    RequestSigner(SigningKey(AGENTS["support-bot"], "support-bot")).sign_httpx(request)
+    now_ms = int(request.headers["x-timestamp"])
+    retargeted = httpx.Headers(request.headers)
+    retargeted["X-Agent-Session-Id"] = "victim"
+    verifier = HmacVerifier(API, agent_keys=AGENTS)
+    assert verifier.verify_request("POST", request.url.raw_path, retargeted, BODY, now_ms=now_ms) is None
+    assert verifier.verify_request("POST", request.url.raw_path, request.headers, BODY,
+                                   now_ms=now_ms) == Caller(KeyRole.AGENT, "support-bot")
+
+
+def test_a_signed_header_sent_twice_is_refused():
+    """The gateway acts on one session header: the signature must cover the only one there is."""
+    import httpx
+
+    request = httpx.Request("POST", "http://gw/v1/rl/tasks/start", content=BODY, headers={"X-Agent-Session-Id": "s1"})
+    RequestSigner(API).sign_httpx(request)
+    now_ms = int(request.headers["x-timestamp"])
+    for name, value in (("X-Agent-Session-Id", "victim"), ("X-Agent-Session-Id", "s1"), ("X-Key-Id", "sales-bot"),
+                        ("X-Signature-Version", "3"), ("X-Timestamp", str(now_ms))):
+        doubled = httpx.Headers(list(request.headers.raw) + [(name.encode(), value.encode())])
+        assert HmacVerifier(API, agent_keys=AGENTS).verify_request(
+            "POST", request.url.raw_path, doubled, BODY, now_ms=now_ms) is None, name
+    with pytest.raises(ValueError):  # and the signer never signs such a request
+        RequestSigner(API).sign_httpx(httpx.Request("POST", "http://gw/x", headers=[
+            ("X-Agent-Session-Id", "a"), ("X-Agent-Session-Id", "b")]))
 
 
 def test_request_signer_timestamps_strictly_increase():
@@ -214,7 +283,7 @@ def test_cache_stays_bounded():
     # A burst inside one window beyond the capacity is refused (fail closed), never grows the cache.
     at = NOW + 200 * step
     burst = [headers(body=str(i).encode(), at=at) for i in range(60)]
-    results = [check(verifier, ts, str(i).encode(), sig, now_ms=at) for i, (ts, sig) in enumerate(burst)]
+    results = [bool(check(verifier, ts, str(i).encode(), sig, now_ms=at)) for i, (ts, sig) in enumerate(burst)]
     # 10 pairs of the last window are still live, so 40 more fit.
     assert results == [True] * 40 + [False] * 20
     assert verifier.replay_entries == 50
@@ -236,6 +305,46 @@ def test_instance_key_only_with_allow_ins():
     assert not check(HmacVerifier(API), ts, BODY, sig, allow_ins=True)  # no instance key configured
 
 
+def test_an_agent_key_is_checked_under_its_own_id_only():
+    """Issue 28 item 3: an agent key signs as that agent, never as the operator or another agent."""
+    verifier = HmacVerifier(API, INS, agent_keys=AGENTS)
+    ts, sig = headers(key=AGENTS["support-bot"], key_id="support-bot")
+    assert check(verifier, ts, BODY, sig, key_id="support-bot") == Caller(KeyRole.AGENT, "support-bot")
+    ts, sig = headers(key=AGENTS["support-bot"], key_id="support-bot", at=NOW + 1)
+    assert not check(verifier, ts, BODY, sig, key_id="sales-bot")  # named as another agent
+    assert not check(verifier, ts, BODY, sig, key_id="nobody")  # an unknown id
+    assert not check(verifier, ts, BODY, sig, allow_ins=True)  # no key id: only the api and instance keys are tried
+    ts, sig = headers(key=AGENTS["support-bot"], at=NOW + 2)  # signed without its id: a different message
+    assert not check(verifier, ts, BODY, sig, key_id="support-bot")
+    ts, sig = headers(key=API, key_id="support-bot", at=NOW + 3)  # the operator key under an agent's id
+    assert not check(verifier, ts, BODY, sig, key_id="support-bot")
+    ts, sig = headers(key=API, at=NOW + 4)
+    assert check(verifier, ts, BODY, sig) == OPERATOR
+    ts, sig = headers(key=INS, at=NOW + 5)
+    assert check(verifier, ts, BODY, sig, allow_ins=True) == INSTANCE
+
+
+def test_the_aigw_form_never_carries_an_agent_key():
+    verifier = HmacVerifier(API, agent_keys=AGENTS, accept_legacy=True)
+    h = sign(AGENTS["support-bot"], BODY, now_ms=NOW)
+    assert not verifier.verify(h[TIMESTAMP_HEADER], BODY, h[SIGNATURE_HEADER], now_ms=NOW, key_id="support-bot")
+
+
+def test_each_agent_key_has_its_own_replay_cache():
+    verifier = HmacVerifier(API, INS, agent_keys=AGENTS, replay_capacity=5)
+    results = []
+    for i in range(8):
+        body = b'{"n": %d}' % i
+        ts, sig = headers(key=AGENTS["sales-bot"], body=body, key_id="sales-bot")
+        results.append(bool(check(verifier, ts, body, sig, key_id="sales-bot")))
+    assert results == [True] * 5 + [False] * 3
+    assert verifier.replay_entries_by_key == {"api": 0, "instance": 0, "agent:support-bot": 0, "agent:sales-bot": 5}
+    ts, sig = headers(key=AGENTS["support-bot"], key_id="support-bot")
+    assert check(verifier, ts, BODY, sig, key_id="support-bot")  # another agent is not affected
+    ts, sig = headers()
+    assert check(verifier, ts, BODY, sig) == OPERATOR  # nor the operator
+
+
 # ---------------------------------------------------------------------------------------------- per-key caches
 
 
@@ -244,8 +353,8 @@ def flood_instance_key(verifier: HmacVerifier, count: int, at: int) -> list[bool
     for i in range(count):
         body = b'{"name": "junk-%d"}' % i
         ts, sig = headers(key=INS, body=body, at=at, target="/aigw/v1/register-instance")
-        results.append(check(verifier, ts, body, sig, now_ms=at, allow_ins=True,
-                             target="/aigw/v1/register-instance"))
+        results.append(bool(check(verifier, ts, body, sig, now_ms=at, allow_ins=True,
+                                  target="/aigw/v1/register-instance")))
     return results
 
 
@@ -292,9 +401,11 @@ def test_a_full_cache_logs_at_most_once_a_minute(caplog: pytest.LogCaptureFixtur
 
 
 def test_repr_and_constructor_checks():
-    assert "aaaa" not in repr(HmacVerifier(API, INS)) and "iiii" not in repr(HmacVerifier(API, INS))
+    text = repr(HmacVerifier(API, INS, agent_keys=AGENTS))
+    assert "aaaa" not in text and "iiii" not in text and "ssss" not in text and "support-bot" in text
     for kwargs in ({"api_key": b""}, {"api_key": API, "ins_key": b""}, {"api_key": API, "skew_ms": 0},
-                   {"api_key": API, "replay_capacity": 0}):
+                   {"api_key": API, "replay_capacity": 0}, {"api_key": API, "agent_keys": {"bad id": b"x" * 32}},
+                   {"api_key": API, "agent_keys": {"ok": b""}}):
         with pytest.raises(ValueError):
             HmacVerifier(**kwargs)
     with pytest.raises(ValueError):

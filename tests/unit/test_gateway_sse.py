@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openjiuwen.agent_evolving.agent_rl.gateway.sse import DONE, SSEDecoder, SSEEvent, encode_sse, iter_sse_batches
+from openjiuwen.agent_evolving.agent_rl.gateway.sse import (
+    DONE, EventTooLarge, SSEDecoder, SSEEvent, encode_sse, iter_sse_batches,
+)
 from tests.conftest import FIXTURES
 
 T = TypeVar("T")
@@ -36,7 +38,8 @@ async def _source(chunks: Iterable[bytes]) -> AsyncIterator[bytes]:
 
 async def _collect(chunks: Iterable[bytes]) -> list[SSEEvent]:
     # The gateway's relay path: events batched per upstream read, flattened here.
-    return [event async for batch in iter_sse_batches(_source(chunks)) for event in batch]
+    batches = iter_sse_batches(_source(chunks), max_event_bytes=1 << 20)
+    return [event async for batch in batches for event in batch]
 
 
 def parse(chunks: Iterable[bytes]) -> list[SSEEvent]:
@@ -130,7 +133,7 @@ def test_empty_chunks_and_empty_stream() -> None:
 
 
 def test_decoder_is_incremental() -> None:
-    decoder = SSEDecoder()
+    decoder = SSEDecoder(1 << 20)
     assert decoder.feed(b"data: a\n") == []
     assert decoder.feed(b"\ndata: b") == [SSEEvent(None, "a")]
     assert decoder.close() == [SSEEvent(None, "b")]
@@ -166,5 +169,23 @@ def test_encode_then_parse_round_trips(pairs: list[tuple[str | None, str]], data
 
 async def test_batches_group_the_events_each_read_completes() -> None:
     chunks = [b"data: a\n\ndata: b\n\nda", b"ta: c", b"\n\n", b"", b"data: d"]
-    batches = [[e.data for e in batch] async for batch in iter_sse_batches(_source(chunks))]
+    decoded = iter_sse_batches(_source(chunks), max_event_bytes=1 << 20)
+    batches = [[e.data for e in batch] async for batch in decoded]
     assert batches == [["a", "b"], ["c"], ["d"]]  # reads that complete nothing give no batch; the tail is flushed
+
+
+@pytest.mark.parametrize("chunks", [
+    [b"data: " + b"x" * 600, b"y" * 600],  # one line that never ends
+    [b"data: " + b"x" * 400 + b"\n", b"data: " + b"y" * 400 + b"\n", b"data: z\n" * 400],  # never dispatched
+])
+def test_an_event_past_the_bound_is_refused_not_buffered(chunks: list[bytes]) -> None:
+    decoder = SSEDecoder(1000)
+    with pytest.raises(EventTooLarge, match="larger than 1000 bytes"):
+        for chunk in chunks:
+            decoder.feed(chunk)
+
+
+def test_events_up_to_the_bound_pass_and_the_count_restarts_per_event() -> None:
+    decoder = SSEDecoder(1000)
+    for _ in range(50):  # 50 KB in all, each event under the bound
+        assert decoder.feed(b"data: " + b"x" * 900 + b"\n\n") == [SSEEvent(None, "x" * 900)]

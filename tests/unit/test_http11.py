@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.http11 import Http11Client, HttpTimeout, TransportError
+from openjiuwen.agent_evolving.agent_rl.gateway.http11 import AnswerTooLarge, Http11Client, HttpTimeout, TransportError
 
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]  # returns False to close the connection
 
@@ -123,6 +123,64 @@ async def test_a_stream_closed_before_its_end_is_not_reused(client: Http11Client
         await answer.aclose()  # body not read to its end
         await client.request("POST", server.url, content=b"2", timeout_s=5)
         assert server.connections == 2
+
+
+async def test_a_body_past_the_bound_is_read_no_further(client: Http11Client) -> None:
+    """Declared too large: refused before a byte of the body is read. Chunked, never ending: refused once the bound
+    is passed, with the sender still writing (issue 28 item 4)."""
+    sent = 0
+
+    async def declared(body: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000000000\r\n\r\n")
+        return True
+
+    async def endless(body: bytes, writer: asyncio.StreamWriter) -> bool:
+        nonlocal sent
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        piece = b"x" * 65536
+        while True:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            sent += len(piece)
+
+    for handler in (declared, endless):
+        async with Server(handler) as server:
+            answer = await client.open_stream("POST", server.url, read_timeout_s=5)
+            with pytest.raises(AnswerTooLarge, match="larger than 1048576 bytes"):
+                await answer.aread(max_bytes=1 << 20)
+            await answer.aclose()  # the rest is never read: the connection is dropped, not pooled
+    assert (1 << 20) < sent < 64 << 20  # the sender was stopped by the closed connection, far from the end
+    async with Server(echo) as server:  # within the bound, as before
+        answer = await client.open_stream("POST", server.url, content=b"1", read_timeout_s=5)
+        assert await answer.aread(max_bytes=len(b'{"echo":1}')) == b'{"echo":1}'
+        await answer.aclose()
+
+
+async def test_a_streamed_body_is_bounded_in_all_across_its_pieces(client: Http11Client) -> None:
+    """The bound a captured stream's aggregation relies on (issue 28 item 4): pieces pass as they arrive while their
+    sum stays within it; the read that passes it raises instead of being yielded (however the reads coalesce the
+    pieces). A body of exactly the bound passes whole."""
+    piece = b"x" * 1000
+
+    async def chunked(body: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(int(body)):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    async with Server(chunked) as server:
+        answer = await client.open_stream("POST", server.url, content=b"100", read_timeout_s=5)
+        passed = 0
+        with pytest.raises(AnswerTooLarge, match="larger than 10500 bytes"):
+            async for got in answer.aiter_bounded(10_500):
+                passed += len(got)
+        await answer.aclose()
+        assert passed <= 10_500  # what passed before the raise fits the bound; nothing past it was yielded
+        answer = await client.open_stream("POST", server.url, content=b"10", read_timeout_s=5)
+        assert b"".join([got async for got in answer.aiter_bounded(10_000)]) == piece * 10
+        await answer.aclose()
 
 
 async def test_a_pooled_connection_the_server_closed_is_replaced(client: Http11Client) -> None:

@@ -58,3 +58,41 @@ def test_text_is_the_default(tmp_path, restore_logger):
 def test_unknown_format_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="log_format"):
         config(tmp_path, log_format="xml")
+
+
+HOSTILE = "tiny\n2026-01-01 00:00:00,000 ERROR openjiuwen.agent_rl forged\r\x1b[2J\x1b]0;owned\x07\x9b31m\u2028\u202e"
+ESCAPED = "tiny\\n2026-01-01 00:00:00,000 ERROR openjiuwen.agent_rl forged\\r\\x1b[2J\\x1b]0;owned\\x07\\x9b31m\\u2028\\u202e"
+
+
+def hostile_records() -> None:
+    """What an outside party controls, in a message and in an exception's text (issue 28 item 5)."""
+    log = logging.getLogger(ROOT_LOGGER + ".online.capture")
+    log.warning("capture rejected: %s", HOSTILE, extra={"rl_task_id": "t1\x1b[2J"})
+    try:
+        raise ValueError(HOSTILE)
+    except ValueError:
+        log.exception("unhandled error on POST /x")
+
+
+def test_text_records_escape_what_an_outside_party_wrote(tmp_path, restore_logger):
+    configure_logging(config(tmp_path))
+    hostile_records()
+    text = (tmp_path / "rl.log").read_text()
+    lines = text.splitlines()  # also splits at U+2028 and the other separators Python knows
+    assert lines[0].endswith(f"WARNING openjiuwen.agent_rl.online.capture capture rejected: {ESCAPED}")
+    records = [line for line in lines if not line.startswith(" ")]  # traceback lines are indented
+    assert len(records) == 2 and records[1].endswith("unhandled error on POST /x"), lines
+    # A traceback keeps its line breaks, indented: the forged line is there, but not where records start.
+    assert lines[-2:] == ["    ValueError: tiny", "    " + ESCAPED.partition("\\n")[2]]
+    assert not any(c in text for c in "\x1b\x07\x9b\r\u2028\u202e")
+
+
+def test_json_records_escape_what_an_outside_party_wrote(tmp_path, restore_logger):
+    configure_logging(config(tmp_path, log_format="json"))
+    hostile_records()
+    raw = (tmp_path / "rl.log").read_text()
+    lines = [orjson.loads(line) for line in raw.splitlines()]
+    assert len(lines) == 2
+    assert lines[0]["message"] == f"capture rejected: {ESCAPED}" and lines[0]["rl_task_id"] == "t1\\x1b[2J"
+    assert lines[1]["exception"].endswith("ValueError: " + ESCAPED.replace("\\n", "\n"))  # JSON escapes that one
+    assert not any(c in raw for c in "\x1b\x07\x9b\u2028\u202e")

@@ -39,7 +39,7 @@ class FakeGateway:
     def handle(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
         body = request.read()
-        # Version 2, over the method and target as sent: the CLI's signature must bind the route and the query.
+        # Version 3, over the method and target as sent: the CLI's signature must bind the route and the query.
         ok = self.verifier.verify_request(request.method, request.url.raw_path, request.headers, body,
                                           now_ms=time.time_ns() // 1_000_000)
         if not ok:
@@ -149,7 +149,26 @@ def test_key_file_without_api_key(gw: FakeGateway, tmp_path: Path, capsys) -> No
     key_file = tmp_path / "keys.json"
     key_file.write_bytes(b'{"insHmacKey": "x"}')
     assert run_cli(gw, "traj", "stats", "--key-file", str(key_file), env={}) == 2
-    assert "apiHmacKey: required" in capsys.readouterr().err
+    assert "neither apiHmacKey (the gateway's key file) nor agentHmacKey" in capsys.readouterr().err
+
+
+def test_an_agent_key_file_signs_as_its_agent(tmp_path: Path, capsys) -> None:
+    """An agent's own key file (openjiuwen-rl keys add-agent) signs with its key and names it in X-Key-Id."""
+    agent_key = b"g" * 32
+    gw = FakeGateway()
+    gw.verifier = HmacVerifier(KEY, agent_keys={"support-bot": agent_key})
+    gw.on("POST", "/v1/rl/tasks/t1/stop", ok({"rl_task_id": "t1", "status": "finalized"}))
+    key_file = tmp_path / "support-bot.key.json"
+    key_file.write_bytes(orjson.dumps({"agentKeyId": "support-bot", "agentHmacKey": agent_key.decode()}))
+    assert run_cli(gw, "task", "stop", "t1", "--key-file", str(key_file), env={}) == 0
+    assert gw.requests[0].headers["x-key-id"] == "support-bot"
+    # The console login is the operator's: an agent key file cannot make one.
+    assert run_cli(gw, "console", "url", "--key-file", str(key_file), env={}) == 2
+    assert "the console login is signed with the operator key" in capsys.readouterr().err
+    both = tmp_path / "both.json"
+    both.write_bytes(orjson.dumps({"apiHmacKey": KEY.decode(), "agentKeyId": "a", "agentHmacKey": "g" * 32}))
+    assert run_cli(gw, "task", "stop", "t1", "--key-file", str(both), env={}) == 2
+    assert "holds both apiHmacKey and agentHmacKey" in capsys.readouterr().err
 
 
 def test_unreachable_gateway(capsys) -> None:
@@ -174,6 +193,24 @@ def test_non_envelope_error_body(gw: FakeGateway, capsys) -> None:
     gw.on("GET", "/v1/rl/trajectories/stats", httpx.Response(502, text="Bad Gateway"))
     assert run_cli(gw, "traj", "stats") == 1
     assert capsys.readouterr().err == "error: 502 http_error: Bad Gateway\n"
+
+
+def test_error_messages_and_listings_escape_control_characters(gw: FakeGateway, capsys) -> None:
+    """Errors, cursors and table cells quote what the gateway, agents and models wrote (issue 28 item 6): one line
+    each, nothing that drives the terminal; `--json` keeps the answer exact."""
+    gw.on("POST", "/v1/rl/training/runs", error(409, "insufficient_samples", "no\n\x1b[2Jsamples\x9b31m"))
+    assert run_cli(gw, "train", "start") == 1
+    assert capsys.readouterr().err == "error: 409 insufficient_samples: no\\n\\x1b[2Jsamples\\x9b31m\n"
+    rows = {"items": [task_record(agent_session_id="s\x1b]0;owned\x07", finish_reason="x\ry")],
+            "next_cursor": "c\x1b[1A"}
+    gw.on("GET", "/v1/rl/tasks", ok(rows))
+    assert run_cli(gw, "task", "list") == 0
+    captured = capsys.readouterr()
+    assert "s\\x1b]0;owned\\x07" in captured.out and "x\\ry" in captured.out
+    assert captured.err == "more: --cursor c\\x1b[1A (or --all)\n"
+    assert not any(c in captured.out + captured.err for c in "\x1b\x07\x9b\r")
+    assert run_cli(gw, "task", "list", "--json") == 0
+    assert orjson.loads(capsys.readouterr().out) == rows
 
 
 # ---------------------------------------------------------------------------------------------- commands

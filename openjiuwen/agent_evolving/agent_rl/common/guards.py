@@ -14,13 +14,12 @@ BrokenPipeError or ConnectionResetError instead of the 413.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
-import ipaddress
 from enum import Enum
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from . import loopback
 from .errors import PayloadTooLarge, envelope_bytes
 
 _UNAUTHENTICATED_PATHS = frozenset({"/health"})
@@ -91,24 +90,14 @@ class TooLargeAnswer:
 
 
 def _arrived_on_loopback(scope: Scope) -> bool:
-    """False only when the local address the connection arrived on is a non-loopback IP. Unix sockets and
-    in-process transports (no address, or a host name such as a test client's) are local by construction."""
+    """False only when the local address the connection arrived on is a non-loopback IP (common/loopback.py). Unix
+    sockets and in-process transports (no address, or a host name such as a test client's) are local by
+    construction."""
     server = scope.get("server")
     if not server:
         return True
-    return _is_loopback_address(str(server[0]))
-
-
-@functools.lru_cache(maxsize=256)
-def _is_loopback_address(host: str) -> bool:
-    """Per local address string (a server listens on a few: cached, not parsed again per request)."""
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return True
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
+    host = str(server[0]).split("%", 1)[0]  # a link-local listener's scope id says nothing about loopback
+    return loopback.ip_literal(host) is None or loopback.is_loopback_ip(host)
 
 
 class Admission(Enum):

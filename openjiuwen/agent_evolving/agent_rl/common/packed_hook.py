@@ -28,6 +28,8 @@ from typing import Any
 
 import orjson
 
+from . import json_nesting
+
 MEDIA_TYPE = "application/vnd.openjiuwen.hook-packed"
 ENCODING = "packed-v1"  # the name `GET /health` lists in `hook_encodings`
 _MAGIC = b"RLH1"
@@ -113,7 +115,10 @@ def unpack_after(body: bytes) -> tuple[dict[str, Any], PackedArrays]:
     if len(body) != logprobs_at + 8 * response_count:
         raise PackedBodyError("packed body length does not match its header")
     try:
-        head = orjson.loads(memoryview(body)[_HEADER.size:ids_at])
+        head = json_nesting.loads(body[_HEADER.size:ids_at],
+                                  max_depth=json_nesting.MAX_DEPTH + json_nesting.HOOK_WRAPPING)
+    except json_nesting.TooDeep as exc:
+        raise PackedBodyError(f"packed body's JSON part is {exc}") from None
     except orjson.JSONDecodeError as exc:
         raise PackedBodyError("packed body's JSON part is not valid JSON") from exc
     if not isinstance(head, dict):

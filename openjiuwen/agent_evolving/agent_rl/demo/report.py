@@ -89,18 +89,6 @@ def table(versions: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def side_by_side(base: dict[str, Any], last: dict[str, Any], count: int) -> str:
-    """A few held-out problems with base's and the last version's completions (the same prompts), for reading."""
-    lines = [f"example answers on the same held-out problems: {base['policy']} vs {last['policy']}"]
-    for b, l in list(zip(base.get("answers", []), last.get("answers", [])))[:count]:
-        lines.append(f"  Q: {b['question']} (answer {b['answer']})")
-        for who, x in ((base["policy"], b), (last["policy"], l)):
-            mark = "right" if x["success"] else "wrong"
-            lines.append(f"    {who:>4} [{mark}, reward {x['reward']:.1f}]: " + "  ->  ".join(
-                [repr(x["completions"][0]), x["tool_result"], repr(x["completions"][-1])]))
-    return "\n".join(lines)
-
-
 def write_json(path: Path, report: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(report, indent=2) + "\n")

@@ -1,4 +1,7 @@
-"""`make demo` / `openjiuwen-rl demo`: the whole online-RL loop on one machine, shown as rounds of rising reward.
+"""`make demo` / `openjiuwen-rl demo`: the whole online-RL loop on one machine, shown as versions of rising success.
+
+The default (`make demo`) is the calculator family below with two Training Runs, about ten minutes on two cores;
+`--family words` (`make demo-tiny`) is the tiny random model's fast demo described first.
 
 Set-up: a tiny random model (`make_tiny_model`), a private `redis-server`, a real vLLM server (CPU build, from its own
 environment, runtime LoRA updating on), the reference gateway (`openjiuwen-rl gateway --config`) with an HMAC key
@@ -15,7 +18,8 @@ same sampling seeds every round), so the table shows base, v1, v2, … with the 
 Outputs: progress bars, the final table, `demo-report.json` and `demo-reward.png` (in `--out-dir` and the run
 directory). Ctrl-C or a failure stops every process the demo started and names the step that failed and its log.
 
-`--family calculator` (`make demo-real`): SmolLM2-135M-Instruct (provisioned by `models/smollm2.py`) on the
+`--family calculator` (the default; `make demo-real` with three rounds): SmolLM2-135M-Instruct (provisioned by
+`models/smollm2.py`) on the
 tool-using family of `calculator_family.py`. Each version, base first, is evaluated on the same held-out problems as
 evaluation Tasks (never trained on); training Tasks use fresh train problems; the report carries success and the
 shaped reward separately, the activation latency of each new adapter and every answer (docs/learning.md).
@@ -44,21 +48,24 @@ from urllib.parse import urlsplit
 
 from ..common.policy_names import BASE_POLICY
 from . import report as rep
+from . import summary
 from .processes import ManagedProcess, ancestors, children, free_port, pids_mentioning, wait_gone
 from .progress import Bar
 from . import calculator_family as calc
 from .task_family import FOLLOW_UP, PROMPTS, word_char_share
 
 TERMINAL_RUN = ("succeeded", "failed", "canceled")
+DEMO_AGENT_KEY_ID = "demo-agent"  # the agents' own key in the gateway's key file (agentHmacKeys)
 # Per task family: "words" is the tiny random model's "answer in plain words" (fast, for tests and a quick look);
 # "calculator" is SmolLM2-135M-Instruct solving word problems with a calculator tool (docs/learning.md says why
-# each PPO value is what it is).
+# each PPO value is what it is). Its two rounds are what fits in about ten minutes on two cores (docs/demo.md);
+# `make demo-real` asks for three.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "words": {"rounds": 8, "tasks": 96, "max_tokens": 16, "model_id": "tiny", "dtype": "float32", "lr": 4.0e-3,
               "ppo_epochs": 2, "mini_batch": 16, "micro_batch": 16, "clip_high": 0.28, "kl_coef": 0.001,
               "entropy_coeff": 0.01,
               "concurrency": 8, "detach_prompt": False, "trainer_threads": 0, "canary_min_tasks": 48},
-    "calculator": {"rounds": 3, "tasks": 64, "max_tokens": 24, "model_id": "smollm2", "dtype": "auto",
+    "calculator": {"rounds": 2, "tasks": 64, "max_tokens": 24, "model_id": "smollm2", "dtype": "auto",
                    "lr": 5.0e-4, "ppo_epochs": 1, "mini_batch": 16, "micro_batch": 4, "clip_high": 0.28, "kl_coef": 0.0,
                    "entropy_coeff": 0.0, "concurrency": 16, "detach_prompt": True,
                    "trainer_threads": 1, "canary_min_tasks": 32},
@@ -81,13 +88,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="openjiuwen-rl demo",
         description="Run rounds of Tasks -> rewards -> Training Run -> LoRA activation on a real vLLM (CPU) and "
-                    "show the mean reward per policy version. See docs/demo.md.",
+                    "show each policy version's held-out success (calculator) or mean reward (words). See "
+                    "docs/demo.md.",
     )
-    p.add_argument("--family", choices=tuple(FAMILY_DEFAULTS), default="words",
-                   help="task family: words (tiny random model, 'answer in plain words'; the default) or calculator "
-                        "(SmolLM2-135M-Instruct, word problems with a calculator tool, success-based reward, held-out "
-                        "evaluation Tasks; `make demo-real`). The options below default per family")
-    p.add_argument("--rounds", type=int, default=None, help="Training Runs (words 8, calculator 3)")
+    p.add_argument("--family", choices=tuple(FAMILY_DEFAULTS), default="calculator",
+                   help="task family: calculator (the default, `make demo`: SmolLM2-135M-Instruct, word problems with "
+                        "a calculator tool, success-based reward, held-out evaluation Tasks) or words (`make "
+                        "demo-tiny`: the tiny random model, 'answer in plain words'). The options below default per "
+                        "family")
+    p.add_argument("--rounds", type=int, default=None, help="Training Runs (words 8, calculator 2; `make demo-real`: "
+                   "3)")
     p.add_argument("--tasks", type=int, default=None, help="training Tasks per round (words 96, calculator 64)")
     p.add_argument("--eval-tasks", type=int, default=64,
                    help="calculator: held-out evaluation Tasks per version, the same prompts for every version "
@@ -140,6 +150,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "Tasks with true rewards run until the decision; see docs/rollout.md")
     p.add_argument("--canary-min-tasks", type=int, default=None,
                    help="--bad-version: rewarded Tasks per arm before the canary decides (words 48, calculator 32)")
+    p.add_argument("--preparation-started", type=float, default=None, metavar="UNIX_TIME",
+                   help="when the caller began preparing what the demo needs (environments, redis-server, the "
+                        "model); the time from then to the driver's start is reported as preparation, apart from "
+                        "the demo's own time (`make demo` passes it)")
     p.add_argument("--vllm-timeout", type=float, default=300.0, help="seconds to wait for vLLM's /health")
     p.add_argument("--train-timeout", type=float, default=600.0, help="seconds to wait for one Training Run")
     args = p.parse_args(argv)
@@ -157,6 +171,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         minimum = 0 if name == "rounds" else 2 if name == "canary_min_tasks" else 1
         if getattr(args, name) < minimum:
             p.error(f"--{name.replace('_', '-')} must be at least {minimum}")
+    if args.preparation_started is not None and not 0 < args.preparation_started <= time.time():
+        p.error("--preparation-started must be a Unix time that has passed")
     for url in args.instances or ():
         parts = urlsplit(url)
         if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost", "::1") or not parts.port:
@@ -208,10 +224,16 @@ class Demo:
         self.step = "start"
         self.step_log: Path | None = None
         self.t0 = time.monotonic()
+        prepared_since = args.preparation_started
+        # What was spent before the demo proper: the caller's preparation, and a model conversion the driver did.
+        self.preparation: dict[str, float | None] = {
+            "before_driver_s": None if prepared_since is None else round(time.time() - prepared_since, 2),
+            "model_conversion_s": None}
         self.timings: dict[str, Any] = {"setup": {}, "rounds": [], "training_runs": []}
         self.versions: list[dict[str, Any]] = []
         self.status = "running"
-        self._auth: Any = None  # the HmacAuth of api_key, made with the key
+        self._auth: Any = None  # the HmacAuth of api_key (the operator's calls), made with the key
+        self._agent_auth: Any = None  # the HmacAuth of the demo agents' own agent key (Task start, stop, reward)
         self._http: Any = None
         self._agent: Any = None
         self._executor: futures.ThreadPoolExecutor | None = None
@@ -279,9 +301,11 @@ class Demo:
                     bar.note("provisioning SmolLM2-135M-Instruct")
                     try:
                         with self._log_to(self.run_dir / "demo.log"):
-                            self.model_dir, _ = provision(default_cache_dir())
+                            self.model_dir, marker = provision(default_cache_dir())
                     except ProvisionError as exc:
                         raise DemoFailed(f"{exc} (`openjiuwen-rl model smollm2` provisions it)") from exc
+                    if not marker["reused"]:
+                        self.preparation["model_conversion_s"] = round(time.monotonic() - t, 2)
                 elif a.model is not None:
                     self.model_dir = a.model.resolve()
                     if not (self.model_dir / "config.json").is_file():
@@ -473,17 +497,20 @@ class Demo:
         port, rl_port = free_port(), free_port()
         while rl_port == port:
             rl_port = free_port()
-        api_hex = secrets.token_hex(32)
+        api_hex, agent_hex = secrets.token_hex(32), secrets.token_hex(32)
         key_file = gw_dir / "hmac-keys.json"
         fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"apiHmacKey": api_hex, "insHmacKey": secrets.token_hex(32)}, f)
-        from ..gateway.config import decode_key
-
+            json.dump({"apiHmacKey": api_hex, "insHmacKey": secrets.token_hex(32),
+                       "agentHmacKeys": [{"id": DEMO_AGENT_KEY_ID, "key": agent_hex}]}, f)
         from ..common.hmac_signing import HmacAuth
+        from ..common.signing_keys import SigningKey, decode_key
 
         self.api_key = decode_key(api_hex)
-        self._auth = HmacAuth(self.api_key)  # one signer for every thread: strictly increasing timestamps
+        # One signer per key for every thread: strictly increasing timestamps. The agents sign with their own agent
+        # key, which may only start, stop and reward their Tasks; the operator key stays with the demo's operator.
+        self._auth = HmacAuth(self.api_key)
+        self._agent_auth = HmacAuth(SigningKey(decode_key(agent_hex), DEMO_AGENT_KEY_ID))
         samples = a.tasks * a.turns
         self.ppo_yaml = {
             "actor_rollout_ref": {"actor": {"optim": {"lr": a.lr}, "ppo_epochs": a.ppo_epochs,
@@ -573,15 +600,16 @@ class Demo:
     # ------------------------------------------------------------------------------------------ control calls
 
     def signed(self, method: str, path: str, *, json_body: Any = None, headers: dict[str, str] | None = None,
-               params: dict[str, Any] | None = None) -> Any:
+               params: dict[str, Any] | None = None, agent: bool = False) -> Any:
         """An HMAC-signed control request (common/hmac_signing.py: strictly increasing timestamps, so concurrent
-        identical bodies never look like a replay)."""
+        identical bodies never look like a replay), with the operator key, or the agents' key when `agent`."""
         import orjson
 
         body = b"" if json_body is None else orjson.dumps(json_body)
         h = {"content-type": "application/json"} if json_body is not None else {}
         h.update(headers or {})
-        return self._http.request(method, path, content=body, headers=h, params=params, auth=self._auth)
+        return self._http.request(method, path, content=body, headers=h, params=params,
+                                  auth=self._agent_auth if agent else self._auth)
 
     def active_policy(self) -> str | None:
         r = self.signed("GET", f"/v1/loras/{self.args.model_id}")
@@ -698,7 +726,9 @@ class Demo:
         a = self.args
         count = (a.tasks if count is None else count) if problems is None else len(problems)
         kind = "evaluation" if evaluation else "round" if problems is None else "training"
-        bar = Bar(title or f"{kind} {r + 1}/{a.rounds + 1} ({label})", total=count, unit="tasks")
+        # Training rounds are counted like the Training Runs they feed; evaluations and rounds per version.
+        step = f"training round {r + 1}/{a.rounds}" if kind == "training" else f"{kind} {r + 1}/{a.rounds + 1}"
+        bar = Bar(title or f"{step} ({label})", total=count, unit="tasks")
         self._executor = futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
         results: list[dict[str, Any]] = []
         pins = {lora or BASE_POLICY, candidate or lora or BASE_POLICY}
@@ -736,7 +766,7 @@ class Demo:
         t = time.monotonic()
         body: dict[str, Any] = {"reward_mode": "terminal", **({"evaluation": True} if evaluation else {})}
         started = self.signed("POST", "/v1/rl/tasks/start", json_body=body,
-                              headers={"X-Agent-Session-Id": session})
+                              headers={"X-Agent-Session-Id": session}, agent=True)
         if started.status_code != 201:
             raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
         task = started.json()
@@ -753,7 +783,7 @@ class Demo:
             text = out.choices[0].message.content or ""
             answers.append(text)
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UP}]
-        stopped = self.signed("POST", f"/v1/rl/tasks/{task_id}/stop")
+        stopped = self.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
         if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
             raise DemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
         reward = word_char_share(answers)
@@ -771,7 +801,7 @@ class Demo:
         return pinned
 
     def _publish_reward(self, task_id: str, reward: float) -> dict[str, Any]:
-        rewarded = self.signed("POST", f"/v1/rl/tasks/{task_id}/reward", json_body={"reward": reward})
+        rewarded = self.signed("POST", f"/v1/rl/tasks/{task_id}/reward", json_body={"reward": reward}, agent=True)
         if rewarded.status_code != 200:
             raise DemoFailed(f"Task {task_id} reward answered {rewarded.status_code}: {rewarded.text[:300]}")
         return rewarded.json()
@@ -787,7 +817,8 @@ class Demo:
         body: dict[str, Any] = {"reward_mode": "terminal"}
         if evaluation:
             body["evaluation"] = True
-        started = self.signed("POST", "/v1/rl/tasks/start", json_body=body, headers={"X-Agent-Session-Id": session})
+        started = self.signed("POST", "/v1/rl/tasks/start", json_body=body, headers={"X-Agent-Session-Id": session},
+                              agent=True)
         if started.status_code != 201:
             raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
         task = started.json()
@@ -808,7 +839,7 @@ class Demo:
             if turn == 0:
                 _, feedback = calc.tool_call(text)  # the agent runs the tool
                 messages = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": feedback}]
-        stopped = self.signed("POST", f"/v1/rl/tasks/{task_id}/stop")
+        stopped = self.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
         if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
             raise DemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
         scored = calc.score(problem, answers)
@@ -1027,6 +1058,7 @@ class Demo:
 
     def build_report(self) -> dict[str, Any]:
         a = self.args
+        total = round(time.monotonic() - self.t0, 2)
         report: dict[str, Any] = {
             "versions": self.versions,
             "settings": {
@@ -1043,7 +1075,8 @@ class Demo:
                 "eval_tasks": a.eval_tasks if a.family == "calculator" else None,
                 "ppo": self.ppo_yaml, "advantage_estimator": "reinforce_plus_plus",
             },
-            "timings": {**self.timings, "total_seconds": round(time.monotonic() - self.t0, 2)},
+            "timings": {**self.timings, "total_seconds": total, "preparation": self.preparation,
+                        "demo_seconds": round(total - (self.preparation["model_conversion_s"] or 0.0), 2)},
             "status": self.status,
             "run_dir": str(self.run_dir),
             "processes": self.pids,
@@ -1057,6 +1090,7 @@ class Demo:
                 sd, (slo, shi) = rep.diff_ci95(self.versions[0]["task_success"], self.versions[-1]["task_success"])
                 report["success_margin"] = {"last_policy": self.versions[-1]["policy"],
                                             "last_minus_base": round(sd, 4), "ci95": [round(slo, 4), round(shi, 4)]}
+                report["success_gains"] = summary.success_gains(self.versions)
         if self.training_rounds:
             report["training_rounds"] = self.training_rounds
         if self.rollout_check is not None:
@@ -1087,17 +1121,17 @@ class Demo:
                 shutil.copyfile(self.run_dir / "demo-reward.png", self.out_dir / "demo-reward.png")
         print()
         print(rep.table(self.versions))
+        if "success_gains" in report:
+            print("\n" + summary.gains_text(report["success_gains"]))
         margin = report.get("margin")
         if margin:
-            what = "shaped reward" if "success_margin" in report else "mean reward"
+            what = "shaped reward" if "success_gains" in report else "mean reward"
             print(f"\nlast version {margin['last_policy']} vs base, {what}: {margin['last_minus_base']:+.3f} "
                   f"(95% CI [{margin['ci95'][0]:+.3f}, {margin['ci95'][1]:+.3f}])")
-        sm = report.get("success_margin")
-        if sm:
-            print(f"last version {sm['last_policy']} vs base, held-out success: {sm['last_minus_base']:+.3f} "
-                  f"(95% CI [{sm['ci95'][0]:+.3f}, {sm['ci95'][1]:+.3f}])")
-            print("\n" + rep.side_by_side(self.versions[0], self.versions[-1], 4))
-        print(f"total {report['timings']['total_seconds']:.0f} s; report {self.out_dir / 'demo-report.json'}"
+        if "success_gains" in report:
+            print("\n" + summary.side_by_side(self.versions[0], self.versions[-1], 4))
+        print("\n" + summary.time_text(report["timings"]))
+        print(f"report {self.out_dir / 'demo-report.json'}"
               + (f", plot {self.out_dir / 'demo-reward.png'}" if plotted else " (no matplotlib: no plot)"))
 
     # ------------------------------------------------------------------------------------------ shutdown

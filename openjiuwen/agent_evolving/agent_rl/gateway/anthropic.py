@@ -14,6 +14,8 @@ from typing import Any
 
 import orjson
 
+from ..common import json_nesting
+
 AnthropicEvent = tuple[str, dict[str, Any]]  # (SSE event name, its JSON payload)
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
@@ -331,7 +333,7 @@ def _tool_input(arguments: Any) -> dict[str, Any]:
     if not isinstance(arguments, str) or not arguments:
         return {}
     try:
-        parsed = orjson.loads(arguments)
+        parsed = json_nesting.loads(arguments)  # bounded: the result is written again in the answer
     except orjson.JSONDecodeError:
         return {}
     return parsed if isinstance(parsed, dict) else {}

@@ -84,7 +84,7 @@ def build_gateway(
     )
     inference = InferenceProxy(
         model_id=model_id, tracker=tracker, loras=loras, rl=rl, rl_running=control.running, upstream=upstream,
-        metrics=metrics,
+        max_upstream_bytes=config.global_.max_upstream_body_bytes, metrics=metrics,
     )
     console = Console(auth=console_auth, control=control, loras=loras, supervisor=supervisor, model_id=model_id)
     return Gateway(

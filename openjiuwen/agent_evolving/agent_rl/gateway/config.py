@@ -3,7 +3,8 @@
 The config is parsed once, at the edge. Durations are Go strings (`300ms`, `1m30s`) stored as float seconds in
 fields named with `_s`. Every model refuses unknown keys. Error messages name the field, never a value, and the HMAC
 keys (which never sit in the config itself: they come from `global.hmacKeyFile` or `global.cryptoSock`) never
-appear in any message, repr or log line.
+appear in any message, repr or log line. The key file must be private to its owner (no read or write permission for
+group or others), and no two keys of the document may be equal: each holder's key must prove that holder.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from ipaddress import ip_address
@@ -35,16 +37,17 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..common.signing_keys import decode_key, is_agent_key_id
+from ..common import loopback
 from ..common.validation import ModelId, validation_problems
 from .hmac_auth import REPLAY_CAPACITY
 from .instances import valid_host
 
 MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
-MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is two short strings
-MIN_KEY_BYTES = 32  # CONTRACT §3.1: 32-byte keys
-MAX_KEY_BYTES = 1024
+MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is a few short strings per key
 KEY_SOCKET_TIMEOUT_S = 5.0
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+RESERVED_AGENT_KEY_MEMBER = "lineages"  # an agent key entry's future restriction (docs/gateway.md)
+_OPEN_TO_OTHERS = stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH
 
 _DURATION_UNITS_S = {
     "ns": 1e-9,
@@ -58,7 +61,6 @@ _DURATION_UNITS_S = {
 }
 # One component: a number with at least one digit (`1`, `1.5`, `.5`, `1.`) and a unit. Longest units first.
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
-_HEX_KEY = re.compile(r"[0-9a-fA-F]{64}")
 
 
 class GatewayConfigError(ValueError):
@@ -214,8 +216,8 @@ def _check_loopback_url(value: str) -> str:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
         raise _invalid("must be an http URL on loopback such as http://127.0.0.1:18081") from None
-    if parts.scheme != "http" or host not in LOOPBACK_HOSTS:
-        raise _invalid("must be an http URL on loopback (127.0.0.1, ::1 or localhost)")
+    if parts.scheme != "http" or host is None or not loopback.is_loopback_ip(host):
+        raise _invalid(f"must be an http URL on {loopback.ALLOWED}, such as http://127.0.0.1:18081")
     if parts.username or parts.password or parts.query or parts.fragment or parts.path not in ("", "/"):
         raise _invalid("must be a base URL without credentials, path, query or fragment")
     return value.rstrip("/")
@@ -240,10 +242,16 @@ class GlobalSection(_Model):
     # Project gateway: a bound on every request body (inference routes are unsigned, so anyone who reaches the port
     # could otherwise make it buffer any amount). Larger bodies get 413 `payload_too_large`.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(default=33_554_432, alias="maxBodyBytes")
+    # Project gateway: a bound on what a vLLM instance's answer may make the gateway hold: a JSON answer, an error
+    # answer, one SSE event, a captured stream in all (past it 502 `upstream_too_large`, or the stream ends). 64 MiB
+    # is about five times the largest answer a capture asks for (131,072 tokens with their logprobs, ~100 bytes each).
+    max_upstream_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(
+        default=67_108_864, alias="maxUpstreamBodyBytes")
     # Project gateway: accept the AIGW signature form (timestamp ‖ body; method, path and query unsigned) beside
-    # version 2. Off by default: only then can no signed request be replayed on another route (hmac_auth.py).
+    # version 3 (operator and instance keys only). Off by default: only then can no signed request be replayed on
+    # another route or re-targeted to another session (hmac_auth.py).
     accept_legacy_signatures: StrictBool = Field(default=False, alias="acceptLegacySignatures")
-    # Project gateway: live (timestamp, signature) pairs remembered per key (api key and instance key apart); a key
+    # Project gateway: live (timestamp, signature) pairs remembered per key (api, instance, each agent key apart); a key
     # whose cache is full of live pairs has its further requests refused until some expire.
     replay_cache_size: Annotated[StrictInt, Field(ge=1)] = Field(default=REPLAY_CAPACITY, alias="replayCacheSize")
     # Project gateway, slow clients (common/http_guard.py): a request head must be complete within headerTimeout
@@ -399,30 +407,25 @@ def load_gateway_config(path: str | os.PathLike[str]) -> GatewayConfig:
 
 @dataclass(frozen=True)
 class HmacKeys:
-    """The two HMAC keys (CONTRACT §3.2). The repr shows only their sizes."""
+    """The HMAC keys (CONTRACT §3.1, §3.2): the operator's, the instance key, and the agent keys by id. The repr shows
+    only their sizes and the agent key ids."""
 
     api: bytes = field(repr=False)
     ins: bytes | None = field(default=None, repr=False)
+    agents: Mapping[str, bytes] = field(default_factory=dict, repr=False)
 
     def __repr__(self) -> str:
         ins = "none" if self.ins is None else f"<{len(self.ins)} bytes>"
-        return f"HmacKeys(api=<{len(self.api)} bytes>, ins={ins})"
-
-
-def decode_key(text: str) -> bytes:
-    """The key bytes of a key string: 64 hex digits are decoded to 32 bytes, any other string is its UTF-8 bytes.
-
-    :raises ValueError: when the result is shorter than 32 or longer than 1024 bytes (the message never quotes it).
-    """
-    key = bytes.fromhex(text) if _HEX_KEY.fullmatch(text) else text.encode("utf-8")
-    if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
-        raise ValueError(f"must be 64 hex digits or a string of {MIN_KEY_BYTES}..{MAX_KEY_BYTES} bytes")
-    return key
+        return f"HmacKeys(api=<{len(self.api)} bytes>, ins={ins}, agents={sorted(self.agents)})"
 
 
 def keys_from_document(data: Any, *, source: str) -> HmacKeys:
-    """`{"apiHmacKey": str, "insHmacKey": str?}` → HmacKeys. Other members are ignored (AIGW's crypto socket may
-    send more); an absent, null or empty `insHmacKey` means register-instance accepts only the api key."""
+    """`{"apiHmacKey": str, "insHmacKey": str?, "agentHmacKeys": [{"id": str, "key": str}]?}` → HmacKeys.
+
+    Other top-level members are ignored (AIGW's crypto socket may send more); an absent, null or empty `insHmacKey`
+    means register-instance accepts only the api key; an absent or null `agentHmacKeys` means no agent keys. An agent
+    key entry has exactly `id` and `key`: a member this gateway does not know may be a restriction it would not
+    apply, so it is refused. Ids are unique; no two keys of the document are equal."""
     if not isinstance(data, Mapping):
         raise GatewayConfigError(f"{source}: must be a JSON object")
     api = data.get("apiHmacKey")
@@ -431,15 +434,78 @@ def keys_from_document(data: Any, *, source: str) -> HmacKeys:
     ins = data.get("insHmacKey")
     if ins is not None and not isinstance(ins, str):
         raise GatewayConfigError(f"{source}: insHmacKey: must be a string")
+    named = {"apiHmacKey": _decoded(api, "apiHmacKey", source)}
+    if ins:
+        named["insHmacKey"] = _decoded(ins, "insHmacKey", source)
+    agents = _agent_keys(data.get("agentHmacKeys"), source)
+    named.update({f"agentHmacKeys[{i}] (id {key_id!r})": key for i, (key_id, key) in enumerate(agents.items())})
+    _refuse_equal_keys(named, source)
+    return HmacKeys(api=named["apiHmacKey"], ins=named.get("insHmacKey"), agents=agents)
+
+
+def _decoded(text: str, member: str, source: str) -> bytes:
     try:
-        api_key = decode_key(api)
+        return decode_key(text)
     except ValueError as exc:
-        raise GatewayConfigError(f"{source}: apiHmacKey: {exc}") from None
+        raise GatewayConfigError(f"{source}: {member}: {exc}") from None
+
+
+def _agent_keys(entries: Any, source: str) -> dict[str, bytes]:
+    if entries is None:
+        return {}
+    if not isinstance(entries, list):
+        raise GatewayConfigError(f"{source}: agentHmacKeys: must be a list of {{\"id\", \"key\"}} objects")
+    agents: dict[str, bytes] = {}
+    for i, entry in enumerate(entries):
+        where = f"agentHmacKeys[{i}]"
+        if isinstance(entry, Mapping) and RESERVED_AGENT_KEY_MEMBER in entry:
+            # Reserved for limiting a key to lineages (issue 27): accepting it unenforced would grant more than
+            # the operator wrote, so until it is enforced it is refused (fail closed).
+            raise GatewayConfigError(f"{source}: {where}.{RESERVED_AGENT_KEY_MEMBER}: reserved for limiting an agent "
+                                     "key to lineages, not supported by this gateway yet; remove it")
+        if not isinstance(entry, Mapping) or set(entry) != {"id", "key"}:
+            raise GatewayConfigError(f"{source}: {where}: must be an object with exactly the members id and key")
+        key_id, text = entry["id"], entry["key"]
+        if not is_agent_key_id(key_id):
+            raise GatewayConfigError(f"{source}: {where}.id: must match [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
+        if key_id in agents:
+            raise GatewayConfigError(f"{source}: {where}.id: duplicate id {key_id!r}")
+        if not isinstance(text, str) or not text:
+            raise GatewayConfigError(f"{source}: {where}.key: required, a non-empty string")
+        agents[key_id] = _decoded(text, f"{where}.key", source)
+    return agents
+
+
+def _refuse_equal_keys(named: Mapping[str, bytes], source: str) -> None:
+    """Each key proves one holder: a key shared by two roles (or two agents) would let either act as the other."""
+    seen: dict[bytes, str] = {}
+    for member, key in named.items():
+        if key in seen:
+            raise GatewayConfigError(f"{source}: {member} is the same key as {seen[key]}; every role and every agent "
+                                     "needs its own key")
+        seen[key] = member
+
+
+def _read_key_file(path: Path) -> Any:
+    """The key file's JSON, refused when group or others may read or write it (checked on the opened file)."""
+    where = f"hmacKeyFile {path}"
     try:
-        ins_key = decode_key(ins) if ins else None
-    except ValueError as exc:
-        raise GatewayConfigError(f"{source}: insHmacKey: {exc}") from None
-    return HmacKeys(api=api_key, ins=ins_key)
+        if not path.is_file():  # before opening: a FIFO would block the open
+            raise GatewayConfigError(f"{where}: does not exist or is not a regular file")
+        with path.open("rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise GatewayConfigError(f"{where}: not a regular file")
+            if info.st_mode & _OPEN_TO_OTHERS:
+                raise GatewayConfigError(
+                    f"{where}: mode {stat.S_IMODE(info.st_mode):04o} lets group or others read or write the keys; "
+                    "make it private to the gateway's user (chmod 600)")
+            data = handle.read(MAX_KEY_DOCUMENT_BYTES + 1)
+    except OSError as exc:
+        raise GatewayConfigError(f"{where}: cannot read ({exc.strerror or type(exc).__name__})") from None
+    if len(data) > MAX_KEY_DOCUMENT_BYTES:
+        raise GatewayConfigError(f"{where}: larger than {MAX_KEY_DOCUMENT_BYTES} bytes")
+    return _parse_json(data, where)
 
 
 async def _read_key_socket(path: str, timeout_s: float) -> bytes:
@@ -484,7 +550,7 @@ async def load_hmac_keys(config: GatewayConfig, *, timeout_s: float = KEY_SOCKET
     section = config.global_
     if section.hmac_key_file is not None:
         path = Path(os.path.expanduser(section.hmac_key_file))
-        data = await asyncio.to_thread(_read_json, path, "hmacKeyFile", MAX_KEY_DOCUMENT_BYTES)
+        data = await asyncio.to_thread(_read_key_file, path)
         return keys_from_document(data, source=f"hmacKeyFile {path}")
     assert section.crypto_sock is not None  # the model guarantees exactly one source
     raw = await _read_key_socket(section.crypto_sock, timeout_s)

@@ -25,6 +25,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..common import json_nesting
 from .console_auth import COOKIE_NAME, ConsoleAuth
 from .control import RLControl
 from .lora_manager import LoraManager
@@ -124,7 +125,7 @@ class Console:
         if body is None:
             return envelope(413, "payload_too_large", "login body too large")
         try:
-            token = orjson.loads(body).get("token")
+            token = json_nesting.loads(body).get("token")
         except (orjson.JSONDecodeError, AttributeError):
             return envelope(400, "invalid_request", 'body must be {"token": "..."}')
         now_ms = _now_ms()

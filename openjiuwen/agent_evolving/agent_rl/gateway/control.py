@@ -1,5 +1,10 @@
 """The gateway's RL control plane: service start/stop/status, Task start with pinning, Task stop with drain, and the
-proxied public RL routes (CONTRACT §3.3, §3.4)."""
+proxied public RL routes (CONTRACT §3.3, §3.4).
+
+`agent_key` is the id of the agent key that signed a call (None for the operator key). The RL Service is told it on
+Task start (the Task's owner) and on stop and reward (the caller), and answers another key's Task as unknown; the
+gateway refuses a stop of another key's Task itself before draining it, so that no agent can make another's Task
+wait for, or time out on, its in-flight captures."""
 
 from __future__ import annotations
 
@@ -11,7 +16,9 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..common import json_nesting
 from ..common.ids import is_task_id
+from ..common.signing_keys import AGENT_KEY_HEADER
 from . import capture_secret
 from .lora_manager import LoraManager
 from .responses import envelope, json_response, passthrough
@@ -70,7 +77,7 @@ class RLControl:
 
     # ------------------------------------------------------------ tasks
 
-    async def task_start(self, request: Request, body: bytes) -> Response:
+    async def task_start(self, request: Request, body: bytes, *, agent_key: str | None) -> Response:
         if not self.running():
             return envelope(503, "rl_service_unavailable", "the RL Service is not running")
         try:
@@ -87,6 +94,7 @@ class RLControl:
             "x-aigw-rl-task-id": rl_task_id,
             "x-aigw-rl-policy-name": policy_name,
             "x-aigw-rl-policy-model": policy_model,
+            **_agent_header(agent_key),
         }
         try:
             answer = await self._rl.forward("POST", "/v1/rl/tasks/start", body=body, headers=headers)
@@ -109,7 +117,7 @@ class RLControl:
         binding = Binding(
             rl_task_id=record["rl_task_id"], session_id=record["agent_session_id"],
             policy_name=record["policy_lora_name"], policy_model=record["policy_model"],
-            reward_mode=record["reward_mode"], secret_digest=digest,
+            reward_mode=record["reward_mode"], agent_key=record.get("agent_key_id"), secret_digest=digest,
         )
         await self._tracker.adopt(binding, leased_policy=policy_name)
         if wants_secret and secret is None:
@@ -122,11 +130,14 @@ class RLControl:
                             media_type="application/json", headers={"cache-control": "no-store"})
         return passthrough(answer)
 
-    async def task_stop(self, rl_task_id: str, body: bytes) -> Response:
+    async def task_stop(self, rl_task_id: str, body: bytes, *, agent_key: str | None) -> Response:
         if not self.running():
             return envelope(503, "rl_service_unavailable", "the RL Service is not running")
         if not is_task_id(rl_task_id):  # a malformed id is simply unknown; it never reaches a path or an abort
             return envelope(404, "task_not_found", "RL Task not found")
+        binding = self._sessions.for_task(rl_task_id)
+        if agent_key is not None and binding is not None and binding.agent_key != agent_key:
+            return envelope(404, "task_not_found", "RL Task not found")  # another key's Task: unknown to this one
         if not await self._sessions.drain(rl_task_id, self._drain_timeout_s):
             # The in-flight completion still finishes for its client; its capture is refused once aborted.
             await self._tracker.release(rl_task_id)
@@ -135,17 +146,19 @@ class RLControl:
             except HookUnreachable:
                 log.warning("could not abort task %s after its drain timeout", rl_task_id)
             return envelope(504, "task_drain_timeout", "captures of the Task were still in flight")
-        return await self.forward("POST", f"/v1/rl/tasks/{rl_task_id}/stop", body=body, task_id=rl_task_id)
+        return await self.forward("POST", f"/v1/rl/tasks/{rl_task_id}/stop", body=body, task_id=rl_task_id,
+                                  agent_key=agent_key)
 
     # ------------------------------------------------------------ proxy
 
     async def forward(
-        self, method: str, path: str, *, body: bytes = b"", query: str = "", task_id: str | None = None
+        self, method: str, path: str, *, body: bytes = b"", query: str = "", task_id: str | None = None,
+        agent_key: str | None = None,
     ) -> Response:
         if not self.running():
             return envelope(503, "rl_service_unavailable", "the RL Service is not running")
         try:
-            answer = await self._rl.forward(method, path, body=body, query=query)
+            answer = await self._rl.forward(method, path, body=body, query=query, headers=_agent_header(agent_key))
         except httpx.InvalidURL:  # a path or query no URL can carry: the client's mistake
             return envelope(400, "invalid_request", "the request path or query cannot be forwarded")
         except httpx.HTTPError as exc:
@@ -180,12 +193,17 @@ class RLControl:
         return envelope(503, "rl_service_unavailable", f"the RL Service is unreachable: {type(exc).__name__}")
 
 
+def _agent_header(agent_key: str | None) -> dict[str, str | bytes]:
+    """The header naming the calling agent key to the RL Service; none for the operator key."""
+    return {} if agent_key is None else {AGENT_KEY_HEADER: agent_key}
+
+
 def _take_secret_request(body: bytes) -> tuple[bool, bytes]:
     """(whether the signed start body asks for a capture secret, the body to forward without that gateway field).
     A body that is not a JSON object, or has no such field, is forwarded as it came (the RL Service judges it)."""
     try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
+        data = json_nesting.loads(body)
+    except orjson.JSONDecodeError:  # too deep included: the RL Service refuses it with its own words
         return False, body
     if not isinstance(data, dict) or capture_secret.REQUEST_FIELD not in data:
         return False, body

@@ -34,6 +34,14 @@ class HttpTimeout(TransportError):
     """A timeout (connect, whole request, or one read of a streamed body)."""
 
 
+class AnswerTooLarge(HttpError):
+    """A body past the reader's bound (declared in Content-Length, or counted while read): reading stopped there."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(f"answer larger than {max_bytes} bytes")
+        self.max_bytes = max_bytes
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     status: int
@@ -121,9 +129,24 @@ class StreamedAnswer:
             if data:
                 yield data
 
-    async def aread(self) -> bytes:
-        pieces = [piece async for piece in self.aiter_raw()]
-        return b"".join(pieces)
+    async def aread(self, *, max_bytes: int | None = None) -> bytes:
+        """The whole body. Past `max_bytes` (declared in Content-Length, or counted while read) AnswerTooLarge, with
+        at most one read beyond the bound held; the caller's `aclose()` then drops the connection unread."""
+        if max_bytes is None:
+            return b"".join([piece async for piece in self.aiter_raw()])
+        declared = self.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_bytes:
+            raise AnswerTooLarge(max_bytes)
+        return b"".join([piece async for piece in self.aiter_bounded(max_bytes)])
+
+    async def aiter_bounded(self, max_bytes: int) -> AsyncIterator[bytes]:
+        """`aiter_raw()` that raises AnswerTooLarge once more than `max_bytes` arrived in all."""
+        size = 0
+        async for piece in self.aiter_raw():
+            size += len(piece)
+            if size > max_bytes:
+                raise AnswerTooLarge(max_bytes)
+            yield piece
 
     async def aclose(self) -> None:
         if self._closed:

@@ -15,6 +15,11 @@ Inside a Task the request is screened first (capture_fields.py: refused, pinned 
 started with a capture secret needs it on every call (capture_secret.py). Outside a Task the body goes upstream as
 the client sent it, but may name only the base model or the active version. A vLLM error answer reaches the client
 as JSON only (responses.upstream_error).
+
+What an instance answers is held to `max_upstream_bytes` (issue 28 item 4): a JSON or error answer past it is read
+no further and is 502 `upstream_too_large`; in a stream, one event past it, or a captured stream past it in all (the
+aggregation `:after` needs), ends the stream as any broken stream ends, and the capture is discarded. A stream
+outside a Task is relayed event by event and never aggregated, so only its events are bounded.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from . import capture_secret
+from ..common import json_nesting
 from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
 from .capture_fields import IGNORED_FIELDS_HEADER, FieldRefused, ignored_header, screen
-from .http11 import HttpError, Http11Client, StreamedAnswer
+from .http11 import AnswerTooLarge, HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
 from .lora_manager import LoraManager
 from ..common.ids import parse_lora_name
@@ -107,9 +113,11 @@ class InferenceProxy:
         rl: RLClient,
         rl_running: Callable[[], bool],
         upstream: Http11Client,
+        max_upstream_bytes: int,
         metrics: "GatewayMetrics | None" = None,
     ) -> None:
         self._metrics = metrics
+        self._max_upstream_bytes = max_upstream_bytes
         self._model_id = model_id
         self._tracker = tracker
         self._sessions = tracker.sessions
@@ -145,7 +153,9 @@ class InferenceProxy:
     @staticmethod
     async def _json_body(request: Request) -> dict[str, Any] | Response:
         try:
-            body = orjson.loads(await request.body())
+            body = json_nesting.loads(await request.body())
+        except json_nesting.TooDeep as exc:
+            return envelope(400, "invalid_request", f"request body is {exc}")
         except orjson.JSONDecodeError:
             return envelope(400, "invalid_request", "request body is not valid JSON")
         if not isinstance(body, dict):
@@ -296,7 +306,9 @@ class InferenceProxy:
             self._metrics.upstream_answered(instance.name, str(resp.status), time.perf_counter() - started)
         if resp.status != 200:
             try:
-                content = await resp.aread()
+                content = await resp.aread(max_bytes=self._max_upstream_bytes)
+            except AnswerTooLarge:
+                return self._too_large(instance)
             except HttpError as exc:
                 content = orjson.dumps({"error": {"code": "upstream_unavailable",
                                                   "message": f"vLLM answer broken: {type(exc).__name__}"}})
@@ -309,7 +321,9 @@ class InferenceProxy:
                 headers={"cache-control": "no-cache"},
             )
         try:
-            content = await resp.aread()
+            content = await resp.aread(max_bytes=self._max_upstream_bytes)
+        except AnswerTooLarge:
+            return self._too_large(instance)
         except HttpError as exc:
             return envelope(502, "upstream_unavailable", f"vLLM answer broken: {type(exc).__name__}")
         finally:
@@ -338,40 +352,52 @@ class InferenceProxy:
             raise failure
         return answer
 
+    def _too_large(self, instance: Instance) -> Response:
+        log.warning("vLLM instance %s answered more than %d bytes: read no further, refused",
+                    instance.name, self._max_upstream_bytes)
+        return envelope(502, "upstream_too_large",
+                        f"the vLLM answer is larger than {self._max_upstream_bytes} bytes (maxUpstreamBodyBytes)")
+
     @staticmethod
     def _client_answer(completion: dict[str, Any], wants: ClientWants, flavor: str) -> Response:
-        if flavor == "anthropic":
-            try:
-                message = openai_to_anthropic_response(completion, client_model=wants.model)
-            except ValueError as exc:
-                return envelope(502, "upstream_invalid", f"vLLM answer cannot be converted: {exc}")
-            return json_response(message)
-        return json_response(
-            client_view_response(completion, wants_logprobs=wants.logprobs, client_model=wants.model)
-        )
+        try:
+            if flavor == "anthropic":
+                try:
+                    message = openai_to_anthropic_response(completion, client_model=wants.model)
+                except ValueError as exc:
+                    return envelope(502, "upstream_invalid", f"vLLM answer cannot be converted: {exc}")
+                return json_response(message)
+            return json_response(
+                client_view_response(completion, wants_logprobs=wants.logprobs, client_model=wants.model)
+            )
+        except orjson.JSONEncodeError:  # nested deeper than orjson writes; not walked on read, to keep reads cheap
+            return envelope(502, "upstream_invalid", "vLLM answer is nested too deep to be relayed")
 
     async def _relay_stream(
         self, resp: StreamedAnswer, wants: ClientWants, flavor: str, pending: _PendingCapture | None,
         counts: contextlib.ExitStack,
     ) -> AsyncIterator[bytes]:
         """The client's stream. It took the request's `counts` over: they close when it ends, a broken stream or a
-        client disconnect included."""
-        aggregator = StreamAggregator()
+        client disconnect included. Only a captured stream is aggregated (for `:after`), and bounded in all."""
+        aggregator = StreamAggregator() if pending is not None else None
+        chunks = resp.aiter_raw() if aggregator is None else resp.aiter_bounded(self._max_upstream_bytes)
         writer = AnthropicStreamWriter() if flavor == "anthropic" else None
         finish_reason: str | None = None
         usage: dict[str, Any] | None = None
+        failed = False  # vLLM reported an error inside the stream: nothing valid to commit, no end marker
         started = False
         done = False
         # The events of one upstream read leave in one write: a per-event write costs more than the event itself.
         out: list[bytes] = []
         try:
-            async for events in iter_sse_batches(resp.aiter_raw()):
+            async for events in iter_sse_batches(chunks, max_event_bytes=self._max_upstream_bytes):
                 for event in events:
                     if event.data == DONE:
                         done = True
-                        if aggregator.error is not None:
-                            break  # vLLM reported an error inside the stream: nothing valid to commit
-                        if pending is not None and (capture := pending.capture) is not None:
+                        if failed:
+                            break
+                        capture = pending.capture if pending is not None else None
+                        if aggregator is not None and capture is not None:
                             body, packed = self._after_body(capture, orjson.dumps(capture.request),
                                                             aggregator.result())
                             await self._commit(pending, capture, body, packed)
@@ -381,10 +407,12 @@ class InferenceProxy:
                         else:
                             out.append(encode_sse(DONE))
                         break
-                    chunk = orjson.loads(event.data)
+                    chunk = json_nesting.loads(event.data)  # bounded: the chunk is written again
                     if not isinstance(chunk, dict):
                         raise ValueError("stream chunk is not a JSON object")
-                    aggregator.feed(chunk)
+                    failed = failed or chunk.get("error") is not None
+                    if aggregator is not None:
+                        aggregator.feed(chunk)
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                     for choice in chunk.get("choices") or []:

@@ -34,7 +34,8 @@ async def _serve(config_path: str) -> int:
     except (GatewayConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    verifier = HmacVerifier(keys.api, keys.ins, replay_capacity=config.global_.replay_cache_size,
+    verifier = HmacVerifier(keys.api, keys.ins, agent_keys=keys.agents,
+                            replay_capacity=config.global_.replay_cache_size,
                             accept_legacy=config.global_.accept_legacy_signatures)
     if config.global_.accept_legacy_signatures:
         logging.getLogger("openjiuwen.agent_rl.gateway").warning(
@@ -56,9 +57,12 @@ async def _serve(config_path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..common.log_format import EscapingFormatter
+
     args = _parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(EscapingFormatter())  # messages quote registrations and vLLM errors: one line each
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     # uvicorn re-raises SIGTERM after its graceful shutdown; a requested stop is a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     import uvloop  # the proxy's per-request work is mostly event-loop work: uvloop's loop does it in C

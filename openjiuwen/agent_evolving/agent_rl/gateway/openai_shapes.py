@@ -140,7 +140,7 @@ class StreamAggregator:
     __slots__ = (
         "_id", "_model", "_prompt_token_ids", "_final_usage", "_last_usage", "_content", "_content_seen",
         "_reasoning", "_reasoning_seen", "_token_ids", "_logprobs", "_tool_calls", "_finish_reason",
-        "_routed_experts", "_routing_metadata", "_error",
+        "_routed_experts", "_routing_metadata",
     )
 
     def __init__(self) -> None:
@@ -159,12 +159,6 @@ class StreamAggregator:
         self._finish_reason: Any = None
         self._routed_experts: Any = None
         self._routing_metadata: Any = None
-        self._error: Any = None
-
-    @property
-    def error(self) -> Any:
-        """The `error` object of an in-stream vLLM error chunk, if one arrived (the stream then failed)."""
-        return self._error
 
     def feed(self, chunk: dict[str, Any]) -> None:
         if not isinstance(chunk, dict):
@@ -177,8 +171,6 @@ class StreamAggregator:
             self._model = value
         if chunk.get("prompt_token_ids") is not None:
             self._prompt_token_ids = chunk["prompt_token_ids"]
-        if chunk.get("error") is not None:
-            self._error = chunk["error"]
         choices = chunk.get("choices")
         usage = chunk.get("usage")
         if isinstance(usage, dict):

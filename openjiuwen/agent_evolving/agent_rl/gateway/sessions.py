@@ -17,6 +17,8 @@ class Binding:
     policy_name: str  # "base" or "<model>:vN"
     policy_model: str  # the model name requests are rewritten to
     reward_mode: str
+    # The id of the agent key that started the Task (the RL Service's record says so), None for the operator key.
+    agent_key: str | None = None
     # SHA-256 of the Task's capture secret (capture_secret.py), or None: the session id alone captures. Kept here so
     # that it lives and dies with the mapping it guards (never persisted: after a gateway restart the Task is gone).
     secret_digest: bytes | None = field(default=None, repr=False)

@@ -8,6 +8,13 @@ from dataclasses import dataclass
 DONE = "[DONE]"  # the OpenAI end-of-stream sentinel, sent as `data: [DONE]`
 
 
+class EventTooLarge(ValueError):
+    """An event (its unterminated line, or its data lines so far) past the decoder's bound."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(f"stream event larger than {max_bytes} bytes")
+
+
 @dataclass(frozen=True, slots=True)
 class SSEEvent:
     event: str | None  # the `event:` field; None when absent or empty (the spec's default "message")
@@ -18,22 +25,28 @@ class SSEDecoder:
     """Push bytes in any chunking, take complete events out; `close()` flushes a last event that had no blank line.
 
     Lines end with "\\n", "\\r\\n" or "\\r". Comments (":" lines), `id:` and `retry:` are ignored; a blank line
-    dispatches the pending event if it has data. Invalid UTF-8 is replaced, never fatal.
+    dispatches the pending event if it has data. Invalid UTF-8 is replaced, never fatal. An event is held to
+    `max_event_bytes`: a line never ended, or data lines never dispatched, raise EventTooLarge past it instead of
+    growing the buffer without end.
     """
 
-    __slots__ = ("_buf", "_event", "_data", "_first_line")
+    __slots__ = ("_buf", "_event", "_data", "_data_bytes", "_first_line", "_max")
 
-    def __init__(self) -> None:
+    def __init__(self, max_event_bytes: int) -> None:
         self._buf = bytearray()
         self._event: str | None = None
         self._data: list[str] = []
+        self._data_bytes = 0
         self._first_line = True  # a byte-order mark is stripped from the first line only
+        self._max = max_event_bytes
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         if not chunk:
             return []
         self._buf += chunk
         if b"\n" not in chunk and b"\r" not in chunk:
+            if len(self._buf) + self._data_bytes > self._max:
+                raise EventTooLarge(self._max)
             return []  # no line ended here; skipping the split keeps a long line arriving in pieces linear
         lines = self._buf.splitlines(keepends=True)  # bytes split only on \n, \r\n and \r
         if lines[-1].endswith(b"\n"):
@@ -46,6 +59,8 @@ class SSEDecoder:
             event = self._line(bytes(raw.rstrip(b"\r\n")))
             if event is not None:
                 events.append(event)
+        if len(self._buf) + self._data_bytes > self._max:
+            raise EventTooLarge(self._max)
         return events
 
     def close(self) -> list[SSEEvent]:
@@ -76,6 +91,7 @@ class SSEDecoder:
             value = value[1:]
         if name == "data":
             self._data.append(value)
+            self._data_bytes += len(line)
         elif name == "event":
             self._event = value or None
         return None
@@ -84,14 +100,15 @@ class SSEDecoder:
         event, self._event = self._event, None
         if not self._data:  # the spec drops an event without data (its name is reset all the same)
             return None
-        data, self._data = "\n".join(self._data), []
+        data, self._data, self._data_bytes = "\n".join(self._data), [], 0
         return SSEEvent(event, data)
 
 
-async def iter_sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[SSEEvent]]:
+async def iter_sse_batches(chunks: AsyncIterator[bytes], *, max_event_bytes: int) -> AsyncIterator[list[SSEEvent]]:
     """The events completed by each chunk read, as one list (empty reads skipped); the final flush comes last. A
-    relay that answers per batch writes once per upstream read instead of once per event."""
-    decoder = SSEDecoder()
+    relay that answers per batch writes once per upstream read instead of once per event. EventTooLarge past
+    `max_event_bytes` for one event."""
+    decoder = SSEDecoder(max_event_bytes)
     async for chunk in chunks:
         events = decoder.feed(chunk)
         if events:

@@ -28,12 +28,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..common import loopback
 from ..common.validation import ModelId, validation_problems
 from .rewards.config import RewardPolicyConfig
 from .rollout.config import RolloutConfig
 from .training.policy import TrainingPolicyConfig
 
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 FORBIDDEN_CONFIG_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
@@ -53,8 +53,8 @@ def _invalid(message: str) -> PydanticCustomError:
 
 
 def _check_listen_host(value: str) -> str:
-    if value not in LOOPBACK_HOSTS:
-        raise _invalid("the service binds loopback only; use 127.0.0.1, ::1 or localhost")
+    if not loopback.is_loopback_ip(value):
+        raise _invalid(f"the service binds loopback only: {loopback.ALLOWED}, such as 127.0.0.1")
     return value
 
 

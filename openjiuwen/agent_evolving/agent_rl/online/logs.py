@@ -2,7 +2,9 @@
 
 `log_format: text` writes `time level logger message`; `log_format: json` writes one JSON object per line with
 `time`, `level`, `logger`, `message`, the correlation ids a call passed in `extra` (`rl_task_id`, `capture_id`,
-`agent_turn_id`, `training_run_id`, `lora_name`) and `exception` when there is one.
+`agent_turn_id`, `training_run_id`, `lora_name`) and `exception` when there is one. Either way the text of a record
+has its control characters escaped (common/log_format.py): what a client or an upstream wrote cannot start a record
+of its own or drive the terminal of whoever reads the log.
 
 The log names Tasks, runs and failure reasons (which may quote captured text): every file, rotated ones included, is
 created 0600 and a missing log directory 0700.
@@ -18,10 +20,11 @@ from pathlib import Path
 import orjson
 
 from .config import RLServiceConfig
+from ..common.control_chars import escape_controls
+from ..common.log_format import EscapingFormatter
 from ..common.private_files import make_private_dirs, private_opener
 
 ROOT_LOGGER = "openjiuwen.agent_rl"
-_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 CORRELATION_FIELDS = ("rl_task_id", "capture_id", "agent_turn_id", "training_run_id", "lora_name")
 
 
@@ -33,21 +36,22 @@ class PrivateRotatingFileHandler(RotatingFileHandler):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record; correlation ids come from `logger.info(..., extra={"rl_task_id": t})`."""
+    """One JSON object per record; correlation ids come from `logger.info(..., extra={"rl_task_id": t})`. Strings
+    are escaped as in the text format: JSON escapes only C0, and U+2028 or a C1 control splits or drives as well."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
             "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(),
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": escape_controls(record.getMessage()),
         }
         for name in CORRELATION_FIELDS:
             value = getattr(record, name, None)
             if value is not None:
-                entry[name] = value
+                entry[name] = escape_controls(value) if isinstance(value, str) else value
         if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
+            entry["exception"] = escape_controls(self.formatException(record.exc_info), keep="\n")
         return orjson.dumps(entry, default=str).decode()
 
 
@@ -61,7 +65,7 @@ def configure_logging(config: RLServiceConfig) -> logging.Logger:
     handler = PrivateRotatingFileHandler(
         path, maxBytes=config.log_max_bytes, backupCount=config.log_backup_count, encoding="utf-8"
     )
-    handler.setFormatter(JsonFormatter() if config.log_format == "json" else logging.Formatter(_FORMAT))
+    handler.setFormatter(JsonFormatter() if config.log_format == "json" else EscapingFormatter())
     logger.addHandler(handler)
     logger.setLevel(config.log_level)
     logger.propagate = False

@@ -2,7 +2,7 @@
 
 `TrajectoryUploader` (uploader.py) queues samples and sends them as rail-v1 batches (CONTRACT §2.9, §4.6) with
 back-pressure and retries; `RLOnlineRail` (hook.py) is the per-turn hook an agent loop calls. Nothing here imports
-the RL Service; the only project import is the HMAC signer of the gateway.
+the RL Service or the gateway; the only project imports are the HMAC signer and the agent's key (common/).
 """
 
 from .hook import RLOnlineRail

@@ -3,8 +3,8 @@
 An agent submits *items*: one step sample of a session (its `step_index` required), optionally carrying the user's
 feedback on the previous reply (`prev_feedback`) and/or the end of the session (`session_done`); an item may also
 carry only the feedback or only the end. The uploader groups consecutive items of one session into rail-v1 batches
-and posts them to `POST /v1/gateway/upload/batch` of a gateway (HMAC-signed with `sign_key`) or of an RL Service
-directly (`bearer` = its `RL_SERVICE_TOKEN`).
+and posts them to `POST /v1/gateway/upload/batch` of a gateway (HMAC-signed with `sign_key`, the agent's own agent
+key) or of an RL Service directly (`bearer` = its `RL_SERVICE_TOKEN`).
 
 **Order.** Each session has a lane drained by one sender task, so a session's batches go one at a time, in
 submission order, and a batch never overtakes the one before it, retries included. Different sessions are sent
@@ -44,6 +44,7 @@ import httpx
 import orjson
 
 from ..common.hmac_signing import HmacAuth
+from ..common.signing_keys import SigningKey
 
 log = logging.getLogger("openjiuwen.agent_rl.rail.uploader")
 
@@ -227,14 +228,16 @@ def _retry_after_s(response: httpx.Response) -> float | None:
 class TrajectoryUploader:
     """Queues rail-v1 items and uploads them in per-session batches; see the module docstring.
 
-        async with TrajectoryUploader(endpoint="http://127.0.0.1:8080", sign_key=api_key) as uploader:
+        agent_key = load_agent_key("support-bot.key.json")  # common/signing_keys.py
+        async with TrajectoryUploader(endpoint="http://127.0.0.1:8080", sign_key=agent_key) as uploader:
             await uploader.submit("s1", {"step_index": 0, "messages": [...], "prompt_ids": [...],
                                          "response_tokens": [...], "logprobs": [...]})
             await uploader.submit("s1", prev_feedback="thanks", session_done=True)
         print(uploader.metrics)
 
     :param endpoint: base URL of a gateway or RL Service (or the full upload URL).
-    :param sign_key: the gateway's `apiHmacKey` bytes; every attempt is signed anew (CONTRACT §3.2).
+    :param sign_key: an agent key (`openjiuwen-rl keys add-agent` mints one; the operator key is refused: an agent
+        never needs it); every attempt is signed anew (CONTRACT §3.2).
     :param bearer: `RL_SERVICE_TOKEN` when talking to an RL Service directly.
     :param max_queue: items accepted and not yet settled (queued or in flight).
     :param max_batch: samples per batch.
@@ -249,7 +252,7 @@ class TrajectoryUploader:
         self,
         *,
         endpoint: str,
-        sign_key: bytes | None = None,
+        sign_key: SigningKey | None = None,
         bearer: str | None = None,
         max_queue: int = 1000,
         max_batch: int = 16,
@@ -261,8 +264,8 @@ class TrajectoryUploader:
         max_in_flight: int = 4,
         client: httpx.AsyncClient | None = None,
     ) -> None:
-        if sign_key is not None and not sign_key:
-            raise ValueError("sign_key must be None or non-empty")
+        if sign_key is not None and not sign_key.is_agent:
+            raise ValueError("sign_key must be an agent key: the operator key stays with the operator")
         if bearer is not None and not bearer.strip():
             raise ValueError("bearer must be None or non-blank")
         if max_queue < 1 or max_batch < 1 or max_in_flight < 1 or max_retries < 0:

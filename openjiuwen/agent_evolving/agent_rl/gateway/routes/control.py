@@ -1,5 +1,9 @@
 """HMAC-signed RL control (CONTRACT §3.3): the service, Task start and stop (pinning, drain), and the RL Service's
-public routes proxied as they are."""
+public routes proxied as they are.
+
+Operator routes take the api key only. Agent routes (Task start, stop and reward; rail uploads) take the api key or
+an agent key; for an agent key the RL Service is told which key calls, and answers a Task started with another key
+as unknown."""
 
 from __future__ import annotations
 
@@ -8,15 +12,15 @@ from urllib.parse import quote
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from .deps import GatewayDep, SignedBody, api_signed_body
+from .deps import AgentSigned, GatewayDep, SignedBody, agent_signed, api_signed_body
 
-router = APIRouter(dependencies=[Depends(api_signed_body)])
+operator_router = APIRouter(dependencies=[Depends(api_signed_body)])
+agent_router = APIRouter(dependencies=[Depends(agent_signed)])
 
-# Proxied to the RL Service unchanged (method, encoded path, query, signed body).
+# Proxied to the RL Service unchanged (method, encoded path, query, signed body): operator key only.
 PROXIED_ROUTES = (
     ("GET", "/v1/rl/tasks"),
     ("GET", "/v1/rl/tasks/{rl_task_id}"),
-    ("POST", "/v1/rl/tasks/{rl_task_id}/reward"),
     ("GET", "/v1/rl/tasks/{rl_task_id}/events"),
     ("GET", "/v1/rl/training/runs"),
     ("POST", "/v1/rl/training/runs"),
@@ -39,41 +43,56 @@ PROXIED_ROUTES = (
     ("POST", "/v1/rl/lineages/{lineage}/pause"),
     ("POST", "/v1/rl/lineages/{lineage}/resume"),
     ("POST", "/v1/rl/loras/activate"),
+)
+# Proxied the same way, with the calling agent key named to the RL Service: operator key or an agent key.
+AGENT_PROXIED_ROUTES = (
+    ("POST", "/v1/rl/tasks/{rl_task_id}/reward"),
     ("POST", "/v1/gateway/upload/batch"),
 )
 
 
-@router.post("/v1/rl/service/start")
+@operator_router.post("/v1/rl/service/start")
 async def service_start(gw: GatewayDep) -> Response:
     return await gw.control.service_start()
 
 
-@router.post("/v1/rl/service/stop")
+@operator_router.post("/v1/rl/service/stop")
 async def service_stop(gw: GatewayDep) -> Response:
     return await gw.control.service_stop()
 
 
-@router.get("/v1/rl/service")
+@operator_router.get("/v1/rl/service")
 async def service_status(gw: GatewayDep) -> Response:
     return gw.control.service_status()
 
 
-@router.post("/v1/rl/tasks/start")
-async def task_start(request: Request, body: SignedBody, gw: GatewayDep) -> Response:
-    return await gw.control.task_start(request, body)
+@agent_router.post("/v1/rl/tasks/start")
+async def task_start(request: Request, signed: AgentSigned, gw: GatewayDep) -> Response:
+    return await gw.control.task_start(request, signed.body, agent_key=signed.caller.agent_key_id)
 
 
-@router.post("/v1/rl/tasks/{rl_task_id}/stop")
-async def task_stop(rl_task_id: str, body: SignedBody, gw: GatewayDep) -> Response:
-    return await gw.control.task_stop(rl_task_id, body)
+@agent_router.post("/v1/rl/tasks/{rl_task_id}/stop")
+async def task_stop(rl_task_id: str, signed: AgentSigned, gw: GatewayDep) -> Response:
+    return await gw.control.task_stop(rl_task_id, signed.body, agent_key=signed.caller.agent_key_id)
 
 
 async def proxied(request: Request, body: SignedBody, gw: GatewayDep) -> Response:
     return await gw.control.forward(request.method, raw_path(request), body=body, query=request.url.query)
 
 
+async def agent_proxied(request: Request, signed: AgentSigned, gw: GatewayDep) -> Response:
+    return await gw.control.forward(request.method, raw_path(request), body=signed.body, query=request.url.query,
+                                    agent_key=signed.caller.agent_key_id)
+
+
 for _method, _path in PROXIED_ROUTES:
-    router.add_api_route(_path, proxied, methods=[_method])
+    operator_router.add_api_route(_path, proxied, methods=[_method])
+for _method, _path in AGENT_PROXIED_ROUTES:
+    agent_router.add_api_route(_path, agent_proxied, methods=[_method])
+
+router = APIRouter()
+router.include_router(operator_router)
+router.include_router(agent_router)
 
 
 def raw_path(request: Request) -> str:

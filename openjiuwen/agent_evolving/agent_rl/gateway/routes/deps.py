@@ -1,20 +1,24 @@
-"""Per-router guards: the HMAC signature of control routes and the loopback + bearer check of internal routes.
+"""Per-router guards: the HMAC signature of control routes (and which keys each route takes) and the loopback +
+bearer check of internal routes.
 
 Each guard raises `ApiError` (answered with the envelope by the app's handler) and fails closed: with no RL Service
-child alive the internal routes have no token and refuse everyone."""
+child alive the internal routes have no token and refuse everyone. A route lists the key roles it takes; a valid
+agent-key signature on a route that takes no agent key gets 403 `key_not_permitted` (the instance key is tried on
+register-instance only, so elsewhere it is simply an invalid signature)."""
 
 from __future__ import annotations
 
 import hmac
 import time
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 
+from ...common import loopback
 from ...common.errors import ApiError
 from ..assembly import Gateway
-
-_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+from ..hmac_auth import Caller, KeyRole
 
 
 async def gateway_of(request: Request) -> Gateway:
@@ -27,41 +31,64 @@ GatewayDep = Annotated[Gateway, Depends(gateway_of)]
 
 
 def request_target(request: Request) -> bytes:
-    """The request target as it arrived (percent-encoded path, then `?query` when there is one): what a version-2
-    signature covers."""
+    """The request target as it arrived (percent-encoded path, then `?query` when there is one): what a signature
+    covers."""
     raw = request.scope.get("raw_path") or request.url.path.encode()
     query = request.scope.get("query_string") or b""
     return raw + b"?" + query if query else raw
 
 
-async def _verified(request: Request, gw: Gateway, *, allow_ins: bool) -> bytes:
+@dataclass(frozen=True, slots=True)
+class Signed:
+    """A verified request's body and who signed it."""
+
+    body: bytes
+    caller: Caller
+
+
+async def _verified(request: Request, gw: Gateway, *, roles: frozenset[KeyRole]) -> Signed:
     body = await request.body()
-    ok = gw.verifier.verify_request(
+    caller = gw.verifier.verify_request(
         request.method, request_target(request), request.headers, body,
-        now_ms=int(time.time() * 1000), allow_ins=allow_ins,
+        now_ms=int(time.time() * 1000), allow_ins=KeyRole.INSTANCE in roles,
     )
-    if not ok:
+    if caller is None:
         raise ApiError(401, "invalid_signature", "missing, invalid, stale or replayed signature")
-    return body
+    if caller.role not in roles:  # only an agent key gets here: the others are tried only where they are taken
+        raise ApiError(403, "key_not_permitted",
+                       f"the agent key {caller.agent_key_id!r} may only start, stop and reward its own Tasks and "
+                       "upload rail batches")
+    return Signed(body, caller)
+
+
+_OPERATOR = frozenset({KeyRole.OPERATOR})
+_OPERATOR_OR_INSTANCE = frozenset({KeyRole.OPERATOR, KeyRole.INSTANCE})
+_OPERATOR_OR_AGENT = frozenset({KeyRole.OPERATOR, KeyRole.AGENT})
 
 
 async def api_signed_body(request: Request, gw: GatewayDep) -> bytes:
     """The body of a request signed with the api key (operators)."""
-    return await _verified(request, gw, allow_ins=False)
+    return (await _verified(request, gw, roles=_OPERATOR)).body
 
 
 async def any_key_signed_body(request: Request, gw: GatewayDep) -> bytes:
     """The body of a request signed with the api key or the instance key (instance self-registration)."""
-    return await _verified(request, gw, allow_ins=True)
+    return (await _verified(request, gw, roles=_OPERATOR_OR_INSTANCE)).body
+
+
+async def agent_signed(request: Request, gw: GatewayDep) -> Signed:
+    """A request signed with the api key or an agent key (Task start, stop and reward; rail uploads)."""
+    return await _verified(request, gw, roles=_OPERATOR_OR_AGENT)
 
 
 SignedBody = Annotated[bytes, Depends(api_signed_body)]
+AgentSigned = Annotated[Signed, Depends(agent_signed)]
 
 
 async def internal_caller(request: Request, gw: GatewayDep) -> None:
     """Loopback and the bearer token of the RL Service child the gateway spawned, else refused."""
     host = request.client.host if request.client else ""
-    if host not in _LOOPBACK:
+    if not loopback.is_loopback_ip(host):
         raise ApiError(403, "forbidden", "internal routes are served to loopback only")
     token = gw.supervisor.internal_token
     if not token:

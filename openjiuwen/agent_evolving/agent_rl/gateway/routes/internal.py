@@ -9,6 +9,7 @@ import orjson
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
+from ...common import json_nesting
 from ...common.errors import ApiError
 from ..responses import json_response
 from .deps import GatewayDep, internal_caller
@@ -19,7 +20,7 @@ router = APIRouter(prefix="/internal/v1/rl", dependencies=[Depends(internal_call
 async def _string_fields(request: Request, names: tuple[str, ...], what: str) -> dict[str, Any]:
     """The named fields of the JSON body, strings all (`share` excepted), else 400 `invalid_lora_request`."""
     try:
-        data = orjson.loads(await request.body())
+        data = json_nesting.loads(await request.body())
         fields = {name: data[name] for name in names}
         if not all(isinstance(v, str) for k, v in fields.items() if k != "share"):
             raise TypeError("fields must be strings")

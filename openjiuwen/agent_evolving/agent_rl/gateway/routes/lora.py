@@ -11,6 +11,7 @@ import orjson
 from fastapi import APIRouter, Depends
 from starlette.responses import Response
 
+from ...common import json_nesting
 from ...common.errors import ApiError
 from ..responses import json_response
 from .deps import GatewayDep, SignedBody, any_key_signed_body
@@ -20,7 +21,7 @@ router = APIRouter()
 
 def _registration(body: bytes) -> tuple[str, str, str, int]:
     try:
-        data = orjson.loads(body)
+        data = json_nesting.loads(body)
         name, model, host, port = data["name"], data["model"], data["instanceIp"], int(data["port"])
         if not all(isinstance(v, str) and v for v in (name, model, host)):
             raise ValueError("name, model and instanceIp must be non-empty strings")
@@ -31,7 +32,7 @@ def _registration(body: bytes) -> tuple[str, str, str, int]:
 
 def _removal(body: bytes) -> str:
     try:
-        name = orjson.loads(body)["name"]
+        name = json_nesting.loads(body)["name"]
         if not isinstance(name, str) or not name:
             raise ValueError("name must be a non-empty string")
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:

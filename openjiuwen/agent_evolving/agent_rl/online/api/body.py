@@ -1,4 +1,5 @@
-"""Reading request bodies once, with orjson, into the shapes routes expect."""
+"""Reading request bodies once, with orjson, into the shapes routes expect. Every body is held to the JSON nesting
+bound (common/json_nesting.py): deeper is 400 `invalid_request`, before any route rule."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 import orjson
 from fastapi import Request
 
+from ...common import json_nesting
 from ...common.errors import ApiError
 
 
@@ -16,7 +18,9 @@ async def json_value(request: Request) -> Any:
     if not raw.strip():
         return None
     try:
-        return orjson.loads(raw)
+        return json_nesting.loads(raw)
+    except json_nesting.TooDeep as exc:
+        raise _too_deep(exc) from None
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, "invalid_request", "request body is not valid JSON") from exc
 
@@ -28,8 +32,10 @@ async def json_object(
     return parse_json_object(await request.body(), allow_empty=allow_empty, lenient=lenient)
 
 
-def parse_json_object(raw: bytes, *, allow_empty: bool = False, lenient: bool = False) -> dict[str, Any] | None:
-    """A body as a JSON object. Malformed JSON or a non-object → 400 `invalid_request`.
+def parse_json_object(
+    raw: bytes, *, allow_empty: bool = False, lenient: bool = False, max_depth: int = json_nesting.MAX_DEPTH,
+) -> dict[str, Any] | None:
+    """A body as a JSON object. Malformed JSON, nesting past `max_depth` or a non-object → 400 `invalid_request`.
 
     With `allow_empty`, an absent body or `null` gives None. With `lenient`, NaN and Infinity are read as numbers
     so that the route can refuse them with its own code."""
@@ -38,11 +44,13 @@ def parse_json_object(raw: bytes, *, allow_empty: bool = False, lenient: bool = 
             return None
         raise ApiError(400, "invalid_request", "request body must be a JSON object")
     try:
-        value = orjson.loads(raw)
+        value = json_nesting.loads(raw, max_depth=max_depth)
+    except json_nesting.TooDeep as exc:
+        raise _too_deep(exc) from None
     except orjson.JSONDecodeError as exc:
         if not lenient:
             raise ApiError(400, "invalid_request", "request body is not valid JSON") from exc
-        value = _lenient_loads(raw)
+        value = _lenient_loads(raw, max_depth)
     if value is None and allow_empty:
         return None
     if not isinstance(value, dict):
@@ -50,12 +58,21 @@ def parse_json_object(raw: bytes, *, allow_empty: bool = False, lenient: bool = 
     return value
 
 
-def _lenient_loads(raw: bytes) -> Any:
+def _lenient_loads(raw: bytes, max_depth: int) -> Any:
     """orjson refuses NaN/Infinity; the stdlib accepts them, so routes can answer with their own precise code
     (e.g. `invalid_reward` for a NaN reward) instead of a generic parse error."""
     import json
 
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, "invalid_request", "request body is not valid JSON") from exc
+    try:
+        json_nesting.check_depth(value, max_depth=max_depth, text=raw)
+    except json_nesting.TooDeep as exc:
+        raise _too_deep(exc) from None
+    return value
+
+
+def _too_deep(exc: json_nesting.TooDeep) -> ApiError:
+    return ApiError(400, "invalid_request", f"request body is {exc}")

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
 
-from ...common import packed_hook
+from ...common import json_nesting, packed_hook
 from ...common.content_type import media_type
 from ...common.errors import ApiError, JSONBody
 from ..capture.lifecycle import TaskLifecycle
@@ -38,8 +38,9 @@ BodyReader = Callable[[], Awaitable[bytes]]
 
 def _hook_body(raw: bytes) -> dict[str, Any]:
     # Lenient: a NaN logprob from an upstream must reach response validation (400 and an aborted Task), not stop
-    # at the parser; values JSON cannot carry are refused when the capture is fingerprinted.
-    body = parse_json_object(raw, lenient=True)
+    # at the parser; values JSON cannot carry are refused when the capture is fingerprinted. The request and the
+    # response sit one level down in the body, each held to the bound of any body.
+    body = parse_json_object(raw, lenient=True, max_depth=json_nesting.MAX_DEPTH + json_nesting.HOOK_WRAPPING)
     assert body is not None
     return body
 

@@ -1,4 +1,8 @@
-"""Public Task routes (CONTRACT §2.4, §2.5)."""
+"""Public Task routes (CONTRACT §2.4, §2.5).
+
+The gateway names the agent key behind a call in `X-AIGW-RL-Agent-Key` (ext): on start the Task's owner, on stop and
+reward the caller, who is answered 404 for a Task another key started. Without the header (the operator, an AIGW)
+every Task is the caller's."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from ..tasks.registry import TaskRegistry
 from . import openapi
 from .body import json_object
 from ...common.errors import ApiError, JSONBody
+from ...common.signing_keys import AGENT_KEY_HEADER
 from .errors import domain_errors
 from .paging import cursor_param, limit_param, status_param
 
@@ -31,7 +36,7 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
         h = request.headers
         headers = StartHeaders(
             h.get("x-agent-session-id"), h.get("x-aigw-rl-task-id"), h.get("x-aigw-rl-policy-name"),
-            h.get("x-aigw-rl-policy-model"),
+            h.get("x-aigw-rl-policy-model"), h.get(AGENT_KEY_HEADER),
         )
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
             task, created = await registry.start(lifecycle.parse_start(headers, body))
@@ -60,10 +65,11 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
         return task.public()
 
     @router.post("/v1/rl/tasks/{rl_task_id}/stop", openapi_extra=openapi.TASK_STOP)
-    async def stop_task(rl_task_id: str) -> dict[str, Any]:
+    async def stop_task(rl_task_id: str, request: Request) -> dict[str, Any]:
         # The body is ignored (CONTRACT §2.5), so it is never parsed.
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
-            task = await lifecycle.finish(rl_task_id, FinishReason.USER_STOPPED)
+            task = await lifecycle.finish(rl_task_id, FinishReason.USER_STOPPED,
+                                          agent_key=request.headers.get(AGENT_KEY_HEADER))
         return task.public()
 
     @router.post("/v1/rl/tasks/{rl_task_id}/reward", openapi_extra=openapi.TASK_REWARD)
@@ -72,7 +78,7 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
         assert body is not None
         with domain_errors(not_found="task_not_found", conflict="reward_conflict"):
             value = parse_reward_body(body)
-            count = await rewards.reward(rl_task_id, value)
+            count = await rewards.reward(rl_task_id, value, agent_key=request.headers.get(AGENT_KEY_HEADER))
         return {"sample_count": count}
 
     return router

@@ -7,9 +7,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import Conflict, InvalidInput
+from ..errors import Conflict, InvalidInput, NotFound
 from ..faults import FaultHook, no_faults
 from ...common.ids import is_task_id, is_token_id, now_iso
+from ...common.signing_keys import is_agent_key_id
 from ..tasks.models import FinishReason, RewardMode, Task, TaskStatus
 from ..tasks.registry import TaskRegistry
 from .turns import TurnPublisher
@@ -25,6 +26,7 @@ class StartHeaders:
     task_id: str | None
     policy_name: str | None
     policy_model: str | None
+    agent_key: str | None = None  # X-AIGW-RL-Agent-Key (ext): the agent key starting the Task, absent for operators
 
 
 def _blank(value: str | None) -> bool:
@@ -66,6 +68,8 @@ class TaskLifecycle:
             raise InvalidInput("invalid_gateway_task", "X-AIGW-RL-* headers must not be blank")
         if not is_task_id(headers.task_id):
             raise InvalidInput("invalid_gateway_task", "X-AIGW-RL-Task-Id has an invalid format")
+        if headers.agent_key is not None and not is_agent_key_id(headers.agent_key):
+            raise InvalidInput("invalid_gateway_task", "X-AIGW-RL-Agent-Key has an invalid format")
         assert headers.session_id and headers.task_id and headers.policy_name and headers.policy_model
         return Task(
             rl_task_id=headers.task_id,
@@ -77,12 +81,16 @@ class TaskLifecycle:
             created_at=now_iso(),
             policy_model=headers.policy_model,
             evaluation=evaluation,
+            agent_key_id=headers.agent_key,
         )
 
-    async def finish(self, rl_task_id: str, reason: FinishReason) -> Task:
+    async def finish(self, rl_task_id: str, reason: FinishReason, *, agent_key: str | None = None) -> Task:
         """Finalize; delayed mode publishes the current turn first (feedback "", tag `session_done`) without
-        waiting: open captures are a conflict and the Task stays active."""
+        waiting: open captures are a conflict and the Task stays active. `agent_key`: the calling gateway agent key
+        (None for the operator and the service itself): another key's Task is NotFound."""
         task = await self._registry.require(rl_task_id)
+        if not task.answers_to(agent_key):
+            raise NotFound("RL Task not found")
         if not task.active:
             return task
         if task.delayed:

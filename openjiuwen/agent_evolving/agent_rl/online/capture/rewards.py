@@ -43,7 +43,9 @@ class RewardProjector:
         self._store = store
         self._fault = fault  # chaos tests only (faults.py)
 
-    async def reward(self, rl_task_id: str, value: float) -> int:
+    async def reward(self, rl_task_id: str, value: float, *, agent_key: str | None = None) -> int:
+        """The terminal reward of a finalized Task; the number of samples it published. `agent_key`: the calling
+        gateway agent key (None for the operator): another key's Task is NotFound."""
         t = rl_task_id
         task_key, reward_key, committed_key = keys.task(t), keys.reward(t), keys.committed_captures(t)
 
@@ -52,6 +54,8 @@ class RewardProjector:
             if raw is None:
                 raise NotFound("RL Task not found")
             task = Task.from_json(raw)
+            if not task.answers_to(agent_key):
+                raise NotFound("RL Task not found")
             if task.reward_mode != RewardMode.TERMINAL:
                 raise Conflict("terminal reward is not accepted for delayed_feedback Tasks")
             if task.status != TaskStatus.FINALIZED:

@@ -96,6 +96,9 @@ class Task:
     policy_model: str = ""
     # An evaluation Task: its samples are measured (per-version evaluation) but never trained on.
     evaluation: bool = False
+    # The gateway agent key that started the Task (ext, X-AIGW-RL-Agent-Key); None for the operator key or an AIGW.
+    # Only that key may stop or reward it.
+    agent_key_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.policy_model:
@@ -109,9 +112,13 @@ class Task:
     def delayed(self) -> bool:
         return self.reward_mode == RewardMode.DELAYED_FEEDBACK
 
-    def spec(self) -> tuple[str, str, str, str, str, bool]:
+    def spec(self) -> tuple[str, str, str, str, str, bool, str | None]:
         return (self.agent_session_id, self.model_id, self.policy_lora_name, self.reward_mode, self.policy_model,
-                bool(self.evaluation))
+                bool(self.evaluation), self.agent_key_id)
+
+    def answers_to(self, agent_key_id: str | None) -> bool:
+        """Whether a caller may stop or reward this Task: the operator (None) any Task, an agent key only its own."""
+        return agent_key_id is None or agent_key_id == self.agent_key_id
 
     def terminal(self, status: TaskStatus, reason: FinishReason, at: str) -> "Task":
         TASK_TRANSITIONS.check(self.status, status)

@@ -95,7 +95,9 @@ class TaskRegistry:
         """Create or reuse a Task; returns (record, created).
 
         Invariant 1: at most one active Task per session; the pointer, the record and the active index move
-        together, and concurrent starts on one session (from any number of processes) converge on one Task."""
+        together, and concurrent starts on one session (from any number of processes) converge on one Task.
+        The session's active Task is answered only to the operator (no agent key) or to the agent key that started
+        it: for another agent key it is a Conflict (it cannot start a second Task there, nor see the first)."""
         t, s = requested.rl_task_id, requested.agent_session_id
         task_key, pointer_key = keys.task(t), keys.active_session(s)
 
@@ -114,6 +116,8 @@ class TaskRegistry:
                 if other_raw is not None:
                     other = Task.from_json(other_raw)
                     if other.active:
+                        if not other.answers_to(requested.agent_key_id):
+                            raise Conflict("the session has an active RL Task started with another key")
                         return other, False
             created = parse_iso_epoch(requested.created_at)
             pipe.multi()
@@ -132,6 +136,7 @@ class TaskRegistry:
                 "agent_session_id": s, "reward_mode": requested.reward_mode,
                 "policy_lora_name": requested.policy_lora_name,
                 **({"evaluation": True} if requested.evaluation else {}),
+                **({"agent_key_id": requested.agent_key_id} if requested.agent_key_id is not None else {}),
             }, at=requested.created_at)
             await pipe.execute()
             return requested, True
