@@ -100,6 +100,9 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("rail_inflight_owners", "rail:inflight_owners"),
         ("run", f"training_run:(?P<r>{_R})"),
         ("run_events", f"training_run:(?P<r>{_R}):events"),
+        # Automatic training (docs/training.md): each line's previous run end, the operator's lineage pauses.
+        ("training_last_end", "training:last_end"),
+        ("lineages_paused", "lineages:paused"),
         # Listings (docs/observability.md): creation-ordered indexes and the expiry index that trims them.
         ("tasks_by_created", "tasks:by_created"),
         ("tasks_by_status", "tasks:by_created:(?P<ts>active|finalized|aborted)"),

@@ -31,7 +31,7 @@ AGENT_ROUTES = {
 }
 UNSIGNED = {("GET", "/aigw/v1/health"), ("GET", "/metrics"), ("POST", "/v1/chat/completions"), ("POST", "/v1/messages")}
 PATH_VALUES = {"rl_task_id": "t" + "0" * 32, "training_run_id": "run-000000000001", "trajectory_id": "s:0",
-               "rollout_id": "ro-000000000001", "model": "tiny"}
+               "rollout_id": "ro-000000000001", "model": "tiny", "lineage": "default"}
 CHAT_BODY = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -98,6 +98,7 @@ def test_an_agent_key_is_refused_on_every_signed_route_but_its_own(redis, redis_
         assert gw.signed("GET", "/aigw/v1/instances").json() == before["instances"]
         assert gw.signed("GET", "/v1/loras/tiny").json() == before["lora"]
         assert gw.signed("GET", "/v1/rl/training/runs").json()["items"] == []
+        assert gw.signed("GET", "/v1/rl/lineages/default").json()["paused"] is False
         assert not any(r.path.endswith("load_lora_adapter") for r in vllm.requests)
         # Its own four routes take it (each answer comes from the RL Service, past the signature).
         started = gw.start_task("own-session", agent="agent-a")

@@ -75,6 +75,10 @@ OPERATIONS = [
     "POST /v1/rl/rollout/resume",
     "GET /v1/rl/rollout/{rollout_id}/events",
     "POST /v1/rl/loras/activate",
+    # Lineages (docs/training.md): `default` answers its view, any other name 404 `lineage_not_found`.
+    "GET /v1/rl/lineages/{lineage}",
+    "POST /v1/rl/lineages/{lineage}/pause",
+    "POST /v1/rl/lineages/{lineage}/resume",
 ]
 # Operations whose schema constrains a body, header or query parameter: the others (no body, free-form path ids) have
 # nothing a negative case could break; hostile path ids are fuzzed in test_fuzz_routes.py and test_hostile_input.py.

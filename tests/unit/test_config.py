@@ -18,6 +18,7 @@ from openjiuwen.agent_evolving.agent_rl.online.config import (
     load_config,
 )
 from openjiuwen.agent_evolving.agent_rl.online.rollout.config import RolloutConfig
+from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
 from openjiuwen.agent_evolving.agent_rl.online.service import make_judge
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,6 +127,7 @@ def test_defaults_match_the_contract() -> None:
         "log_level": "INFO",
         "log_format": "text",
         "rollout": RolloutConfig(),
+        "training_policy": TrainingPolicyConfig(),
         "workers": "auto",
     }
     assert {name: getattr(config, name) for name in expected} == expected
@@ -601,3 +603,24 @@ def test_documentation_lists_every_field() -> None:
     doc = DOC.read_text(encoding="utf-8")
     missing = [name for name in RLServiceConfig.model_fields if f"| `{name}` |" not in doc]
     assert missing == []
+
+
+def test_training_policy_is_off_by_default_and_validated() -> None:
+    assert make().training_policy.auto is False
+    policy = make(training_policy={"auto": True, "min_pending_samples": 8, "max_wait_seconds": 60,
+                                   "min_batch_on_wait": 2, "min_interval_seconds": 0}).training_policy
+    assert (policy.auto, policy.min_pending_samples, policy.max_wait_seconds, policy.max_concurrent_runs) == (
+        True, 8, 60.0, 1)
+
+
+@pytest.mark.parametrize(("policy", "message"), [
+    ({"min_batch_on_wait": 40}, "training_policy: min_batch_on_wait must be <= min_pending_samples"),
+    ({"min_pending_samples": 0}, "training_policy.min_pending_samples"),
+    ({"max_concurrent_runs": 0}, "training_policy.max_concurrent_runs"),
+    ({"max_wait_seconds": 0}, "training_policy.max_wait_seconds"),
+    ({"min_interval_seconds": -1}, "training_policy.min_interval_seconds"),
+    ({"auto": "yes"}, "training_policy.auto"),
+    ({"lineages": {}}, "training_policy.lineages: unknown key"),
+])
+def test_bad_training_policies_are_refused_by_name(policy: dict, message: str) -> None:
+    assert message in error_of(training_policy=policy)

@@ -479,3 +479,44 @@ def test_registered_in_the_openjiuwen_rl_command(capsys) -> None:
         cli_main.main(["rl", "traj", "--help"])
     assert done.value.code == 0
     assert "usage: openjiuwen-rl rl traj" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- lineages
+
+
+def lineage_view(**extra: Any) -> dict[str, Any]:
+    return {"lineage": "default", "line": "tiny", "paused": False, "paused_at": None,
+            "training_policy": {"auto": True, "min_pending_samples": 8},
+            "scheduler": {"pending_samples": 3, "eligible_samples": 3, "oldest_pending_at": None,
+                          "oldest_wait_seconds": 12.5, "active_run": None, "rollout_deciding": False,
+                          "last_run_ended_at": None, "eligible": False, "reason": "waiting",
+                          "next_eligible_at": "2026-01-01T00:01:00+00:00"}, **extra}
+
+
+def test_lineage_get_pause_resume_call_their_routes(gw: FakeGateway, capsys) -> None:
+    gw.on("GET", "/v1/rl/lineages/default", ok(lineage_view()))
+    gw.on("POST", "/v1/rl/lineages/default/pause", ok(lineage_view(paused=True, paused_at="2026-01-01T00:00:00Z")))
+    gw.on("POST", "/v1/rl/lineages/support/resume", ok(lineage_view(lineage="support")))
+    assert run_cli(gw, "lineage", "get") == 0
+    out = capsys.readouterr().out
+    assert "not eligible (waiting)" in out and "3 (3 eligible)" in out and "12.5 s" in out
+    assert run_cli(gw, "lineage", "pause", "default") == 0
+    assert "yes, since 2026-01-01T00:00:00Z" in capsys.readouterr().out
+    assert run_cli(gw, "lineage", "resume", "support") == 0
+    assert [(r.method, r.url.path) for r in gw.requests] == [
+        ("GET", "/v1/rl/lineages/default"), ("POST", "/v1/rl/lineages/default/pause"),
+        ("POST", "/v1/rl/lineages/support/resume")]
+
+
+def test_lineage_not_found_is_an_error_answer(gw: FakeGateway, capsys) -> None:
+    gw.on("POST", "/v1/rl/lineages/other/pause", error(404, "lineage_not_found", "lineage 'other' does not exist"))
+    assert run_cli(gw, "lineage", "pause", "other") == 1
+    assert "404 lineage_not_found" in capsys.readouterr().err
+
+
+def test_train_get_shows_why_the_run_started(gw: FakeGateway, capsys) -> None:
+    trigger = {"kind": "auto", "reason": "max_wait_seconds", "lineage": "default", "pending_samples": 5,
+               "eligible_samples": 4, "oldest_wait_seconds": 61.2}
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(run_record("running", "training", trigger=trigger)))
+    assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
+    assert "auto (max_wait_seconds: 4 eligible of 5 pending, oldest waited 61.2 s)" in capsys.readouterr().out

@@ -6,6 +6,7 @@
     openjiuwen-rl rl task reward ID VALUE
     openjiuwen-rl rl train start [--watch]
     openjiuwen-rl rl train watch|stop|get RUN_ID
+    openjiuwen-rl rl lineage get|pause|resume [LINEAGE]
     openjiuwen-rl rl lora status [MODEL]
     openjiuwen-rl rl lora delete MODEL
     openjiuwen-rl rl instance list
@@ -204,6 +205,33 @@ def _show_events(data: dict[str, Any]) -> None:
         _out(f"{event.get('at')}  {event.get('type'):<22} {orjson.dumps(event.get('data')).decode()}")
 
 
+def _trigger_text(trigger: Any) -> str | None:
+    """`manual`, or `auto (max_wait_seconds: 5 eligible of 5 pending, oldest waited 61.2 s)`."""
+    if not isinstance(trigger, dict):
+        return None
+    if trigger.get("kind") != "auto":
+        return str(trigger.get("kind") or "manual")
+    return (f"auto ({trigger.get('reason')}: {trigger.get('eligible_samples')} eligible of "
+            f"{trigger.get('pending_samples')} pending, oldest waited {trigger.get('oldest_wait_seconds')} s)")
+
+
+def _show_lineage(data: dict[str, Any]) -> None:
+    view = data.get("scheduler") or {}
+    policy = data.get("training_policy") or {}
+    state = "eligible now" if view.get("eligible") else "not eligible"
+    _fields([
+        ("lineage", f"{data.get('lineage')} (line {data.get('line')})"),
+        ("automatic", "on" if policy.get("auto") else "off (manual runs only)"),
+        ("paused", f"yes, since {data.get('paused_at')}" if data.get("paused") else "no"),
+        ("pending", f"{view.get('pending_samples')} ({view.get('eligible_samples')} eligible)"),
+        ("oldest wait", None if view.get("oldest_wait_seconds") is None else f"{view['oldest_wait_seconds']} s"),
+        ("active run", view.get("active_run")),
+        ("last run end", view.get("last_run_ended_at")),
+        ("scheduler", f"{state} ({view.get('reason')})"),
+        ("next eligible", view.get("next_eligible_at")),
+    ])
+
+
 def _show_run(run: dict[str, Any]) -> None:
     metrics = run.get("metrics") or {}
     versions = ", ".join(f"{k}={v}" for k, v in (run.get("policy_versions") or {}).items())
@@ -213,6 +241,7 @@ def _show_run(run: dict[str, Any]) -> None:
         ("samples", f"{run.get('sample_count')}" + (f" ({versions})" if versions else "")),
         ("lora", " ".join(x for x in (run.get("lora_name"), run.get("lora_path")) if x)),
         ("failure", run.get("failure_reason")),
+        ("trigger", _trigger_text(run.get("trigger"))),
         ("steps", metrics.get("steps")),
         ("created", run.get("created_at")),
         ("started", run.get("started_at")),
@@ -609,6 +638,17 @@ def _rollout_events(ctx: Context) -> int:
     return 0
 
 
+def _lineage(action: str) -> Callable[[Context], int]:
+    def handler(ctx: Context) -> int:
+        path = f"/v1/rl/lineages/{_q(ctx.args.lineage)}"
+        answer = (ctx.client.request("GET", path) if action == "get"
+                  else ctx.client.request("POST", f"{path}/{action}"))
+        ctx.show(answer, _show_lineage)
+        return 0
+
+    return handler
+
+
 def _lora_activate(ctx: Context) -> int:
     record = ctx.client.request("POST", "/v1/rl/loras/activate", body={"lora_name": ctx.args.lora_name})
     ctx.show(record, _show_rollout_record)
@@ -785,6 +825,15 @@ def build_parser() -> argparse.ArgumentParser:
     leaf(rollout, "pause", "stop automatic decisions (new Tasks are still split)", _rollout("pause"))
     leaf(rollout, "resume", "resume automatic decisions", _rollout("resume"))
     leaf(rollout, "events", "the rollout timeline", _rollout_events).add_argument("rollout_id")
+
+    lineage = group("lineage", "automatic training of a lineage: its scheduler view, pause, resume "
+                               "(docs/training.md)")
+    for action, text in (("get", "paused or not, pending samples, oldest wait, and when the scheduler may start "
+                                 "the next run"),
+                         ("pause", "stop automatic Training Runs of the lineage (manual ones still start)"),
+                         ("resume", "let the scheduler start the lineage's runs again")):
+        leaf(lineage, action, text, _lineage(action)).add_argument(
+            "lineage", nargs="?", default="default", help="the lineage (default: default)")
 
     lora = group("lora", "inspect or roll back the active LoRA of a model")
     leaf(lora, "activate", "activate any published version (<model>:vN) for every new Task, through the RL "

@@ -32,6 +32,7 @@ from ..common import loopback
 from ..common.validation import ModelId, validation_problems
 from .rewards.config import RewardPolicyConfig
 from .rollout.config import RolloutConfig
+from .training.policy import TrainingPolicyConfig
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -186,6 +187,9 @@ class RLServiceConfig(BaseModel):
 
     # How a new version reaches users (docs/rollout.md): immediate (default), canary or manual.
     rollout: RolloutConfig = RolloutConfig()
+
+    # When the leader starts Training Runs by itself (docs/training.md); off by default: manual runs only.
+    training_policy: TrainingPolicyConfig = TrainingPolicyConfig()
 
     # HTTP and logging.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432

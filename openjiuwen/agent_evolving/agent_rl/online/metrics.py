@@ -69,6 +69,9 @@ class ServiceMetrics:
                                   m + ("status",), registry=r, multiprocess_mode=LAST)
         self.training_runs = Counter("rl_training_runs_total", "Training Runs that reached a terminal status",
                                      m + ("status",), registry=r)
+        self.runs_started = Counter("rl_training_runs_started_total",
+                                    "Training Runs started, by trigger (manual or auto)", m + ("trigger",),
+                                    registry=r)
         self.stage_duration = Histogram("rl_training_stage_duration_seconds",
                                         "Time a Training Run spent in a stage, by how the stage ended",
                                         m + ("stage", "outcome"), buckets=SLOW_BUCKETS_S, registry=r)
@@ -146,6 +149,9 @@ class ServiceMetrics:
 
     def run_finished(self, status: str) -> None:
         self.training_runs.labels(self.model_id, status).inc()
+
+    def run_started(self, trigger: str) -> None:
+        self.runs_started.labels(self.model_id, trigger).inc()
 
     def stage(self, stage: str, outcome: str, seconds: float) -> None:
         self.stage_duration.labels(self.model_id, stage, outcome).observe(max(0.0, seconds))

@@ -26,6 +26,7 @@ from ..common.errors import INTERNAL_ERROR_MESSAGE, UnhandledErrors, install_err
 from ..common.guards import GuardMiddleware, RequestGuard
 from .api.fast_hooks import HookFastPath, ServiceApp
 from .api.health import build_health_router
+from .api.lineages import build_lineages_router
 from .api.hooks import BINARY_ROUTES as HOOK_BINARY_ROUTES, CaptureHooks, build_hooks_router
 from .api.metrics import build_metrics_router
 from .api.policies import build_policies_router
@@ -64,7 +65,9 @@ from .tasks.registry import TaskRegistry
 from .tasks.signals import TaskSignals
 from .training.backends import TrainerBackend
 from .training.runner import TrainingRunner
+from .training.pauses import LineagePauses
 from .training.runs import RunStore
+from .training.scheduler import TrainingScheduler
 from .watchdog import install_parent_death_watchdog
 from .workers.coordinator import Placement, WorkerCoordinator
 from .workers.forward import LeaderForwarding
@@ -117,6 +120,7 @@ class ServiceDeps:
     metrics: ServiceMetrics
     rollout: RolloutController
     membership: Membership
+    scheduler: TrainingScheduler
     coordinator: WorkerCoordinator = field(init=False)
     run_reward_sweeper: bool = field(init=False, default=False)
 
@@ -150,7 +154,7 @@ class ServiceDeps:
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
         gateway = _make_gateway_client(config, token, metrics)
         backend = backend or make_backend(config, repository)
-        rollout, runner = _make_training(config, redis, store, backend, repository, gateway, metrics, fault)
+        rollout, runner, runs = _make_training(config, redis, store, backend, repository, gateway, metrics, fault)
         deps = cls(
             config=config,
             redis=redis,
@@ -176,6 +180,10 @@ class ServiceDeps:
             metrics=metrics,
             rollout=rollout,
             membership=membership,
+            scheduler=TrainingScheduler(
+                redis, runs=runs, runner=runner, store=store, rollout=rollout, pauses=LineagePauses(redis),
+                policy=config.training_policy, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
+            ),
         )
         deps.coordinator = WorkerCoordinator(redis, placement, membership, deps, leader_check=runner.check_health)
         return deps
@@ -234,10 +242,12 @@ class ServiceDeps:
         self.rollout.start()
         if self.run_reward_sweeper:
             self.reward_sweeper.start()
+        self.scheduler.start()  # automatic training (a no-op unless `training_policy.auto`)
 
     async def leave_office(self, *, shutdown: bool) -> None:
         """Stop the singleton loops. At shutdown the active run is stopped and, once the other workers left, every
         active Task is finished; a leader that lost its lease only drops its executions (the next one settles)."""
+        await self.scheduler.stop()  # first: no run may start while the others are being stopped
         await self.reward_sweeper.stop()
         await self.sweeper.stop()
         await self.rollout.stop()
@@ -321,8 +331,8 @@ def _make_training(
     gateway: GatewayLoraClient,
     metrics: ServiceMetrics,
     fault: FaultHook,
-) -> tuple[RolloutController, TrainingRunner]:
-    """Training Runs and the rollout of what they produce: the run store, the rollout controller, the runner."""
+) -> tuple[RolloutController, TrainingRunner, RunStore]:
+    """Training Runs and the rollout of what they produce: the rollout controller, the runner, the run store."""
     runs = RunStore(
         redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds, metrics=metrics,
     )
@@ -347,7 +357,7 @@ def _make_training(
         fault=fault,
         rollout=rollout,
     )
-    return rollout, runner
+    return rollout, runner, runs
 
 
 def _make_retention_sweeper(
@@ -471,6 +481,7 @@ def create_app(
     app.include_router(build_training_router(deps.runner))
     app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id)))
     app.include_router(build_rollout_router(deps.rollout))
+    app.include_router(build_lineages_router(deps.scheduler))
     # Inside the guards (bearer 401 and size 413 first): a non-JSON body is 415 (a browser's cross-site simple POST).
     app.add_middleware(JsonBodyMiddleware, binary_routes=HOOK_BINARY_ROUTES)
     if not deps.coordinator.placement.solo:  # inside the guards: only an authorised request is relayed

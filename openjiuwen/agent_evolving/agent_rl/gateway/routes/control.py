@@ -39,6 +39,9 @@ PROXIED_ROUTES = (
     ("POST", "/v1/rl/rollout/pause"),
     ("POST", "/v1/rl/rollout/resume"),
     ("GET", "/v1/rl/rollout/{rollout_id}/events"),
+    ("GET", "/v1/rl/lineages/{lineage}"),
+    ("POST", "/v1/rl/lineages/{lineage}/pause"),
+    ("POST", "/v1/rl/lineages/{lineage}/resume"),
     ("POST", "/v1/rl/loras/activate"),
 )
 # Proxied the same way, with the calling agent key named to the RL Service: operator key or an agent key.

@@ -122,6 +122,7 @@ TASK_ABORT = json_body(_object(
 ))
 TRAINING_START = json_body({"anyOf": [{"type": "null"}, _object([], {}, closed=True)]}, required=False)
 ROLLOUT_ACTION = TRAINING_START  # promote / rollback / pause / resume: no body (absent, null or {})
+LINEAGE_ACTION = TRAINING_START  # lineage pause / resume: no body
 LORA_ACTIVATE = json_body(_object(["lora_name"], {"lora_name": {"type": "string", "minLength": 1}}, closed=True))
 _LIMIT = query("limit", {"type": "integer", "minimum": 1, "maximum": 1000})
 _CURSOR = query("cursor", {"type": "string"})

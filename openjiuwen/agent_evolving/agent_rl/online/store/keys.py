@@ -21,6 +21,11 @@ TRAJ_USERS = PREFIX + "traj_users"
 POLICY_OBSERVED = PREFIX + "policy:observed"
 RAIL_INFLIGHT_SESSIONS = PREFIX + "rail:inflight_sessions"  # sessions with popped rail samples not yet stored
 ACTIVE_RUN = PREFIX + "training_run:active"
+# Automatic training (training/scheduler.py): HASH line → epoch its previous Training Run ended (written in the
+# run's terminal EXEC), and HASH lineage → JSON {"paused_at"} of the lineages whose automatic training an operator
+# paused (kept until resumed: it survives restarts and leader changes).
+TRAINING_LAST_END = PREFIX + "training:last_end"
+LINEAGES_PAUSED = PREFIX + "lineages:paused"
 # Listing indexes (newest first): ZSETs of ids scored by creation epoch. Tasks are indexed once overall and once
 # under their current status. When a record gets its TTL, its id joins a listing-expiry ZSET scored by the epoch
 # the record expires; the retention sweeper then removes it from the listing indexes (and listings drop ids whose

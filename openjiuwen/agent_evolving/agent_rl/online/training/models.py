@@ -51,6 +51,12 @@ def new_run_id() -> str:
     return "run-" + secrets.token_hex(6)
 
 
+def manual_trigger() -> dict[str, Any]:
+    """Why a run started when an operator asked (`POST /v1/rl/training/runs`); also what a record written before
+    triggers were recorded reads as (every run then was manual)."""
+    return {"kind": "manual"}
+
+
 def empty_metrics() -> dict[str, Any]:
     return {
         "steps": 0,
@@ -79,6 +85,8 @@ class TrainingRun:
     sample_ids: list[str] = field(default_factory=list)
     parent_lora_name: str = BASE_POLICY
     parent_lora_path: str = ""
+    # Why it started: {"kind": "manual"} or {"kind": "auto", "reason", "lineage", the counts at that moment}.
+    trigger: dict[str, Any] = field(default_factory=manual_trigger)
 
     @property
     def terminal(self) -> bool:

@@ -31,7 +31,7 @@ from ..lora.gateway_client import GatewayError, GatewayLoraClient
 from ..lora.repository import Artifact, LoraRepository
 from ..store.trajectories import TrajectoryStore
 from .backends import TrainerBackend, TrainingJob
-from .models import RunStage, RunStatus, TrainingRun, empty_metrics, new_run_id
+from .models import RunStage, RunStatus, TrainingRun, empty_metrics, manual_trigger, new_run_id
 from .runs import RunNotFound, RunStore
 
 if TYPE_CHECKING:
@@ -108,8 +108,14 @@ class TrainingRunner:
             raise RunNotFound(run_id)
         return run
 
-    async def start(self) -> tuple[TrainingRun, bool]:
-        """Return the active run, or claim a fixed batch and launch a new one: (record, created)."""
+    async def start(
+        self, *, trigger: dict[str, Any] | None = None, min_samples: int | None = None
+    ) -> tuple[TrainingRun, bool]:
+        """Return the active run, or claim a fixed batch and launch a new one: (record, created). The manual route
+        and the automatic scheduler both come here; the scheduler passes its `trigger` (recorded on the run) and the
+        smallest batch its reason allows (`min_samples`, capped by `max_samples_per_run`)."""
+        trigger = trigger or manual_trigger()
+        minimum = self._min_samples if min_samples is None else min(min_samples, self._max_samples)
         async with self._lock:
             active = await self._runs.active()
             if active is not None:
@@ -134,13 +140,14 @@ class TrainingRunner:
                 metrics=empty_metrics(),
                 parent_lora_name=parent.lora_name,
                 parent_lora_path=parent.lora_path,
+                trigger=trigger,
             )
             try:
                 claim = await self._runs.claim(
                     draft,
                     parent_version=policy_lag_version(parent.lora_name, self._model_id),
                     max_policy_lag=self._max_policy_lag,
-                    min_samples=self._min_samples,
+                    min_samples=minimum,
                     max_samples=self._max_samples,
                 )
             except _REDIS_DOWN:
@@ -153,10 +160,12 @@ class TrainingRunner:
                 return claim.run, False
             if claim.run is None:
                 raise Conflict(
-                    f"pending samples {claim.eligible} is below minimum {self._min_samples}",
+                    f"pending samples {claim.eligible} is below minimum {minimum}",
                     code="insufficient_samples",
                 )
             self._fault("run.claimed")
+            if self._metrics is not None:
+                self._metrics.run_started(str(trigger.get("kind")))
             self._launch(claim.run)
             log.info("training run %s claimed %d sample(s) on parent %s", claim.run.training_run_id,
                      claim.run.sample_count, parent.lora_name, extra={"training_run_id": claim.run.training_run_id})

@@ -72,6 +72,11 @@ class RunStore:
         raw = await self._redis.get(keys.training_run(run_id))
         return None if raw is None else TrainingRun.from_json(raw)
 
+    async def last_end(self, line: str) -> float | None:
+        """Epoch the line's previous run ended (any terminal status), None when it never had one."""
+        raw = await self._redis.hget(keys.TRAINING_LAST_END, line)
+        return None if raw is None else float(raw)
+
     async def active(self) -> TrainingRun | None:
         run_id = text(await self._redis.get(keys.ACTIVE_RUN))
         if run_id is None:
@@ -141,7 +146,7 @@ class RunStore:
             pipe.zadd(keys.RUNS_BY_CREATION, {run.training_run_id: parse_iso_epoch(run.created_at)})
             events.queue(pipe, keys.training_run_events(run.training_run_id), "created", {
                 "sample_count": run.sample_count, "policy_versions": versions,
-                "parent_lora_name": run.parent_lora_name,
+                "parent_lora_name": run.parent_lora_name, "trigger": run.trigger,
             }, at=run.created_at)
             await pipe.execute()
             return ClaimResult(run, False, eligible, stale)
@@ -262,6 +267,9 @@ class RunStore:
             pipe.zadd(keys.RUNS_LISTING_EXPIRY, {run_id: parse_iso_epoch(at) + self._run_retention_s})
             if pointer == run_id:
                 pipe.delete(keys.ACTIVE_RUN)
+            # The line's last run end moves with the terminal record, so `min_interval_seconds` of automatic
+            # training (training/scheduler.py) always counts from the end of the run that really ended last.
+            pipe.hset(keys.TRAINING_LAST_END, self._model_id, parse_iso_epoch(at))
             stream = keys.training_run_events(run_id)
             for event_type, data in before:
                 events.queue(pipe, stream, event_type, data, at=at)

@@ -1,0 +1,52 @@
+"""Lineage routes (CONTRACT §2.10 ext): an operator pauses or resumes a lineage's automatic training and reads the
+scheduler's view of it. Only the lineage `default` exists today (issue 27 adds the others)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from ...common.errors import ApiError, JSONBody
+from ..training.scheduler import TrainingScheduler, UnknownLineage
+from . import openapi
+from .body import json_value
+
+_NOT_FOUND = "lineage_not_found"
+
+
+async def _empty_body(request: Request) -> None:
+    body = await json_value(request)
+    if body is not None and body != {}:
+        raise ApiError(400, "invalid_lineage_request", "body must be absent, null or {}")
+
+
+async def _answer(call: Awaitable[dict[str, Any]]) -> JSONBody:
+    try:
+        return JSONBody(await call)
+    except UnknownLineage as exc:
+        raise ApiError(404, _NOT_FOUND, exc.message) from exc
+
+
+def build_lineages_router(scheduler: TrainingScheduler) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/rl/lineages/{lineage}")
+    async def get_lineage(lineage: str) -> JSONBody:
+        """Paused or not, the training policy, and the scheduler's view: pending, oldest wait, next eligible time."""
+        return await _answer(scheduler.view(lineage))
+
+    @router.post("/v1/rl/lineages/{lineage}/pause", openapi_extra=openapi.LINEAGE_ACTION)
+    async def pause(lineage: str, request: Request) -> JSONBody:
+        """Stop automatic Training Runs of the lineage (manual runs still start); kept until resumed."""
+        await _empty_body(request)
+        return await _answer(scheduler.pause(lineage))
+
+    @router.post("/v1/rl/lineages/{lineage}/resume", openapi_extra=openapi.LINEAGE_ACTION)
+    async def resume(lineage: str, request: Request) -> JSONBody:
+        """Let the scheduler start the lineage's runs again."""
+        await _empty_body(request)
+        return await _answer(scheduler.resume(lineage))
+
+    return router

@@ -1,0 +1,75 @@
+"""Automatic training's choice (training/eligibility.py): which lines start now, why, and in which order."""
+
+from __future__ import annotations
+
+import pytest
+
+from openjiuwen.agent_evolving.agent_rl.online.training import eligibility as el
+from openjiuwen.agent_evolving.agent_rl.online.training.eligibility import LineState, choose, judge_line
+from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
+
+NOW = 10_000.0
+
+
+def policy(**kw) -> TrainingPolicyConfig:
+    return TrainingPolicyConfig(**{"auto": True, "min_pending_samples": 8, **kw})
+
+
+def line(name="tiny", *, eligible=8, waited=10.0, **kw) -> LineState:
+    return LineState(line=name, lineage="default", pending=kw.pop("pending", eligible), eligible=eligible,
+                     oldest_at=None if waited is None else NOW - waited, last_end_at=kw.pop("last_end_at", None), **kw)
+
+
+def test_min_pending_threshold_makes_a_line_eligible_and_one_below_does_not():
+    at = judge_line(line(eligible=8), policy(), NOW)
+    assert (at.eligible, at.reason, at.min_samples) == (True, el.MIN_PENDING, 8)
+    below = judge_line(line(eligible=7), policy(), NOW)
+    assert (below.eligible, below.reason) == (False, el.TOO_FEW)
+
+
+def test_stale_samples_do_not_count():
+    assert not judge_line(line(pending=20, eligible=7), policy(), NOW).eligible
+
+
+def test_max_wait_trains_a_smaller_batch_above_the_floor_only():
+    p = policy(max_wait_seconds=60, min_batch_on_wait=3)
+    due = judge_line(line(eligible=3, waited=60), p, NOW)
+    assert (due.eligible, due.reason, due.min_samples) == (True, el.MAX_WAIT, 3)
+    early = judge_line(line(eligible=3, waited=59), p, NOW)
+    assert (early.eligible, early.reason, early.next_eligible_at) == (False, el.WAITING, NOW + 1)
+    under_floor = judge_line(line(eligible=2, waited=600), p, NOW)
+    assert (under_floor.eligible, under_floor.reason) == (False, el.TOO_FEW)
+
+
+def test_min_interval_counts_from_the_previous_run_end():
+    p = policy(min_interval_seconds=30)
+    blocked = judge_line(line(last_end_at=NOW - 29), p, NOW)
+    assert (blocked.eligible, blocked.reason, blocked.next_eligible_at) == (False, el.INTERVAL, NOW + 1)
+    assert judge_line(line(last_end_at=NOW - 30), p, NOW).eligible
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"paused": True}, el.PAUSED),
+    ({"active_run": "run-000000000001"}, el.RUN_ACTIVE),
+    ({"rollout_deciding": True}, el.ROLLOUT_DECIDING),
+])
+def test_pause_active_run_and_deciding_canary_block(change, reason):
+    verdict = judge_line(line(eligible=100, **change), policy(), NOW)
+    assert (verdict.eligible, verdict.reason) == (False, reason)
+
+
+def test_auto_off_never_starts():
+    assert choose([line(eligible=100)], TrainingPolicyConfig(), NOW, active_runs=0) == []
+
+
+def test_no_pending_sample_is_not_eligible_even_with_a_floor_of_one():
+    verdict = judge_line(line(eligible=0, waited=None), policy(max_wait_seconds=1), NOW)
+    assert (verdict.eligible, verdict.reason) == (False, el.NO_SAMPLES)
+
+
+def test_longest_waiting_line_first_and_at_most_max_concurrent():
+    lines = [line("a", waited=5), line("b", waited=50), line("c", waited=20), line("d", eligible=1, waited=99)]
+    picked = choose(lines, policy(max_concurrent_runs=2), NOW, active_runs=0)
+    assert [v.line for v in picked] == ["b", "c"]
+    assert [v.line for v in choose(lines, policy(max_concurrent_runs=2), NOW, active_runs=1)] == ["b"]
+    assert choose(lines, policy(max_concurrent_runs=2), NOW, active_runs=2) == []
