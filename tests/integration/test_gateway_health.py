@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.gateway.health import HEALTH_PATH, HealthMonitor
+from openjiuwen.agent_evolving.agent_rl.gateway.instance_addresses import AddressPolicy
 from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
 from openjiuwen.agent_evolving.agent_rl.gateway.domain_errors import http_status
 from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
@@ -41,7 +42,8 @@ async def test_threshold_then_readmission_with_the_active_adapter_before_routing
 ) -> None:
     a, b = fakes
     registry = InstanceRegistry([Instance(f.name, MODEL, f.host, f.port) for f in fakes])
-    loras = LoraManager(registry, lora_root=lora_root, state_path=tmp_path / "state.json", operation_timeout_s=3.0)
+    loras = LoraManager(registry, lora_root=lora_root, state_path=tmp_path / "state.json", operation_timeout_s=3.0,
+                        addresses=AddressPolicy())
     seen_serving: list[bool] = []
 
     async def readmit(instance: Instance) -> None:
@@ -84,7 +86,8 @@ async def test_activation_with_every_instance_out_of_routing_fails_clearly(
     fakes: list[FakeVLLM], lora_root: Path, tmp_path: Path
 ) -> None:
     registry = InstanceRegistry([Instance(f.name, MODEL, f.host, f.port) for f in fakes])
-    loras = LoraManager(registry, lora_root=lora_root, state_path=tmp_path / "state.json", operation_timeout_s=3.0)
+    loras = LoraManager(registry, lora_root=lora_root, state_path=tmp_path / "state.json", operation_timeout_s=3.0,
+                        addresses=AddressPolicy())
     try:
         await loras.restore()
         for instance in registry.all():

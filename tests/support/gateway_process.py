@@ -33,6 +33,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 API_KEY = b"k" * 32
 INS_KEY = b"i" * 32
 READY_TIMEOUT_S = 30.0
+# The fake vLLM instances listen on loopback, which registration refuses unless the operator allows it.
+LOOPBACK_REGISTRATION = {"registration": {"allowedNetworks": ["127.0.0.0/8"]}}
 
 
 class GatewayProcess:

@@ -17,7 +17,7 @@ import pytest
 
 from openjiuwen.agent_evolving.agent_rl.cli.operator import KEY_FILE_ENV, URL_ENV, main
 from tests.support.fake_vllm import CHAT_PATH, FakeVLLM
-from tests.support.gateway_process import INS_KEY, GatewayProcess
+from tests.support.gateway_process import INS_KEY, LOOPBACK_REGISTRATION, GatewayProcess
 from tests.support.redis_server import free_port
 from tests.support.waiting import wait_for
 from tests.system.test_gateway_lora import (
@@ -89,7 +89,8 @@ def closed_port_registration(name: str) -> dict[str, Any]:
 
 def test_static_instance_cannot_be_taken_over_by_registration(redis, redis_url, tmp_path, vllm):
     a, b = vllm
-    with GatewayProcess(tmp_path, redis_url, instances=[a, b]) as gw, FakeVLLM(name="rogue") as rogue:
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b], extra_config=LOOPBACK_REGISTRATION) as gw, \
+            FakeVLLM(name="rogue") as rogue:
         for key in (INS_KEY, gw.api_key):  # config-owned: not even the operator key moves it at run time
             r = register(gw, at(rogue, name="vllm-a"), key=key)
             assert error_code(r) == (409, "instance_static"), r.text
@@ -111,7 +112,7 @@ def test_registered_instance_moves_only_after_an_operator_removes_it(
     redis, redis_url, tmp_path, vllm, capsys: pytest.CaptureFixture[str]
 ):
     a, b = vllm
-    with GatewayProcess(tmp_path, redis_url, instances=[a, b]) as gw, \
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b], extra_config=LOOPBACK_REGISTRATION) as gw, \
             FakeVLLM(name="vllm-c") as c, FakeVLLM(name="rogue") as rogue:
         first = register(gw, c.registration())
         assert first.status_code == 200, first.text
@@ -148,8 +149,8 @@ def test_registered_instance_moves_only_after_an_operator_removes_it(
 
 def test_registered_instances_are_capped(redis, redis_url, tmp_path, vllm):
     a, b = vllm
-    with GatewayProcess(tmp_path, redis_url, instances=[a, b], extra_config={"registration": {"maxInstances": 2}}) \
-            as gw:
+    registration = {**LOOPBACK_REGISTRATION["registration"], "maxInstances": 2}
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b], extra_config={"registration": registration}) as gw:
         assert register(gw, closed_port_registration("r1")).status_code == 200
         assert register(gw, closed_port_registration("r2")).status_code == 200
         r = register(gw, closed_port_registration("r3"))
@@ -168,8 +169,8 @@ def test_dead_instances_neither_block_activation_nor_receive_traffic(redis, redi
     a, b = vllm
     # Default health settings: no periodic check can notice c's death within this test (3 failures, 10 s apart);
     # only the registration probe and the activation's refused connection do.
-    with GatewayProcess(tmp_path, redis_url, instances=[a, b], rl_overrides={"lora_activation_attempts": 1}) as gw, \
-            FakeVLLM(name="vllm-c") as c:
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b], rl_overrides={"lora_activation_attempts": 1},
+                        extra_config=LOOPBACK_REGISTRATION) as gw, FakeVLLM(name="vllm-c") as c:
         client = agent(gw)
         gw.start_service()
         # Registered at a closed port: the registration probe keeps it out of routing at once.
@@ -201,7 +202,8 @@ def test_instance_that_comes_back_gets_the_active_and_leased_adapters_before_it_
     redis, redis_url, tmp_path, vllm
 ):
     a, b = vllm
-    with GatewayProcess(tmp_path, redis_url, instances=[a, b], extra_config={"instanceHealth": FAST_HEALTH}) as gw, \
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b],
+                        extra_config={"instanceHealth": FAST_HEALTH, **LOOPBACK_REGISTRATION}) as gw, \
             FakeVLLM(name="vllm-c") as c:
         client = agent(gw)
         gw.start_service()
@@ -230,3 +232,93 @@ def test_instance_that_comes_back_gets_the_active_and_leased_adapters_before_it_
             assert {body["model"] for _, body in sent} == {"tiny:v1"}
             assert [name for name, _ in sent].count("vllm-c") == 2  # round robin over the three holders
             assert old["policy_model"] == "tiny:v1"
+
+
+# ---------------------------------------------------------------------------------------------------- issue 28, item 1
+
+
+def test_registration_refuses_the_gateways_own_host_and_internal_addresses(redis, redis_url, tmp_path, vllm):
+    """The instance key named the RL child's port (its unauthenticated /health answers 200), the gateway's own port,
+    a metadata address: each was admitted, and every activation then failed on it (502) while plain completions
+    routed there got 401. With the default config every internal address is refused before anything is probed."""
+    a, b = vllm
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b], rl_overrides={"lora_activation_attempts": 1}) as gw:
+        gw.start_service()
+        client = agent(gw)
+        own_port, internal = "gateway's own or its RL Service's port", "registration.allowedNetworks"
+        targets = {  # name: (instanceIp, port, what the refusal says)
+            "rl-child": ("127.0.0.1", gw.rl_port, own_port), "gateway": ("127.0.0.1", gw.port, own_port),
+            "metadata": ("169.254.169.254", 80, internal), "unspecified": ("0.0.0.0", 6379, internal),
+            "v6-loopback": ("::1", 6379, internal), "v4-mapped": ("::ffff:127.0.0.1", 6379, internal),
+            "by-name": ("localhost", 6379, internal), "multicast": ("224.0.0.1", 80, internal),
+            "broadcast": ("255.255.255.255", 80, internal),
+            "vllm-a-twin": (a.host, a.port, internal),  # loopback too, even where a real vLLM answers
+        }
+        for name, (host, port, says) in targets.items():
+            r = register(gw, {"name": name, "model": "tiny", "instanceIp": host, "port": port})
+            assert error_code(r) == (400, "instance_address_refused"), (name, r.text)
+            assert says in r.json()["error"]["message"], (name, r.text)
+        assert sorted(instances(gw)) == ["vllm-a", "vllm-b"]
+
+        run = train(gw, client, "train-v1")  # nothing registered can fail it
+        assert (run["status"], run["lora_name"]) == ("succeeded", "tiny:v1"), run
+        assert lora_status(gw)["instances"] == {"ready": 2, "failed": 0}
+        mark = marks([a, b])
+        base_chats(gw, 4)
+        assert len(chats_since([a, b], mark)) == 4
+
+
+def test_allowed_networks_admit_loopback_instances_but_never_the_gateways_own_ports(redis, redis_url, tmp_path, vllm):
+    a, b = vllm
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b], extra_config=LOOPBACK_REGISTRATION) as gw, \
+            FakeVLLM(name="vllm-c") as c:
+        gw.start_service()
+        for port in (gw.port, gw.rl_port):  # whatever the list says
+            r = register(gw, {"name": f"own-{port}", "model": "tiny", "instanceIp": "127.0.0.1", "port": port})
+            assert error_code(r) == (400, "instance_address_refused"), r.text
+        r = register(gw, {"name": "metadata", "model": "tiny", "instanceIp": "169.254.169.254", "port": 80})
+        assert error_code(r) == (400, "instance_address_refused"), r.text  # outside the allowed network
+        assert register(gw, c.registration()).json() == {"status": "registered", "name": "vllm-c", "serving": True}
+        # A name is resolved once and the instance kept at the address checked.
+        r = register(gw, {"name": "named", "model": "tiny", "instanceIp": "localhost", "port": str(c.port)})
+        assert r.json()["serving"] is True, r.text
+        assert instances(gw)["named"]["address"] == f"127.0.0.1:{c.port}"
+
+
+def test_a_registered_instance_that_fails_an_activation_leaves_routing_for_that_version_only(
+    redis, redis_url, tmp_path, vllm
+):
+    """A registered instance answering every load with an error made every activation roll back (502) and every
+    Training Run fail. Now it stays out of that version's routing (the model `degraded` until a retry loads it) and
+    the version serves from the others; static instances keep the all-or-nothing rule."""
+    a, b = vllm
+    with GatewayProcess(tmp_path, redis_url, instances=[a, b], rl_overrides={"lora_activation_attempts": 1},
+                        extra_config=LOOPBACK_REGISTRATION) as gw, FakeVLLM(name="vllm-c") as c:
+        gw.start_service()
+        client = agent(gw)
+        assert register(gw, c.registration()).json()["serving"] is True
+        c.fail_loads = True
+
+        run = train(gw, client, "train-v1")
+
+        assert (run["status"], run["lora_name"]) == ("succeeded", "tiny:v1"), run
+        assert [v.loaded for v in (a, b, c)] == [{"tiny:v1"}, {"tiny:v1"}, set()]
+        status = lora_status(gw)
+        assert (status["status"], status["instances"]) == ("degraded", {"ready": 2, "failed": 1}), status
+        listed = instances(gw)
+        assert listed["vllm-c"]["serving"] is True and listed["vllm-c"]["loaded"] == []
+        mark = marks([a, b, c])
+        for n in range(6):  # outside a Task, naming the active version
+            out = client.chat.completions.create(model="tiny:v1", messages=[{"role": "user", "content": f"q{n}"}],
+                                                 max_tokens=4)
+            assert out.choices[0].message.content
+        assert sorted({name for name, _ in chats_since([a, b, c], mark)}) == ["vllm-a", "vllm-b"]
+
+        c.fail_loads = False  # the repair path (GET /v1/loras retries first, and every 30 s) brings it back
+        assert lora_status(gw)["instances"] == {"ready": 3, "failed": 0}
+        assert c.loaded == {"tiny:v1"}
+
+        a.fail_loads = True  # a static instance that fails still fails the activation for everyone
+        run = train(gw, client, "train-v2")
+        assert run["status"] == "failed" and "vllm-a" in run["failure_reason"], run
+        assert lora_status(gw)["active_lora"]["lora_name"] == "tiny:v1"

@@ -12,6 +12,7 @@ from .rl_client import CaptureFailed
 STATUS_OF_CODE = {
     "invalid_lora_request": 400,
     "invalid_request": 400,
+    "instance_address_refused": 400,
     "instance_not_found": 404,
     "canary_conflict": 409,
     "completion_conflict": 409,

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from .adapter_placement import Placement
 from .holdings import Holdings
+from .instance_addresses import AddressPolicy
 from .instances import Instance, InstanceRefused, InstanceRegistry
 from .lora_types import ActiveLora, LoraError
 from .owned_tasks import OwnedTasks
@@ -19,30 +20,41 @@ log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
 
 class Admission:
     def __init__(self, registry: InstanceRegistry, holdings: Holdings, lines: PolicyLines, placement: Placement,
-                 tasks: OwnedTasks, *, timeout_s: float, probe: Callable[[Instance], Awaitable[bool]] | None) -> None:
-        """`probe`: the health check a registration must pass before the instance serves (None: admit at once)."""
+                 tasks: OwnedTasks, *, timeout_s: float, addresses: AddressPolicy,
+                 probe: Callable[[Instance], Awaitable[bool]] | None) -> None:
+        """`addresses`: what a registration may name. `probe`: the health check a registration must pass before the
+        instance serves (None: admit at once)."""
         self._registry = registry
         self._holdings = holdings
         self._lines = lines
         self._placement = placement
         self._tasks = tasks
         self._timeout_s = timeout_s
+        self._addresses = addresses
         self._probe = probe
         self._admitting: set[str] = set()  # instances being admitted (a probe round must not start a second one)
 
     async def register(self, name: str, model: str, host: str, port: int | str) -> bool:
-        """Register an instance, or accept its identical repeat; returns whether it serves now. It must pass the
+        """Register an instance, or accept its identical repeat; returns whether it serves now. Its address must
+        pass the address policy (resolved once: the instance is kept at the address checked); it must pass the
         health probe, then gets the model's active adapter and the versions still leased before it enters routing; a
         failed load leaves the model `degraded` with this instance serving base only, until a retry succeeds.
-        Raises LoraError 400 on bad input, 409 when the name belongs to another instance or the cap is reached."""
+        Raises LoraError 400 on bad input or a refused address, 409 when the name belongs to another instance or
+        the cap is reached."""
         try:
-            instance, new = self._registry.register(name, model, host, _port(port))
+            if self._registry.is_static(name):  # the config's: a repeat of itself or 409, never the policy
+                instance, new = self._registry.register(name, model, host, _port(port))
+            else:
+                Instance(name, model, host, _port(port))  # a malformed field is 400 before any DNS lookup
+                address = await self._addresses.check(host, _port(port))
+                instance, new = self._registry.register(name, model, address, _port(port))
         except InstanceRefused as exc:
             raise LoraError(exc.code, exc.message) from exc
         except (TypeError, ValueError) as exc:
             raise LoraError("invalid_request", f"invalid instance: {exc}") from exc
         if new:
-            log.info("instance %s registered for %s at %s", name, model, instance.base_url)
+            shown = "" if instance.host == host else f" (resolved from {host})"
+            log.info("instance %s registered for %s at %s%s", name, model, instance.base_url, shown)
         return await self._tasks.run(self._admit(instance, probed=False), f"lora-register:{name}")
 
     async def readmit(self, instance: Instance) -> None:

@@ -30,6 +30,7 @@ import httpx
 from .adapter_placement import Placement
 from .canary import Candidate, in_candidate_arm, parse_share
 from .holdings import Holdings
+from .instance_addresses import AddressPolicy
 from .instance_admission import Admission
 from .instances import Instance, InstanceRegistry
 from .leases import Leases
@@ -57,10 +58,12 @@ class LoraManager:
         lora_root: Path | str,
         state_path: Path | str,
         operation_timeout_s: float,
+        addresses: AddressPolicy,
         client: httpx.AsyncClient | None = None,
         probe: Callable[[Instance], Awaitable[bool]] | None = None,
     ) -> None:
-        """`probe`: the health check a registration must pass before the instance serves (None: admit at once)."""
+        """`addresses`: what a registration may name (instance_addresses.py). `probe`: the health check a
+        registration must pass before the instance serves (None: admit at once)."""
         if not operation_timeout_s > 0:
             raise ValueError("operation_timeout_s must be positive")
         self._registry = registry
@@ -77,7 +80,7 @@ class LoraManager:
         self._switcher = Switcher(registry, self.holdings, self._lines, self._placement, self._state_file,
                                   self._vllm, timeout_s=self._timeout_s)
         self._admission = Admission(registry, self.holdings, self._lines, self._placement, self._tasks,
-                                    timeout_s=self._timeout_s, probe=probe)
+                                    timeout_s=self._timeout_s, addresses=addresses, probe=probe)
         self._views = LoraViews(registry, self.holdings, self.leases, self._lines, self.routing)
 
     # ------------------------------------------------------------------------------------------------ activation

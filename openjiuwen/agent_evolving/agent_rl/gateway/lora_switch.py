@@ -1,8 +1,9 @@
 """The one routine that switches what a policy line serves (CONTRACT §3.8): activation, deactivation and every canary
 step are a `Switch` decided under the line's lock, carried out here the same way.
 
-A switch loads its target on every serving instance (`load`; all-or-nothing: on any failure what this switch loaded
-is unloaded again and 502), persists the state file, changes the line in memory with no await in between, and then,
+A switch loads its target on every serving instance (`load`; all-or-nothing among the static instances: on a failure
+there what this switch loaded is unloaded again and 502; a registered instance that fails is left out of routing for
+that version instead, issue 28 item 1), persists the state file, changes the line in memory with no await in between, and then,
 outside the lock, loads a new active version where it is missing (a promoted candidate) and unloads every version
 the line no longer serves, unless Tasks still hold it (leases). The last `ROLLBACK_SHARE` of the deadline is kept
 for the rollback, so `lora.operationTimeout` bounds "one multi-instance load + rollback".
@@ -84,7 +85,7 @@ class Switcher:
             before = Serving(line.active, line.candidate)
             if change is None:
                 return before
-            holders = await self._load_and_persist(line, change, deadline)
+            holders, excused = await self._load_and_persist(line, change, deadline)
             # Loaded everywhere and persisted: switch. Nothing awaits between here and the release of the lock.
             if change.load is not None:
                 self._placement.paths[change.load.lora_name] = change.load.lora_path
@@ -93,6 +94,8 @@ class Switcher:
             if change.to.active != line.active:
                 line.failed.clear()
                 line.artifact_missing = False
+            if change.load is not None and change.load == change.to.active:
+                line.failed.update(i.name for i in excused)  # `degraded` until a retry loads it there
             line.active, line.candidate = change.to.active, change.to.candidate
         loaded = f" on {len(holders)} instance(s)" if change.load is not None else ""
         log.info("%s%s", change.note, loaded)
@@ -115,8 +118,10 @@ class Switcher:
                 raise LoraError("lora_activation_failed", f"another LoRA operation on {line.model} is still running")
             yield
 
-    async def _load_and_persist(self, line: PolicyLine, change: Switch, deadline: float) -> list[Instance]:
-        """Load `change.load` everywhere (when set) and write the state file; returns the instances that hold it."""
+    async def _load_and_persist(self, line: PolicyLine, change: Switch,
+                                deadline: float) -> tuple[list[Instance], list[Instance]]:
+        """Load `change.load` everywhere (when set) and write the state file; returns the instances that hold it and
+        the registered ones that could not load it."""
         before = line.candidate
         candidate_entry = KEEP if change.to.candidate == before else (
             change.to.candidate.entry() if change.to.candidate is not None else None)
@@ -130,7 +135,7 @@ class Switcher:
             except OSError as exc:
                 log.error("could not write the LoRA state file %s", self._state_file.path, exc_info=exc)
                 raise LoraError("internal_error", "could not write the LoRA state file") from exc
-            return []
+            return [], []
         load_deadline = self.load_deadline(deadline)
         instances = require_serving(self._registry, line.model)
         async with self._placement.locks.loading(change.load.lora_name, load_deadline):
@@ -139,11 +144,14 @@ class Switcher:
     async def _load_everywhere(
         self, model: str, wanted: ActiveLora, instances: list[Instance], load_deadline: float, deadline: float,
         persist: Callable[[], Awaitable[None]],
-    ) -> list[Instance]:
-        """Load on every serving instance and `persist` the state file; returns the instances that hold it. On any
-        failure unload what this call loaded and raise 502. An instance that refuses the connection is down, not
-        failed: it leaves routing and the quorum (readmission loads it later) and the switch goes on without it;
-        when that leaves no instance, 503 `no_healthy_instances`. Runs under the line lock and the version lock."""
+    ) -> tuple[list[Instance], list[Instance]]:
+        """Load on every serving instance and `persist` the state file; returns (the instances that hold it, the
+        registered instances that could not load it). A static instance that fails fails the switch: what this call
+        loaded is unloaded again, 502. A registered instance that fails (an error, no answer in time) stays out of
+        routing for this version only, so that no holder of the instance key can block a switch; when no instance
+        holds it at the end, the switch fails the same way. An instance that refuses the connection is down: it
+        leaves routing and the quorum (readmission loads it later) and the switch goes on without it; when that
+        leaves no instance, 503 `no_healthy_instances`. Runs under the line lock and the version lock."""
         name = wanted.lora_name
         known = {i.name for i in instances if self._holdings.holds(i.name, name)}
         results = await asyncio.gather(*(self._vllm.load(i, wanted, load_deadline) for i in instances))
@@ -152,16 +160,25 @@ class Switcher:
                 log.warning("instance %s is down (%s): out of routing until it answers again", instance.name, detail)
         reached = [(i, r) for i, r in zip(instances, results) if r[0] is not Load.UNREACHABLE]
         instances, results = [i for i, _ in reached], [r for _, r in reached]
-        failures = [detail for outcome, detail in results if outcome in (Load.FAILED, Load.UNKNOWN)]
         if not instances:
             raise LoraError("no_healthy_instances", f"no instance of {model} answered; kept the previous policy")
+        holders = [i for i, (outcome, _) in zip(instances, results) if outcome.held]
+        failed = [(i, outcome, detail) for i, (outcome, detail) in zip(instances, results) if not outcome.held]
+        failures = [detail for i, _, detail in failed if self._registry.is_static(i.name) or not holders]
+        excused = [] if failures else [i for i, _, _ in failed]
         if not failures:
             try:
                 await persist()
-                return instances
             except OSError as exc:
                 log.error("could not write the LoRA state file %s", self._state_file.path, exc_info=exc)
                 failures = [f"state file not written: {type(exc).__name__}"]
+            else:
+                for instance, outcome, detail in failed:
+                    if outcome is Load.UNKNOWN:
+                        self._holdings.uncertain(instance.name, name)  # a late load is swept or confirmed later
+                    log.warning("registered instance %s could not load %s (%s): out of routing for it until a "
+                                "retry loads it", instance.name, name, detail)
+                return holders, excused
         # Instances that held it before this call keep it (a leased version stays routable there).
         loaded_here = [(i, outcome is Load.UNKNOWN) for i, (outcome, _) in zip(instances, results)
                        if outcome is not Load.FAILED and i.name not in known]
