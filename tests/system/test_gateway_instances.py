@@ -322,3 +322,87 @@ def test_a_registered_instance_that_fails_an_activation_leaves_routing_for_that_
         run = train(gw, client, "train-v2")
         assert run["status"] == "failed" and "vllm-a" in run["failure_reason"], run
         assert lora_status(gw)["active_lora"]["lora_name"] == "tiny:v1"
+
+
+# ---------------------------------------------------------------------------------------------------- issue 28 item 2
+
+
+def samples_by_instance(gw: GatewayProcess) -> dict[str, list[str]]:
+    """instance → statuses of the samples it served (one page is enough here)."""
+    r = gw.signed("GET", "/v1/rl/trajectories", params={"limit": "1000"})
+    assert r.status_code == 200, r.text
+    out: dict[str, list[str]] = {}
+    for item in r.json()["items"]:
+        out.setdefault(item["instance"], []).append(item["status"])
+    return out
+
+
+def test_samples_record_their_instance_and_an_operator_excludes_a_rogue_ones(
+    redis, redis_url, tmp_path, vllm, capsys: pytest.CaptureFixture[str]
+):
+    """A registered instance could feed made-up token ids into training data and nobody could tell which samples it
+    served. Now each sample names its instance, and the operator (only) excludes that instance's samples."""
+    a, _ = vllm
+    with GatewayProcess(tmp_path, redis_url, instances=[a], extra_config=LOOPBACK_REGISTRATION) as gw, \
+            FakeVLLM(name="rogue") as rogue:
+        gw.start_service()
+        client = agent(gw)
+        assert register(gw, rogue.registration()).json()["serving"] is True  # captureTraffic is on by default
+        # Sessions go by rendezvous hash: enough of them reach both instances.
+        for k in range(8):
+            rewarded_sample(gw, client, f"s{k}")
+        served = samples_by_instance(gw)
+        assert set(served) == {"vllm-a", "rogue"} and all(s == "pending" for v in served.values() for s in v), served
+        n_rogue = len(served["rogue"])
+        assert n_rogue == received(rogue)
+
+        # The instance key cannot do it (a rogue host would exclude the honest ones).
+        r = gw.signed("POST", "/v1/rl/trajectories/exclude", json={"instance": "vllm-a"}, key=INS_KEY)
+        assert error_code(r) == (401, "invalid_signature"), r.text
+        r = gw.signed("POST", "/v1/rl/trajectories/exclude", json={"instance": ["rogue"]})
+        assert error_code(r) == (400, "invalid_request"), r.text
+        env = {KEY_FILE_ENV: str(gw.dir / "hmac.json"), URL_ENV: gw.url}
+        assert main(["traj", "exclude", "--instance", "rogue"], env=env) == 0
+        assert f"instance rogue excluded: {n_rogue} sample(s) moved to `excluded`" in capsys.readouterr().out
+
+        served = samples_by_instance(gw)
+        assert served["rogue"] == ["excluded"] * n_rogue and set(served["vllm-a"]) == {"pending"}, served
+        # What it serves afterwards is filed `excluded` at publication.
+        before = received(rogue)
+        k = 100
+        while received(rogue) == before:
+            rewarded_sample(gw, client, f"s{k}")
+            k += 1
+        assert samples_by_instance(gw)["rogue"] == ["excluded"] * (n_rogue + 1)
+        assert main(["traj", "list", "--status", "excluded"], env=env) == 0
+        rows = capsys.readouterr().out.splitlines()[1:]
+        assert len(rows) == n_rogue + 1 and all(row.split()[5] == "rogue" for row in rows), rows
+
+
+def test_with_capture_traffic_off_registered_instances_serve_bypass_traffic_only(redis, redis_url, tmp_path, vllm):
+    a, _ = vllm
+    registration = {**LOOPBACK_REGISTRATION["registration"], "captureTraffic": False}
+    with GatewayProcess(tmp_path, redis_url, instances=[a], extra_config={
+                        "registration": registration, "instanceHealth": FAST_HEALTH}) as gw, \
+            FakeVLLM(name="vllm-c") as c:
+        gw.start_service()
+        client = agent(gw)
+        assert register(gw, c.registration()).json()["serving"] is True
+        for k in range(6):
+            rewarded_sample(gw, client, f"s{k}")
+        assert received(c) == 0 and set(samples_by_instance(gw)) == {"vllm-a"}
+        base_chats(gw, 4)  # outside Tasks the registered instance serves as before
+        assert received(c) == 2
+
+        # With the static instance out of routing, captured requests have nowhere to go: 503, nothing captured.
+        a.fail_next("/health", 503, times=10_000)
+        wait_for(lambda: not instances(gw)["vllm-a"]["serving"], timeout_s=WAIT_S)
+        task = start_task(gw, "s-late")
+        r = gw.http.post("/v1/chat/completions", headers={"X-Agent-Session-Id": "s-late"},
+                         json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert error_code(r) == (503, "no_capture_instances"), r.text
+        assert received(c) == 2
+        base_chats(gw, 2)
+        assert received(c) == 4
+        r = gw.signed("GET", f"/v1/rl/tasks/{task['rl_task_id']}")
+        assert r.json()["status"] == "active", r.text

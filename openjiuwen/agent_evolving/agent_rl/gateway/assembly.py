@@ -67,7 +67,8 @@ def build_gateway(
                               resolve_timeout_s=checks.timeout_s)
     loras = LoraManager(
         registry, lora_root=config.lora.root, state_path=config.lora.state_path,
-        operation_timeout_s=config.lora.operation_timeout_s, addresses=addresses, probe=probe,
+        operation_timeout_s=config.lora.operation_timeout_s, addresses=addresses,
+        capture_registered=config.registration.capture_traffic, probe=probe,
     )
     health = HealthMonitor(
         registry, readmit=loras.readmit, interval_s=checks.interval_s, timeout_s=checks.timeout_s,

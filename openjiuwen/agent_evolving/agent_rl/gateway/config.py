@@ -305,13 +305,16 @@ class InstanceHealthSection(_Model):
 
 class RegistrationSection(_Model):
     """Project gateway: what `register-instance` may add (issue 19: how many; issue 28 item 1: which addresses,
-    instance_addresses.py)."""
+    instance_addresses.py; item 2: whether registered instances serve captured traffic)."""
 
     max_instances: Annotated[StrictInt, Field(ge=0, le=10_000)] = Field(default=64, alias="maxInstances")
     # Networks whose loopback, link-local, … addresses a registration may still name (e.g. "127.0.0.0/8" when vLLM
     # runs on the gateway's host). Empty: none.
     allowed_networks: list[Annotated[StrictStr, AfterValidator(_check_network)]] = Field(
         default_factory=list, alias="allowedNetworks")
+    # Off: registered instances serve traffic outside Tasks only (bypass), so no holder of the instance key can put
+    # completions into training data. On (default): today's behaviour, as an AIGW routes, all instances alike.
+    capture_traffic: StrictBool = Field(default=True, alias="captureTraffic")
 
     @property
     def networks(self) -> list[IPv4Network | IPv6Network]:

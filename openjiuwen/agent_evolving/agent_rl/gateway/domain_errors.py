@@ -27,6 +27,7 @@ STATUS_OF_CODE = {
     "rl_hook_failed": 502,
     "gateway_closing": 503,
     "lora_unavailable": 503,
+    "no_capture_instances": 503,
     "no_healthy_instances": 503,
     "no_instances": 503,
     "rl_hook_timeout": 504,

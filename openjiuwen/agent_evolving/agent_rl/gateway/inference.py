@@ -69,13 +69,15 @@ class Capture:
     capture_id: str
     turn_id: str | None
     request: dict[str, Any]  # the injected request `:before` returned
+    instance: str | None = None  # the instance that serves it, once routed
 
     def hook_body(self, **extra: Any) -> dict[str, Any]:
         return {"rl_task_id": self.binding.rl_task_id, "capture_id": self.capture_id,
                 "agent_turn_id": self.turn_id, **extra}
 
     def _head(self, request_json: bytes) -> bytes:
-        head = orjson.dumps(self.hook_body())
+        # `instance` (ext): the sample records who served it, so that an operator can exclude an instance's samples.
+        head = orjson.dumps(self.hook_body(instance=self.instance))
         return b"".join((head[:-1], b',"request":', request_json, b"}"))
 
     def after_body(self, request_json: bytes, response_json: bytes) -> bytes:
@@ -226,9 +228,11 @@ class InferenceProxy:
             return error_answer(exc)
         pending.capture = Capture(binding, capture_id, turn_id, injected)  # from here it ends by `:after` or `:discard`
         try:
-            instance = self._routing.pick(self._model_id, binding.policy_model, affinity_key=binding.session_id)
+            instance = self._routing.pick(self._model_id, binding.policy_model, affinity_key=binding.session_id,
+                                          captured=True)
         except LoraError as exc:
             return error_answer(exc)
+        pending.capture.instance = instance.name
         return await self._upstream_answer(instance, injected, wants, flavor, counts, pending=pending)
 
     @contextlib.contextmanager

@@ -59,17 +59,20 @@ class LoraManager:
         state_path: Path | str,
         operation_timeout_s: float,
         addresses: AddressPolicy,
+        capture_registered: bool = True,
         client: httpx.AsyncClient | None = None,
         probe: Callable[[Instance], Awaitable[bool]] | None = None,
     ) -> None:
-        """`addresses`: what a registration may name (instance_addresses.py). `probe`: the health check a
-        registration must pass before the instance serves (None: admit at once)."""
+        """`addresses`: what a registration may name (instance_addresses.py). `capture_registered`: registered
+        instances serve captured traffic too (routing.py). `probe`: the health check a registration must pass before
+        the instance serves (None: admit at once)."""
         if not operation_timeout_s > 0:
             raise ValueError("operation_timeout_s must be positive")
         self._registry = registry
         self._timeout_s = float(operation_timeout_s)
         self.holdings = Holdings()
-        self.routing = Router(registry, self.holdings)  # the inference proxy picks instances and counts requests
+        # The inference proxy picks instances and counts requests.
+        self.routing = Router(registry, self.holdings, capture_registered=capture_registered)
         self.leases = Leases()
         self._lines = PolicyLines()
         self._state_file = LoraStateFile(state_path)
