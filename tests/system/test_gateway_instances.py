@@ -9,6 +9,7 @@ registry and `/metrics` without bound.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.cli.operator import KEY_FILE_ENV, URL_ENV, main
+from openjiuwen.agent_evolving.agent_rl.gateway.health import RECHECK_MIN_GAP_S
 from tests.support.fake_vllm import CHAT_PATH, FakeVLLM
 from tests.support.gateway_process import INS_KEY, LOOPBACK_REGISTRATION, GatewayProcess
 from tests.support.redis_server import free_port
@@ -406,3 +408,28 @@ def test_with_capture_traffic_off_registered_instances_serve_bypass_traffic_only
         assert received(c) == 4
         r = gw.signed("GET", f"/v1/rl/tasks/{task['rl_task_id']}")
         assert r.json()["status"] == "active", r.text
+
+
+# ---------------------------------------------------------------------------------------------------- issue 28 item 12
+
+
+def test_a_vllm_that_comes_up_after_the_first_probe_serves_the_next_request_not_a_probe_interval_later(
+    redis, redis_url, tmp_path
+):
+    """Gateway started beside a loading vLLM: the start-up probe finds it down, and until the next round (10 s by
+    default) every request got 503 `no_healthy_instances`. Now a request that finds no healthy instance probes at
+    once (single-flight) and is served by an instance that answers."""
+    late = FakeVLLM(name="vllm-late", port=free_port())  # not listening yet: its start-up probe is refused
+    slow_rounds = {"interval": "60s", "timeout": "2s", "failureThreshold": 3}  # no periodic round during the test
+    with GatewayProcess(tmp_path, redis_url, instances=[late], extra_config={"instanceHealth": slow_rounds}) as gw:
+        assert instances(gw)["vllm-late"]["serving"] is False
+        client = agent(gw)
+        # Still down: the immediate probe fails too and the request gets today's 503.
+        r = gw.http.post(CHAT_PATH, json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert error_code(r) == (503, "no_healthy_instances"), r.text
+        time.sleep(RECHECK_MIN_GAP_S)  # a request right after that 503 reuses its result rather than probing again
+        with late:
+            # vLLM is up: the very next requests are served, well within the 60 s probe interval.
+            for k in range(3):
+                chat(client, None, f"q{k}")
+            assert received(late) == 3 and instances(gw)["vllm-late"]["serving"] is True

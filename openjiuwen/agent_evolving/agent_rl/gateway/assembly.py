@@ -92,7 +92,7 @@ def build_gateway(
     )
     inference = InferenceProxy(
         model_id=model_id, tracker=tracker, loras=loras, rl=rl, rl_running=control.running, upstream=upstream,
-        metrics=metrics,
+        metrics=metrics, recheck=health.recheck,
     )
     console = Console(auth=console_auth, control=control, loras=loras, supervisor=supervisor, model_id=model_id)
     return Gateway(
