@@ -4,7 +4,8 @@ The values are what Redis holds (hash field `status`, the `traj_idx:{owner}:{sta
 counters) and what the API shows, so they never change. A sample waits in `awaiting_rewards` (before `pending`) only
 under a reward policy; a sample of an evaluation Task enters `evaluation` at publication and leaves it only by
 retention; a sample served by an instance an operator excluded is `excluded` (at publication, by the exclusion, or
-when the run that held it gives it back) and never reaches a Training Run. Insertion and deletion are not moves: `TrajectoryStore.queue_move` checks every move against the table.
+when the run that held it gives it back) and never reaches a Training Run. Insertion and deletion are not moves:
+`TrajectoryStore.queue_move` checks every move against the table.
 """
 
 from __future__ import annotations
