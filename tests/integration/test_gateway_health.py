@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from openjiuwen.agent_evolving.agent_rl.gateway import health
 from openjiuwen.agent_evolving.agent_rl.gateway.health import HEALTH_PATH, HealthMonitor
+from openjiuwen.agent_evolving.agent_rl.gateway.instance_addresses import AddressPolicy
 from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
 from openjiuwen.agent_evolving.agent_rl.gateway.domain_errors import http_status
 from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
@@ -41,7 +43,8 @@ async def test_threshold_then_readmission_with_the_active_adapter_before_routing
 ) -> None:
     a, b = fakes
     registry = InstanceRegistry([Instance(f.name, MODEL, f.host, f.port) for f in fakes])
-    loras = LoraManager(registry, lora_root=lora_root, state_path=tmp_path / "state.json", operation_timeout_s=3.0)
+    loras = LoraManager(registry, lora_root=lora_root, state_path=tmp_path / "state.json", operation_timeout_s=3.0,
+                        addresses=AddressPolicy())
     seen_serving: list[bool] = []
 
     async def readmit(instance: Instance) -> None:
@@ -84,7 +87,8 @@ async def test_activation_with_every_instance_out_of_routing_fails_clearly(
     fakes: list[FakeVLLM], lora_root: Path, tmp_path: Path
 ) -> None:
     registry = InstanceRegistry([Instance(f.name, MODEL, f.host, f.port) for f in fakes])
-    loras = LoraManager(registry, lora_root=lora_root, state_path=tmp_path / "state.json", operation_timeout_s=3.0)
+    loras = LoraManager(registry, lora_root=lora_root, state_path=tmp_path / "state.json", operation_timeout_s=3.0,
+                        addresses=AddressPolicy())
     try:
         await loras.restore()
         for instance in registry.all():
@@ -100,3 +104,42 @@ async def test_activation_with_every_instance_out_of_routing_fails_clearly(
         assert all(f.loaded == set() for f in fakes)
     finally:
         await loras.close()
+
+
+async def test_urgent_rechecks_are_single_flight_spaced_and_bounded(fakes: list[FakeVLLM]) -> None:
+    """Issue 28 item 12: a request finding no healthy instance asks for a check now. Many such requests at once
+    probe each instance once; one right after a check reuses its result; a slow check bounds the request's wait but
+    goes on for the others."""
+    a, b = fakes
+    registry = InstanceRegistry([Instance(f.name, MODEL, f.host, f.port) for f in fakes])
+    readmitted: list[str] = []
+
+    async def readmit(instance: Instance) -> None:
+        readmitted.append(instance.name)
+        registry.set_serving(instance, True)
+
+    monitor = HealthMonitor(registry, readmit=readmit, interval_s=60.0, timeout_s=1.0, failure_threshold=3)
+    try:
+        for f in fakes:
+            f.fail_next(HEALTH_PATH, 503)
+        await monitor.check_once(at_start=True)
+        assert registry.serving(MODEL) == []
+        probes = [f.count(HEALTH_PATH) for f in fakes]
+
+        await asyncio.gather(*(monitor.recheck() for _ in range(20)))
+        assert [f.count(HEALTH_PATH) - n for f, n in zip(fakes, probes)] == [1, 1]  # one shared check
+        assert sorted(readmitted) == ["vllm-a", "vllm-b"]
+
+        registry.set_serving(registry.get("vllm-a"), False)
+        await monitor.recheck()  # the last check just ended: its result stands, nothing is probed
+        assert [f.count(HEALTH_PATH) - n for f, n in zip(fakes, probes)] == [1, 1]
+
+        await asyncio.sleep(health.RECHECK_MIN_GAP_S)
+        a.delay_next(HEALTH_PATH, 3.0)  # longer than the request may wait (one probe timeout)
+        monitor.recheck_wait_s = 0.2
+        await monitor.recheck()
+        assert not registry.is_serving("vllm-a")  # the request went on without it ...
+        await monitor.recheck()  # ... a second one joins the same check rather than starting another
+        assert a.count(HEALTH_PATH) - probes[0] == 2
+    finally:
+        await monitor.close()

@@ -6,10 +6,12 @@ import asyncio
 import json
 import shutil
 from collections.abc import AsyncIterator
+from ipaddress import ip_network
 from pathlib import Path
 
 import pytest
 
+from openjiuwen.agent_evolving.agent_rl.gateway.instance_addresses import AddressPolicy
 from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
 from openjiuwen.agent_evolving.agent_rl.gateway.domain_errors import http_status
 from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
@@ -46,9 +48,14 @@ async def fakes() -> AsyncIterator[list[FakeVLLM]]:
         await asyncio.gather(*(f.astop() for f in instances))
 
 
+# The fakes listen on loopback: registrations there need the operator's allowance (instance_addresses.py).
+LOOPBACK_ALLOWED = AddressPolicy(allowed_networks=[ip_network("127.0.0.0/8")])
+
+
 def make_manager(fakes: list[FakeVLLM], root: Path, state_path: Path, timeout_s: float = 3.0) -> LoraManager:
     registry = InstanceRegistry([Instance(f.name, f.served_model, f.host, f.port) for f in fakes])
-    return LoraManager(registry, lora_root=root, state_path=state_path, operation_timeout_s=timeout_s)
+    return LoraManager(registry, lora_root=root, state_path=state_path, operation_timeout_s=timeout_s,
+                       addresses=LOOPBACK_ALLOWED)
 
 
 @pytest.fixture
@@ -181,7 +188,8 @@ async def test_symlink_inside_root_is_accepted(manager: LoraManager, fakes: list
 async def test_no_instances_is_503(lora_root: Path, state_path: Path, fakes: list[FakeVLLM]) -> None:
     (lora_root / "other" / "v1").mkdir(parents=True)
     loras = make_manager(fakes, lora_root, state_path)
-    empty = LoraManager(InstanceRegistry(), lora_root=lora_root, state_path=state_path, operation_timeout_s=1.0)
+    empty = LoraManager(InstanceRegistry(), lora_root=lora_root, state_path=state_path, operation_timeout_s=1.0,
+                        addresses=LOOPBACK_ALLOWED)
     try:
         for mgr, model in ((empty, MODEL), (loras, "other")):
             with pytest.raises(LoraError) as refused:

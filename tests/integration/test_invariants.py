@@ -88,7 +88,7 @@ async def test_a_state_built_by_the_service_holds_every_invariant(service, redis
     assert report.ok
     # 8 rewarded + 1 published turn; 3 of them claimed by the blocked run.
     assert report.samples == 9 and report.samples_by_status == {
-        "awaiting_rewards": 0, "pending": 6, "training": 3, "trained": 0, "failed": 0, "evaluation": 0}
+        "awaiting_rewards": 0, "pending": 6, "training": 3, "trained": 0, "failed": 0, "evaluation": 0, "excluded": 0}
     assert report.client_samples_checked == 9 == record.expected_samples
     assert report.runs == 1 and report.tasks == 8
 

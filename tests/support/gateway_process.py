@@ -37,6 +37,8 @@ API_KEY = b"k" * 32
 INS_KEY = b"i" * 32
 AGENT_KEYS = {"agent-a": b"A" * 32, "agent-b": b"B" * 32}
 READY_TIMEOUT_S = 30.0
+# The fake vLLM instances listen on loopback, which registration refuses unless the operator allows it.
+LOOPBACK_REGISTRATION = {"registration": {"allowedNetworks": ["127.0.0.0/8"]}}
 
 
 def write_key_file(path: Path, document: dict[str, Any]) -> None:

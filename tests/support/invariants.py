@@ -14,6 +14,8 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
   sample of that Task, and every Task sample comes from such a capture (nothing published from nowhere);
 - evaluation Tasks: a sample is `evaluation` exactly when its Task is an evaluation Task, and an `evaluation` sample
   was never claimed (no `run_id`): evaluation traffic is never trained on;
+- excluded instances (inv. 11): no sample an excluded instance served is `pending` or `awaiting_rewards`, and every
+  `excluded` sample was served by an excluded instance;
 - prompt blocks (invariant P, `store/prompt_blocks.py`): a block exists iff some sample references it, its `refs`
   equals the number of referencing samples, it holds exactly one block of ids, the chained digests of each sample
   match the contents, and no block has a TTL;
@@ -111,6 +113,8 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("runs_listing_expiry", "training_runs:listing_expiry"),
         # Per-version evaluation aggregates (docs/observability.md).
         ("policy_versions", "policy_versions"),
+        # Instances an operator excluded from training (issue 28 item 2).
+        ("excluded_instances", "excluded_instances"),
         ("policy_stats", f"policy_stats:{_I}"),
         # Reward policy (docs/rewards.md): deadline index of awaiting_rewards samples, arrival lateness per source.
         ("reward_deadlines", f"reward_deadlines:(?P<o>{_O})"),
@@ -334,6 +338,7 @@ async def check_invariants(
     samples = await _check_samples(redis, report, model_id, sample_ids, statuses)
     await _check_prompt_blocks(redis, report, sample_ids, [g["b"] for _, g in typed.get("prompt_block", [])])
     await _check_reward_deadlines(redis, report, model_id, samples)
+    await _check_excluded(redis, report, samples)
     await _check_task_listings(redis, report, typed)
     active_run = await _check_runs(redis, report, run_ids, samples)
     await _check_rollouts(redis, report, [g["ro"] for _, g in typed.get("rollout", [])])
@@ -363,6 +368,7 @@ class _Sample:
     policy_version: str
     rl_task_id: str
     run_id: str
+    instance: str = ""  # the vLLM instance that served it ("" when unknown)
     judge: Any = None  # loaded only for the samples a ClientRecord vouches for (`_load_judges`)
     indexes: list[str] = field(default_factory=list)
 
@@ -372,14 +378,15 @@ async def _check_samples(
 ) -> dict[str, _Sample]:
     """Invariant 5: one index per sample, matching its status; counters equal what is stored."""
     # Index fields only: the documents (`sample_json`) are large, and read only where a ClientRecord needs them.
-    fields = ("status", "source", "policy_version", "rl_task_id", "run_id", "user_id")
+    fields = ("status", "source", "policy_version", "rl_task_id", "run_id", "user_id", "instance")
     rows = await _pipelined(redis, sample_ids, lambda p, s: p.hmget(keys.traj(s), fields))
     samples: dict[str, _Sample] = {}
     for sample_id, row in zip(sample_ids, rows):
-        status, source, policy, task, run_id, user = (_s(v) for v in row)
+        status, source, policy, task, run_id, user, instance = (_s(v) for v in row)
         if user is not None and user != model_id:
             report.add(f"sample {sample_id}: user_id {user!r} is not the service owner {model_id!r}")
-        samples[sample_id] = _Sample(sample_id, status, source or "", policy or "base", task or "", run_id or "")
+        samples[sample_id] = _Sample(sample_id, status, source or "", policy or "base", task or "", run_id or "",
+                                     instance or "")
         if status is None:
             report.add(f"sample {sample_id}: hash without a status field")
         elif status not in statuses:
@@ -422,6 +429,16 @@ async def _check_samples(
     if counters.get("expired_unrewarded", 0) < 0:
         report.add(f"counter expired_unrewarded is negative: {counters['expired_unrewarded']}")
     return samples
+
+
+async def _check_excluded(redis: Redis, report: InvariantReport, samples: dict[str, _Sample]) -> None:
+    """Invariant 11: what an excluded instance served is never trainable, and only that is `excluded`."""
+    excluded = {_s(m) or "" for m in await redis.smembers(keys.EXCLUDED_INSTANCES)}
+    for sample in samples.values():
+        if sample.instance in excluded and sample.status in (SampleStatus.PENDING, SampleStatus.AWAITING_REWARDS):
+            report.add(f"sample {sample.sample_id} of excluded instance {sample.instance!r} is {sample.status}")
+        if sample.status == SampleStatus.EXCLUDED and sample.instance not in excluded:
+            report.add(f"sample {sample.sample_id} is excluded, but its instance {sample.instance!r} is not")
 
 
 async def _check_prompt_blocks(

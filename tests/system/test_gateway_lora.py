@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from tests.support.fake_vllm import CHAT_PATH, LOAD_PATH, UNLOAD_PATH, FakeVLLM
-from tests.support.gateway_process import INS_KEY, GatewayProcess
+from tests.support.gateway_process import INS_KEY, LOOPBACK_REGISTRATION, GatewayProcess
 from tests.support.service_process import process_gone
 
 pytestmark = pytest.mark.system
@@ -365,7 +365,7 @@ def test_gateway_sigkill_takes_the_child_and_restart_restores_active_or_degraded
 
 
 def test_registered_instances_get_the_active_adapter_or_degrade_until_repaired(redis, redis_url, tmp_path, vllm):
-    with GatewayProcess(tmp_path, redis_url, instances=list(vllm)) as gw, \
+    with GatewayProcess(tmp_path, redis_url, instances=list(vllm), extra_config=LOOPBACK_REGISTRATION) as gw, \
             FakeVLLM(served_model="tiny", name="vllm-c") as c, FakeVLLM(served_model="tiny", name="vllm-d") as d:
         client = agent(gw)
         gw.start_service()

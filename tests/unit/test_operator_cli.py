@@ -278,7 +278,7 @@ def test_traj_list_follows_next_cursor(gw: FakeGateway, capsys) -> None:
     assert run_cli(gw, "traj", "list", "--status", "pending", "--limit", "2") == 0
     captured = capsys.readouterr()
     assert captured.out.splitlines()[0].split() == ["SAMPLE_ID", "STATUS", "SOURCE", "SESSION", "POLICY",
-                                                     "CREATED_AT"]
+                                                     "INSTANCE", "CREATED_AT"]
     assert len(captured.out.splitlines()) == 3
     assert "more: --cursor 2 (or --all)" in captured.err
     assert dict(gw.requests[0].url.params) == {"limit": "2", "status": "pending"}
@@ -520,3 +520,25 @@ def test_train_get_shows_why_the_run_started(gw: FakeGateway, capsys) -> None:
     gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(run_record("running", "training", trigger=trigger)))
     assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
     assert "auto (max_wait_seconds: 4 eligible of 5 pending, oldest waited 61.2 s)" in capsys.readouterr().out
+
+
+def test_traj_exclude_posts_the_instance_and_says_what_moved(gw: FakeGateway, capsys) -> None:
+    gw.on("POST", "/v1/rl/trajectories/exclude", ok(
+        {"instance": "vllm-x", "excluded": 3, "training": 1, "excluded_instances": ["vllm-w", "vllm-x"]}))
+    assert run_cli(gw, "traj", "exclude", "--instance", "vllm-x") == 0
+    out = capsys.readouterr().out
+    assert orjson.loads(gw.requests[0].read()) == {"instance": "vllm-x"}
+    assert "instance vllm-x excluded: 3 sample(s) moved to `excluded`" in out
+    assert "1 already in the running Training Run" in out and "excluded instances: vllm-w, vllm-x" in out
+
+
+def test_traj_get_and_list_show_the_serving_instance(gw: FakeGateway, capsys) -> None:
+    sample = {"sample_id": "c1", "status": "pending", "source": "rl_task", "session_id": "s", "rl_task_id": "t",
+              "policy_version": "base", "created_at": "2025-01-01T00:00:00+00:00", "instance": "vllm-x",
+              "trajectory": {"prompt_ids": [1], "response_ids": [2], "response_text": "hi"}}
+    gw.on("GET", "/v1/rl/trajectories/c1", ok(sample))
+    gw.on("GET", "/v1/rl/trajectories", ok({"items": [sample], "next_cursor": None}))
+    assert run_cli(gw, "traj", "get", "c1") == 0
+    assert "served   vllm-x\n" in capsys.readouterr().out
+    assert run_cli(gw, "traj", "list") == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[5] == "vllm-x"

@@ -14,6 +14,7 @@
     openjiuwen-rl rl traj stats
     openjiuwen-rl rl traj list [--status S] [--limit N] [--all]
     openjiuwen-rl rl traj get ID
+    openjiuwen-rl rl traj exclude --instance NAME
     openjiuwen-rl rl console url [--ttl SECONDS]
 
 Every request is signed anew with the key of the key file: the gateway's (the operator key, `apiHmacKey`: every
@@ -291,7 +292,8 @@ def _reward_rows(rewards: Any) -> list[tuple[str, Any]]:
 
 
 _LIST_COLUMNS = (("SAMPLE_ID", "sample_id"), ("STATUS", "status"), ("SOURCE", "source"),
-                 ("SESSION", "session_id"), ("POLICY", "policy_version"), ("CREATED_AT", "created_at"))
+                 ("SESSION", "session_id"), ("POLICY", "policy_version"), ("INSTANCE", "instance"),
+                 ("CREATED_AT", "created_at"))
 
 
 def _show_items(items: list[dict[str, Any]]) -> None:
@@ -366,6 +368,7 @@ def _show_sample(sample: dict[str, Any]) -> None:
         ("session", sample.get("session_id")),
         ("task", sample.get("rl_task_id")),
         ("policy", sample.get("policy_version")),
+        ("served", sample.get("instance")),  # by which vLLM instance
         ("created", sample.get("created_at")),
         ("judge", f"score {judge.get('score')} ({judge.get('source')}"
                   + (f", tag {judge['tag']})" if judge.get("tag") else ")") if judge else None),
@@ -705,6 +708,15 @@ def _traj_reward(ctx: Context) -> int:
     return 0
 
 
+def _traj_exclude(ctx: Context) -> int:
+    answer = ctx.client.request("POST", "/v1/rl/trajectories/exclude", body={"instance": ctx.args.instance})
+    ctx.show(answer, lambda a: _out(
+        f"instance {a.get('instance')} excluded: {a.get('excluded')} sample(s) moved to `excluded` now, later ones "
+        f"are filed there too; {a.get('training')} already in the running Training Run stay with it (cancel the "
+        f"run to exclude them as well); excluded instances: {', '.join(a.get('excluded_instances') or [])}"))
+    return 0
+
+
 def _traj_get(ctx: Context) -> int:
     ctx.show(ctx.client.request("GET", f"/v1/rl/trajectories/{_q(ctx.args.id)}"), _show_sample)
     return 0
@@ -857,6 +869,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one status only")
     _add_page_options(p)
     leaf(traj, "get", "one sample with its token arrays and judge", _traj_get).add_argument("id")
+    p = leaf(traj, "exclude", "keep every sample a vLLM instance served out of training, now and from now on "
+                              "(its pending samples become `excluded`)", _traj_exclude)
+    p.add_argument("--instance", required=True, help="the instance name (as `rl instance list` shows it)")
     p = leaf(traj, "reward", "attach a score of an external reward source (needs a reward policy; docs/rewards.md)",
              _traj_reward)
     p.add_argument("id", help="the sample (trajectory) id")

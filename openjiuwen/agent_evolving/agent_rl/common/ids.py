@@ -63,6 +63,14 @@ def require_rollout_id(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
+MAX_INSTANCE_NAME = 256  # a vLLM instance name, as the gateway accepts it (config or registration)
+
+
+def is_instance_name(value: object) -> bool:
+    """A vLLM instance name: a printable string of 1..256 characters."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_INSTANCE_NAME and value.isprintable()
+
+
 def parse_lora_name(name: object) -> tuple[str, int] | None:
     """(model, N) of a LoRA version name `<model>:vN` (N = `[1-9][0-9]*`, model not blank), else None."""
     if not isinstance(name, str):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ..common import packed_hook
 from .config import GatewayConfig
@@ -16,6 +17,7 @@ from .health import HealthMonitor, InstanceProbe
 from .hmac_auth import HmacVerifier
 from .http11 import Http11Client
 from .inference import InferenceProxy
+from .instance_addresses import AddressPolicy
 from .instances import Instance, InstanceRegistry
 from .lora_manager import LoraManager
 from .metrics import GatewayMetrics
@@ -58,9 +60,15 @@ def build_gateway(
     upstream = Http11Client(keepalive_expiry_s=2.0, connect_timeout_s=10.0, max_idle_per_origin=256)
     checks = config.instance_health
     probe = InstanceProbe(checks.timeout_s)
+    # A registration may not name the gateway's own port or its child's (on this host), nor an internal address
+    # outside the networks the operator allowed.
+    addresses = AddressPolicy(allowed_networks=config.registration.networks,
+                              own_ports=(config.global_.listen_port, urlsplit(online.endpoint).port or 80),
+                              resolve_timeout_s=checks.timeout_s)
     loras = LoraManager(
         registry, lora_root=config.lora.root, state_path=config.lora.state_path,
-        operation_timeout_s=config.lora.operation_timeout_s, probe=probe,
+        operation_timeout_s=config.lora.operation_timeout_s, addresses=addresses,
+        capture_registered=config.registration.capture_traffic, probe=probe,
     )
     health = HealthMonitor(
         registry, readmit=loras.readmit, interval_s=checks.interval_s, timeout_s=checks.timeout_s,
@@ -84,7 +92,7 @@ def build_gateway(
     )
     inference = InferenceProxy(
         model_id=model_id, tracker=tracker, loras=loras, rl=rl, rl_running=control.running, upstream=upstream,
-        max_upstream_bytes=config.global_.max_upstream_body_bytes, metrics=metrics,
+        max_upstream_bytes=config.global_.max_upstream_body_bytes, metrics=metrics, recheck=health.recheck,
     )
     console = Console(auth=console_auth, control=control, loras=loras, supervisor=supervisor, model_id=model_id)
     return Gateway(

@@ -16,7 +16,7 @@ import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from ipaddress import ip_address
+from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -195,6 +195,14 @@ def _check_listen(value: str) -> str:
     return value
 
 
+def _check_network(value: str) -> str:
+    try:
+        ip_network(value)
+    except ValueError:
+        raise _invalid("must be a network such as 127.0.0.0/8 or fd00::/8 (no host bits set)") from None
+    return value
+
+
 def _check_absolute(value: str) -> str:
     if not value.strip() or "\x00" in value or not os.path.isabs(value):
         raise _invalid("must be an absolute path")
@@ -304,9 +312,21 @@ class InstanceHealthSection(_Model):
 
 
 class RegistrationSection(_Model):
-    """Project gateway (issue 19): bound of the instances added through `register-instance`."""
+    """Project gateway: what `register-instance` may add (issue 19: how many; issue 28 item 1: which addresses,
+    instance_addresses.py; item 2: whether registered instances serve captured traffic)."""
 
     max_instances: Annotated[StrictInt, Field(ge=0, le=10_000)] = Field(default=64, alias="maxInstances")
+    # Networks whose loopback, link-local, … addresses a registration may still name (e.g. "127.0.0.0/8" when vLLM
+    # runs on the gateway's host). Empty: none.
+    allowed_networks: list[Annotated[StrictStr, AfterValidator(_check_network)]] = Field(
+        default_factory=list, alias="allowedNetworks")
+    # Off: registered instances serve traffic outside Tasks only (bypass), so no holder of the instance key can put
+    # completions into training data. On (default): today's behaviour, as an AIGW routes, all instances alike.
+    capture_traffic: StrictBool = Field(default=True, alias="captureTraffic")
+
+    @property
+    def networks(self) -> list[IPv4Network | IPv6Network]:
+        return [ip_network(n) for n in self.allowed_networks]
 
 
 class OnlineRLSection(_Model):

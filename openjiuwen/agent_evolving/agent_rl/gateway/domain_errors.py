@@ -12,6 +12,7 @@ from .rl_client import CaptureFailed
 STATUS_OF_CODE = {
     "invalid_lora_request": 400,
     "invalid_request": 400,
+    "instance_address_refused": 400,
     "instance_not_found": 404,
     "canary_conflict": 409,
     "completion_conflict": 409,
@@ -26,6 +27,7 @@ STATUS_OF_CODE = {
     "rl_hook_failed": 502,
     "gateway_closing": 503,
     "lora_unavailable": 503,
+    "no_capture_instances": 503,
     "no_healthy_instances": 503,
     "no_instances": 503,
     "rl_hook_timeout": 504,

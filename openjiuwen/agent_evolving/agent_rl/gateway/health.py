@@ -4,12 +4,19 @@ routing and the activation quorum, and hand a recovered one to the LoRA manager 
 An instance leaves after `failure_threshold` failed probes in a row (a probe fails on any answer but 200, a transport
 error or `timeout_s`). A failed instance is probed on every round; the first 200 readmits it: the LoRA manager loads
 the active adapter and the versions still leased, and only then puts it back into routing. One event loop, no locks.
+
+Start-up window (issue 28 item 12): a request that finds no healthy instance asks for a check at once (`recheck`)
+instead of waiting for the next round, so a vLLM that came up just after the last probe serves it. Checks are
+single-flight (a periodic round and any number of such requests share one), at most one starts per
+`RECHECK_MIN_GAP_S` (a burst of requests while every instance is down probes each instance once, not once per
+request), and a request waits for it at most `recheck_wait_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -19,6 +26,9 @@ from .instances import Instance, InstanceRegistry
 log = logging.getLogger("openjiuwen.agent_rl.gateway.health")
 
 HEALTH_PATH = "/health"  # vLLM's liveness route: 200 with an empty body
+# A check asked for by a request starts only when the last one ended at least this long ago: while every instance
+# stays down, requests are answered 503 from that check's result rather than each probing every instance again.
+RECHECK_MIN_GAP_S = 0.5
 
 
 class InstanceProbe:
@@ -65,6 +75,11 @@ class HealthMonitor:
         self._threshold = failure_threshold
         self.probe = probe if probe is not None else InstanceProbe(timeout_s, client)
         self._failures: dict[str, int] = {}  # consecutive failed probes of a serving instance
+        self._current: asyncio.Task[None] | None = None  # the check running now, shared (single-flight)
+        self._last_ended = float("-inf")  # monotonic time the last shared check ended
+        # A request waits for an urgent check at most one probe timeout: the probe itself is bounded by it, and a
+        # readmission that loads adapters may take longer (it goes on; the request gets its 503 meanwhile).
+        self.recheck_wait_s = timeout_s
 
     async def check_once(self, *, at_start: bool = False) -> None:
         """Probe every instance at once; take out those past the threshold (`at_start`: after one failure, since
@@ -100,14 +115,37 @@ class HealthMonitor:
         """Check every `interval_s` until cancelled."""
         while True:
             await asyncio.sleep(self._interval_s)
-            try:
-                await self.check_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("instance health check failed")
+            await asyncio.wait({self._shared_check()})
+
+    async def recheck(self) -> None:
+        """Check now, for a request that found no healthy instance: join the check already running, or start one
+        unless the last ended under `RECHECK_MIN_GAP_S` ago; wait for it at most `recheck_wait_s`. Never raises
+        (the request then routes on whatever the registry says)."""
+        if self._current is None and time.monotonic() - self._last_ended < RECHECK_MIN_GAP_S:
+            return
+        # `wait`, not `wait_for`: the request's timeout must not cancel a check other callers share.
+        await asyncio.wait({self._shared_check()}, timeout=self.recheck_wait_s)
+
+    def _shared_check(self) -> asyncio.Task[None]:
+        if self._current is None:
+            self._current = asyncio.create_task(self._check_logged(), name="instance-health-check")
+        return self._current
+
+    async def _check_logged(self) -> None:
+        try:
+            await self.check_once()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("instance health check failed")
+        finally:
+            self._current = None
+            self._last_ended = time.monotonic()
 
     async def close(self) -> None:
+        if self._current is not None:
+            self._current.cancel()
+            await asyncio.wait({self._current})
         await self.probe.close()
 
     async def _readmit_logged(self, instance: Instance) -> None:

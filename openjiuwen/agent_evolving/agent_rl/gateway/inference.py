@@ -75,13 +75,15 @@ class Capture:
     capture_id: str
     turn_id: str | None
     request: dict[str, Any]  # the injected request `:before` returned
+    instance: str | None = None  # the instance that serves it, once routed
 
     def hook_body(self, **extra: Any) -> dict[str, Any]:
         return {"rl_task_id": self.binding.rl_task_id, "capture_id": self.capture_id,
                 "agent_turn_id": self.turn_id, **extra}
 
     def _head(self, request_json: bytes) -> bytes:
-        head = orjson.dumps(self.hook_body())
+        # `instance` (ext): the sample records who served it, so that an operator can exclude an instance's samples.
+        head = orjson.dumps(self.hook_body(instance=self.instance))
         return b"".join((head[:-1], b',"request":', request_json, b"}"))
 
     def after_body(self, request_json: bytes, response_json: bytes) -> bytes:
@@ -115,9 +117,13 @@ class InferenceProxy:
         upstream: Http11Client,
         max_upstream_bytes: int,
         metrics: "GatewayMetrics | None" = None,
+        recheck: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """`recheck`: an immediate health check of every instance (health.py), awaited once by a request that finds
+        no healthy instance before it gets 503 `no_healthy_instances` (issue 28 item 12)."""
         self._metrics = metrics
         self._max_upstream_bytes = max_upstream_bytes
+        self._recheck = recheck
         self._model_id = model_id
         self._tracker = tracker
         self._sessions = tracker.sessions
@@ -214,7 +220,7 @@ class InferenceProxy:
                             "active version")
         try:
             # Base traffic of one session sticks to one instance (prefix-cache reuse); LoRA traffic never does.
-            instance = self._routing.pick(
+            instance = await self._pick(
                 self._model_id, model if isinstance(model, str) else self._model_id, affinity_key=session_id
             )
         except LoraError as exc:
@@ -236,10 +242,23 @@ class InferenceProxy:
             return error_answer(exc)
         pending.capture = Capture(binding, capture_id, turn_id, injected)  # from here it ends by `:after` or `:discard`
         try:
-            instance = self._routing.pick(self._model_id, binding.policy_model, affinity_key=binding.session_id)
+            instance = await self._pick(self._model_id, binding.policy_model, affinity_key=binding.session_id,
+                                        captured=True)
         except LoraError as exc:
             return error_answer(exc)
+        pending.capture.instance = instance.name
         return await self._upstream_answer(instance, injected, wants, flavor, counts, pending=pending)
+
+    async def _pick(self, model: str, policy_model: str, **how: Any) -> Instance:
+        """The routing pick; when every instance is out of routing, once more after an immediate health check (a
+        vLLM that came up since the last round serves at once rather than a probe interval later)."""
+        try:
+            return self._routing.pick(model, policy_model, **how)
+        except LoraError as exc:
+            if exc.code != "no_healthy_instances" or self._recheck is None:
+                raise
+        await self._recheck()
+        return self._routing.pick(model, policy_model, **how)
 
     @contextlib.contextmanager
     def _capture_in_flight(self, rl_task_id: str) -> Iterator[_PendingCapture]:

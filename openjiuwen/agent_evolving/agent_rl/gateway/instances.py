@@ -12,12 +12,13 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from ..common.ids import MAX_INSTANCE_NAME, is_instance_name
+
 # A DNS name (RFC 1123 labels, plus `_`, which container runtimes use in service names); anything else must be an
 # IP literal. The host ends up in upstream URLs, so a value no URL can carry (spaces, `/`, `@`, control characters)
 # is refused at registration or config load, not when traffic is routed.
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 _HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?")
-_MAX_NAME_LENGTH = 256
 
 
 def valid_host(host: str) -> bool:
@@ -41,8 +42,8 @@ class Instance:
         for field, value in (("name", self.name), ("model", self.model), ("host", self.host)):
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"instance {field} must be a non-empty string")
-        if len(self.name) > _MAX_NAME_LENGTH or not self.name.isprintable():
-            raise ValueError(f"instance name must be printable and at most {_MAX_NAME_LENGTH} characters")
+        if not is_instance_name(self.name):
+            raise ValueError(f"instance name must be printable and at most {MAX_INSTANCE_NAME} characters")
         if not valid_host(self.host):
             raise ValueError("instance host must be a DNS name or an IP address")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:

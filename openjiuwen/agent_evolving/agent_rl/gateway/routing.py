@@ -3,7 +3,8 @@ instance that least-busy routing reads.
 
 A LoRA policy (`<model>:vN`) goes only to instances with that adapter confirmed loaded (holdings.py), least in
 flight first, then round robin; never by affinity. Anything else is base traffic: any serving instance of the model,
-by rendezvous hash of the affinity key when there is one (prefix-cache locality), else least in flight.
+by rendezvous hash of the affinity key when there is one (prefix-cache locality), else least in flight. With
+`registration.captureTraffic` off, a captured request (inside an RL Task) goes to static instances only.
 """
 
 from __future__ import annotations
@@ -31,15 +32,26 @@ def require_serving(registry: InstanceRegistry, model: str) -> list[Instance]:
 
 
 class Router:
-    def __init__(self, registry: InstanceRegistry, holdings: Holdings) -> None:
+    def __init__(self, registry: InstanceRegistry, holdings: Holdings, *, capture_registered: bool = True) -> None:
+        """`capture_registered`: registered instances serve captured traffic too (`registration.captureTraffic`,
+        on by default); off, only static ones do, so no holder of the instance key can write training data."""
         self._registry = registry
         self._holdings = holdings
+        self._capture_registered = capture_registered
         self._inflight: Counter[str] = Counter()  # instance name → requests in flight
         self._turns: dict[str, int] = {}  # round-robin position per routing key
 
-    def pick(self, model: str, policy_model: str, *, affinity_key: str | None = None) -> Instance:
-        """The instance for one request; LoraError 503 when none can serve it."""
+    def pick(self, model: str, policy_model: str, *, affinity_key: str | None = None,
+             captured: bool = False) -> Instance:
+        """The instance for one request (`captured`: a request of an RL Task); LoraError 503 when none can serve
+        it."""
         instances = require_serving(self._registry, model)
+        if captured and not self._capture_registered:
+            instances = [i for i in instances if self._registry.is_static(i.name)]
+            if not instances:
+                raise LoraError("no_capture_instances",
+                                f"no static instance of {model} serves; registered instances serve no captured "
+                                "traffic (registration.captureTraffic)")
         parsed = parse_lora_name(policy_model)
         if parsed is None or parsed[0] != model:
             if affinity_key is not None:

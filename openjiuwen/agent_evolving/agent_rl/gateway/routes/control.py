@@ -30,6 +30,7 @@ PROXIED_ROUTES = (
     ("GET", "/v1/rl/trajectories/stats"),
     ("GET", "/v1/rl/trajectories"),
     ("GET", "/v1/rl/trajectories/{trajectory_id}"),
+    ("POST", "/v1/rl/trajectories/exclude"),
     ("POST", "/v1/rl/trajectories/rewards"),
     ("POST", "/v1/rl/trajectories/{trajectory_id}/rewards"),
     ("GET", "/v1/rl/policies"),

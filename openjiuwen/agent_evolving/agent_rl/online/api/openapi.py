@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...common.ids import TASK_ID_RE, TOKEN_ID_RE
+from ...common.ids import MAX_INSTANCE_NAME, TASK_ID_RE, TOKEN_ID_RE
 from ..store.sample_status import ALL_SAMPLE_STATUSES
 from ..tasks.models import TASK_STATUSES, FinishReason, RewardMode
 
@@ -113,8 +113,10 @@ TASK_STOP = json_body({"type": "object"}, required=False)  # ignored by the rout
 TASK_REWARD = json_body(_object(["reward"], {"reward": {"type": "number", "minimum": 0, "maximum": 1}}, closed=True))
 HOOK_BEFORE = json_body(_object(["rl_task_id", "capture_id", "request"], {**_HOOK_IDS, "request": CHAT_REQUEST},
                                 closed=True))
+_INSTANCE = {"type": "string", "minLength": 1, "maxLength": MAX_INSTANCE_NAME}
 HOOK_AFTER = json_body(_object(["rl_task_id", "capture_id", "request", "response"],
-                               {**_HOOK_IDS, "request": CHAT_REQUEST, "response": CHAT_COMPLETION}, closed=True))
+                               {**_HOOK_IDS, "request": CHAT_REQUEST, "response": CHAT_COMPLETION,
+                                "instance": {"anyOf": [_INSTANCE, {"type": "null"}]}}, closed=True))
 HOOK_DISCARD = json_body(_object(["rl_task_id", "capture_id"], _HOOK_IDS, closed=True))
 TASK_FINISH = json_body(_object(["reason"], {"reason": {"enum": [FinishReason.SERVICE_STOPPED.value]}}, closed=True))
 TASK_ABORT = json_body(_object(
@@ -143,6 +145,7 @@ TRAJECTORY_REWARDS = json_body(_object(["rewards"], {"rewards": {
                      {"trajectory_id": {"type": "string", "minLength": 1}, "source": _REWARD_SOURCE, "score": _SCORE},
                      closed=True),
 }}, closed=True))
+TRAJECTORY_EXCLUDE = json_body(_object(["instance"], {"instance": _INSTANCE}, closed=True))
 _RAIL_SAMPLE = _object(
     ["messages", "prompt_ids", "response_tokens", "logprobs", "response"],
     {

@@ -1,4 +1,4 @@
-"""Trajectory routes (CONTRACT §2.7): counters, paged listing, sample detail."""
+"""Trajectory routes (CONTRACT §2.7): counters, paged listing, sample detail, exclusion by instance."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from ..store.keys import ALL_SAMPLE_STATUSES
 from ..store.trajectories import TrajectoryStore
 from . import openapi
 from ...common.errors import ApiError
+from ...common.ids import MAX_INSTANCE_NAME, is_instance_name
+from .body import json_object
 from .errors import domain_errors
 from .paging import cursor_param, limit_param, status_param
 
@@ -29,6 +31,19 @@ def build_trajectories_router(
         if reward_stats is not None:
             stats["rewards"] = await reward_stats()
         return stats
+
+    @router.post("/v1/rl/trajectories/exclude", openapi_extra=openapi.TRAJECTORY_EXCLUDE)
+    async def exclude_instance(request: Request) -> dict[str, Any]:
+        """An operator excludes what one vLLM instance served from training: its samples not yet claimed become
+        `excluded` now, and those published later too. Idempotent."""
+        body = await json_object(request)
+        assert body is not None
+        instance = body.get("instance")
+        if set(body) != {"instance"} or not is_instance_name(instance):
+            raise ApiError(400, "invalid_request",
+                           f"body must be exactly {{\"instance\": <instance name, 1..{MAX_INSTANCE_NAME} "
+                           "printable characters>}")
+        return await store.exclude_instance(instance)
 
     @router.get("/v1/rl/trajectories", openapi_extra=openapi.TRAJECTORY_LIST)
     async def list_trajectories(request: Request) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInput
-from ...common.ids import is_task_id, is_token_id
+from ...common.ids import MAX_INSTANCE_NAME, is_instance_name, is_task_id, is_token_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +16,7 @@ class HookBody:
     agent_turn_id: str | None
     request: Any = None
     response: Any = None
+    instance: str | None = None  # the vLLM instance that served the completion (ext; an AIGW sends none)
 
 
 def _invalid(message: str) -> InvalidInput:
@@ -48,4 +49,7 @@ def parse_hook(body: dict[str, Any], *, with_request: bool, with_response: bool)
         raise _invalid("request must be an object")
     if with_response and not isinstance(body["response"], dict):
         raise _invalid("response must be an object")
-    return HookBody(t, c, turn, body.get("request"), body.get("response"))
+    instance = body.get("instance") if with_response else None
+    if instance is not None and not is_instance_name(instance):
+        raise _invalid(f"instance must be a printable string of 1..{MAX_INSTANCE_NAME} characters or null")
+    return HookBody(t, c, turn, body.get("request"), body.get("response"), instance)

@@ -118,7 +118,7 @@ class CapturePipeline:
                 injected = normalize_request(hook.request)
                 sample = build_sample(
                     task, capture_id=hook.capture_id, agent_turn_id=hook.agent_turn_id, request=injected,
-                    response=hook.response, validated=validated,
+                    response=hook.response, validated=validated, instance=hook.instance,
                 )
                 fingerprints = request_fingerprint(injected), (
                     response_fingerprint(hook.response) if arrays is None

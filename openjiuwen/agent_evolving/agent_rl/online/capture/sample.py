@@ -27,7 +27,9 @@ def build_sample(
     request: dict[str, Any],
     response: dict[str, Any],
     validated: ValidatedResponse,
+    instance: str | None = None,
 ) -> PackedSample:
+    """`instance`: the vLLM instance that served it, when the gateway said (an operator may exclude its samples)."""
     message = validated.choice["message"]
     # `response_text` is not stored: it is the response's content (codec.derive_response_text), restored on read.
     trajectory: dict[str, Any] = {"tool_calls": message.get("tool_calls") or []}
@@ -51,6 +53,8 @@ def build_sample(
         trajectory=trajectory,
     )
     meta["judge"] = None
+    if instance is not None:
+        meta["instance"] = instance
     if task.evaluation:
         meta["evaluation"] = True  # the store files it under `evaluation`: measured, never trained on
     return PackedSample(meta, validated.prompt_ids, validated.response_ids, validated.logprobs)

@@ -35,6 +35,8 @@ RUNS_BY_CREATION = PREFIX + "training_runs:by_created"
 TASKS_LISTING_EXPIRY = PREFIX + "tasks:listing_expiry"
 RUNS_LISTING_EXPIRY = PREFIX + "training_runs:listing_expiry"
 POLICY_VERSIONS = PREFIX + "policy_versions"  # SET of policy versions with aggregates (`policy_stats:{version}`)
+# SET of the vLLM instance names an operator excluded (issue 28 item 2): their samples are `excluded`, never trained.
+EXCLUDED_INSTANCES = PREFIX + "excluded_instances"
 # Rollouts (docs/rollout.md): the id of the one rollout not yet ended (absent when none), and every rollout by
 # creation epoch. Invariant 10: the pointer names exactly the one non-terminal rollout record.
 ROLLOUT_CURRENT = PREFIX + "rollout:current"

@@ -3,7 +3,9 @@
 The values are what Redis holds (hash field `status`, the `traj_idx:{owner}:{status}` indexes, the `status:<s>`
 counters) and what the API shows, so they never change. A sample waits in `awaiting_rewards` (before `pending`) only
 under a reward policy; a sample of an evaluation Task enters `evaluation` at publication and leaves it only by
-retention. Insertion and deletion are not moves: `TrajectoryStore.queue_move` checks every move against the table.
+retention; a sample served by an instance an operator excluded is `excluded` (at publication, by the exclusion, or
+when the run that held it gives it back) and never reaches a Training Run. Insertion and deletion are not moves:
+`TrajectoryStore.queue_move` checks every move against the table.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class SampleStatus(StrEnum):
     TRAINED = "trained"
     FAILED = "failed"
     EVALUATION = "evaluation"
+    EXCLUDED = "excluded"
 
 
 # Every status, in listing order (buckets of `GET /v1/rl/trajectories`).
@@ -28,11 +31,14 @@ ALL_SAMPLE_STATUSES: tuple[SampleStatus, ...] = tuple(SampleStatus)
 SAMPLE_STATUSES = (SampleStatus.PENDING, SampleStatus.TRAINING, SampleStatus.TRAINED, SampleStatus.FAILED)
 
 SAMPLE_TRANSITIONS = Transitions("sample", {
-    SampleStatus.AWAITING_REWARDS: {SampleStatus.PENDING},  # its last open reward source arrived or fell back
-    SampleStatus.PENDING: {SampleStatus.TRAINING},  # claimed by a Training Run
-    # The run's outcome; back to `pending` when the run is canceled, failed or vanished before training ended.
-    SampleStatus.TRAINING: {SampleStatus.TRAINED, SampleStatus.FAILED, SampleStatus.PENDING},
+    # Its last open reward source arrived or fell back; or an operator excluded the instance that served it.
+    SampleStatus.AWAITING_REWARDS: {SampleStatus.PENDING, SampleStatus.EXCLUDED},
+    SampleStatus.PENDING: {SampleStatus.TRAINING, SampleStatus.EXCLUDED},  # claimed by a Training Run, or excluded
+    # The run's outcome; back to `pending` when the run is canceled, failed or vanished before training ended
+    # (`excluded` instead when its instance was excluded meanwhile).
+    SampleStatus.TRAINING: {SampleStatus.TRAINED, SampleStatus.FAILED, SampleStatus.PENDING, SampleStatus.EXCLUDED},
     SampleStatus.TRAINED: set(),
     SampleStatus.FAILED: set(),
     SampleStatus.EVALUATION: set(),
+    SampleStatus.EXCLUDED: set(),
 })

@@ -35,13 +35,16 @@ if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
 
 # Statuses a failed publication may have left its samples in (`delete_pending` rolls them back).
-_UNCLAIMED = (SampleStatus.PENDING, SampleStatus.AWAITING_REWARDS, SampleStatus.EVALUATION)
+_UNCLAIMED = (SampleStatus.PENDING, SampleStatus.AWAITING_REWARDS, SampleStatus.EVALUATION, SampleStatus.EXCLUDED)
 # Statuses retention sweeps: samples no Training Run will ever read again.
-_SWEPT = (SampleStatus.TRAINED, SampleStatus.FAILED, SampleStatus.EVALUATION)
+_SWEPT = (SampleStatus.TRAINED, SampleStatus.FAILED, SampleStatus.EVALUATION, SampleStatus.EXCLUDED)
+# Statuses an exclusion takes samples out of: published, not yet claimed by a Training Run.
+_EXCLUDABLE = (SampleStatus.AWAITING_REWARDS, SampleStatus.PENDING)
+_EXCLUDE_CHUNK = 256  # samples moved per transaction by an exclusion
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
 _SUMMARY_FIELDS = (
     "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at",
-    "status",
+    "status", "instance",
 )
 _DOC_FIELDS = (
     "sample_json", "prompt_ids", "response_ids", "response_logprobs", "rewards", "prompt_blocks", "status",
@@ -113,7 +116,8 @@ class TrajectoryStore:
     async def insert_if_absent(self, samples: Sequence[PackedSample]) -> list[str]:
         """Insert every sample whose hash has no `status` yet, as `pending` (or, under a reward policy with
         external sources, `awaiting_rewards`; a sample of an evaluation Task as `evaluation`, whatever the policy:
-        it never waits to become trainable); returns the inserted ids in input order.
+        it never waits to become trainable; a sample served by an excluded instance as `excluded`); returns the
+        inserted ids in input order.
 
         An existing sample is never re-inserted or reset (invariant 4): publication may be repeated safely."""
         by_id: dict[str, PackedSample] = {}
@@ -132,12 +136,16 @@ class TrajectoryStore:
             async with self._redis.pipeline(transaction=False) as reads:
                 for key in hash_keys.values():
                     reads.hexists(key, "status")
-                present = await reads.execute()
+                reads.smembers(keys.EXCLUDED_INSTANCES)
+                *present, raw_excluded = await reads.execute()
+            excluded = {text(m) for m in raw_excluded}
             fresh = [sample_id for sample_id, exists in zip(by_id, present) if not exists]
             if not fresh:
                 return []  # leaving the pipeline context UNWATCHes
             # Invariant 5 (CONTRACT §5.4): hash status, status index and counters change together; an
             # `awaiting_rewards` sample enters the deadline index in the same EXEC (docs/rewards.md invariants).
+            # Invariant 11: a sample of an excluded instance is never trainable; the set is WATCHed, so an exclusion
+            # that lands before this EXEC makes it run again.
             # Invariant P (prompt_blocks.py): the samples' prompt-block references are added in this EXEC too, so a
             # block exists iff some sample references it and `refs` counts those samples.
             pipe.multi()
@@ -153,13 +161,15 @@ class TrajectoryStore:
                 source = str(meta.get("source") or "")
                 policy_version = str(meta.get("policy_version") or BASE_POLICY)
                 created_at = str(meta["created_at"])
-                evaluation = meta.get("evaluation") is True
-                status, extra = (SampleStatus.EVALUATION if evaluation else SampleStatus.PENDING), {}
+                instance = meta.get("instance")
+                final = (SampleStatus.EVALUATION if meta.get("evaluation") is True
+                         else SampleStatus.EXCLUDED if instance in excluded else None)
+                status, extra = final or SampleStatus.PENDING, {}
                 if self._reward_policy is not None:
-                    # An evaluation sample keeps a reward state (external sources may still post to it) but never
-                    # enters `awaiting_rewards` nor the deadline index.
+                    # An evaluation or excluded sample keeps a reward state (external sources may still post to an
+                    # evaluation one) but never enters `awaiting_rewards` nor the deadline index.
                     state = self._reward_policy.initial(meta.get("judge"), now_epoch)
-                    status = SampleStatus.EVALUATION if evaluation else self._reward_policy.status(state)
+                    status = final or self._reward_policy.status(state)
                     extra = {"rewards": orjson.dumps(state)}
                     if status == SampleStatus.AWAITING_REWARDS:
                         pipe.zadd(self._deadlines_key, {sample_id: self._reward_policy.next_deadline(state)})
@@ -176,6 +186,7 @@ class TrajectoryStore:
                         "status": status,
                         "updated_at": now,
                         "run_id": "",
+                        "instance": instance if isinstance(instance, str) else "",
                         "sample_json": sample.meta_blob(),
                         # The ids after the last shared block; the blocks' digests only when there are blocks.
                         "prompt_ids": split[sample_id][1],
@@ -193,7 +204,7 @@ class TrajectoryStore:
             await pipe.execute()
             return fresh
 
-        fresh = await transact(self._redis, body, *hash_keys.values())
+        fresh = await transact(self._redis, body, *hash_keys.values(), keys.EXCLUDED_INSTANCES)
         if self._metrics is not None:
             for sample_id in fresh:
                 self._metrics.published(str(by_id[sample_id].meta.get("source") or ""))
@@ -234,6 +245,58 @@ class TrajectoryStore:
                 self._queue_policy_stats(pipe, policy_version, meta, response_ids or b"", -1)
             await pipe.execute()
             return len(doomed)
+
+        return await transact(self._redis, body, *hash_keys.values())
+
+    async def exclude_instance(self, instance: str) -> dict[str, Any]:
+        """Exclude the samples `instance` served from training (an operator, issue 28 item 2): from now on its
+        samples are published `excluded`, and those published and not yet claimed (`awaiting_rewards`, `pending`)
+        move to `excluded` now. Samples a Training Run already claimed stay with it (`training`; they move to
+        `excluded` if that run gives them back). Idempotent. Returns the counts and every excluded instance."""
+        # First the set: a publication that has not executed yet WATCHes it and files the samples `excluded`, so
+        # the scan below sees every sample published before.
+        await self._redis.sadd(keys.EXCLUDED_INSTANCES, instance)
+        moved = 0
+        for status in _EXCLUDABLE:
+            matched = await self._served_by(instance, status)
+            for start in range(0, len(matched), _EXCLUDE_CHUNK):
+                moved += await self._exclude(matched[start:start + _EXCLUDE_CHUNK])
+        training = len(await self._served_by(instance, SampleStatus.TRAINING))
+        excluded = sorted(text(m) or "" for m in await self._redis.smembers(keys.EXCLUDED_INSTANCES))
+        return {"instance": instance, "excluded": moved, "training": training, "excluded_instances": excluded}
+
+    async def _served_by(self, instance: str, status: str) -> list[str]:
+        """Ids in the `status` index whose sample `instance` served (index field reads only)."""
+        members = [text(m) or "" for m in await self._redis.zrange(self.index_key(status), 0, -1)]
+        found: list[str] = []
+        for start in range(0, len(members), 1000):
+            chunk = members[start:start + 1000]
+            rows = await self._hmget_many([keys.traj(m) for m in chunk], ("instance",))
+            found += [m for m, (served,) in zip(chunk, rows) if text(served) == instance]
+        return found
+
+    async def _exclude(self, sample_ids: list[str]) -> int:
+        hash_keys = {sample_id: keys.traj(sample_id) for sample_id in sample_ids}
+
+        async def body(pipe: Pipeline) -> int:
+            rows = await self._hmget_many(hash_keys.values(), ("status", "policy_version"))
+            at = ids.now_iso()
+            score = ids.parse_iso_epoch(at)
+            moves = [(sample_id, text(status) or "", text(policy) or BASE_POLICY)
+                     for sample_id, (status, policy) in zip(hash_keys, rows) if text(status) in _EXCLUDABLE]
+            if not moves:
+                return 0
+            # Invariant 11: an excluded instance's sample is never claimed. The hashes are WATCHed: a claim (which
+            # WATCHes its chosen hashes too) or a reward arrival that lands first makes this run again on the new
+            # status, so a sample is either claimed or excluded, never both. Invariant 5 through `queue_move`.
+            pipe.multi()
+            for sample_id, status, policy in moves:
+                self.queue_move(pipe, sample_id, old=status, new=SampleStatus.EXCLUDED, score=score,
+                                policy_version=policy, at=at)
+                if status == SampleStatus.AWAITING_REWARDS:
+                    pipe.zrem(self._deadlines_key, sample_id)
+            await pipe.execute()
+            return len(moves)
 
         return await transact(self._redis, body, *hash_keys.values())
 
@@ -340,12 +403,13 @@ class TrajectoryStore:
         counters = {text(k) or "": max(0, int(v)) for k, v in raw_counters.items()}
         # `awaiting_rewards` is shown under a reward policy, or while samples still wait from one (else the shape
         # stays that of CONTRACT §2.7).
-        # `evaluation` likewise appears once evaluation samples are stored, so `total` counts them too.
+        # `evaluation` and `excluded` likewise appear once such samples are stored, so `total` counts them too.
         waiting = counters.get(_status_field(SampleStatus.AWAITING_REWARDS), 0) > 0
         shown = [*((SampleStatus.AWAITING_REWARDS,) if self._reward_policy is not None or waiting else ()),
                  *SAMPLE_STATUSES]
-        if counters.get(_status_field(SampleStatus.EVALUATION), 0) > 0:
-            shown.append(SampleStatus.EVALUATION)
+        for optional in (SampleStatus.EVALUATION, SampleStatus.EXCLUDED):
+            if counters.get(_status_field(optional), 0) > 0:
+                shown.append(optional)
         by_status = {status.value: counters.get(_status_field(status), 0) for status in shown}
         by_source = {
             name[len("source:"):]: n for name, n in sorted(counters.items()) if name.startswith("source:") and n > 0
@@ -431,6 +495,7 @@ class TrajectoryStore:
         response["choices"] = choices
         doc["response"] = response
         doc["trajectory_id"] = doc.get("trajectory_id") or sample_id
+        doc.setdefault("instance", None)  # the serving instance, when the gateway said (ext)
         doc["status"] = status
         doc["_store_status"] = status
         return doc
@@ -519,6 +584,7 @@ class TrajectoryStore:
                     "policy_version": values["policy_version"],
                     "created_at": values["created_at"],
                     "updated_at": values["updated_at"],
+                    "instance": values["instance"] or None,
                 }
             )
         return items

@@ -217,9 +217,9 @@ class RunStore:
                 stage=RunStage.ACTIVATING.value, lora_name=lora_name, lora_path=lora_path,
                 metrics={**run.metrics, **metrics_patch},
             )
-            failed = sum(1 for sample_id, _, _ in moves if sample_id in dropped)
+            failed = sum(1 for sample_id, *_ in moves if sample_id in dropped)
             pipe.multi()
-            for sample_id, version, _ in moves:
+            for sample_id, version, *_ in moves:
                 target = SampleStatus.FAILED if sample_id in dropped else SampleStatus.TRAINED
                 self._store.queue_move(
                     pipe, sample_id, old=SampleStatus.TRAINING, new=target, score=score, policy_version=version,
@@ -311,30 +311,34 @@ class RunStore:
 
         return await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
 
-    def _queue_restore(self, pipe: Pipeline, moves: list[tuple[str, str, str]], at: str) -> None:
+    def _queue_restore(self, pipe: Pipeline, moves: list[tuple[str, str, str, bool]], at: str) -> None:
         """Queue `training → pending` for `_training_members` rows: each sample back at its original position
-        (scored by `created_at`) and no longer owned by a run."""
-        for sample_id, version, created_at in moves:
-            self._store.queue_move(
-                pipe, sample_id, old=SampleStatus.TRAINING, new=SampleStatus.PENDING,
-                score=parse_iso_epoch(created_at), policy_version=version, at=at, run_id="",
-            )
+        (scored by `created_at`) and no longer owned by a run; `training → excluded` for a sample whose instance
+        an operator excluded meanwhile (invariant 11: it never reaches another run)."""
+        for sample_id, version, created_at, excluded in moves:
+            new, score = ((SampleStatus.EXCLUDED, parse_iso_epoch(at)) if excluded
+                          else (SampleStatus.PENDING, parse_iso_epoch(created_at)))
+            self._store.queue_move(pipe, sample_id, old=SampleStatus.TRAINING, new=new, score=score,
+                                   policy_version=version, at=at, run_id="")
 
-    async def _training_members(self, pipe: Pipeline, run: TrainingRun) -> list[tuple[str, str, str]]:
-        """(id, policy version, created_at) of the run's samples still `training` under this run; their hashes are
-        WATCHed so a concurrent move fails the EXEC."""
+    async def _training_members(self, pipe: Pipeline, run: TrainingRun) -> list[tuple[str, str, str, bool]]:
+        """(id, policy version, created_at, whether its instance is excluded) of the run's samples still `training`
+        under this run; their hashes and the excluded set are WATCHed so a concurrent change fails the EXEC."""
         if not run.sample_ids:
             return []
         hash_keys = [keys.traj(s) for s in run.sample_ids]
-        await pipe.watch(*hash_keys)
+        await pipe.watch(*hash_keys, keys.EXCLUDED_INSTANCES)
         async with self._redis.pipeline(transaction=False) as reads:
             for key in hash_keys:
-                reads.hmget(key, "status", "run_id", "policy_version", "created_at")
-            rows = await reads.execute()
+                reads.hmget(key, "status", "run_id", "policy_version", "created_at", "instance")
+            reads.smembers(keys.EXCLUDED_INSTANCES)
+            *rows, raw_excluded = await reads.execute()
+        excluded = {text(m) for m in raw_excluded}
         out = []
-        for sample_id, (status, owner_run, version, created_at) in zip(run.sample_ids, rows):
+        for sample_id, (status, owner_run, version, created_at, instance) in zip(run.sample_ids, rows):
             if text(status) == SampleStatus.TRAINING and text(owner_run) == run.training_run_id:
-                out.append((sample_id, text(version) or BASE_POLICY, text(created_at) or now_iso()))
+                out.append((sample_id, text(version) or BASE_POLICY, text(created_at) or now_iso(),
+                            bool(instance) and text(instance) in excluded))
         return out
 
     async def list_page(self, limit: int, cursor: str | None) -> dict[str, Any]:
