@@ -67,6 +67,23 @@ async def test_a_recorded_answer_to_the_injected_request_commits_its_sampled_log
     assert sample["trajectory"]["response_ids"] == response["choices"][0]["token_ids"]
 
 
+async def test_a_recorded_answer_at_the_clients_sampling_commits_it_with_its_record(client):
+    """vLLM's real answer (processed logprobs) to a request at temperature 0.7, top_p 0.9 with `top_logprobs` 2: the
+    injected request is the recorded one unchanged (every sampling field already named), the sample keeps the
+    sampled tokens' logprobs and records the sampling."""
+    await start_task(client, "s1", "t1")
+    request, response = load_fixture("chat_request_sampling.json"), load_fixture("chat_response_sampling.json")
+    before, after = await capture(client, "t1", "c1", request, response)
+    assert before.json()["request"] == request and after.status_code == 204
+    assert (await client.post("/v1/rl/tasks/t1/stop")).status_code == 200
+    assert (await client.post("/v1/rl/tasks/t1/reward", json={"reward": 1.0})).json() == {"sample_count": 1}
+    sample = (await client.get("/v1/rl/trajectories/c1")).json()
+    expected = [e["logprob"] for e in response["choices"][0]["logprobs"]["content"]]
+    assert sample["trajectory"]["response_logprobs"] == pytest.approx(expected, rel=1e-6)
+    assert sample["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
+                                  "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
 async def test_capture_reward_and_sample_fields(client, redis):
     await start_task(client, "s1", "t1")
     request, response = load_fixture("chat_request.json"), load_fixture("chat_response.json")
