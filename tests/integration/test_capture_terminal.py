@@ -67,6 +67,23 @@ async def test_a_recorded_answer_to_the_injected_request_commits_its_sampled_log
     assert sample["trajectory"]["response_ids"] == response["choices"][0]["token_ids"]
 
 
+async def test_a_recorded_answer_at_the_clients_sampling_commits_it_with_its_record(client):
+    """vLLM's real answer (processed logprobs) to a request at temperature 0.7, top_p 0.9 with `top_logprobs` 2: the
+    injected request is the recorded one unchanged (every sampling field already named), the sample keeps the
+    sampled tokens' logprobs and records the sampling."""
+    await start_task(client, "s1", "t1")
+    request, response = load_fixture("chat_request_sampling.json"), load_fixture("chat_response_sampling.json")
+    before, after = await capture(client, "t1", "c1", request, response)
+    assert before.json()["request"] == request and after.status_code == 204
+    assert (await client.post("/v1/rl/tasks/t1/stop")).status_code == 200
+    assert (await client.post("/v1/rl/tasks/t1/reward", json={"reward": 1.0})).json() == {"sample_count": 1}
+    sample = (await client.get("/v1/rl/trajectories/c1")).json()
+    expected = [e["logprob"] for e in response["choices"][0]["logprobs"]["content"]]
+    assert sample["trajectory"]["response_logprobs"] == pytest.approx(expected, rel=1e-6)
+    assert sample["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
+                                  "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
 async def test_capture_reward_and_sample_fields(client, redis):
     await start_task(client, "s1", "t1")
     request, response = load_fixture("chat_request.json"), load_fixture("chat_response.json")
@@ -111,6 +128,48 @@ async def test_capture_reward_and_sample_fields(client, redis):
     stored = decode_meta(await redis.hget(keys.traj("c1"), "sample_json"))
     assert "prompt_ids" not in stored["trajectory"] and "prompt_token_ids" not in stored["response"]
     assert "token_ids" not in stored["response"]["choices"][0]
+
+
+async def test_each_sample_records_its_effective_sampling(client, redis):
+    """Issue 29: the client's sampling is kept in the injected request, the fields it left out get explicit neutral
+    values, and the sample records the result: detail, listing, hash field and the capture's event."""
+    await start_task(client, "s1", "t1")
+    response = load_fixture("chat_response.json")
+    request = {k: v for k, v in load_fixture("chat_request.json").items() if k != "temperature"}
+    before, after = await capture(client, "t1", "c1", dict(request, temperature=0.7, top_p=0.9), response)
+    assert after.status_code == 204
+    injected = before.json()["request"]
+    expected = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    assert {k: injected[k] for k in expected} == expected
+    assert injected["top_logprobs"] == request["top_logprobs"] == 1  # the client asked for one alternative
+    # A request that names no sampling field records vLLM's neutral values (never the model's generation_config).
+    _, after = await capture(client, "t1", "c2", request, dict(response, id="chatcmpl-2"))
+    assert after.status_code == 204
+    assert (await client.post("/v1/rl/tasks/t1/stop")).json()["status"] == "finalized"
+    assert (await client.post("/v1/rl/tasks/t1/reward", json={"reward": 1.0})).json() == {"sample_count": 2}
+
+    neutral = dict(expected, temperature=1.0, top_p=1.0)
+    for capture_id, sampling in (("c1", expected), ("c2", neutral)):
+        sample = (await client.get(f"/v1/rl/trajectories/{capture_id}")).json()
+        assert sample["sampling"] == sampling
+        assert orjson.loads(await redis.hget(keys.traj(capture_id), "sampling")) == sampling
+    listed = {i["sample_id"]: i["sampling"] for i in (await client.get("/v1/rl/trajectories")).json()["items"]}
+    assert listed == {"c1": expected, "c2": neutral}
+    events = (await client.get("/v1/rl/tasks/t1/events")).json()["items"]
+    committed = [e["data"] for e in events if e["type"] == "capture_committed"]
+    assert [(e["capture_id"], e["sampling"]) for e in committed] == [("c1", expected), ("c2", neutral)]
+
+
+async def test_before_refuses_sampling_the_trainers_cannot_reproduce_and_the_task_stays_active(client):
+    await start_task(client, "s1", "t1")
+    request = load_fixture("chat_request.json")
+    for extra in ({"temperature": 0}, {"repetition_penalty": 1.1}, {"temperature": 2.5}, {"top_k": 2.5}):
+        r = await client.post("/internal/v1/completions:before",
+                              json={"rl_task_id": "t1", "capture_id": "c1", "request": {**request, **extra}})
+        assert code(r) == (400, "invalid_completion"), (extra, r.text)
+        assert r.json()["error"]["message"].startswith("request." + next(iter(extra)))
+    assert await task_status(client) == ("active", None)
 
 
 async def test_lora_fixture_passes_for_a_pinned_lora_task(client):

@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from openjiuwen.agent_evolving.agent_rl.common.packed_hook import MEDIA_TYPE, pack_after
+from openjiuwen.agent_evolving.agent_rl.common.sampling import DEFAULTS
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from tests.conftest import load_fixture
 from tests.support.service_app import make_config, running_app, start_headers
@@ -43,8 +44,10 @@ def hook(c: str = "c1", t: str = "t1", **extra: Any) -> dict[str, Any]:
 
 
 def injected(request: dict[str, Any]) -> dict[str, Any]:
-    out = dict(request)
-    out.update(logprobs=True, top_logprobs=0, return_token_ids=True)
+    """What `:before` returns: every sampling field named, the client's `top_logprobs` kept (it asked for logprobs)."""
+    out = {**DEFAULTS, **request}
+    out.update(logprobs=True, top_logprobs=request["top_logprobs"] if request.get("logprobs") else 0,
+               return_token_ids=True)
     return out
 
 

@@ -58,7 +58,13 @@ async def judge():
 
 
 @pytest.fixture
-async def service(redis, redis_url, tmp_path, judge):
+def plan() -> dict:
+    """The scripted trainer's plan, which a test may change before it starts a run."""
+    return {"outcome": "succeed"}
+
+
+@pytest.fixture
+async def service(redis, redis_url, tmp_path, judge, plan):
     async with FakeGateway(model_id=MODEL_ID) as gw:
         config = make_config(
             redis_url, tmp_path, aigw_endpoint=gw.url, trainer_backend="scripted", min_samples_for_training=2,
@@ -66,6 +72,7 @@ async def service(redis, redis_url, tmp_path, judge):
             judge_endpoint=judge.url, judge_model="judge", judge_retries=0, judge_votes=2, judge_min_votes=1,
         )
         backend = ScriptedBackend(LoraRepository(config.lora_repository_path, model_id=MODEL_ID))
+        backend.plan = plan
         async with running_app(config, backend=backend) as (app, client):
             yield app, client
 
@@ -114,12 +121,22 @@ async def test_capture_task_and_http_metrics(service, redis, redis_url, tmp_path
     assert value(await scrape(client), "rl_tasks_finished_total", status="aborted", reason="service_restarted") == 0
 
 
-async def test_training_and_activation_metrics(service):
+async def test_training_and_activation_metrics(service, plan):
     app, client = service
     await publish(app.state.deps, 2)
+    # The sampling report a PPO trainer measures (ppo_math.sampling_report): into the run record and two gauges.
+    report = {"tokens": 20, "temperatures": {"0.7": 2}, "truncated_samples": 1, "logprob_mismatch_mean": 0.02,
+              "logprob_mismatch_max": 0.3, "untruncated_mismatch_max": 1e-6, "ratio_clipped_share": 0.05,
+              "correction": "ppo_clip"}
+    plan["sampling"] = report
     run = (await client.post("/v1/rl/training/runs")).json()
-    await app.state.deps.runner.wait(run["training_run_id"])
+    done = await app.state.deps.runner.wait(run["training_run_id"])
+    assert done.metrics["sampling"] == report
+    assert (await client.get(f"/v1/rl/training/runs/{run['training_run_id']}")).json()["metrics"]["sampling"] == report
     m = await scrape(client)
+    assert value(m, "rl_training_logprob_mismatch", stat="mean") == pytest.approx(0.02)
+    assert value(m, "rl_training_logprob_mismatch", stat="max") == pytest.approx(0.3)
+    assert value(m, "rl_training_ratio_clipped_share") == pytest.approx(0.05)
     assert value(m, "rl_training_runs_total", status="succeeded") == 1
     for stage in ("queued", "training", "activating"):
         assert value(m, "rl_training_stage_duration_seconds_count", stage=stage, outcome="ok") == 1

@@ -237,6 +237,34 @@ async def test_tis_cap_trains_against_pi_old_of_the_parent(tmp_path, tiny_model,
     assert step["clip_fraction"] == 0.0
 
 
+async def test_each_row_is_trained_at_its_samples_temperature(tmp_path, tiny_model, local_ray):
+    """Issue 29: one batch mixing temperatures 0.7 and 1.3, each sample's captured logprobs the base model's own at
+    its temperature (as vLLM reports them). verl's engine divides each row's logits by its row's temperature, so the
+    run's sampling report finds no gap, and bypass mode's first ppo_kl (captured − recomputed) is 0; at temperature
+    1 for every row the gap would be ~0.5 nats per token."""
+    from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+
+    prompt = L.prompt_ids(tiny_model)
+    base = L.load_model(tiny_model)
+    docs = []
+    for i, temperature in enumerate((0.7, 1.3, 0.7, 1.3)):
+        response = [10 + i, 200 + i, 30 + i, 90 + i]
+        lps = L.sequence_logprobs(base, prompt, response, temperature)
+        [doc] = L.documents(prompt, [response], [lps], [float(i % 2)], "tiny",
+                            sampling={"temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0})
+        docs.append(dict(doc, sample_id=f"temp-{i}", trajectory_id=f"temp-{i}", rl_task_id=f"t{i}"))
+    backend = make_backend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), tmp_path,
+                           "actor_rollout_ref: {actor: {optim: {lr: 0.0}}}\n")
+    artifact = await backend.train(TrainingJob(
+        training_run_id="run-temps", model_id="tiny", base_model_path=str(tiny_model), samples=docs,
+        init_lora_name="base", init_lora_path=""), on_progress=_noop)
+    report = artifact.metadata["sampling"]
+    assert report["temperatures"] == {"0.7": 2, "1.3": 2} and report["truncated_samples"] == 0
+    assert report["tokens"] == 16 and report["logprob_mismatch_max"] < 1e-4, report
+    assert report["ratio_clipped_share"] == 0.0
+    assert artifact.metadata["ppo_step_metrics"][0]["ppo_kl"] == pytest.approx(0.0, abs=1e-4)
+
+
 async def test_two_ranks_shard_the_batch_and_export_one_adapter(tmp_path, tiny_model, local_ray):
     """nproc_per_node 2 on CPU: two actors, a gloo process group with the rendezvous at rank 0, FSDP2 sharding the
     model over both, 5 samples (mini-batches of 4 and 1: the second is padded for rank 1), one adapter from rank 0."""

@@ -32,9 +32,9 @@ def prompt_ids(model_dir: Path, text: str = "Say something.") -> list[int]:
 
 
 @torch.no_grad()
-def sequence_logprobs(model: Any, prompt: list[int], response: list[int]) -> list[float]:
+def sequence_logprobs(model: Any, prompt: list[int], response: list[int], temperature: float = 1.0) -> list[float]:
     ids = torch.tensor([prompt + response], device=model.device)
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     picked = torch.tensor(response, device=model.device).unsqueeze(-1)
     return F.log_softmax(logits, -1).gather(-1, picked).squeeze(-1).tolist()
 
@@ -60,10 +60,13 @@ def target_share(response: list[int]) -> float:
 
 
 def documents(prompt: list[int], responses: list[list[int]], logprobs: list[list[float]],
-              rewards: list[float], model_id: str) -> list[dict[str, Any]]:
+              rewards: list[float], model_id: str, sampling: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Samples in the captured shape; `sampling`: the record a capture at that sampling would carry (none: drawn at
+    the neutral defaults, like a rail upload)."""
     docs = []
     for i, (resp, lps, r) in enumerate(zip(responses, logprobs, rewards)):
         docs.append({
+            **({"sampling": sampling} if sampling is not None else {}),
             "sample_id": f"learn-{i:03d}", "trajectory_id": f"learn-{i:03d}", "rl_task_id": f"t{i}",
             "session_id": f"s{i}", "policy_version": "base", "source": "rl_task", "user_id": model_id,
             "created_at": f"2026-01-01T00:00:00.{i:06d}+00:00", "judge": {"score": r, "source": "terminal"},
@@ -83,16 +86,17 @@ def margin(model: Any, prompt: list[int], responses: list[list[int]], rewards: l
 
 
 @torch.no_grad()
-def sample_responses_cached(model: Any, prompt: list[int], count: int, length: int, seed: int) -> list[list[int]]:
-    """Plain ancestral sampling like `sample_responses` (temperature 1, no top-k/top-p, seeded draws on the CPU) but
-    with a KV cache: a fraction of the compute, which a 30-layer model on 2 cores needs."""
+def sample_responses_cached(model: Any, prompt: list[int], count: int, length: int, seed: int,
+                            temperature: float = 1.0) -> list[list[int]]:
+    """Ancestral sampling like `sample_responses` (no top-k/top-p, seeded draws on the CPU) at `temperature`, with
+    a KV cache: a fraction of the compute, which a 30-layer model on 2 cores needs."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt] * count, device=model.device)
     out = model(input_ids=ids, use_cache=True)
     past, logits = out.past_key_values, out.logits[:, -1]
     drawn: list[torch.Tensor] = []
     for step in range(length):
-        nxt = torch.multinomial(F.softmax(logits.float().cpu(), -1), 1, generator=gen).to(ids.device)
+        nxt = torch.multinomial(F.softmax(logits.float().cpu() / temperature, -1), 1, generator=gen).to(ids.device)
         drawn.append(nxt)
         if step + 1 < length:
             out = model(input_ids=nxt, past_key_values=past, use_cache=True)
@@ -101,17 +105,19 @@ def sample_responses_cached(model: Any, prompt: list[int], count: int, length: i
 
 
 @torch.no_grad()
-def batch_logprobs(model: Any, prompt: list[int], responses: list[list[int]]) -> list[list[float]]:
+def batch_logprobs(model: Any, prompt: list[int], responses: list[list[int]],
+                   temperature: float = 1.0) -> list[list[float]]:
     """`sequence_logprobs` of equally long responses to one prompt, in one forward pass."""
     ids = torch.tensor([prompt + r for r in responses], device=model.device)
-    logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1].float()
+    logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1].float() / temperature
     picked = torch.tensor(responses, device=model.device).unsqueeze(-1)
     return F.log_softmax(logits, -1).gather(-1, picked).squeeze(-1).tolist()
 
 
-def batch_margin(model: Any, prompt: list[int], responses: list[list[int]], rewards: list[float]) -> float:
-    """`margin` over equally long responses, in one forward pass."""
+def batch_margin(model: Any, prompt: list[int], responses: list[list[int]], rewards: list[float],
+                 temperature: float = 1.0) -> float:
+    """`margin` over equally long responses, in one forward pass, at `temperature`."""
     good, bad = [], []
-    for lps, r in zip(batch_logprobs(model, prompt, responses), rewards):
+    for lps, r in zip(batch_logprobs(model, prompt, responses, temperature), rewards):
         (good if r > 0.5 else bad).extend(lps)
     return sum(good) / len(good) - sum(bad) / len(bad)

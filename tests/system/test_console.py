@@ -50,10 +50,10 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def chat(client: openai.OpenAI, session: str, turn: str | None = None) -> None:
+def chat(client: openai.OpenAI, session: str, turn: str | None = None, **sampling: Any) -> None:
     headers = {"X-Agent-Session-Id": session, **({TURN: turn} if turn else {})}
     out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                         extra_headers=headers)
+                                         extra_headers=headers, **sampling)
     assert out.choices[0].message.content
 
 
@@ -70,8 +70,8 @@ def stop(gw: GatewayProcess, rl_task_id: str) -> None:
 
 def rewarded_task(gw: GatewayProcess, client: openai.OpenAI, session: str, reward: float, chats: int = 1) -> str:
     t = start(gw, session)
-    for _ in range(chats):
-        chat(client, session)
+    for n in range(chats):
+        chat(client, session, **({"temperature": 0.7, "top_p": 0.9} if n == 1 else {}))  # the agent's own sampling
     stop(gw, t)
     r = gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": reward})
     assert r.status_code == 200, r.text
@@ -101,7 +101,10 @@ def run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Co
                           for i, reward in enumerate((0.2, 0.5, 0.3))]
         gw.set_plan({"outcome": "succeed", "steps": [  # a few PPO steps for the run's metric charts
             {"step": i + 1, "loss": round(0.9 - 0.15 * i, 3), "kl": round(0.01 * i, 3), "grad_norm": 1.0 - 0.1 * i,
-             "samples": 6} for i in range(5)]})
+             "samples": 6} for i in range(5)],
+            "sampling": {"tokens": 24, "temperatures": {"1": 4, "0.7": 2}, "truncated_samples": 2,  # as PPO reports
+                         "logprob_mismatch_mean": 0.0125, "logprob_mismatch_max": 0.105,
+                         "untruncated_mismatch_max": 3e-6, "ratio_clipped_share": 0.0417, "correction": "ppo_clip"}})
         r = gw.signed("POST", "/v1/rl/training/runs")
         assert r.status_code == 201, r.text
         record = wait_run(gw, r.json()["training_run_id"])
@@ -287,6 +290,7 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         shot("task")
         body = text()
         assert "capture_committed" in body and "reward_recorded" in body and "after finalize" in body
+        assert "T 1 · T 0.7 top_p 0.9" in body  # the sampling of each capture, as the agent asked
         assert page.locator("svg.chart rect").count() >= 6  # created, 3 × reserved + committed, finalized, reward
 
         show(f"/tasks/{run.delayed_task}")
@@ -298,7 +302,8 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         shot("run")
         body = text()
         for word in ("succeeded", "tiny:v1", "queued", "training", "activating", "activation_succeeded",
-                     "loss per step"):
+                     "loss per step", "T 1×4, 0.7×2 · truncated 2 · |captured − recomputed| mean 0.0125, max 0.1050 · "
+                     "ratios clipped 4.2% (ppo_clip)"):
             assert word in body, word
         assert page.locator("svg.chart circle.dot").count() == 4 * 5  # loss, kl, grad_norm, samples × 5 steps
 

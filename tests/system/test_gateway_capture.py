@@ -724,3 +724,33 @@ def test_the_gateway_sends_the_packed_after_its_child_advertises_for_json_and_st
             assert tuple(trajectory["prompt_ids"]) in by_prompt
             assert trajectory["response_ids"] == [token.id for token in tokens]
             assert trajectory["response_logprobs"] == pytest.approx([token.logprob for token in tokens], abs=1e-6)
+
+
+def test_a_client_asking_for_top_logprobs_inside_a_task_gets_them_json_and_stream(redis, redis_url, tmp_path, vllm):
+    """Issue 29 item 4: the injected request keeps the client's `top_logprobs` when it asked for logprobs (vLLM then
+    lists the sampled token first and the top alternatives, k entries in all: the recorded shape of
+    chat_response_sampling.json); a client that did not ask gets no logprobs and vLLM computes no alternatives."""
+    with running_gateway(tmp_path, redis_url, vllm) as gw:
+        client = openai_client(gw)
+        headers = {SESSION: "sess-top"}
+        t = start_task(gw, "sess-top")
+        out = client.chat.completions.create(model="agent-model", messages=[{"role": "user", "content": "json"}],
+                                             max_tokens=64, logprobs=True, top_logprobs=3, extra_headers=headers)
+        entries = out.choices[0].logprobs.content
+        assert entries and all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in entries)
+        assert chat_bodies(vllm)[-1]["top_logprobs"] == 3
+        streamed = []
+        for chunk in client.chat.completions.create(model="agent-model", messages=[{"role": "user", "content": "s"}],
+                                                    max_tokens=64, logprobs=True, top_logprobs=2, stream=True,
+                                                    extra_headers=headers):
+            for choice in chunk.choices:
+                streamed.extend((choice.logprobs.content or []) if choice.logprobs else [])
+        assert streamed and all(len(e.top_logprobs) == 2 for e in streamed)
+        plain = client.chat.completions.create(model="agent-model", messages=[{"role": "user", "content": "p"}],
+                                               max_tokens=64, top_logprobs=5, extra_headers=headers)
+        assert plain.choices[0].logprobs is None and chat_bodies(vllm)[-1]["top_logprobs"] == 0
+        assert gw.signed("POST", f"/v1/rl/tasks/{t}/stop").json()["status"] == "finalized"
+        assert gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0}).json() == {"sample_count": 3}
+        tokens = completion_tokens(vllm.reply)
+        for sample in samples(gw):  # the samples keep the sampled tokens' logprobs, whatever the client asked
+            assert sample["trajectory"]["response_logprobs"] == pytest.approx([tk.logprob for tk in tokens], abs=1e-6)

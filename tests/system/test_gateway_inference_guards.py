@@ -6,7 +6,8 @@ loopback socket and performs the attack as a client, a rogue instance or a brows
 - a rogue instance answers 418 `text/html` with a script: the client gets the gateway's JSON envelope, with
   `nosniff` and a deny-all CSP, and headless Chromium runs no script on the gateway's origin;
 - every gateway answer carries `nosniff` and a CSP;
-- spoiling request fields inside a Task are refused, pinned or dropped before anything is captured;
+- spoiling request fields inside a Task are refused or dropped before anything is captured, while the client's
+  own sampling is honoured and recorded (issue 29);
 - a Task's capture secret: the right one captures, a missing or wrong one is refused and writes nothing;
 - traffic outside a Task cannot name a version that only pinned Tasks hold.
 """
@@ -230,16 +231,21 @@ REFUSED: list[tuple[str, Any]] = [
     ("continue_final_message", True),
     ("use_beam_search", True),
     ("best_of", 4),
+    ("temperature", 0),  # greedy: no policy-gradient signal
+    ("temperature", 0.005),  # vLLM would raise it to 0.01
+    ("presence_penalty", 1.5),  # penalties: the trainers cannot reproduce them
+    ("frequency_penalty", 1.5),
+    ("repetition_penalty", 1.3),
 ]
-PINNED_SENT = {"temperature": 0.01, "top_p": 0.1, "top_k": 5, "min_p": 0.5, "presence_penalty": 1.5,
-               "frequency_penalty": 1.5, "repetition_penalty": 1.3}
-PINNED_VALUES = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0,
-                 "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+HONOURED_SENT = {"temperature": 0.3, "top_p": 0.9, "top_k": 5, "min_p": 0.05}
+NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 DROPPED_SENT = {"metadata": {"who": "x"}, "prompt_logprobs": 5, "kv_transfer_params": {"remote": "h"},
                 "routed_experts_prompt_start": 0, "some_future_field": True}
 
 
-def test_spoiling_fields_inside_a_task_are_refused_pinned_or_dropped(redis, redis_url, tmp_path, vllm):
+def test_spoiling_fields_inside_a_task_are_refused_or_dropped_and_sampling_is_honoured(redis, redis_url, tmp_path,
+                                                                                       vllm):
     vllm.reply = Reply(content="Sure.", tool_calls=[ToolCall("get_weather", {"city": "Paris"})])
     with GatewayProcess(tmp_path, redis_url, instances=[vllm]) as gw:
         gw.start_service()
@@ -266,26 +272,32 @@ def test_spoiling_fields_inside_a_task_are_refused_pinned_or_dropped(redis, redi
         assert {k: sent[k] for k in neutral} == neutral and sent["return_token_ids"] is True
         assert "guided_json" not in sent
 
-        # Pinned and dropped: the policy's own sampling goes upstream and into the sample; the client is told.
+        # Honoured and dropped: the client's own sampling goes upstream as sent (the rest explicit) and into the
+        # sample; dropped fields are named in the header, honoured ones never.
         strict_tool = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}
-        r = gw.http.post(CHAT, json={**ASK, **PINNED_SENT, **DROPPED_SENT, "tools": [strict_tool]},
+        r = gw.http.post(CHAT, json={**ASK, **HONOURED_SENT, **DROPPED_SENT, "tools": [strict_tool]},
                          headers=inside)
         assert r.status_code == 200, r.text
-        assert r.headers[IGNORED].split(", ") == [*PINNED_SENT, *DROPPED_SENT, "tools[0].function.strict"]
+        assert r.headers[IGNORED].split(", ") == [*DROPPED_SENT, "tools[0].function.strict"]
         sent = chat_bodies(vllm)[-1]
-        assert {k: sent[k] for k in PINNED_VALUES} == PINNED_VALUES
+        assert {k: sent[k] for k in NEUTRAL_SAMPLING} == {**NEUTRAL_SAMPLING, **HONOURED_SENT}
         assert not set(DROPPED_SENT) & set(sent) and sent["tools"] == [WEATHER_TOOL]
+        # A value vLLM itself would refuse is the client's mistake: 400 invalid_request, nothing captured.
+        r = gw.http.post(CHAT, json={**ASK, "top_p": 1.5}, headers=inside)
+        assert error_of(r) == (400, "invalid_request") and r.json()["error"]["message"] == "top_p must be in (0, 1]"
         # Hostile key names never break the header: control characters are escaped, the list is bounded.
         r = gw.http.post(CHAT, json={**ASK, "\u001f\r\n": 1, **{f"k{i}": i for i in range(40)}}, headers=inside)
         assert r.status_code == 200, r.text
         assert r.headers[IGNORED].startswith("%1F%0D%0A, k0, k1") and r.headers[IGNORED].endswith(", +9 more")
-        # Streams too, and a request that names no sampling field still gets the pinned values.
-        with gw.http.stream("POST", CHAT, json={**ASK, "stream": True, "temperature": 0}, headers=inside) as s:
-            assert s.status_code == 200 and s.headers[IGNORED] == "temperature"
+        # Streams too, and a request that names no sampling field gets vLLM's neutral values, explicitly (vLLM
+        # would otherwise apply the model's generation_config, which the sample could not record).
+        with gw.http.stream("POST", CHAT, json={**ASK, "stream": True, "temperature": 0.5}, headers=inside) as s:
+            assert s.status_code == 200 and IGNORED not in s.headers
             s.read()
         assert gw.http.post(CHAT, json=ASK, headers=inside).status_code == 200
-        for body in chat_bodies(vllm)[-2:]:
-            assert {k: body[k] for k in PINNED_VALUES} == PINNED_VALUES
+        streamed, plain = chat_bodies(vllm)[-2:]
+        assert {k: streamed[k] for k in NEUTRAL_SAMPLING} == {**NEUTRAL_SAMPLING, "temperature": 0.5}
+        assert {k: plain[k] for k in NEUTRAL_SAMPLING} == NEUTRAL_SAMPLING
 
         # Anthropic: the converted request gets the same rules, named as the client named them.
         client = anthropic.Anthropic(base_url=gw.url, api_key="x", max_retries=0)
@@ -299,22 +311,33 @@ def test_spoiling_fields_inside_a_task_are_refused_pinned_or_dropped(redis, redi
                                        messages=[{"role": "user", "content": "hi"}], extra_headers=inside)
             assert refused.value.body["error"]["code"] == "capture_field_refused"
             assert refused.value.body["error"]["message"].startswith(field + " is not allowed")
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                                   extra_body={"temperature": 0.0}, extra_headers=inside)
+        assert refused.value.body["error"]["code"] == "capture_field_refused"
+        assert "greedy decoding" in refused.value.body["error"]["message"]
         raw = client.messages.with_raw_response.create(model="tiny", max_tokens=4,
                                                        messages=[{"role": "user", "content": "hi"}],
-                                                       extra_body={"temperature": 0.0, "top_k": 3},
+                                                       extra_body={"temperature": 0.4, "top_k": 3},
                                                        extra_headers=inside)
-        assert raw.headers[IGNORED] == "temperature, top_k"
-        assert {k: chat_bodies(vllm)[-1][k] for k in PINNED_VALUES} == PINNED_VALUES
+        assert IGNORED not in raw.headers
+        sent = chat_bodies(vllm)[-1]
+        assert {k: sent[k] for k in NEUTRAL_SAMPLING} == {**NEUTRAL_SAMPLING, "temperature": 0.4, "top_k": 3}
 
-        # The samples hold only the policy's own sampling.
+        # The samples hold the sampling each call was made with, in the request and in their `sampling` record.
         assert gw.signed("POST", f"/v1/rl/tasks/{t}/stop").json()["status"] == "finalized"
         assert gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0}).json() == {"sample_count": 6}
         listing = gw.signed("GET", "/v1/rl/trajectories", params={"limit": 100}).json()["items"]
+        recorded = []
         for item in listing:
-            request = gw.signed("GET", f"/v1/rl/trajectories/{item['trajectory_id']}").json()["request"]
-            assert {k: request[k] for k in PINNED_VALUES} == PINNED_VALUES
+            sample = gw.signed("GET", f"/v1/rl/trajectories/{item['trajectory_id']}").json()
+            request = sample["request"]
+            assert item["sampling"] == sample["sampling"] == {k: request[k] for k in NEUTRAL_SAMPLING}
+            recorded.append(sample["sampling"])
             assert all(request.get(field) != value for field, value in REFUSED), request
             assert not set(DROPPED_SENT) & set(request)
+        assert {**NEUTRAL_SAMPLING, **HONOURED_SENT} in recorded
+        assert {**NEUTRAL_SAMPLING, "temperature": 0.4, "top_k": 3} in recorded
 
         # Outside a Task the same fields are forwarded exactly as sent.
         spoiling = {**ASK, "logit_bias": {"42": 100}, "temperature": 0.01, "min_tokens": 2, "metadata": {"a": 1}}

@@ -1,10 +1,15 @@
-"""The whole loop against a REAL vLLM (CPU build) serving the tiny model: capture + reward through the gateway, a
-Training Run with the real local backend, activation that really loads the adapter in vLLM, and a new Task served by
-it (CONTRACT §3.4, §3.5, §3.8, §3.9, §4.7).
+"""The whole loop against a REAL vLLM (CPU build) serving the tiny model, started as instances serving captured
+traffic must be (`--logprobs-mode processed_logprobs`, docs/training.md "Sampling"):
+
+- capture + reward through the gateway, a Training Run with the real local backend, activation that really loads
+  the adapter in vLLM, and a new Task served by it (CONTRACT §3.4, §3.5, §3.8, §3.9, §4.7);
+- completions at the agent's own sampling (temperatures 0.7 and 1.3, with and without top_p 0.9): the trainer's
+  recomputed logprobs equal the captured ones within 1e-4 where no truncation cut the distribution, and the gap
+  where top_p did is exactly -log(kept mass), which the Training Run reports (issue 29).
 
 Needs the CPU build of vLLM in its own environment (`.venv-vllm` in the repository root, created by `make demo`, or
-the interpreter named by RL_TEST_VLLM_PYTHON). Without it the test is reported as skipped, never as passed. vLLM's
-start-up takes about a minute on 2 cores.
+the interpreter named by RL_TEST_VLLM_PYTHON). Without it the tests are reported as skipped, never as passed. One
+vLLM serves the module (its start-up takes about a minute on 2 cores); each test unloads the adapters it loaded.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 
 from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model
+from openjiuwen.agent_evolving.agent_rl.online.training.batch import convert_samples
+from openjiuwen.agent_evolving.agent_rl.online.training.ppo_math import response_log_probs
 from tests.support.gateway_process import GatewayProcess
 from tests.support.redis_server import free_port
 
@@ -55,22 +63,23 @@ class RealVLLM:
         return self.log_path.read_text(errors="replace")[-3000:]
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    return make_tiny_model(tmp_path / "model", seed=0)
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
-@pytest.fixture
-def real_vllm(tmp_path: Path, model_dir: Path) -> Iterator[RealVLLM]:
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[RealVLLM]:
     port = free_port()
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="true", VLLM_CPU_KVCACHE_SPACE="1",
                HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
-    log_path = tmp_path / "vllm.log"
+    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
              "--served-model-name", "tiny", "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2",
-             "--dtype", "float32", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port)],
+             "--dtype", "float32", "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs",
+             "--host", "127.0.0.1", "--port", str(port)],
             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
     vllm = RealVLLM("vllm-real", port, proc, log_path)
@@ -89,6 +98,15 @@ def real_vllm(tmp_path: Path, model_dir: Path) -> Iterator[RealVLLM]:
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # only the group this fixture created
         proc.wait()
+
+
+@pytest.fixture
+def real_vllm(vllm_server: RealVLLM) -> Iterator[RealVLLM]:
+    """The module's vLLM, left as the test found it: serving the base model only."""
+    yield vllm_server
+    for name in _served_models(vllm_server) - {"tiny"}:
+        r = httpx.post(vllm_server.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
+        assert r.status_code == 200, r.text
 
 
 def _chat(client: openai.OpenAI, session: str, content: str) -> None:
@@ -165,3 +183,93 @@ def test_real_vllm_train_activate_and_serve_the_new_adapter(redis, redis_url, tm
         assert detail["request"]["model"] == "tiny:v1"
         assert detail["trajectory"]["response_ids"] and len(detail["trajectory"]["response_logprobs"]) == len(
             detail["trajectory"]["response_ids"])
+
+
+# (temperature, top_p) of each Task's completions: the agent's own sampling, mixed in one Training Run.
+SAMPLINGS = ((0.7, 1.0), (1.3, 1.0), (0.7, 0.9), (1.3, 0.9))
+EXACT_ATOL = 1e-4  # float32 vLLM (CPU) against float32 transformers, the tiny model
+
+
+def _kept_mass(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[R] the probability mass vLLM's top-p keeps at each position of `logits` [R, V] (already divided by the
+    temperature): sorted ascending, the tokens whose cumulative mass stays <= 1 - p are cut, the largest always
+    kept (vllm/v1/sample/ops/topk_topp_sampler.py, apply_top_k_top_p)."""
+    probs = torch.softmax(logits, -1).sort(-1).values
+    cut = probs.cumsum(-1) <= 1 - top_p
+    cut[:, -1] = False
+    return probs.masked_fill(cut, 0.0).sum(-1)
+
+
+def test_captured_logprobs_are_the_trainers_at_each_samples_own_sampling(redis, redis_url, tmp_path, model_dir,
+                                                                        real_vllm):
+    rl = {"trainer_backend": "local", "base_model_path": str(model_dir), "lora_activation_timeout": 60.0}
+    online = {"hookTimeout": "30s", "controlTimeout": "120s"}
+    with GatewayProcess(tmp_path, redis_url, instances=[real_vllm], rl_overrides=rl, online_overrides=online,
+                        lora_overrides={"operationTimeout": "30s"}) as gw:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        gw.start_service()
+        for n, (temperature, top_p) in enumerate(SAMPLINGS):
+            session = f"sampling-{n}"
+            task = gw.start_task(session).json()
+            for turn in range(2):
+                out = client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": f"Say thing {turn}."}], max_tokens=12,
+                    temperature=temperature, top_p=top_p, seed=10 * n + turn,
+                    extra_headers={"X-Agent-Session-Id": session})
+                assert out.choices[0].finish_reason in ("stop", "length")
+            assert gw.signed("POST", f"/v1/rl/tasks/{task['rl_task_id']}/stop").json()["status"] == "finalized"
+            rewarded = gw.signed("POST", f"/v1/rl/tasks/{task['rl_task_id']}/reward", json={"reward": float(n % 2)})
+            assert rewarded.json() == {"sample_count": 2}, rewarded.text
+        listing = gw.signed("GET", "/v1/rl/trajectories", params={"status": "pending", "limit": 100}).json()["items"]
+        docs = [gw.signed("GET", f"/v1/rl/trajectories/{item['trajectory_id']}").json() for item in listing]
+        assert sorted((d["sampling"]["temperature"], d["sampling"]["top_p"]) for d in docs) == sorted(SAMPLINGS * 2)
+
+        # The trainer's own conversion and logprobs (the parent = base weights drew every sample). The detail view
+        # spans the mask over prompt + response (§4.5); the trainer reads the stored, response-only one.
+        from transformers import AutoModelForCausalLM
+
+        for doc in docs:
+            traj = doc["trajectory"]
+            traj["response_mask"] = traj["response_mask"][len(traj["prompt_ids"]):]
+        batch = convert_samples(docs, pad_token_id=0, max_prompt_length=1024, max_response_length=1024)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            recomputed = response_log_probs(model, batch.input_ids, batch.attention_mask, batch.position_ids,
+                                            batch.responses, batch.temperatures).log_probs
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           position_ids=batch.position_ids).logits[:, -batch.responses.shape[1] - 1 : -1].float()
+        expected_gaps = []
+        for row, doc in enumerate(docs):
+            length = len(doc["trajectory"]["response_ids"])
+            captured, mine = batch.old_log_probs[row, :length], recomputed[row, :length]
+            top_p = doc["sampling"]["top_p"]
+            if top_p == 1.0:  # nothing cut: the very same quantity
+                assert torch.allclose(captured, mine, atol=EXACT_ATOL), (doc["sampling"], captured - mine)
+                expected_gaps.append(torch.zeros(length))
+            else:  # vLLM renormalized over the nucleus: higher by exactly -log(kept mass)
+                kept = _kept_mass(logits[row, :length] / batch.temperatures[row], top_p)
+                assert torch.allclose(captured - mine, -kept.log(), atol=EXACT_ATOL), (doc["sampling"], kept)
+                assert bool((kept < 1.0).all())
+                expected_gaps.append(-kept.log())
+        gaps = torch.cat(expected_gaps)
+        del model
+
+        started = gw.signed("POST", "/v1/rl/training/runs")
+        assert started.status_code == 201, started.text
+        run_id = started.json()["training_run_id"]
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while (run := gw.signed("GET", f"/v1/rl/training/runs/{run_id}").json())["status"] not in (
+                "succeeded", "failed", "canceled"):
+            assert time.monotonic() < deadline, f"run not terminal in {RUN_TIMEOUT_S} s: {run}"
+            time.sleep(0.5)
+        assert run["status"] == "succeeded", (run, (gw.dir / "rl-service.log").read_text()[-3000:])
+        # The run's report is what the truncation explains: no gap on the untruncated rows, -log(kept) on the rest.
+        report = run["metrics"]["sampling"]
+        assert report["temperatures"] == {"0.7": 4, "1.3": 4} and report["truncated_samples"] == 4
+        assert report["tokens"] == gaps.numel()
+        assert report["untruncated_mismatch_max"] < EXACT_ATOL
+        assert report["logprob_mismatch_max"] == pytest.approx(float(gaps.max()), abs=EXACT_ATOL)
+        assert report["logprob_mismatch_mean"] == pytest.approx(float(gaps.mean()), abs=EXACT_ATOL)
+        # Bypass mode (no tis_cap): ratios exp(-gap) below PPO's 0.8 are the clipped ones.
+        assert report["ratio_clipped_share"] == pytest.approx(float((torch.exp(-gaps) < 0.8).float().mean()),
+                                                              abs=1 / gaps.numel())

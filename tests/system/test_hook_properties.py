@@ -116,9 +116,16 @@ def _capture(service: Service, response: dict[str, Any], extra_request: dict[str
                              headers={"content-type": "application/json"})
 
 
-extra_requests = st.dictionaries(st.sampled_from(["temperature", "top_p", "seed", "user", "metadata"]),
-                                 st.none() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | texts,
-                                 max_size=3)
+# Sampling fields take values a capture honours (anything else is refused at `:before`, tests/unit/test_sampling.py);
+# the others any JSON scalar.
+extra_requests = st.fixed_dictionaries({}, optional={
+    "temperature": st.none() | st.floats(0.01, 2.0) | st.sampled_from([1, 2]),
+    "top_p": st.none() | st.floats(0.0, 1.0, exclude_min=True),
+    "top_k": st.none() | st.integers(-1, 100),
+    "seed": st.none() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | texts,
+    "user": st.none() | texts,
+    "metadata": st.none() | st.integers() | texts,
+})
 
 
 @SETTINGS
@@ -139,6 +146,10 @@ def test_consistent_captures_round_trip_exactly(service: Service, response: dict
     # float32 storage: the values sent were float32 already, so they come back bit for bit.
     sent = [e["logprob"] for e in choice["logprobs"]["content"]]
     assert struct.pack(f"<{len(sent)}f", *trajectory["response_logprobs"]) == struct.pack(f"<{len(sent)}f", *sent)
+    # The sampling record: what was sent, the neutral value for what was not.
+    neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    assert {k: detail.json()["sampling"][k] for k in neutral} == {
+        k: neutral[k] if extra.get(k) is None else extra[k] for k in neutral}
 
 
 @SETTINGS

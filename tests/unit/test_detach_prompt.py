@@ -45,8 +45,9 @@ def batch():
 
 def test_detached_prompt_gives_the_same_log_probs(model):
     ids, mask, pos, resp, rmask = batch()
-    plain = response_log_probs(model, ids, mask, pos, resp)
-    detached = response_log_probs(model, ids, mask, pos, resp, detach_prompt=True)
+    temps = torch.tensor([0.7, 1.0, 1.3])  # per row, as the samples were drawn
+    plain = response_log_probs(model, ids, mask, pos, resp, temps)
+    detached = response_log_probs(model, ids, mask, pos, resp, temps, detach_prompt=True)
     assert plain.log_probs.shape == detached.log_probs.shape == resp.shape
     assert torch.allclose(plain.log_probs[rmask], detached.log_probs[rmask], atol=1e-4)
 
@@ -56,7 +57,8 @@ def test_detached_prompt_still_trains_the_lora_but_not_through_the_prompt(model)
     grads = []
     for detach in (False, True):
         model.zero_grad(set_to_none=True)
-        response_log_probs(model, ids, mask, pos, resp, detach_prompt=detach).log_probs[rmask].sum().backward()
+        response_log_probs(model, ids, mask, pos, resp, torch.ones(3), detach_prompt=detach).log_probs[
+            rmask].sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
     full, detached = grads
     assert detached.abs().sum() > 0
@@ -83,8 +85,9 @@ def test_a_shared_prompt_prefix_is_run_once_with_the_same_log_probs(model):
     mask[3, -1] = 0
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     resp, rmask = ids[:, p:], mask[:, p:].bool()
-    plain = response_log_probs(model, ids, mask, pos, resp)
-    detached = response_log_probs(model, ids, mask, pos, resp, detach_prompt=True)
+    temps = torch.tensor([1.0, 0.5, 1.5, 1.0])
+    plain = response_log_probs(model, ids, mask, pos, resp, temps)
+    detached = response_log_probs(model, ids, mask, pos, resp, temps, detach_prompt=True)
     assert torch.allclose(plain.log_probs[rmask], detached.log_probs[rmask], atol=1e-4)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from openjiuwen.agent_evolving.agent_rl.gateway import capture_secret
 from openjiuwen.agent_evolving.agent_rl.gateway.capture_fields import (
-    PINNED, REFUSED, FieldRefused, ignored_header, screen,
+    REFUSED, FieldRefused, ignored_header, screen,
 )
 from openjiuwen.agent_evolving.agent_rl.gateway.responses import upstream_error
 
@@ -44,12 +44,38 @@ def test_anthropic_names_are_used_in_refusals_and_the_ignored_list() -> None:
         screen({**BASE, "parallel_tool_calls": False}, names=names)
 
 
-def test_sampling_fields_are_pinned_even_when_absent_and_listed_only_when_changed() -> None:
-    assert screen(BASE).request == {**BASE, **PINNED} and screen(BASE).ignored == ()
-    out = screen({**BASE, "temperature": 1, "top_p": 0.9, "top_k": None, "seed": 7})
-    assert out.request == {**BASE, **PINNED, "seed": 7}
-    assert out.ignored == ("top_p",)
-    assert screen({**BASE, "temperature": float("nan")}).ignored == ("temperature",)
+def test_sampling_fields_are_honoured_as_sent_and_never_listed_as_ignored() -> None:
+    """Issue 29: the client's own sampling reaches vLLM unchanged (the RL Service fills what it left out)."""
+    assert screen(BASE).request == BASE and screen(BASE).ignored == ()
+    sent = {"temperature": 0.3, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "presence_penalty": 0,
+            "frequency_penalty": 0.0, "repetition_penalty": 1}
+    out = screen({**BASE, **sent, "seed": 7})
+    assert out.request == {**BASE, **sent, "seed": 7} and out.ignored == ()
+    assert screen({**BASE, "temperature": None, "top_k": -1}).request == {**BASE, "temperature": None, "top_k": -1}
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("temperature", 0, "greedy decoding"), ("temperature", 0.0, "greedy decoding"),
+    ("temperature", 0.005, "raises a temperature below 0.01"), ("presence_penalty", 0.5, "without penalties"),
+    ("frequency_penalty", -1, "without penalties"), ("repetition_penalty", 1.05, "without penalties"),
+])
+def test_sampling_the_trainers_cannot_reproduce_is_refused_with_the_reason(field, value, reason) -> None:
+    with pytest.raises(FieldRefused) as refused:
+        screen({**BASE, field: value})
+    assert not refused.value.invalid and refused.value.field == field
+    assert str(refused.value).startswith(f"{field} is not allowed in a captured request: ") and reason in str(
+        refused.value)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", 2.5), ("temperature", -0.1), ("temperature", float("nan")), ("temperature", True),
+    ("temperature", "0.7"), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("top_k", 20.0), ("top_k", False),
+    ("min_p", 1.1), ("min_p", float("inf")), ("presence_penalty", "0"),
+])
+def test_sampling_values_vllm_would_refuse_are_invalid(field, value) -> None:
+    with pytest.raises(FieldRefused) as refused:
+        screen({**BASE, field: value})
+    assert refused.value.invalid and str(refused.value).startswith(f"{field} must be ")
 
 
 def test_unknown_and_useless_fields_are_dropped_and_strict_tools_lose_strict() -> None:

@@ -112,6 +112,20 @@ def test_recorded_stream_of_the_injected_request_aggregates_with_each_sampled_lo
     assert unpack_logprobs(validated.logprobs) == pytest.approx([e["logprob"] for e in entries])
 
 
+def test_recorded_stream_with_the_clients_sampling_and_top_logprobs_aggregates() -> None:
+    """vLLM 0.32 with `--logprobs-mode processed_logprobs` answering an injected request that carries the client's
+    sampling (temperature 1.3, top_p 0.9) and `top_logprobs` 2: each entry lists the sampled token first, then the
+    top alternative; the aggregate validates with the sampled tokens' logprobs."""
+    chunks = recorded_chunks("chat_stream_response_sampling.sse")
+    result = aggregate(chunks)
+    (choice,) = result["choices"]
+    entries = choice["logprobs"]["content"]
+    assert len(entries) == len(choice["token_ids"]) == result["usage"]["completion_tokens"] == 6
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"] for e in entries)
+    validated = validate_response(result, policy_model="tiny")
+    assert unpack_logprobs(validated.logprobs) == pytest.approx([e["logprob"] for e in entries])
+
+
 def test_aggregation_does_not_mutate_chunks_and_result_is_independent() -> None:
     chunks = recorded_chunks()
     before = copy.deepcopy(chunks)

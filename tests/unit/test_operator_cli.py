@@ -270,16 +270,18 @@ def test_traj_list_follows_next_cursor(gw: FakeGateway, capsys) -> None:
         cursor = request.url.params.get("cursor")
         start = int(cursor) if cursor else 0
         items = [{"sample_id": f"tr:{i}", "status": "pending", "source": "rail", "session_id": "s",
-                  "policy_version": "base", "created_at": "2025-01-01T00:00:00+00:00"}
+                  "policy_version": "base", "created_at": "2025-01-01T00:00:00+00:00",
+                  "sampling": None if i % 2 else {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0}}
                  for i in range(start, min(start + 2, 5))]
         return ok({"items": items, "next_cursor": str(start + 2) if start + 2 < 5 else None})
 
     gw.on("GET", "/v1/rl/trajectories", page)
     assert run_cli(gw, "traj", "list", "--status", "pending", "--limit", "2") == 0
     captured = capsys.readouterr()
-    assert captured.out.splitlines()[0].split() == ["SAMPLE_ID", "STATUS", "SOURCE", "SESSION", "POLICY",
-                                                     "INSTANCE", "CREATED_AT"]
-    assert len(captured.out.splitlines()) == 3
+    lines = captured.out.splitlines()
+    assert lines[0].split() == ["SAMPLE_ID", "STATUS", "SOURCE", "SESSION", "POLICY", "INSTANCE", "SAMPLING", "CREATED_AT"]
+    assert len(lines) == 3
+    assert lines[1].split()[4:9] == ["base", "-", "T", "0.7", "top_p"] and lines[2].split()[4:7] == ["base", "-", "-"]
     assert "more: --cursor 2 (or --all)" in captured.err
     assert dict(gw.requests[0].url.params) == {"limit": "2", "status": "pending"}
 
@@ -333,12 +335,15 @@ def test_traj_get_summary(gw: FakeGateway, capsys) -> None:
     gw.on("GET", "/v1/rl/trajectories/tr:0", ok({
         "sample_id": "tr:0", "status": "pending", "source": "rail", "session_id": "s", "rl_task_id": None,
         "policy_version": "base", "created_at": "2025-01-01T00:00:00+00:00",
+        "sampling": {"temperature": 1.3, "top_p": 1.0, "top_k": 20, "min_p": 0.05, "presence_penalty": 0.0,
+                     "frequency_penalty": 0.0, "repetition_penalty": 1.0},
         "judge": {"score": 0.8, "source": "judge", "tag": "prev_feedback"},
         "trajectory": {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "response_text": "hello"}}))
     assert run_cli(gw, "traj", "get", "tr:0") == 0
     out = capsys.readouterr().out
-    assert "judge    score 0.8 (judge, tag prev_feedback)\n" in out
-    assert "tokens   prompt 3, response 2\n" in out and "reply    hello\n" in out
+    assert "judge     score 0.8 (judge, tag prev_feedback)\n" in out
+    assert "tokens    prompt 3, response 2\n" in out and "reply     hello\n" in out
+    assert "sampling  T 1.3 top_k 20 min_p 0.05\n" in out
     assert gw.requests[0].url.raw_path == b"/v1/rl/trajectories/tr%3A0"
 
 
@@ -448,6 +453,15 @@ def test_train_stop_and_get(gw: FakeGateway, capsys) -> None:
     assert "status    canceled (stage training)\n" in capsys.readouterr().out
     assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
     assert "samples   2 (base=2)\n" in capsys.readouterr().out
+    report = {"tokens": 40, "temperatures": {"0.7": 1, "1.3": 1}, "truncated_samples": 1,
+              "logprob_mismatch_mean": 0.0123, "logprob_mismatch_max": 0.25, "untruncated_mismatch_max": 2e-6,
+              "ratio_clipped_share": 0.025, "correction": "ppo_clip"}
+    trained = run_record("succeeded", "activating")
+    trained["metrics"]["sampling"] = report
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(trained))
+    assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
+    assert ("sampling  T 0.7×1, 1.3×1; truncated 1; |captured − recomputed| mean 0.012, max 0.25; ratios clipped "
+            "2.5% (ppo_clip)\n") in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------- help and dispatch

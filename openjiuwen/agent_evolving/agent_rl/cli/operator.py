@@ -244,6 +244,7 @@ def _show_run(run: dict[str, Any]) -> None:
         ("failure", run.get("failure_reason")),
         ("trigger", _trigger_text(run.get("trigger"))),
         ("steps", metrics.get("steps")),
+        ("sampling", _run_sampling_text(metrics.get("sampling"))),
         ("created", run.get("created_at")),
         ("started", run.get("started_at")),
         ("finished", run.get("finished_at")),
@@ -293,11 +294,37 @@ def _reward_rows(rewards: Any) -> list[tuple[str, Any]]:
 
 _LIST_COLUMNS = (("SAMPLE_ID", "sample_id"), ("STATUS", "status"), ("SOURCE", "source"),
                  ("SESSION", "session_id"), ("POLICY", "policy_version"), ("INSTANCE", "instance"),
-                 ("CREATED_AT", "created_at"))
+                 ("SAMPLING", "sampling"), ("CREATED_AT", "created_at"))
+# A sampling field shown only when it differs from vLLM's neutral value (common/sampling.py DEFAULTS).
+_SAMPLING_SHOWN = (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))
+
+
+def _sampling_text(sampling: Any) -> str:
+    """`T 0.7 top_p 0.9`; "-" for a sample without a record (a rail upload: drawn at the neutral defaults)."""
+    if not isinstance(sampling, dict):
+        return "-"
+    parts = [f"T {sampling.get('temperature'):g}"] if isinstance(sampling.get("temperature"), (int, float)) else []
+    for key, neutral in _SAMPLING_SHOWN:
+        value = sampling.get(key)
+        if isinstance(value, (int, float)) and value != neutral and not (key == "top_k" and value == -1):
+            parts.append(f"{key} {value:g}")
+    return " ".join(parts) or "-"
+
+
+def _run_sampling_text(report: Any) -> str | None:
+    """The run's sampling report in one line: temperatures, truncated samples, captured vs recomputed logprobs."""
+    if not isinstance(report, dict):
+        return None
+    temps = ", ".join(f"{t}×{n}" for t, n in (report.get("temperatures") or {}).items())
+    return (f"T {temps or '-'}; truncated {report.get('truncated_samples')}; "
+            f"|captured − recomputed| mean {_num(report.get('logprob_mismatch_mean'), '.2g')}, "
+            f"max {_num(report.get('logprob_mismatch_max'), '.2g')}; "
+            f"ratios clipped {_num(report.get('ratio_clipped_share'), '.1%')} ({report.get('correction')})")
 
 
 def _show_items(items: list[dict[str, Any]]) -> None:
-    _table([[str(item.get(key) or "-") for _, key in _LIST_COLUMNS] for item in items],
+    _table([[_sampling_text(item.get(key)) if key == "sampling" else str(item.get(key) or "-")
+             for _, key in _LIST_COLUMNS] for item in items],
            [title for title, _ in _LIST_COLUMNS])
 
 
@@ -369,6 +396,7 @@ def _show_sample(sample: dict[str, Any]) -> None:
         ("task", sample.get("rl_task_id")),
         ("policy", sample.get("policy_version")),
         ("served", sample.get("instance")),  # by which vLLM instance
+        ("sampling", _sampling_text(sample.get("sampling"))),
         ("created", sample.get("created_at")),
         ("judge", f"score {judge.get('score')} ({judge.get('source')}"
                   + (f", tag {judge['tag']})" if judge.get("tag") else ")") if judge else None),

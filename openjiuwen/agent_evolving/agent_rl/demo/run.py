@@ -404,6 +404,8 @@ class Demo:
         argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--served-model-name", self.args.model_id, "--enable-lora", "--max-lora-rank", "16",
                 "--max-loras", "4", "--dtype", self.args.dtype, "--max-model-len", "1024",
+                # captured logprobs must be the sampling distribution's (docs/training.md, "Sampling")
+                "--logprobs-mode", "processed_logprobs",
                 "--host", "127.0.0.1", "--port", str(port), "--seed", str(self.args.seed)]
         self._spawn("vllm", argv, self.run_dir / "vllm.log", env)
         self.vllm_port = port

@@ -1,39 +1,38 @@
 """Which request fields a captured completion may carry (issue 19 item 6; the table is in docs/gateway.md).
 
-A captured sample is (prompt token ids, response token ids, their logprobs) plus the request as sent. PPO treats
-the response as drawn from the policy itself, at the sampling the trainer computes logprobs with (temperature 1, no
-truncation, no bias, no constraint). So inside a Task each client field gets one rule:
+A captured sample is (prompt token ids, response token ids, their logprobs) plus the request as sent and its
+sampling. PPO treats the response as drawn from the policy at the sample's own sampling, which the trainers reproduce
+(temperature per row; truncation measured and corrected: common/sampling.py). So inside a Task each client field
+gets one rule:
 
+- **honoured**: a sampling field (`temperature`, `top_p`, `top_k`, `min_p`) reaches vLLM as the client sent it; the
+  RL Service then gives every sampling field the client left out an explicit neutral value and records them all;
+  a value the trainers cannot reproduce (greedy decoding, a penalty) is refused, one vLLM would refuse is invalid
+  (400 `invalid_request`);
 - **passed**: it changes only the prompt (recorded exactly as `prompt_token_ids`), where generation stops, how
   tokens are detokenized or reported, or scheduling;
-- **pinned**: a sampling knob SDKs send by default; the gateway sets the trainer's value whatever the client sent,
-  and also when it sent nothing (vLLM would otherwise apply the model's `generation_config` defaults);
 - **refused** (400 `capture_field_refused`, nothing captured, the Task stays active): it biases, bans, forces or
   grammar-constrains tokens, or changes what a sample is, unless it holds its neutral value;
 - **dropped**: anything else — fields the client cannot use inside a Task, and fields no table here names (vLLM
   0.32 ignores unknown fields; a later vLLM might give one a meaning nobody has judged).
 
-Pinned and dropped fields the client sent are named in the `X-AIGW-RL-Ignored-Fields` answer header. Bypass traffic
-(no Task) is never screened.
+Dropped fields the client sent are named in the `X-AIGW-RL-Ignored-Fields` answer header. Bypass traffic (no Task)
+is never screened.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from ..common import sampling
+from ..common.sampling import SamplingRefused
+
 IGNORED_FIELDS_HEADER = "x-aigw-rl-ignored-fields"
 MAX_LISTED = 32  # a body with thousands of unknown keys must not make a header that large
 MAX_NAME_CHARS = 64
-
-# The trainer computes logprobs at temperature 1 over the whole vocabulary (verl engine: temperature=1.0).
-PINNED: dict[str, float | int] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-}
 
 PASSED = frozenset({
     "model", "messages", "stream", "stream_options", "logprobs", "top_logprobs", "return_token_ids", "n",
@@ -114,15 +113,20 @@ GUIDED_REASON = "guided decoding constrains sampling with a grammar"
 
 
 class FieldRefused(ValueError):
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field} is not allowed in a captured request: {reason}")
+    """A field the capture cannot carry; `invalid` when vLLM itself would refuse its value (400 `invalid_request`),
+    else 400 `capture_field_refused`."""
+
+    def __init__(self, field: str, reason: str, *, invalid: bool = False) -> None:
+        super().__init__(f"{field} must be {reason}" if invalid
+                         else f"{field} is not allowed in a captured request: {reason}")
         self.field = field
+        self.invalid = invalid
 
 
 @dataclass(frozen=True, slots=True)
 class Screened:
     request: dict[str, Any]
-    ignored: tuple[str, ...]  # client fields pinned to another value or dropped, in request order
+    ignored: tuple[str, ...]  # client fields dropped, in request order
 
 
 def screen(request: dict[str, Any], *, names: dict[str, str] | None = None) -> Screened:
@@ -140,9 +144,12 @@ def screen(request: dict[str, Any], *, names: dict[str, str] | None = None) -> S
         elif key.startswith(GUIDED_PREFIX):
             if value is not None:
                 raise FieldRefused(names.get(key, key), GUIDED_REASON)
-        elif key in PINNED:
-            if value is not None and not _same_number(value, PINNED[key]):
-                ignored.append(names.get(key, key))
+        elif key in sampling.DEFAULTS:
+            try:
+                sampling.check_field(key, value)
+            except SamplingRefused as exc:
+                raise FieldRefused(names.get(key, key), exc.reason, invalid=exc.invalid) from None
+            out[key] = value
         elif key == "chat_template_kwargs" and not _no_template(value):
             raise FieldRefused("chat_template_kwargs.chat_template", REFUSED["chat_template"][1])
         elif key == "tools":
@@ -152,7 +159,6 @@ def screen(request: dict[str, Any], *, names: dict[str, str] | None = None) -> S
             out[key] = value
         else:
             ignored.append(names.get(key, key))
-    out.update(PINNED)
     return Screened(out, tuple(ignored))
 
 
@@ -163,10 +169,6 @@ def ignored_header(ignored: Sequence[str]) -> str:
     if len(ignored) > MAX_LISTED:
         listed.append(f"+{len(ignored) - MAX_LISTED} more")
     return ", ".join(listed)
-
-
-def _same_number(value: Any, pinned: float | int) -> bool:
-    return type(value) in (int, float) and math.isfinite(value) and value == pinned
 
 
 def _without_strict(tools: Any) -> tuple[Any, list[str]]:

@@ -11,7 +11,7 @@ its Task's captures in flight (a Task stop drains them). Both live in one `ExitS
 handler returns or, for a stream, when the relay ends; a capture still pending then is discarded, and the Task's count
 ends when the hook that ends the capture (`:after` or `:discard`) returns.
 
-Inside a Task the request is screened first (capture_fields.py: refused, pinned and dropped fields), and a Task
+Inside a Task the request is screened first (capture_fields.py: honoured, refused and dropped fields), and a Task
 started with a capture secret needs it on every call (capture_secret.py). Outside a Task the body goes upstream as
 the client sent it, but may name only the base model or the active version. A vLLM error answer reaches the client
 as JSON only (responses.upstream_error).
@@ -197,7 +197,7 @@ class InferenceProxy:
         try:
             screened = screen(dict(body, model=binding.policy_model), names=names)
         except FieldRefused as exc:
-            return envelope(400, "capture_field_refused", str(exc))
+            return envelope(400, "invalid_request" if exc.invalid else "capture_field_refused", str(exc))
         response = await self._captured(screened.request, wants, flavor, binding,
                                         request.headers.get("x-agent-turn-id"), counts)
         if screened.ignored:

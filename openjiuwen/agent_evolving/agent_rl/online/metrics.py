@@ -81,6 +81,13 @@ class ServiceMetrics:
         self.activation_duration = Histogram("rl_lora_activation_duration_seconds",
                                              "Activation of a new version, retries included, by result",
                                              m + ("result",), buckets=SLOW_BUCKETS_S, registry=r)
+        # The sampling report of the last trained run (docs/training.md "Sampling"): captured vs recomputed logprobs.
+        self.logprob_mismatch = Gauge("rl_training_logprob_mismatch",
+                                      "|captured - recomputed| logprob over the last trained run's tokens (mean, max)",
+                                      m + ("stat",), registry=r, multiprocess_mode=LAST)
+        self.ratio_clipped = Gauge("rl_training_ratio_clipped_share",
+                                   "Share of the last trained run's tokens whose importance ratio was clipped",
+                                   m, registry=r, multiprocess_mode=LAST)
         self.lora_active_version = Gauge("rl_lora_active_version",
                                          "N of the last active policy <model>:vN seen on the gateway (0 = base)",
                                          m, registry=r, multiprocess_mode=LAST)
@@ -152,6 +159,11 @@ class ServiceMetrics:
 
     def run_started(self, trigger: str) -> None:
         self.runs_started.labels(self.model_id, trigger).inc()
+
+    def run_sampling(self, report: dict[str, Any]) -> None:
+        self.logprob_mismatch.labels(self.model_id, "mean").set(report["logprob_mismatch_mean"])
+        self.logprob_mismatch.labels(self.model_id, "max").set(report["logprob_mismatch_max"])
+        self.ratio_clipped.labels(self.model_id).set(report["ratio_clipped_share"])
 
     def stage(self, stage: str, outcome: str, seconds: float) -> None:
         self.stage_duration.labels(self.model_id, stage, outcome).observe(max(0.0, seconds))

@@ -71,6 +71,22 @@
       return kv[0] + "=" + (v !== null && typeof v === "object" ? JSON.stringify(v) : String(v));
     }).join("  ");
   }
+  // A capture's sampling (common/sampling.py): the temperature, then what differs from vLLM's neutral values.
+  function samplingText(sp) {
+    if (!sp || typeof sp !== "object") return "-";
+    const parts = ["T " + sp.temperature];
+    if (sp.top_p !== 1) parts.push("top_p " + sp.top_p);
+    if (sp.top_k > 0) parts.push("top_k " + sp.top_k);
+    if (sp.min_p > 0) parts.push("min_p " + sp.min_p);
+    return parts.join(" ");
+  }
+  function runSamplingText(rep) {
+    if (!rep || typeof rep !== "object") return "-";
+    const temps = Object.entries(rep.temperatures || {}).map(function (kv) { return kv[0] + "×" + kv[1]; }).join(", ");
+    return "T " + (temps || "-") + " · truncated " + num(rep.truncated_samples) + " · |captured − recomputed| mean "
+      + num(rep.logprob_mismatch_mean, 4) + ", max " + num(rep.logprob_mismatch_max, 4) + " · ratios clipped "
+      + num(100 * rep.ratio_clipped_share, 1) + "% (" + rep.correction + ")";
+  }
   function link(href, text, cls) { return h("a", { href: href, text: text, class: cls }); }
   function fields(rows) {
     return h("dl", { class: "fields" }, rows.map(function (r) {
@@ -281,13 +297,17 @@
     const t = task.body, events = ev.ok ? ev.body.items : [];
     const t0 = ms(t.created_at) || (events.length ? ms(events[0].at) : Date.now());
     const t1 = events.reduce(function (m, e) { return Math.max(m, ms(e.at) || m); }, t0);
-    const captures = events.filter(function (e) { return e.type === "capture_committed"; }).length;
+    const committed = events.filter(function (e) { return e.type === "capture_committed"; });
+    const captures = committed.length;
+    const samplings = committed.map(function (e) { return samplingText(e.data.sampling); })
+      .filter(function (x, i, all) { return all.indexOf(x) === i; });
     setView(
       h("h1", {}, "Task ", h("span", { class: "mono", text: id }), " ", pill(t.status)),
       h("div", { class: "panel" }, fields([
         ["session", t.agent_session_id], ["policy", t.policy_lora_name], ["policy model", t.policy_model],
         ["reward mode", t.reward_mode], ["created", when(t.created_at)], ["finished", when(t.finished_at)],
-        ["finish reason", t.finish_reason], ["captures committed", String(captures)]])),
+        ["finish reason", t.finish_reason], ["captures committed", String(captures)],
+        ["sampling of the captures", samplings.join(" · ") || "-"]])),
       h("h2", { text: "Capture timeline" }), ev.ok ? [eventTimeline(events, TASK_LANES, TASK_COLORS, t0, t1), legend(TASK_COLORS)] : problem(ev),
       h("h2", { text: "Reward flow" }), rewardFlow(t, events),
       h("h2", { text: "Events" }),
@@ -349,7 +369,8 @@
         ["LoRA", r.lora_name], ["LoRA path", r.lora_path], ["created", when(r.created_at)], ["started", when(r.started_at)],
         ["finished", when(r.finished_at)], ["failure", r.failure_reason],
         ["steps", num(m.steps)], ["dropped / truncated", num(m.dropped_samples) + " / " + num(m.prompt_truncated_samples) + " prompt, "
-          + num(m.response_truncated_samples) + " response"], ["stale excluded", num(m.stale_excluded)]])),
+          + num(m.response_truncated_samples) + " response"], ["stale excluded", num(m.stale_excluded)],
+        ["sampling", runSamplingText(m.sampling)]])),
       h("h2", { text: "Stage timeline" }), stageChart(r, events),
       h("h2", { text: "Training metrics" }), stepCharts(r, events),
       h("h2", { text: "Events" }),

@@ -6,6 +6,7 @@ import hashlib
 from typing import Any
 
 from ..errors import InvalidInput
+from ...common import sampling
 from ...common.ids import NotCanonicalJSON, fingerprint
 from ...common.packed_hook import PackedArrays
 
@@ -28,6 +29,13 @@ def validate_request(request: Any, *, policy_model: str, delayed: bool, agent_tu
         raise _invalid("request.n must be absent or 1")
     if not isinstance(request.get("model"), str):
         raise _invalid("request.model must be a string")
+    try:
+        sampling.check(request)
+    except sampling.SamplingRefused as exc:
+        raise _invalid(f"request.{exc}") from None
+    top = request.get("top_logprobs")
+    if top is not None and (type(top) is not int or top < -1):
+        raise _invalid("request.top_logprobs must be absent, null or an integer of at least -1")
     if delayed and agent_turn_id is None:
         raise _invalid("agent_turn_id is required for delayed_feedback Tasks")
     if request.get("model") != policy_model:
@@ -35,14 +43,18 @@ def validate_request(request: Any, *, policy_model: str, delayed: bool, agent_tu
 
 
 def normalize_request(request: dict[str, Any]) -> dict[str, Any]:
-    """The injected request: a copy that asks vLLM for token ids, sampled-token logprobs and, for streams, a usage
-    chunk. `top_logprobs = 0`: vLLM then reports each sampled token's logprob with no alternatives (`"top_logprobs":
-    []`), which is all a sample keeps; one alternative per token made a captured answer ~1.6× larger to send, parse
-    and free. Idempotent, so normalizing an already injected request changes nothing. Only top-level keys change
-    (and `stream_options` is replaced by a new dict), so a shallow copy leaves the caller's request untouched."""
+    """The injected request: a copy of a validated request that names every sampling field (the client's values as
+    sent, the neutral defaults for the others: common/sampling.py) and asks vLLM for token ids, sampled-token
+    logprobs and, for streams, a usage chunk. `top_logprobs` is the client's when it asked for logprobs, else 0:
+    vLLM then reports each sampled token's logprob with no alternatives (`"top_logprobs": []`), which is all a sample
+    keeps; one alternative per token made a captured answer ~1.6× larger to send, parse and free. Idempotent, so
+    normalizing an already injected request changes nothing. Only top-level keys change (and `stream_options` is
+    replaced by a new dict), so a shallow copy leaves the caller's request untouched."""
     injected = dict(request)
+    injected.update(sampling.resolved(request))
+    wanted = request.get("top_logprobs") if request.get("logprobs") is True else None
     injected["logprobs"] = True
-    injected["top_logprobs"] = 0
+    injected["top_logprobs"] = wanted if wanted is not None else 0
     injected["return_token_ids"] = True
     if injected.get("stream") is True:
         options = injected.get("stream_options")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...common.sampling import Sampling
 from ..store.codec import PackedSample
 from ..store.documents import sample_document
 from ..tasks.models import Task
@@ -52,6 +53,8 @@ def build_sample(
         response=stripped_response(response),
         trajectory=trajectory,
     )
+    # The effective sampling (the injected request names every field): the trainers train the sample at it.
+    meta["sampling"] = Sampling.of_request(request).record()
     meta["judge"] = None
     if instance is not None:
         meta["instance"] = instance

@@ -44,7 +44,7 @@ _EXCLUDE_CHUNK = 256  # samples moved per transaction by an exclusion
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
 _SUMMARY_FIELDS = (
     "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at",
-    "status", "instance",
+    "status", "instance", "sampling",
 )
 _DOC_FIELDS = (
     "sample_json", "prompt_ids", "response_ids", "response_logprobs", "rewards", "prompt_blocks", "status",
@@ -195,6 +195,7 @@ class TrajectoryStore:
                         **extra,
                         **({"prompt_blocks": prompt_blocks.pack_digests(d for d, _ in split[sample_id][0])}
                            if split[sample_id][0] else {}),
+                        **({"sampling": orjson.dumps(meta["sampling"])} if meta.get("sampling") else {}),
                     },
                 )
                 pipe.zadd(self.index_key(status), {sample_id: ids.parse_iso_epoch(created_at)})
@@ -582,6 +583,7 @@ class TrajectoryStore:
                     "session_id": values["session_id"] or None,
                     "task_id": values["rl_task_id"] or None,
                     "policy_version": values["policy_version"],
+                    "sampling": orjson.loads(values["sampling"]) if values["sampling"] else None,
                     "created_at": values["created_at"],
                     "updated_at": values["updated_at"],
                     "instance": values["instance"] or None,

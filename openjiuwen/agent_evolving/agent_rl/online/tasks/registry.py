@@ -392,7 +392,10 @@ class TaskRegistry:
                        keys.committed_captures(t), keys.task_events(t)]
         if turn_id is not None:
             script_keys.append(keys.turn_captures(t, turn_id))
-        event_data = events.encode_data({"capture_id": capture_id, "agent_turn_id": turn_id})
+        event = {"capture_id": capture_id, "agent_turn_id": turn_id}
+        if sample is not None and sample.meta.get("sampling"):
+            event["sampling"] = sample.meta["sampling"]  # the Task's timeline shows what each capture sampled at
+        event_data = events.encode_data(event)
         expected = self._open_hints.get((t, capture_id))
         for _ in range(MAX_WATCH_RETRIES):
             args: list[Any] = [task.created_at, b"", b"", b"", capture_id, b"", b""]

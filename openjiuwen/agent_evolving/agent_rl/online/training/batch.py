@@ -1,9 +1,10 @@
 """Claimed samples → the padded tensors a PPO actor trains on (CONTRACT §7 "Conversion", "Chunking").
 
 The captured token ids are used as they are (never re-tokenized), the captured logprobs become the behaviour
-("old") log-probabilities, and the scalar score sits on the last valid response token. The local backend trains
-on these tensors; the verl backend wraps the same tensors in a DataProto. torch is imported by the trainer
-processes only.
+("old") log-probabilities, the scalar score sits on the last valid response token, and each row carries the
+temperature its sample was drawn at (and whether its sampling truncated the distribution: common/sampling.py).
+The local backend trains on these tensors; the verl backend wraps the same tensors in a DataProto. torch is
+imported by the trainer processes only.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from ...common.policy_names import BASE_POLICY
+from ...common.sampling import Sampling
 from .backends.common import sample_score
 
 
@@ -32,6 +34,8 @@ class ConvertedBatch:
     response_mask: torch.Tensor  # [B, R] float, 1 on trained response tokens
     old_log_probs: torch.Tensor  # [B, R] captured behaviour logprobs, 0 on pads
     token_level_scores: torch.Tensor  # [B, R] the score on the last valid response token
+    temperatures: torch.Tensor  # [B] float32, the temperature each sample was drawn at
+    truncated: torch.Tensor  # [B] bool, its sampling cut the distribution (top_p / top_k / min_p)
     uid: list[str]
     sample_ids: list[str]
     rl_task_ids: list[str | None]
@@ -65,11 +69,12 @@ def convert_samples(
     advantage_estimator: str = "reinforce_plus_plus",
 ) -> ConvertedBatch:
     pad = 0 if pad_token_id is None else int(pad_token_id)
-    rows: list[tuple[dict[str, Any], list[int], list[int], list[float], list[int]]] = []
+    rows: list[tuple[dict[str, Any], list[int], list[int], list[float], list[int], Sampling]] = []
     dropped: list[str] = []
     prompt_truncated = response_truncated = 0
     for sample in samples:
         traj = sample.get("trajectory") or {}
+        sampling = Sampling.of_record(sample.get("sampling"))
         prompt = [int(t) for t in traj.get("prompt_ids") or []]
         response = [int(t) for t in traj.get("response_ids") or []]
         logprobs = [float(x) for x in traj.get("response_logprobs") or []]
@@ -89,7 +94,7 @@ def convert_samples(
         if not response or not any(mask) or not prompt:
             dropped.append(str(sample["sample_id"]))
             continue
-        rows.append((sample, prompt, response, logprobs, mask))
+        rows.append((sample, prompt, response, logprobs, mask, sampling))
     if not rows:
         raise EmptyBatch("every sample of the batch was dropped")
 
@@ -103,7 +108,7 @@ def convert_samples(
     response_mask = torch.zeros((batch, r_len), dtype=torch.float32)
     old_log_probs = torch.zeros((batch, r_len), dtype=torch.float32)
     scores = torch.zeros((batch, r_len), dtype=torch.float32)
-    for i, (sample, prompt, response, logprobs, mask) in enumerate(rows):
+    for i, (sample, prompt, response, logprobs, mask, _) in enumerate(rows):
         prompts[i, p_len - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
         prompt_attn[i, p_len - len(prompt):] = 1
         responses[i, : len(response)] = torch.tensor(response, dtype=torch.long)
@@ -125,6 +130,8 @@ def convert_samples(
         response_mask=response_mask,
         old_log_probs=old_log_probs,
         token_level_scores=scores,
+        temperatures=torch.tensor([r[5].temperature for r in rows], dtype=torch.float32),
+        truncated=torch.tensor([r[5].truncates for r in rows], dtype=torch.bool),
         uid=[_uid(s, advantage_estimator) for s in picked],
         sample_ids=[str(s["sample_id"]) for s in picked],
         rl_task_ids=[s.get("rl_task_id") for s in picked],

@@ -97,7 +97,8 @@ def _load_batch(spec: dict[str, Any], settings: PPOSettings, tokenizer: Any) -> 
 
 class _PPOUpdate:
     """One run's PPO state: the policy and its optimizer, the converted batch, and the log-probs fixed before any
-    update (the frozen base model as KL reference; π_old, the parent weights, only matters with TIS)."""
+    update, each row at its sample's temperature: the frozen base model as KL reference, and π_old with the parent
+    weights (the sampling report's recomputed logprobs; the PPO "old" logprobs too under TIS)."""
 
     def __init__(self, model: Any, batch: ConvertedBatch, settings: PPOSettings) -> None:
         import torch
@@ -110,7 +111,12 @@ class _PPOUpdate:
         self._actor = ppo_math.actor_config(settings)
         want_kl = settings.use_kl_in_reward and settings.kl_coef > 0
         self._ref_log_probs = self._forward_all(disable_adapter=True) if want_kl else None
-        self._pi_old = self._forward_all() if settings.tis_cap else None
+        pi_old = self._forward_all()
+        self._pi_old = pi_old if settings.tis_cap else None
+        self.sampling = ppo_math.sampling_report(
+            captured=batch.old_log_probs, recomputed=pi_old, response_mask=batch.response_mask,
+            temperatures=batch.temperatures, truncated=batch.truncated, settings=settings,
+        )
         self._optimizer = torch.optim.AdamW(self._trainable(), lr=settings.learning_rate, weight_decay=0.01)
 
     def _trainable(self) -> list[Any]:
@@ -136,7 +142,8 @@ class _PPOUpdate:
         with torch.set_grad_enabled(grad):
             return ppo_math.response_log_probs(
                 self._model, batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx],
-                batch.responses[idx], with_entropy=entropy, detach_prompt=grad and self._settings.detach_prompt,
+                batch.responses[idx], batch.temperatures[idx], with_entropy=entropy,
+                detach_prompt=grad and self._settings.detach_prompt,
             )
 
     def _forward_all(self, *, disable_adapter: bool = False) -> Any:
@@ -224,7 +231,7 @@ class _PPOUpdate:
     def run_record(self, step_metrics: list[dict[str, Any]]) -> dict[str, Any]:
         from . import ppo_math
 
-        return ppo_math.run_record(step_metrics, self._batch.meta)
+        return ppo_math.run_record(step_metrics, self._batch.meta, self.sampling)
 
 
 def main(argv: list[str] | None = None) -> int:

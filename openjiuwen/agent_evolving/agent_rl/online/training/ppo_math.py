@@ -38,12 +38,15 @@ def response_log_probs(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     responses: torch.Tensor,
+    temperatures: torch.Tensor,
     *,
     with_entropy: bool = False,
     detach_prompt: bool = False,
 ) -> TokenStats:
-    """Log-probabilities (and entropies) of the response tokens under `model`. The logits at position t predict
-    token t + 1, so the response part starts one position before the first response token.
+    """Log-probabilities (and entropies) of the response tokens under `model` at each row's temperature
+    (`temperatures` [B]): log softmax(logits / T) over the whole vocabulary, the policy each sample was drawn from
+    before any truncation (verl's engine divides the same way). The logits at position t predict token t + 1, so the
+    response part starts one position before the first response token.
 
     `detach_prompt`: run the prompt (all but its last token) without autograd and keep its keys/values as a cache,
     then run the last prompt token and the response with autograd on top of it. The log-probabilities are the same
@@ -63,6 +66,7 @@ def response_log_probs(
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                     logits_to_keep=resp_len + 1)
         logits = out.logits[:, -(resp_len + 1) : -1, :].float()
+    logits = logits / temperatures.to(logits.device, torch.float32).view(-1, 1, 1)
     log_softmax = F.log_softmax(logits, dim=-1)
     log_probs = log_softmax.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1) if with_entropy else None
@@ -194,6 +198,49 @@ def truncated_is_weights(pi_old: torch.Tensor, behaviour: torch.Tensor, cap: flo
     return torch.clamp(torch.exp(torch.clamp(pi_old - behaviour, max=20.0)), max=cap).detach()
 
 
+def sampling_report(
+    *,
+    captured: torch.Tensor,
+    recomputed: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperatures: torch.Tensor,
+    truncated: torch.Tensor,
+    settings: PPOSettings,
+) -> dict[str, Any]:
+    """How far the captured (behaviour) logprobs are from the ones the trainer computes with the parent weights
+    before the first update, over the trained tokens (`metrics.sampling` of the run record).
+
+    With vLLM's `processed_logprobs` a captured logprob is the sampling distribution's own: equal to the trainer's
+    at the sample's temperature, or higher by −log(kept mass) where truncation cut the distribution. A gap on
+    untruncated rows means another policy version drew the sample (policy lag) or vLLM returned raw logprobs.
+    `ratio_clipped_share`: the tokens whose importance ratio exp(recomputed − captured) the run's correction clips,
+    above `tis_cap` with TIS, else outside PPO's clip range (bypass mode: the first update's ratio)."""
+    mask = response_mask > 0
+    gap = (captured - recomputed).abs()[mask]
+    ratio = torch.exp(torch.clamp(recomputed - captured, max=20.0))[mask]
+    if settings.tis_cap:
+        clipped = ratio > settings.tis_cap
+    else:
+        clipped = (ratio < 1.0 - settings.clip_ratio_low) | (ratio > 1.0 + settings.clip_ratio_high)
+    untruncated = mask & ~truncated.view(-1, 1)
+    untruncated_gap = (captured - recomputed).abs()[untruncated]
+    temps: dict[str, int] = {}
+    for t in temperatures.tolist():
+        key = f"{t:g}"
+        temps[key] = temps.get(key, 0) + 1
+    tokens = int(mask.sum().item())
+    return {
+        "tokens": tokens,
+        "temperatures": temps,
+        "truncated_samples": int(truncated.sum().item()),
+        "logprob_mismatch_mean": float(gap.mean().item()) if tokens else 0.0,
+        "logprob_mismatch_max": float(gap.max().item()) if tokens else 0.0,
+        "untruncated_mismatch_max": float(untruncated_gap.max().item()) if untruncated_gap.numel() else None,
+        "ratio_clipped_share": float(clipped.float().mean().item()) if tokens else 0.0,
+        "correction": "tis" if settings.tis_cap else "ppo_clip",
+    }
+
+
 COUNTER_KEYS = ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples")
 SUMMARY_KEYS = ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm", "tokens_per_second", "entropy")
 
@@ -225,8 +272,9 @@ def step_record(
     }
 
 
-def run_record(steps: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """The run's metrics: every step, their means, and the conversion counters."""
+def run_record(steps: list[dict[str, Any]], meta: dict[str, Any], sampling: dict[str, Any]) -> dict[str, Any]:
+    """The run's metrics: every step, their means, the conversion counters and the sampling report."""
     summary = {k: sum(m.get(k, 0.0) for m in steps) / len(steps) for k in SUMMARY_KEYS} if steps else {}
-    return {"steps": len(steps), "step_metrics": steps, "summary": summary, **{k: meta[k] for k in COUNTER_KEYS}}
+    return {"steps": len(steps), "step_metrics": steps, "summary": summary, **{k: meta[k] for k in COUNTER_KEYS},
+            "sampling": sampling}
 

@@ -372,6 +372,8 @@ class TrainingRunner:
             return
         self._stage("training", "ok", time.perf_counter() - started)
         run = await asyncio.shield(self._durable(f"run {run_id} trained", lambda: self._mark_trained(run_id, artifact)))
+        if self._metrics is not None and artifact.metadata.get("sampling"):
+            self._metrics.run_sampling(artifact.metadata["sampling"])
         if run.terminal:
             return
         if run_id in self._stop_requested:
@@ -386,8 +388,9 @@ class TrainingRunner:
     async def _mark_trained(self, run_id: str, artifact: Artifact) -> TrainingRun:
         meta = artifact.metadata
         patch = {
-            k: meta[k] for k in ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples")
-            if k in meta
+            k: meta[k] for k in ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples",
+                                 "sampling")
+            if meta.get(k) is not None
         }
         return await self._runs.mark_trained(
             run_id, lora_name=artifact.lora_name, lora_path=artifact.lora_path,

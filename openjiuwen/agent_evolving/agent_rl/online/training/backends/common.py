@@ -49,6 +49,7 @@ def artifact_metadata(
         "dropped_samples": metrics.get("dropped_samples", 0),
         "prompt_truncated_samples": metrics.get("prompt_truncated_samples", 0),
         "response_truncated_samples": metrics.get("response_truncated_samples", 0),
+        "sampling": metrics.get("sampling"),
     }
 
 

@@ -1,8 +1,9 @@
 """A deterministic backend for tests and system tests, selected only by `trainer_backend: scripted`.
 
 What it does is read from a plan at every `train` call: `{"outcome": "succeed" | "fail" | "block",
-"delay_seconds": float, "message": str, "drop": [sample ids], "steps": [step metrics]}` (`steps` replaces the one
-all-zero step a success reports by default). The plan is a dict set by in-process tests, or a
+"delay_seconds": float, "message": str, "drop": [sample ids], "steps": [step metrics], "sampling": {report}}`
+(`steps` replaces the one all-zero step a success reports by default; `sampling` is the sampling report the run
+records, as a PPO trainer measures it: ppo_math.sampling_report). The plan is a dict set by in-process tests, or a
 JSON file (its path given at construction, from `ONLINE_RL_SCRIPTED_PLAN`) that system tests rewrite between runs.
 `block` waits until the run is canceled. A success publishes a real repository version whose adapter files are
 placeholders in PEFT's layout.
@@ -69,7 +70,8 @@ class ScriptedBackend:
                 await on_progress(dict(step))
             temp = await self._repository.create_temp(training_run_id)
             await asyncio.to_thread(self._write_adapter, temp)
-            metrics = {"steps": len(steps), "step_metrics": [], "dropped_samples": len(plan.get("drop", []))}
+            metrics = {"steps": len(steps), "step_metrics": [], "dropped_samples": len(plan.get("drop", [])),
+                       "sampling": plan.get("sampling")}
             meta = artifact_metadata(job, trainer_backend=self.name, ppo_samples_per_step=0, metrics=metrics)
             meta["dropped_sample_ids"] = list(plan.get("drop", []))
             return await self._repository.publish(temp, meta)

@@ -108,12 +108,13 @@ class PPORunner:
             filter_overlong_prompts=settings.filter_overlong_prompts,
             advantage_estimator=settings.advantage_estimator,
         )
-        steps = PPOSteps(worker, cfg, settings, batch, rank=self._rank, world_size=self._world_size,
-                         record=self._record).run()
+        ppo = PPOSteps(worker, cfg, settings, batch, rank=self._rank, world_size=self._world_size,
+                       record=self._record)
+        steps = ppo.run()
         files = export_adapter(worker, run_dir / "adapter")  # collective: every rank; files on rank 0 only
         return {
             "adapter_files": files,
-            "metrics": run_record(steps, batch.meta),
+            "metrics": run_record(steps, batch.meta, ppo.sampling),
             "dropped_sample_ids": batch.dropped_sample_ids,
         }
 

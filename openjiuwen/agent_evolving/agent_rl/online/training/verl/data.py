@@ -19,7 +19,9 @@ def _objects(values: Sequence[object]) -> np.ndarray:
 
 def to_data_proto(batch: ConvertedBatch) -> DataProto:
     """Captured logprobs go in twice: `rollout_log_probs` (what verl's bypass mode and TIS read as the behaviour
-    policy) and `old_log_probs` (replaced by bypass mode with the same values, or by π_old under `tis_cap`)."""
+    policy) and `old_log_probs` (replaced by bypass mode with the same values, or by π_old under `tis_cap`).
+    `temperature` is per row: verl's FSDP engine divides each row's logits by its own temperature when the key is a
+    tensor of the batch (a plain number would apply one temperature to every row)."""
     return DataProto.from_dict(
         tensors={
             "prompts": batch.prompts,
@@ -31,6 +33,7 @@ def to_data_proto(batch: ConvertedBatch) -> DataProto:
             "old_log_probs": batch.old_log_probs.clone(),
             "rollout_log_probs": batch.old_log_probs.clone(),
             "token_level_scores": batch.token_level_scores,
+            "temperature": batch.temperatures,
         },
         non_tensors={
             "uid": _objects(batch.uid),

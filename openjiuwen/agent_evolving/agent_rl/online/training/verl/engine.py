@@ -1,9 +1,10 @@
 """verl's training engine driven through the PPO steps of one run, on one rank (used by `actor.PPORunner`).
 
-Builds verl's `TrainingWorker` from the composed config, computes the reference (and, under `tis_cap`, π_old)
-logprobs with it, rewards and advantages with verl's core_algos (`training/ppo_math.py`, shared with the local
-backend), lets verl's rollout-correction helpers decide the PPO "old" logprobs, runs `train_mini_batch` with verl's
-`ppo_loss`, and exports the adapter. torch and verl are imported inside the functions (training side only).
+Builds verl's `TrainingWorker` from the composed config, computes the reference and π_old logprobs with it (each
+row at its sample's temperature: the batch's `temperature` tensor), the sampling report (captured against π_old),
+rewards and advantages with verl's core_algos (`training/ppo_math.py`, shared with the local backend), lets verl's
+rollout-correction helpers decide the PPO "old" logprobs, runs `train_mini_batch` with verl's `ppo_loss`, and exports
+the adapter. torch and verl are imported inside the functions (training side only).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class PPOSteps:
         self.record = record
         self.data = to_data_proto(batch)
         self.loss_ready = False
+        self.sampling: dict[str, Any] = {}
 
     def run(self) -> list[dict[str, Any]]:
         from .. import ppo_math
@@ -67,7 +69,12 @@ class PPOSteps:
         want_kl = s.use_kl_in_reward and s.kl_coef > 0
         ref = self._infer(no_adapter=True) if want_kl else None  # the frozen base: verl's LoRA reference
         bypass = bool(self.cfg.algorithm.rollout_correction.get("bypass_mode", False))
-        pi_old = None if bypass else self._infer(no_adapter=False)  # parent weights, before any update
+        recomputed = self._infer(no_adapter=False)  # parent weights, before any update
+        self.sampling = ppo_math.sampling_report(
+            captured=self.batch.old_log_probs, recomputed=recomputed, response_mask=self.batch.response_mask,
+            temperatures=self.batch.temperatures, truncated=self.batch.truncated, settings=s,
+        )
+        pi_old = None if bypass else recomputed
         grpo = s.advantage_estimator == "grpo"
         slices = chunk_rows(len(self.batch), s.ppo_samples_per_step, uids=self.batch.uid if grpo else None,
                             created_at=self.batch.created_at if grpo else None)
@@ -130,8 +137,8 @@ class PPOSteps:
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-        td = left_right_2_no_padding(self.data.to_tensordict())
-        meta: dict[str, Any] = {"calculate_entropy": False, "compute_loss": False, "temperature": 1.0}
+        td = left_right_2_no_padding(self.data.to_tensordict())  # its `temperature` tensor: one per row
+        meta: dict[str, Any] = {"calculate_entropy": False, "compute_loss": False}
         engine = self.worker.engine_config
         if not engine.use_dynamic_bsz:
             meta["micro_batch_size_per_gpu"] = micro_batch_size(len(self.data), engine.infer_micro_batch_size_per_gpu)
@@ -149,7 +156,7 @@ class PPOSteps:
         s = self.settings
         mini = max(1, s.ppo_mini_batch_size)
         keep = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_probs",
-                "advantages", "rollout_is_weights", "prompts")
+                "advantages", "rollout_is_weights", "prompts", "temperature")
         sums: dict[str, float] = {}
         count = 0
         for _ in range(s.ppo_epochs):
@@ -161,7 +168,7 @@ class PPOSteps:
                 size = len(piece) * self.world_size
                 tu.assign_non_tensor(
                     td, calculate_entropy=bool(s.entropy_coeff), global_batch_size=size, mini_batch_size=size,
-                    epochs=1, seed=s.seed, dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=1.0,
+                    epochs=1, seed=s.seed, dataloader_kwargs={"shuffle": False}, compute_loss=True,
                 )
                 engine = self.worker.engine_config
                 if not engine.use_dynamic_bsz:

@@ -1,0 +1,89 @@
+"""Training at each sample's sampling (issue 29 item 3): the converted batch carries every row's temperature, the
+trainers' logprobs divide each row's logits by its own temperature (one batch may mix them), and the sampling report
+measures captured against recomputed logprobs with the share of clipped ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("verl")
+
+import torch.nn.functional as F  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.online.training.batch import convert_samples  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.online.training.ppo_math import (  # noqa: E402
+    response_log_probs, sampling_report,
+)
+from openjiuwen.agent_evolving.agent_rl.online.training.ppo_settings import PPOSettings  # noqa: E402
+
+
+def sample(i: int, sampling: dict | None, response: list[int]) -> dict:
+    doc = {"sample_id": f"s{i}", "rl_task_id": f"t{i}", "judge": {"score": 1.0},
+           "trajectory": {"prompt_ids": [5, 6, 7 + i], "response_ids": response,
+                          "response_logprobs": [-1.0] * len(response)}}
+    if sampling is not None:
+        doc["sampling"] = sampling
+    return doc
+
+
+def test_the_batch_carries_each_samples_temperature_and_truncation() -> None:
+    samples = [sample(0, {"temperature": 0.7, "top_p": 0.9}, [8, 9]), sample(1, None, [10]),
+               sample(2, {"temperature": 1.3, "top_k": 0}, [11, 12, 13]), sample(3, {"min_p": 0.1}, [14])]
+    batch = convert_samples(samples, pad_token_id=0, max_prompt_length=8, max_response_length=8)
+    assert batch.temperatures.tolist() == pytest.approx([0.7, 1.0, 1.3, 1.0])
+    assert batch.truncated.tolist() == [True, False, False, True]
+    with pytest.raises(ValueError, match="sampling record"):
+        convert_samples([sample(0, {"temperature": 0}, [8])], pad_token_id=0, max_prompt_length=8,
+                        max_response_length=8)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def test_each_row_is_computed_at_its_own_temperature(model) -> None:
+    torch.manual_seed(3)
+    b, p, r = 3, 10, 5
+    ids = torch.randint(3, 300, (b, p + r))
+    mask = torch.ones(b, p + r, dtype=torch.long)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    resp = ids[:, p:]
+    temps = torch.tensor([0.7, 1.3, 1.0])
+    mixed = response_log_probs(model, ids, mask, pos, resp, temps, with_entropy=True)
+    logits = model(input_ids=ids).logits[:, p - 1 : -1].float()
+    for row, t in enumerate(temps.tolist()):
+        alone = F.log_softmax(logits[row] / t, -1)
+        expected = alone.gather(-1, resp[row].unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(mixed.log_probs[row], expected, atol=1e-5), t
+        assert torch.allclose(mixed.entropy[row], -(alone.exp() * alone).sum(-1), atol=1e-5)
+    at_one = response_log_probs(model, ids, mask, pos, resp, torch.ones(b))
+    assert torch.allclose(at_one.log_probs[2], mixed.log_probs[2])
+    assert not torch.allclose(at_one.log_probs[0], mixed.log_probs[0], atol=1e-3)
+
+
+def test_the_report_measures_the_gap_and_the_clipped_ratios() -> None:
+    recomputed = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]])
+    # Row 0 untruncated (exact), row 1 truncated (captured higher by -log(kept mass)), row 2 from another version.
+    captured = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.0, 0.0], [-1.5, -0.4, -0.5]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    truncated = torch.tensor([False, True, False])
+    temps = torch.tensor([0.7, 0.7, 1.3])
+    bypass = sampling_report(captured=captured, recomputed=recomputed, response_mask=mask, temperatures=temps,
+                             truncated=truncated, settings=PPOSettings())
+    gaps = [0, 0, 0, 0.5, 1.0, 1.0, 0.1, 0]
+    assert bypass["tokens"] == 8 and bypass["temperatures"] == {"0.7": 2, "1.3": 1}
+    assert bypass["truncated_samples"] == 1 and bypass["correction"] == "ppo_clip"
+    assert bypass["logprob_mismatch_mean"] == pytest.approx(sum(gaps) / 8, abs=1e-6)
+    assert bypass["logprob_mismatch_max"] == pytest.approx(1.0)
+    assert bypass["untruncated_mismatch_max"] == pytest.approx(1.0)  # the lagged row's
+    # Ratios exp(recomputed - captured): 0.61 and 0.37 (row 1), 2.72 and 0.90 (row 2); PPO's window is [0.8, 1.28].
+    assert bypass["ratio_clipped_share"] == pytest.approx(3 / 8)
+    tis = sampling_report(captured=captured, recomputed=recomputed, response_mask=mask, temperatures=temps,
+                          truncated=truncated, settings=PPOSettings(tis_cap=2.0))
+    assert tis["correction"] == "tis" and tis["ratio_clipped_share"] == pytest.approx(1 / 8)
