@@ -56,7 +56,8 @@ async def test_task_timeline_follows_capture_stop_and_reward(app_client, redis):
         "reward_recorded",
     ]
     assert items[0]["data"] == {"agent_session_id": "s1", "reward_mode": "terminal", "policy_lora_name": "base"}
-    assert items[2]["data"] == {"capture_id": "c1", "agent_turn_id": None}
+    assert {k: v for k, v in items[2]["data"].items() if k != "sampling"} == {"capture_id": "c1", "agent_turn_id": None}
+    assert items[2]["data"]["sampling"]["temperature"] == 1.0  # the effective sampling the sample records (issue 29)
     assert items[5]["data"] == {"reason": "user_stopped"}
     assert items[6]["data"] == {"reward": 0.75, "sample_count": 1}
     assert [i["id"] for i in items] == sorted([i["id"] for i in items], key=lambda x: tuple(map(int, x.split("-"))))

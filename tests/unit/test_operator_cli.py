@@ -553,6 +553,6 @@ def test_traj_get_and_list_show_the_serving_instance(gw: FakeGateway, capsys) ->
     gw.on("GET", "/v1/rl/trajectories/c1", ok(sample))
     gw.on("GET", "/v1/rl/trajectories", ok({"items": [sample], "next_cursor": None}))
     assert run_cli(gw, "traj", "get", "c1") == 0
-    assert "served   vllm-x\n" in capsys.readouterr().out
+    assert "served    vllm-x\n" in capsys.readouterr().out
     assert run_cli(gw, "traj", "list") == 0
     assert capsys.readouterr().out.splitlines()[1].split()[5] == "vllm-x"
