@@ -18,9 +18,8 @@ from .holdings import Holdings
 from .instances import Instance, InstanceRegistry
 from .leases import Leases
 from .lora_locks import VersionLocks, holding
-from ..common.ids import model_of
 from .lora_types import ActiveLora
-from .policy_lines import PolicyLine, PolicyLines
+from .policy_lines import PolicyLine, PolicyLines, model_of_version
 from .vllm_adapters import AdapterClient, Load
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
@@ -104,10 +103,11 @@ class Placement:
     async def load_missing(self, instance: Instance, deadline: float) -> None:
         """Load the versions of the instance's model that Tasks still hold (pinned) and the canary candidates, where
         the instance lacks them; a failure only means that traffic keeps going to the other holders."""
-        candidate = self._lines.of(instance.model).candidate
-        for name in sorted({*self._leases.names(), *([candidate.lora_name] if candidate is not None else [])}):
+        candidates = {line.candidate.lora_name for line in self._lines
+                      if line.model == instance.model and line.candidate is not None}
+        for name in sorted({*self._leases.names(), *candidates}):
             path = self.paths.get(name)
-            if path is None or model_of(name) != instance.model or self._holdings.holds(instance.name, name):
+            if path is None or model_of_version(name) != instance.model or self._holdings.holds(instance.name, name):
                 continue
             async with holding(self.locks.of(name), deadline) as held:
                 if not held or not self.in_use(name) or self._holdings.holds(instance.name, name):
@@ -149,7 +149,7 @@ class Placement:
             self.paths.pop(name, None)
             # Out-of-routing instances are skipped (a dead host would hold the unload until the deadline); their
             # readmission lists what they hold and unloads what is unused.
-            model = model_of(name)
+            model = model_of_version(name)
             pool = self._registry.serving(model) if model is not None else []
             if also is not None and also not in pool:
                 pool.append(also)
@@ -173,7 +173,7 @@ class Placement:
     async def repair(self, deadline: float) -> None:
         """Load the active versions and candidates where they are missing, unload unused versions."""
         models = set(self._registry.models()) | {line.model for line in self._lines if line.active is not None}
-        lines = [line for line in map(self._lines.get, models) if line is not None]
+        lines = [line for line in self._lines if line.model in models]
         await asyncio.gather(*(self.converge(line, deadline) for line in lines if self.needs_converge(line)))
         await asyncio.gather(*(self.load_candidate(line, deadline) for line in lines))
         await asyncio.gather(*(self.collect_unused(m, deadline) for m in models))

@@ -36,12 +36,12 @@ from .instances import Instance, InstanceRegistry
 from .leases import Leases
 from .lora_state_file import LoraStateFile
 from .lora_switch import Serving, Switch, Switcher
-from ..common.ids import parse_lora_name
+from ..common.lineage import parse_version_name
 from ..common.policy_names import BASE_POLICY
 from .lora_types import ActiveLora, LoraError, LoraStatus
 from .lora_views import LoraViews
 from .owned_tasks import OwnedTasks
-from .policy_lines import PolicyLine, PolicyLines
+from .policy_lines import PolicyLine, PolicyLines, model_of_line
 from .routing import Router, require_serving
 from .vllm_adapters import AdapterClient
 
@@ -124,7 +124,8 @@ class LoraManager:
         return {"status": LoraStatus.ACTIVE, "active_lora": active.public()}
 
     async def deactivate(self, model: str) -> None:
-        """New Tasks use base at once (DELETE /v1/loras/{model}); the old version is unloaded unless leased."""
+        """New Tasks of the line `model` use base at once (DELETE /v1/loras/{line}); the old version is unloaded
+        unless leased."""
         await self._tasks.run(self._deactivate(model), f"lora-deactivate:{model}")
 
     async def _deactivate(self, model: str) -> None:
@@ -246,7 +247,7 @@ class LoraManager:
         problem = await self._placement.artifact_problem(lora_path)
         if problem is not None:
             raise LoraError("invalid_lora_request", problem)
-        require_serving(self._registry, model)
+        require_serving(self._registry, model_of_line(model))
         return model, lora_path
 
     # ------------------------------------------------------------------------------------------------ status
@@ -281,11 +282,12 @@ class LoraManager:
 
     # ------------------------------------------------------------------------------------------------ pinning
 
-    def snapshot(self, model: str, *, rl_task_id: str | None = None) -> tuple[str, str]:
-        """(policy name, policy model) for a new Task: ("base", model), or (L, L) while L is active or degraded;
-        during a canary, (C, C) for the candidate C when the Task id falls in its share. Without a Task id (traffic
-        outside a Task): never the candidate."""
-        line = self._lines.get(model)
+    def snapshot(self, line_name: str, *, rl_task_id: str | None = None) -> tuple[str, str]:
+        """(policy name, policy model) for a new Task of a line: ("base", model), or (L, L) while L is active or
+        degraded; during a canary, (C, C) for the candidate C when the Task id falls in its share. Without a Task id
+        (traffic outside a Task): never the candidate."""
+        model = model_of_line(line_name)
+        line = self._lines.get(line_name)
         if line is None:
             return BASE_POLICY, model
         candidate = line.candidate
@@ -323,7 +325,7 @@ class LoraManager:
     # ------------------------------------------------------------------------------------------------ restart
 
     async def restore(self) -> None:
-        """At gateway start: read the state file (missing → every model on base) and load each active adapter on
+        """At gateway start: read the state file (missing → every line on base) and load each active adapter on
         every instance; a failure or a missing artifact leaves the model explicitly `degraded`. A corrupt state
         file raises LoraError 500 `invalid_lora_state` (the gateway must not guess)."""
         await self._tasks.run(self._restore(), "lora-restore")
@@ -361,11 +363,12 @@ class LoraManager:
 
 
 def _checked_name(base_model: Any, lora_name: Any, expected: Any) -> str:
-    """The model of `lora_name`; 400 unless every argument is a string and the name is `<model>:v<N>`."""
+    """The line of `lora_name` (docs/lineages.md); 400 unless every argument is a string and the name is
+    `<line>:v<N>`. (`base_model` is the base model's path on the wire; the routes check the line's model.)"""
     for what, value in (("base_model", base_model), ("lora_name", lora_name), ("expected_lora_name", expected)):
         if not isinstance(value, str):
             raise LoraError("invalid_lora_request", f"{what} must be a string")
-    parsed = parse_lora_name(lora_name)
+    parsed = parse_version_name(lora_name)
     if parsed is None:
-        raise LoraError("invalid_lora_request", "lora_name must be `<model>:v<N>`")
+        raise LoraError("invalid_lora_request", "lora_name must be `<line>:v<N>`")
     return parsed[0]

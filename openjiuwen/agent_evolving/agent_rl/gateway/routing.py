@@ -1,7 +1,7 @@
 """Which instance serves one request (CONTRACT §3.5, docs/gateway.md "Routing"), and the requests in flight per
 instance that least-busy routing reads.
 
-A LoRA policy (`<model>:vN`) goes only to instances with that adapter confirmed loaded (holdings.py), least in
+A LoRA policy (`<line>:vN`, a version of any line of the model) goes only to instances with that adapter confirmed loaded (holdings.py), least in
 flight first, then round robin; never by affinity. Anything else is base traffic: any serving instance of the model,
 by rendezvous hash of the affinity key when there is one (prefix-cache locality), else least in flight. With
 `registration.captureTraffic` off, a captured request (inside an RL Task) goes to static instances only.
@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 from .holdings import Holdings
 from .instances import Instance, InstanceRegistry
-from ..common.ids import parse_lora_name
 from .lora_types import LoraError
+from .policy_lines import model_of_version
 
 
 def require_serving(registry: InstanceRegistry, model: str) -> list[Instance]:
@@ -52,8 +52,7 @@ class Router:
                 raise LoraError("no_capture_instances",
                                 f"no static instance of {model} serves; registered instances serve no captured "
                                 "traffic (registration.captureTraffic)")
-        parsed = parse_lora_name(policy_model)
-        if parsed is None or parsed[0] != model:
+        if model_of_version(policy_model) != model:  # base traffic (a version of any line of the model is not)
             if affinity_key is not None:
                 return max(instances, key=lambda i: _rendezvous(affinity_key, i.name))
             return self._least_busy(model, instances)

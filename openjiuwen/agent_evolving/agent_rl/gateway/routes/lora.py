@@ -14,7 +14,7 @@ from starlette.responses import Response
 from ...common import json_nesting
 from ...common.errors import ApiError
 from ..responses import json_response
-from .deps import GatewayDep, SignedBody, any_key_signed_body
+from .deps import GatewayDep, SignedBody, any_key_signed_body, checked_line
 
 router = APIRouter()
 
@@ -42,12 +42,13 @@ def _removal(body: bytes) -> str:
 
 @router.get("/v1/loras/{model}")
 async def lora_status(model: str, _: SignedBody, gw: GatewayDep) -> Response:
-    return json_response(await gw.loras.refresh_status(model))
+    """`{model}` is a line: the model id (the default lineage) or `<model>:<lineage>`."""
+    return json_response(await gw.loras.refresh_status(checked_line(model, gw)))
 
 
 @router.delete("/v1/loras/{model}")
 async def lora_delete(model: str, _: SignedBody, gw: GatewayDep) -> Response:
-    await gw.loras.deactivate(model)
+    await gw.loras.deactivate(checked_line(model, gw))
     return Response(status_code=204)
 
 
