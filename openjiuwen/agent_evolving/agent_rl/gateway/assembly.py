@@ -4,6 +4,8 @@ it needs at construction; nothing is bound later."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -47,8 +49,10 @@ class Gateway:
 
 
 def build_gateway(
-    config: GatewayConfig, *, verifier: HmacVerifier, console_auth: ConsoleAuth, env: dict[str, str]
+    config: GatewayConfig, *, verifier: HmacVerifier, console_auth: ConsoleAuth, env: dict[str, str],
+    agent_lineages: Mapping[str, frozenset[str]] | None = None,
 ) -> Gateway:
+    """`agent_lineages`: the lineage limit of each agent key that has one (config.HmacKeys)."""
     online = config.online_rl
     model_id = online.model_id  # the gateway's own setting, checked against the child's /health
     metrics = GatewayMetrics()  # per app: its own CollectorRegistry
@@ -88,7 +92,7 @@ def build_gateway(
     )
     control = RLControl(
         model_id=model_id, supervisor=supervisor, rl=rl, tracker=tracker, loras=loras,
-        drain_timeout_s=online.drain_timeout_s,
+        drain_timeout_s=online.drain_timeout_s, agent_lineages=agent_lineages or {},
     )
     inference = InferenceProxy(
         model_id=model_id, tracker=tracker, loras=loras, rl=rl, rl_running=control.running, upstream=upstream,
