@@ -73,6 +73,9 @@ def build_gateway(
         registry, lora_root=config.lora.root, state_path=config.lora.state_path,
         operation_timeout_s=config.lora.operation_timeout_s, addresses=addresses,
         capture_registered=config.registration.capture_traffic, probe=probe,
+        max_loras={i.name: i.max_loras for i in config.instances if i.max_loras is not None},
+        max_loras_default=config.lora.max_loras_per_instance, page_timeout_s=config.lora.page_timeout_s,
+        paging_metrics=metrics,
     )
     health = HealthMonitor(
         registry, readmit=loras.readmit, interval_s=checks.interval_s, timeout_s=checks.timeout_s,

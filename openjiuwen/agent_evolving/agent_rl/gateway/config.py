@@ -290,6 +290,9 @@ class InstanceConfig(_Model):
     model: Token
     instance_ip: Annotated[StrictStr, AfterValidator(_host)] = Field(alias="instanceIp")
     port: Annotated[int, BeforeValidator(_port)]
+    # Project gateway (adapter paging, docs/lineages.md): LoRA adapters this instance may hold at once (its vLLM
+    # `--max-cpu-loras`); absent: `lora.maxLorasPerInstance`; 0: unlimited.
+    max_loras: Annotated[StrictInt, Field(ge=0, le=100_000)] | None = Field(default=None, alias="maxLoras")
 
     @property
     def base_url(self) -> str:
@@ -302,6 +305,12 @@ class LoraSection(_Model):
     root: Annotated[StrictStr, AfterValidator(_check_absolute)]
     state_path: Annotated[StrictStr, AfterValidator(_check_path)] = Field(alias="statePath")
     operation_timeout_s: Duration = Field(default=60.0, alias="operationTimeout")
+    # Project gateway (adapter paging, docs/lineages.md): adapters an instance holds at once unless its own `maxLoras`
+    # says otherwise (0: unlimited, every active version on every instance as before), and how long a request waits
+    # for a slot to free before 503 `lora_capacity_exhausted`.
+    max_loras_per_instance: Annotated[StrictInt, Field(ge=0, le=100_000)] = Field(
+        default=0, alias="maxLorasPerInstance")
+    page_timeout_s: Duration = Field(default=30.0, alias="pageTimeout")
 
 
 class InstanceHealthSection(_Model):

@@ -220,9 +220,9 @@ class InferenceProxy:
                             f"{self._model_id} or an active version")
         try:
             # Base traffic of one session sticks to one instance (prefix-cache reuse); LoRA traffic never does.
-            instance = await self._pick(
-                self._model_id, model if isinstance(model, str) else self._model_id, affinity_key=session_id
-            )
+            policy_model = model if isinstance(model, str) else self._model_id
+            instance = await self._pick(self._model_id, policy_model, affinity_key=session_id)
+            await self._loras.page_in(instance, policy_model, counts)  # on a paging instance: loaded on demand
         except LoraError as exc:
             return error_answer(exc)
         return await self._upstream_answer(instance, body, wants, flavor, counts, pending=None)
@@ -244,6 +244,8 @@ class InferenceProxy:
         try:
             instance = await self._pick(self._model_id, binding.policy_model, affinity_key=binding.session_id,
                                         captured=True)
+            # The pinned version itself, loaded on demand where it was paged out: never another adapter or base.
+            await self._loras.page_in(instance, binding.policy_model, counts)
         except LoraError as exc:
             return error_answer(exc)
         pending.capture.instance = instance.name

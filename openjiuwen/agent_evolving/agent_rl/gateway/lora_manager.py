@@ -18,15 +18,17 @@ cancellation (owned_tasks.py). Every vLLM call has a timeout taken from the oper
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from .adapter_pager import AdapterPager, PagingMetrics
 from .adapter_placement import Placement
 from .canary import Candidate, in_candidate_arm, parse_share
 from .holdings import Holdings
@@ -41,7 +43,7 @@ from ..common.policy_names import BASE_POLICY
 from .lora_types import ActiveLora, LoraError, LoraStatus
 from .lora_views import LoraViews
 from .owned_tasks import OwnedTasks
-from .policy_lines import PolicyLine, PolicyLines, model_of_line
+from .policy_lines import PolicyLine, PolicyLines, line_of_version, model_of_line
 from .routing import Router, require_serving
 from .vllm_adapters import AdapterClient
 
@@ -62,24 +64,35 @@ class LoraManager:
         capture_registered: bool = True,
         client: httpx.AsyncClient | None = None,
         probe: Callable[[Instance], Awaitable[bool]] | None = None,
+        max_loras: Mapping[str, int] | None = None,
+        max_loras_default: int = 0,
+        page_timeout_s: float = 30.0,
+        paging_metrics: PagingMetrics | None = None,
     ) -> None:
         """`addresses`: what a registration may name (instance_addresses.py). `capture_registered`: registered
         instances serve captured traffic too (routing.py). `probe`: the health check a registration must pass before
-        the instance serves (None: admit at once)."""
+        the instance serves (None: admit at once). `max_loras`: LoRA capacity per instance name (static instances'
+        `maxLoras`), else `max_loras_default`; 0 is unlimited (adapter_pager.py)."""
         if not operation_timeout_s > 0:
             raise ValueError("operation_timeout_s must be positive")
         self._registry = registry
         self._timeout_s = float(operation_timeout_s)
         self.holdings = Holdings()
+        self._max_loras = dict(max_loras or {})  # instance name → capacity (registrations add theirs)
+        self._max_loras_default = max_loras_default
+        self.pager = AdapterPager(AdapterClient(client), self.holdings, capacity=self._capacity,
+                                  page_timeout_s=page_timeout_s, load_timeout_s=self._timeout_s,
+                                  metrics=paging_metrics)
+        self._vllm = self.pager  # every load counts against capacity
         # The inference proxy picks instances and counts requests.
-        self.routing = Router(registry, self.holdings, capture_registered=capture_registered)
+        self.routing = Router(registry, self.holdings, capture_registered=capture_registered,
+                              can_page=self._can_page)
         self.leases = Leases()
         self._lines = PolicyLines()
         self._state_file = LoraStateFile(state_path)
-        self._vllm = AdapterClient(client)
         self._tasks = OwnedTasks()
         self._placement = Placement(registry, self.holdings, self.leases, self._lines, self._vllm,
-                                    lora_root=Path(lora_root))
+                                    lora_root=Path(lora_root), pages=self.pager.pages)
         self._switcher = Switcher(registry, self.holdings, self._lines, self._placement, self._state_file,
                                   self._vllm, timeout_s=self._timeout_s)
         self._admission = Admission(registry, self.holdings, self._lines, self._placement, self._tasks,
@@ -297,6 +310,26 @@ class LoraManager:
             return BASE_POLICY, model
         return line.active.lora_name, line.active.lora_name
 
+    async def page_in(self, instance: Instance, policy_model: str, counts: contextlib.ExitStack) -> None:
+        """Before a request for `policy_model` goes to `instance` (the routing pick, no await since): on a paging
+        instance, count the use in `counts` (so the adapter is no victim until the request ends) and load the version
+        on demand. LoraError 503 `lora_capacity_exhausted` / 502 `lora_load_failed` / 503 `lora_unavailable`."""
+        if not self.pager.pages(instance) or line_of_version(policy_model) is None:
+            return
+        counts.enter_context(self.pager.using(instance, policy_model))  # first: nothing awaits before it
+        if self.holdings.holds(instance.name, policy_model):
+            return
+        path = self._placement.paths.get(policy_model)
+        if path is None:  # neither served nor leased: nothing to load it from
+            raise LoraError("lora_unavailable", f"no instance has {policy_model} loaded")
+        await self.pager.ensure(instance, ActiveLora(policy_model, path))
+
+    def _capacity(self, instance: Instance) -> int:
+        return self._max_loras.get(instance.name, self._max_loras_default)
+
+    def _can_page(self, instance: Instance, policy_model: str) -> bool:
+        return self._capacity(instance) > 0 and policy_model in self._placement.paths
+
     def acquire(self, lora_name: str) -> None:
         """Lease a version so it stays loaded (a Task pinned to it); base is never leased."""
         self.leases.acquire(lora_name)
@@ -310,9 +343,19 @@ class LoraManager:
 
     # ------------------------------------------------------------------------------------------------ instances
 
-    async def register_instance(self, name: str, model: str, host: str, port: int | str) -> bool:
-        """See `Admission.register`: whether the instance serves now. Raises LoraError 400 / 409."""
-        return await self._admission.register(name, model, host, port)
+    async def register_instance(self, name: str, model: str, host: str, port: int | str, *,
+                                max_loras: int | None = None) -> bool:
+        """See `Admission.register`: whether the instance serves now. `max_loras`: its LoRA capacity (None: the
+        gateway default; a static instance keeps its configured one). Raises LoraError 400 / 409."""
+        known = name in self._max_loras
+        if max_loras is not None and not self._registry.is_static(name):
+            self._max_loras[name] = max_loras  # before admission: its loads count against it
+        try:
+            return await self._admission.register(name, model, host, port)
+        except LoraError:
+            if not known:
+                self._max_loras.pop(name, None)
+            raise
 
     async def readmit(self, instance: Instance) -> None:
         """An instance that answers its health probe again: adapters first, then routing (health monitor)."""

@@ -181,7 +181,7 @@ class Switcher:
                 return holders, excused
         # Instances that held it before this call keep it (a leased version stays routable there).
         loaded_here = [(i, outcome is Load.UNKNOWN) for i, (outcome, _) in zip(instances, results)
-                       if outcome is not Load.FAILED and i.name not in known]
+                       if outcome not in (Load.FAILED, Load.NO_ROOM) and i.name not in known]
         await self._roll_back(name, loaded_here, deadline)
         log.warning("activation of %s failed, kept the previous policy: %s", name, "; ".join(failures))
         raise LoraError("lora_activation_failed", "; ".join(failures)[:1000])

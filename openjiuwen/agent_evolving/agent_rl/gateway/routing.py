@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .holdings import Holdings
 from .instances import Instance, InstanceRegistry
@@ -32,12 +32,15 @@ def require_serving(registry: InstanceRegistry, model: str) -> list[Instance]:
 
 
 class Router:
-    def __init__(self, registry: InstanceRegistry, holdings: Holdings, *, capture_registered: bool = True) -> None:
+    def __init__(self, registry: InstanceRegistry, holdings: Holdings, *, capture_registered: bool = True,
+                 can_page: Callable[[Instance, str], bool] | None = None) -> None:
         """`capture_registered`: registered instances serve captured traffic too (`registration.captureTraffic`,
-        on by default); off, only static ones do, so no holder of the instance key can write training data."""
+        on by default); off, only static ones do, so no holder of the instance key can write training data.
+        `can_page(instance, version)`: the instance may load the version on demand (adapter_pager.py)."""
         self._registry = registry
         self._holdings = holdings
         self._capture_registered = capture_registered
+        self._can_page = can_page
         self._inflight: Counter[str] = Counter()  # instance name → requests in flight
         self._turns: dict[str, int] = {}  # round-robin position per routing key
 
@@ -57,9 +60,13 @@ class Router:
                 return max(instances, key=lambda i: _rendezvous(affinity_key, i.name))
             return self._least_busy(model, instances)
         holders = [i for i in instances if self._holdings.holds(i.name, policy_model)]
-        if not holders:
+        if holders:
+            return self._least_busy(policy_model, holders)
+        # Paged out everywhere: an instance that pages loads it on demand (the caller's `ensure`).
+        pageable = [i for i in instances if self._can_page is not None and self._can_page(i, policy_model)]
+        if not pageable:
             raise LoraError("lora_unavailable", f"no instance has {policy_model} loaded")
-        return self._least_busy(policy_model, holders)
+        return self._least_busy(policy_model, pageable)
 
     @contextlib.contextmanager
     def in_flight(self, instance: Instance) -> Iterator[Instance]:

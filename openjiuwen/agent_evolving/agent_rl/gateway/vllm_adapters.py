@@ -29,6 +29,7 @@ class Load(enum.Enum):
     FAILED = "failed"  # any other answer: not loaded
     UNKNOWN = "unknown"  # timeout or transport error: it may land later
     UNREACHABLE = "unreachable"  # the connection was refused: nothing was sent, the instance is down
+    NO_ROOM = "no_room"  # adapter paging: the instance is full of adapters in use; nothing was sent
 
     @property
     def held(self) -> bool:
