@@ -16,7 +16,7 @@ from openjiuwen.agent_evolving.agent_rl.gateway.holdings import Holdings
 from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance
 from openjiuwen.agent_evolving.agent_rl.gateway.lora_types import ActiveLora, LoraError
 from openjiuwen.agent_evolving.agent_rl.gateway.vllm_adapters import AdapterClient, Load
-from tests.support.fake_vllm import LOAD_PATH, FakeVLLM
+from tests.support.fake_vllm import LOAD_PATH, UNLOAD_PATH, FakeVLLM
 
 CAPACITY = 2
 
@@ -137,3 +137,19 @@ async def test_capacity_zero_is_unlimited(fake, versions) -> None:
         assert len(fake.loaded) == 4 and paged.resident(instance.name) == []
     finally:
         await paged.aclose()
+
+
+async def test_a_version_requested_while_it_is_paged_out_reserves_a_slot_again(pager, fake, versions) -> None:
+    """The victim's unload is in flight when a request wants it back: the load waits and takes a slot of its own
+    (before the fix it was sent at once, against a slot count that no longer held it)."""
+    paged, holdings, instance, _ = pager
+    await serve(paged, instance, versions["a"])
+    await serve(paged, instance, versions["b"])
+    fake.delay_next(UNLOAD_PATH, 0.2)  # `a`'s unload, to make room for `c`, lands late
+    for_c = asyncio.create_task(serve(paged, instance, versions["c"]))
+    while fake.count(UNLOAD_PATH) == 0:
+        await asyncio.sleep(0.01)  # until the unload is on its way (synchronisation, not a timing assert)
+    await asyncio.gather(for_c, serve(paged, instance, versions["a"]))
+    assert fake.loaded == {versions["c"].lora_name, versions["a"].lora_name}
+    assert holdings.confirmed(instance.name) == fake.loaded
+    assert fake.peak_loaded == CAPACITY

@@ -101,10 +101,12 @@ class AdapterPager:
         held = await self._vllm.held(instance, deadline)
         if held is not None:
             # The listing is the truth; loads still in flight keep their reserved slot.
-            known = self._resident.get(instance.name, OrderedDict())
+            resident = self._resident.setdefault(instance.name, OrderedDict())
             pending = {name for (i, name) in self._loading if i == instance.name}
-            kept = [n for n in known if n in held or n in pending]
-            self._resident[instance.name] = OrderedDict.fromkeys([*kept, *sorted(held - set(kept))])
+            for name in [n for n in resident if n not in held and n not in pending]:
+                del resident[name]
+            for name in sorted(held - set(resident)):
+                resident[name] = None
         return held
 
     async def aclose(self) -> None:
@@ -195,11 +197,18 @@ class AdapterPager:
         return self._users.get(key, 0) == 0 and key not in self._loading
 
     async def _evict(self, instance: Instance, name: str, deadline: float) -> bool:
+        """Unload an idle adapter; runs under the instance's lock."""
         self._holdings.unrouted(instance.name, name)  # no new request goes there for it from now on
+        # Out of the resident set before the unload is sent: a load of the same version meanwhile must reserve a
+        # slot again (it waits for this lock), or it would land beside a slot count that no longer includes it.
+        resident = self._resident[instance.name]
+        resident.pop(name, None)
         gone = await self._vllm.unload(instance, name, deadline)
         self._holdings.unloaded(instance.name, name, gone=gone)
-        if gone:
-            self._resident[instance.name].pop(name, None)
+        if not gone:  # it may still be there: it keeps its slot, first in line for a later try
+            resident[name] = None
+            resident.move_to_end(name, last=False)
+        else:
             if self._metrics is not None:
                 self._metrics.adapter_evicted(instance.name)
             log.info("paged %s out of %s", name, instance.name)
