@@ -66,7 +66,8 @@ from .training.backends import TrainerBackend
 from .training.runner import TrainingRunner
 from .training.runs import RunStore
 from .watchdog import install_parent_death_watchdog
-from .workers.coordinator import Placement, WorkerCoordinator
+from .workers.coordinator import Placement, WorkerCoordinator, make_fence
+from .workers.fence import Fence
 from .workers.forward import LeaderForwarding
 from .workers.group import WORKER_ENV, WorkerGroup, WorkerSlot
 from .workers.membership import Membership
@@ -117,6 +118,7 @@ class ServiceDeps:
     metrics: ServiceMetrics
     rollout: RolloutController
     membership: Membership
+    fence: Fence  # every leader-only write goes through it (workers/fence.py)
     coordinator: WorkerCoordinator = field(init=False)
     run_reward_sweeper: bool = field(init=False, default=False)
 
@@ -135,6 +137,7 @@ class ServiceDeps:
         placement = placement or Placement()
         redis = redis or make_redis(config)
         membership = Membership(redis, boot=placement.boot, slot=placement.index, solo=placement.solo)
+        fence = make_fence(placement)
         judge = judge if judge is not None else make_judge(config)
         metrics = ServiceMetrics(config.model_id)  # per app: its own CollectorRegistry
         metered_judge = MeteredJudge(judge, metrics) if judge is not None else None
@@ -150,7 +153,7 @@ class ServiceDeps:
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
         gateway = _make_gateway_client(config, token, metrics)
         backend = backend or make_backend(config, repository)
-        rollout, runner = _make_training(config, redis, store, backend, repository, gateway, metrics, fault)
+        rollout, runner = _make_training(config, redis, store, backend, repository, gateway, metrics, fault, fence)
         deps = cls(
             config=config,
             redis=redis,
@@ -165,9 +168,9 @@ class ServiceDeps:
                 registry, publisher, model_id=config.model_id, judge_configured=judge is not None, fault=fault
             ),
             rewards=rewards,
-            sweeper=_make_retention_sweeper(config, redis, store, rewards, metrics),
+            sweeper=_make_retention_sweeper(config, redis, store, rewards, metrics, fence),
             reward_ledger=reward_ledger,
-            reward_sweeper=RewardDeadlineSweeper(reward_ledger, interval_s=reward_policy.sweep_interval_s),
+            reward_sweeper=RewardDeadlineSweeper(reward_ledger, fence=fence, interval_s=reward_policy.sweep_interval_s),
             rail=_make_rail_ingestor(config, redis, store, metered_judge, membership),
             repository=repository,
             gateway=gateway,
@@ -176,8 +179,10 @@ class ServiceDeps:
             metrics=metrics,
             rollout=rollout,
             membership=membership,
+            fence=fence,
         )
-        deps.coordinator = WorkerCoordinator(redis, placement, membership, deps, leader_check=runner.check_health)
+        deps.coordinator = WorkerCoordinator(redis, placement, membership, deps, fence,
+                                             leader_check=runner.check_health)
         return deps
 
     async def claim_owner(self) -> None:
@@ -217,7 +222,7 @@ class ServiceDeps:
         """Startup recovery (a first leader of a boot: Tasks of the previous boot are aborted) or takeover recovery
         (a later leader: the run and rollout the previous leader left), then the singleton loops."""
         if first_of_boot:
-            await self.lifecycle.recover()
+            await self.lifecycle.recover(fence=self.fence)
         await self.rewards.resume_interrupted()
         await self.rail.recover()
         await self.rollout.probe()  # canary / manual under a gateway without the canary routes: refuse
@@ -321,13 +326,15 @@ def _make_training(
     gateway: GatewayLoraClient,
     metrics: ServiceMetrics,
     fault: FaultHook,
+    fence: Fence,
 ) -> tuple[RolloutController, TrainingRunner]:
     """Training Runs and the rollout of what they produce: the run store, the rollout controller, the runner."""
     runs = RunStore(
-        redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds, metrics=metrics,
+        redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds, fence=fence,
+        metrics=metrics,
     )
     rollout = RolloutController(
-        redis, RolloutStore(redis), gateway, repository, config=config.rollout, model_id=config.model_id,
+        redis, RolloutStore(redis, fence=fence), gateway, repository, config=config.rollout, model_id=config.model_id,
         base_model_path=config.base_model_path, observe_policy=runs.observe_policy, active_run=runs.active,
         metrics=metrics, fault=fault,
     )
@@ -351,12 +358,14 @@ def _make_training(
 
 
 def _make_retention_sweeper(
-    config: RLServiceConfig, redis: Redis, store: TrajectoryStore, rewards: RewardProjector, metrics: ServiceMetrics
+    config: RLServiceConfig, redis: Redis, store: TrajectoryStore, rewards: RewardProjector, metrics: ServiceMetrics,
+    fence: Fence,
 ) -> RetentionSweeper:
     return RetentionSweeper(
         redis,
         store,
         rewards,
+        fence=fence,
         owner=config.model_id,
         task_retention_s=config.task_retention_seconds,
         reward_timeout_s=config.reward_timeout_seconds,
