@@ -351,6 +351,37 @@ async def test_a_leader_frozen_past_its_ttl_lands_none_of_its_queued_writes(redi
         await b.stop()
 
 
+async def test_stop_ends_a_heartbeat_that_swallowed_its_cancellation(redis) -> None:
+    """A cancellation can be eaten by a call in flight (seen after a stall past the TTL: the worker's stop hung,
+    its heartbeat beat on). Stop cancels again until the heartbeat is done."""
+    (a, _) = coordinator(redis, 0, [], count=2)
+    await a.start()
+    entered, swallowed = asyncio.Event(), []
+    beat_once = a._beat_once
+
+    async def swallowing(loop) -> None:
+        await beat_once(loop)
+        entered.set()
+        try:
+            await asyncio.sleep(0.15)  # inside the beat's own timeout (2 × beat_s)
+        except asyncio.CancelledError:
+            if swallowed:
+                raise
+            swallowed.append("once")  # eaten, as a client may
+
+    a._beat_once = swallowing  # type: ignore[method-assign]
+    await entered.wait()
+    stopping = asyncio.create_task(a.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=5)  # not wait_for: its cancel would end the heartbeat itself
+    if not done:
+        beat = a._beat
+        assert beat is not None
+        beat.cancel()  # let the hung stop finish before the test fails
+        await stopping
+    assert done and swallowed == ["once"]
+    assert await redis.get(keys.LEADER) is None  # it went on to release the lease
+
+
 async def test_a_first_leader_deposed_while_recovering_does_not_fail_the_start(redis) -> None:
     """Startup recovery refused half way (LeaseLost) is no failed start: the worker gives the duties up, a leader
     recovers the boot, and every worker becomes ready."""

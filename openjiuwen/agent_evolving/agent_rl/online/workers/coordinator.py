@@ -131,9 +131,7 @@ class WorkerCoordinator:
         gone before it finishes the active Tasks), then the leader hands in its duties with the shutdown steps,
         renewing its lease meanwhile (those steps write through its fence too), and releases the lease."""
         if self._beat is not None:
-            self._beat.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._beat
+            await _cancelled(self._beat, self._beat_s)
             self._beat = None
         if not self.placement.solo:
             with suppress(Exception):
@@ -144,8 +142,7 @@ class WorkerCoordinator:
                 await self._depose(shutdown=True)
             finally:
                 if keeper is not None:
-                    keeper.cancel()
-                    await asyncio.gather(keeper, return_exceptions=True)
+                    await _cancelled(keeper, self._beat_s)
         if not self.placement.solo:
             with suppress(Exception):
                 await self._lease.release()
@@ -332,3 +329,14 @@ class WorkerCoordinator:
                     return
                 self._renewed(loop, sent)
             await asyncio.sleep(self._beat_s)
+
+
+async def _cancelled(task: asyncio.Task[None], every_s: float) -> None:
+    """Cancel `task` and wait until it is done, cancelling again every `every_s`: a cancellation that lands while a
+    Redis call is in flight can be swallowed on the way out (seen after an event-loop stall past the TTL: the
+    heartbeat then beat on for ever and the worker's stop hung). The loops stopped here hold no state to finish."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=every_s)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s ended with %r", task.get_name(), task.exception())

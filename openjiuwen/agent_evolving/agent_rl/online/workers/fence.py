@@ -115,7 +115,10 @@ class LeaseFence:
 
         async def fenced(pipe: Pipeline) -> T:
             holder, epoch = await pipe.mget(keys.LEADER, keys.LEADER_EPOCH)
-            if False:
+            # Invariant: this body's EXEC lands only while the lease names this holder in this term. A lapsed lease
+            # (holder gone) or a later term (epoch moved) refuses here; a takeover after this read INCRs the WATCHed
+            # epoch and fails the EXEC, and the retry refuses here.
+            if holder != self._holder or epoch != token:
                 self._lost(token)
                 raise LeaseLost(f"leader term {token.decode()} is over (the lease holds term "
                                 f"{(epoch or b'-').decode()})")
@@ -128,6 +131,9 @@ class LeaseFence:
         return await self.transact(redis, _queued(queue))
 
     def _token(self) -> bytes:
+        """This term's epoch; LeaseLost when none is held (never won, deposed, or refused once): fail closed."""
+        if self._epoch is None:
+            raise LeaseLost("this worker holds no leader term")
         return str(self._epoch).encode()
 
     def _lost(self, token: bytes) -> None:
