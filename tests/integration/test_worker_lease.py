@@ -584,3 +584,94 @@ async def test_every_leader_only_write_is_refused_once_its_term_is_over(redis, r
         assert await duty_state(redis) == before
         await write(UNFENCED)
         assert await duty_state(redis) != before
+
+
+# The leader's writers: each takes a fence it cannot leave out (no default), so a new call site is fenced or fails.
+LEADER_WRITERS = ("RunStore", "RolloutStore", "RetentionSweeper", "RewardDeadlineSweeper", "RewardLedger.sweep_due",
+                  "TrajectoryStore.sweep_expired", "TaskLifecycle.recover", "TaskRegistry.drop_stale_active")
+# Modules written only by the leader: no Redis write may bypass the fence (no `transact`, no write command on the
+# client or on a pipeline of its own), but for the listed functions, which any worker runs.
+LEADER_MODULES = {"training/runs.py": {"list_page"}, "rollout/store.py": set(), "retention.py": set(),
+                  "rewards/sweeper.py": set()}
+REDIS_WRITES = {"set", "setex", "delete", "unlink", "expire", "pexpire", "zadd", "zrem", "zremrangebyscore", "sadd",
+                "srem", "hset", "hdel", "hincrby", "incr", "incrby", "xadd", "lpush", "rpush", "eval", "evalsha",
+                "append", "rename", "persist"}
+
+
+def test_every_leader_only_writer_goes_through_the_fence() -> None:
+    import ast
+    import inspect
+
+    from openjiuwen.agent_evolving.agent_rl.online import retention as retention_mod
+    from openjiuwen.agent_evolving.agent_rl.online.capture.lifecycle import TaskLifecycle
+    from openjiuwen.agent_evolving.agent_rl.online.rewards.ledger import RewardLedger
+    from openjiuwen.agent_evolving.agent_rl.online.rewards.sweeper import RewardDeadlineSweeper
+    from openjiuwen.agent_evolving.agent_rl.online.tasks.registry import TaskRegistry
+
+    objects = {"RunStore": RunStore, "RolloutStore": RolloutStore, "RetentionSweeper": RetentionSweeper,
+               "RewardDeadlineSweeper": RewardDeadlineSweeper, "RewardLedger.sweep_due": RewardLedger.sweep_due,
+               "TrajectoryStore.sweep_expired": TrajectoryStore.sweep_expired,
+               "TaskLifecycle.recover": TaskLifecycle.recover,
+               "TaskRegistry.drop_stale_active": TaskRegistry.drop_stale_active}
+    assert tuple(objects) == LEADER_WRITERS
+    for name, obj in objects.items():
+        fence = inspect.signature(obj).parameters.get("fence")
+        assert fence is not None and fence.default is inspect.Parameter.empty, f"{name} must require a fence"
+
+    root = Path(retention_mod.__file__).parent
+    unfenced = [hit for module, allowed in LEADER_MODULES.items()
+                for hit in unfenced_writes(module, (root / module).read_text(), allowed)]
+    assert unfenced == []
+
+
+def unfenced_writes(module: str, source: str, allowed: set[str]) -> list[str]:
+    """Redis writes in `source` that bypass a fence: `transact` imported, a write command on the client, on the
+    event log or on a pipeline the function opened itself (a fenced body's pipeline is its parameter)."""
+    import ast
+
+    tree = ast.parse(source)
+    hits = [f"{module}: imports transact" for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and any(a.name == "transact" for a in node.names)]
+    for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        if func.name in allowed:
+            continue
+        own_pipes = {item.optional_vars.id for w in ast.walk(func) if isinstance(w, (ast.With, ast.AsyncWith))
+                     for item in w.items if isinstance(item.optional_vars, ast.Name)}
+        for call in (c for c in ast.walk(func) if isinstance(c, ast.Call)):
+            f = call.func
+            if isinstance(f, ast.Attribute) and f.attr in REDIS_WRITES and (
+                    ast.unparse(f.value) in {"self._redis", "redis", "self._events"}
+                    or ast.unparse(f.value).startswith(("EventLog(", "events.EventLog("))
+                    or ast.unparse(f.value) in own_pipes):
+                hits.append(f"{module}:{call.lineno} {ast.unparse(call)[:60]}")
+    return hits
+
+
+def test_the_writer_scan_finds_the_writes_that_bypassed_the_fence_before() -> None:
+    """The scan above is no empty check: the leader modules as they were before the fence are full of hits."""
+    before = {
+        "retention.py": """
+from .store.tx import transact
+class S:
+    async def _move_to_gc(self, t):
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.zrem("a", t)
+            pipe.zadd("b", {t: 1})
+            await pipe.execute()
+""",
+        "training/runs.py": """
+class R:
+    async def observe_policy(self, name, path):
+        await self._redis.set("k", name)
+    async def append_event(self, run_id, kind, data):
+        await events.EventLog(self._redis).append("s", kind, data)
+    async def list_page(self):
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zrem("runs", "gone")
+""",
+    }
+    hits = [hit for module, source in before.items()
+            for hit in unfenced_writes(module, source, LEADER_MODULES[module])]
+    assert hits == ["retention.py: imports transact", "retention.py:6 pipe.zrem('a', t)",
+                    "retention.py:7 pipe.zadd('b', {t: 1})", "training/runs.py:4 self._redis.set('k', name)",
+                    "training/runs.py:6 events.EventLog(self._redis).append('s', kind, data)"]

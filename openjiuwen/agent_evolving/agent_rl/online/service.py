@@ -82,7 +82,7 @@ CONFIG_ENV = "RL_SERVICE_CONFIG"
 TOKEN_ENV = "RL_SERVICE_TOKEN"
 SCRIPTED_PLAN_ENV = "ONLINE_RL_SCRIPTED_PLAN"  # tests only: the plan file of the scripted backend
 VISIBLE_DEVICES_ENV = "ONLINE_RL_VISIBLE_DEVICES_ENV"  # verl: the variable training_gpu_ids is exported as
-CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"  # chaos tests only: `<point>[@<n>]` of faults.POINTS; unset = no fault
+CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"  # chaos tests only: `[stop:]<point>[@<n>]` of faults.POINTS; unset = no fault
 # At shutdown the leader finishes the active Tasks only once the other workers left (their servers drained their
 # hooks first), waiting at most this long.
 SHUTDOWN_WAIT_FOR_WORKERS_S = 35.0
