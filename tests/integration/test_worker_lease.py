@@ -675,3 +675,14 @@ class R:
     assert hits == ["retention.py: imports transact", "retention.py:6 pipe.zrem('a', t)",
                     "retention.py:7 pipe.zadd('b', {t: 1})", "training/runs.py:4 self._redis.set('k', name)",
                     "training/runs.py:6 events.EventLog(self._redis).append('s', kind, data)"]
+
+
+def test_a_leader_route_refused_by_the_fence_answers_503_service_not_ready() -> None:
+    """A relayed leader-only route on a worker deposed meanwhile: the contract's failover answer, not a 500."""
+    from openjiuwen.agent_evolving.agent_rl.common.errors import ApiError
+    from openjiuwen.agent_evolving.agent_rl.online.api.errors import domain_errors
+
+    with pytest.raises(ApiError) as answered:
+        with domain_errors(not_found="training_run_not_found", conflict="insufficient_samples"):
+            raise LeaseLost("leader term 1 is over")
+    assert (answered.value.status, answered.value.code) == (503, "service_not_ready")

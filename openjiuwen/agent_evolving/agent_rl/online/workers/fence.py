@@ -10,7 +10,9 @@ the same atomic step as the write:
 - a MULTI/EXEC transaction WATCHes the epoch counter, reads the lease and the epoch, and writes only if both are
   still this term's: every new term increments the epoch (in the acquisition script), so an EXEC that would land
   after another worker took over fails its WATCH, and the retry finds the term over. The lease key itself is not
-  WATCHed: its holder renews it every second, and each renewal would abort the holder's own transactions;
+  WATCHed: its holder renews it every second, and each renewal would abort the holder's own transactions. So an
+  EXEC may still land after the lease lapsed but before anyone won it again: no other term has begun then, which
+  is all the token promises (no write of term N after term N+1 began);
 - a Lua script starts with `LUA_CHECK` (the lease key and the epoch key as its first two KEYS, the holder value and
   the epoch as its first two ARGV) and answers `LEASE_LOST` instead of writing.
 
