@@ -76,10 +76,11 @@ async def measure_store(redis_url: str, sizes: list[int], reps: int) -> list[dic
     from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
     from openjiuwen.agent_evolving.agent_rl.online.training.models import RunStage, RunStatus, TrainingRun, new_run_id
     from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
+    from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
 
     redis = Redis.from_url(redis_url)
     store = TrajectoryStore(redis, owner=MODEL, model_id=MODEL)
-    runs = RunStore(redis, store, model_id=MODEL, run_retention_s=3600)
+    runs = RunStore(redis, store, model_id=MODEL, run_retention_s=3600, fence=UNFENCED)
     rows = []
     seeded = 0
     try:

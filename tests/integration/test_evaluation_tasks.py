@@ -12,6 +12,7 @@ from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraReposi
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import SampleStatus
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
+from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
 from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import check_invariants
@@ -127,8 +128,9 @@ async def test_retention_removes_old_evaluation_samples_and_keeps_the_aggregates
     await rewarded(client, 1, 1.0, evaluation=True)
     await rewarded(client, 2, 0.0, evaluation=False)
     store = app.state.deps.store
-    assert await store.sweep_expired(retention_seconds=3600, now=time.time()) == 0  # not old yet
-    assert await store.sweep_expired(retention_seconds=3600, now=time.time() + 7200) == 1  # pending never expires
+    assert await store.sweep_expired(fence=UNFENCED, retention_seconds=3600, now=time.time()) == 0  # not old yet
+    # pending never expires
+    assert await store.sweep_expired(fence=UNFENCED, retention_seconds=3600, now=time.time() + 7200) == 1
     assert await sample_status(store, "c1-0") is None and await sample_status(store, "c2-0") == "pending"
     stats = (await client.get("/v1/rl/trajectories/stats")).json()
     assert stats["by_status"] == {"pending": 1, "training": 0, "trained": 0, "failed": 0} and stats["total"] == 1

@@ -20,6 +20,7 @@ from openjiuwen.agent_evolving.agent_rl.online.store import keys, prompt_blocks
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample, pack_ids, pack_logprobs
 from openjiuwen.agent_evolving.agent_rl.online.store.prompt_blocks import BLOCK_IDS
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
+from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
 from tests.conftest import load_fixture
 from tests.integration.test_trajectory_store import MODEL, T0, iso_at, make_doc, move
 from tests.support.invariants import ClientRecord, check_invariants
@@ -122,7 +123,7 @@ async def test_each_deletion_path_releases_its_references(redis: Redis, store: T
     # Retention: trained samples older than the retention leave, releasing theirs.
     await move(redis, store, ["d0", "d1"], "training")
     await move(redis, store, ["d0", "d1"], "trained", at=T0)
-    assert await store.sweep_expired(retention_seconds=10, now=T0 + 100) == 2
+    assert await store.sweep_expired(fence=UNFENCED, retention_seconds=10, now=T0 + 100) == 2
     assert await prompts_read(store, ["d2"]) == {"d2": prompts[2]}
     assert set((await blocks(redis)).values()) == {1}
     await holds_invariants(redis)
@@ -141,7 +142,7 @@ async def test_a_reward_policy_drop_releases_its_references(redis: Redis) -> Non
     now = time.time()
     await store.insert_if_absent([sample("kept", prompts[0], created=now), sample("dropped", prompts[1], created=now)])
     await ledger.attach("kept", "audit", 1.0)
-    assert (await ledger.sweep_due(now=now + 61)).dropped == 1
+    assert (await ledger.sweep_due(fence=UNFENCED, now=now + 61)).dropped == 1
     assert not await redis.exists(keys.traj("dropped"))
     assert sorted((await blocks(redis)).values()) == [1] * (len(prompts[0]) // BLOCK_IDS)
     assert await prompts_read(store, ["kept"]) == {"kept": prompts[0]}

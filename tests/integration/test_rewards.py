@@ -21,6 +21,7 @@ from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import ALL_SA
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
 from openjiuwen.agent_evolving.agent_rl.online.training.models import TrainingRun, new_run_id
 from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
+from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
 from tests.conftest import load_fixture
 from tests.integration.test_trajectory_store import make_doc, move, packed
 from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_task
@@ -239,13 +240,13 @@ async def test_deadlines_apply_each_fallback_and_drop(redis):
     await store.insert_if_absent(packed(doc("kept"), doc("dropped")))
     await ledger.attach("kept", "audit", 1.0)
     now = time.time()
-    assert (await ledger.sweep_due(now=now + 3599)).visited == 0
-    first = await ledger.sweep_due(now=now + 3601)  # business falls back to 0 on both
+    assert (await ledger.sweep_due(fence=UNFENCED, now=now + 3599)).visited == 0
+    first = await ledger.sweep_due(fence=UNFENCED, now=now + 3601)  # business falls back to 0 on both
     assert (first.visited, first.released, first.fallbacks) == (2, 0, 2)
-    second = await ledger.sweep_due(now=now + 7201)  # audit missing on one: dropped
+    second = await ledger.sweep_due(fence=UNFENCED, now=now + 7201)  # audit missing on one: dropped
     assert (second.visited, second.dropped) == (1, 1)
     assert not await redis.exists(keys.traj("dropped"))
-    third = await ledger.sweep_due(now=now + 86401)  # human skipped: released
+    third = await ledger.sweep_due(fence=UNFENCED, now=now + 86401)  # human skipped: released
     assert (third.visited, third.released) == (1, 1)
     (kept,) = await store.get_documents(["kept"])
     assert kept["judge"]["score"] == pytest.approx((0.6 + 0.0 * 3 + 1.0) / 5)
@@ -262,7 +263,7 @@ async def test_deadlines_apply_each_fallback_and_drop(redis):
 async def test_a_late_score_replaces_the_fallback_while_pending(redis):
     store, ledger = make_store(redis)
     await store.insert_if_absent(packed(doc("a", score=0.6)))
-    await ledger.sweep_due(now=time.time() + 90000)
+    await ledger.sweep_due(fence=UNFENCED, now=time.time() + 90000)
     assert (await store.get_documents(["a"]))[0]["judge"]["score"] == pytest.approx(0.6 / 4)
     answer = await ledger.attach("a", "business", 1.0)
     assert (answer["status"], answer["recorded"]) == ("pending", True)
@@ -275,7 +276,7 @@ async def test_the_run_claim_takes_only_pending(redis):
     await store.insert_if_absent(packed(*(doc(f"w{i}") for i in range(3)), doc("r")))
     await ledger.attach("r", "business", 1.0)
     await ledger.attach("r", "human", 1.0)
-    runs = RunStore(redis, store, model_id=MODEL_ID, run_retention_s=60)
+    runs = RunStore(redis, store, model_id=MODEL_ID, run_retention_s=60, fence=UNFENCED)
     draft = TrainingRun(new_run_id(), "pending", "queued", 0, {}, now_iso())
     refused = await runs.claim(draft, parent_version=0, max_policy_lag=None, min_samples=2, max_samples=8)
     assert (refused.run, refused.eligible) == (None, 1)
@@ -299,7 +300,8 @@ async def test_concurrent_sweepers_move_each_sample_once(redis, redis_url):
     try:
         _, other = make_store(other_redis)
         later = time.time() + 90000
-        results = await asyncio.gather(ledger.sweep_due(now=later), other.sweep_due(now=later))
+        results = await asyncio.gather(ledger.sweep_due(fence=UNFENCED, now=later),
+                                       other.sweep_due(fence=UNFENCED, now=later))
     finally:
         await other_redis.aclose()
     assert sum(r.released for r in results) == 40
@@ -346,7 +348,7 @@ async def test_restart_in_the_middle_of_a_deadline_sweep(redis, redis_url, tmp_p
     try:
         _, dying = make_store(crashing, policy)
         with pytest.raises(RedisConnectionError):
-            await dying.sweep_due(now=time.time() + 2)
+            await dying.sweep_due(fence=UNFENCED, now=time.time() + 2)
     finally:
         await crashing.aclose()
     # Every move so far was whole: 6 even samples pending, 5 odd ones dropped, 19 still waiting.

@@ -10,6 +10,7 @@ import pytest
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from openjiuwen.agent_evolving.agent_rl.online.rollout.controller import RolloutUnsupported
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
+from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
 from tests.integration.test_training_runs import publish
 from tests.support.fake_gateway import FakeGateway, Hang
 from tests.support.service_app import MODEL_ID, make_config, running_app
@@ -79,7 +80,7 @@ async def test_the_rollout_store_refuses_a_move_outside_the_table(redis):
     from openjiuwen.agent_evolving.agent_rl.online.rollout.store import RolloutStore, new_rollout_id
     from openjiuwen.agent_evolving.agent_rl.online.transitions import IllegalTransition
 
-    store = RolloutStore(redis)
+    store = RolloutStore(redis, fence=UNFENCED)
     rollout_id = new_rollout_id()
     record = {"rollout_id": rollout_id, "kind": "canary", "status": "running",
               "created_at": "2026-12-01T00:00:00+00:00"}

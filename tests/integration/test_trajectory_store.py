@@ -24,6 +24,7 @@ from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
 from openjiuwen.agent_evolving.agent_rl.online.store.tx import transact
+from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
 from tests.support.samples import sample_status
 
 MODEL = "qwen-test"
@@ -248,7 +249,7 @@ async def test_stats_equal_index_sizes_after_a_random_sequence(redis: Redis, sto
             if training:
                 await move(redis, store, training, "pending")
         else:
-            await store.sweep_expired(retention_seconds=10, now=T0 + step, limit=rng.randint(1, 4))
+            await store.sweep_expired(fence=UNFENCED, retention_seconds=10, now=T0 + step, limit=rng.randint(1, 4))
         await _assert_counters_match(redis, store)
 
 
@@ -441,9 +442,10 @@ async def test_sweep_removes_only_old_trained_and_failed(redis: Redis, store: Tr
     await move(redis, store, ["f_old", "f_old2"], "failed", at=old)
     await move(redis, store, ["f_new"], "failed", at=new)
 
-    assert await store.sweep_expired(retention_seconds=500, now=T0 + 1200, limit=1) == 2  # one per status per call
-    assert await store.sweep_expired(retention_seconds=500, now=T0 + 1200) == 1
-    assert await store.sweep_expired(retention_seconds=500, now=T0 + 1200) == 0
+    # one per status per call
+    assert await store.sweep_expired(fence=UNFENCED, retention_seconds=500, now=T0 + 1200, limit=1) == 2
+    assert await store.sweep_expired(fence=UNFENCED, retention_seconds=500, now=T0 + 1200) == 1
+    assert await store.sweep_expired(fence=UNFENCED, retention_seconds=500, now=T0 + 1200) == 0
     for gone in ("tr_old", "f_old", "f_old2"):
         assert not await redis.exists(keys.traj(gone))
     assert {n: await sample_status(store, n) for n in ("p", "t", "tr_new", "f_new")} == {
@@ -452,7 +454,7 @@ async def test_sweep_removes_only_old_trained_and_failed(redis: Redis, store: Tr
     assert await index_sizes(redis) == {"pending": 1, "training": 1, "trained": 1, "failed": 1}
     await _assert_counters_match(redis, store)
     # pending and training samples never expire, however old
-    assert await store.sweep_expired(retention_seconds=1, now=T0 + 10**9) == 2
+    assert await store.sweep_expired(fence=UNFENCED, retention_seconds=1, now=T0 + 10**9) == 2
     assert await index_sizes(redis) == {"pending": 1, "training": 1, "trained": 0, "failed": 0}
 
 

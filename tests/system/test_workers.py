@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import httpx
@@ -49,6 +50,16 @@ def leader(svc: ServiceProcess, redis_url: str) -> Holder | None:
     r = redis.Redis.from_url(redis_url)
     try:
         return Holder.parse(r.get(keys.LEADER))
+    finally:
+        r.close()
+
+
+def observed_now(redis_url: str) -> bytes | None:
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        return r.get(keys.POLICY_OBSERVED)
     finally:
         r.close()
 
@@ -254,3 +265,67 @@ async def test_a_group_that_was_ready_outlives_every_worker_dying_twice(redis, r
                  what="a third generation serving")
         assert svc.proc is not None and svc.proc.poll() is None
         assert "before the group was ready" not in svc.log()
+
+
+async def test_a_leader_stopped_past_its_ttl_lands_no_duty_write_after_the_takeover(redis, redis_url, tmp_path,
+                                                                                     gateway):
+    """Issue 28 item 11. The leader stops itself (SIGSTOP, `stop:run.activated`) right after the gateway switched to
+    the run's version, with the run's next writes (the observed policy, the outcome) already on their way. Its lease
+    lapses; a worker of the next generation takes over and settles the run. Then SIGCONT: the old leader goes on
+    from that line, and Redis refuses each of its writes (fencing token), so nothing it writes lands.
+
+    The followers are SIGKILLed while the leader is stopped so that the successor is a replacement, which runs
+    without the fault (group.py): a first-generation successor would stop at the same point of its own recovery."""
+    path = plan(tmp_path)
+    svc = group(tmp_path, redis_url, gateway, path)
+    svc.env["ONLINE_RL_CRASH_AT"] = "stop:run.activated"
+    with svc.start() as svc:
+        wait_for(lambda: live_workers(svc), timeout_s=15.0, what="3 live workers")
+        record = ClientRecord()
+        agent = Agent(svc.url, record)
+        for n in range(2):
+            agent.task(f"t{n}", captures=2)
+        old = leader(svc, redis_url)
+        assert old is not None
+        run_id = httpx.post(svc.url + "/v1/rl/training/runs", timeout=30).json()["training_run_id"]
+        wait_for(lambda: "fault injection: stopping at run.activated" in svc.log(), what="the leader to stop")
+        try:
+            first = worker_pids(svc.pid)
+            for pid in first - {old.pid}:
+                os.kill(pid, signal.SIGKILL)
+            # Redis only from here: a connection the kernel hands the stopped worker would never be answered.
+
+            async def run_record() -> dict:
+                return orjson.loads(await redis.get(keys.training_run(run_id)))
+
+            for _ in range(400):  # the TTL (5 s), the replacements' start, their recovery of the run
+                new = leader(svc, redis_url)
+                if new is not None and new.pid not in first and (await run_record())["status"] == "succeeded":
+                    break
+                time.sleep(0.05)
+            assert new is not None and new.pid not in first, new
+            run = await run_record()
+            assert run["status"] == "succeeded", run
+            # What the new leader wrote, and what the old one would overwrite: the observed policy (a plain SET, its
+            # time changes with every write), the run record and its timeline.
+            observed = await redis.get(keys.POLICY_OBSERVED)
+            assert observed is not None
+            events = await redis.xlen(keys.training_run_events(run_id))
+            os.kill(old.pid, signal.SIGCONT)
+            stopped = f"training run {run_id}: execution stopped"
+            wait_for(lambda: stopped in svc.log() or observed_now(redis_url) != observed, timeout_s=15.0,
+                     what="the old leader's write, refused or landed")
+            time.sleep(1.0)  # anything else it had queued
+            assert await redis.get(keys.POLICY_OBSERVED) == observed
+            # Refused: by Redis ("the lease holds term N") or, when the overdue fence timer ran first, locally; which
+            # one is a race of the resumed loop (the integration test of the frozen loop pins Redis's refusal).
+            assert stopped in svc.log()
+            assert await run_record() == run
+            assert await redis.xlen(keys.training_run_events(run_id)) == events
+            assert leader(svc, redis_url) == new  # and it never got the lease back
+            assert [a["lora_name"] for a in gateway.activations] == ["tiny:v1", "tiny:v1"]  # the retried activation
+        finally:
+            with suppress(ProcessLookupError):
+                os.kill(old.pid, signal.SIGCONT)  # never leave a stopped worker behind a failed assertion
+        report = await check_invariants(redis, model_id="tiny", sent=record, raise_on_violation=False)
+        assert report.ok, report.violations

@@ -43,3 +43,37 @@ def test_the_nth_hit_exits_the_process_at_once():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert (done.returncode, done.stdout) == (CRASH_EXIT_CODE, "first\n")
+
+
+def test_stop_freezes_the_process_at_the_nth_hit_and_it_goes_on_once_continued():
+    """`stop:` SIGSTOPs the process instead of ending it; SIGCONT resumes it on the next line, and later hits do
+    nothing (a frozen leader resumes once)."""
+    import os
+    import signal
+    import time
+
+    code = (
+        "from openjiuwen.agent_evolving.agent_rl.online.faults import fault_hook\n"
+        "hook = fault_hook('stop:run.activated@2')\n"
+        "hook('run.activated'); print('first', flush=True)\n"
+        "hook('run.activated'); print('continued', flush=True)\n"
+        "hook('run.activated'); print('third', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "first\n"
+        for _ in range(400):  # until the kernel reports it stopped (state T in /proc)
+            if open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T":
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the process never stopped itself")
+        assert proc.poll() is None
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+    assert (proc.returncode, out) == (0, "continued\nthird\n")
+    assert CrashAt.parse("stop:run.activated@2").stop and not CrashAt.parse("run.activated").stop

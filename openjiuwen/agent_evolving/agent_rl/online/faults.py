@@ -1,9 +1,12 @@
-"""Fault injection, for chaos tests only: end the process abruptly at a named point of a code path.
+"""Fault injection, for chaos tests only: end the process abruptly at a named point of a code path, or freeze it.
 
 Off by default. `service.py` builds a `CrashAt` only when the environment variable `ONLINE_RL_CRASH_AT` is set
-(`<point>` or `<point>@<n>`: the n-th time the point is reached, default 1); every other process gets `no_faults`,
+(`[stop:]<point>[@<n>]`: the n-th time the point is reached, default 1); every other process gets `no_faults`,
 a function that does nothing. A crash is `os._exit(CRASH_EXIT_CODE)`: no `finally`, no shutdown, no flush of
-anything but the log line written just before, so it stands for a SIGKILL at exactly that point.
+anything but the log line written just before, so it stands for a SIGKILL at exactly that point. With `stop:` the
+process sends itself SIGSTOP there instead and goes on from that line once something sends it SIGCONT: a process
+frozen (a VM pause, a swap storm) with what follows the point already on its way, the stalled leader of
+docs/reliability.md.
 
 Each point sits between two durable steps that a real crash could separate; docs/reliability.md says what the
 service guarantees at each and names the test that crashes there.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Callable
 
 log = logging.getLogger("openjiuwen.agent_rl.online.faults")
@@ -42,33 +46,42 @@ def no_faults(point: str) -> None:
 
 
 class CrashAt:
-    """Exit the process the `after`-th time `point` is reached."""
+    """Exit the process the `after`-th time `point` is reached; with `stop`, SIGSTOP it that once instead."""
 
-    def __init__(self, point: str, after: int = 1) -> None:
+    def __init__(self, point: str, after: int = 1, *, stop: bool = False) -> None:
         if point not in POINTS:
             raise ValueError(f"unknown crash point {point!r}; known: {', '.join(sorted(POINTS))}")
         if after < 1:
             raise ValueError("a crash point count must be >= 1")
         self.point = point
         self.after = after
+        self.stop = stop
         self.hits = 0
 
     @classmethod
     def parse(cls, spec: str) -> "CrashAt":
-        point, _, count = spec.strip().partition("@")
+        text = spec.strip()
+        stop = text.startswith("stop:")
+        point, _, count = text.removeprefix("stop:").partition("@")
         try:
             after = int(count) if count else 1
         except ValueError:
             raise ValueError(f"invalid crash point count in {spec!r}") from None
-        return cls(point, after)
+        return cls(point, after, stop=stop)
 
     def __call__(self, point: str) -> None:
         if point != self.point:
             return
         self.hits += 1
-        if self.hits >= self.after:
-            log.warning("fault injection: crashing at %s (hit %d)", point, self.hits)
-            os._exit(CRASH_EXIT_CODE)
+        if self.hits != self.after:
+            return
+        if self.stop:
+            log.warning("fault injection: stopping at %s (hit %d)", point, self.hits)
+            os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
+            log.warning("fault injection: continued at %s", point)
+            return
+        log.warning("fault injection: crashing at %s (hit %d)", point, self.hits)
+        os._exit(CRASH_EXIT_CODE)
 
 
 def fault_hook(spec: str | None) -> FaultHook:

@@ -1,5 +1,7 @@
 """The retention sweeper (CONTRACT §5.5): TTLs for terminal Tasks, expiry of unrewarded staged samples, removal of
-old trained/failed samples. Bounded work per category per tick; safe to run in several processes at once."""
+old trained/failed samples. Bounded work per category per tick; safe to run in several processes at once. A leader
+duty: its writes go through the leader's fence (workers/fence.py), and a refused one (LeaseLost) ends the loop.
+Finishing an interrupted reward projection is not fenced: any worker does it (`RewardProjector.project`)."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from .capture.rewards import RewardProjector
 from .store import keys
 from .store.codec import text
 from .store.trajectories import TrajectoryStore
-from .store.tx import transact
 from .tasks.models import TASK_STATUSES, TerminalReward
+from .workers.fence import Fence, LeaseLost
 
 log = logging.getLogger("openjiuwen.agent_rl.online.retention")
 
@@ -40,9 +42,11 @@ class RetentionSweeper:
         trajectory_retention_s: int,
         run_retention_s: int,
         interval_s: float,
+        fence: Fence,
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
         self._redis = redis
+        self._fence = fence
         self._store = store
         self._rewards = rewards
         self._owner = owner
@@ -59,7 +63,8 @@ class RetentionSweeper:
         now = time.time() if now is None else now
         expired = await self._expire_unrewarded(now)
         gc = await self._ttl_terminal_tasks()
-        samples = await self._store.sweep_expired(retention_seconds=self._trajectory_retention_s, now=now, limit=BATCH)
+        samples = await self._store.sweep_expired(retention_seconds=self._trajectory_retention_s, now=now, limit=BATCH,
+                                                  fence=self._fence)
         listings = await self._forget_expired_listings(now)
         return {"tasks_ttl": gc, "reward_expired": expired, "samples_removed": samples, "listings_removed": listings}
 
@@ -81,11 +86,11 @@ class RetentionSweeper:
                 present = await reads.execute()
             gone = [member for member, exists in zip(ids, present) if not exists]
             if gone:
-                # Index entries only: a crash between these removals leaves entries the next tick removes.
-                async with self._redis.pipeline(transaction=False) as pipe:
+                def forget(pipe: Pipeline) -> None:  # awaited below, within this iteration
                     for listing in (*indexes, expiry):
                         pipe.zrem(listing, *gone)
-                    await pipe.execute()
+
+                await self._fence.write(self._redis, forget)
                 removed += len(gone)
         return removed
 
@@ -93,13 +98,15 @@ class RetentionSweeper:
         ids = [text(t) for t in await self._redis.zrange(keys.TASKS_GC, 0, BATCH - 1)]
         for t in ids:
             task_keys = await self._task_keys(t)
-            async with self._redis.pipeline(transaction=False) as pipe:
+
+            def queue(pipe: Pipeline) -> None:  # awaited below, within this iteration
                 for key in task_keys:
                     pipe.expire(key, self._task_retention_s)
                 # The listing entry goes once the record has expired (`_forget_expired_listings`).
                 pipe.zadd(keys.TASKS_LISTING_EXPIRY, {t: time.time() + self._task_retention_s})
                 pipe.zrem(keys.TASKS_GC, t)
-                await pipe.execute()
+
+            await self._fence.write(self._redis, queue)
         return len(ids)
 
     async def _task_keys(self, t: str) -> list[str]:
@@ -156,15 +163,16 @@ class RetentionSweeper:
             await pipe.execute()
             return present
 
-        dropped = await transact(self._redis, body, reward_key, committed_key)
+        dropped = await self._fence.transact(self._redis, body, reward_key, committed_key)
         log.info("task %s: reward window expired, %d staged sample(s) dropped", t, dropped, extra={"rl_task_id": t})
         return dropped
 
     async def _move_to_gc(self, t: str) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
+        def queue(pipe: Pipeline) -> None:
             pipe.zrem(keys.TASKS_AWAITING_REWARD, t)
             pipe.zadd(keys.TASKS_GC, {t: time.time()})
-            await pipe.execute()
+
+        await self._fence.write(self._redis, queue)
 
     # ------------------------------------------------------------ background
 
@@ -184,6 +192,9 @@ class RetentionSweeper:
                 await self.sweep_once()
             except asyncio.CancelledError:
                 raise
+            except LeaseLost as exc:  # deposed: the next leader sweeps
+                log.warning("retention sweeps stop: %s", exc)
+                return
             except Exception as exc:
                 log.exception("retention sweep failed; retrying next interval")
                 if self._on_error is not None:

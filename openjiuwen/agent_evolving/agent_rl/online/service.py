@@ -69,7 +69,8 @@ from .training.pauses import LineagePauses
 from .training.runs import RunStore
 from .training.scheduler import TrainingScheduler
 from .watchdog import install_parent_death_watchdog
-from .workers.coordinator import Placement, WorkerCoordinator
+from .workers.coordinator import Placement, WorkerCoordinator, make_fence
+from .workers.fence import Fence
 from .workers.forward import LeaderForwarding
 from .workers.group import WORKER_ENV, WorkerGroup, WorkerSlot
 from .workers.membership import Membership
@@ -84,7 +85,7 @@ CONFIG_ENV = "RL_SERVICE_CONFIG"
 TOKEN_ENV = "RL_SERVICE_TOKEN"
 SCRIPTED_PLAN_ENV = "ONLINE_RL_SCRIPTED_PLAN"  # tests only: the plan file of the scripted backend
 VISIBLE_DEVICES_ENV = "ONLINE_RL_VISIBLE_DEVICES_ENV"  # verl: the variable training_gpu_ids is exported as
-CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"  # chaos tests only: `<point>[@<n>]` of faults.POINTS; unset = no fault
+CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"  # chaos tests only: `[stop:]<point>[@<n>]` of faults.POINTS; unset = no fault
 # At shutdown the leader finishes the active Tasks only once the other workers left (their servers drained their
 # hooks first), waiting at most this long.
 SHUTDOWN_WAIT_FOR_WORKERS_S = 35.0
@@ -121,6 +122,7 @@ class ServiceDeps:
     rollout: RolloutController
     membership: Membership
     scheduler: TrainingScheduler
+    fence: Fence  # every leader-only write goes through it (workers/fence.py)
     coordinator: WorkerCoordinator = field(init=False)
     run_reward_sweeper: bool = field(init=False, default=False)
 
@@ -139,6 +141,7 @@ class ServiceDeps:
         placement = placement or Placement()
         redis = redis or make_redis(config)
         membership = Membership(redis, boot=placement.boot, slot=placement.index, solo=placement.solo)
+        fence = make_fence(placement)
         judge = judge if judge is not None else make_judge(config)
         metrics = ServiceMetrics(config.model_id)  # per app: its own CollectorRegistry
         metered_judge = MeteredJudge(judge, metrics) if judge is not None else None
@@ -154,7 +157,8 @@ class ServiceDeps:
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
         gateway = _make_gateway_client(config, token, metrics)
         backend = backend or make_backend(config, repository)
-        rollout, runner, runs = _make_training(config, redis, store, backend, repository, gateway, metrics, fault)
+        rollout, runner, runs = _make_training(
+            config, redis, store, backend, repository, gateway, metrics, fault, fence)
         deps = cls(
             config=config,
             redis=redis,
@@ -169,9 +173,9 @@ class ServiceDeps:
                 registry, publisher, model_id=config.model_id, judge_configured=judge is not None, fault=fault
             ),
             rewards=rewards,
-            sweeper=_make_retention_sweeper(config, redis, store, rewards, metrics),
+            sweeper=_make_retention_sweeper(config, redis, store, rewards, metrics, fence),
             reward_ledger=reward_ledger,
-            reward_sweeper=RewardDeadlineSweeper(reward_ledger, interval_s=reward_policy.sweep_interval_s),
+            reward_sweeper=RewardDeadlineSweeper(reward_ledger, fence=fence, interval_s=reward_policy.sweep_interval_s),
             rail=_make_rail_ingestor(config, redis, store, metered_judge, membership),
             repository=repository,
             gateway=gateway,
@@ -184,8 +188,10 @@ class ServiceDeps:
                 redis, runs=runs, runner=runner, store=store, rollout=rollout, pauses=LineagePauses(redis),
                 policy=config.training_policy, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
             ),
+            fence=fence,
         )
-        deps.coordinator = WorkerCoordinator(redis, placement, membership, deps, leader_check=runner.check_health)
+        deps.coordinator = WorkerCoordinator(redis, placement, membership, deps, fence,
+                                             leader_check=runner.check_health)
         return deps
 
     async def claim_owner(self) -> None:
@@ -208,8 +214,8 @@ class ServiceDeps:
             await self.aclose()
             raise
         # Everything allocated so far (modules, app, clients, recovered state) lives for the whole process: frozen
-        # out of the collector, and gen 0 collected less often (common/gc_tuning.py). Here, not in main(), so the uvicorn
-        # factory gets it too, and once.
+        # out of the collector, and gen 0 collected less often (common/gc_tuning.py). Here, not in main(), so the
+        # uvicorn factory gets it too, and once.
         tune_gc()
         log.info("RL service ready for model %s%s", self.config.model_id, "" if self.coordinator.placement.solo
                  else f" (worker {self.coordinator.placement.index} of {self.coordinator.placement.count})")
@@ -225,7 +231,7 @@ class ServiceDeps:
         """Startup recovery (a first leader of a boot: Tasks of the previous boot are aborted) or takeover recovery
         (a later leader: the run and rollout the previous leader left), then the singleton loops."""
         if first_of_boot:
-            await self.lifecycle.recover()
+            await self.lifecycle.recover(fence=self.fence)
         await self.rewards.resume_interrupted()
         await self.rail.recover()
         await self.rollout.probe()  # canary / manual under a gateway without the canary routes: refuse
@@ -331,13 +337,15 @@ def _make_training(
     gateway: GatewayLoraClient,
     metrics: ServiceMetrics,
     fault: FaultHook,
+    fence: Fence,
 ) -> tuple[RolloutController, TrainingRunner, RunStore]:
     """Training Runs and the rollout of what they produce: the rollout controller, the runner, the run store."""
     runs = RunStore(
-        redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds, metrics=metrics,
+        redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds, fence=fence,
+        metrics=metrics,
     )
     rollout = RolloutController(
-        redis, RolloutStore(redis), gateway, repository, config=config.rollout, model_id=config.model_id,
+        redis, RolloutStore(redis, fence=fence), gateway, repository, config=config.rollout, model_id=config.model_id,
         base_model_path=config.base_model_path, observe_policy=runs.observe_policy, active_run=runs.active,
         metrics=metrics, fault=fault,
     )
@@ -361,12 +369,14 @@ def _make_training(
 
 
 def _make_retention_sweeper(
-    config: RLServiceConfig, redis: Redis, store: TrajectoryStore, rewards: RewardProjector, metrics: ServiceMetrics
+    config: RLServiceConfig, redis: Redis, store: TrajectoryStore, rewards: RewardProjector, metrics: ServiceMetrics,
+    fence: Fence,
 ) -> RetentionSweeper:
     return RetentionSweeper(
         redis,
         store,
         rewards,
+        fence=fence,
         owner=config.model_id,
         task_retention_s=config.task_retention_seconds,
         reward_timeout_s=config.reward_timeout_seconds,

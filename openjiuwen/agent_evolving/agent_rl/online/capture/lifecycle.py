@@ -13,6 +13,7 @@ from ...common.ids import is_task_id, is_token_id, now_iso
 from ...common.signing_keys import is_agent_key_id
 from ..tasks.models import FinishReason, RewardMode, Task, TaskStatus
 from ..tasks.registry import TaskRegistry
+from ..workers.fence import Fence
 from .turns import TurnPublisher
 
 log = logging.getLogger("openjiuwen.agent_rl.online.lifecycle")
@@ -101,18 +102,20 @@ class TaskLifecycle:
         self._fault("task.finalized")
         return done
 
-    async def recover(self) -> int:
+    async def recover(self, *, fence: Fence) -> int:
         """Startup: abort every indexed active Task with `service_restarted`; drop stale index entries. A delayed
-        Task whose turn publication was cut by the crash first loses what that publication inserted."""
+        Task whose turn publication was cut by the crash first loses what that publication inserted. Every write
+        goes through the leader's `fence`: a first leader deposed half way (stopped past its TTL) writes nothing
+        more once the next one recovers the boot."""
         aborted = 0
         for t in await self._registry.active_ids():
             task = await self._registry.get(t)
             if task is None or not task.active:
-                await self._registry.drop_stale_active(t)
+                await self._registry.drop_stale_active(t, fence=fence)
                 continue
             if task.delayed:
-                await self._publisher.abandon(t)
-            await self._registry.abort(t, FinishReason.SERVICE_RESTARTED)
+                await self._publisher.abandon(t, fence=fence)
+            await self._registry.abort(t, FinishReason.SERVICE_RESTARTED, fence=fence)
             aborted += 1
         if aborted:
             log.info("startup recovery aborted %d active task(s) with service_restarted", aborted)

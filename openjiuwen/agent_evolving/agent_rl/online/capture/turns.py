@@ -20,6 +20,7 @@ from ..store.codec import PackedSample
 from ..store.trajectories import TrajectoryStore
 from ..tasks.models import FinishReason, Task, TurnPublication
 from ..tasks.registry import TaskRegistry
+from ..workers.fence import UNFENCED, Fence
 from ..workers.membership import SOLO, Membership
 
 if TYPE_CHECKING:
@@ -132,18 +133,19 @@ class TurnPublisher:
         log.warning("taking over the publication of turn %s of task %s (%d stale sample(s) removed)",
                     turn_id, t, removed)
 
-    async def abandon(self, rl_task_id: str) -> list[str]:
+    async def abandon(self, rl_task_id: str, *, fence: Fence = UNFENCED) -> list[str]:
         """Roll back a publication whose publisher is gone: the current turn, if still `publishing`, loses the
         samples it inserted (those still pending) and becomes `failed`. Used before aborting a Task whose publisher
-        crashed (startup recovery) or never finished (publication deadline). Returns the deleted sample ids.
+        crashed (startup recovery, through the leader's `fence`) or never finished (publication deadline). Returns
+        the deleted sample ids.
 
         Invariant 4 read both ways: a turn's samples exist only once it is `published`."""
         current, _ = await self._registry.turn_state(rl_task_id)
         if current is None or await self._registry.publish_state(rl_task_id, current) != TurnPublication.PUBLISHING:
             return []
         ids = await self._registry.turn_capture_ids(rl_task_id, current)
-        deleted = await self._store.delete_pending(ids) if ids else 0
-        await self._registry.fail_publish(rl_task_id, current)
+        deleted = await self._store.delete_pending(ids, fence=fence) if ids else 0
+        await self._registry.fail_publish(rl_task_id, current, fence=fence)
         log.warning("abandoned the publication of turn %s of task %s (%d sample(s) rolled back)",
                     current, rl_task_id, deleted)
         return ids

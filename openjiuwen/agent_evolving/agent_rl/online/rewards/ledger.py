@@ -27,6 +27,7 @@ from ..store.codec import decode_meta, text
 from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
+from ..workers.fence import Fence
 from .policy import RewardConflict, RewardPolicy, iso_at
 
 LATENCY_WINDOW = 1000  # lateness samples kept per source for the p50/p95 of the stats
@@ -144,23 +145,25 @@ class RewardLedger:
         first = await self._redis.zrange(self._deadlines_key, 0, 0, withscores=True)
         return float(first[0][1]) if first else None
 
-    async def sweep_due(self, *, now: float | None = None, limit: int = 500) -> SweepResult:
-        """Apply the fallbacks of every deadline due at `now`, at most `limit` samples, one EXEC per sample."""
+    async def sweep_due(self, *, fence: Fence, now: float | None = None, limit: int = 500) -> SweepResult:
+        """Apply the fallbacks of every deadline due at `now`, at most `limit` samples, one EXEC per sample, each
+        through `fence` (the reward-deadline sweeper's, a leader duty)."""
         now = time.time() if now is None else now
         due = await self._redis.zrange(self._deadlines_key, "-inf", repr(now), byscore=True, offset=0, num=limit)
         released = dropped = fallbacks = 0
         for member in due:
-            outcome, fired = await self._expire_one(text(member) or "", now)
+            outcome, fired = await self._expire_one(text(member) or "", now, fence)
             released += outcome == SampleStatus.PENDING
             dropped += outcome == "dropped"
             fallbacks += fired
         return SweepResult(len(due), released, dropped, fallbacks)
 
-    async def _expire_one(self, sample_id: str, now: float) -> tuple[str, int]:
+    async def _expire_one(self, sample_id: str, now: float, fence: Fence) -> tuple[str, int]:
         try:
             key = keys.traj(sample_id)
         except InvalidIdentifier:
-            await self._redis.zrem(self._deadlines_key, sample_id)  # never written by us; keep the index clean
+            # Never written by us; keep the index clean.
+            await fence.write(self._redis, lambda pipe: pipe.zrem(self._deadlines_key, sample_id))
             return "stale", 0
 
         async def body(pipe: Pipeline) -> tuple[str, int]:
@@ -200,7 +203,7 @@ class RewardLedger:
             await pipe.execute()
             return new_status, len(expiry.fallbacks)
 
-        return await transact(self._redis, body, key)
+        return await fence.transact(self._redis, body, key)
 
     # ------------------------------------------------------------------ reads
 

@@ -5,6 +5,7 @@ own transaction (`RewardLedger.sweep_due`). Between ticks it sleeps until the ea
 longer than `interval_s` (deadlines of samples published by other processes) and never shorter than `_MIN_SLEEP_S`
 unless the last tick was full: no busy loop. Several processes may sweep at once; a crash between two moves leaves
 every sample either moved or still due, and the next sweep (at startup or on the next tick) finishes the work.
+A leader duty: every move goes through the leader's fence (workers/fence.py); a refused one (LeaseLost) ends the loop.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from contextlib import suppress
 
 from ..background import stop_loop
+from ..workers.fence import Fence, LeaseLost
 from .ledger import RewardLedger, SweepResult
 
 log = logging.getLogger("openjiuwen.agent_rl.online.rewards")
@@ -24,15 +26,16 @@ _MIN_SLEEP_S = 0.05
 
 
 class RewardDeadlineSweeper:
-    def __init__(self, ledger: RewardLedger, *, interval_s: float, batch: int = BATCH) -> None:
+    def __init__(self, ledger: RewardLedger, *, fence: Fence, interval_s: float, batch: int = BATCH) -> None:
         self._ledger = ledger
+        self._fence = fence
         self._interval_s = interval_s
         self._batch = batch
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
 
     async def sweep_once(self, *, now: float | None = None) -> SweepResult:
-        result = await self._ledger.sweep_due(now=now, limit=self._batch)
+        result = await self._ledger.sweep_due(fence=self._fence, now=now, limit=self._batch)
         if result.visited:
             log.info(
                 "reward deadlines: %d sample(s) visited, %d released, %d dropped, %d fallback(s)",
@@ -66,6 +69,9 @@ class RewardDeadlineSweeper:
                 delay = await self._delay(await self.sweep_once())
             except asyncio.CancelledError:
                 raise
+            except LeaseLost as exc:  # deposed: the next leader sweeps
+                log.warning("reward deadline sweeps stop: %s", exc)
+                return
             except Exception:
                 log.exception("reward deadline sweep failed; retrying in %.1f s", self._interval_s)
                 delay = self._interval_s

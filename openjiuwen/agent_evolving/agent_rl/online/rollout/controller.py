@@ -27,6 +27,7 @@ from ..lora.gateway_client import GatewayError, GatewayLoraClient, GatewayReject
 from ..lora.repository import LoraRepository
 from ..store import keys
 from ..store.codec import text
+from ..workers.fence import LeaseLost
 from .config import CANARY, RolloutConfig
 from .decision import PROMOTE, ROLLBACK, WAIT, Arm, Decision, decide
 from .status import DECIDING, IN_FLIGHT, LIVE, RolloutStatus
@@ -149,6 +150,9 @@ class RolloutController:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
+            except LeaseLost as exc:  # deposed: the next leader's recovery finishes what this round began
+                log.warning("rollout decisions stop: %s", exc)
+                return
             except Exception as exc:  # the next round tries again; the state is durable
                 log.warning("rollout decision round failed: %s", exc, exc_info=True)
                 if self._metrics is not None:
@@ -350,8 +354,10 @@ class RolloutController:
         return record
 
     async def _now_active(self, lora: dict[str, str], run_id: str) -> None:
-        await self._repository.write_active(lora["lora_name"], lora["lora_path"], run_id)
+        # The fenced write first: a deposed leader stops here rather than write the repository's marker (a file
+        # carries no token; the next leader, finishing the same intent, writes the same marker).
         await self._observe_policy(lora["lora_name"], lora["lora_path"])
+        await self._repository.write_active(lora["lora_name"], lora["lora_path"], run_id)
 
     # ------------------------------------------------------------------ operator
 

@@ -6,7 +6,8 @@ A rollout is a canary of a new version (`kind: canary`) or an operator's activat
 `activating` is written before the gateway call, so a restart finishes the call it was making.
 
 Invariant 10: `rollout:current` names exactly the one rollout not ended; every transition in and out of the ended
-states changes the record, the pointer and the timeline(s) in one MULTI.
+states changes the record, the pointer and the timeline(s) in one MULTI. Only the leader changes rollouts: every
+write goes through its fence (workers/fence.py) and raises LeaseLost once its term is over.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..errors import Conflict, NotFound
 from ...common.ids import is_run_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import text
-from ..store.tx import transact
+from ..workers.fence import Fence
 from .status import ENDED, ROLLOUT_TRANSITIONS
 
 RUN_EVENTS = ("canary_started", "canary_promoted", "canary_rolled_back")
@@ -40,8 +41,9 @@ def new_rollout_id() -> str:
 
 
 class RolloutStore:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, *, fence: Fence) -> None:
         self._redis = redis
+        self._fence = fence
         self._events = events.EventLog(redis)
 
     async def current(self) -> dict[str, Any] | None:
@@ -86,7 +88,7 @@ class RolloutStore:
             await pipe.execute()
             return record
 
-        return await transact(self._redis, body, key, keys.ROLLOUT_CURRENT)
+        return await self._fence.transact(self._redis, body, key, keys.ROLLOUT_CURRENT)
 
     async def update(self, rollout_id: str, change: Callable[[dict[str, Any]], dict[str, Any] | None],
                      event: str | None = None, data: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -120,11 +122,7 @@ class RolloutStore:
             await pipe.execute()
             return changed
 
-        return await transact(self._redis, body, key, keys.ROLLOUT_CURRENT)
-
-    async def note(self, rollout_id: str, event: str, data: dict[str, Any]) -> None:
-        """A best-effort timeline entry (an operator's request, a pause)."""
-        await self._events.append(keys.rollout_events(rollout_id), event, data)
+        return await self._fence.transact(self._redis, body, key, keys.ROLLOUT_CURRENT)
 
     @staticmethod
     def _queue_events(pipe: Pipeline, record: dict[str, Any], event: str, data: dict[str, Any]) -> None:

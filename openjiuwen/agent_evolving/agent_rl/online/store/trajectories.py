@@ -30,6 +30,7 @@ from .listing import cursor_fields, invalid_cursor
 from .policy_stats import queue_contribution
 from .sample_status import ALL_SAMPLE_STATUSES, SAMPLE_STATUSES, SAMPLE_TRANSITIONS, SampleStatus
 from .tx import transact
+from ..workers.fence import UNFENCED, Fence
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
@@ -211,9 +212,9 @@ class TrajectoryStore:
                 self._metrics.published(str(by_id[sample_id].meta.get("source") or ""))
         return fresh
 
-    async def delete_pending(self, sample_ids: Sequence[str]) -> int:
+    async def delete_pending(self, sample_ids: Sequence[str], *, fence: Fence = UNFENCED) -> int:
         """Roll back samples inserted by a failed publication: those still `pending`, `awaiting_rewards` or
-        `evaluation` are deleted; returns the count."""
+        `evaluation` are deleted; returns the count. `fence`: the leader's in startup recovery."""
         hash_keys = {sample_id: keys.traj(sample_id) for sample_id in dict.fromkeys(sample_ids)}
         if not hash_keys:
             return 0
@@ -247,7 +248,7 @@ class TrajectoryStore:
             await pipe.execute()
             return len(doomed)
 
-        return await transact(self._redis, body, *hash_keys.values())
+        return await fence.transact(self._redis, body, *hash_keys.values())
 
     async def exclude_instance(self, instance: str) -> dict[str, Any]:
         """Exclude the samples `instance` served from training (an operator, issue 28 item 2): from now on its
@@ -349,11 +350,12 @@ class TrajectoryStore:
         if status == SampleStatus.PENDING:
             pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), delta)
 
-    async def sweep_expired(self, *, retention_seconds: int, now: float, limit: int = 1000) -> int:
+    async def sweep_expired(self, *, retention_seconds: int, now: float, fence: Fence, limit: int = 1000) -> int:
         """CONTRACT §5.5(c): delete `trained`/`failed` samples whose index score is older than `now − retention`,
-        at most `limit` per status, one EXEC per status. `pending` and `training` samples never expire;
-        `evaluation` samples expire like trained ones (scored by creation: they were final when published). Their
-        contribution to the per-version aggregates stays (store/policy_stats.py)."""
+        at most `limit` per status, one EXEC per status, each through `fence` (the retention sweeper's, a leader
+        duty). `pending` and `training` samples never expire; `evaluation` samples expire like trained ones (scored
+        by creation: they were final when published). Their contribution to the per-version aggregates stays
+        (store/policy_stats.py)."""
         cutoff = now - retention_seconds
         removed = 0
         for status in _SWEPT:
@@ -361,10 +363,10 @@ class TrajectoryStore:
             members = await self._redis.zrange(index, "-inf", f"({cutoff!r}", byscore=True, offset=0, num=limit)
             sample_ids = [text(m) or "" for m in members]
             if sample_ids:
-                removed += await self._delete_swept(status, sample_ids)
+                removed += await self._delete_swept(status, sample_ids, fence)
         return removed
 
-    async def _delete_swept(self, status: str, sample_ids: list[str]) -> int:
+    async def _delete_swept(self, status: str, sample_ids: list[str], fence: Fence) -> int:
         hash_keys = {sample_id: keys.traj(sample_id) for sample_id in sample_ids}
         index = self.index_key(status)
 
@@ -391,7 +393,7 @@ class TrajectoryStore:
             await pipe.execute()
             return count
 
-        return await transact(self._redis, body, index, *hash_keys.values())
+        return await fence.transact(self._redis, body, index, *hash_keys.values())
 
     # ------------------------------------------------------------------ reads
 

@@ -24,6 +24,7 @@ from ..store import keys
 from ..store.codec import PackedSample, text
 from ..store.listing import newest_first
 from ..store.tx import MAX_WATCH_RETRIES, RedisContention, transact
+from ..workers.fence import UNFENCED, Fence
 from .models import (
     TASK_STATUSES, TURN_PUBLICATION_TRANSITIONS, CaptureMeta, CaptureStatus, FinishReason, RewardMode, Task, TaskStatus,
     TurnPublication,
@@ -162,9 +163,10 @@ class TaskRegistry:
 
         return await self._terminal(t, reason, body, lambda pipe: None)
 
-    async def abort(self, rl_task_id: str, reason: FinishReason) -> Task:
+    async def abort(self, rl_task_id: str, reason: FinishReason, *, fence: Fence = UNFENCED) -> Task:
         """active → aborted. Invariants 2 and 3: the open captures (metadata, memberships, open set) and every
-        staged sample go with the transition; published samples stay."""
+        staged sample go with the transition; published samples stay. `fence`: the leader's, when its startup
+        recovery aborts the Tasks of a previous boot; any worker's abort is unfenced."""
         t = rl_task_id
         open_ids: list[str] = []
         committed_ids: list[str] = []
@@ -182,7 +184,7 @@ class TaskRegistry:
             if committed_ids:
                 pipe.delete(*(keys.staged(t, c) for c in committed_ids))
 
-        return await self._terminal(t, reason, body, extra_writes)
+        return await self._terminal(t, reason, body, extra_writes, fence)
 
     async def _terminal(
         self,
@@ -190,6 +192,7 @@ class TaskRegistry:
         reason: FinishReason,
         decide: Callable[[Pipeline, Task], Awaitable[tuple[TaskStatus, list[str]]]],
         extra_writes: Callable[[Pipeline], None],
+        fence: Fence = UNFENCED,
     ) -> Task:
         """One terminal transition (CONTRACT §4.1): a non-active Task is returned unchanged (sticky); else the record,
         the session pointer (cleared only if it still names this Task), the active index and the retention index
@@ -223,7 +226,7 @@ class TaskRegistry:
             return done
 
         transitioned: list[bool] = []
-        task = await transact(self._redis, body, task_key, open_key, committed_key)
+        task = await fence.transact(self._redis, body, task_key, open_key, committed_key)
         self.signals.notify(t)
         if transitioned:
             log.info("task %s %s (%s)", t, task.status, reason.value, extra={"rl_task_id": t})
@@ -267,9 +270,10 @@ class TaskRegistry:
     async def active_ids(self) -> list[str]:
         return sorted(text(t) for t in await self._redis.smembers(keys.ACTIVE_TASKS))
 
-    async def drop_stale_active(self, rl_task_id: str) -> None:
-        """Remove an id from the active index whose record is missing or no longer active (lazy repair)."""
-        await self._redis.srem(keys.ACTIVE_TASKS, rl_task_id)
+    async def drop_stale_active(self, rl_task_id: str, *, fence: Fence) -> None:
+        """Remove an id from the active index whose record is missing or no longer active (startup recovery's
+        repair, through the leader's fence)."""
+        await fence.write(self._redis, lambda pipe: pipe.srem(keys.ACTIVE_TASKS, rl_task_id))
 
     # --------------------------------------------------------------- Captures
 
@@ -583,13 +587,15 @@ class TaskRegistry:
         await transact(self._redis, body, task_key, publish_key, turn_set, publisher_key)
         self.signals.notify(t)
 
-    async def fail_publish(self, rl_task_id: str, turn_id: str) -> None:
+    async def fail_publish(self, rl_task_id: str, turn_id: str, *, fence: Fence = UNFENCED) -> None:
         t = rl_task_id
-        async with self._redis.pipeline(transaction=True) as pipe:  # the state, its holder and its event together
+
+        def queue(pipe: Pipeline) -> None:  # the state, its holder and its event together
             pipe.set(keys.turn_publish(t, turn_id), TurnPublication.FAILED)
             pipe.delete(keys.turn_publisher(t, turn_id))
             events.queue(pipe, keys.task_events(t), "turn_failed", {"agent_turn_id": turn_id})
-            await pipe.execute()
+
+        await fence.write(self._redis, queue)
         self.signals.notify(t)
 
     async def advance_turn(self, rl_task_id: str, from_turn: str, to_turn: str) -> None:

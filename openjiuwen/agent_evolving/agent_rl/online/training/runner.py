@@ -9,6 +9,9 @@
    (samples back to pending for canceled/failed before `activating`)
 ```
 Training runs in the backend (a child process or Ray), never on the event loop; this class only awaits it.
+
+Only the leader runs this (workers/): every write of a run goes through its fence, and a write refused because its
+term is over (`LeaseLost`) ends the execution without settling anything — the next leader's `recover` does.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ...common.ids import now_iso, parse_iso_epoch, policy_lag_version
 from ..lora.gateway_client import GatewayError, GatewayLoraClient
 from ..lora.repository import Artifact, LoraRepository
 from ..store.trajectories import TrajectoryStore
+from ..workers.fence import LeaseLost
 from .backends import TrainerBackend, TrainingJob
 from .models import RunStage, RunStatus, TrainingRun, empty_metrics, manual_trigger, new_run_id
 from .runs import RunNotFound, RunStore
@@ -236,6 +240,9 @@ class TrainingRunner:
         for run_id in list(self._executions):
             try:
                 await self.stop(run_id)
+            except LeaseLost as exc:
+                log.warning("training run %s left to the next leader at shutdown: %s", run_id, exc,
+                            extra={"training_run_id": run_id})
             except Exception:
                 log.exception("training run %s could not be stopped at shutdown", run_id,
                               extra={"training_run_id": run_id})
@@ -317,11 +324,17 @@ class TrainingRunner:
 
     async def _execute(self, run: TrainingRun) -> None:
         try:
-            await self._execute_steps(run)
-        except RunNotFound:
-            # Nothing is left to record progress or an outcome in. Failing the task would make /health report a
-            # sticky failure until a restart and leave the batch claimed; releasing it lets the next run claim.
-            await self._abandon(run)
+            try:
+                await self._execute_steps(run)
+            except RunNotFound:
+                # Nothing is left to record progress or an outcome in. Failing the task would make /health report a
+                # sticky failure until a restart and leave the batch claimed; releasing it lets the next run claim.
+                await self._abandon(run)
+        except LeaseLost as exc:
+            # Not a failure of the run: this worker is no longer the leader. Nothing more is written or removed
+            # here; the next leader's recovery settles the run and its temporary files.
+            log.warning("training run %s: execution stopped, %s", run.training_run_id, exc,
+                        extra={"training_run_id": run.training_run_id})
 
     async def _abandon(self, run: TrainingRun) -> None:
         run_id = run.training_run_id
@@ -412,6 +425,13 @@ class TrainingRunner:
                 await self._runs.update(run_id, change, event=("ppo_step", step))
             except _REDIS_DOWN as exc:  # progress is informational: a lost step never fails the training
                 log.warning("run %s: progress step not recorded (%s)", run_id, exc)
+            except LeaseLost as exc:
+                # Deposed mid-training: cancel the execution, as a relinquish would (every backend kills its
+                # trainer on cancellation, which it sees at its next await); nothing more of this run is written.
+                log.warning("run %s: progress step refused (%s); stopping the execution", run_id, exc)
+                execution = self._executions.get(run_id)
+                if execution is not None:
+                    execution.cancel()
 
         return record
 
@@ -488,8 +508,10 @@ class TrainingRunner:
     async def _succeed(self, run: TrainingRun) -> TrainingRun:
         assert run.lora_name and run.lora_path
         run_id = run.training_run_id
-        await self._repository.write_active(run.lora_name, run.lora_path, run_id)
+        # The fenced write first: a deposed leader stops before it writes the repository's marker (a file carries
+        # no token; the next leader, activating the same artifact again, writes the same marker).
         await self._durable(f"run {run_id} policy", lambda: self._runs.observe_policy(run.lora_name, run.lora_path))
+        await self._repository.write_active(run.lora_name, run.lora_path, run_id)
         log.info("training run %s succeeded: %s active", run_id, run.lora_name,
                  extra={"training_run_id": run_id, "lora_name": run.lora_name})
         return await self._durable(f"run {run_id} succeeded", lambda: self._runs.finish(

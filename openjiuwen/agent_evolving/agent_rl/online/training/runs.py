@@ -1,11 +1,14 @@
 """Redis transactions of Training Runs (CONTRACT §5.3): claim, progress, PPO success, restore, terminal.
 
 Each moves the run record, the active pointer and the claimed samples (their hash status, status indexes and
-counters, through `TrajectoryStore.queue_move`) in one EXEC, and names the invariant of §5.4 it keeps.
+counters, through `TrajectoryStore.queue_move`) in one EXEC, and names the invariant of §5.4 it keeps. Only the
+leader writes runs: every write here goes through its fence (workers/fence.py) and raises LeaseLost once its term
+is over; reads, and the listing's removal of expired ids (any worker's `GET`), do not.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError
 
 from ...common.policy_names import BASE_POLICY
 from .. import events
@@ -23,11 +27,13 @@ from ..store.codec import text
 from ..store.listing import newest_first
 from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
-from ..store.tx import transact
+from ..workers.fence import Fence
 from .models import RunStage, RunStatus, TrainingRun
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
+
+log = logging.getLogger("openjiuwen.agent_rl.online.training")
 
 Event = tuple[str, dict[str, Any]]  # (event type, data) queued with a transition
 _SCAN_CHUNK = 512
@@ -59,10 +65,11 @@ async def _read_run(pipe: Pipeline, run_key: str, run_id: str) -> TrainingRun:
 
 class RunStore:
     def __init__(
-        self, redis: Redis, store: TrajectoryStore, *, model_id: str, run_retention_s: int,
+        self, redis: Redis, store: TrajectoryStore, *, model_id: str, run_retention_s: int, fence: Fence,
         metrics: "ServiceMetrics | None" = None,
     ) -> None:
         self._redis = redis
+        self._fence = fence
         self._metrics = metrics
         self._store = store
         self._model_id = model_id
@@ -151,7 +158,7 @@ class RunStore:
             await pipe.execute()
             return ClaimResult(run, False, eligible, stale)
 
-        return await transact(self._redis, body, keys.ACTIVE_RUN, pending_index, stats_key)
+        return await self._fence.transact(self._redis, body, keys.ACTIVE_RUN, pending_index, stats_key)
 
     async def _oldest_eligible(
         self, pending_index: str, parent_version: int, max_policy_lag: int | None, limit: int
@@ -196,7 +203,7 @@ class RunStore:
             await pipe.execute()
             return new
 
-        return await transact(self._redis, body, run_key)
+        return await self._fence.transact(self._redis, body, run_key)
 
     async def mark_trained(
         self, run_id: str, *, lora_name: str, lora_path: str, dropped_ids: Sequence[str], metrics_patch: dict
@@ -237,7 +244,7 @@ class RunStore:
             await pipe.execute()
             return new
 
-        return await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+        return await self._fence.transact(self._redis, body, run_key, keys.ACTIVE_RUN)
 
     async def finish(
         self,
@@ -282,7 +289,7 @@ class RunStore:
             return done
 
         transitioned: list[bool] = []
-        done = await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+        done = await self._fence.transact(self._redis, body, run_key, keys.ACTIVE_RUN)
         if transitioned and self._metrics is not None:
             self._metrics.run_finished(done.status)
         return done
@@ -309,7 +316,7 @@ class RunStore:
             await pipe.execute()
             return len(moves)
 
-        return await transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+        return await self._fence.transact(self._redis, body, run_key, keys.ACTIVE_RUN)
 
     def _queue_restore(self, pipe: Pipeline, moves: list[tuple[str, str, str, bool]], at: str) -> None:
         """Queue `training → pending` for `_training_members` rows: each sample back at its original position
@@ -363,11 +370,15 @@ class RunStore:
         return await events.EventLog(self._redis).read(keys.training_run_events(run_id))
 
     async def append_event(self, run_id: str, event_type: str, data: dict[str, Any]) -> None:
-        """A best-effort event that belongs to no transition (activation attempt, stop request, recovery)."""
-        await events.EventLog(self._redis).append(keys.training_run_events(run_id), event_type, data)
+        """A best-effort event that belongs to no transition (activation attempt, stop request, recovery): a Redis
+        failure is logged, a refused term (LeaseLost) is raised like any of the leader's writes."""
+        stream = keys.training_run_events(run_id)
+        try:
+            await self._fence.write(self._redis, lambda pipe: events.queue(pipe, stream, event_type, data))
+        except RedisError as exc:
+            log.warning("event %s could not be appended to %s: %s", event_type, stream, exc)
 
     async def observe_policy(self, lora_name: str, lora_path: str) -> None:
         """Remember the last active policy read from the gateway (used for `stale` in stats)."""
-        await self._redis.set(
-            keys.POLICY_OBSERVED, orjson.dumps({"lora_name": lora_name, "lora_path": lora_path, "at": now_iso()})
-        )
+        observed = orjson.dumps({"lora_name": lora_name, "lora_path": lora_path, "at": now_iso()})
+        await self._fence.write(self._redis, lambda pipe: pipe.set(keys.POLICY_OBSERVED, observed))

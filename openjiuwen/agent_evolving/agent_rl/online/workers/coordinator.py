@@ -13,6 +13,11 @@ by the moment its entry expires), the live count, the boot mark, and the lease (
 - Fencing by time: a leader counts its validity from the moment it *sent* its last successful renewal, plus the TTL
   minus `margin_s`; a timer deposes it (its duties stop) at that moment unless a renewal came first. Redis cannot
   hand the lease to anyone before the TTL has passed since it *received* that renewal, later still.
+- Fencing token: the timer needs a running event loop. A leader stopped for longer than the TTL resumes with duty
+  writes already queued, which run before the timer does; so every leader-only write goes through the term's fence
+  (fence.py), and Redis refuses it once another term began. The coordinator grants the fence a term when it wins
+  the lease and revokes it when it deposes itself; a refused write (`LeaseLost`) stops the duty that made it, and
+  the next renewal, refused too, deposes the worker.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any, Protocol
 from redis.asyncio import Redis
 
 from ..store import keys
+from .fence import UNFENCED, Fence, LeaseFence, LeaseLost
 from .lease import Holder, LeaderLease
 from .membership import Membership
 
@@ -61,11 +67,21 @@ class Placement:
     def solo(self) -> bool:
         return self.count == 1
 
+    @property
+    def holder(self) -> Holder:
+        """This process as the lease names it."""
+        return Holder(self.boot, self.index, os.getpid(), self.port)
+
+
+def make_fence(placement: Placement) -> Fence:
+    """The fence of this process's leader-only writes: none alone, this holder's lease in a group."""
+    return UNFENCED if placement.solo else LeaseFence(placement.holder.value)
+
 
 class WorkerCoordinator:
     def __init__(
-        self, redis: Redis, placement: Placement, membership: Membership, duties: Duties, *, ttl_s: float = LEASE_TTL_S,
-        margin_s: float = LEASE_MARGIN_S, beat_s: float = BEAT_S,
+        self, redis: Redis, placement: Placement, membership: Membership, duties: Duties, fence: Fence, *,
+        ttl_s: float = LEASE_TTL_S, margin_s: float = LEASE_MARGIN_S, beat_s: float = BEAT_S,
         leader_check: Callable[[], Awaitable[None] | None] | None = None,
     ) -> None:
         if not 0 < margin_s < ttl_s:
@@ -75,8 +91,11 @@ class WorkerCoordinator:
         self._duties = duties
         self._ttl_s, self._margin_s, self._beat_s = ttl_s, margin_s, beat_s
         self.membership = membership
-        self.holder = Holder(placement.boot, placement.index, os.getpid(), placement.port)
+        self.holder = placement.holder
         assert self.holder.member == membership.member
+        if not placement.solo and not (isinstance(fence, LeaseFence) and fence.holder == self.holder.value):
+            raise ValueError("a worker of a group writes its duties through the lease fence of its own holder")
+        self._fence = fence
         self._lease = LeaderLease(redis, self.holder, ttl_s=ttl_s)
         self._leader_check = leader_check  # the leader's health (its Training Runner), published for followers
         self.is_leader = False
@@ -86,7 +105,7 @@ class WorkerCoordinator:
         self._ready: asyncio.Future[None] | None = None
         self._beat: asyncio.Task[None] | None = None
         self._office: asyncio.Task[None] | None = None
-        self._fence: asyncio.TimerHandle | None = None
+        self._fence_timer: asyncio.TimerHandle | None = None
         self._deposing: asyncio.Task[None] | None = None
         self._last_warning = 0.0
 
@@ -109,18 +128,21 @@ class WorkerCoordinator:
 
     async def stop(self) -> None:
         """The whole service stops: the worker leaves the membership first (the leader waits for the others to be
-        gone before it finishes the active Tasks), then the leader hands in its duties with the shutdown steps and
-        releases the lease."""
+        gone before it finishes the active Tasks), then the leader hands in its duties with the shutdown steps,
+        renewing its lease meanwhile (those steps write through its fence too), and releases the lease."""
         if self._beat is not None:
-            self._beat.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._beat
+            await _cancelled(self._beat, self._beat_s)
             self._beat = None
         if not self.placement.solo:
             with suppress(Exception):
                 await self._redis.zrem(keys.WORKERS, self.member)
         if self.is_leader:
-            await self._depose(shutdown=True)
+            keeper = None if self.placement.solo else asyncio.create_task(self._keep_lease(), name="leader-leaving")
+            try:
+                await self._depose(shutdown=True)
+            finally:
+                if keeper is not None:
+                    await _cancelled(keeper, self._beat_s)
         if not self.placement.solo:
             with suppress(Exception):
                 await self._lease.release()
@@ -186,15 +208,10 @@ class WorkerCoordinator:
             pipe.zremrangebyscore(keys.WORKERS, "-inf", now_ms)
             pipe.zcard(keys.WORKERS)
             pipe.get(keys.SERVICE_BOOT)
-            if self.is_leader:
-                if fault:
-                    pipe.set(keys.LEADER_FAULT, fault, px=int(self._ttl_s * 1000))
-                else:
-                    pipe.delete(keys.LEADER_FAULT)
-            _, _, live, booted, *_ = await pipe.execute()
+            _, _, live, booted = await pipe.execute()
         self.live_workers = int(live)
         if self.is_leader:
-            if await self._lease.renew():
+            if await self._lease.renew(self._fence, fault):  # the fault is published by the renewal: fenced
                 self._renewed(loop, sent)
             else:
                 log.error("worker %d lost the leader lease (epoch %d); stopping its duties",
@@ -204,6 +221,7 @@ class WorkerCoordinator:
         epoch = await self._lease.acquire()
         if epoch:
             self.is_leader, self.epoch = True, epoch
+            self._fence.grant(epoch)
             self._renewed(loop, sent)
             first = booted is None or booted.decode() != self.placement.boot
             log.info("worker %d is the leader (epoch %d)%s", self.placement.index, epoch,
@@ -224,12 +242,13 @@ class WorkerCoordinator:
     def _renewed(self, loop: asyncio.AbstractEventLoop, sent: float) -> None:
         """A renewal sent at `sent` succeeded: valid until sent + TTL − margin; the fence timer moves there."""
         self._valid_until = sent + self._ttl_s - self._margin_s
-        if self._fence is not None:
-            self._fence.cancel()
-        self._fence = loop.call_at(self._valid_until, self._fence_expired)
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+        self._fence_timer = loop.call_at(self._valid_until, self._fence_expired)
 
     def _fence_expired(self) -> None:
-        self._fence = None
+        self._fence_timer = None
+        self._fence.revoke()  # the term's validity is over here: its writes fail without asking Redis
         if not self.is_leader or self._deposing is not None:
             return
         log.error("worker %d: leader lease not renewed in time; stopping its duties (epoch %d)",
@@ -241,9 +260,16 @@ class WorkerCoordinator:
         try:
             await self._duties.take_office(first_of_boot=first_of_boot)
             if first_of_boot:
-                await self._redis.set(keys.SERVICE_BOOT, self.placement.boot)
+                await self._fence.write(self._redis, lambda pipe: pipe.set(keys.SERVICE_BOOT, self.placement.boot))
         except asyncio.CancelledError:
             raise
+        except LeaseLost as exc:
+            # Deposed while recovering (stopped past the TTL, say): the next leader recovers again, and marks the
+            # boot recovered for this worker too. Not a failed start.
+            log.error("worker %d lost the leader lease while taking office (epoch %d): %s", self.placement.index,
+                      self.epoch, exc)
+            await self._depose(shutdown=False)
+            return
         except Exception as exc:
             if self._ready is not None and not self._ready.done() and first_of_boot:
                 self._ready.set_exception(exc)  # startup fails: the worker exits, the group stops the others
@@ -260,11 +286,13 @@ class WorkerCoordinator:
             self._ready.set_result(None)
 
     async def _depose(self, *, shutdown: bool) -> None:
-        if self._fence is not None:
-            self._fence.cancel()
-            self._fence = None
+        """Stop the duties. Deposed, the term ends first, so nothing the duties still write on their way out lands;
+        at shutdown it ends once they are handed in (the shutdown steps are this term's writes)."""
+        if not shutdown:
+            self._end_term()
         office, self._office = self._office, None
-        if office is not None and not office.done():
+        # Never the running task itself (taking office failed): cancelling it would cut this very call short.
+        if office is not None and office is not asyncio.current_task() and not office.done():
             office.cancel()
             await asyncio.gather(office, return_exceptions=True)
         was_leader, self.is_leader = self.is_leader, False
@@ -273,3 +301,42 @@ class WorkerCoordinator:
                 await self._duties.leave_office(shutdown=shutdown)
             except Exception:
                 log.exception("worker %d: stopping the leader duties failed", self.placement.index)
+        self._end_term()
+
+    def _end_term(self) -> None:
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+            self._fence_timer = None
+        self._fence.revoke()
+
+    async def _keep_lease(self) -> None:
+        """Shutdown: renew the term while the leader hands in its duties; a refused renewal ends it (the steps
+        left then fail with LeaseLost), and so does the timer if no renewal succeeds in time."""
+        loop = asyncio.get_running_loop()
+        while True:
+            sent = loop.time()
+            try:
+                async with asyncio.timeout(self._beat_s * 2):
+                    renewed = await self._lease.renew(self._fence, None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis unreachable: the timer ends the term if this lasts
+                log.warning("worker %d: renewing the lease during shutdown failed: %s", self.placement.index,
+                            exc or type(exc).__name__)
+            else:
+                if not renewed:
+                    self._end_term()
+                    return
+                self._renewed(loop, sent)
+            await asyncio.sleep(self._beat_s)
+
+
+async def _cancelled(task: asyncio.Task[None], every_s: float) -> None:
+    """Cancel `task` and wait until it is done, cancelling again every `every_s`: a cancellation that lands while a
+    Redis call is in flight can be swallowed on the way out (seen after an event-loop stall past the TTL: the
+    heartbeat then beat on for ever and the worker's stop hung). The loops stopped here hold no state to finish."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=every_s)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s ended with %r", task.get_name(), task.exception())

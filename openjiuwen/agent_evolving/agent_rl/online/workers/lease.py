@@ -3,9 +3,9 @@ decisions, startup recovery).
 
 The lease is one Redis STRING holding `<boot>:<worker>:<pid>:<port>` with a PX TTL. Its holder renews it well inside
 the TTL and counts its own validity from the moment it *sent* the last successful renewal, minus a margin: it stops
-its duties before Redis can let the lease expire, so no second holder ever runs a duty beside a first (fencing by
-time; coordinator.py). Every acquisition increments an epoch, logged and reported, so each term of office has its
-own number.
+its duties before Redis can let the lease expire (fencing by time; coordinator.py). Every acquisition increments an
+epoch, so each term of office has its own number; every leader-only write carries it and lands only while it is
+still the current term (fencing token; fence.py), which also covers a holder stopped for longer than the TTL.
 
 Two holders are replaced at once instead of after the TTL, because they are known to be dead:
 - a holder of an earlier boot of the service: the gateway starts a new RL Service unit only after the old one's
@@ -19,8 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from ..store import keys
+from .fence import LUA_CHECK, LeaseFence, LeaseLost, is_lease_lost
 
 # KEYS: lease, epoch. ARGV: holder value, ttl ms, boot prefix (`<boot>:`), slot prefix (`<boot>:<worker>:`).
 # Returns the epoch of this holder's term (new or current), or 0 when another live holder has it.
@@ -39,13 +41,17 @@ end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return redis.call('INCR', KEYS[2])
 """
-# KEYS: lease. ARGV: holder value, ttl ms. 1 when renewed, 0 when the lease is someone else's (or gone).
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
+# KEYS: lease, epoch, leader fault. ARGV: holder value, epoch of the term, ttl ms, the leader's health fault ('' when
+# healthy). Renews only this holder's current term (LUA_CHECK refuses any other), and publishes the fault for the
+# followers' /health in the same step: a deposed leader's stale fault never overwrites its successor's.
+_RENEW = LUA_CHECK + """
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if ARGV[4] == '' then
+  redis.call('DEL', KEYS[3])
+else
+  redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[3])
 end
-return 0
+return 1
 """
 # KEYS: lease, workers. ARGV: member (`<boot>:<slot>:<pid>`). A process known dead (its group reaped it) leaves the
 # membership and, if it held the lease, the lease: nobody waits out its TTL. Never touches another holder's lease.
@@ -116,8 +122,18 @@ class LeaderLease:
             args=[h.value, self._ttl_ms, f"{h.boot}:", f"{h.boot}:{h.worker}:"],
         ))
 
-    async def renew(self) -> bool:
-        return bool(await self._renew(keys=[keys.LEADER], args=[self.holder.value, self._ttl_ms]))
+    async def renew(self, fence: LeaseFence, fault: str | None) -> bool:
+        """Extend the term `fence` holds and publish `fault` (None: healthy). False when the term is over."""
+        try:
+            lease_keys, lease_args = fence.script_args()
+            await self._renew(keys=[*lease_keys, keys.LEADER_FAULT], args=[*lease_args, self._ttl_ms, fault or ""])
+        except LeaseLost:
+            return False
+        except ResponseError as exc:
+            if is_lease_lost(exc):
+                return False
+            raise
+        return True
 
     async def release(self) -> None:
         await self._release(keys=[keys.LEADER], args=[self.holder.value])
