@@ -105,6 +105,8 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # Automatic training (docs/training.md): each line's previous run end, the operator's lineage pauses.
         ("training_last_end", "training:last_end"),
         ("lineages_paused", "lineages:paused"),
+        # Lineages (docs/lineages.md): every registered lineage but `default`.
+        ("lineages", "lineages"),
         # Listings (docs/observability.md): creation-ordered indexes and the expiry index that trims them.
         ("tasks_by_created", "tasks:by_created"),
         ("tasks_by_status", "tasks:by_created:(?P<ts>active|finalized|aborted)"),

@@ -142,7 +142,7 @@ class ServiceDeps:
         judge = judge if judge is not None else make_judge(config)
         metrics = ServiceMetrics(config.model_id)  # per app: its own CollectorRegistry
         metered_judge = MeteredJudge(judge, metrics) if judge is not None else None
-        registry = TaskRegistry(redis, signals=TaskSignals(), metrics=metrics)
+        registry = TaskRegistry(redis, signals=TaskSignals(), metrics=metrics, max_lineages=config.lineages.max_count)
         reward_policy = RewardPolicy(config.reward_policy)  # empty (unconfigured) when the section is absent
         store = TrajectoryStore(
             redis, owner=config.model_id, model_id=config.model_id, max_policy_lag=config.max_policy_lag,

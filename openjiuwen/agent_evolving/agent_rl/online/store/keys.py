@@ -26,6 +26,9 @@ ACTIVE_RUN = PREFIX + "training_run:active"
 # paused (kept until resumed: it survives restarts and leader changes).
 TRAINING_LAST_END = PREFIX + "training:last_end"
 LINEAGES_PAUSED = PREFIX + "lineages:paused"
+# Lineages (docs/lineages.md): ZSET lineage → epoch of its first Task, every lineage but `default` (which always
+# exists); added in the EXEC that starts that first Task, never removed; bounded by `lineages.max_count`.
+LINEAGES = PREFIX + "lineages"
 # Listing indexes (newest first): ZSETs of ids scored by creation epoch. Tasks are indexed once overall and once
 # under their current status. When a record gets its TTL, its id joins a listing-expiry ZSET scored by the epoch
 # the record expires; the retention sweeper then removes it from the listing indexes (and listings drop ids whose
