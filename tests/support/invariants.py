@@ -126,6 +126,8 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # Reward policy (docs/rewards.md): deadline index of awaiting_rewards samples, arrival lateness per source.
         ("reward_deadlines", f"reward_deadlines:(?P<o>{_O})"),
         ("reward_latency", f"reward_latency:(?P<o>{_O}):[a-z0-9_-]{{1,32}}"),
+        # Lines of lineages with a reward deadline (a lower bound of each line's earliest one).
+        ("rewards_due_lines", "rewards:due_lines"),
         # Rollouts (docs/rollout.md): the current pointer, the listing, records and their timelines.
         ("rollout_current", "rollout:current"),
         ("rollouts_by_created", "rollouts:by_created"),
@@ -346,7 +348,7 @@ async def check_invariants(
 
     samples = await _check_samples(redis, report, model_id, sorted(lines), sample_ids, statuses)
     await _check_prompt_blocks(redis, report, sample_ids, [g["b"] for _, g in typed.get("prompt_block", [])])
-    await _check_reward_deadlines(redis, report, model_id, samples)
+    await _check_reward_deadlines(redis, report, model_id, sorted(lines), samples)
     await _check_excluded(redis, report, samples)
     await _check_task_listings(redis, report, typed)
     active_run = await _check_runs(redis, report, run_ids, samples)
@@ -529,17 +531,27 @@ async def _check_prompt_blocks(
 
 
 async def _check_reward_deadlines(
-    redis: Redis, report: InvariantReport, model_id: str, samples: dict[str, _Sample]
+    redis: Redis, report: InvariantReport, model_id: str, lines: list[str], samples: dict[str, _Sample]
 ) -> None:
-    """Reward policy: the deadline index holds exactly the `awaiting_rewards` samples, each with its per-source
-    state, so the sweeper finds every waiting sample and nothing else."""
-    waiting = {s.sample_id for s in samples.values() if s.status == SampleStatus.AWAITING_REWARDS}
-    indexed = {_s(m) or "" for m in await redis.zrange(keys.reward_deadlines(model_id), 0, -1)}
-    for sample_id in sorted(waiting - indexed):
-        report.add(f"sample {sample_id} awaits rewards but has no deadline entry")
-    for sample_id in sorted(indexed - waiting):
-        report.add(f"deadline entry {sample_id} is not an awaiting_rewards sample")
-    ids = sorted(waiting)
+    """Reward policy, per line: a line's deadline index holds exactly its `awaiting_rewards` samples, each with its
+    per-source state; every other line with deadlines has a due-hint at or below its earliest one (and only those
+    have one), so the sweeper finds every waiting sample and nothing else."""
+    hints = {(_s(m) or ""): score for m, score in await redis.zrange(keys.REWARD_DUE_LINES, 0, -1, withscores=True)}
+    for line in lines:
+        waiting = {s.sample_id for s in samples.values()
+                   if s.status == SampleStatus.AWAITING_REWARDS and s.line == line}
+        entries = await redis.zrange(keys.reward_deadlines(line), 0, -1, withscores=True)
+        indexed = {_s(m) or "" for m, _ in entries}
+        where = "" if line == model_id else f" of line {line}"
+        for sample_id in sorted(waiting - indexed):
+            report.add(f"sample {sample_id} awaits rewards but has no deadline entry{where}")
+        for sample_id in sorted(indexed - waiting):
+            report.add(f"deadline entry {sample_id}{where} is not an awaiting_rewards sample of that line")
+        if line != model_id and entries and not (line in hints and hints[line] <= min(s for _, s in entries)):
+            report.add(f"line {line} has reward deadlines but no due-hint at or below its earliest one")
+    for line in sorted(set(hints) - set(lines) | ({model_id} & set(hints))):
+        report.add(f"due-hint for {line!r}, which is not a registered lineage's line")
+    ids = sorted({s.sample_id for s in samples.values() if s.status == SampleStatus.AWAITING_REWARDS})
     for sample_id, has in zip(ids, await _pipelined(redis, ids, lambda p, s: p.hexists(keys.traj(s), "rewards"))):
         if not has:
             report.add(f"sample {sample_id} awaits rewards but has no per-source reward state")

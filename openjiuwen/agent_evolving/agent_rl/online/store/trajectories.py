@@ -103,11 +103,13 @@ class TrajectoryStore:
         self._max_policy_lag = max_policy_lag
         # With a configured reward policy, publication starts each sample's reward state and may park it in
         # `awaiting_rewards` (docs/rewards.md); without one every published sample is `pending` at once.
-        self._reward_policy = reward_policy if reward_policy is not None and reward_policy.configured else None
+        self._root_policy = reward_policy if reward_policy is not None and reward_policy.configured else None
         self._stats_key = keys.traj_stats(owner)  # validates the owner once
         self._deadlines_key = keys.reward_deadlines(owner)
         # This store's lineage: `default` for the service's own owner, else the lineage of the line it was made for.
         self.lineage = DEFAULT_LINEAGE if owner == model_id else split_line(owner)[1]
+        # The line's own reward policy (`reward_policy.lineages.<name>`, else the top-level one).
+        self._reward_policy = self._root_policy.for_lineage(self.lineage) if self._root_policy is not None else None
         self._lines: dict[str, TrajectoryStore] = {}
 
     def for_line(self, line: str) -> "TrajectoryStore":
@@ -118,7 +120,7 @@ class TrajectoryStore:
         if store is None:
             split_line(line)  # refuses a malformed line before it names keys
             store = TrajectoryStore(self._redis, owner=line, model_id=self._model_id,
-                                    max_policy_lag=self._max_policy_lag, reward_policy=self._reward_policy,
+                                    max_policy_lag=self._max_policy_lag, reward_policy=self._root_policy,
                                     metrics=self._metrics)
             self._lines[line] = store
         return store
@@ -129,6 +131,26 @@ class TrajectoryStore:
     @property
     def owner(self) -> str:
         return self._owner
+
+    @property
+    def reward_policy(self) -> RewardPolicy | None:
+        """The reward policy this line's samples follow (None without a configured policy)."""
+        return self._reward_policy
+
+    @property
+    def deadlines_key(self) -> str:
+        return self._deadlines_key
+
+    @property
+    def stats_key(self) -> str:
+        return self._stats_key
+
+    def queue_deadline(self, pipe: Pipeline, sample_id: str, deadline: float) -> None:
+        """Queue, in a caller's MULTI, a sample's deadline entry; for a non-default line also lower the line's entry
+        in `REWARD_DUE_LINES` to it, in the same EXEC, so that hint stays at or below the line's earliest deadline."""
+        pipe.zadd(self._deadlines_key, {sample_id: deadline})
+        if self.lineage != DEFAULT_LINEAGE:
+            pipe.zadd(keys.REWARD_DUE_LINES, {self._owner: deadline}, lt=True)
 
     def index_key(self, status: str) -> str:
         return keys.traj_index(self._owner, status)
@@ -203,7 +225,7 @@ class TrajectoryStore:
                     status = final or self._reward_policy.status(state)
                     extra = {"rewards": orjson.dumps(state)}
                     if status == SampleStatus.AWAITING_REWARDS:
-                        pipe.zadd(self._deadlines_key, {sample_id: self._reward_policy.next_deadline(state)})
+                        self.queue_deadline(pipe, sample_id, self._reward_policy.next_deadline(state))
                 pipe.hset(
                     hash_keys[sample_id],
                     mapping={
@@ -511,7 +533,8 @@ class TrajectoryStore:
         status = text(row[-1])
         if status is None:
             return None
-        doc = self._document(row)
+        # The breakdown follows the policy of the sample's own lineage (`reward_policy.lineages`).
+        doc = self.for_lineage(text(await self._redis.hget(key, "lineage")))._document(row)
         trajectory = doc["trajectory"]
         prompt, response_ids = trajectory["prompt_ids"], trajectory["response_ids"]
         logprobs = trajectory["response_logprobs"]
