@@ -126,3 +126,35 @@ async def test_unknown_body_key_is_refused(service):
     _, client, _, _ = service
     r = await client.post("/v1/rl/training/runs", json={"lineage": "a", "x": 1})
     assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_training_request")
+
+
+async def test_lineages_are_listed_newest_first_page_by_page(service, redis):
+    deps, client, _, _ = service
+    for i, lineage in enumerate(("a", "b", "c")):
+        await redis.zadd(keys.LINEAGES, {lineage: 1_700_000_000.0 + i})
+    await publish(deps.store, "b", 2, start=0, score=1.0)
+    first = await client.get("/v1/rl/lineages", params={"limit": 2})
+    assert first.status_code == 200, first.text
+    assert [(i["lineage"], i["line"], i["pending_samples"], i["active_run"]) for i in first.json()["items"]] == [
+        ("c", f"{MODEL_ID}:c", 0, None), ("b", f"{MODEL_ID}:b", 2, None)]
+    assert first.json()["items"][0]["first_used_at"] == "2023-11-14T22:13:22+00:00"
+    second = await client.get("/v1/rl/lineages", params={"limit": 2, "cursor": first.json()["next_cursor"]})
+    assert [i["lineage"] for i in second.json()["items"]] == ["a"] and second.json()["next_cursor"] is None
+    for params in ({"cursor": "nope"}, {"limit": 0}):
+        r = await client.get("/v1/rl/lineages", params=params)
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_request")
+
+
+async def test_policies_of_one_lineage(service, redis):
+    deps, client, _, _ = service
+    await publish(deps.store, "a", 1, start=0, score=1.0, policy=f"{MODEL_ID}:a:v1")
+    await publish(deps.store, "a", 1, start=1, score=1.0, policy="base")
+    await publish(deps.store, "default", 1, start=2, score=1.0, policy=f"{MODEL_ID}:v1")
+    names = lambda r: [i["policy_version"] for i in r.json()["items"]]  # noqa: E731
+    assert names(await client.get("/v1/rl/policies", params={"lineage": "a"})) == ["base", f"{MODEL_ID}:a:v1"]
+    assert names(await client.get("/v1/rl/policies", params={"lineage": "default"})) == ["base", f"{MODEL_ID}:v1"]
+    assert set(names(await client.get("/v1/rl/policies"))) == {"base", f"{MODEL_ID}:v1", f"{MODEL_ID}:a:v1"}
+    r = await client.get("/v1/rl/policies", params={"lineage": "Bad"})
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_lineage")
+    r = await client.get("/v1/rl/policies", params={"lineage": "zzz"})
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "lineage_not_found")

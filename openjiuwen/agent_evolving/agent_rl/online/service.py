@@ -49,6 +49,7 @@ from ..common.http_metrics import HttpMetricsMiddleware
 from .metrics import MeteredJudge, ServiceMetrics
 from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
+from .lineages import LineageRegistry
 from .policies import PolicyReport
 from ..common.private_files import UnsafeDirectoryError, ensure_private_root
 from .rail.ingest import RailIngestor
@@ -121,6 +122,7 @@ class ServiceDeps:
     rollout: RolloutController
     membership: Membership
     scheduler: TrainingScheduler
+    lineages: LineageRegistry
     coordinator: WorkerCoordinator = field(init=False)
     run_reward_sweeper: bool = field(init=False, default=False)
 
@@ -184,6 +186,7 @@ class ServiceDeps:
                 redis, runs=runs, runner=runner, store=store, rollout=rollout, pauses=LineagePauses(redis),
                 policy=config.training_policy, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
             ),
+            lineages=LineageRegistry(redis, model_id=config.model_id, runs=runs),
         )
         deps.coordinator = WorkerCoordinator(redis, placement, membership, deps, leader_check=runner.check_health)
         return deps
@@ -479,9 +482,9 @@ def create_app(
     app.include_router(build_trajectories_router(deps.store, reward_stats=reward_stats))
     app.include_router(build_rail_router(deps.rail))
     app.include_router(build_training_router(deps.runner))
-    app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id)))
+    app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id), deps.lineages))
     app.include_router(build_rollout_router(deps.rollout))
-    app.include_router(build_lineages_router(deps.scheduler))
+    app.include_router(build_lineages_router(deps.scheduler, deps.lineages))
     # Inside the guards (bearer 401 and size 413 first): a non-JSON body is 415 (a browser's cross-site simple POST).
     app.add_middleware(JsonBodyMiddleware, binary_routes=HOOK_BINARY_ROUTES)
     if not deps.coordinator.placement.solo:  # inside the guards: only an authorised request is relayed

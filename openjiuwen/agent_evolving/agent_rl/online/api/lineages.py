@@ -1,5 +1,5 @@
-"""Lineage routes (CONTRACT §2.10 ext): an operator pauses or resumes a lineage's automatic training and reads the
-scheduler's view of it. Only the lineage `default` exists today (issue 27 adds the others)."""
+"""Lineage routes (CONTRACT §2.10 ext, docs/lineages.md): the registered lineages, page by page; an operator pauses
+or resumes a lineage's automatic training and reads the scheduler's view of it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...common.errors import ApiError, JSONBody
+from ..lineages import LineageRegistry
 from ..training.scheduler import TrainingScheduler, UnknownLineage
 from . import openapi
 from .body import json_value
+from .errors import domain_errors
+from .paging import cursor_param, limit_param
 
 _NOT_FOUND = "lineage_not_found"
 
@@ -29,8 +32,16 @@ async def _answer(call: Awaitable[dict[str, Any]]) -> JSONBody:
         raise ApiError(404, _NOT_FOUND, exc.message) from exc
 
 
-def build_lineages_router(scheduler: TrainingScheduler) -> APIRouter:
+def build_lineages_router(scheduler: TrainingScheduler, registry: LineageRegistry) -> APIRouter:
     router = APIRouter()
+
+    @router.get("/v1/rl/lineages", openapi_extra=openapi.LINEAGE_LIST)
+    async def list_lineages(request: Request) -> JSONBody:
+        """Registered lineages newest first (by first use), each with its line, pending samples and active run;
+        `default` always exists and is not listed. `next_cursor` is null on the last page."""
+        params = request.query_params
+        with domain_errors(not_found=_NOT_FOUND, conflict="lineage_conflict"):
+            return JSONBody(await registry.page(limit=limit_param(params), cursor=cursor_param(params)))
 
     @router.get("/v1/rl/lineages/{lineage}")
     async def get_lineage(lineage: str) -> JSONBody:
