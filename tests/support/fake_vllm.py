@@ -15,6 +15,7 @@
         vllm.bloat_next(300 << 20)                                   # next chat answer ~300 MB, written as generated
         vllm.bloat_sent                                              # bytes each bloated answer got out
         vllm.fail_loads = True                                       # every load → 500
+        FakeVLLM(max_loras=2); vllm.peak_loaded                      # refuse a 3rd adapter (400); most held at once
         vllm.preload("tiny:v1", "/abs/dir"); vllm.drop_loras()       # as if loaded earlier / as if vLLM restarted
         vllm.requests, vllm.loaded, vllm.loaded_paths, vllm.chat_models, vllm.count("/v1/load_lora_adapter")
         vllm.wait_until(lambda v: "tiny:v1" in v.loaded, timeout_s=5)   # or `await vllm.wait_until_async(...)`
@@ -408,8 +409,13 @@ def _json_response(body: Any, status: int = 200) -> Response:
 class FakeVLLM:
     """See the module docstring."""
 
-    def __init__(self, *, served_model: str = "tiny", name: str | None = None, port: int = 0) -> None:
-        """`port`: 0 for a free one; a given port plays a vLLM that comes back at a known address."""
+    def __init__(self, *, served_model: str = "tiny", name: str | None = None, port: int = 0,
+                 max_loras: int | None = None) -> None:
+        """`port`: 0 for a free one; a given port plays a vLLM that comes back at a known address. `max_loras`: refuse
+        a load that would make the instance hold more adapters (vLLM 0.32 itself keeps registering past
+        `--max-loras` and pages weights on its own; this strict fake proves the gateway keeps within its capacity)."""
+        self.max_loras = max_loras
+        self._peak_loaded = 0
         self.served_model = served_model
         self._name = name
         self.host = "127.0.0.1"
@@ -600,6 +606,12 @@ class FakeVLLM:
             return set(self._loras)
 
     @property
+    def peak_loaded(self) -> int:
+        """The most adapters held at once since start."""
+        with self._lock:
+            return self._peak_loaded
+
+    @property
     def loaded_paths(self) -> dict[str, str]:
         with self._lock:
             return dict(self._loras)
@@ -717,7 +729,12 @@ class FakeVLLM:
                 error, status = _recorded_error("load_lora_missing_path.txt")
                 error["error"]["message"] = f"Loading lora {name} failed: No adapter found for {path}"
                 return _json_response(error, status)
+            if self.max_loras is not None and len(self._loras) >= self.max_loras:
+                return _json_response(_error_body(
+                    400, f"Loading lora {name} failed: {len(self._loras)} adapters loaded, max_loras is "
+                    f"{self.max_loras}", type_="BadRequestError"), 400)
             self._loras[name] = path
+            self._peak_loaded = max(self._peak_loaded, len(self._loras))
             self._notify()
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 

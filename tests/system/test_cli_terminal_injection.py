@@ -56,7 +56,7 @@ def test_traj_get_escapes_captured_text_and_json_stays_exact(redis, redis_url, t
         shown = rl(gw, "traj", "get", sample_id)
         assert shown.returncode == 0, shown.stderr
         out = shown.stdout.decode()
-        assert f"reply    {SHOWN}" in out.splitlines(), out
+        assert f"reply     {SHOWN}" in out.splitlines(), out
         assert not any(c in out for c in CONTROLS), out
 
         exact = rl(gw, "traj", "get", sample_id, "--json")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.fake_vllm import FakeVLLM
-from tests.support.gateway_process import INS_KEY, GatewayProcess
+from tests.support.gateway_process import GatewayProcess, INS_KEY, LOOPBACK_REGISTRATION
 from tests.support.waiting import wait_for
 from tests.system.test_gateway_lora import activate_v1, agent
 
@@ -42,7 +42,7 @@ def assert_clean(log: str) -> None:
 
 def test_a_hostile_registration_and_vllm_error_text_each_log_one_escaped_record(redis, redis_url, tmp_path, vllms):
     a, b = vllms
-    with GatewayProcess(tmp_path, redis_url, instances=[a]) as gw:
+    with GatewayProcess(tmp_path, redis_url, instances=[a], extra_config=LOOPBACK_REGISTRATION) as gw:
         registration = {"name": "vllm-b", "model": HOSTILE, "instanceIp": "127.0.0.1", "port": b.port}
         r = gw.signed("POST", "/aigw/v1/register-instance", json=registration, key=INS_KEY)
         assert r.status_code == 200, r.text

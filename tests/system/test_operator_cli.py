@@ -128,7 +128,7 @@ def test_operator_workflow(gw: GatewayProcess, capsys: pytest.CaptureFixture[str
     code, out, err = rl("traj", "list", "--status", "pending", "--limit", "1")
     assert len(out.splitlines()) == 2 and "more: --cursor " in err
     code, out, _ = rl("traj", "get", "rail-cli:0")
-    assert code == 0 and "judge    score 0.8 (judge, tag prev_feedback)\n" in out
+    assert code == 0 and "judge     score 0.8 (judge, tag prev_feedback)\n" in out
 
     # A failing run: watch exits non-zero with the reason; the samples are pending again.
     gw.set_plan({"outcome": "fail", "message": "scripted failure for the CLI"})

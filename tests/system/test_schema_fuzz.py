@@ -81,6 +81,8 @@ OPERATIONS = [
     "GET /v1/rl/lineages/{lineage}",
     "POST /v1/rl/lineages/{lineage}/pause",
     "POST /v1/rl/lineages/{lineage}/resume",
+    # Exclusion of a vLLM instance's samples (docs/security.md row 17).
+    "POST /v1/rl/trajectories/exclude",
 ]
 # Operations whose schema constrains a body, header or query parameter: the others (no body, free-form path ids) have
 # nothing a negative case could break; hostile path ids are fuzzed in test_fuzz_routes.py and test_hostile_input.py.

@@ -18,6 +18,7 @@ from openjiuwen.agent_evolving.agent_rl.gateway.config import (
     HmacKeys,
     format_duration,
     gateway_config_from_mapping,
+    keys_from_document,
     load_gateway_config,
     load_hmac_keys,
     parse_duration,
@@ -416,10 +417,11 @@ async def test_agent_keys_from_file_and_socket(tmp_path: Path):
         ({"id": "a", "key": AGENT_KEY_HEX}, "agentHmacKeys: must be a list"),
         (["support-bot"], "agentHmacKeys[0]: must be an object with exactly the members id and key"),
         ([{"id": "a"}], "agentHmacKeys[0]: must be an object with exactly the members id and key"),
-        # A member this gateway does not know (a later per-key restriction) is never silently ignored; the one
-        # reserved for the lineage limit says so.
-        ([{"id": "a", "key": AGENT_KEY_HEX, "lineages": ["x"]}],
-         "agentHmacKeys[0].lineages: reserved for limiting an agent key to lineages, not supported"),
+        # A member this gateway does not know (a later per-key restriction) is never silently ignored; a lineage
+        # limit that is not a list of lineage names is refused, never read as "every lineage".
+        ([{"id": "a", "key": AGENT_KEY_HEX, "lineages": "support"}], "agentHmacKeys[0].lineages: must be a list"),
+        ([{"id": "a", "key": AGENT_KEY_HEX, "lineages": ["Support"]}], "agentHmacKeys[0].lineages: must be a list"),
+        ([{"id": "a", "key": AGENT_KEY_HEX, "lineages": ["v2"]}], "agentHmacKeys[0].lineages: must be a list"),
         ([{"id": "a", "key": AGENT_KEY_HEX, "role": "operator"}], "agentHmacKeys[0]: must be an object with exactly"),
         ([{"id": "bad id", "key": AGENT_KEY_HEX}], "agentHmacKeys[0].id: must match"),
         ([{"id": "", "key": AGENT_KEY_HEX}], "agentHmacKeys[0].id: must match"),
@@ -563,3 +565,13 @@ def test_instance_health_and_registration_defaults_and_bounds(tmp_path: Path):
                               ("registration", "maxInstances", True), ("registration", "cap", 3)):
         data = example(tmp_path, **{section: {key: bad}})
         assert error_of(data).startswith(f"gateway config: {section}.{key}: "), (section, key, bad)
+
+
+def test_an_agent_keys_lineage_limit_is_read_and_absent_means_every_lineage() -> None:
+    keys = keys_from_document({"apiHmacKey": API_KEY, "agentHmacKeys": [
+        {"id": "a", "key": AGENT_KEY_HEX, "lineages": ["support", "default"]},
+        {"id": "b", "key": OTHER_AGENT_KEY},
+        {"id": "c", "key": "c" * 64, "lineages": []},
+    ]}, source="test")
+    assert keys.agent_lineages == {"a": frozenset({"support", "default"}), "c": frozenset()}
+    assert set(keys.agents) == {"a", "b", "c"}

@@ -11,16 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .holdings import Holdings
 from .instances import Instance, InstanceRegistry
 from .leases import Leases
 from .lora_locks import VersionLocks, holding
-from ..common.ids import model_of
 from .lora_types import ActiveLora
-from .policy_lines import PolicyLine, PolicyLines
+from .policy_lines import PolicyLine, PolicyLines, model_of_version
 from .vllm_adapters import AdapterClient, Load
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
@@ -28,12 +27,15 @@ log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
 
 class Placement:
     def __init__(self, registry: InstanceRegistry, holdings: Holdings, leases: Leases, lines: PolicyLines,
-                 vllm: AdapterClient, *, lora_root: Path) -> None:
+                 vllm: AdapterClient, *, lora_root: Path, pages: Callable[[Instance], bool] = lambda _: False) -> None:
+        """`pages(instance)`: the instance pages adapters (adapter_pager.py): its versions are loaded on demand, so
+        the repairs here leave it alone (a paged-out active version is no failure)."""
         self._registry = registry
         self._holdings = holdings
         self._leases = leases
         self._lines = lines
         self._vllm = vllm
+        self._pages = pages
         self._root = lora_root
         self.locks = VersionLocks()
         self.paths: dict[str, str] = {}  # lora name → path, for versions in use now (readmission loads them)
@@ -53,7 +55,7 @@ class Placement:
         if line.active is None:
             return False
         name = line.active.lora_name
-        serving = self._registry.serving(line.model)
+        serving = [i for i in self._registry.serving(line.model) if not self._pages(i)]
         return line.artifact_missing or any(not self._holdings.holds(i.name, name) for i in serving)
 
     async def converge(self, line: PolicyLine, deadline: float, *, only: Iterable[str] | None = None,
@@ -69,8 +71,8 @@ class Placement:
                 return
             # `only` may name an instance being admitted (not serving yet); otherwise the serving ones.
             pool = self._registry.for_model(line.model) if only_set is not None else self._registry.serving(line.model)
-            targets = [i for i in pool
-                       if not self._holdings.holds(i.name, name) and (only_set is None or i.name in only_set)]
+            targets = [i for i in pool if not self._pages(i)
+                       and not self._holdings.holds(i.name, name) and (only_set is None or i.name in only_set)]
             if not targets and not line.artifact_missing and not force_check:
                 return
             problem = await self.artifact_problem(wanted.lora_path)
@@ -103,11 +105,15 @@ class Placement:
 
     async def load_missing(self, instance: Instance, deadline: float) -> None:
         """Load the versions of the instance's model that Tasks still hold (pinned) and the canary candidates, where
-        the instance lacks them; a failure only means that traffic keeps going to the other holders."""
-        candidate = self._lines.of(instance.model).candidate
-        for name in sorted({*self._leases.names(), *([candidate.lora_name] if candidate is not None else [])}):
+        the instance lacks them; a failure only means that traffic keeps going to the other holders. A paging instance
+        loads them on demand instead."""
+        if self._pages(instance):
+            return
+        candidates = {line.candidate.lora_name for line in self._lines
+                      if line.model == instance.model and line.candidate is not None}
+        for name in sorted({*self._leases.names(), *candidates}):
             path = self.paths.get(name)
-            if path is None or model_of(name) != instance.model or self._holdings.holds(instance.name, name):
+            if path is None or model_of_version(name) != instance.model or self._holdings.holds(instance.name, name):
                 continue
             async with holding(self.locks.of(name), deadline) as held:
                 if not held or not self.in_use(name) or self._holdings.holds(instance.name, name):
@@ -126,7 +132,7 @@ class Placement:
         if candidate is None:
             return
         lacking = [i for i in self._registry.serving(line.model)
-                   if not self._holdings.holds(i.name, candidate.lora_name)]
+                   if not self._pages(i) and not self._holdings.holds(i.name, candidate.lora_name)]
         await asyncio.gather(*(self.load_missing(i, deadline) for i in lacking))
 
     async def collect_unused(self, model: str, deadline: float, *, also: Instance | None = None) -> None:
@@ -149,7 +155,7 @@ class Placement:
             self.paths.pop(name, None)
             # Out-of-routing instances are skipped (a dead host would hold the unload until the deadline); their
             # readmission lists what they hold and unloads what is unused.
-            model = model_of(name)
+            model = model_of_version(name)
             pool = self._registry.serving(model) if model is not None else []
             if also is not None and also not in pool:
                 pool.append(also)
@@ -173,7 +179,7 @@ class Placement:
     async def repair(self, deadline: float) -> None:
         """Load the active versions and candidates where they are missing, unload unused versions."""
         models = set(self._registry.models()) | {line.model for line in self._lines if line.active is not None}
-        lines = [line for line in map(self._lines.get, models) if line is not None]
+        lines = [line for line in self._lines if line.model in models]
         await asyncio.gather(*(self.converge(line, deadline) for line in lines if self.needs_converge(line)))
         await asyncio.gather(*(self.load_candidate(line, deadline) for line in lines))
         await asyncio.gather(*(self.collect_unused(m, deadline) for m in models))

@@ -4,6 +4,8 @@ it needs at construction; nothing is bound later."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -47,8 +49,10 @@ class Gateway:
 
 
 def build_gateway(
-    config: GatewayConfig, *, verifier: HmacVerifier, console_auth: ConsoleAuth, env: dict[str, str]
+    config: GatewayConfig, *, verifier: HmacVerifier, console_auth: ConsoleAuth, env: dict[str, str],
+    agent_lineages: Mapping[str, frozenset[str]] | None = None,
 ) -> Gateway:
+    """`agent_lineages`: the lineage limit of each agent key that has one (config.HmacKeys)."""
     online = config.online_rl
     model_id = online.model_id  # the gateway's own setting, checked against the child's /health
     metrics = GatewayMetrics()  # per app: its own CollectorRegistry
@@ -69,6 +73,9 @@ def build_gateway(
         registry, lora_root=config.lora.root, state_path=config.lora.state_path,
         operation_timeout_s=config.lora.operation_timeout_s, addresses=addresses,
         capture_registered=config.registration.capture_traffic, probe=probe,
+        max_loras={i.name: i.max_loras for i in config.instances if i.max_loras is not None},
+        max_loras_default=config.lora.max_loras_per_instance, page_timeout_s=config.lora.page_timeout_s,
+        paging_metrics=metrics,
     )
     health = HealthMonitor(
         registry, readmit=loras.readmit, interval_s=checks.interval_s, timeout_s=checks.timeout_s,
@@ -88,7 +95,7 @@ def build_gateway(
     )
     control = RLControl(
         model_id=model_id, supervisor=supervisor, rl=rl, tracker=tracker, loras=loras,
-        drain_timeout_s=online.drain_timeout_s,
+        drain_timeout_s=online.drain_timeout_s, agent_lineages=agent_lineages or {},
     )
     inference = InferenceProxy(
         model_id=model_id, tracker=tracker, loras=loras, rl=rl, rl_running=control.running, upstream=upstream,

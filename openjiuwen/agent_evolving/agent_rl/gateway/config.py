@@ -37,6 +37,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..common.lineage import is_lineage
 from ..common.signing_keys import decode_key, is_agent_key_id
 from ..common import loopback
 from ..common.validation import ModelId, validation_problems
@@ -46,7 +47,7 @@ from .instances import valid_host
 MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
 MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is a few short strings per key
 KEY_SOCKET_TIMEOUT_S = 5.0
-RESERVED_AGENT_KEY_MEMBER = "lineages"  # an agent key entry's future restriction (docs/gateway.md)
+AGENT_KEY_LINEAGES = "lineages"  # an agent key entry's lineage limit (docs/gateway.md, docs/lineages.md)
 _OPEN_TO_OTHERS = stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH
 
 _DURATION_UNITS_S = {
@@ -289,6 +290,9 @@ class InstanceConfig(_Model):
     model: Token
     instance_ip: Annotated[StrictStr, AfterValidator(_host)] = Field(alias="instanceIp")
     port: Annotated[int, BeforeValidator(_port)]
+    # Project gateway (adapter paging, docs/lineages.md): LoRA adapters this instance may hold at once (its vLLM
+    # `--max-cpu-loras`); absent: `lora.maxLorasPerInstance`; 0: unlimited.
+    max_loras: Annotated[StrictInt, Field(ge=0, le=100_000)] | None = Field(default=None, alias="maxLoras")
 
     @property
     def base_url(self) -> str:
@@ -301,6 +305,12 @@ class LoraSection(_Model):
     root: Annotated[StrictStr, AfterValidator(_check_absolute)]
     state_path: Annotated[StrictStr, AfterValidator(_check_path)] = Field(alias="statePath")
     operation_timeout_s: Duration = Field(default=60.0, alias="operationTimeout")
+    # Project gateway (adapter paging, docs/lineages.md): adapters an instance holds at once unless its own `maxLoras`
+    # says otherwise (0: unlimited, every active version on every instance as before), and how long a request waits
+    # for a slot to free before 503 `lora_capacity_exhausted`.
+    max_loras_per_instance: Annotated[StrictInt, Field(ge=0, le=100_000)] = Field(
+        default=0, alias="maxLorasPerInstance")
+    page_timeout_s: Duration = Field(default=30.0, alias="pageTimeout")
 
 
 class InstanceHealthSection(_Model):
@@ -433,6 +443,8 @@ class HmacKeys:
     api: bytes = field(repr=False)
     ins: bytes | None = field(default=None, repr=False)
     agents: Mapping[str, bytes] = field(default_factory=dict, repr=False)
+    # agent key id → the lineages it may start Tasks in; a key absent here may use every lineage
+    agent_lineages: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         ins = "none" if self.ins is None else f"<{len(self.ins)} bytes>"
@@ -444,8 +456,8 @@ def keys_from_document(data: Any, *, source: str) -> HmacKeys:
 
     Other top-level members are ignored (AIGW's crypto socket may send more); an absent, null or empty `insHmacKey`
     means register-instance accepts only the api key; an absent or null `agentHmacKeys` means no agent keys. An agent
-    key entry has exactly `id` and `key`: a member this gateway does not know may be a restriction it would not
-    apply, so it is refused. Ids are unique; no two keys of the document are equal."""
+    key entry has `id`, `key` and optionally `lineages` (the lineages it may start Tasks in; absent: all): any
+    other member may be a restriction this gateway would not apply, so it is refused. Ids are unique; no two keys of the document are equal."""
     if not isinstance(data, Mapping):
         raise GatewayConfigError(f"{source}: must be a JSON object")
     api = data.get("apiHmacKey")
@@ -457,10 +469,10 @@ def keys_from_document(data: Any, *, source: str) -> HmacKeys:
     named = {"apiHmacKey": _decoded(api, "apiHmacKey", source)}
     if ins:
         named["insHmacKey"] = _decoded(ins, "insHmacKey", source)
-    agents = _agent_keys(data.get("agentHmacKeys"), source)
+    agents, limits = _agent_keys(data.get("agentHmacKeys"), source)
     named.update({f"agentHmacKeys[{i}] (id {key_id!r})": key for i, (key_id, key) in enumerate(agents.items())})
     _refuse_equal_keys(named, source)
-    return HmacKeys(api=named["apiHmacKey"], ins=named.get("insHmacKey"), agents=agents)
+    return HmacKeys(api=named["apiHmacKey"], ins=named.get("insHmacKey"), agents=agents, agent_lineages=limits)
 
 
 def _decoded(text: str, member: str, source: str) -> bytes:
@@ -470,21 +482,22 @@ def _decoded(text: str, member: str, source: str) -> bytes:
         raise GatewayConfigError(f"{source}: {member}: {exc}") from None
 
 
-def _agent_keys(entries: Any, source: str) -> dict[str, bytes]:
+def _agent_keys(entries: Any, source: str) -> tuple[dict[str, bytes], dict[str, frozenset[str]]]:
+    """(key by id, lineage limit by id for the keys that have one)."""
     if entries is None:
-        return {}
+        return {}, {}
     if not isinstance(entries, list):
         raise GatewayConfigError(f"{source}: agentHmacKeys: must be a list of {{\"id\", \"key\"}} objects")
     agents: dict[str, bytes] = {}
+    limits: dict[str, frozenset[str]] = {}
     for i, entry in enumerate(entries):
         where = f"agentHmacKeys[{i}]"
-        if isinstance(entry, Mapping) and RESERVED_AGENT_KEY_MEMBER in entry:
-            # Reserved for limiting a key to lineages (issue 27): accepting it unenforced would grant more than
-            # the operator wrote, so until it is enforced it is refused (fail closed).
-            raise GatewayConfigError(f"{source}: {where}.{RESERVED_AGENT_KEY_MEMBER}: reserved for limiting an agent "
-                                     "key to lineages, not supported by this gateway yet; remove it")
-        if not isinstance(entry, Mapping) or set(entry) != {"id", "key"}:
-            raise GatewayConfigError(f"{source}: {where}: must be an object with exactly the members id and key")
+        # A member this gateway does not know may be a restriction it would not apply: refused (fail closed).
+        if not isinstance(entry, Mapping) or not {"id", "key"} <= set(entry) <= {"id", "key", AGENT_KEY_LINEAGES}:
+            raise GatewayConfigError(f"{source}: {where}: must be an object with exactly the members id and key "
+                                     f"(and optionally {AGENT_KEY_LINEAGES})")
+        if AGENT_KEY_LINEAGES in entry:
+            limits[str(entry["id"])] = _lineage_limit(entry[AGENT_KEY_LINEAGES], f"{source}: {where}")
         key_id, text = entry["id"], entry["key"]
         if not is_agent_key_id(key_id):
             raise GatewayConfigError(f"{source}: {where}.id: must match [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
@@ -493,7 +506,15 @@ def _agent_keys(entries: Any, source: str) -> dict[str, bytes]:
         if not isinstance(text, str) or not text:
             raise GatewayConfigError(f"{source}: {where}.key: required, a non-empty string")
         agents[key_id] = _decoded(text, f"{where}.key", source)
-    return agents
+    return agents, limits
+
+
+def _lineage_limit(value: Any, where: str) -> frozenset[str]:
+    """The lineages an agent key may use: a list of lineage names (empty: none; a typo must not grant everything)."""
+    if not isinstance(value, list) or not all(is_lineage(name) for name in value):
+        raise GatewayConfigError(f"{where}.{AGENT_KEY_LINEAGES}: must be a list of lineage names (lower-case letters, "
+                                 "digits and '-', 1-63 characters, not 'v' followed by digits)")
+    return frozenset(value)
 
 
 def _refuse_equal_keys(named: Mapping[str, bytes], source: str) -> None:

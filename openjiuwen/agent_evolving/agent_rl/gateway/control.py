@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Mapping
 
 import httpx
 import orjson
@@ -18,6 +19,7 @@ from starlette.responses import Response
 
 from ..common import json_nesting
 from ..common.ids import is_task_id
+from ..common.lineage import InvalidLineage, line_of
 from ..common.signing_keys import AGENT_KEY_HEADER
 from . import capture_secret
 from .lora_manager import LoraManager
@@ -25,6 +27,7 @@ from .responses import envelope, json_response, passthrough
 from .rl_client import HookUnreachable, RLAnswer, RLClient
 from .sessions import Binding
 from .supervisor import RLSupervisor, SupervisorError
+from .task_lineage import LINEAGE_HEADER, requested_lineage
 from .tasks import TaskTracker
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.control")
@@ -42,7 +45,9 @@ class RLControl:
         tracker: TaskTracker,
         loras: LoraManager,
         drain_timeout_s: float,
+        agent_lineages: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
+        """`agent_lineages`: agent key id → the lineages it may start Tasks in (a key absent here: every one)."""
         self._model_id = model_id
         self._supervisor = supervisor
         self._rl = rl
@@ -50,6 +55,7 @@ class RLControl:
         self._sessions = tracker.sessions
         self._loras = loras
         self._drain_timeout_s = drain_timeout_s
+        self._agent_lineages = dict(agent_lineages or {})
 
     def running(self) -> bool:
         return self._supervisor.status()["status"] == "running"
@@ -81,11 +87,19 @@ class RLControl:
         if not self.running():
             return envelope(503, "rl_service_unavailable", "the RL Service is not running")
         try:
+            lineage = requested_lineage(body)
+        except InvalidLineage as exc:
+            return envelope(400, "invalid_lineage", f"lineage: {exc}")
+        allowed = self._agent_lineages.get(agent_key) if agent_key is not None else None
+        if allowed is not None and lineage not in allowed:  # fails closed: an empty limit allows nothing
+            return envelope(403, "lineage_forbidden", f"this agent key may not start Tasks in the lineage {lineage}")
+        try:
             wants_secret, body = _take_secret_request(body)
         except ValueError as exc:
             return envelope(400, "invalid_task_request", str(exc))
         rl_task_id = "t" + uuid.uuid4().hex
-        policy_name, policy_model = self._loras.snapshot(self._model_id, rl_task_id=rl_task_id)
+        # The Task's policy comes from its lineage's line (active, or the canary candidate by the split).
+        policy_name, policy_model = self._loras.snapshot(line_of(self._model_id, lineage), rl_task_id=rl_task_id)
         self._tracker.lease(policy_name)
         headers: dict[str, str | bytes] = {
             # The bytes as received: the RL Service judges the format (400 `missing_session_id`); re-encoding a
@@ -94,6 +108,7 @@ class RLControl:
             "x-aigw-rl-task-id": rl_task_id,
             "x-aigw-rl-policy-name": policy_name,
             "x-aigw-rl-policy-model": policy_model,
+            LINEAGE_HEADER: lineage,  # always, `default` included: the RL Service knows the gateway pins by lineage
             **_agent_header(agent_key),
         }
         try:

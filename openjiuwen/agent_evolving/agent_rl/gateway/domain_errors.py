@@ -11,6 +11,7 @@ from .rl_client import CaptureFailed
 
 STATUS_OF_CODE = {
     "invalid_lora_request": 400,
+    "invalid_lora_name": 400,
     "invalid_request": 400,
     "instance_address_refused": 400,
     "instance_not_found": 404,
@@ -24,8 +25,10 @@ STATUS_OF_CODE = {
     "internal_error": 500,
     "invalid_lora_state": 500,
     "lora_activation_failed": 502,
+    "lora_load_failed": 502,
     "rl_hook_failed": 502,
     "gateway_closing": 503,
+    "lora_capacity_exhausted": 503,
     "lora_unavailable": 503,
     "no_capture_instances": 503,
     "no_healthy_instances": 503,

@@ -44,10 +44,10 @@ from .capture_fields import IGNORED_FIELDS_HEADER, FieldRefused, ignored_header,
 from .http11 import AnswerTooLarge, HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
 from .lora_manager import LoraManager
-from ..common.ids import parse_lora_name
 from ..common.packed_hook import pack_after
 from .domain_errors import error_answer
 from .lora_types import LoraError
+from .policy_lines import line_of_version, model_of_line
 from .openai_shapes import (
     ClientWants, StreamAggregator, client_view_chunk, client_view_response, client_wants, parse_completion,
     stream_fields_refused,
@@ -211,18 +211,18 @@ class InferenceProxy:
         counts: contextlib.ExitStack,
     ) -> Response:
         model = body.get("model")
-        parsed = parse_lora_name(model)
-        if parsed is not None and parsed[0] == self._model_id and model != self._loras.snapshot(self._model_id)[1]:
+        line = line_of_version(model)
+        if line is not None and model_of_line(line) == self._model_id and model != self._loras.snapshot(line)[1]:
             # Older versions stay loaded only for the Tasks pinned to them (a rolled-back version included): traffic
-            # outside a Task gets the base model or the active version, never those.
+            # outside a Task gets the base model or the active version of a line, never those.
             return envelope(404, "model_not_found",
-                            f"{model} is not the active policy; without an RL Task name {self._model_id} or the "
-                            "active version")
+                            f"{model} is not the active policy of its line; without an RL Task name "
+                            f"{self._model_id} or an active version")
         try:
             # Base traffic of one session sticks to one instance (prefix-cache reuse); LoRA traffic never does.
-            instance = await self._pick(
-                self._model_id, model if isinstance(model, str) else self._model_id, affinity_key=session_id
-            )
+            policy_model = model if isinstance(model, str) else self._model_id
+            instance = await self._pick(self._model_id, policy_model, affinity_key=session_id)
+            await self._loras.page_in(instance, policy_model, counts)  # on a paging instance: loaded on demand
         except LoraError as exc:
             return error_answer(exc)
         return await self._upstream_answer(instance, body, wants, flavor, counts, pending=None)
@@ -244,6 +244,8 @@ class InferenceProxy:
         try:
             instance = await self._pick(self._model_id, binding.policy_model, affinity_key=binding.session_id,
                                         captured=True)
+            # The pinned version itself, loaded on demand where it was paged out: never another adapter or base.
+            await self._loras.page_in(instance, binding.policy_model, counts)
         except LoraError as exc:
             return error_answer(exc)
         pending.capture.instance = instance.name

@@ -13,7 +13,7 @@ from .instance_addresses import AddressPolicy
 from .instances import Instance, InstanceRefused, InstanceRegistry
 from .lora_types import ActiveLora, LoraError
 from .owned_tasks import OwnedTasks
-from .policy_lines import PolicyLines
+from .policy_lines import PolicyLine, PolicyLines
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
 
@@ -88,31 +88,39 @@ class Admission:
             if not self._registry.set_serving(instance, True):
                 return False  # removed meanwhile
             # A switch after our loads did not include this instance: catch up now that it serves.
-            line = self._lines.of(instance.model)
-            if line.active != handled:
-                await self._placement.converge(line, self._now() + self._timeout_s, only={instance.name})
+            for line in self._model_lines(instance.model):
+                if line.active != handled.get(line.name):
+                    await self._placement.converge(line, self._now() + self._timeout_s, only={instance.name})
             return True
         finally:
             self._admitting.discard(instance.name)
 
-    async def _adopt(self, instance: Instance) -> ActiveLora | None:
-        """Learn what the instance holds, load the active adapter and the leased versions, unload unused ones;
-        returns the active version it dealt with."""
+    async def _adopt(self, instance: Instance) -> dict[str, ActiveLora | None]:
+        """Learn what the instance holds, load the active adapter of each line of its model and the leased versions,
+        unload unused ones; returns the active version it dealt with per line."""
         deadline = self._now() + self._timeout_s
         if not await self._placement.sync_loaded(instance, deadline):  # a restarted vLLM re-registers empty
             self._holdings.distrust(instance.name)  # routing trusts confirmed adapters only
-        line = self._lines.of(instance.model)
-        for _ in range(3):  # the active version may switch while we load; catch up, within the deadline
-            active = line.active
-            if active is None or self._holdings.holds(instance.name, active.lora_name):
-                break
-            await self._placement.converge(line, deadline, only={instance.name})
-            if line.active == active:
-                break  # loaded, or failed (then the periodic retry and `GET /v1/loras` try again)
-        handled = line.active
+        handled: dict[str, ActiveLora | None] = {}
+        for line in self._model_lines(instance.model):
+            for _ in range(3):  # the active version may switch while we load; catch up, within the deadline
+                active = line.active
+                if active is None or self._holdings.holds(instance.name, active.lora_name):
+                    break
+                await self._placement.converge(line, deadline, only={instance.name})
+                if line.active == active:
+                    break  # loaded, or failed (then the periodic retry and `GET /v1/loras` try again)
+            handled[line.name] = line.active
         await self._placement.load_missing(instance, deadline)
         await self._placement.collect_unused(instance.model, deadline, also=instance)
         return handled
+
+    def _model_lines(self, model: str) -> list[PolicyLine]:
+        """The default line of `model` (created: its failures are recorded there) and every other line of it."""
+        if ":" in model:  # no model id has one (common/validation.py): such an instance serves no line of ours
+            return []
+        default = self._lines.of(model)
+        return [default, *(line for line in self._lines if line.model == model and line is not default)]
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()

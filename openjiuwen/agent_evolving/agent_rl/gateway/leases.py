@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from ..common.ids import model_of, parse_lora_name
+from ..common.ids import parse_lora_name
+from ..common.lineage import parse_version_name
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
 
@@ -39,7 +40,12 @@ class Leases:
     def names(self) -> set[str]:
         return {name for name, n in self._counts.items() if n > 0}
 
-    def counts(self, model: str | None = None) -> dict[str, int]:
-        """Lease count per leased version, by name (of `model`'s versions only, when given)."""
+    def counts(self, line: str | None = None) -> dict[str, int]:
+        """Lease count per leased version, by name (of the versions of `line` only, when given)."""
         return {name: n for name, n in sorted(self._counts.items())
-                if n > 0 and (model is None or model_of(name) == model)}
+                if n > 0 and (line is None or _line(name) == line)}
+
+
+def _line(name: str) -> str | None:
+    parsed = parse_version_name(name)
+    return parsed[0] if parsed is not None else None

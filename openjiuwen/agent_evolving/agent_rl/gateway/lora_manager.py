@@ -18,15 +18,17 @@ cancellation (owned_tasks.py). Every vLLM call has a timeout taken from the oper
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from .adapter_pager import AdapterPager, PagingMetrics
 from .adapter_placement import Placement
 from .canary import Candidate, in_candidate_arm, parse_share
 from .holdings import Holdings
@@ -36,12 +38,12 @@ from .instances import Instance, InstanceRegistry
 from .leases import Leases
 from .lora_state_file import LoraStateFile
 from .lora_switch import Serving, Switch, Switcher
-from ..common.ids import parse_lora_name
+from ..common.lineage import parse_version_name
 from ..common.policy_names import BASE_POLICY
 from .lora_types import ActiveLora, LoraError, LoraStatus
 from .lora_views import LoraViews
 from .owned_tasks import OwnedTasks
-from .policy_lines import PolicyLine, PolicyLines
+from .policy_lines import PolicyLine, PolicyLines, line_of_version, model_of_line
 from .routing import Router, require_serving
 from .vllm_adapters import AdapterClient
 
@@ -62,24 +64,35 @@ class LoraManager:
         capture_registered: bool = True,
         client: httpx.AsyncClient | None = None,
         probe: Callable[[Instance], Awaitable[bool]] | None = None,
+        max_loras: Mapping[str, int] | None = None,
+        max_loras_default: int = 0,
+        page_timeout_s: float = 30.0,
+        paging_metrics: PagingMetrics | None = None,
     ) -> None:
         """`addresses`: what a registration may name (instance_addresses.py). `capture_registered`: registered
         instances serve captured traffic too (routing.py). `probe`: the health check a registration must pass before
-        the instance serves (None: admit at once)."""
+        the instance serves (None: admit at once). `max_loras`: LoRA capacity per instance name (static instances'
+        `maxLoras`), else `max_loras_default`; 0 is unlimited (adapter_pager.py)."""
         if not operation_timeout_s > 0:
             raise ValueError("operation_timeout_s must be positive")
         self._registry = registry
         self._timeout_s = float(operation_timeout_s)
         self.holdings = Holdings()
+        self._max_loras = dict(max_loras or {})  # instance name → capacity (registrations add theirs)
+        self._max_loras_default = max_loras_default
+        self.pager = AdapterPager(AdapterClient(client), self.holdings, capacity=self._capacity,
+                                  page_timeout_s=page_timeout_s, load_timeout_s=self._timeout_s,
+                                  metrics=paging_metrics)
+        self._vllm = self.pager  # every load counts against capacity
         # The inference proxy picks instances and counts requests.
-        self.routing = Router(registry, self.holdings, capture_registered=capture_registered)
+        self.routing = Router(registry, self.holdings, capture_registered=capture_registered,
+                              can_page=self._can_page)
         self.leases = Leases()
         self._lines = PolicyLines()
         self._state_file = LoraStateFile(state_path)
-        self._vllm = AdapterClient(client)
         self._tasks = OwnedTasks()
         self._placement = Placement(registry, self.holdings, self.leases, self._lines, self._vllm,
-                                    lora_root=Path(lora_root))
+                                    lora_root=Path(lora_root), pages=self.pager.pages)
         self._switcher = Switcher(registry, self.holdings, self._lines, self._placement, self._state_file,
                                   self._vllm, timeout_s=self._timeout_s)
         self._admission = Admission(registry, self.holdings, self._lines, self._placement, self._tasks,
@@ -124,7 +137,8 @@ class LoraManager:
         return {"status": LoraStatus.ACTIVE, "active_lora": active.public()}
 
     async def deactivate(self, model: str) -> None:
-        """New Tasks use base at once (DELETE /v1/loras/{model}); the old version is unloaded unless leased."""
+        """New Tasks of the line `model` use base at once (DELETE /v1/loras/{line}); the old version is unloaded
+        unless leased."""
         await self._tasks.run(self._deactivate(model), f"lora-deactivate:{model}")
 
     async def _deactivate(self, model: str) -> None:
@@ -246,7 +260,7 @@ class LoraManager:
         problem = await self._placement.artifact_problem(lora_path)
         if problem is not None:
             raise LoraError("invalid_lora_request", problem)
-        require_serving(self._registry, model)
+        require_serving(self._registry, model_of_line(model))
         return model, lora_path
 
     # ------------------------------------------------------------------------------------------------ status
@@ -281,11 +295,12 @@ class LoraManager:
 
     # ------------------------------------------------------------------------------------------------ pinning
 
-    def snapshot(self, model: str, *, rl_task_id: str | None = None) -> tuple[str, str]:
-        """(policy name, policy model) for a new Task: ("base", model), or (L, L) while L is active or degraded;
-        during a canary, (C, C) for the candidate C when the Task id falls in its share. Without a Task id (traffic
-        outside a Task): never the candidate."""
-        line = self._lines.get(model)
+    def snapshot(self, line_name: str, *, rl_task_id: str | None = None) -> tuple[str, str]:
+        """(policy name, policy model) for a new Task of a line: ("base", model), or (L, L) while L is active or
+        degraded; during a canary, (C, C) for the candidate C when the Task id falls in its share. Without a Task id
+        (traffic outside a Task): never the candidate."""
+        model = model_of_line(line_name)
+        line = self._lines.get(line_name)
         if line is None:
             return BASE_POLICY, model
         candidate = line.candidate
@@ -294,6 +309,26 @@ class LoraManager:
         if line.active is None:
             return BASE_POLICY, model
         return line.active.lora_name, line.active.lora_name
+
+    async def page_in(self, instance: Instance, policy_model: str, counts: contextlib.ExitStack) -> None:
+        """Before a request for `policy_model` goes to `instance` (the routing pick, no await since): on a paging
+        instance, count the use in `counts` (so the adapter is no victim until the request ends) and load the version
+        on demand. LoraError 503 `lora_capacity_exhausted` / 502 `lora_load_failed` / 503 `lora_unavailable`."""
+        if not self.pager.pages(instance) or line_of_version(policy_model) is None:
+            return
+        counts.enter_context(self.pager.using(instance, policy_model))  # first: nothing awaits before it
+        if self.holdings.holds(instance.name, policy_model):
+            return
+        path = self._placement.paths.get(policy_model)
+        if path is None:  # neither served nor leased: nothing to load it from
+            raise LoraError("lora_unavailable", f"no instance has {policy_model} loaded")
+        await self.pager.ensure(instance, ActiveLora(policy_model, path))
+
+    def _capacity(self, instance: Instance) -> int:
+        return self._max_loras.get(instance.name, self._max_loras_default)
+
+    def _can_page(self, instance: Instance, policy_model: str) -> bool:
+        return self._capacity(instance) > 0 and policy_model in self._placement.paths
 
     def acquire(self, lora_name: str) -> None:
         """Lease a version so it stays loaded (a Task pinned to it); base is never leased."""
@@ -308,9 +343,19 @@ class LoraManager:
 
     # ------------------------------------------------------------------------------------------------ instances
 
-    async def register_instance(self, name: str, model: str, host: str, port: int | str) -> bool:
-        """See `Admission.register`: whether the instance serves now. Raises LoraError 400 / 409."""
-        return await self._admission.register(name, model, host, port)
+    async def register_instance(self, name: str, model: str, host: str, port: int | str, *,
+                                max_loras: int | None = None) -> bool:
+        """See `Admission.register`: whether the instance serves now. `max_loras`: its LoRA capacity (None: the
+        gateway default; a static instance keeps its configured one). Raises LoraError 400 / 409."""
+        known = name in self._max_loras
+        if max_loras is not None and not self._registry.is_static(name):
+            self._max_loras[name] = max_loras  # before admission: its loads count against it
+        try:
+            return await self._admission.register(name, model, host, port)
+        except LoraError:
+            if not known:
+                self._max_loras.pop(name, None)
+            raise
 
     async def readmit(self, instance: Instance) -> None:
         """An instance that answers its health probe again: adapters first, then routing (health monitor)."""
@@ -323,7 +368,7 @@ class LoraManager:
     # ------------------------------------------------------------------------------------------------ restart
 
     async def restore(self) -> None:
-        """At gateway start: read the state file (missing → every model on base) and load each active adapter on
+        """At gateway start: read the state file (missing → every line on base) and load each active adapter on
         every instance; a failure or a missing artifact leaves the model explicitly `degraded`. A corrupt state
         file raises LoraError 500 `invalid_lora_state` (the gateway must not guess)."""
         await self._tasks.run(self._restore(), "lora-restore")
@@ -361,11 +406,12 @@ class LoraManager:
 
 
 def _checked_name(base_model: Any, lora_name: Any, expected: Any) -> str:
-    """The model of `lora_name`; 400 unless every argument is a string and the name is `<model>:v<N>`."""
+    """The line of `lora_name` (docs/lineages.md); 400 unless every argument is a string and the name is
+    `<line>:v<N>`. (`base_model` is the base model's path on the wire; the routes check the line's model.)"""
     for what, value in (("base_model", base_model), ("lora_name", lora_name), ("expected_lora_name", expected)):
         if not isinstance(value, str):
             raise LoraError("invalid_lora_request", f"{what} must be a string")
-    parsed = parse_lora_name(lora_name)
+    parsed = parse_version_name(lora_name)
     if parsed is None:
-        raise LoraError("invalid_lora_request", "lora_name must be `<model>:v<N>`")
+        raise LoraError("invalid_lora_request", "lora_name must be `<line>:v<N>`")
     return parsed[0]

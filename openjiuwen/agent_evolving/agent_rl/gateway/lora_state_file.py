@@ -1,5 +1,7 @@
-"""The LoRA state file: each model's active version and canary candidate, so that a restarted gateway serves what
-it served before (CONTRACT §3.9). Written whole, in one atomic replace, off the event loop; a corrupt file is an
+"""The LoRA state file: each line's active version and canary candidate, so that a restarted gateway serves what
+it served before (CONTRACT §3.9). Keys are lines (docs/lineages.md): the default lineage's line is the model id, so a
+file written before lineages existed reads as the default lines, and a gateway with only the default lineage writes
+what it always wrote. Written whole, in one atomic replace, off the event loop; a corrupt file is an
 error, never a guess."""
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import orjson
 
 from .canary import Candidate, parse_candidates
-from ..common.ids import parse_lora_name
+from ..common.lineage import parse_version_name
 from .lora_types import LoraError
 
 STATE_FILE_VERSION = 1
@@ -79,12 +81,12 @@ def _parse(raw: bytes) -> tuple[dict[str, dict[str, str]], dict[str, Candidate]]
     for model, entry in models.items():
         name = entry.get("lora_name") if isinstance(entry, dict) else None
         path = entry.get("lora_path") if isinstance(entry, dict) else None
-        parsed = parse_lora_name(name)
+        parsed = parse_version_name(name)  # also checks that the key is a well-formed line
         if parsed is None or parsed[0] != model or not isinstance(path, str):
             raise LoraError("invalid_lora_state", f"invalid LoRA state entry for {model!r}")
         entries[model] = {k: v for k, v in entry.items() if isinstance(v, str)}
     try:
-        candidates = parse_candidates(data.get("candidates"), parse_lora_name)
+        candidates = parse_candidates(data.get("candidates"), parse_version_name)
     except ValueError as exc:
         raise LoraError("invalid_lora_state", f"the LoRA state file's candidates: {exc}") from exc
     return entries, candidates

@@ -71,13 +71,13 @@ class Switcher:
         """The end of the loads of an operation ending at `deadline` (the rest is for its rollback)."""
         return deadline - self._timeout_s * ROLLBACK_SHARE
 
-    async def switch(self, model: str, decide: Callable[[PolicyLine], Switch | None], *, deadline: float | None,
+    async def switch(self, line_name: str, decide: Callable[[PolicyLine], Switch | None], *, deadline: float | None,
                      wait_until: float | None) -> Serving:
         """Hold the line's lock (until `wait_until`, else 502; None: as long as it takes, every holder being
         bounded), `decide` (None: nothing to do, e.g. a repeated request; it raises LoraError to refuse), carry the
         switch out within `deadline` (None: one operation timeout from taking the lock); returns what the line
         serves when the lock is released."""
-        line = self._lines.of(model)
+        line = self._lines.of(line_name)
         async with self._holding(line, wait_until):
             if deadline is None:
                 deadline = asyncio.get_running_loop().time() + self._timeout_s
@@ -115,7 +115,7 @@ class Switcher:
             return
         async with holding(line.lock, wait_until) as held:
             if not held:
-                raise LoraError("lora_activation_failed", f"another LoRA operation on {line.model} is still running")
+                raise LoraError("lora_activation_failed", f"another LoRA operation on {line.name} is still running")
             yield
 
     async def _load_and_persist(self, line: PolicyLine, change: Switch,
@@ -127,7 +127,7 @@ class Switcher:
             change.to.candidate.entry() if change.to.candidate is not None else None)
 
         async def persist() -> None:
-            await self._state_file.write(line.model, change.active_entry, candidate=candidate_entry)
+            await self._state_file.write(line.name, change.active_entry, candidate=candidate_entry)
 
         if change.load is None:
             try:
@@ -181,7 +181,7 @@ class Switcher:
                 return holders, excused
         # Instances that held it before this call keep it (a leased version stays routable there).
         loaded_here = [(i, outcome is Load.UNKNOWN) for i, (outcome, _) in zip(instances, results)
-                       if outcome is not Load.FAILED and i.name not in known]
+                       if outcome not in (Load.FAILED, Load.NO_ROOM) and i.name not in known]
         await self._roll_back(name, loaded_here, deadline)
         log.warning("activation of %s failed, kept the previous policy: %s", name, "; ".join(failures))
         raise LoraError("lora_activation_failed", "; ".join(failures)[:1000])

@@ -9,7 +9,7 @@ from .holdings import Holdings
 from .instances import Instance, InstanceRegistry
 from .leases import Leases
 from .lora_types import LoraStatus
-from .policy_lines import PolicyLines
+from .policy_lines import PolicyLines, model_of_line
 from .routing import Router
 
 
@@ -22,24 +22,24 @@ class LoraViews:
         self._lines = lines
         self._routing = routing
 
-    def status(self, model: str) -> dict[str, Any]:
-        """The `GET /v1/loras/{model}` body. Counts serving instances only: an unhealthy one is outside the quorum,
-        neither ready nor failed."""
-        instances = self._registry.serving(model)
-        line = self._lines.get(model)
+    def status(self, line_name: str) -> dict[str, Any]:
+        """The `GET /v1/loras/{line}` body (a line: docs/lineages.md). Counts serving instances only: an unhealthy one
+        is outside the quorum, neither ready nor failed."""
+        instances = self._registry.serving(model_of_line(line_name))
+        line = self._lines.get(line_name)
         if line is None or line.active is None:
             answer = {"status": LoraStatus.BASE, "active_lora": None, "instances": {"ready": len(instances), "failed": 0}}
-            return self._with_candidate(model, answer)
+            return self._with_candidate(line_name, answer)
         name = line.active.lora_name
         ready = sum(1 for i in instances if self._holdings.holds(i.name, name))
         failed = sum(1 for i in instances if i.name in line.failed and not self._holdings.holds(i.name, name))
         status = LoraStatus.DEGRADED if failed or line.artifact_missing else LoraStatus.ACTIVE
         answer = {"status": status, "active_lora": line.active.public(), "instances": {"ready": ready, "failed": failed}}
-        return self._with_candidate(model, answer)
+        return self._with_candidate(line_name, answer)
 
-    def canary_status(self, model: str) -> dict[str, Any]:
-        """`status(model)` with the candidate (null when none) and the lease count per version of the model."""
-        return {**self.status(model), "candidate": self._candidate_row(model), "leases": self._leases.counts(model)}
+    def canary_status(self, line: str) -> dict[str, Any]:
+        """`status(line)` with the candidate (null when none) and the lease count per version of the line."""
+        return {**self.status(line), "candidate": self._candidate_row(line), "leases": self._leases.counts(line)}
 
     def describe(self, model: str) -> dict[str, Any]:
         """The web console's view of a model: `status(model)`, each instance with the adapters confirmed loaded on it
@@ -55,17 +55,17 @@ class LoraViews:
         """Every instance with its origin, health and adapters (`GET /aigw/v1/instances`)."""
         return [self._instance_row(i) for i in self._registry.all()]
 
-    def _with_candidate(self, model: str, answer: dict[str, Any]) -> dict[str, Any]:
+    def _with_candidate(self, line: str, answer: dict[str, Any]) -> dict[str, Any]:
         """A canary's candidate is reported beside the active version (the key is absent without one)."""
-        row = self._candidate_row(model)
+        row = self._candidate_row(line)
         return {**answer, "candidate": row} if row is not None else answer
 
-    def _candidate_row(self, model: str) -> dict[str, Any] | None:
-        line = self._lines.get(model)
+    def _candidate_row(self, line_name: str) -> dict[str, Any] | None:
+        line = self._lines.get(line_name)
         candidate = line.candidate if line is not None else None
         if candidate is None:
             return None
-        ready = sum(1 for i in self._registry.serving(model) if self._holdings.holds(i.name, candidate.lora_name))
+        ready = sum(1 for i in self._registry.serving(line.model) if self._holdings.holds(i.name, candidate.lora_name))
         return {**candidate.public(), "instances": {"ready": ready}}
 
     def _instance_row(self, i: Instance) -> dict[str, Any]:

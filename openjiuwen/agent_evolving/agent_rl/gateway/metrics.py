@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -54,6 +54,15 @@ class GatewayMetrics:
         self.rl_service_up = Gauge("gw_rl_service_up", "1 while the RL Service child is running", registry=r)
         self.rl_scrape_errors = Counter("gw_rl_scrape_errors_total",
                                         "Failed reads of the RL Service's /metrics while scraping", registry=r)
+        # Adapter paging (adapter_pager.py): on-demand and switch loads, and unloads to make room, per instance.
+        self.adapter_loads = Counter("gw_lora_adapter_loads_total", "LoRA adapters loaded on an instance by the gateway",
+                                     ("instance",), registry=r)
+        self.adapter_evictions = Counter("gw_lora_adapter_evictions_total",
+                                         "Idle LoRA adapters unloaded to make room on a full instance",
+                                         ("instance",), registry=r)
+        self.adapter_load_seconds = Histogram("gw_lora_adapter_load_duration_seconds",
+                                              "Time of one LoRA load call that loaded the adapter",
+                                              buckets=UPSTREAM_BUCKETS_S, registry=r)
         self._upstream_statuses: dict[str, set[str]] = {}  # instance → status labels observed (for removal)
 
     def http(self, route: str, status: int) -> None:
@@ -62,6 +71,13 @@ class GatewayMetrics:
     def upstream_answered(self, instance: str, status: str, seconds: float) -> None:
         self.upstream.labels(instance, status).observe(seconds)
         self._upstream_statuses.setdefault(instance, set()).add(status)
+
+    def adapter_loaded(self, instance: str, seconds: float) -> None:
+        self.adapter_loads.labels(instance).inc()
+        self.adapter_load_seconds.observe(seconds)
+
+    def adapter_evicted(self, instance: str) -> None:
+        self.adapter_evictions.labels(instance).inc()
 
     @contextmanager
     def hook(self, hook: str) -> Iterator[None]:
@@ -77,7 +93,8 @@ class GatewayMetrics:
     def refresh(self, *, loras: LoraManager, instances: InstanceRegistry, sessions: SessionMap, model_id: str,
                 rl_running: bool) -> None:
         """Set the state gauges from the gateway's memory (no I/O)."""
-        models = list(dict.fromkeys([model_id, *instances.models()]))
+        # A registered instance may name any model; one with a `:` is no model id (no line of ours).
+        models = [m for m in dict.fromkeys([model_id, *instances.models()]) if ":" not in m]
         self.lora_instance_ready.clear()  # set again below for the instances that exist now
         self.instance_serving.clear()
         for model in models:
@@ -93,6 +110,9 @@ class GatewayMetrics:
         for name in [n for n in self._upstream_statuses if n not in instances]:  # removed instances
             for status in self._upstream_statuses.pop(name):
                 self.upstream.remove(name, status)
+            for family in (self.adapter_loads, self.adapter_evictions):
+                with suppress(KeyError):
+                    family.remove(name)
         self.lora_leases.clear()
         for name, count in loras.leases.counts().items():
             self.lora_leases.labels(name).set(count)

@@ -1,8 +1,8 @@
 """Policy lines: what each line serves (its active version and canary candidate) and where that went wrong.
 
-A line is what a policy switch changes. Today there is one line per base model; lineages will make it one per (model,
-lineage). Everything else reaches a line through `PolicyLines.of` / `PolicyLines.get` and the line's `model`, so that
-change stays inside this module.
+A line is what a policy switch changes: one per (model, lineage), named as common/lineage.py says (the bare model id
+for the lineage `default`, `<model>:<lineage>` otherwise). Everything else reaches a line through `PolicyLines.of` /
+`PolicyLines.get`, and the instances that serve it through the line's `model`.
 """
 
 from __future__ import annotations
@@ -11,13 +11,31 @@ import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from ..common.lineage import InvalidLineage, parse_version_name, split_line
 from .canary import Candidate
-from ..common.ids import model_of
 from .lora_types import ActiveLora
+
+
+def line_of_version(lora_name: object) -> str | None:
+    """The line of a version name `<line>:vN`, else None (base, or no version name)."""
+    parsed = parse_version_name(lora_name)
+    return parsed[0] if parsed is not None else None
+
+
+def model_of_version(lora_name: object) -> str | None:
+    """The base model whose instances serve a version `<line>:vN`, else None."""
+    line = line_of_version(lora_name)
+    return split_line(line)[0] if line is not None else None
+
+
+def model_of_line(line: str) -> str:
+    """The model of a well-formed line; InvalidLineage otherwise."""
+    return split_line(line)[0]
 
 
 @dataclass
 class PolicyLine:
+    name: str  # the line: `<model>` or `<model>:<lineage>`
     model: str  # the base model whose instances serve the line
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serializes the line's switches
     active: ActiveLora | None = None
@@ -35,21 +53,24 @@ class PolicyLines:
     def __init__(self) -> None:
         self._lines: dict[str, PolicyLine] = {}
 
-    def get(self, model: str) -> PolicyLine | None:
+    def get(self, line: str) -> PolicyLine | None:
         """The line, when anything ever happened on it."""
-        return self._lines.get(model)
+        return self._lines.get(line)
 
-    def of(self, model: str) -> PolicyLine:
-        """The line, created on first use."""
-        line = self._lines.get(model)
-        if line is None:
-            line = self._lines[model] = PolicyLine(model)
-        return line
+    def of(self, line: str) -> PolicyLine:
+        """The line, created on first use; InvalidLineage for a malformed line name."""
+        found = self._lines.get(line)
+        if found is None:
+            found = self._lines[line] = PolicyLine(line, model_of_line(line))
+        return found
 
     def of_version(self, lora_name: str) -> PolicyLine | None:
         """The line a version belongs to (None for a name that is no version, or of a line never used)."""
-        model = model_of(lora_name)
-        return self._lines.get(model) if model is not None else None
+        line = line_of_version(lora_name)
+        return self._lines.get(line) if line is not None else None
 
     def __iter__(self) -> Iterator[PolicyLine]:
         return iter(list(self._lines.values()))
+
+
+__all__ = ["InvalidLineage", "PolicyLine", "PolicyLines", "line_of_version", "model_of_line", "model_of_version"]

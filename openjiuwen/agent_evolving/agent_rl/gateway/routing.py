@@ -1,7 +1,7 @@
 """Which instance serves one request (CONTRACT §3.5, docs/gateway.md "Routing"), and the requests in flight per
 instance that least-busy routing reads.
 
-A LoRA policy (`<model>:vN`) goes only to instances with that adapter confirmed loaded (holdings.py), least in
+A LoRA policy (`<line>:vN`, a version of any line of the model) goes only to instances with that adapter confirmed loaded (holdings.py), least in
 flight first, then round robin; never by affinity. Anything else is base traffic: any serving instance of the model,
 by rendezvous hash of the affinity key when there is one (prefix-cache locality), else least in flight. With
 `registration.captureTraffic` off, a captured request (inside an RL Task) goes to static instances only.
@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .holdings import Holdings
 from .instances import Instance, InstanceRegistry
-from ..common.ids import parse_lora_name
 from .lora_types import LoraError
+from .policy_lines import model_of_version
 
 
 def require_serving(registry: InstanceRegistry, model: str) -> list[Instance]:
@@ -32,12 +32,15 @@ def require_serving(registry: InstanceRegistry, model: str) -> list[Instance]:
 
 
 class Router:
-    def __init__(self, registry: InstanceRegistry, holdings: Holdings, *, capture_registered: bool = True) -> None:
+    def __init__(self, registry: InstanceRegistry, holdings: Holdings, *, capture_registered: bool = True,
+                 can_page: Callable[[Instance, str], bool] | None = None) -> None:
         """`capture_registered`: registered instances serve captured traffic too (`registration.captureTraffic`,
-        on by default); off, only static ones do, so no holder of the instance key can write training data."""
+        on by default); off, only static ones do, so no holder of the instance key can write training data.
+        `can_page(instance, version)`: the instance may load the version on demand (adapter_pager.py)."""
         self._registry = registry
         self._holdings = holdings
         self._capture_registered = capture_registered
+        self._can_page = can_page
         self._inflight: Counter[str] = Counter()  # instance name → requests in flight
         self._turns: dict[str, int] = {}  # round-robin position per routing key
 
@@ -52,15 +55,18 @@ class Router:
                 raise LoraError("no_capture_instances",
                                 f"no static instance of {model} serves; registered instances serve no captured "
                                 "traffic (registration.captureTraffic)")
-        parsed = parse_lora_name(policy_model)
-        if parsed is None or parsed[0] != model:
+        if model_of_version(policy_model) != model:  # base traffic (a version of any line of the model is not)
             if affinity_key is not None:
                 return max(instances, key=lambda i: _rendezvous(affinity_key, i.name))
             return self._least_busy(model, instances)
         holders = [i for i in instances if self._holdings.holds(i.name, policy_model)]
-        if not holders:
+        if holders:
+            return self._least_busy(policy_model, holders)
+        # Paged out everywhere: an instance that pages loads it on demand (the caller's `ensure`).
+        pageable = [i for i in instances if self._can_page is not None and self._can_page(i, policy_model)]
+        if not pageable:
             raise LoraError("lora_unavailable", f"no instance has {policy_model} loaded")
-        return self._least_busy(policy_model, holders)
+        return self._least_busy(policy_model, pageable)
 
     @contextlib.contextmanager
     def in_flight(self, instance: Instance) -> Iterator[Instance]:

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from .instances import Instance
-from ..common.ids import parse_lora_name
+from ..common.lineage import InvalidLineage, parse_version_name, split_line
 from .lora_types import ActiveLora
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
@@ -29,6 +29,7 @@ class Load(enum.Enum):
     FAILED = "failed"  # any other answer: not loaded
     UNKNOWN = "unknown"  # timeout or transport error: it may land later
     UNREACHABLE = "unreachable"  # the connection was refused: nothing was sent, the instance is down
+    NO_ROOM = "no_room"  # adapter paging: the instance is full of adapters in use; nothing was sent
 
     @property
     def held(self) -> bool:
@@ -82,8 +83,7 @@ class AdapterClient:
         held = set()
         for entry in entries:
             model_id = entry.get("id") if isinstance(entry, dict) else None
-            parsed = parse_lora_name(model_id)
-            if parsed is not None and parsed[0] == instance.model:
+            if _model_of_version(model_id) == instance.model:  # a version of any line of the model
                 held.add(model_id)
         return held
 
@@ -100,3 +100,13 @@ class AdapterClient:
             raise TimeoutError("operation deadline passed")
         async with asyncio.timeout_at(deadline):  # httpx's timeout is per phase; this bounds the whole call
             return await self._client.request(method, instance.base_url + path, json=body, timeout=remaining)
+
+
+def _model_of_version(name: object) -> str | None:
+    parsed = parse_version_name(name)
+    if parsed is None:
+        return None
+    try:
+        return split_line(parsed[0])[0]
+    except InvalidLineage:
+        return None

@@ -16,6 +16,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from ...common import loopback
+from ...common.lineage import InvalidLineage, split_line
 from ...common.errors import ApiError
 from ..assembly import Gateway
 from ..hmac_auth import Caller, KeyRole
@@ -96,3 +97,15 @@ async def internal_caller(request: Request, gw: GatewayDep) -> None:
     presented = request.headers.get("authorization", "").encode()
     if not hmac.compare_digest(presented, f"Bearer {token}".encode()):
         raise ApiError(401, "unauthorized", "missing or invalid bearer token")
+
+
+def checked_line(line: str, gw: Gateway) -> str:
+    """A line in a route's `{model}` position (docs/lineages.md): 400 `invalid_lineage` when malformed, 404
+    `model_not_found` when it is a line of another model than the gateway's."""
+    try:
+        model, _ = split_line(line)
+    except InvalidLineage as exc:
+        raise ApiError(400, "invalid_lineage", f"invalid line {line!r}: {exc}") from None
+    if model != gw.model_id:
+        raise ApiError(404, "model_not_found", f"this gateway serves {gw.model_id}, not {model}")
+    return line

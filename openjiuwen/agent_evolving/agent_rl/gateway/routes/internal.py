@@ -12,7 +12,9 @@ from starlette.responses import Response
 from ...common import json_nesting
 from ...common.errors import ApiError
 from ..responses import json_response
-from .deps import GatewayDep, internal_caller
+from ..assembly import Gateway
+from ..policy_lines import model_of_version
+from .deps import GatewayDep, checked_line, internal_caller
 
 router = APIRouter(prefix="/internal/v1/rl", dependencies=[Depends(internal_caller)])
 
@@ -29,38 +31,48 @@ async def _string_fields(request: Request, names: tuple[str, ...], what: str) ->
     return fields
 
 
+def _of_served_model(fields: dict[str, Any], gw: Gateway) -> dict[str, Any]:
+    """The fields, when `lora_name` is a version of a line of the gateway's model: 400 `invalid_lora_name` when it is
+    a version of another model's line (a malformed name is the manager's 400 `invalid_lora_request`)."""
+    model = model_of_version(fields["lora_name"])
+    if model is not None and model != gw.model_id:
+        raise ApiError(400, "invalid_lora_name", f"{fields['lora_name']} is not a version of {gw.model_id}")
+    return fields
+
+
 @router.get("/loras/{model}")
 async def lora_status(model: str, gw: GatewayDep) -> Response:
-    return json_response(await gw.loras.refresh_status(model))
+    """`{model}` is a line: the model id (the default lineage) or `<model>:<lineage>`."""
+    return json_response(await gw.loras.refresh_status(checked_line(model, gw)))
 
 
 @router.post("/loras/activate")
 async def activate(request: Request, gw: GatewayDep) -> Response:
     args = await _string_fields(request, ("base_model", "lora_name", "lora_path", "expected_lora_name"), "activation")
-    return json_response(await gw.loras.activate(**args))
+    return json_response(await gw.loras.activate(**_of_served_model(args, gw)))
 
 
 # Canary: a candidate beside the active version, switched with CAS like activation.
 
 @router.get("/canary/{model}")
 async def canary_status(model: str, gw: GatewayDep) -> Response:
-    return json_response(gw.loras.canary_status(model))
+    return json_response(gw.loras.canary_status(checked_line(model, gw)))
 
 
 @router.post("/canary/start")
 async def canary_start(request: Request, gw: GatewayDep) -> Response:
     args = await _string_fields(
         request, ("base_model", "lora_name", "lora_path", "expected_lora_name", "share"), "canary")
-    return json_response(await gw.loras.start_canary(**args))
+    return json_response(await gw.loras.start_canary(**_of_served_model(args, gw)))
 
 
 @router.post("/canary/promote")
 async def canary_promote(request: Request, gw: GatewayDep) -> Response:
     args = await _string_fields(request, ("base_model", "lora_name", "expected_lora_name"), "canary")
-    return json_response(await gw.loras.promote_canary(**args))
+    return json_response(await gw.loras.promote_canary(**_of_served_model(args, gw)))
 
 
 @router.post("/canary/abort")
 async def canary_abort(request: Request, gw: GatewayDep) -> Response:
     args = await _string_fields(request, ("base_model", "lora_name"), "canary")
-    return json_response(await gw.loras.abort_canary(**args))
+    return json_response(await gw.loras.abort_canary(**_of_served_model(args, gw)))

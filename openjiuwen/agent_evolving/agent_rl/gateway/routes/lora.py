@@ -14,20 +14,27 @@ from starlette.responses import Response
 from ...common import json_nesting
 from ...common.errors import ApiError
 from ..responses import json_response
-from .deps import GatewayDep, SignedBody, any_key_signed_body
+from .deps import GatewayDep, SignedBody, any_key_signed_body, checked_line
 
 router = APIRouter()
 
 
-def _registration(body: bytes) -> tuple[str, str, str, int]:
+MAX_LORAS_FIELD = "maxLoras"  # optional: the instance's LoRA capacity (adapter paging; absent: the gateway default)
+
+
+def _registration(body: bytes) -> tuple[str, str, str, int, int | None]:
     try:
         data = json_nesting.loads(body)
         name, model, host, port = data["name"], data["model"], data["instanceIp"], int(data["port"])
         if not all(isinstance(v, str) and v for v in (name, model, host)):
             raise ValueError("name, model and instanceIp must be non-empty strings")
+        max_loras = data.get(MAX_LORAS_FIELD)
+        if max_loras is not None and (isinstance(max_loras, bool) or not isinstance(max_loras, int)
+                                      or not 0 <= max_loras <= 100_000):
+            raise ValueError(f"{MAX_LORAS_FIELD} must be an integer in 0..100000 (0: unlimited)")
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ApiError(400, "invalid_request", f"invalid registration: {exc}") from None
-    return name, model, host, port
+    return name, model, host, port, max_loras
 
 
 def _removal(body: bytes) -> str:
@@ -42,12 +49,13 @@ def _removal(body: bytes) -> str:
 
 @router.get("/v1/loras/{model}")
 async def lora_status(model: str, _: SignedBody, gw: GatewayDep) -> Response:
-    return json_response(await gw.loras.refresh_status(model))
+    """`{model}` is a line: the model id (the default lineage) or `<model>:<lineage>`."""
+    return json_response(await gw.loras.refresh_status(checked_line(model, gw)))
 
 
 @router.delete("/v1/loras/{model}")
 async def lora_delete(model: str, _: SignedBody, gw: GatewayDep) -> Response:
-    await gw.loras.deactivate(model)
+    await gw.loras.deactivate(checked_line(model, gw))
     return Response(status_code=204)
 
 
@@ -55,9 +63,9 @@ async def lora_delete(model: str, _: SignedBody, gw: GatewayDep) -> Response:
 async def register_instance(body: Annotated[bytes, Depends(any_key_signed_body)], gw: GatewayDep) -> Response:
     if not gw.ready:
         raise ApiError(503, "not_ready", "the gateway is starting; retry")
-    name, model, host, port = _registration(body)
+    name, model, host, port, max_loras = _registration(body)
     # A bad port, a name taken, the cap reached: LoraError with the client's status, never a 500.
-    serving = await gw.loras.register_instance(name, model, host, port)
+    serving = await gw.loras.register_instance(name, model, host, port, max_loras=max_loras)
     return json_response({"status": "registered", "name": name, "serving": serving})
 
 

@@ -1,0 +1,226 @@
+"""Adapter paging (docs/lineages.md "## Gateway", wire 8): each vLLM instance holds at most its LoRA capacity of
+adapters; a version a request needs is loaded on demand, after unloading the least recently used adapter that no
+request in flight on that instance uses.
+
+`AdapterPager` wraps `AdapterClient` with the same `load` / `unload` / `held` calls, so every load (activation,
+canary, repair, on demand) counts against capacity like any other. An instance of capacity 0 is unlimited: calls go
+straight through, as before paging existed.
+
+Concurrency (one event loop): `_resident[instance]` is what the instance holds or is loading, least recently used
+first; a slot is reserved (the name put there) before the load is sent, so concurrent loads never overfill an
+instance. Choosing and unloading a victim happens under the instance's lock; a use (`using`) is counted
+with no await between the routing pick and the count, so a version a request was routed to is never the victim.
+Requests for the same version on the same instance share one load (single flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from .holdings import Holdings
+from .instances import Instance
+from .lora_types import ActiveLora, LoraError
+from .vllm_adapters import AdapterClient, Load
+
+log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
+
+
+class PagingMetrics(Protocol):
+    def adapter_loaded(self, instance: str, seconds: float) -> None: ...
+
+    def adapter_evicted(self, instance: str) -> None: ...
+
+
+class AdapterPager:
+    def __init__(self, vllm: AdapterClient, holdings: Holdings, *, capacity: Callable[[Instance], int],
+                 page_timeout_s: float, load_timeout_s: float, metrics: PagingMetrics | None = None) -> None:
+        """`capacity(instance)`: adapters it may hold (0: unlimited). `page_timeout_s`: how long a load waits for a
+        slot; `load_timeout_s`: the bound of an on-demand load itself."""
+        if not page_timeout_s > 0 or not load_timeout_s > 0:
+            raise ValueError("page_timeout_s and load_timeout_s must be positive")
+        self._vllm = vllm
+        self._holdings = holdings
+        self._capacity = capacity
+        self._page_timeout_s = page_timeout_s
+        self._load_timeout_s = load_timeout_s
+        self._metrics = metrics
+        self._resident: dict[str, OrderedDict[str, None]] = {}
+        self._users: Counter[tuple[str, str]] = Counter()  # (instance, version) → requests using it now
+        self._loading: set[tuple[str, str]] = set()  # loads sent and not answered: never a victim
+        self._locks: dict[str, asyncio.Lock] = {}  # per instance: victim choice and slot reservation
+        self._changed: dict[str, asyncio.Event] = {}  # per instance: set when a slot or a use went away
+        self._on_demand: dict[tuple[str, str], asyncio.Future[tuple[Load, str]]] = {}
+
+    def pages(self, instance: Instance) -> bool:
+        return self._capacity(instance) > 0
+
+    def resident(self, instance_name: str) -> list[str]:
+        """What the instance holds or is loading, least recently used first."""
+        return list(self._resident.get(instance_name, ()))
+
+    # ------------------------------------------------------------------------------------------ AdapterClient calls
+
+    async def load(self, instance: Instance, lora: ActiveLora, deadline: float) -> tuple[Load, str]:
+        """As `AdapterClient.load`; on a paged instance, make room first (waiting at most the page timeout, then
+        `Load.NO_ROOM`)."""
+        capacity = self._capacity(instance)
+        if capacity <= 0:
+            return await self._vllm.load(instance, lora, deadline)
+        key = (instance.name, lora.lora_name)
+        resident = self._resident.setdefault(instance.name, OrderedDict())
+        if lora.lora_name not in resident:
+            if not await self._reserve(instance, lora.lora_name, capacity, deadline):
+                return Load.NO_ROOM, (f"{instance.name}: all {capacity} LoRA slots hold adapters in use "
+                                      f"(waited {self._page_timeout_s:g}s)")
+        resident.move_to_end(lora.lora_name)
+        self._loading.add(key)
+        started = time.perf_counter()
+        try:
+            outcome, detail = await self._vllm.load(instance, lora, deadline)
+        finally:
+            self._loading.discard(key)
+        if outcome in (Load.FAILED, Load.UNREACHABLE):
+            self._free(instance.name, lora.lora_name)
+        elif outcome is Load.NEW and self._metrics is not None:
+            self._metrics.adapter_loaded(instance.name, time.perf_counter() - started)
+        return outcome, detail
+
+    async def unload(self, instance: Instance, name: str, deadline: float) -> bool:
+        gone = await self._vllm.unload(instance, name, deadline)
+        if gone:
+            self._free(instance.name, name)
+        return gone
+
+    async def held(self, instance: Instance, deadline: float) -> set[str] | None:
+        held = await self._vllm.held(instance, deadline)
+        if held is not None:
+            # The listing is the truth; loads still in flight keep their reserved slot.
+            resident = self._resident.setdefault(instance.name, OrderedDict())
+            pending = {name for (i, name) in self._loading if i == instance.name}
+            for name in [n for n in resident if n not in held and n not in pending]:
+                del resident[name]
+            for name in sorted(held - set(resident)):
+                resident[name] = None
+        return held
+
+    async def aclose(self) -> None:
+        await self._vllm.aclose()
+
+    # ------------------------------------------------------------------------------------------ on demand
+
+    @contextlib.contextmanager
+    def using(self, instance: Instance, name: str) -> Iterator[None]:
+        """Count one request using `name` on `instance`: it is no victim while counted. Enter it right after the
+        routing pick, with no await in between."""
+        key = (instance.name, name)
+        self._users[key] += 1
+        resident = self._resident.get(instance.name)
+        if resident is not None and name in resident:
+            resident.move_to_end(name)
+        try:
+            yield
+        finally:
+            left = self._users[key] - 1
+            if left > 0:
+                self._users[key] = left
+            else:
+                del self._users[key]
+                self._wake(instance.name)
+
+    async def ensure(self, instance: Instance, lora: ActiveLora) -> None:
+        """Have `lora` loaded on `instance` for a request counted by `using`; one load per (instance, version) at a
+        time. LoraError 503 `lora_capacity_exhausted` when no slot freed within the page timeout, 502
+        `lora_load_failed` when the load failed: never served by another adapter."""
+        if self._holdings.holds(instance.name, lora.lora_name):
+            return
+        key = (instance.name, lora.lora_name)
+        pending = self._on_demand.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._load_on_demand(instance, lora))
+            self._on_demand[key] = pending
+            pending.add_done_callback(lambda _: self._on_demand.pop(key, None))
+        outcome, detail = await asyncio.shield(pending)  # a cancelled waiter leaves the shared load running
+        if outcome.held:
+            return
+        if outcome is Load.NO_ROOM:
+            raise LoraError("lora_capacity_exhausted", detail)
+        raise LoraError("lora_load_failed", f"could not load {lora.lora_name}: {detail}"[:1000])
+
+    async def _load_on_demand(self, instance: Instance, lora: ActiveLora) -> tuple[Load, str]:
+        deadline = asyncio.get_running_loop().time() + self._page_timeout_s + self._load_timeout_s
+        outcome, detail = await self.load(instance, lora, deadline)
+        if outcome.held:
+            self._holdings.loaded(instance.name, lora.lora_name)
+        elif outcome is Load.UNKNOWN:
+            self._holdings.uncertain(instance.name, lora.lora_name)  # a late load is swept or confirmed later
+        if not outcome.held:
+            log.warning("on-demand load of %s on %s failed: %s", lora.lora_name, instance.name, detail)
+        return outcome, detail
+
+    # ------------------------------------------------------------------------------------------ slots
+
+    async def _reserve(self, instance: Instance, name: str, capacity: int, deadline: float) -> bool:
+        """Put `name` in the instance's resident set, unloading idle adapters (least recently used first) or waiting
+        for one to become idle, until the page timeout or `deadline`; False when no slot freed."""
+        loop = asyncio.get_running_loop()
+        give_up = min(deadline, loop.time() + self._page_timeout_s)
+        lock = self._locks.setdefault(instance.name, asyncio.Lock())
+        changed = self._changed.setdefault(instance.name, asyncio.Event())
+        tried: set[str] = set()  # victims whose unload failed this time: not tried again
+        while True:
+            changed.clear()  # before looking: a release from here on wakes the wait below
+            async with lock:  # one victim choice at a time per instance; every holder's unload is bounded
+                resident = self._resident.setdefault(instance.name, OrderedDict())
+                while name not in resident and len(resident) >= capacity:
+                    victim = next((n for n in resident if n not in tried and self._idle(instance.name, n)), None)
+                    if victim is None:
+                        break
+                    if not await self._evict(instance, victim, deadline):
+                        tried.add(victim)
+                if name in resident or len(resident) < capacity:
+                    resident[name] = None
+                    return True
+            remaining = give_up - loop.time()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
+
+    def _idle(self, instance_name: str, name: str) -> bool:
+        key = (instance_name, name)
+        return self._users.get(key, 0) == 0 and key not in self._loading
+
+    async def _evict(self, instance: Instance, name: str, deadline: float) -> bool:
+        """Unload an idle adapter; runs under the instance's lock."""
+        self._holdings.unrouted(instance.name, name)  # no new request goes there for it from now on
+        # Out of the resident set before the unload is sent: a load of the same version meanwhile must reserve a
+        # slot again (it waits for this lock), or it would land beside a slot count that no longer includes it.
+        resident = self._resident[instance.name]
+        resident.pop(name, None)
+        gone = await self._vllm.unload(instance, name, deadline)
+        self._holdings.unloaded(instance.name, name, gone=gone)
+        if not gone:  # it may still be there: it keeps its slot, first in line for a later try
+            resident[name] = None
+            resident.move_to_end(name, last=False)
+        else:
+            if self._metrics is not None:
+                self._metrics.adapter_evicted(instance.name)
+            log.info("paged %s out of %s", name, instance.name)
+        return gone
+
+    def _free(self, instance_name: str, name: str) -> None:
+        resident = self._resident.get(instance_name)
+        if resident is not None and resident.pop(name, None) is not None:
+            self._wake(instance_name)
+
+    def _wake(self, instance_name: str) -> None:
+        """A slot or a use went away: loads waiting for room look again."""
+        changed = self._changed.get(instance_name)
+        if changed is not None:
+            changed.set()
