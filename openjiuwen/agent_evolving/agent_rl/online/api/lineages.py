@@ -9,11 +9,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...common.errors import ApiError, JSONBody
+from ..errors import InvalidInput
 from ..lineages import LineageRegistry
 from ..training.scheduler import TrainingScheduler, UnknownLineage
 from . import openapi
 from .body import json_value
-from .errors import domain_errors
 from .paging import cursor_param, limit_param
 
 _NOT_FOUND = "lineage_not_found"
@@ -40,8 +40,10 @@ def build_lineages_router(scheduler: TrainingScheduler, registry: LineageRegistr
         """Registered lineages newest first (by first use), each with its line, pending samples and active run;
         `default` always exists and is not listed. `next_cursor` is null on the last page."""
         params = request.query_params
-        with domain_errors(not_found=_NOT_FOUND, conflict="lineage_conflict"):
+        try:
             return JSONBody(await registry.page(limit=limit_param(params), cursor=cursor_param(params)))
+        except InvalidInput as exc:  # a cursor that is not one of ours
+            raise ApiError(400, exc.code or "invalid_request", exc.message) from exc
 
     @router.get("/v1/rl/lineages/{lineage}")
     async def get_lineage(lineage: str) -> JSONBody:
