@@ -158,3 +158,19 @@ async def test_policies_of_one_lineage(service, redis):
     assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_lineage")
     r = await client.get("/v1/rl/policies", params={"lineage": "zzz"})
     assert (r.status_code, r.json()["error"]["code"]) == (404, "lineage_not_found")
+
+
+async def test_a_registered_lineage_has_its_own_view_pause_and_resume(service, redis):
+    deps, client, _, _ = service
+    await publish(deps.store, "a", 3, start=0, score=1.0)  # registers `a`
+    await publish(deps.store, "default", 1, start=5, score=1.0)
+    view = (await client.get("/v1/rl/lineages/a")).json()
+    assert (view["lineage"], view["line"], view["paused"]) == ("a", f"{MODEL_ID}:a", False)
+    assert view["scheduler"]["pending_samples"] == 3  # its own line's count, not the default line's (1)
+    assert view["scheduler"]["oldest_pending_at"].startswith("2026-01-01T00:00:00")
+    paused = (await client.post("/v1/rl/lineages/a/pause")).json()
+    assert paused["paused"] is True and (await client.get("/v1/rl/lineages/default")).json()["paused"] is False
+    assert (await client.post("/v1/rl/lineages/a/resume")).json()["paused"] is False
+    r = await client.post("/v1/rl/lineages/unknown/pause")  # a lineage name never used: still 404
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "lineage_not_found")
+    assert await redis.hlen(keys.LINEAGES_PAUSED) == 0
