@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from openjiuwen.agent_evolving.agent_rl.common.lineage import parse_version_name
 from tests.support.asgi_server import ThreadedServer
 
 
@@ -55,6 +56,9 @@ class FakeGateway:
         scripts the starts, `candidate` is the (lora_name, lora_path) held, `canary_calls` every (action, body))."""
         self.model_id = model_id
         self.active = active
+        # Lineages (docs/lineages.md wire 4): the active version of each non-default line, and every line read.
+        self.line_active: dict[str, tuple[str, str]] = {}
+        self.policy_lines: list[str] = []
         self.token = token
         self.activate_plan: deque[Behaviour] = deque()
         self.policy_plan: deque[Behaviour] = deque()
@@ -67,7 +71,7 @@ class FakeGateway:
         self._lock = threading.Lock()
         self._stopping = asyncio.Event()
         app = Starlette(routes=[
-            Route(f"/internal/v1/rl/loras/{model_id}", self._policy, methods=["GET"]),
+            Route("/internal/v1/rl/loras/{line}", self._policy, methods=["GET"]),
             Route("/internal/v1/rl/loras/activate", self._activate, methods=["POST"]),
         ] + ([
             Route(f"/internal/v1/rl/canary/{model_id}", self._canary_status, methods=["GET"]),
@@ -101,10 +105,11 @@ class FakeGateway:
     async def __aexit__(self, *exc: object) -> None:
         await self._server.astop()
 
-    def _policy_body(self) -> dict[str, Any]:
-        if self.active is None:
+    def _policy_body(self, line: str | None = None) -> dict[str, Any]:
+        active = self.active if line in (None, self.model_id) else self.line_active.get(line)
+        if active is None:
             return {"status": "base", "active_lora": None, "instances": {"ready": 1, "failed": 0}}
-        name, path = self.active
+        name, path = active
         return {"status": "active", "active_lora": {"lora_name": name, "lora_path": path},
                 "instances": {"ready": 1, "failed": 0}}
 
@@ -117,14 +122,18 @@ class FakeGateway:
     async def _policy(self, request: Request) -> Response:
         if not self._authorized(request):
             return JSONResponse({"error": {"code": "unauthorized", "message": "x"}}, status_code=401)
+        line = request.path_params["line"]
+        if line != self.model_id and not line.startswith(f"{self.model_id}:"):
+            return JSONResponse({"error": {"code": "model_not_found", "message": line}}, status_code=404)
         with self._lock:
             self.policy_reads += 1
+            self.policy_lines.append(line)
             behaviour = self.policy_plan.popleft() if self.policy_plan else Ok()
         if isinstance(behaviour, Fail):
             return Response(behaviour.body, status_code=behaviour.status, media_type="application/json")
         if isinstance(behaviour, Hang):
             await asyncio.sleep(behaviour.seconds)
-        return JSONResponse(self._policy_body())
+        return JSONResponse(self._policy_body(line))
 
     async def _activate(self, request: Request) -> Response:
         if not self._authorized(request):
@@ -133,6 +142,16 @@ class FakeGateway:
         with self._lock:
             self.activations.append(body)
             behaviour = self.activate_plan.popleft() if self.activate_plan else Ok()
+        parsed = parse_version_name(body.get("lora_name"))
+        if parsed is not None and parsed[0] != self.model_id:  # a lineage's version: its own line's state
+            line = parsed[0]
+            current = self.line_active.get(line, ("base", ""))[0]
+            if current != body["expected_lora_name"] and current != body["lora_name"]:
+                return JSONResponse(
+                    {"error": {"code": "lora_cas_conflict", "message": f"active is {current}"}}, status_code=409
+                )
+            self.line_active[line] = (body["lora_name"], body["lora_path"])
+            return JSONResponse({"status": "active", "active_lora": self._policy_body(line)["active_lora"]})
         if isinstance(behaviour, Fail):
             return Response(behaviour.body, status_code=behaviour.status, media_type="application/json")
         if isinstance(behaviour, Hang):

@@ -5,6 +5,10 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
 - keys: no key outside `rl:v1:`, and every key has one of the shapes of CONTRACT §5.2 (`KEY_SHAPES`);
 - samples (inv. 5): each sample id is in exactly one status index, matching its hash `status`; every counter of
   `traj_stats` (`status:*`, `source:*`, `pending_policy:*`) equals what the hashes and indexes hold;
+- lineages (docs/lineages.md): status indexes and counters exist only for the default line (the model id) and the
+  lines `<model_id>:<lineage>` of registered lineages; a sample sits in its own line's index only (its hash `lineage`,
+  absent = default) and each line's counters equal what its indexes hold; a run's batch holds only samples of the
+  run's lineage;
 - runs (inv. 6): at most one non-terminal run, named by the active pointer; every claimed (`training`) sample
   belongs to that run and is listed in its batch;
 - Tasks (inv. 1–3): the active index, the session pointers and the records agree; `captures` = open ∪ committed
@@ -48,6 +52,7 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
+from openjiuwen.agent_evolving.agent_rl.common.lineage import DEFAULT_LINEAGE, line_of
 from openjiuwen.agent_evolving.agent_rl.online.store import keys, prompt_blocks
 from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import ALL_SAMPLE_STATUSES, SampleStatus
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
@@ -105,6 +110,8 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # Automatic training (docs/training.md): each line's previous run end, the operator's lineage pauses.
         ("training_last_end", "training:last_end"),
         ("lineages_paused", "lineages:paused"),
+        # Lineages (docs/lineages.md): every registered lineage but `default`.
+        ("lineages", "lineages"),
         # Listings (docs/observability.md): creation-ordered indexes and the expiry index that trims them.
         ("tasks_by_created", "tasks:by_created"),
         ("tasks_by_status", "tasks:by_created:(?P<ts>active|finalized|aborted)"),
@@ -119,6 +126,8 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # Reward policy (docs/rewards.md): deadline index of awaiting_rewards samples, arrival lateness per source.
         ("reward_deadlines", f"reward_deadlines:(?P<o>{_O})"),
         ("reward_latency", f"reward_latency:(?P<o>{_O}):[a-z0-9_-]{{1,32}}"),
+        # Lines of lineages with a reward deadline (a lower bound of each line's earliest one).
+        ("rewards_due_lines", "rewards:due_lines"),
         # Rollouts (docs/rollout.md): the current pointer, the listing, records and their timelines.
         ("rollout_current", "rollout:current"),
         ("rollouts_by_created", "rollouts:by_created"),
@@ -291,6 +300,8 @@ async def check_invariants(
     sample_ids: list[str] = []
     run_ids: list[str] = []
     index_keys: dict[str, str] = {}  # status -> key
+    # The lines that may own indexes and counters: the model id (default) and each registered lineage's line.
+    lines = {model_id, *(line_of(model_id, _s(m) or "") for m in await redis.zrange(keys.LINEAGES, 0, -1))}
 
     def task_state(t: str) -> _TaskState:
         return tasks.setdefault(t, _TaskState(t))
@@ -313,13 +324,13 @@ async def check_invariants(
         elif name == "run":
             run_ids.append(groups["r"])
         elif name == "traj_index":
-            if groups["o"] != model_id:
+            if groups["o"] not in lines:
                 report.add(f"status index of another owner: {key!r}")
             elif groups["status"] not in statuses:
                 report.add(f"status index of an unknown status: {key!r}")
-            else:
+            elif groups["o"] == model_id:
                 index_keys[groups["status"]] = key
-        elif name == "traj_stats" and groups["o"] != model_id:
+        elif name == "traj_stats" and groups["o"] not in lines:
             report.add(f"counters of another owner: {key!r}")
 
     # Rail samples in flight are found again at startup only through the session list.
@@ -335,12 +346,13 @@ async def check_invariants(
     if owner is not None and owner != model_id:
         report.add(f"rl:v1:owner is {owner!r}, not {model_id!r}")
 
-    samples = await _check_samples(redis, report, model_id, sample_ids, statuses)
+    samples = await _check_samples(redis, report, model_id, sorted(lines), sample_ids, statuses)
     await _check_prompt_blocks(redis, report, sample_ids, [g["b"] for _, g in typed.get("prompt_block", [])])
-    await _check_reward_deadlines(redis, report, model_id, samples)
+    await _check_reward_deadlines(redis, report, model_id, sorted(lines), samples)
     await _check_excluded(redis, report, samples)
     await _check_task_listings(redis, report, typed)
     active_run = await _check_runs(redis, report, run_ids, samples)
+    await _check_run_lines(redis, report, run_ids, samples)
     await _check_rollouts(redis, report, [g["ro"] for _, g in typed.get("rollout", [])])
     await _load_tasks(redis, tasks, typed)
     await _check_tasks(redis, report, tasks, strict_active_index)
@@ -369,40 +381,52 @@ class _Sample:
     rl_task_id: str
     run_id: str
     instance: str = ""  # the vLLM instance that served it ("" when unknown)
+    line: str = ""  # the line it belongs to (docs/lineages.md): the model id for the default lineage
     judge: Any = None  # loaded only for the samples a ClientRecord vouches for (`_load_judges`)
     indexes: list[str] = field(default_factory=list)
 
 
 async def _check_samples(
-    redis: Redis, report: InvariantReport, model_id: str, sample_ids: list[str], statuses: Sequence[str]
+    redis: Redis, report: InvariantReport, model_id: str, lines: list[str], sample_ids: list[str],
+    statuses: Sequence[str],
 ) -> dict[str, _Sample]:
-    """Invariant 5: one index per sample, matching its status; counters equal what is stored."""
+    """Invariant 5, per line: one index per sample, its own line's, matching its status; each line's counters
+    equal what is stored."""
     # Index fields only: the documents (`sample_json`) are large, and read only where a ClientRecord needs them.
-    fields = ("status", "source", "policy_version", "rl_task_id", "run_id", "user_id", "instance")
+    fields = ("status", "source", "policy_version", "rl_task_id", "run_id", "user_id", "instance", "lineage")
     rows = await _pipelined(redis, sample_ids, lambda p, s: p.hmget(keys.traj(s), fields))
     samples: dict[str, _Sample] = {}
     for sample_id, row in zip(sample_ids, rows):
-        status, source, policy, task, run_id, user, instance = (_s(v) for v in row)
+        status, source, policy, task, run_id, user, instance, lineage = (_s(v) for v in row)
+        line = line_of(model_id, lineage or DEFAULT_LINEAGE)
+        if lineage == DEFAULT_LINEAGE:
+            report.add(f"sample {sample_id}: hash field lineage 'default' (the default lineage is never stored)")
+        if line not in lines:
+            report.add(f"sample {sample_id}: lineage {lineage!r} is not registered")
         if user is not None and user != model_id:
             report.add(f"sample {sample_id}: user_id {user!r} is not the service owner {model_id!r}")
         samples[sample_id] = _Sample(sample_id, status, source or "", policy or "base", task or "", run_id or "",
-                                     instance or "")
+                                     instance or "", line=line)
         if status is None:
             report.add(f"sample {sample_id}: hash without a status field")
         elif status not in statuses:
             report.add(f"sample {sample_id}: unknown status {status!r}")
     report.samples = len(samples)
 
-    members: dict[str, list[str]] = {}
-    for status in statuses:
-        members[status] = [_s(m) or "" for m in await redis.zrange(keys.traj_index(model_id, status), 0, -1)]
-        report.samples_by_status[status] = len(members[status])
-        for sample_id in members[status]:
-            sample = samples.get(sample_id)
-            if sample is None:
-                report.add(f"index {status}: member {sample_id} has no sample hash")
-                continue
-            sample.indexes.append(status)
+    members: dict[tuple[str, str], list[str]] = {}
+    for line in lines:
+        for status in statuses:
+            found = [_s(m) or "" for m in await redis.zrange(keys.traj_index(line, status), 0, -1)]
+            members[line, status] = found
+            report.samples_by_status[status] = report.samples_by_status.get(status, 0) + len(found)
+            for sample_id in found:
+                sample = samples.get(sample_id)
+                if sample is None:
+                    report.add(f"index {line}:{status}: member {sample_id} has no sample hash")
+                    continue
+                if sample.line != line:  # no sample of one line is ever in another line's index
+                    report.add(f"sample {sample_id} of line {sample.line!r} is in line {line!r}'s {status} index")
+                sample.indexes.append(status)
     for sample in samples.values():
         if len(sample.indexes) > 1:
             report.add(f"sample {sample.sample_id} is in {len(sample.indexes)} status indexes: {sample.indexes}")
@@ -411,24 +435,46 @@ async def _check_samples(
         elif sample.status is not None and sample.indexes[0] != sample.status:
             report.add(f"sample {sample.sample_id}: hash status {sample.status!r} but in index {sample.indexes[0]!r}")
 
-    raw = await redis.hgetall(keys.traj_stats(model_id))
-    counters = {_s(k) or "": int(v) for k, v in raw.items()}
-    expected: Counter[str] = Counter()
-    for status in statuses:
-        expected[f"status:{status}"] = len(members[status])
-    for sample in samples.values():
-        expected[f"source:{sample.source}"] += 1
-        if sample.status == "pending":
-            expected[f"pending_policy:{sample.policy_version}"] += 1
-    # `expired_unrewarded` and the reward policy's `reward_*` tallies count events, not stored samples.
-    derived = {n for n in counters if n != "expired_unrewarded" and not n.startswith("reward_")}
-    for name in sorted(set(expected) | derived):
-        have, want = counters.get(name, 0), expected.get(name, 0)
-        if have != want:
-            report.add(f"counter {name} = {have}, but the store holds {want}")
-    if counters.get("expired_unrewarded", 0) < 0:
-        report.add(f"counter expired_unrewarded is negative: {counters['expired_unrewarded']}")
+    for line in lines:
+        raw = await redis.hgetall(keys.traj_stats(line))
+        counters = {_s(k) or "": int(v) for k, v in raw.items()}
+        expected: Counter[str] = Counter()
+        for status in statuses:
+            expected[f"status:{status}"] = len(members[line, status])
+        for sample in samples.values():
+            if sample.line != line:
+                continue
+            expected[f"source:{sample.source}"] += 1
+            if sample.status == "pending":
+                expected[f"pending_policy:{sample.policy_version}"] += 1
+        # `expired_unrewarded` and the reward policy's `reward_*` tallies count events, not stored samples.
+        derived = {n for n in counters if n != "expired_unrewarded" and not n.startswith("reward_")}
+        where = "" if line == model_id else f" of line {line}"
+        for name in sorted(set(expected) | derived):
+            have, want = counters.get(name, 0), expected.get(name, 0)
+            if have != want:
+                report.add(f"counter {name}{where} = {have}, but the store holds {want}")
+        if counters.get("expired_unrewarded", 0) < 0:
+            report.add(f"counter expired_unrewarded{where} is negative: {counters['expired_unrewarded']}")
     return samples
+
+
+async def _check_run_lines(
+    redis: Redis, report: InvariantReport, run_ids: list[str], samples: dict[str, _Sample]
+) -> None:
+    """No run's batch holds a sample of another lineage's line (a run claims from its own line's index)."""
+    raws = await _pipelined(redis, run_ids, lambda p, r: p.get(keys.training_run(r)))
+    for run_id, raw in zip(run_ids, raws):
+        record = _json(raw)
+        if not isinstance(record, dict):
+            continue  # `_check_runs` reports it
+        lineage = record.get("lineage", DEFAULT_LINEAGE)
+        if lineage == DEFAULT_LINEAGE and "lineage" in record:
+            report.add(f"run {run_id}: record field lineage 'default' (the default lineage is never stored)")
+        for sample_id in record.get("sample_ids") or []:
+            sample = samples.get(sample_id)
+            if sample is not None and sample.line.partition(":")[2] != ("" if lineage == DEFAULT_LINEAGE else lineage):
+                report.add(f"run {run_id} of lineage {lineage!r} holds sample {sample_id} of line {sample.line!r}")
 
 
 async def _check_excluded(redis: Redis, report: InvariantReport, samples: dict[str, _Sample]) -> None:
@@ -485,17 +531,27 @@ async def _check_prompt_blocks(
 
 
 async def _check_reward_deadlines(
-    redis: Redis, report: InvariantReport, model_id: str, samples: dict[str, _Sample]
+    redis: Redis, report: InvariantReport, model_id: str, lines: list[str], samples: dict[str, _Sample]
 ) -> None:
-    """Reward policy: the deadline index holds exactly the `awaiting_rewards` samples, each with its per-source
-    state, so the sweeper finds every waiting sample and nothing else."""
-    waiting = {s.sample_id for s in samples.values() if s.status == SampleStatus.AWAITING_REWARDS}
-    indexed = {_s(m) or "" for m in await redis.zrange(keys.reward_deadlines(model_id), 0, -1)}
-    for sample_id in sorted(waiting - indexed):
-        report.add(f"sample {sample_id} awaits rewards but has no deadline entry")
-    for sample_id in sorted(indexed - waiting):
-        report.add(f"deadline entry {sample_id} is not an awaiting_rewards sample")
-    ids = sorted(waiting)
+    """Reward policy, per line: a line's deadline index holds exactly its `awaiting_rewards` samples, each with its
+    per-source state; every other line with deadlines has a due-hint at or below its earliest one (and only those
+    have one), so the sweeper finds every waiting sample and nothing else."""
+    hints = {(_s(m) or ""): score for m, score in await redis.zrange(keys.REWARD_DUE_LINES, 0, -1, withscores=True)}
+    for line in lines:
+        waiting = {s.sample_id for s in samples.values()
+                   if s.status == SampleStatus.AWAITING_REWARDS and s.line == line}
+        entries = await redis.zrange(keys.reward_deadlines(line), 0, -1, withscores=True)
+        indexed = {_s(m) or "" for m, _ in entries}
+        where = "" if line == model_id else f" of line {line}"
+        for sample_id in sorted(waiting - indexed):
+            report.add(f"sample {sample_id} awaits rewards but has no deadline entry{where}")
+        for sample_id in sorted(indexed - waiting):
+            report.add(f"deadline entry {sample_id}{where} is not an awaiting_rewards sample of that line")
+        if line != model_id and entries and not (line in hints and hints[line] <= min(s for _, s in entries)):
+            report.add(f"line {line} has reward deadlines but no due-hint at or below its earliest one")
+    for line in sorted(set(hints) - set(lines) | ({model_id} & set(hints))):
+        report.add(f"due-hint for {line!r}, which is not a registered lineage's line")
+    ids = sorted({s.sample_id for s in samples.values() if s.status == SampleStatus.AWAITING_REWARDS})
     for sample_id, has in zip(ids, await _pipelined(redis, ids, lambda p, s: p.hexists(keys.traj(s), "rewards"))):
         if not has:
             report.add(f"sample {sample_id} awaits rewards but has no per-source reward state")

@@ -31,7 +31,7 @@ from tests.support.service_process import ServiceProcess
 
 pytestmark = pytest.mark.system
 
-EXAMPLES = 25  # per operation and mode: (31 + 20 operations) × 25 = 1275 requests
+EXAMPLES = 25  # per operation and mode: (OPERATIONS + VIOLABLE) × 25 requests
 SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -75,7 +75,9 @@ OPERATIONS = [
     "POST /v1/rl/rollout/resume",
     "GET /v1/rl/rollout/{rollout_id}/events",
     "POST /v1/rl/loras/activate",
-    # Lineages (docs/training.md): `default` answers its view, any other name 404 `lineage_not_found`.
+    # Lineages (docs/training.md, docs/lineages.md): the registered ones page by page; `default` answers its view,
+    # an unregistered name 404 `lineage_not_found`.
+    "GET /v1/rl/lineages",
     "GET /v1/rl/lineages/{lineage}",
     "POST /v1/rl/lineages/{lineage}/pause",
     "POST /v1/rl/lineages/{lineage}/resume",
@@ -85,7 +87,8 @@ OPERATIONS = [
 # Operations whose schema constrains a body, header or query parameter: the others (no body, free-form path ids) have
 # nothing a negative case could break; hostile path ids are fuzzed in test_fuzz_routes.py and test_hostile_input.py.
 VIOLABLE = [op for op in OPERATIONS if op.startswith("POST") and "/training/runs/" not in op] + [
-    "GET /v1/rl/trajectories", "GET /v1/rl/tasks", "GET /v1/rl/training/runs"]
+    "GET /v1/rl/trajectories", "GET /v1/rl/tasks", "GET /v1/rl/training/runs", "GET /v1/rl/lineages",
+    "GET /v1/rl/policies"]
 TASK_IDS = ["t1", "t2", "t3", "t4"]  # active with an open capture, rewarded, empty, delayed with a committed turn
 CAPTURE_IDS = ["c1", "c2", "c3", "c4"]
 TURN_IDS = ["u1", "u2", None]

@@ -13,6 +13,7 @@ from pydantic import SecretStr, ValidationError
 
 from openjiuwen.agent_evolving.agent_rl.online.config import (
     ConfigError,
+    LineagesConfig,
     RLServiceConfig,
     config_from_mapping,
     load_config,
@@ -128,6 +129,7 @@ def test_defaults_match_the_contract() -> None:
         "log_format": "text",
         "rollout": RolloutConfig(),
         "training_policy": TrainingPolicyConfig(),
+        "lineages": LineagesConfig(),
         "workers": "auto",
     }
     assert {name: getattr(config, name) for name in expected} == expected

@@ -556,3 +556,23 @@ def test_traj_get_and_list_show_the_serving_instance(gw: FakeGateway, capsys) ->
     assert "served    vllm-x\n" in capsys.readouterr().out
     assert run_cli(gw, "traj", "list") == 0
     assert capsys.readouterr().out.splitlines()[1].split()[5] == "vllm-x"
+
+
+def test_lineage_options_and_lineage_list(gw: FakeGateway, capsys) -> None:
+    gw.on("POST", "/v1/rl/training/runs", ok(run_record("queued", "queued", lineage="a"), 201))
+    assert run_cli(gw, "train", "start", "--lineage", "a") == 0
+    assert run_cli(gw, "train", "start") == 0
+    bodies = [r.read() for r in gw.requests]
+    assert bodies[0] == b'{"lineage":"a"}' and b"lineage" not in bodies[1]  # absent: the default lineage
+    gw.on("GET", "/v1/rl/policies", ok({"items": [], "comparison": None}))
+    assert run_cli(gw, "policy", "report", "--lineage", "a") == 0
+    assert gw.requests[-1].url.params["lineage"] == "a"
+    gw.on("GET", "/v1/rl/lineages", ok({"items": [
+        {"lineage": "a", "line": "tiny:a", "first_used_at": "2026-01-01T00:00:00+00:00", "pending_samples": 4,
+         "active_run": None}], "next_cursor": None}))
+    capsys.readouterr()
+    assert run_cli(gw, "lineage", "list", "--limit", "5") == 0
+    assert gw.requests[-1].url.params["limit"] == "5"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["LINEAGE", "LINE", "PENDING", "ACTIVE_RUN", "FIRST_USED_AT"]
+    assert lines[1].split() == ["a", "tiny:a", "4", "-", "2026-01-01T00:00:00+00:00"]

@@ -4,9 +4,11 @@
     openjiuwen-rl rl task start --session S [--mode terminal|delayed_feedback] [--evaluation] [--capture-secret]
     openjiuwen-rl rl task stop|get|events ID
     openjiuwen-rl rl task reward ID VALUE
-    openjiuwen-rl rl train start [--watch]
+    openjiuwen-rl rl train start [--lineage L] [--watch]
     openjiuwen-rl rl train watch|stop|get RUN_ID
     openjiuwen-rl rl lineage get|pause|resume [LINEAGE]
+    openjiuwen-rl rl lineage list [--limit N] [--all]
+    openjiuwen-rl rl policy report [--lineage L]
     openjiuwen-rl rl lora status [MODEL]
     openjiuwen-rl rl lora delete MODEL
     openjiuwen-rl rl instance list
@@ -341,6 +343,12 @@ def _show_task_rows(items: list[dict[str, Any]]) -> None:
            ["TASK", "STATUS", "REASON", "MODE", "POLICY", "SESSION", "CREATED_AT"])
 
 
+def _show_lineage_rows(items: list[dict[str, Any]]) -> None:
+    _table([[str(x.get("lineage")), str(x.get("line")), str(x.get("pending_samples")), str(x.get("active_run") or "-"),
+             str(x.get("first_used_at"))] for x in items],
+           ["LINEAGE", "LINE", "PENDING", "ACTIVE_RUN", "FIRST_USED_AT"])
+
+
 def _show_run_rows(items: list[dict[str, Any]]) -> None:
     _table([[str(r.get("training_run_id")), str(r.get("status")), str(r.get("stage")), str(r.get("sample_count")),
              str(r.get("lora_name") or "-"), str(r.get("created_at"))] for r in items],
@@ -495,7 +503,14 @@ def _train_events(ctx: Context) -> int:
 
 
 def _policy_report(ctx: Context) -> int:
-    ctx.show(ctx.client.request("GET", "/v1/rl/policies"), _show_policies)
+    params = {"lineage": ctx.args.lineage} if ctx.args.lineage else None
+    ctx.show(ctx.client.request("GET", "/v1/rl/policies", params=params), _show_policies)
+    return 0
+
+
+def _lineage_list(ctx: Context) -> int:
+    result = _pages(ctx, "/v1/rl/lineages", _page_params(ctx))
+    ctx.show(result, lambda r: _show_lineage_rows(r["items"]))
     return 0
 
 
@@ -507,7 +522,8 @@ def _task_reward(ctx: Context) -> int:
 
 
 def _train_start(ctx: Context) -> int:
-    run = ctx.client.request("POST", "/v1/rl/training/runs")
+    body = {"lineage": ctx.args.lineage} if ctx.args.lineage else None  # absent: the default lineage, as before
+    run = ctx.client.request("POST", "/v1/rl/training/runs", body=body)
     if ctx.args.watch:
         # The created run is the first state shown: a fast run may already have steps at the first poll.
         return _watch(ctx, run["training_run_id"], seen=run)
@@ -843,6 +859,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = group("train", "start, watch and stop Training Runs")
     p = leaf(train, "start", "start a Training Run (or return the active one)", _train_start)
     p.add_argument("--watch", action="store_true", help="then follow it like `train watch`")
+    p.add_argument("--lineage", help="train this lineage's line (default: the default lineage)")
     _add_watch_options(p)
     p = leaf(train, "watch", "follow a run until it ends; exit 1 when it failed or was canceled", _train_watch)
     p.add_argument("run_id")
@@ -854,7 +871,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     policy = group("policy", "per-version evaluation of the trained policies")
     leaf(policy, "report", "Tasks, samples, reward with its confidence interval, sources, judge agreement, tokens "
-                           "and latency per version, and the latest version against its parent", _policy_report)
+                           "and latency per version, and the latest version against its parent",
+         _policy_report).add_argument("--lineage", help="base and this lineage's versions only")
 
     rollout = group("rollout", "the canary of a new version: status, promote, roll back, pause (docs/rollout.md)")
     leaf(rollout, "status", "the rollout mode, the current rollout with both arms, their reward intervals and the "
@@ -874,6 +892,8 @@ def build_parser() -> argparse.ArgumentParser:
                          ("resume", "let the scheduler start the lineage's runs again")):
         leaf(lineage, action, text, _lineage(action)).add_argument(
             "lineage", nargs="?", default="default", help="the lineage (default: default)")
+    _add_page_options(leaf(lineage, "list", "registered lineages newest first, with their line, pending samples "
+                                            "and active run (docs/lineages.md)", _lineage_list))
 
     lora = group("lora", "inspect or roll back the active LoRA of a model")
     leaf(lora, "activate", "activate any published version (<model>:vN) for every new Task, through the RL "

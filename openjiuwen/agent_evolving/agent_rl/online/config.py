@@ -132,6 +132,15 @@ PositiveFloat = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
 Seconds = PositiveFloat
 
 
+class LineagesConfig(BaseModel):
+    """Lineages (docs/lineages.md): named lines of LoRA versions on the model, registered on first use."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Registered lineages besides `default`; a Task start that would register one more is refused (409).
+    max_count: PositiveInt = 1000
+
+
 class RLServiceConfig(BaseModel):
     """Every setting of one RL Service process (CONTRACT §8). Unknown keys are rejected."""
 
@@ -190,6 +199,9 @@ class RLServiceConfig(BaseModel):
 
     # When the leader starts Training Runs by itself (docs/training.md); off by default: manual runs only.
     training_policy: TrainingPolicyConfig = TrainingPolicyConfig()
+
+    # Lineages besides `default` (docs/lineages.md).
+    lineages: LineagesConfig = LineagesConfig()
 
     # HTTP and logging.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432

@@ -11,6 +11,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from ..common.ids import lora_version
+from ..common.lineage import line_of, version_of
 from ..common.policy_names import BASE_POLICY
 from .store import keys
 from .store.codec import text
@@ -77,11 +78,17 @@ class PolicyReport:
         self._redis = redis
         self._model_id = model_id
 
-    async def report(self) -> dict[str, Any]:
-        versions = sorted(
-            (text(v) or "" for v in await self._redis.smembers(keys.POLICY_VERSIONS)),
-            key=lambda name: (lora_version(name, self._model_id) or 0, name != BASE_POLICY, name),
-        )
+    async def report(self, *, lineage: str | None = None) -> dict[str, Any]:
+        """Every version; with `lineage`, `base` (where every line starts: its aggregates are every lineage's) and
+        the versions of that lineage's line only, numbered per line (docs/lineages.md)."""
+        names = [text(v) or "" for v in await self._redis.smembers(keys.POLICY_VERSIONS)]
+        if lineage is None:
+            versions = sorted(names, key=lambda name: (lora_version(name, self._model_id) or 0, name != BASE_POLICY,
+                                                       name))
+        else:
+            line = line_of(self._model_id, lineage)
+            versions = sorted((name for name in names if name == BASE_POLICY or version_of(name, line) is not None),
+                              key=lambda name: version_of(name, line) or 0)
         if not versions:
             return {"items": [], "comparison": None}
         async with self._redis.pipeline(transaction=False) as pipe:

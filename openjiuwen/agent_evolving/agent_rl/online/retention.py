@@ -1,7 +1,13 @@
 """The retention sweeper (CONTRACT §5.5): TTLs for terminal Tasks, expiry of unrewarded staged samples, removal of
 old trained/failed samples. Bounded work per category per tick; safe to run in several processes at once. A leader
 duty: its writes go through the leader's fence (workers/fence.py), and a refused one (LeaseLost) ends the loop.
-Finishing an interrupted reward projection is not fenced: any worker does it (`RewardProjector.project`)."""
+Finishing an interrupted reward projection is not fenced: any worker does it (`RewardProjector.project`).
+
+Lines (docs/lineages.md): old samples are removed from the default line every tick and from `_LINES_PER_TICK` other
+lines per tick, taken in turn from the lineage registry (`rl:v1:lineages`, by rank) with a cursor kept in this
+process: with thousands of lineages each is still visited every few ticks, and no tick reads them all. Retention
+is days, a tick a minute: a visit every few minutes is on time.
+"""
 
 from __future__ import annotations
 
@@ -16,17 +22,20 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from . import events
+from ..common.lineage import line_of
 from .background import stop_loop
 from .capture.rewards import RewardProjector
 from .store import keys
 from .store.codec import text
 from .store.trajectories import TrajectoryStore
-from .tasks.models import TASK_STATUSES, TerminalReward
+from .store.tx import transact
+from .tasks.models import TASK_STATUSES, Task, TerminalReward
 from .workers.fence import Fence, LeaseLost
 
 log = logging.getLogger("openjiuwen.agent_rl.online.retention")
 
 BATCH = 1000
+_LINES_PER_TICK = 64
 
 
 class RetentionSweeper:
@@ -58,6 +67,7 @@ class RetentionSweeper:
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+        self._line_cursor = 0  # rank in `rl:v1:lineages` of the next lineage whose line's samples are swept
 
     async def sweep_once(self, *, now: float | None = None) -> dict[str, int]:
         now = time.time() if now is None else now
@@ -65,8 +75,25 @@ class RetentionSweeper:
         gc = await self._ttl_terminal_tasks()
         samples = await self._store.sweep_expired(retention_seconds=self._trajectory_retention_s, now=now, limit=BATCH,
                                                   fence=self._fence)
+        samples += await self._sweep_lineage_lines(now)
         listings = await self._forget_expired_listings(now)
         return {"tasks_ttl": gc, "reward_expired": expired, "samples_removed": samples, "listings_removed": listings}
+
+    async def _sweep_lineage_lines(self, now: float) -> int:
+        """Old samples of the next `_LINES_PER_TICK` registered lineages' lines; the cursor wraps at the end.
+        Lineages are never unregistered and new ones mostly rank last, so a rank cursor misses none for long."""
+        start = self._line_cursor
+        lineages = [text(m) or "" for m in await self._redis.zrange(keys.LINEAGES, start, start + _LINES_PER_TICK - 1)]
+        self._line_cursor = start + len(lineages) if len(lineages) == _LINES_PER_TICK else 0
+        removed = 0
+        for lineage in lineages:
+            try:
+                line = self._store.for_line(line_of(self._owner, lineage))
+            except ValueError:
+                continue  # not a lineage name: never registered by us
+            removed += await line.sweep_expired(retention_seconds=self._trajectory_retention_s, now=now, limit=BATCH,
+                                                fence=self._fence)
+        return removed
 
     async def _forget_expired_listings(self, now: float) -> int:
         """Remove from the listing indexes the ids whose records have expired: those due in the listing-expiry
@@ -141,7 +168,10 @@ class RetentionSweeper:
 
     async def _expire_one(self, t: str) -> int:
         reward_key, committed_key = keys.reward(t), keys.committed_captures(t)
-        stats_key = keys.traj_stats(self._owner)
+        raw_task = await self._redis.get(keys.task(t))
+        lineage = Task.from_json(raw_task).lineage if raw_task else None
+        # The dropped samples are counted on the Task's own line (docs/lineages.md).
+        stats_key = self._store.for_lineage(lineage).stats_key
 
         # Invariant 3: the staged samples go with the `expired` state and the move to gc; the counter of dropped
         # samples moves in the same step, so it never double counts when two sweepers race.

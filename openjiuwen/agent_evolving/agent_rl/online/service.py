@@ -49,6 +49,7 @@ from ..common.http_metrics import HttpMetricsMiddleware
 from .metrics import MeteredJudge, ServiceMetrics
 from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
+from .lineages import LineageRegistry
 from .policies import PolicyReport
 from ..common.private_files import UnsafeDirectoryError, ensure_private_root
 from .rail.ingest import RailIngestor
@@ -123,6 +124,7 @@ class ServiceDeps:
     membership: Membership
     scheduler: TrainingScheduler
     fence: Fence  # every leader-only write goes through it (workers/fence.py)
+    lineages: LineageRegistry
     coordinator: WorkerCoordinator = field(init=False)
     run_reward_sweeper: bool = field(init=False, default=False)
 
@@ -145,7 +147,7 @@ class ServiceDeps:
         judge = judge if judge is not None else make_judge(config)
         metrics = ServiceMetrics(config.model_id)  # per app: its own CollectorRegistry
         metered_judge = MeteredJudge(judge, metrics) if judge is not None else None
-        registry = TaskRegistry(redis, signals=TaskSignals(), metrics=metrics)
+        registry = TaskRegistry(redis, signals=TaskSignals(), metrics=metrics, max_lineages=config.lineages.max_count)
         reward_policy = RewardPolicy(config.reward_policy)  # empty (unconfigured) when the section is absent
         store = TrajectoryStore(
             redis, owner=config.model_id, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
@@ -189,6 +191,7 @@ class ServiceDeps:
                 policy=config.training_policy, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
             ),
             fence=fence,
+            lineages=LineageRegistry(redis, model_id=config.model_id, runs=runs),
         )
         deps.coordinator = WorkerCoordinator(redis, placement, membership, deps, fence,
                                              leader_check=runner.check_health)
@@ -489,9 +492,9 @@ def create_app(
     app.include_router(build_trajectories_router(deps.store, reward_stats=reward_stats))
     app.include_router(build_rail_router(deps.rail))
     app.include_router(build_training_router(deps.runner))
-    app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id)))
+    app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id), deps.lineages))
     app.include_router(build_rollout_router(deps.rollout))
-    app.include_router(build_lineages_router(deps.scheduler))
+    app.include_router(build_lineages_router(deps.scheduler, deps.lineages))
     # Inside the guards (bearer 401 and size 413 first): a non-JSON body is 415 (a browser's cross-site simple POST).
     app.add_middleware(JsonBodyMiddleware, binary_routes=HOOK_BINARY_ROUTES)
     if not deps.coordinator.placement.solo:  # inside the guards: only an authorised request is relayed

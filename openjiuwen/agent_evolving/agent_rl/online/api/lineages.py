@@ -1,5 +1,5 @@
-"""Lineage routes (CONTRACT §2.10 ext): an operator pauses or resumes a lineage's automatic training and reads the
-scheduler's view of it. Only the lineage `default` exists today (issue 27 adds the others)."""
+"""Lineage routes (CONTRACT §2.10 ext, docs/lineages.md): the registered lineages, page by page; an operator pauses
+or resumes a lineage's automatic training and reads the scheduler's view of it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...common.errors import ApiError, JSONBody
+from ..errors import InvalidInput
+from ..lineages import LineageRegistry
 from ..training.scheduler import TrainingScheduler, UnknownLineage
 from . import openapi
 from .body import json_value
+from .paging import cursor_param, limit_param
 
 _NOT_FOUND = "lineage_not_found"
 
@@ -29,8 +32,18 @@ async def _answer(call: Awaitable[dict[str, Any]]) -> JSONBody:
         raise ApiError(404, _NOT_FOUND, exc.message) from exc
 
 
-def build_lineages_router(scheduler: TrainingScheduler) -> APIRouter:
+def build_lineages_router(scheduler: TrainingScheduler, registry: LineageRegistry) -> APIRouter:
     router = APIRouter()
+
+    @router.get("/v1/rl/lineages", openapi_extra=openapi.LINEAGE_LIST)
+    async def list_lineages(request: Request) -> JSONBody:
+        """Registered lineages newest first (by first use), each with its line, pending samples and active run;
+        `default` always exists and is not listed. `next_cursor` is null on the last page."""
+        params = request.query_params
+        try:
+            return JSONBody(await registry.page(limit=limit_param(params), cursor=cursor_param(params)))
+        except InvalidInput as exc:  # a cursor that is not one of ours
+            raise ApiError(400, exc.code or "invalid_request", exc.message) from exc
 
     @router.get("/v1/rl/lineages/{lineage}")
     async def get_lineage(lineage: str) -> JSONBody:

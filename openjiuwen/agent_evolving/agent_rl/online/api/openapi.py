@@ -136,6 +136,8 @@ TRAJECTORY_LIST = {
 }
 TASK_LIST = {"parameters": [query("status", {"enum": [s.value for s in TASK_STATUSES]}), _LIMIT, _CURSOR]}
 RUN_LIST = {"parameters": [_LIMIT, _CURSOR]}
+LINEAGE_LIST = {"parameters": [_LIMIT, _CURSOR]}
+POLICY_LIST = {"parameters": [query("lineage", {"type": "string", "pattern": "^[a-z0-9-]{1,63}$"})]}
 _REWARD_SOURCE = {"type": "string", "pattern": "^[a-z0-9_-]{1,32}$"}
 _SCORE = {"type": "number", "minimum": 0, "maximum": 1}
 TRAJECTORY_REWARD = json_body(_object(["source", "score"], {"source": _REWARD_SOURCE, "score": _SCORE}, closed=True))

@@ -1,19 +1,30 @@
-"""Per-version evaluation route (issue 9): `GET /v1/rl/policies`."""
+"""Per-version evaluation route (issue 9): `GET /v1/rl/policies`, optionally one lineage's line (docs/lineages.md)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
+from ...common.errors import ApiError, JSONBody
+from ...common.lineage import is_lineage
+from ..lineages import LineageRegistry
 from ..policies import PolicyReport
-from ...common.errors import JSONBody
+from . import openapi
 
 
-def build_policies_router(report: PolicyReport) -> APIRouter:
+def build_policies_router(report: PolicyReport, lineages: LineageRegistry) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/v1/rl/policies")
-    async def policies() -> JSONBody:
-        """Every policy version oldest → newest with its aggregates, and the latest version against its parent."""
-        return JSONBody(await report.report())
+    @router.get("/v1/rl/policies", openapi_extra=openapi.POLICY_LIST)
+    async def policies(request: Request) -> JSONBody:
+        """Every policy version oldest → newest with its aggregates, and the latest version against its parent;
+        with `?lineage=`, `base` and that lineage's versions only."""
+        lineage = request.query_params.get("lineage")
+        if lineage is None:
+            return JSONBody(await report.report())
+        if not is_lineage(lineage):
+            raise ApiError(400, "invalid_lineage", "lineage must be 1-63 of [a-z0-9-], and not v<digits>")
+        if not await lineages.exists(lineage):
+            raise ApiError(404, "lineage_not_found", f"lineage {lineage!r} does not exist")
+        return JSONBody(await report.report(lineage=lineage))
 
     return router

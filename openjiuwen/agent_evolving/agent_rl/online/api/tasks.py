@@ -19,6 +19,7 @@ from ..tasks.registry import TaskRegistry
 from . import openapi
 from .body import json_object
 from ...common.errors import ApiError, JSONBody
+from ...common.lineage import LINEAGE_HEADER
 from ...common.signing_keys import AGENT_KEY_HEADER
 from .errors import domain_errors
 from .paging import cursor_param, limit_param, status_param
@@ -36,7 +37,7 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
         h = request.headers
         headers = StartHeaders(
             h.get("x-agent-session-id"), h.get("x-aigw-rl-task-id"), h.get("x-aigw-rl-policy-name"),
-            h.get("x-aigw-rl-policy-model"), h.get(AGENT_KEY_HEADER),
+            h.get("x-aigw-rl-policy-model"), h.get(AGENT_KEY_HEADER), h.get(LINEAGE_HEADER),
         )
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
             task, created = await registry.start(lifecycle.parse_start(headers, body))

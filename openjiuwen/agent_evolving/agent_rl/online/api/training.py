@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...common.ids import is_run_id
+from ...common.lineage import DEFAULT_LINEAGE, is_lineage
 from ..training.runner import GatewayUnavailable, TrainingRunner
 from . import openapi
 from .body import json_value
@@ -23,11 +24,15 @@ def build_training_router(runner: TrainingRunner) -> APIRouter:
     @router.post("/v1/rl/training/runs", openapi_extra=openapi.TRAINING_START)
     async def start_run(request: Request) -> JSONBody:
         body = await json_value(request)
-        if body is not None and body != {}:  # absent, null and {} all mean "start or reuse"
-            raise ApiError(400, "invalid_training_request", "body must be absent, null or {}")
+        # Absent, null and {} all mean "start or reuse" on the default lineage; {"lineage": L} on L's line (ext).
+        if body is not None and (not isinstance(body, dict) or not set(body) <= {"lineage"}):
+            raise ApiError(400, "invalid_training_request", "body must be absent, null, {} or {\"lineage\": ...}")
+        lineage = (body or {}).get("lineage", DEFAULT_LINEAGE)
+        if not is_lineage(lineage):
+            raise ApiError(400, "invalid_lineage", "lineage must be 1-63 of a-z, 0-9 and '-', and not v<digits>")
         try:
             with domain_errors(not_found=_NOT_FOUND, conflict="insufficient_samples"):
-                run, created = await runner.start()
+                run, created = await runner.start(lineage=lineage)
         except GatewayUnavailable as exc:
             raise ApiError(502, "gateway_unavailable", exc.message) from exc
         return JSONBody(run.public(), status_code=201 if created else 200)

@@ -10,6 +10,8 @@ from typing import Any
 from ..errors import Conflict, InvalidInput, NotFound
 from ..faults import FaultHook, no_faults
 from ...common.ids import is_task_id, is_token_id, now_iso
+from ...common.lineage import DEFAULT_LINEAGE, is_lineage, line_of, version_of
+from ...common.policy_names import BASE_POLICY
 from ...common.signing_keys import is_agent_key_id
 from ..tasks.models import FinishReason, RewardMode, Task, TaskStatus
 from ..tasks.registry import TaskRegistry
@@ -28,6 +30,8 @@ class StartHeaders:
     policy_name: str | None
     policy_model: str | None
     agent_key: str | None = None  # X-AIGW-RL-Agent-Key (ext): the agent key starting the Task, absent for operators
+    # X-AIGW-RL-Lineage (ext): sent (always, `default` included) only by a gateway that pins Tasks per lineage.
+    lineage: str | None = None
 
 
 def _blank(value: str | None) -> bool:
@@ -54,9 +58,13 @@ class TaskLifecycle:
         """The requested Task, or the first failing rule of CONTRACT §2.4 in its order."""
         if _blank(headers.session_id) or not is_token_id(headers.session_id):
             raise InvalidInput("missing_session_id", "X-Agent-Session-Id is missing or invalid")
-        if "reward_mode" not in body or not set(body) <= {"reward_mode", "evaluation"}:
+        if "reward_mode" not in body or not set(body) <= {"reward_mode", "evaluation", "lineage"}:
             raise InvalidInput("invalid_task_request",
-                               "body must be {\"reward_mode\": ...} with an optional \"evaluation\": true|false")
+                               "body must be {\"reward_mode\": ...} with an optional \"evaluation\": true|false "
+                               "and an optional \"lineage\"")
+        lineage = body.get("lineage", DEFAULT_LINEAGE)
+        if not is_lineage(lineage):
+            raise InvalidInput("invalid_lineage", "lineage must be 1-63 of a-z, 0-9 and '-', and not v<digits>")
         evaluation = body.get("evaluation", False)
         if not isinstance(evaluation, bool):
             raise InvalidInput("invalid_task_request", "evaluation must be a boolean")
@@ -72,6 +80,7 @@ class TaskLifecycle:
         if headers.agent_key is not None and not is_agent_key_id(headers.agent_key):
             raise InvalidInput("invalid_gateway_task", "X-AIGW-RL-Agent-Key has an invalid format")
         assert headers.session_id and headers.task_id and headers.policy_name and headers.policy_model
+        self._check_lineage(lineage, headers)
         return Task(
             rl_task_id=headers.task_id,
             agent_session_id=headers.session_id,
@@ -83,7 +92,27 @@ class TaskLifecycle:
             policy_model=headers.policy_model,
             evaluation=evaluation,
             agent_key_id=headers.agent_key,
+            lineage=lineage,
         )
+
+    def _check_lineage(self, lineage: str, headers: StartHeaders) -> None:
+        """Wire 2 of docs/lineages.md: a non-default lineage needs a gateway that pinned the Task on that lineage's
+        line; never a silent fallback onto the default line."""
+        if headers.lineage is None:
+            if lineage != DEFAULT_LINEAGE:
+                raise InvalidInput("lineage_unsupported",
+                                   f"lineage {lineage!r} needs a gateway that supports lineages; the gateway in front "
+                                   "of this RL Service (no X-AIGW-RL-Lineage header) pins Tasks on the default lineage "
+                                   "only")
+            return
+        if headers.lineage != lineage:
+            raise InvalidInput("invalid_lineage", "X-AIGW-RL-Lineage differs from the body's lineage")
+        # The policy the gateway pinned must belong to the Task's line, or the samples would train the wrong line.
+        # The default line keeps today's rule (any non-blank name), so an AIGW's policy names are untouched.
+        if lineage != DEFAULT_LINEAGE and headers.policy_name != BASE_POLICY \
+                and version_of(headers.policy_name, line_of(self._model_id, lineage)) is None:
+            raise InvalidInput("invalid_gateway_task",
+                               f"x-aigw-rl-policy-name is neither base nor a version of lineage {lineage!r}")
 
     async def finish(self, rl_task_id: str, reason: FinishReason, *, agent_key: str | None = None) -> Task:
         """Finalize; delayed mode publishes the current turn first (feedback "", tag `session_done`) without

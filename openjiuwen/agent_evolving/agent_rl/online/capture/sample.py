@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...common.lineage import DEFAULT_LINEAGE
 from ...common.sampling import Sampling
 from ..store.codec import PackedSample
 from ..store.documents import sample_document
@@ -58,6 +59,8 @@ def build_sample(
     meta["judge"] = None
     if instance is not None:
         meta["instance"] = instance
+    if task.lineage != DEFAULT_LINEAGE:
+        meta["lineage"] = task.lineage  # the store files it on its lineage's line; absent for default (unchanged)
     if task.evaluation:
         meta["evaluation"] = True  # the store files it under `evaluation`: measured, never trained on
     return PackedSample(meta, validated.prompt_ids, validated.response_ids, validated.logprobs)

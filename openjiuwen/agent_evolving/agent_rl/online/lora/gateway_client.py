@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import orjson
 
+from ...common.lineage import parse_version_name
+
 from ...common.policy_names import BASE_POLICY
 
 log = logging.getLogger("openjiuwen.agent_rl.online.lora")
@@ -94,8 +96,9 @@ class GatewayLoraClient:
         if self._owns_client:
             await self._client.aclose()
 
-    async def _read_once(self, timeout_s: float) -> Policy:
-        url = f"{self._endpoint}/internal/v1/rl/loras/{self._model_id}"
+    async def _read_once(self, timeout_s: float, line: str | None = None) -> Policy:
+        # A lineage's line takes the model id's place (docs/lineages.md wire 4); the default line is the model id.
+        url = f"{self._endpoint}/internal/v1/rl/loras/{line or self._model_id}"
         try:
             resp = await self._client.get(url, timeout=max(timeout_s, 0.001))
         except httpx.TimeoutException as exc:
@@ -111,11 +114,11 @@ class GatewayLoraClient:
         except orjson.JSONDecodeError as exc:
             raise GatewayError("query answer is not valid JSON") from exc
 
-    async def read_policy(self) -> Policy:
+    async def read_policy(self, line: str | None = None) -> Policy:
         """One request bounded by `lora_activation_timeout` (run start: a failure is 502, never retried)."""
-        return await self._read_once(self._timeout_s)
+        return await self._read_once(self._timeout_s, line)
 
-    async def read_policy_retrying(self, *, timeout_s: float | None = None) -> Policy:
+    async def read_policy_retrying(self, *, timeout_s: float | None = None, line: str | None = None) -> Policy:
         """Reconciliation and recovery: retried like activation within one deadline."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout_s or self._timeout_s)
@@ -125,7 +128,7 @@ class GatewayLoraClient:
             if remaining <= 0:
                 break
             try:
-                return await self._read_once(remaining)
+                return await self._read_once(remaining, line)
             except GatewayTransient as exc:
                 last = exc
             if delay and deadline - loop.time() > delay:
@@ -172,7 +175,9 @@ class GatewayLoraClient:
             await asyncio.sleep(delay)
         # Before reporting a failure that may hide a success (timeout, exhausted retries), ask what is active.
         try:
-            policy = await self._read_once(max(deadline - loop.time(), 1.0))
+            # The version's own line: `<line>:vN` (the gateway derives the line from the name the same way).
+            parsed = parse_version_name(lora_name)
+            policy = await self._read_once(max(deadline - loop.time(), 1.0), parsed[0] if parsed else None)
         except GatewayError:
             raise GatewayError(failure) from None
         if policy.lora_name == lora_name:

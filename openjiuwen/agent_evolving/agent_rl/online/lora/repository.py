@@ -26,6 +26,8 @@ from typing import Any
 
 import orjson
 
+from ...common.lineage import DEFAULT_LINEAGE, lora_name, split_line
+
 from ...common.ids import now_iso
 from ...common.private_files import make_private_dirs
 
@@ -121,19 +123,29 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 class LoraRepository:
-    def __init__(self, root: str | Path, *, model_id: str) -> None:
+    def __init__(self, root: str | Path, *, model_id: str, line: str | None = None) -> None:
         self._root = Path(root)
         self._model_id = model_id
+        self._line = line or model_id  # the line whose versions this names (docs/lineages.md)
+
+    def for_line(self, line: str | None) -> "LoraRepository":
+        """The repository of a line of this model: the default line's is this one, unchanged; another lineage's
+        versions live under `<root>/<model_id>/lineages/<lineage>/v<N>` (no `:` in paths), numbered per line."""
+        if not line or line == self._line:
+            return self
+        return LoraRepository(self._root, model_id=self._model_id, line=line)
 
     @property
     def model_dir(self) -> Path:
-        return self._root / self._model_id
+        model, lineage = split_line(self._line)
+        base = self._root / self._model_id
+        return base if lineage == DEFAULT_LINEAGE else base / "lineages" / lineage
 
     def version_path(self, version: int) -> Path:
         return self.model_dir / f"v{version}"
 
     def lora_name(self, version: int) -> str:
-        return f"{self._model_id}:v{version}"
+        return lora_name(self._line, version)
 
     # ---------------------------------------------------------------- sync core (run in threads)
 
@@ -216,7 +228,7 @@ class LoraRepository:
 
     def validate_artifact(self, artifact: Artifact) -> None:
         """CONTRACT §4.7: name `<model_id>:v<N>`, path `<root>/<model_id>/v<N>` (same N), with metadata.json."""
-        prefix = f"{self._model_id}:v"
+        prefix = f"{self._line}:v"
         suffix = artifact.lora_name[len(prefix):] if artifact.lora_name.startswith(prefix) else ""
         if not _VERSION_DIR.fullmatch(f"v{suffix}"):
             raise ValueError(f"invalid artifact name {artifact.lora_name!r}")

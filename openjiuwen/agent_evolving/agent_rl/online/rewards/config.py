@@ -4,6 +4,9 @@
 reward projection, delayed-feedback turn or rail-v1 upload), so they carry only a weight. Every other name is an
 external source posted later through `POST /v1/rl/trajectories/{id}/rewards`; it needs a deadline (seconds after
 publication) and a fallback applied when the deadline passes without a score.
+
+`lineages.<name>` replaces the sources and aggregation for the samples of one lineage (docs/lineages.md): a whole
+policy, not a merge, so what a lineage's samples wait for reads from one place.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
+
+from ...common.lineage import DEFAULT_LINEAGE, is_lineage
 
 BUILTIN_SOURCES = ("terminal", "judge")
 SOURCE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -39,19 +44,16 @@ class RewardSourceConfig(BaseModel):
     default_score: Score | None = None
 
 
-class RewardPolicyConfig(BaseModel):
-    """`reward_policy` (docs/rewards.md). Absent (null) = today's behaviour: a published sample is pending at once."""
+class RewardRulesConfig(BaseModel):
+    """The sources and their aggregation: the whole policy of one lineage (`reward_policy.lineages.<name>`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     aggregation: Aggregation = "weighted_mean"
     sources: dict[str, RewardSourceConfig] = Field(default_factory=dict)
-    # The sweeper wakes at the earliest deadline it knows of, and at least this often to see deadlines of samples
-    # published by other service processes.
-    sweep_interval_seconds: Annotated[float, Field(gt=0, le=3600, strict=True, allow_inf_nan=False)] = 10.0
 
     @model_validator(mode="after")
-    def _check_sources(self) -> "RewardPolicyConfig":
+    def _check_sources(self) -> "RewardRulesConfig":
         if len(self.sources) > MAX_SOURCES:
             raise _invalid(f"at most {MAX_SOURCES} sources")
         for name, source in self.sources.items():
@@ -71,3 +73,21 @@ class RewardPolicyConfig(BaseModel):
 
     def external_sources(self) -> tuple[str, ...]:
         return tuple(name for name in self.sources if name not in BUILTIN_SOURCES)
+
+
+class RewardPolicyConfig(RewardRulesConfig):
+    """`reward_policy` (docs/rewards.md). Absent (null) = today's behaviour: a published sample is pending at once."""
+
+    # The sweeper wakes at the earliest deadline it knows of, and at least this often to see deadlines of samples
+    # published by other service processes.
+    sweep_interval_seconds: Annotated[float, Field(gt=0, le=3600, strict=True, allow_inf_nan=False)] = 10.0
+    # Per-lineage policies (docs/lineages.md): a lineage listed here follows its own sources and aggregation.
+    lineages: dict[str, RewardRulesConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_lineages(self) -> "RewardPolicyConfig":
+        for name in self.lineages:
+            # `default` is the top-level policy itself: an entry for it would be a second, conflicting one.
+            if not is_lineage(name) or name == DEFAULT_LINEAGE:
+                raise _invalid(f"lineages.{name}: not a lineage name other than default")
+        return self

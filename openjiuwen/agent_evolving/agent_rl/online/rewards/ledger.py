@@ -5,6 +5,11 @@ and run as WATCH(sample hash) → read → decide → MULTI/EXEC. Watching the h
 sample's status, index membership or deadline-index entry also writes its hash in the same EXEC (publication,
 arrival, deadline move, run claim, rollback), so any concurrent change to the sample fails this EXEC and the
 decision is made again on fresh state. Several service processes may therefore attach and sweep at once.
+
+Lines (docs/lineages.md): a sample's reward state lives with its line (hash field `lineage`): its status index,
+counters, deadline set and lateness lists are its line's, and it follows its lineage's policy
+(`reward_policy.lineages.<name>`). The sweeper visits the default line and, through the due-line hint
+`keys.REWARD_DUE_LINES`, only the other lines with a deadline due now: never every registered lineage.
 """
 
 from __future__ import annotations
@@ -31,7 +36,16 @@ from ..workers.fence import Fence
 from .policy import RewardConflict, RewardPolicy, iso_at
 
 LATENCY_WINDOW = 1000  # lateness samples kept per source for the p50/p95 of the stats
-_FIELDS = ("status", "rewards", "source", "policy_version", "created_at")
+_FIELDS = ("status", "rewards", "source", "policy_version", "created_at", "lineage")
+_LINES_PER_SWEEP = 100  # non-default lines visited per sweep at most; the rest stay due for the next tick
+# Reset a line's due-hint entry to the earliest deadline its set holds now, or remove it when the set is empty. One
+# Lua call, so a publication's EXEC (deadline + ZADD LT) lands wholly before or after it: the hint never ends above
+# a deadline of the line. KEYS: the line's deadline set, REWARD_DUE_LINES; ARGV: the line.
+_REFRESH_HINT = """
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if first[2] then redis.call('ZADD', KEYS[2], first[2], ARGV[1]) else redis.call('ZREM', KEYS[2], ARGV[1]) end
+return 1
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +64,12 @@ class RewardLedger:
         self._owner = owner
         self._stats_key = keys.traj_stats(owner)
         self._deadlines_key = keys.reward_deadlines(owner)
+        self._refresh_hint = redis.register_script(_REFRESH_HINT)
+
+    def _policy_of(self, line: TrajectoryStore) -> RewardPolicy:
+        """The policy of a line's samples; the (unconfigured) top-level one once the policy left the config, so
+        samples still waiting from it are released at their next sweep."""
+        return line.reward_policy or self._policy
 
     @property
     def policy(self) -> RewardPolicy:
@@ -60,7 +80,7 @@ class RewardLedger:
     async def attach(self, sample_id: str, source: str, score: float, *, now: float | None = None) -> dict[str, Any]:
         """Record `score` from the external `source` on a published sample. Idempotent per (sample, source); a
         different score for a source that arrived is a conflict; a sample claimed by a run or trained refuses it."""
-        if source not in self._policy.external:
+        if source not in self._policy.any_external:
             raise InvalidInput("invalid_reward_source", "source is not an external reward source of the reward policy")
         try:
             key = keys.traj(sample_id)
@@ -70,44 +90,55 @@ class RewardLedger:
 
         async def body(pipe: Pipeline) -> dict[str, Any]:
             row = await pipe.hmget(key, _FIELDS)
-            status, raw_state, sample_source, policy_version, created_at = (text(v) for v in row)
+            status, raw_state, sample_source, policy_version, created_at, lineage = (text(v) for v in row)
             if status is None:
                 raise NotFound("trajectory not found")
+            line = self._store.for_lineage(lineage)  # the sample's own line: its indexes, counters, policy
+            policy = self._policy_of(line)
+            if source not in policy.external:
+                raise InvalidInput("invalid_reward_source",
+                                   "source is not an external reward source of the reward policy of this sample's "
+                                   "lineage")
             if status not in (SampleStatus.AWAITING_REWARDS, SampleStatus.PENDING, SampleStatus.EVALUATION):
                 raise RewardConflict(f"sample is {status}: rewards are refused once it is in a Training Run or trained")
-            state = orjson.loads(raw_state) if raw_state else await self._state_before_policy(pipe, key, created_at)
-            new = self._policy.arrive(state, source, score, now)
+            state = (orjson.loads(raw_state) if raw_state
+                     else await self._state_before_policy(pipe, key, created_at, policy))
+            new = policy.arrive(state, source, score, now)
             if new is None:
-                return self._answer(sample_id, source, score, recorded=False, status=status, state=state)
+                return self._answer(sample_id, source, score, policy, recorded=False, status=status, state=state)
             # Only `awaiting_rewards` moves on an arrival; `pending` and `evaluation` samples keep their status.
-            new_status = self._policy.status(new) if status == SampleStatus.AWAITING_REWARDS else status
+            new_status = policy.status(new) if status == SampleStatus.AWAITING_REWARDS else status
             at = ids.now_iso()
-            # Invariant 5 and the deadline-index invariant: status, index membership, deadline entry and counters
-            # move together with the reward state.
+            # Invariant 5 and the deadline-index invariant, in the sample's own line: status, index membership,
+            # deadline entry and counters move together with the reward state.
             pipe.multi()
             pipe.hset(key, mapping={"rewards": orjson.dumps(new), "updated_at": at})
             if status == SampleStatus.AWAITING_REWARDS:
                 self._queue_after_change(
-                    pipe, sample_id, new, new_status, sample_source, policy_version, created_at, at
+                    pipe, line, sample_id, new, new_status, sample_source, policy_version, created_at, at
                 )
-            latency_key = keys.reward_latency(self._owner, source)
+            latency_key = keys.reward_latency(line.owner, source)
             pipe.lpush(latency_key, f"{max(0.0, now - float(new['published_at'])):.3f}")
             pipe.ltrim(latency_key, 0, LATENCY_WINDOW - 1)
-            pipe.hincrby(self._stats_key, f"reward_arrived:{source}", 1)
+            pipe.hincrby(line.stats_key, f"reward_arrived:{source}", 1)
             await pipe.execute()
-            return self._answer(sample_id, source, score, recorded=True, status=new_status, state=new)
+            return self._answer(sample_id, source, score, policy, recorded=True, status=new_status, state=new)
 
         return await transact(self._redis, body, key)
 
-    async def _state_before_policy(self, pipe: Pipeline, key: str, created_at: str | None) -> dict[str, Any]:
+    @staticmethod
+    async def _state_before_policy(
+        pipe: Pipeline, key: str, created_at: str | None, policy: RewardPolicy
+    ) -> dict[str, Any]:
         """A sample published before the policy was configured has no state: start one from its `judge`."""
         doc = decode_meta(await pipe.hget(key, "sample_json"))
         published = ids.parse_iso_epoch(created_at) if created_at else time.time()
-        return self._policy.initial(doc.get("judge"), published)
+        return policy.initial(doc.get("judge"), published)
 
     def _queue_after_change(
         self,
         pipe: Pipeline,
+        line: TrajectoryStore,
         sample_id: str,
         state: dict[str, Any],
         new_status: str,
@@ -116,19 +147,21 @@ class RewardLedger:
         created_at: str | None,
         at: str,
     ) -> None:
-        """The common end of an arrival and a deadline move on an `awaiting_rewards` sample."""
+        """The common end of an arrival and a deadline move on an `awaiting_rewards` sample of `line`."""
         if new_status == SampleStatus.PENDING:
-            self._store.queue_move(
+            line.queue_move(
                 pipe, sample_id, old=SampleStatus.AWAITING_REWARDS, new=SampleStatus.PENDING,
                 score=ids.parse_iso_epoch(created_at) if created_at else time.time(),
                 policy_version=policy_version or BASE_POLICY, at=at,
             )
-            pipe.zrem(self._deadlines_key, sample_id)
+            pipe.zrem(line.deadlines_key, sample_id)
         else:
-            pipe.zadd(self._deadlines_key, {sample_id: self._policy.next_deadline(state)})
+            line.queue_deadline(pipe, sample_id, self._policy_of(line).next_deadline(state))
 
+    @staticmethod
     def _answer(
-        self, sample_id: str, source: str, score: float, *, recorded: bool, status: str, state: dict[str, Any]
+        sample_id: str, source: str, score: float, policy: RewardPolicy, *, recorded: bool, status: str,
+        state: dict[str, Any],
     ) -> dict[str, Any]:
         return {
             "trajectory_id": sample_id,
@@ -136,70 +169,102 @@ class RewardLedger:
             "score": score,
             "recorded": recorded,
             "status": status,
-            "rewards": self._policy.view(state),
+            "rewards": policy.view(state),
         }
 
     # ------------------------------------------------------------------ deadlines
 
     async def next_deadline(self) -> float | None:
-        first = await self._redis.zrange(self._deadlines_key, 0, 0, withscores=True)
-        return float(first[0][1]) if first else None
+        """The earliest deadline of the default line, or the earliest due-hint of another line (a lower bound)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zrange(self._deadlines_key, 0, 0, withscores=True)
+            pipe.zrange(keys.REWARD_DUE_LINES, 0, 0, withscores=True)
+            firsts = await pipe.execute()
+        scores = [float(first[0][1]) for first in firsts if first]
+        return min(scores) if scores else None
 
     async def sweep_due(self, *, fence: Fence, now: float | None = None, limit: int = 500) -> SweepResult:
         """Apply the fallbacks of every deadline due at `now`, at most `limit` samples, one EXEC per sample, each
-        through `fence` (the reward-deadline sweeper's, a leader duty)."""
+        through `fence` (the reward-deadline sweeper's, a leader duty): the default line's first, then those of the
+        other lines whose due-hint is at or before `now` (at most `_LINES_PER_SWEEP` lines; a line is never found by
+        scanning the registry)."""
         now = time.time() if now is None else now
-        due = await self._redis.zrange(self._deadlines_key, "-inf", repr(now), byscore=True, offset=0, num=limit)
+        total = await self._sweep_line(self._store, now, limit, fence)
+        due_lines = await self._redis.zrange(
+            keys.REWARD_DUE_LINES, "-inf", repr(now), byscore=True, offset=0, num=_LINES_PER_SWEEP
+        )
+        for raw in due_lines:
+            if total.visited >= limit:
+                break
+            try:
+                line = self._store.for_line(text(raw) or "")
+            except (InvalidIdentifier, ValueError):
+                await self._redis.zrem(keys.REWARD_DUE_LINES, raw)  # never written by us; keep the hint clean
+                continue
+            part = await self._sweep_line(line, now, limit - total.visited, fence)
+            # After the line's due samples moved: its entry becomes its earliest remaining deadline, or goes.
+            await self._refresh_hint(keys=[line.deadlines_key, keys.REWARD_DUE_LINES], args=[line.owner])
+            total = SweepResult(*(a + b for a, b in zip(
+                (total.visited, total.released, total.dropped, total.fallbacks),
+                (part.visited, part.released, part.dropped, part.fallbacks))))
+        return total
+
+    async def _sweep_line(self, line: TrajectoryStore, now: float, limit: int, fence: Fence) -> SweepResult:
+        due = await self._redis.zrange(line.deadlines_key, "-inf", repr(now), byscore=True, offset=0, num=limit)
         released = dropped = fallbacks = 0
         for member in due:
-            outcome, fired = await self._expire_one(text(member) or "", now, fence)
+            outcome, fired = await self._expire_one(line, text(member) or "", now, fence)
             released += outcome == SampleStatus.PENDING
             dropped += outcome == "dropped"
             fallbacks += fired
         return SweepResult(len(due), released, dropped, fallbacks)
 
-    async def _expire_one(self, sample_id: str, now: float, fence: Fence) -> tuple[str, int]:
+    async def _expire_one(self, line: TrajectoryStore, sample_id: str, now: float, fence: Fence) -> tuple[str, int]:
         try:
             key = keys.traj(sample_id)
         except InvalidIdentifier:
             # Never written by us; keep the index clean.
-            await fence.write(self._redis, lambda pipe: pipe.zrem(self._deadlines_key, sample_id))
+            await fence.write(self._redis, lambda pipe: pipe.zrem(line.deadlines_key, sample_id))
             return "stale", 0
 
         async def body(pipe: Pipeline) -> tuple[str, int]:
             row = await pipe.hmget(key, _FIELDS)
-            status, raw_state, source, policy_version, created_at = (text(v) for v in row)
-            if status != SampleStatus.AWAITING_REWARDS:
-                # Deadline-index invariant: only `awaiting_rewards` samples have an entry.
+            status, raw_state, source, policy_version, created_at, lineage = (text(v) for v in row)
+            if status != SampleStatus.AWAITING_REWARDS or line is not self._store.for_lineage(lineage):
+                # Deadline-index invariant: only `awaiting_rewards` samples of the line have an entry in its set.
                 pipe.multi()
-                pipe.zrem(self._deadlines_key, sample_id)
+                pipe.zrem(line.deadlines_key, sample_id)
                 await pipe.execute()
                 return "stale", 0
-            state = orjson.loads(raw_state) if raw_state else await self._state_before_policy(pipe, key, created_at)
-            expiry = self._policy.expire(state, now)
+            policy = self._policy_of(line)
+            state = (orjson.loads(raw_state) if raw_state
+                     else await self._state_before_policy(pipe, key, created_at, policy))
+            expiry = policy.expire(state, now)
             # Read while the hash is WATCHed, before MULTI: the references a drop must release.
             blocks = await pipe.hget(key, "prompt_blocks") if expiry.drop else None
             pipe.multi()
             for name in expiry.fallbacks:
-                pipe.hincrby(self._stats_key, f"reward_fallback:{name}", 1)
+                pipe.hincrby(line.stats_key, f"reward_fallback:{name}", 1)
             if expiry.drop:
                 # Invariant 5: hash, index membership, deadline entry and counters leave together; the drop is
                 # counted in the same EXEC, so racing sweepers never count it twice. Invariant P
                 # (store/prompt_blocks.py): the sample's prompt-block references go in this EXEC too.
                 pipe.delete(key)
                 prompt_blocks.queue_release(pipe, prompt_blocks.release_counts([blocks]))
-                pipe.zrem(self._store.index_key(SampleStatus.AWAITING_REWARDS), sample_id)
-                pipe.zrem(self._deadlines_key, sample_id)
-                self._store.queue_counters(
+                pipe.zrem(line.index_key(SampleStatus.AWAITING_REWARDS), sample_id)
+                pipe.zrem(line.deadlines_key, sample_id)
+                line.queue_counters(
                     pipe, SampleStatus.AWAITING_REWARDS, source or "", policy_version or BASE_POLICY, -1
                 )
-                pipe.hincrby(self._stats_key, "reward_dropped", 1)
+                pipe.hincrby(line.stats_key, "reward_dropped", 1)
                 await pipe.execute()
                 return "dropped", len(expiry.fallbacks)
-            new_status = self._policy.status(expiry.state)
+            new_status = policy.status(expiry.state)
             at = ids.now_iso()
             pipe.hset(key, mapping={"rewards": orjson.dumps(expiry.state), "updated_at": at})
-            self._queue_after_change(pipe, sample_id, expiry.state, new_status, source, policy_version, created_at, at)
+            self._queue_after_change(
+                pipe, line, sample_id, expiry.state, new_status, source, policy_version, created_at, at
+            )
             await pipe.execute()
             return new_status, len(expiry.fallbacks)
 
@@ -208,7 +273,12 @@ class RewardLedger:
     # ------------------------------------------------------------------ reads
 
     async def waiting(self) -> int:
-        return int(await self._redis.zcard(self._deadlines_key))
+        """Samples of the default line waiting, plus one per other line with a deadline entry (its due-hint)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(self._deadlines_key)
+            pipe.zcard(keys.REWARD_DUE_LINES)
+            counts = await pipe.execute()
+        return sum(int(n) for n in counts)
 
     async def stats(self) -> dict[str, Any]:
         """The `rewards` part of the trajectory stats: drops, and per source arrivals, fallbacks and lateness

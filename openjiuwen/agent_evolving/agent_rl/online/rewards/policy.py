@@ -17,7 +17,8 @@ from typing import Any
 
 from ..errors import Conflict
 from ..store.sample_status import SampleStatus
-from .config import BUILTIN_SOURCES, RewardPolicyConfig
+from ...common.lineage import DEFAULT_LINEAGE
+from .config import BUILTIN_SOURCES, RewardPolicyConfig, RewardRulesConfig
 
 
 class SourceKind(StrEnum):
@@ -43,12 +44,25 @@ class Expiry:
 
 
 class RewardPolicy:
-    def __init__(self, config: RewardPolicyConfig | None) -> None:
-        self._config = config or RewardPolicyConfig()
+    def __init__(self, config: RewardPolicyConfig | None, *, rules: RewardRulesConfig | None = None) -> None:
+        top = config or RewardPolicyConfig()
+        self._config: RewardRulesConfig = rules or top
         self.configured = config is not None
         self.aggregation = self._config.aggregation
         self.external = self._config.external_sources()
-        self.sweep_interval_s = self._config.sweep_interval_seconds
+        self.sweep_interval_s = top.sweep_interval_seconds
+        # One policy object per overridden lineage, built once (docs/lineages.md, `reward_policy.lineages`).
+        self._lineages = {} if rules is not None else {
+            name: RewardPolicy(config, rules=override) for name, override in top.lineages.items()
+        }
+        # Every external source of any lineage: a source none of them declares is refused before any read.
+        self.any_external = frozenset(self.external).union(*(p.external for p in self._lineages.values()))
+
+    def for_lineage(self, lineage: str | None) -> "RewardPolicy":
+        """The policy the samples of `lineage` follow: its override, else this (the top-level) one."""
+        if not lineage or lineage == DEFAULT_LINEAGE:
+            return self
+        return self._lineages.get(lineage, self)
 
     def weight(self, source: str) -> float:
         declared = self._config.sources.get(source)

@@ -26,6 +26,14 @@ ACTIVE_RUN = PREFIX + "training_run:active"
 # paused (kept until resumed: it survives restarts and leader changes).
 TRAINING_LAST_END = PREFIX + "training:last_end"
 LINEAGES_PAUSED = PREFIX + "lineages:paused"
+# Lineages (docs/lineages.md): ZSET lineage → epoch of its first Task, every lineage but `default` (which always
+# exists); added in the EXEC that starts that first Task, never removed; bounded by `lineages.max_count`.
+LINEAGES = PREFIX + "lineages"
+# Reward deadlines of lineages (docs/lineages.md): ZSET line → a lower bound of the earliest deadline in that line's
+# `reward_deadlines:{line}` (every line but the default one, which the sweeper always visits). Lowered (ZADD LT) in
+# the EXEC that adds a deadline; only the sweeper raises or removes an entry, from the line's set in one Lua call.
+# So the sweeper reads the lines due now, never every registered lineage.
+REWARD_DUE_LINES = PREFIX + "rewards:due_lines"
 # Listing indexes (newest first): ZSETs of ids scored by creation epoch. Tasks are indexed once overall and once
 # under their current status. When a record gets its TTL, its id joins a listing-expiry ZSET scored by the epoch
 # the record expires; the retention sweeper then removes it from the listing indexes (and listings drop ids whose

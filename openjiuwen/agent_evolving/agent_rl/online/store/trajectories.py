@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from ...common import ids
+from ...common.lineage import DEFAULT_LINEAGE, line_of, split_line
 from ...common.policy_names import BASE_POLICY
 from ..errors import InvalidInput
 from ...common.ids import InvalidIdentifier
@@ -82,7 +83,9 @@ def _pending_policy_field(policy_version: str) -> str:
 
 
 class TrajectoryStore:
-    """Samples of one owner (the service `model_id`) in Redis."""
+    """Samples of one owner in Redis: the service `model_id` (the default lineage's line), or, through `for_line`,
+    the line `<model_id>:<lineage>` of another lineage (docs/lineages.md), whose samples have their own status
+    indexes and counters (`traj_idx:{line}:…`, `traj_stats:{line}`), so a run of a line claims from its own index."""
 
     def __init__(
         self,
@@ -101,13 +104,54 @@ class TrajectoryStore:
         self._max_policy_lag = max_policy_lag
         # With a configured reward policy, publication starts each sample's reward state and may park it in
         # `awaiting_rewards` (docs/rewards.md); without one every published sample is `pending` at once.
-        self._reward_policy = reward_policy if reward_policy is not None and reward_policy.configured else None
+        self._root_policy = reward_policy if reward_policy is not None and reward_policy.configured else None
         self._stats_key = keys.traj_stats(owner)  # validates the owner once
         self._deadlines_key = keys.reward_deadlines(owner)
+        # This store's lineage: `default` for the service's own owner, else the lineage of the line it was made for.
+        self.lineage = DEFAULT_LINEAGE if owner == model_id else split_line(owner)[1]
+        # The line's own reward policy (`reward_policy.lineages.<name>`, else the top-level one).
+        self._reward_policy = self._root_policy.for_lineage(self.lineage) if self._root_policy is not None else None
+        self._lines: dict[str, TrajectoryStore] = {}
+
+    def for_line(self, line: str) -> "TrajectoryStore":
+        """The store of one line of this model (this store for its own line). Cheap: key names only."""
+        if line == self._owner or (line == self._model_id and self.lineage == DEFAULT_LINEAGE):
+            return self
+        store = self._lines.get(line)
+        if store is None:
+            split_line(line)  # refuses a malformed line before it names keys
+            store = TrajectoryStore(self._redis, owner=line, model_id=self._model_id,
+                                    max_policy_lag=self._max_policy_lag, reward_policy=self._root_policy,
+                                    metrics=self._metrics)
+            self._lines[line] = store
+        return store
+
+    def for_lineage(self, lineage: str | None) -> "TrajectoryStore":
+        return self.for_line(line_of(self._model_id, lineage or DEFAULT_LINEAGE))
 
     @property
     def owner(self) -> str:
         return self._owner
+
+    @property
+    def reward_policy(self) -> RewardPolicy | None:
+        """The reward policy this line's samples follow (None without a configured policy)."""
+        return self._reward_policy
+
+    @property
+    def deadlines_key(self) -> str:
+        return self._deadlines_key
+
+    @property
+    def stats_key(self) -> str:
+        return self._stats_key
+
+    def queue_deadline(self, pipe: Pipeline, sample_id: str, deadline: float) -> None:
+        """Queue, in a caller's MULTI, a sample's deadline entry; for a non-default line also lower the line's entry
+        in `REWARD_DUE_LINES` to it, in the same EXEC, so that hint stays at or below the line's earliest deadline."""
+        pipe.zadd(self._deadlines_key, {sample_id: deadline})
+        if self.lineage != DEFAULT_LINEAGE:
+            pipe.zadd(keys.REWARD_DUE_LINES, {self._owner: deadline}, lt=True)
 
     def index_key(self, status: str) -> str:
         return keys.traj_index(self._owner, status)
@@ -121,6 +165,15 @@ class TrajectoryStore:
         inserted ids in input order.
 
         An existing sample is never re-inserted or reset (invariant 4): publication may be repeated safely."""
+        by_lineage: dict[str, list[PackedSample]] = {}
+        for sample in samples:
+            by_lineage.setdefault(str(sample.meta.get("lineage") or DEFAULT_LINEAGE), []).append(sample)
+        if set(by_lineage) - {self.lineage}:
+            # A sample belongs to its Task's lineage's line (docs/lineages.md): each line's samples go to its store.
+            inserted = []
+            for lineage, group in by_lineage.items():
+                inserted += await self.for_lineage(lineage).insert_if_absent(group)
+            return inserted
         by_id: dict[str, PackedSample] = {}
         for sample in samples:
             by_id.setdefault(str(sample.meta["sample_id"]), sample)  # the first of duplicate ids wins
@@ -173,7 +226,7 @@ class TrajectoryStore:
                     status = final or self._reward_policy.status(state)
                     extra = {"rewards": orjson.dumps(state)}
                     if status == SampleStatus.AWAITING_REWARDS:
-                        pipe.zadd(self._deadlines_key, {sample_id: self._reward_policy.next_deadline(state)})
+                        self.queue_deadline(pipe, sample_id, self._reward_policy.next_deadline(state))
                 pipe.hset(
                     hash_keys[sample_id],
                     mapping={
@@ -197,6 +250,8 @@ class TrajectoryStore:
                         **({"prompt_blocks": prompt_blocks.pack_digests(d for d, _ in split[sample_id][0])}
                            if split[sample_id][0] else {}),
                         **({"sampling": orjson.dumps(meta["sampling"])} if meta.get("sampling") else {}),
+                        # The line's owner of a non-default sample (its indexes and counters); absent for default.
+                        **({"lineage": self.lineage} if self.lineage != DEFAULT_LINEAGE else {}),
                     },
                 )
                 pipe.zadd(self.index_key(status), {sample_id: ids.parse_iso_epoch(created_at)})
@@ -222,13 +277,13 @@ class TrajectoryStore:
         async def body(pipe: Pipeline) -> int:
             rows = await self._hmget_many(
                 hash_keys.values(),
-                ("status", "source", "policy_version", "sample_json", "response_ids", "prompt_blocks"),
+                ("status", "source", "policy_version", "sample_json", "response_ids", "prompt_blocks", "lineage"),
             )
             doomed = [
                 (sample_id, text(status) or "", text(source) or "", text(policy) or BASE_POLICY, sample_json,
-                 response_ids, blocks)
-                for sample_id, (status, source, policy, sample_json, response_ids, blocks) in zip(hash_keys, rows)
-                if text(status) in _UNCLAIMED
+                 response_ids, blocks, self.for_lineage(text(lineage)))
+                for sample_id, (status, source, policy, sample_json, response_ids, blocks, lineage)
+                in zip(hash_keys, rows) if text(status) in _UNCLAIMED
             ]
             if not doomed:
                 return 0
@@ -237,12 +292,12 @@ class TrajectoryStore:
             # prompt-block references go in the same EXEC.
             pipe.multi()
             prompt_blocks.queue_release(pipe, prompt_blocks.release_counts(row[6] for row in doomed))
-            for sample_id, status, source, policy_version, sample_json, response_ids, _ in doomed:
+            for sample_id, status, source, policy_version, sample_json, response_ids, _, owner in doomed:
                 pipe.delete(hash_keys[sample_id])
-                pipe.zrem(self.index_key(status), sample_id)
+                pipe.zrem(owner.index_key(status), sample_id)
                 if status == SampleStatus.AWAITING_REWARDS:
-                    pipe.zrem(self._deadlines_key, sample_id)
-                self.queue_counters(pipe, status, source, policy_version, -1)
+                    pipe.zrem(owner._deadlines_key, sample_id)
+                owner.queue_counters(pipe, status, source, policy_version, -1)
                 meta = decode_meta(sample_json)
                 self._queue_policy_stats(pipe, policy_version, meta, response_ids or b"", -1)
             await pipe.execute()
@@ -480,7 +535,8 @@ class TrajectoryStore:
         status = text(row[-1])
         if status is None:
             return None
-        doc = self._document(row)
+        # The breakdown follows the policy of the sample's own lineage (`reward_policy.lineages`).
+        doc = self.for_lineage(text(await self._redis.hget(key, "lineage")))._document(row)
         trajectory = doc["trajectory"]
         prompt, response_ids = trajectory["prompt_ids"], trajectory["response_ids"]
         logprobs = trajectory["response_logprobs"]

@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 
+from ...common.lineage import DEFAULT_LINEAGE, line_of
 from ..transitions import Transitions
 
 
@@ -99,6 +100,9 @@ class Task:
     # The gateway agent key that started the Task (ext, X-AIGW-RL-Agent-Key); None for the operator key or an AIGW.
     # Only that key may stop or reward it.
     agent_key_id: str | None = None
+    # The lineage whose line the Task's policy and samples belong to (docs/lineages.md). Stored and answered only
+    # when not `default`, so the default lineage's records stay byte-for-byte what they were before lineages.
+    lineage: str = DEFAULT_LINEAGE
 
     def __post_init__(self) -> None:
         if not self.policy_model:
@@ -112,9 +116,13 @@ class Task:
     def delayed(self) -> bool:
         return self.reward_mode == RewardMode.DELAYED_FEEDBACK
 
-    def spec(self) -> tuple[str, str, str, str, str, bool, str | None]:
+    @property
+    def line(self) -> str:
+        return line_of(self.model_id, self.lineage)
+
+    def spec(self) -> tuple[str, str, str, str, str, bool, str | None, str]:
         return (self.agent_session_id, self.model_id, self.policy_lora_name, self.reward_mode, self.policy_model,
-                bool(self.evaluation), self.agent_key_id)
+                bool(self.evaluation), self.agent_key_id, self.lineage)
 
     def answers_to(self, agent_key_id: str | None) -> bool:
         """Whether a caller may stop or reward this Task: the operator (None) any Task, an agent key only its own."""
@@ -125,10 +133,13 @@ class Task:
         return replace(self, status=status.value, finish_reason=reason.value, finished_at=at)
 
     def public(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.lineage == DEFAULT_LINEAGE:
+            del data["lineage"]
+        return data
 
     def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self), option=orjson.OPT_SORT_KEYS)
+        return orjson.dumps(self.public(), option=orjson.OPT_SORT_KEYS)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "Task":

@@ -20,6 +20,7 @@ from .. import events
 from . import capture_scripts as scripts
 from ..errors import Conflict, NotFound
 from ...common.ids import is_token_id, now_iso, parse_iso_epoch
+from ...common.lineage import DEFAULT_LINEAGE
 from ..store import keys
 from ..store.codec import PackedSample, text
 from ..store.listing import newest_first
@@ -70,9 +71,11 @@ class Reservation:
 
 class TaskRegistry:
     def __init__(
-        self, redis: Redis, *, signals: TaskSignals | None = None, metrics: "ServiceMetrics | None" = None
+        self, redis: Redis, *, signals: TaskSignals | None = None, metrics: "ServiceMetrics | None" = None,
+        max_lineages: int = 1000,
     ) -> None:
         self._redis = redis
+        self._max_lineages = max_lineages  # `lineages.max_count`: registered lineages besides `default`
         self.signals = signals or TaskSignals()
         self._metrics = metrics
         self._scripts = scripts.CaptureScripts(redis)
@@ -121,7 +124,12 @@ class TaskRegistry:
                             raise Conflict("the session has an active RL Task started with another key")
                         return other, False
             created = parse_iso_epoch(requested.created_at)
+            register = await self._lineage_to_register(pipe, requested.lineage)
             pipe.multi()
+            if register:
+                # A lineage exists once a Task of it exists: registered in the Task's own EXEC, so neither is seen
+                # without the other, and the count check above (under WATCH of the ZSET) holds at EXEC.
+                pipe.zadd(keys.LINEAGES, {requested.lineage: created}, nx=True)
             pipe.set(task_key, requested.to_json())
             pipe.set(pointer_key, t)
             pipe.sadd(keys.ACTIVE_TASKS, t)
@@ -138,6 +146,7 @@ class TaskRegistry:
                 "policy_lora_name": requested.policy_lora_name,
                 **({"evaluation": True} if requested.evaluation else {}),
                 **({"agent_key_id": requested.agent_key_id} if requested.agent_key_id is not None else {}),
+                **({"lineage": requested.lineage} if requested.lineage != DEFAULT_LINEAGE else {}),
             }, at=requested.created_at)
             await pipe.execute()
             return requested, True
@@ -149,6 +158,20 @@ class TaskRegistry:
             if self._metrics is not None:
                 self._metrics.task_created(task.reward_mode)
         return task, created
+
+    async def _lineage_to_register(self, pipe: Pipeline, lineage: str) -> bool:
+        """Whether starting a Task of `lineage` registers it (a lineage not yet in `rl:v1:lineages`); Conflict
+        `lineage_limit_reached` when that would pass `lineages.max_count`. `default` is never registered: it always
+        exists. A known lineage is never unregistered, so only a new one WATCHes the ZSET (its count)."""
+        if lineage == DEFAULT_LINEAGE or await pipe.zscore(keys.LINEAGES, lineage) is not None:
+            return False
+        await pipe.watch(keys.LINEAGES)
+        if await pipe.zscore(keys.LINEAGES, lineage) is not None:
+            return False
+        if await pipe.zcard(keys.LINEAGES) >= self._max_lineages:
+            raise Conflict(f"lineage {lineage!r} would pass lineages.max_count ({self._max_lineages} lineages)",
+                           code="lineage_limit_reached")
+        return True
 
     async def finalize(self, rl_task_id: str, reason: FinishReason) -> Task:
         """active → finalized. Requires zero open captures (Invariant 2); a finalized terminal-mode Task with

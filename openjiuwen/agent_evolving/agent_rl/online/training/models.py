@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from ...common.lineage import DEFAULT_LINEAGE, line_of
 from ...common.policy_names import BASE_POLICY
 from ..transitions import Transitions
 
@@ -87,6 +88,10 @@ class TrainingRun:
     parent_lora_path: str = ""
     # Why it started: {"kind": "manual"} or {"kind": "auto", "reason", "lineage", the counts at that moment}.
     trigger: dict[str, Any] = field(default_factory=manual_trigger)
+    # The model id (the service's) and the lineage whose line the run trains (docs/lineages.md). `model_id` is
+    # never stored: it is the service's own. `lineage` is stored and answered only when not `default`, so the
+    # default line's records stay byte-for-byte as before lineages.
+    lineage: str = DEFAULT_LINEAGE
 
     @property
     def terminal(self) -> bool:
@@ -101,14 +106,23 @@ class TrainingRun:
             RUN_STAGE_TRANSITIONS.check(self.stage, changes["stage"])
         return replace(self, **changes)
 
-    def public(self) -> dict[str, Any]:
+    def line(self, model_id: str) -> str:
+        return line_of(model_id, self.lineage)
+
+    def _stored(self) -> dict[str, Any]:
         data = asdict(self)
+        if self.lineage == DEFAULT_LINEAGE:
+            del data["lineage"]
+        return data
+
+    def public(self) -> dict[str, Any]:
+        data = self._stored()
         for name in PRIVATE_FIELDS:
             data.pop(name)
         return data
 
     def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self), option=orjson.OPT_SORT_KEYS)
+        return orjson.dumps(self._stored(), option=orjson.OPT_SORT_KEYS)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "TrainingRun":

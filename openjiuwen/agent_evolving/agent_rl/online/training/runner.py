@@ -30,6 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..errors import Conflict, DomainError, NotFound
 from ..faults import FaultHook, no_faults
 from ...common.ids import now_iso, parse_iso_epoch, policy_lag_version
+from ...common.lineage import DEFAULT_LINEAGE, line_of
 from ..lora.gateway_client import GatewayError, GatewayLoraClient
 from ..lora.repository import Artifact, LoraRepository
 from ..store.trajectories import TrajectoryStore
@@ -113,27 +114,42 @@ class TrainingRunner:
         return run
 
     async def start(
-        self, *, trigger: dict[str, Any] | None = None, min_samples: int | None = None
+        self, *, trigger: dict[str, Any] | None = None, min_samples: int | None = None,
+        lineage: str = DEFAULT_LINEAGE,
     ) -> tuple[TrainingRun, bool]:
         """Return the active run, or claim a fixed batch and launch a new one: (record, created). The manual route
         and the automatic scheduler both come here; the scheduler passes its `trigger` (recorded on the run) and the
-        smallest batch its reason allows (`min_samples`, capped by `max_samples_per_run`)."""
+        smallest batch its reason allows (`min_samples`, capped by `max_samples_per_run`). `lineage`: the line it
+        trains (docs/lineages.md): its own pending samples, from its active version, to its next `<line>:vN`.
+
+        One run at a time machine-wide (the `training_run:active` pointer): a start of another lineage while one
+        is active is a Conflict `training_run_conflict`."""
         trigger = trigger or manual_trigger()
+        line = line_of(self._model_id, lineage)
         minimum = self._min_samples if min_samples is None else min(min_samples, self._max_samples)
         async with self._lock:
             active = await self._runs.active()
             if active is not None:
                 self._adopt(active)
+                if active.lineage != lineage:
+                    raise Conflict(f"training run {active.training_run_id} of lineage {active.lineage!r} is active: "
+                                   "one Training Run at a time on this service", code="training_run_conflict")
                 return active, False
+            if lineage != DEFAULT_LINEAGE and self._rollout is not None and self._rollout.gated:
+                # Rollouts (canary / manual) keep one candidate per model today; a lineage's version must never
+                # become the default line's candidate, so such a run is refused rather than mis-rolled out.
+                raise Conflict(f"rollout.mode {self._rollout.config.mode!r} is not supported for lineage {lineage!r} yet: "
+                               "only the default lineage rolls out through a canary", code="lineage_rollout_unsupported")
             if self._rollout is not None and (current := await self._rollout.in_progress()) is not None:
                 # Never two candidates, and a run trained while one is judged would have an undecided parent.
                 raise Conflict(f"rollout {current['rollout_id']} ({current['status']}) is in progress: a new "
                                "Training Run starts once it is promoted or rolled back", code="rollout_in_progress")
             try:
-                parent = await self._gateway.read_policy()
+                parent = await self._gateway.read_policy(line)
             except GatewayError as exc:
                 raise GatewayUnavailable(f"cannot read the active policy from the gateway: {exc}") from exc
-            await self._runs.observe_policy(parent.lora_name, parent.lora_path)
+            if lineage == DEFAULT_LINEAGE:  # `policy:observed` is the default line's (AIGW key)
+                await self._runs.observe_policy(parent.lora_name, parent.lora_path)
             draft = TrainingRun(
                 training_run_id=new_run_id(),
                 status=RunStatus.PENDING.value,
@@ -145,11 +161,12 @@ class TrainingRunner:
                 parent_lora_name=parent.lora_name,
                 parent_lora_path=parent.lora_path,
                 trigger=trigger,
+                lineage=lineage,
             )
             try:
                 claim = await self._runs.claim(
                     draft,
-                    parent_version=policy_lag_version(parent.lora_name, self._model_id),
+                    parent_version=policy_lag_version(parent.lora_name, line),
                     max_policy_lag=self._max_policy_lag,
                     min_samples=minimum,
                     max_samples=self._max_samples,
@@ -364,9 +381,10 @@ class TrainingRunner:
                 samples=samples,
                 init_lora_name=run.parent_lora_name,
                 init_lora_path=run.parent_lora_path,
+                line=run.line(self._model_id),
             )
             artifact = await self._backend.train(job, on_progress=self._progress_recorder(run_id))
-            await asyncio.to_thread(self._repository.validate_artifact, artifact)
+            await asyncio.to_thread(self._repository.for_line(run.line(self._model_id)).validate_artifact, artifact)
             self._fault("run.trained")
         except asyncio.CancelledError:
             self._stage("training", "canceled", time.perf_counter() - started)
@@ -509,9 +527,12 @@ class TrainingRunner:
         assert run.lora_name and run.lora_path
         run_id = run.training_run_id
         # The fenced write first: a deposed leader stops before it writes the repository's marker (a file carries
-        # no token; the next leader, activating the same artifact again, writes the same marker).
-        await self._durable(f"run {run_id} policy", lambda: self._runs.observe_policy(run.lora_name, run.lora_path))
-        await self._repository.write_active(run.lora_name, run.lora_path, run_id)
+        # no token; the next leader, activating the same artifact again, writes the same marker). The default line's
+        # observed policy is the AIGW-visible one; other lines keep theirs in the repository marker only.
+        if run.lineage == DEFAULT_LINEAGE:
+            await self._durable(f"run {run_id} policy",
+                                lambda: self._runs.observe_policy(run.lora_name, run.lora_path))
+        await self._repository.for_line(run.line(self._model_id)).write_active(run.lora_name, run.lora_path, run_id)
         log.info("training run %s succeeded: %s active", run_id, run.lora_name,
                  extra={"training_run_id": run_id, "lora_name": run.lora_name})
         return await self._durable(f"run {run_id} succeeded", lambda: self._runs.finish(
@@ -528,7 +549,7 @@ class TrainingRunner:
         if self._rollout is not None and self._rollout.gated:
             return await self._stop_canary_start(run)
         try:
-            policy = await self._gateway.read_policy_retrying()
+            policy = await self._gateway.read_policy_retrying(line=run.line(self._model_id))
         except GatewayError as exc:
             return await self._runs.finish(
                 run_id, RunStatus.CANCELED, failure_reason=f"activation outcome unknown: {exc}"

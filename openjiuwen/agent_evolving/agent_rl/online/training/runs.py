@@ -104,8 +104,10 @@ class RunStore:
 
         Invariant 6: at most one active run, and every `training` sample belongs to it: the pointer, the record and
         the pending → training moves happen in one EXEC, under WATCH of the pointer and the pending index."""
-        pending_index = self._store.index_key(SampleStatus.PENDING)
-        stats_key = keys.traj_stats(self._store.owner)
+        line = draft.line(self._model_id)
+        store = self._store.for_line(line)  # the run claims its own line's samples only (per-line index: O(batch))
+        pending_index = store.index_key(SampleStatus.PENDING)
+        stats_key = keys.traj_stats(store.owner)
         run_key = keys.training_run(draft.training_run_id)
 
         async def body(pipe: Pipeline) -> ClaimResult:
@@ -120,12 +122,12 @@ class RunStore:
             counters = {(text(k) or ""): int(v) for k, v in (await pipe.hgetall(stats_key)).items()}
             pending = max(0, counters.get(f"status:{SampleStatus.PENDING}", 0))
             stale = stale_pending(
-                counters, model_id=self._model_id, current_version=parent_version, max_policy_lag=max_policy_lag
+                counters, model_id=line, current_version=parent_version, max_policy_lag=max_policy_lag
             )
             eligible = max(0, pending - stale)
             if eligible < min_samples:
                 return ClaimResult(None, False, eligible, stale)
-            chosen = await self._oldest_eligible(pending_index, parent_version, max_policy_lag, max_samples)
+            chosen = await self._oldest_eligible(pending_index, line, parent_version, max_policy_lag, max_samples)
             if len(chosen) < min_samples:
                 return ClaimResult(None, False, len(chosen), stale)
             await pipe.watch(*(keys.traj(sample_id) for sample_id, _ in chosen))
@@ -143,7 +145,7 @@ class RunStore:
             )
             pipe.multi()
             for sample_id, version in chosen:
-                self._store.queue_move(
+                store.queue_move(
                     pipe, sample_id, old=SampleStatus.PENDING, new=SampleStatus.TRAINING, score=score,
                     policy_version=version, at=at,
                     run_id=run.training_run_id,
@@ -161,7 +163,7 @@ class RunStore:
         return await self._fence.transact(self._redis, body, keys.ACTIVE_RUN, pending_index, stats_key)
 
     async def _oldest_eligible(
-        self, pending_index: str, parent_version: int, max_policy_lag: int | None, limit: int
+        self, pending_index: str, line: str, parent_version: int, max_policy_lag: int | None, limit: int
     ) -> list[tuple[str, str]]:
         """(sample id, policy version) of the oldest eligible pending samples, in index order."""
         chosen: list[tuple[str, str]] = []
@@ -177,7 +179,7 @@ class RunStore:
                     reads.hget(keys.traj(sample_id), "policy_version")
                 versions = [text(v) or BASE_POLICY for v in await reads.execute()]
             for sample_id, version in zip(members, versions):
-                lag = parent_version - policy_lag_version(version, self._model_id)
+                lag = parent_version - policy_lag_version(version, line)
                 if max_policy_lag is None or lag <= max_policy_lag:
                     chosen.append((sample_id, version))
                     if len(chosen) == limit:
@@ -226,9 +228,10 @@ class RunStore:
             )
             failed = sum(1 for sample_id, *_ in moves if sample_id in dropped)
             pipe.multi()
+            store = self._store.for_line(run.line(self._model_id))
             for sample_id, version, *_ in moves:
                 target = SampleStatus.FAILED if sample_id in dropped else SampleStatus.TRAINED
-                self._store.queue_move(
+                store.queue_move(
                     pipe, sample_id, old=SampleStatus.TRAINING, new=target, score=score, policy_version=version,
                     at=at,
                 )
@@ -269,14 +272,14 @@ class RunStore:
             at = now_iso()
             done = run.evolve(status=status.value, finished_at=at, failure_reason=failure_reason)
             pipe.multi()
-            self._queue_restore(pipe, moves, at)
+            self._queue_restore(pipe, run, moves, at)
             pipe.set(run_key, done.to_json(), ex=self._run_retention_s)
             pipe.zadd(keys.RUNS_LISTING_EXPIRY, {run_id: parse_iso_epoch(at) + self._run_retention_s})
             if pointer == run_id:
                 pipe.delete(keys.ACTIVE_RUN)
             # The line's last run end moves with the terminal record, so `min_interval_seconds` of automatic
             # training (training/scheduler.py) always counts from the end of the run that really ended last.
-            pipe.hset(keys.TRAINING_LAST_END, self._model_id, parse_iso_epoch(at))
+            pipe.hset(keys.TRAINING_LAST_END, run.line(self._model_id), parse_iso_epoch(at))
             stream = keys.training_run_events(run_id)
             for event_type, data in before:
                 events.queue(pipe, stream, event_type, data, at=at)
@@ -310,7 +313,7 @@ class RunStore:
             pointer = text(await pipe.get(keys.ACTIVE_RUN))
             at = now_iso()
             pipe.multi()
-            self._queue_restore(pipe, moves, at)
+            self._queue_restore(pipe, run, moves, at)
             if pointer == run_id:
                 pipe.delete(keys.ACTIVE_RUN)
             await pipe.execute()
@@ -318,15 +321,17 @@ class RunStore:
 
         return await self._fence.transact(self._redis, body, run_key, keys.ACTIVE_RUN)
 
-    def _queue_restore(self, pipe: Pipeline, moves: list[tuple[str, str, str, bool]], at: str) -> None:
+    def _queue_restore(self, pipe: Pipeline, run: TrainingRun, moves: list[tuple[str, str, str, bool]],
+                       at: str) -> None:
         """Queue `training → pending` for `_training_members` rows: each sample back at its original position
         (scored by `created_at`) and no longer owned by a run; `training → excluded` for a sample whose instance
-        an operator excluded meanwhile (invariant 11: it never reaches another run)."""
+        an operator excluded meanwhile (invariant 11: it never reaches another run). Back into the run's own line."""
+        store = self._store.for_line(run.line(self._model_id))
         for sample_id, version, created_at, excluded in moves:
             new, score = ((SampleStatus.EXCLUDED, parse_iso_epoch(at)) if excluded
                           else (SampleStatus.PENDING, parse_iso_epoch(created_at)))
-            self._store.queue_move(pipe, sample_id, old=SampleStatus.TRAINING, new=new, score=score,
-                                   policy_version=version, at=at, run_id="")
+            store.queue_move(pipe, sample_id, old=SampleStatus.TRAINING, new=new, score=score,
+                             policy_version=version, at=at, run_id="")
 
     async def _training_members(self, pipe: Pipeline, run: TrainingRun) -> list[tuple[str, str, str, bool]]:
         """(id, policy version, created_at, whether its instance is excluded) of the run's samples still `training`

@@ -4,7 +4,9 @@ Each tick reads a small snapshot of every line (pending and eligible counts from
 pending sample from the head of the pending index, the active run, a live rollout, the line's previous run end, an
 operator pause), lets `eligibility.choose` pick the lines to start, and starts each through `TrainingRunner.start`,
 the very path of `POST /v1/rl/training/runs` (claims stay O(batch); runs are recorded and executed alike), with the
-run's `trigger`. Today a model has one line (the `default` lineage); `lines()` is where lineages add theirs.
+run's `trigger`. Automatic runs are started for the `default` lineage's line only (`lines()`): choosing among
+thousands of lineages' lines without reading them all needs the waiting-line hint of docs/lineages.md, not built
+yet. The operator view, pause and resume work for every registered lineage (`resolve`).
 Reading a line costs a fixed handful of commands: no scan of samples or of lines.
 """
 
@@ -22,7 +24,7 @@ import orjson
 from redis.asyncio import Redis
 
 from ...common.ids import policy_lag_version
-from ...common.lineage import DEFAULT_LINEAGE
+from ...common.lineage import DEFAULT_LINEAGE, is_lineage, line_of
 from ...common.policy_names import BASE_POLICY
 from ..background import stop_loop
 from ..errors import DomainError, NotFound
@@ -48,7 +50,7 @@ def _iso(epoch: float | None) -> str | None:
 
 
 class UnknownLineage(NotFound):
-    """A lineage this service does not have (today: any but `default`)."""
+    """A lineage this service does not have: neither `default` nor registered in `rl:v1:lineages`."""
 
 
 class TrainingScheduler:
@@ -84,28 +86,31 @@ class TrainingScheduler:
         return self._policy
 
     def lines(self) -> list[tuple[str, str]]:
-        """(line, lineage) of every line that may train. One per model until lineages exist (issue 27)."""
+        """(line, lineage) of every line the scheduler starts runs for: the default lineage's only (see above)."""
         return [(self._model_id, DEFAULT_LINEAGE)]
 
-    def line_of(self, lineage: str) -> str:
-        for line, name in self.lines():
-            if name == lineage:
-                return line
+    async def resolve(self, lineage: str) -> str:
+        """The line of `lineage` when it exists (`default`, or registered by its first Task), else UnknownLineage."""
+        if is_lineage(lineage) and (lineage == DEFAULT_LINEAGE
+                                    or await self._redis.zscore(keys.LINEAGES, lineage) is not None):
+            return line_of(self._model_id, lineage)
         raise UnknownLineage(f"lineage {lineage!r} does not exist")
 
     # ------------------------------------------------------------------ snapshot
 
     async def snapshot(self, line: str, lineage: str) -> LineState:
-        stats_key = keys.traj_stats(self._store.owner)
+        store = self._store.for_line(line)  # the line's own pending index and counters
         async with self._redis.pipeline(transaction=False) as reads:
-            reads.hgetall(stats_key)
-            reads.zrange(self._store.index_key(SampleStatus.PENDING), 0, 0, withscores=True)
+            reads.hgetall(store.stats_key)
+            reads.zrange(store.index_key(SampleStatus.PENDING), 0, 0, withscores=True)
             reads.get(keys.POLICY_OBSERVED)
             raw_stats, head, observed = await reads.execute()
         counters = {(text(k) or ""): int(v) for k, v in raw_stats.items()}
         pending = max(0, counters.get(f"status:{SampleStatus.PENDING}", 0))
-        stale = stale_pending(counters, model_id=self._model_id, current_version=self._observed_version(observed),
-                              max_policy_lag=self._max_policy_lag)
+        # `policy:observed` is the default line's: another line's staleness is left to its run's claim.
+        stale = 0 if lineage != DEFAULT_LINEAGE else stale_pending(
+            counters, model_id=self._model_id, current_version=self._observed_version(observed),
+            max_policy_lag=self._max_policy_lag)
         active = await self._runs.active()
         live = await self._rollout.in_progress() if self._rollout is not None else None
         return LineState(
@@ -169,7 +174,7 @@ class TrainingScheduler:
 
     async def view(self, lineage: str) -> dict[str, Any]:
         """`GET /v1/rl/lineages/{lineage}`: the pause and the scheduler's view of the lineage's line."""
-        line = self.line_of(lineage)
+        line = await self.resolve(lineage)
         state = await self.snapshot(line, lineage)
         verdict = judge_line(state, self._policy, self._clock())
         pause = await self._pauses.get(lineage)
@@ -194,12 +199,12 @@ class TrainingScheduler:
         }
 
     async def pause(self, lineage: str) -> dict[str, Any]:
-        self.line_of(lineage)
+        await self.resolve(lineage)
         await self._pauses.pause(lineage)
         return await self.view(lineage)
 
     async def resume(self, lineage: str) -> dict[str, Any]:
-        self.line_of(lineage)
+        await self.resolve(lineage)
         await self._pauses.resume(lineage)
         return await self.view(lineage)
 

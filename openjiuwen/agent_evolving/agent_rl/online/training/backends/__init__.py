@@ -26,6 +26,7 @@ class TrainingJob:
     samples: Sequence[dict[str, Any]]
     init_lora_name: str  # "base", or the LoRA version training continues from
     init_lora_path: str  # that version's repository directory; "" from the base model
+    line: str = ""  # the line whose next version this trains (docs/lineages.md); "" = the model id (default)
 
     @property
     def from_lora(self) -> bool:

@@ -56,11 +56,12 @@ class LocalBackend:
 
     async def train(self, job: TrainingJob, *, on_progress: OnProgress) -> Artifact:
         training_run_id = job.training_run_id
+        repository = self._repository.for_line(job.line)  # the version is the next of the job's line
         run_dir: Path | None = None
         try:
             # Before anything else: an unsafe root fails the run with its reason, and nothing is written into it.
             run_dir = await asyncio.to_thread(make_run_dir, self._tmp_root, f"{training_run_id}-")
-            output = await self._repository.create_temp(training_run_id)
+            output = await repository.create_temp(training_run_id)
             spec = {
                 "training_run_id": training_run_id,
                 "base_model_path": job.base_model_path,
@@ -72,10 +73,10 @@ class LocalBackend:
             await asyncio.to_thread(self._write_inputs, run_dir, spec, job.samples)
             result = await self._run_worker(training_run_id, run_dir / "spec.json", on_progress)
             meta = trained_metadata(job, result, settings=self._settings, trainer_backend=self.name)
-            return await self._repository.publish(output, meta)
+            return await repository.publish(output, meta)
         finally:
             self._canceled.discard(training_run_id)
-            await self._repository.remove_temp(training_run_id)
+            await repository.remove_temp(training_run_id)
             if run_dir is not None:
                 await asyncio.to_thread(shutil.rmtree, run_dir, True)
 

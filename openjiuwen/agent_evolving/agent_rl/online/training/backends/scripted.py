@@ -46,6 +46,7 @@ class ScriptedBackend:
 
     async def train(self, job: TrainingJob, *, on_progress: OnProgress) -> Artifact:
         training_run_id, samples = job.training_run_id, job.samples
+        repository = self._repository.for_line(job.line)  # the version is the next of the job's line
         plan = await asyncio.to_thread(self._current_plan)
         self.calls.append({"training_run_id": training_run_id, "sample_ids": [s["sample_id"] for s in samples],
                            "init_lora_name": job.init_lora_name})
@@ -68,16 +69,16 @@ class ScriptedBackend:
                                            "tokens_per_second": 0.0, "samples": len(samples)}]
             for step in steps:
                 await on_progress(dict(step))
-            temp = await self._repository.create_temp(training_run_id)
+            temp = await repository.create_temp(training_run_id)
             await asyncio.to_thread(self._write_adapter, temp)
             metrics = {"steps": len(steps), "step_metrics": [], "dropped_samples": len(plan.get("drop", [])),
                        "sampling": plan.get("sampling")}
             meta = artifact_metadata(job, trainer_backend=self.name, ppo_samples_per_step=0, metrics=metrics)
             meta["dropped_sample_ids"] = list(plan.get("drop", []))
-            return await self._repository.publish(temp, meta)
+            return await repository.publish(temp, meta)
         finally:
             self._cancel_events.pop(training_run_id, None)
-            await self._repository.remove_temp(training_run_id)
+            await repository.remove_temp(training_run_id)
 
     @staticmethod
     def _write_adapter(path: Path) -> None:

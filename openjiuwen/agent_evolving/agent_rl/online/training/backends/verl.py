@@ -185,6 +185,7 @@ class VerlBackend:
 
     async def train(self, job: TrainingJob, *, on_progress: OnProgress) -> Artifact:
         training_run_id = job.training_run_id
+        repository = self._repository.for_line(job.line)  # the version is the next of the job's line
         run = self._runs[training_run_id] = _Run()
         try:
             init_files = await asyncio.to_thread(self._read_adapter, Path(job.init_lora_path)) if job.from_lora else {}
@@ -193,14 +194,14 @@ class VerlBackend:
                 "samples": list(job.samples), "settings": self._settings.to_dict(), "init_lora_files": init_files,
             }
             result = await self._execute(training_run_id, run, actor_job, on_progress)
-            output = await self._repository.create_temp(training_run_id)
+            output = await repository.create_temp(training_run_id)
             await asyncio.to_thread(self._write_adapter, output, result["adapter_files"])
             meta = trained_metadata(job, result, settings=self._settings, trainer_backend=self.name)
             meta["ray"] = {"namespace": self.namespace, "actor": actor_name(self._model_id), "nproc": self._nproc}
-            return await self._repository.publish(output, meta)
+            return await repository.publish(output, meta)
         finally:
             self._runs.pop(training_run_id, None)
-            await self._repository.remove_temp(training_run_id)
+            await repository.remove_temp(training_run_id)
 
     async def _execute(self, run_id: str, run: _Run, job: dict[str, Any], on_progress: OnProgress) -> dict[str, Any]:
         from ray.exceptions import RayActorError, RayError, RayTaskError

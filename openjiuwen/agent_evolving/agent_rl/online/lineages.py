@@ -1,0 +1,62 @@
+"""The lineage registry (`rl:v1:lineages`, docs/lineages.md): which lineages exist, and a page of them with their
+line's pending count and active run (`GET /v1/rl/lineages`).
+
+`default` always exists and is never in the ZSET; every other lineage is added by the start EXEC of its first Task
+(tasks/registry.py) and never removed. A page costs one ZRANGE, one GET of the active run and one pipelined HGET per
+item: never a read of every lineage.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from redis.asyncio import Redis
+
+from ..common.lineage import DEFAULT_LINEAGE, is_lineage, line_of
+from .errors import InvalidInput
+from .store import keys
+from .store.codec import text
+from .store.listing import newest_first
+from .store.sample_status import SampleStatus
+from .training.runs import RunStore
+
+_SCOPE = "lineages"
+
+
+class LineageRegistry:
+    def __init__(self, redis: Redis, *, model_id: str, runs: RunStore) -> None:
+        self._redis = redis
+        self._model_id = model_id
+        self._runs = runs
+
+    async def exists(self, lineage: str) -> bool:
+        """`default`, or a registered lineage; False for anything that is not a lineage name."""
+        if not is_lineage(lineage):
+            return False
+        return lineage == DEFAULT_LINEAGE or await self._redis.zscore(keys.LINEAGES, lineage) is not None
+
+    async def page(self, *, limit: int, cursor: str | None) -> dict[str, Any]:
+        """Registered lineages newest first (by first use), with their line, pending samples and active run."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise InvalidInput("invalid_request", "limit must be an integer between 1 and 1000")
+        names, next_cursor = await newest_first(self._redis, keys.LINEAGES, limit=limit, cursor=cursor, scope=_SCOPE)
+        names = [name for name in names if is_lineage(name)]  # only ever written by the Task start
+        lines = [line_of(self._model_id, name) for name in names]
+        async with self._redis.pipeline(transaction=False) as reads:
+            for name, line in zip(names, lines):
+                reads.zscore(keys.LINEAGES, name)
+                reads.hget(keys.traj_stats(line), f"status:{SampleStatus.PENDING}")
+            raw = await reads.execute()
+        active = await self._runs.active()
+        items = []
+        for i, (name, line) in enumerate(zip(names, lines)):
+            first_used, pending = raw[2 * i], raw[2 * i + 1]
+            items.append({
+                "lineage": name,
+                "line": line,
+                "first_used_at": None if first_used is None else datetime.fromtimestamp(first_used, UTC).isoformat(),
+                "pending_samples": max(0, int(text(pending) or 0)),
+                "active_run": active.training_run_id if active is not None and active.lineage == name else None,
+            })
+        return {"items": items, "next_cursor": next_cursor}
