@@ -28,7 +28,6 @@ from .capture.rewards import RewardProjector
 from .store import keys
 from .store.codec import text
 from .store.trajectories import TrajectoryStore
-from .store.tx import transact
 from .tasks.models import TASK_STATUSES, Task, TerminalReward
 from .workers.fence import Fence, LeaseLost
 
