@@ -47,7 +47,7 @@ class Recorder:
         self.load_s: list[float] = []
         self.evictions = 0
 
-    def adapter_loaded(self, instance: str, seconds: float) -> None:
+    def adapter_loaded(self, instance: str, seconds: float, lora_name: str) -> None:
         self.load_s.append(seconds)
 
     def adapter_evicted(self, instance: str) -> None:

@@ -26,7 +26,7 @@ class Recorder:
         self.loads: list[str] = []
         self.evictions: list[str] = []
 
-    def adapter_loaded(self, instance: str, seconds: float) -> None:
+    def adapter_loaded(self, instance: str, seconds: float, lora_name: str) -> None:
         self.loads.append(instance)
 
     def adapter_evicted(self, instance: str) -> None:

@@ -228,6 +228,28 @@ def test_the_console_api_is_read_only_and_allow_listed(run: ConsoleRun) -> None:
         assert not any(API_KEY.decode() in b for b in bodies)
 
 
+def test_the_lineage_selector_api_falls_back_to_default_and_shows_each_line(run: ConsoleRun) -> None:
+    with login(run.gw) as client:
+        # This RL Service has no `GET /v1/rl/lineages` yet (404): the selector offers the default lineage only.
+        listed = client.get("/console/api/lineages")
+        assert listed.status_code == 200 and listed.headers["cache-control"] == "no-store"
+        assert listed.json() == {"items": [{"lineage": "default", "line": "tiny"}], "next_cursor": None,
+                                 "lineages_supported": False}
+        default = client.get("/console/api/loras/tiny").json()
+        assert default["active_lora"]["lora_name"] == "tiny:v1"
+        other = client.get("/console/api/loras/tiny:support").json()
+        assert other["status"] == "base" and other["active_lora"] is None  # a line with no version yet
+        for path, expected in (("tiny:v2", (400, "invalid_lineage")), ("other:support", (404, "model_not_found"))):
+            r = client.get("/console/api/loras/" + path)
+            assert (r.status_code, r.json()["error"]["code"]) == expected, path
+        # The selected lineage reaches the RL Service's listing as `?lineage=`.
+        policies = client.get("/console/api/rl/policies", params={"lineage": "default"})
+        assert policies.status_code == 200
+    with httpx.Client(base_url=run.gw.url, timeout=30) as anonymous:
+        for path in ("/console/api/lineages", "/console/api/loras/tiny"):
+            assert anonymous.get(path).status_code == 401, path
+
+
 # -------------------------------------------------------------------------------------------- the browser
 
 

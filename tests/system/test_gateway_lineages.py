@@ -51,6 +51,11 @@ def artifact(gw: GatewayProcess, lineage: str) -> str:
     return str(path)
 
 
+def child_calls(tmp_path: Path) -> list[dict]:
+    """Every call the fake RL child received (but `/health`), in order."""
+    return [json.loads(line) for line in (tmp_path / "starts.jsonl").read_text().splitlines()]
+
+
 def chat(gw: GatewayProcess, model: str) -> httpx.Response:
     return gw.http.post("/v1/chat/completions", json={"model": model, "max_tokens": 4,
                                                       "messages": [{"role": "user", "content": model}]})
@@ -119,7 +124,60 @@ def test_task_start_sends_its_lineage_and_takes_the_policy_of_its_line(tmp_path,
         invalid = start({"lineage": "Bad Name"}, "s4")
         assert (invalid.status_code, invalid.json()["error"]["code"]) == (400, "invalid_lineage")
 
-        starts = [json.loads(line) for line in (tmp_path / "starts.jsonl").read_text().splitlines()]
+        starts = [call for call in child_calls(tmp_path) if call["path"] == "/v1/rl/tasks/start"]
         assert [s["headers"]["x-aigw-rl-lineage"] for s in starts] == ["support", "default"]
         assert [s["headers"]["x-aigw-rl-policy-name"] for s in starts] == ["tiny:support:v1", "base"]
         assert json.loads(starts[0]["body"])["lineage"] == "support"  # forwarded as it came
+
+
+def test_agent_key_lineage_limit_applies_to_stop_and_reward_and_reveals_no_other_keys_task(
+        tmp_path, redis_url, vllm) -> None:
+    def keys(agent_a_lineages: list[str]) -> dict:
+        return {"apiHmacKey": API_KEY.decode(), "insHmacKey": INS_KEY.decode(),
+                "agentHmacKeys": [{"id": "agent-a", "key": gw.agent_keys["agent-a"].hex(),
+                                   "lineages": agent_a_lineages},
+                                  {"id": "agent-b", "key": gw.agent_keys["agent-b"].hex()}]}
+
+    def start(lineage: str, session: str, agent: str) -> str:
+        r = gw.signed("POST", "/v1/rl/tasks/start", json={"reward_mode": "terminal", "lineage": lineage},
+                      headers={"X-Agent-Session-Id": session}, agent=agent)
+        assert r.status_code == 201, r.text
+        return r.json()["rl_task_id"]
+
+    def call(task: str, action: str, agent: str | None) -> httpx.Response:
+        return gw.signed("POST", f"/v1/rl/tasks/{task}/{action}", json={"reward": 1.0} if action == "reward" else {},
+                         agent=agent)
+
+    gw = gateway(tmp_path, redis_url, vllm)
+    write_key_file(gw.key_file, keys(["support", "coding"]))
+    with gw:
+        gw.start_service()
+        support = start("support", "s1", "agent-a")
+        coding_active = start("coding", "s2", "agent-a")
+        coding_done = start("coding", "s3", "agent-a")
+        other_key = start("coding", "s4", "agent-b")
+        assert call(coding_done, "stop", "agent-a").status_code == 200  # inside the limit: allowed
+        # The binding knows the lineage: a stop of another key's Task stays unknown, as before.
+        assert call(other_key, "stop", "agent-a").json()["error"]["code"] == "task_not_found"
+
+    # The operator narrows agent-a to `support`; the restarted gateway has no binding: it reads the RL record.
+    gw = gateway(tmp_path, redis_url, vllm)
+    write_key_file(gw.key_file, keys(["support"]))
+    with gw:
+        gw.start_service()
+        mark = len(child_calls(tmp_path))
+        for task, action in ((coding_active, "stop"), (coding_done, "reward"), (coding_active, "reward")):
+            r = call(task, action, "agent-a")
+            assert (r.status_code, r.json()["error"]["code"]) == (403, "lineage_forbidden"), (task, action, r.text)
+        forwarded = [c["path"] for c in child_calls(tmp_path)[mark:] if c["method"] == "POST"]
+        assert forwarded == []  # refused before reaching the RL Service
+        # Another key's Task, and an unknown one, answer exactly as before: unknown (no 403 reveals them).
+        for task in (other_key, "t" + "0" * 32):
+            for action in ("stop", "reward"):
+                r = call(task, action, "agent-a")
+                assert (r.status_code, r.json()["error"]["code"]) == (404, "task_not_found"), (task, action)
+        # Inside the limit, and for unlimited keys and the operator, nothing changes.
+        assert call(support, "reward", "agent-a").status_code == 200
+        assert call(support, "stop", "agent-a").status_code == 200
+        assert call(other_key, "reward", "agent-b").status_code == 200
+        assert call(coding_active, "stop", None).status_code == 200

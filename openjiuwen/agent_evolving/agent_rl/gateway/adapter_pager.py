@@ -32,7 +32,7 @@ log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
 
 
 class PagingMetrics(Protocol):
-    def adapter_loaded(self, instance: str, seconds: float) -> None: ...
+    def adapter_loaded(self, instance: str, seconds: float, lora_name: str) -> None: ...
 
     def adapter_evicted(self, instance: str) -> None: ...
 
@@ -88,7 +88,7 @@ class AdapterPager:
         if outcome in (Load.FAILED, Load.UNREACHABLE):
             self._free(instance.name, lora.lora_name)
         elif outcome is Load.NEW and self._metrics is not None:
-            self._metrics.adapter_loaded(instance.name, time.perf_counter() - started)
+            self._metrics.adapter_loaded(instance.name, time.perf_counter() - started, lora.lora_name)
         return outcome, detail
 
     async def unload(self, instance: Instance, name: str, deadline: float) -> bool:

@@ -55,7 +55,7 @@ def build_gateway(
     """`agent_lineages`: the lineage limit of each agent key that has one (config.HmacKeys)."""
     online = config.online_rl
     model_id = online.model_id  # the gateway's own setting, checked against the child's /health
-    metrics = GatewayMetrics()  # per app: its own CollectorRegistry
+    metrics = GatewayMetrics(lineage_top_k=config.metrics.lineage_label_top_k)  # per app: its own CollectorRegistry
     registry = InstanceRegistry(
         [Instance(i.name, i.model, i.instance_ip, int(i.port)) for i in config.instances],
         max_registered=config.registration.max_instances,

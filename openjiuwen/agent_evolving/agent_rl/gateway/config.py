@@ -339,6 +339,13 @@ class RegistrationSection(_Model):
         return [ip_network(n) for n in self.allowed_networks]
 
 
+class MetricsSection(_Model):
+    """Project gateway: the bounded `lineage` label of per-request metrics (lineage_labels.py, docs/lineages.md)."""
+
+    # Lineages with their own label beside `default`; every other lineage is `other` (0: all of them).
+    lineage_label_top_k: Annotated[StrictInt, Field(ge=0, le=1000)] = Field(default=20, alias="lineageLabelTopK")
+
+
 class OnlineRLSection(_Model):
     command: list[NonBlank] = Field(min_length=1)
     # The model id the RL Service child serves (= its config's `model_id`): the gateway reads it here, never from the
@@ -359,6 +366,7 @@ class GatewayConfig(_Model):
     online_rl: OnlineRLSection = Field(alias="onlineRL")
     instance_health: InstanceHealthSection = Field(default_factory=InstanceHealthSection, alias="instanceHealth")
     registration: RegistrationSection = Field(default_factory=RegistrationSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
 
     @field_validator("instances")
     @classmethod

@@ -7,6 +7,9 @@
     GET  /console/assets/{name}    the shipped CSS/JS (no secrets in them, so unauthenticated)
     GET  /console/api/overview     service state, LoRA state per instance, trajectory counters
     GET  /console/api/rl/{path}    an allow-listed RL Service read route (Tasks, runs, events, policies, stats)
+    GET  /console/api/lineages     the lineage selector's list: the RL Service's `GET /v1/rl/lineages`, or only
+                                   `default` when the RL Service has no such route (404)
+    GET  /console/api/loras/{line} a line's LoRA state (active version, canary candidate, instances)
 
 The token travels in the URL fragment, which browsers never send, so it reaches no access log; it is redeemed once.
 Every API answer needs the cookie (else 401 `console_unauthorized`) and only GETs exist: the console changes nothing.
@@ -26,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..common import json_nesting
+from ..common.lineage import DEFAULT_LINEAGE, InvalidLineage, split_line
 from .console_auth import COOKIE_NAME, ConsoleAuth
 from .control import RLControl
 from .lora_manager import LoraManager
@@ -52,7 +56,7 @@ _RL_READS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), t) fo
     (r"rollout/(ro-[0-9a-f]{12})/events", "/v1/rl/rollout/{0}/events"),
     (r"trajectories/stats", "/v1/rl/trajectories/stats"),
 ))
-_QUERY_KEYS = ("status", "limit", "cursor")  # the listing parameters; anything else is dropped, not forwarded
+_QUERY_KEYS = ("status", "limit", "cursor", "lineage")  # the listing parameters; anything else is dropped, not forwarded
 
 _SECURITY_HEADERS = {
     "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -182,6 +186,33 @@ class Console:
         answer = await self._control.forward("GET", target.format(*match.groups()), query=query)
         answer.headers.update(_SECURITY_HEADERS)
         return answer
+
+    async def lineages(self, request: Request) -> Response:
+        """The selector's lineages. An RL Service without lineages (404 on the route) has only `default`: the
+        answer says so (`lineages_supported: false`) rather than failing the page."""
+        refused = self._refused(request)
+        if refused:
+            return refused
+        query = urlencode([(k, v) for k, v in parse_qsl(request.url.query) if k in ("limit", "cursor")])
+        answer = await self._control.forward("GET", "/v1/rl/lineages", query=query)
+        if answer.status_code != 404:
+            answer.headers.update(_SECURITY_HEADERS)
+            return answer
+        return self._json({"items": [{"lineage": DEFAULT_LINEAGE, "line": self._model_id}], "next_cursor": None,
+                           "lineages_supported": False})
+
+    def lora(self, request: Request, line: str) -> Response:
+        """`GET /v1/loras/{line}`'s view of one line, as the overview shows the default line's."""
+        refused = self._refused(request)
+        if refused:
+            return refused
+        try:
+            model, _ = split_line(line)
+        except InvalidLineage as exc:
+            return envelope(400, "invalid_lineage", f"invalid line: {exc}")
+        if model != self._model_id:
+            return envelope(404, "model_not_found", f"this gateway serves {self._model_id}")
+        return self._json(self._loras.describe(line))
 
     @staticmethod
     def _json(data: Any) -> Response:

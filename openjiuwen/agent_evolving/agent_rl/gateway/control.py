@@ -27,6 +27,7 @@ from .responses import envelope, json_response, passthrough
 from .rl_client import HookUnreachable, RLAnswer, RLClient
 from .sessions import Binding
 from .supervisor import RLSupervisor, SupervisorError
+from .task_access import LineageGuard
 from .task_lineage import LINEAGE_HEADER, requested_lineage
 from .tasks import TaskTracker
 
@@ -47,7 +48,8 @@ class RLControl:
         drain_timeout_s: float,
         agent_lineages: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
-        """`agent_lineages`: agent key id → the lineages it may start Tasks in (a key absent here: every one)."""
+        """`agent_lineages`: agent key id → the lineages whose Tasks it may start, stop and reward (a key absent
+        here: every one)."""
         self._model_id = model_id
         self._supervisor = supervisor
         self._rl = rl
@@ -56,6 +58,7 @@ class RLControl:
         self._loras = loras
         self._drain_timeout_s = drain_timeout_s
         self._agent_lineages = dict(agent_lineages or {})
+        self._lineage_guard = LineageGuard(self._agent_lineages, self._sessions, rl)
 
     def running(self) -> bool:
         return self._supervisor.status()["status"] == "running"
@@ -133,6 +136,8 @@ class RLControl:
             rl_task_id=record["rl_task_id"], session_id=record["agent_session_id"],
             policy_name=record["policy_lora_name"], policy_model=record["policy_model"],
             reward_mode=record["reward_mode"], agent_key=record.get("agent_key_id"), secret_digest=digest,
+            # A repeated start answers the existing Task: its lineage is the one it was started in.
+            lineage=existing.lineage if existing is not None else lineage,
         )
         await self._tracker.adopt(binding, leased_policy=policy_name)
         if wants_secret and secret is None:
@@ -153,6 +158,9 @@ class RLControl:
         binding = self._sessions.for_task(rl_task_id)
         if agent_key is not None and binding is not None and binding.agent_key != agent_key:
             return envelope(404, "task_not_found", "RL Task not found")  # another key's Task: unknown to this one
+        refused = await self._lineage_guard.refusal(rl_task_id, agent_key)
+        if refused is not None:
+            return refused
         if not await self._sessions.drain(rl_task_id, self._drain_timeout_s):
             # The in-flight completion still finishes for its client; its capture is refused once aborted.
             await self._tracker.release(rl_task_id)
@@ -163,6 +171,17 @@ class RLControl:
             return envelope(504, "task_drain_timeout", "captures of the Task were still in flight")
         return await self.forward("POST", f"/v1/rl/tasks/{rl_task_id}/stop", body=body, task_id=rl_task_id,
                                   agent_key=agent_key)
+
+    async def task_reward(self, rl_task_id: str, path: str, body: bytes, *, query: str,
+                          agent_key: str | None) -> Response:
+        """A Task's reward, proxied once the caller's lineage limit allows the Task (`path` as the client encoded
+        it)."""
+        if not self.running():
+            return envelope(503, "rl_service_unavailable", "the RL Service is not running")
+        refused = await self._lineage_guard.refusal(rl_task_id, agent_key)
+        if refused is not None:
+            return refused
+        return await self.forward("POST", path, body=body, query=query, agent_key=agent_key)
 
     # ------------------------------------------------------------ proxy
 

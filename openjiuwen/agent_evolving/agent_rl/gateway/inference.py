@@ -45,6 +45,7 @@ from .http11 import AnswerTooLarge, HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
 from .lora_manager import LoraManager
 from ..common.packed_hook import pack_after
+from ..common.lineage import DEFAULT_LINEAGE, lineage_of_version
 from .domain_errors import error_answer
 from .lora_types import LoraError
 from .policy_lines import line_of_version, model_of_line
@@ -180,7 +181,12 @@ class InferenceProxy:
         # The request's counts: closed here when the answer is returned, or by the stream's relay that takes them over.
         with contextlib.ExitStack() as counts:
             if binding is None or not self._rl_running():
+                if self._metrics is not None:  # the lineage of the version named; base and anything else: default
+                    self._metrics.lineage_request(
+                        lineage_of_version(body.get("model"), self._model_id) or DEFAULT_LINEAGE, captured=False)
                 return await self._bypass(body, wants, flavor, session_id, counts)
+            if self._metrics is not None:
+                self._metrics.lineage_request(binding.lineage, captured=True)
             return await self._serve_captured(request, body, wants, flavor, binding, names, counts)
 
     async def _serve_captured(
@@ -479,7 +485,10 @@ class InferenceProxy:
                 answer = await self._rl.after(body, packed=packed)
             except HookUnreachable:
                 answer = None
-            if answer is None or not answer.ok:
+            committed = answer is not None and answer.ok
+            if self._metrics is not None:
+                self._metrics.lineage_capture(capture.binding.lineage, "committed" if committed else "refused")
+            if not committed:
                 log.warning("after hook for task %s failed (%s); aborting it", t,
                             "unreachable" if answer is None else answer.status)
                 self._abort_in_background(t)
@@ -510,6 +519,8 @@ class InferenceProxy:
                 ok = answer.ok
             except HookUnreachable:
                 ok = False
+            if self._metrics is not None:
+                self._metrics.lineage_capture(capture.binding.lineage, "discarded")
             if not ok:
                 await self._abort(t)
         finally:

@@ -41,15 +41,18 @@ class LoraViews:
         """`status(line)` with the candidate (null when none) and the lease count per version of the line."""
         return {**self.status(line), "candidate": self._candidate_row(line), "leases": self._leases.counts(line)}
 
-    def describe(self, model: str) -> dict[str, Any]:
-        """The web console's view of a model: `status(model)`, each instance with the adapters confirmed loaded on it
-        and its requests in flight, and the leases (Tasks pinned to a version) of the model's versions."""
-        line = self._lines.get(model)
+    def describe(self, line_name: str) -> dict[str, Any]:
+        """The web console's view of a line (the model id for the default lineage): `status(line)`, each instance of
+        the line's model with the adapters confirmed loaded on it and its requests in flight, and the leases (Tasks
+        pinned to a version) of the line's versions."""
+        line = self._lines.get(line_name)
         failed = line.failed if line is not None else set()
         instances = [
-            {**self._instance_row(i), "failed": i.name in failed} for i in self._registry.for_model(model)
+            {**self._instance_row(i), "failed": i.name in failed}
+            for i in self._registry.for_model(model_of_line(line_name))
         ]
-        return {**self.status(model), "model": model, "instance_list": instances, "leases": self._leases.counts(model)}
+        return {**self.status(line_name), "model": line_name, "instance_list": instances,
+                "leases": self._leases.counts(line_name)}
 
     def instances(self) -> list[dict[str, Any]]:
         """Every instance with its origin, health and adapters (`GET /aigw/v1/instances`)."""

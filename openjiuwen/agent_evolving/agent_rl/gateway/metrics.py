@@ -13,7 +13,9 @@ from contextlib import contextmanager, suppress
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..common.http_metrics import FAST_BUCKETS_S
+from ..common.lineage import DEFAULT_LINEAGE, parse_version_name, split_line
 from .instances import InstanceRegistry
+from .lineage_labels import LineageLabels
 from .lora_manager import LoraManager
 from .lora_types import LoraStatus
 from .sessions import SessionMap
@@ -22,8 +24,12 @@ UPSTREAM_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30
 LORA_STATES = tuple(LoraStatus)
 
 
+DEFAULT_LINEAGE_TOP_K = 20  # config `metrics.lineageLabelTopK`
+
+
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, *, lineage_top_k: int = DEFAULT_LINEAGE_TOP_K) -> None:
+        """`lineage_top_k`: lineages with their own `lineage` label beside `default` (lineage_labels.py)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.http_requests = Counter("gw_http_requests_total", "Answers by route template and status",
@@ -63,6 +69,17 @@ class GatewayMetrics:
         self.adapter_load_seconds = Histogram("gw_lora_adapter_load_duration_seconds",
                                               "Time of one LoRA load call that loaded the adapter",
                                               buckets=UPSTREAM_BUCKETS_S, registry=r)
+        # Per lineage, through ONE bounded mapper (lineage_labels.py): at most top_k + 2 values per family.
+        self.lineages = LineageLabels(lineage_top_k)
+        self.lineage_requests = Counter("gw_lineage_requests_total",
+                                        "Inference requests by lineage (bounded label: top lineages, default, other) "
+                                        "and whether captured", ("lineage", "captured"), registry=r)
+        self.lineage_captures = Counter("gw_lineage_captures_total",
+                                        "Ended captures by lineage (bounded) and outcome (committed, refused, "
+                                        "discarded)", ("lineage", "outcome"), registry=r)
+        self.lineage_adapter_loads = Counter("gw_lineage_adapter_loads_total",
+                                             "LoRA adapters loaded by the gateway, by the version's lineage (bounded)",
+                                             ("lineage",), registry=r)
         self._upstream_statuses: dict[str, set[str]] = {}  # instance → status labels observed (for removal)
 
     def http(self, route: str, status: int) -> None:
@@ -72,9 +89,17 @@ class GatewayMetrics:
         self.upstream.labels(instance, status).observe(seconds)
         self._upstream_statuses.setdefault(instance, set()).add(status)
 
-    def adapter_loaded(self, instance: str, seconds: float) -> None:
+    def adapter_loaded(self, instance: str, seconds: float, lora_name: str) -> None:
         self.adapter_loads.labels(instance).inc()
         self.adapter_load_seconds.observe(seconds)
+        self.lineage_adapter_loads.labels(self.lineages.known(lineage_of_name(lora_name))).inc()
+
+    def lineage_request(self, lineage: str, *, captured: bool) -> None:
+        """One inference request of `lineage` (the traffic that ranks lineages for a label)."""
+        self.lineage_requests.labels(self.lineages.label(lineage), "true" if captured else "false").inc()
+
+    def lineage_capture(self, lineage: str, outcome: str) -> None:
+        self.lineage_captures.labels(self.lineages.known(lineage), outcome).inc()
 
     def adapter_evicted(self, instance: str) -> None:
         self.adapter_evictions.labels(instance).inc()
@@ -121,3 +146,9 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def lineage_of_name(name: object) -> str:
+    """The lineage of a version name `<line>:vN`; `default` for the base model or any other name."""
+    parsed = parse_version_name(name)  # a parsed version's line is well formed
+    return DEFAULT_LINEAGE if parsed is None else split_line(parsed[0])[1]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from ..common.lineage import DEFAULT_LINEAGE
+
 
 @dataclass(frozen=True, slots=True)
 class Binding:
@@ -19,6 +21,8 @@ class Binding:
     reward_mode: str
     # The id of the agent key that started the Task (the RL Service's record says so), None for the operator key.
     agent_key: str | None = None
+    # The lineage the Task's start was forwarded with (docs/lineages.md): an agent key's lineage limit applies to it.
+    lineage: str = DEFAULT_LINEAGE
     # SHA-256 of the Task's capture secret (capture_secret.py), or None: the session id alone captures. Kept here so
     # that it lives and dies with the mapping it guards (never persisted: after a gateway restart the Task is gone).
     secret_digest: bytes | None = field(default=None, repr=False)

@@ -45,6 +45,16 @@ async def overview(request: Request, gw: GatewayDep) -> Response:
     return await gw.console.overview(request)
 
 
+@router.get("/api/lineages")
+async def lineages(request: Request, gw: GatewayDep) -> Response:
+    return await gw.console.lineages(request)
+
+
+@router.get("/api/loras/{line}")
+async def lora(line: str, request: Request, gw: GatewayDep) -> Response:
+    return gw.console.lora(request, line)
+
+
 @router.get("/api/rl/{path:path}")
 async def rl_read(path: str, request: Request, gw: GatewayDep) -> Response:
     return await gw.console.rl_read(request, path)

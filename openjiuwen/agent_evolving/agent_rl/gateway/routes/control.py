@@ -3,7 +3,7 @@ public routes proxied as they are.
 
 Operator routes take the api key only. Agent routes (Task start, stop and reward; rail uploads) take the api key or
 an agent key; for an agent key the RL Service is told which key calls, and answers a Task started with another key
-as unknown."""
+as unknown. An agent key limited to lineages gets 403 `lineage_forbidden` on Task start, stop and reward outside them."""
 
 from __future__ import annotations
 
@@ -47,7 +47,6 @@ PROXIED_ROUTES = (
 )
 # Proxied the same way, with the calling agent key named to the RL Service: operator key or an agent key.
 AGENT_PROXIED_ROUTES = (
-    ("POST", "/v1/rl/tasks/{rl_task_id}/reward"),
     ("POST", "/v1/gateway/upload/batch"),
 )
 
@@ -75,6 +74,13 @@ async def task_start(request: Request, signed: AgentSigned, gw: GatewayDep) -> R
 @agent_router.post("/v1/rl/tasks/{rl_task_id}/stop")
 async def task_stop(rl_task_id: str, signed: AgentSigned, gw: GatewayDep) -> Response:
     return await gw.control.task_stop(rl_task_id, signed.body, agent_key=signed.caller.agent_key_id)
+
+
+@agent_router.post("/v1/rl/tasks/{rl_task_id}/reward")
+async def task_reward(rl_task_id: str, request: Request, signed: AgentSigned, gw: GatewayDep) -> Response:
+    """Proxied as it came, once the agent key's lineage limit allows the Task (docs/lineages.md)."""
+    return await gw.control.task_reward(rl_task_id, raw_path(request), signed.body, query=request.url.query,
+                                        agent_key=signed.caller.agent_key_id)
 
 
 async def proxied(request: Request, body: SignedBody, gw: GatewayDep) -> Response:

@@ -1,0 +1,83 @@
+"""The bounded `lineage` metric label (gateway/lineage_labels.py) and the gateway families that use it."""
+
+from __future__ import annotations
+
+import pytest
+
+from openjiuwen.agent_evolving.agent_rl.gateway.config import MetricsSection
+from openjiuwen.agent_evolving.agent_rl.gateway.lineage_labels import OTHER, LineageLabels
+from openjiuwen.agent_evolving.agent_rl.gateway.metrics import GatewayMetrics, lineage_of_name
+
+
+def test_a_thousand_lineages_give_at_most_top_k_plus_two_labels() -> None:
+    labels = LineageLabels(20)
+    seen = set()
+    for _ in range(30):  # 1,000 lineages: the first 40 busy (20 requests a round), the rest once a round
+        for n in range(1000):
+            for _ in range(20 if n < 40 else 1):
+                seen.add(labels.label(f"l{n}"))
+        seen.add(labels.label("default"))
+    assert len(labels.granted()) == 20 and labels.granted() <= {f"l{n}" for n in range(40)}
+    assert seen == labels.granted() | {"default", OTHER}
+
+
+def test_uniform_traffic_over_many_lineages_grants_no_label() -> None:
+    labels = LineageLabels(20)  # no lineage stands out of the sketch: all `other`, memory bounded
+    assert {labels.label(f"l{n}") for _ in range(30) for n in range(1000)} == {OTHER}
+
+
+def test_heavy_lineages_win_the_slots_over_a_long_tail_seen_once() -> None:
+    labels = LineageLabels(2, grant_after=5)
+    for n in range(500):  # a long tail, each lineage once, interleaved with two busy ones
+        labels.label(f"tail-{n}")
+        labels.label("busy-a")
+        labels.label("busy-b")
+    assert labels.granted() == {"busy-a", "busy-b"}
+    assert labels.label("tail-1") == OTHER
+
+
+def test_a_granted_label_is_kept_so_series_do_not_flap() -> None:
+    labels = LineageLabels(1, grant_after=2)
+    assert [labels.label("a") for _ in range(2)] == [OTHER, "a"]
+    for _ in range(100):
+        assert labels.label("b") == OTHER  # busier now, but the slot stays a's
+    assert labels.label("a") == "a"
+    assert labels.known("a") == "a" and labels.known("b") == OTHER and labels.known("default") == "default"
+
+
+def test_top_k_zero_labels_only_default() -> None:
+    labels = LineageLabels(0)
+    assert {labels.label(f"l{n}") for n in range(100) for _ in range(20)} == {OTHER}
+    assert labels.label("default") == "default"
+    with pytest.raises(ValueError):
+        LineageLabels(-1)
+
+
+def test_gateway_families_carry_the_mapped_label() -> None:
+    metrics = GatewayMetrics(lineage_top_k=1)
+    for _ in range(10):
+        metrics.lineage_request("support", captured=True)
+    for n in range(200):
+        metrics.lineage_request(f"x{n}", captured=False)
+    metrics.lineage_capture("support", "committed")
+    metrics.lineage_capture("x3", "discarded")
+    metrics.adapter_loaded("vllm-a", 0.1, "tiny:x7:v2")
+    metrics.adapter_loaded("vllm-a", 0.1, "tiny:support:v1")
+    text = metrics.render().decode()
+    value = metrics.registry.get_sample_value
+    # support's first 9 requests count as `other` until it reaches the grant threshold (10), then its own.
+    assert value("gw_lineage_requests_total", {"lineage": "support", "captured": "true"}) == 1
+    assert value("gw_lineage_requests_total", {"lineage": OTHER, "captured": "true"}) == 9
+    assert value("gw_lineage_requests_total", {"lineage": OTHER, "captured": "false"}) == 200
+    assert value("gw_lineage_captures_total", {"lineage": "support", "outcome": "committed"}) == 1
+    assert value("gw_lineage_captures_total", {"lineage": OTHER, "outcome": "discarded"}) == 1
+    assert value("gw_lineage_adapter_loads_total", {"lineage": OTHER}) == 1
+    assert value("gw_lineage_adapter_loads_total", {"lineage": "support"}) == 1
+    lineages = {line.split('lineage="')[1].split('"')[0] for line in text.splitlines() if 'lineage="' in line}
+    assert lineages == {"support", OTHER}
+
+
+def test_version_names_map_to_their_lineage_and_the_config_default_is_20() -> None:
+    assert [lineage_of_name(n) for n in ("tiny:v3", "tiny:support:v1", "base", "tiny", None)] == [
+        "default", "support", "default", "default", "default"]
+    assert MetricsSection().lineage_label_top_k == 20
