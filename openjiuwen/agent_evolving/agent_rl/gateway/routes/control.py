@@ -40,6 +40,7 @@ PROXIED_ROUTES = (
     ("POST", "/v1/rl/rollout/pause"),
     ("POST", "/v1/rl/rollout/resume"),
     ("GET", "/v1/rl/rollout/{rollout_id}/events"),
+    ("GET", "/v1/rl/lineages"),
     ("GET", "/v1/rl/lineages/{lineage}"),
     ("POST", "/v1/rl/lineages/{lineage}/pause"),
     ("POST", "/v1/rl/lineages/{lineage}/resume"),
