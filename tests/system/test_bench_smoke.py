@@ -57,6 +57,8 @@ NOT_BENCHES = {
 SEPARATE: dict[str, list[str]] = {
     # issue 28 item 4: a 300 MiB answer against the 64 MiB bound takes ~15 s; the smoke run sends 8 MiB past 1 MiB.
     "bench/upstream_size_bench.py": ["--answer-mib", "8", "--limit-mib", "1"],
+    # issue 27 item 6: adapter paging under many lineages, at a tenth of its quick size.
+    "bench/lineage_paging_bench.py": ["--lines", "100", "--hot", "16", "--slots", "4", "--requests", "200"],
 }
 
 
