@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from ...common.ids import policy_lag_version
 from ...common.lineage import DEFAULT_LINEAGE, is_lineage, line_of, split_line
@@ -196,7 +197,7 @@ class TrainingScheduler:
         """Set the line's hint entry to its oldest pending sample, or remove it (also an entry we never wrote)."""
         index = keys.traj_index(line, SampleStatus.PENDING) if valid else None
 
-        async def body(pipe: Any) -> None:
+        async def body(pipe: Pipeline) -> None:
             head = await pipe.zrange(index, 0, 0, withscores=True) if index is not None else []
             # Invariant (keys.TRAINING_WAITING): the pending index is WATCHed, so a sample that becomes pending
             # after this read fails the EXEC (and its own EXEC lowers the entry anyway): an entry is raised only
