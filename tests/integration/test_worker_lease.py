@@ -30,6 +30,7 @@ from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
 from openjiuwen.agent_evolving.agent_rl.online.training.models import RunStatus, TrainingRun, new_run_id
 from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
+from openjiuwen.agent_evolving.agent_rl.online.training.scheduler import TrainingScheduler
 from openjiuwen.agent_evolving.agent_rl.online.workers.coordinator import Placement, WorkerCoordinator, make_fence
 from openjiuwen.agent_evolving.agent_rl.online.workers.fence import (
     LUA_CHECK, UNFENCED, Fence, LeaseFence, LeaseLost, is_lease_lost,
@@ -588,11 +589,12 @@ async def test_every_leader_only_write_is_refused_once_its_term_is_over(redis, r
 
 # The leader's writers: each takes a fence it cannot leave out (no default), so a new call site is fenced or fails.
 LEADER_WRITERS = ("RunStore", "RolloutStore", "RetentionSweeper", "RewardDeadlineSweeper", "RewardLedger.sweep_due",
-                  "TrajectoryStore.sweep_expired", "TaskLifecycle.recover", "TaskRegistry.drop_stale_active")
+                  "TrajectoryStore.sweep_expired", "TaskLifecycle.recover", "TaskRegistry.drop_stale_active",
+                  "TrainingScheduler")
 # Modules written only by the leader: no Redis write may bypass the fence (no `transact`, no write command on the
 # client or on a pipeline of its own), but for the listed functions, which any worker runs.
 LEADER_MODULES = {"training/runs.py": {"list_page"}, "rollout/store.py": set(), "retention.py": set(),
-                  "rewards/sweeper.py": set()}
+                  "rewards/sweeper.py": set(), "training/scheduler.py": set()}
 REDIS_WRITES = {"set", "setex", "delete", "unlink", "expire", "pexpire", "zadd", "zrem", "zremrangebyscore", "sadd",
                 "srem", "hset", "hdel", "hincrby", "incr", "incrby", "xadd", "lpush", "rpush", "eval", "evalsha",
                 "append", "rename", "persist"}
@@ -612,7 +614,8 @@ def test_every_leader_only_writer_goes_through_the_fence() -> None:
                "RewardDeadlineSweeper": RewardDeadlineSweeper, "RewardLedger.sweep_due": RewardLedger.sweep_due,
                "TrajectoryStore.sweep_expired": TrajectoryStore.sweep_expired,
                "TaskLifecycle.recover": TaskLifecycle.recover,
-               "TaskRegistry.drop_stale_active": TaskRegistry.drop_stale_active}
+               "TaskRegistry.drop_stale_active": TaskRegistry.drop_stale_active,
+               "TrainingScheduler": TrainingScheduler}
     assert tuple(objects) == LEADER_WRITERS
     for name, obj in objects.items():
         fence = inspect.signature(obj).parameters.get("fence")

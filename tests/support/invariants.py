@@ -18,6 +18,8 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
   sample of that Task, and every Task sample comes from such a capture (nothing published from nowhere);
 - evaluation Tasks: a sample is `evaluation` exactly when its Task is an evaluation Task, and an `evaluation` sample
   was never claimed (no `run_id`): evaluation traffic is never trained on;
+- automatic training (keys.TRAINING_WAITING): every non-default line with pending samples has a waiting-hint entry
+  at or before its oldest pending sample, and entries name registered lineages' lines only;
 - excluded instances (inv. 11): no sample an excluded instance served is `pending` or `awaiting_rewards`, and every
   `excluded` sample was served by an excluded instance;
 - prompt blocks (invariant P, `store/prompt_blocks.py`): a block exists iff some sample references it, its `refs`
@@ -128,6 +130,8 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("reward_latency", f"reward_latency:(?P<o>{_O}):[a-z0-9_-]{{1,32}}"),
         # Lines of lineages with a reward deadline (a lower bound of each line's earliest one).
         ("rewards_due_lines", "rewards:due_lines"),
+        # Lines of lineages with pending samples (training/scheduler.py): a lower bound of each one's oldest.
+        ("training_waiting", "training:waiting"),
         # Rollouts (docs/rollout.md): the current pointer, the listing, records and their timelines.
         ("rollout_current", "rollout:current"),
         ("rollouts_by_created", "rollouts:by_created"),
@@ -349,6 +353,7 @@ async def check_invariants(
     samples = await _check_samples(redis, report, model_id, sorted(lines), sample_ids, statuses)
     await _check_prompt_blocks(redis, report, sample_ids, [g["b"] for _, g in typed.get("prompt_block", [])])
     await _check_reward_deadlines(redis, report, model_id, sorted(lines), samples)
+    await _check_waiting_hint(redis, report, model_id, sorted(lines))
     await _check_excluded(redis, report, samples)
     await _check_task_listings(redis, report, typed)
     active_run = await _check_runs(redis, report, run_ids, samples)
@@ -555,6 +560,22 @@ async def _check_reward_deadlines(
     for sample_id, has in zip(ids, await _pipelined(redis, ids, lambda p, s: p.hexists(keys.traj(s), "rewards"))):
         if not has:
             report.add(f"sample {sample_id} awaits rewards but has no per-source reward state")
+
+
+async def _check_waiting_hint(redis: Redis, report: InvariantReport, model_id: str, lines: list[str]) -> None:
+    """Automatic training over lineages (keys.TRAINING_WAITING): every non-default line with pending samples has a
+    waiting-hint entry at or before its oldest pending sample, so the scheduler's reading of the oldest entries
+    reaches it; an entry names only a registered lineage's line (never the default line, which is always read).
+    An entry of a line with nothing pending is allowed: the scheduler removes it when it reads it."""
+    hints = {(_s(m) or ""): score for m, score in await redis.zrange(keys.TRAINING_WAITING, 0, -1, withscores=True)}
+    others = [line for line in lines if line != model_id]
+    heads = await _pipelined(redis, others, lambda p, line: p.zrange(
+        keys.traj_index(line, SampleStatus.PENDING), 0, 0, withscores=True))
+    for line, head in zip(others, heads):
+        if head and not (line in hints and hints[line] <= float(head[0][1])):
+            report.add(f"line {line} has pending samples but no waiting-hint at or before its oldest one")
+    for line in sorted(set(hints) - set(others)):
+        report.add(f"waiting-hint for {line!r}, which is not a registered lineage's line")
 
 
 async def _check_task_listings(

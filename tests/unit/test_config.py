@@ -622,7 +622,26 @@ def test_training_policy_is_off_by_default_and_validated() -> None:
     ({"max_wait_seconds": 0}, "training_policy.max_wait_seconds"),
     ({"min_interval_seconds": -1}, "training_policy.min_interval_seconds"),
     ({"auto": "yes"}, "training_policy.auto"),
-    ({"lineages": {}}, "training_policy.lineages: unknown key"),
+    # Per-lineage overrides (docs/lineages.md): names by common/lineage.py, per-line fields only, the merge valid.
+    ({"lineages": {"Bad_Name": {}}}, "training_policy: lineages.Bad_Name: not a lineage name other than default"),
+    ({"lineages": {"default": {}}}, "training_policy: lineages.default: not a lineage name other than default"),
+    ({"lineages": {"up": {"max_concurrent_runs": 2}}}, "training_policy.lineages.up.max_concurrent_runs"),
+    ({"lineages": {"up": {"min_pending_samples": 0}}}, "training_policy.lineages.up.min_pending_samples"),
+    ({"min_pending_samples": 8, "lineages": {"up": {"min_batch_on_wait": 9}}},
+     "lineages.up: min_batch_on_wait must be <= min_pending_samples"),
 ])
 def test_bad_training_policies_are_refused_by_name(policy: dict, message: str) -> None:
     assert message in error_of(training_policy=policy)
+
+
+def test_training_policy_lineage_override_is_merged_field_by_field() -> None:
+    policy = make(training_policy={"auto": True, "min_pending_samples": 8, "max_wait_seconds": 60,
+                                   "lineages": {"up": {"min_pending_samples": 2},
+                                                "off": {"auto": False, "max_wait_seconds": None}}}).training_policy
+    up, off, other = (policy.for_lineage(name) for name in ("up", "off", "down"))
+    assert (up.auto, up.min_pending_samples, up.max_wait_seconds) == (True, 2, 60.0)  # the rest inherited
+    assert (off.auto, off.min_pending_samples, off.max_wait_seconds) == (False, 8, None)  # explicit null kept
+    assert other is policy and policy.for_lineage("default") is policy
+    # Overrides alone may switch automatic training on: the scheduler runs for those lineages only.
+    only = make(training_policy={"lineages": {"up": {"auto": True}}}).training_policy
+    assert (only.auto, only.any_auto, only.for_lineage("up").auto) == (False, True, True)

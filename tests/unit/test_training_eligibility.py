@@ -73,3 +73,39 @@ def test_longest_waiting_line_first_and_at_most_max_concurrent():
     assert [v.line for v in picked] == ["b", "c"]
     assert [v.line for v in choose(lines, policy(max_concurrent_runs=2), NOW, active_runs=1)] == ["b"]
     assert choose(lines, policy(max_concurrent_runs=2), NOW, active_runs=2) == []
+
+
+def test_a_lineage_override_applies_to_its_own_line_only():
+    p = policy(lineages={"up": {"min_pending_samples": 2}, "off": {"auto": False}})
+
+    def of(lineage: str, eligible: int) -> LineState:
+        return LineState(line=f"tiny:{lineage}", lineage=lineage, pending=eligible, eligible=eligible,
+                         oldest_at=NOW - 10, last_end_at=None)
+
+    up = judge_line(of("up", 2), p, NOW)
+    assert (up.eligible, up.reason, up.min_samples) == (True, el.MIN_PENDING, 2)
+    down = judge_line(of("down", 2), p, NOW)  # no override: the top-level threshold of 8
+    assert (down.eligible, down.reason, down.min_samples) == (False, el.TOO_FEW, 8)
+    assert judge_line(of("off", 50), p, NOW).reason == el.AUTO_OFF
+    assert judge_line(line(eligible=2), p, NOW).reason == el.TOO_FEW  # the default line keeps the top level
+
+
+def test_an_override_waits_its_own_interval_and_max_wait():
+    p = policy(min_interval_seconds=0, lineages={"slow": {"min_interval_seconds": 100, "max_wait_seconds": 5}})
+    slow = LineState(line="tiny:slow", lineage="slow", pending=1, eligible=1, oldest_at=NOW - 10,
+                     last_end_at=NOW - 50)
+    assert (judge_line(slow, p, NOW).reason, judge_line(slow, p, NOW).next_eligible_at) == (el.INTERVAL, NOW + 50)
+    later = judge_line(slow, p, NOW + 60)
+    assert (later.eligible, later.reason, later.min_samples) == (True, el.MAX_WAIT, 1)
+    fast = LineState(line="tiny:fast", lineage="fast", pending=1, eligible=1, oldest_at=NOW - 10,
+                     last_end_at=NOW - 50)
+    assert judge_line(fast, p, NOW).reason == el.TOO_FEW  # no max_wait at the top level
+
+
+def test_choose_picks_the_longest_waiting_under_each_lines_own_policy():
+    p = policy(lineages={"up": {"min_pending_samples": 2}})
+    states = [LineState(line="tiny:up", lineage="up", pending=2, eligible=2, oldest_at=NOW - 30, last_end_at=None),
+              LineState(line="tiny:down", lineage="down", pending=2, eligible=2, oldest_at=NOW - 90,
+                        last_end_at=None),  # waited longer, but below its (top-level) threshold
+              line(eligible=8, waited=20)]
+    assert [v.line for v in choose(states, p, NOW, active_runs=0)] == ["tiny:up"]

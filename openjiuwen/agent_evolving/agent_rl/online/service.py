@@ -187,7 +187,7 @@ class ServiceDeps:
             rollout=rollout,
             membership=membership,
             scheduler=TrainingScheduler(
-                redis, runs=runs, runner=runner, store=store, rollout=rollout, pauses=LineagePauses(redis),
+                redis, runs=runs, runner=runner, store=store, rollout=rollout, pauses=LineagePauses(redis), fence=fence,
                 policy=config.training_policy, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
             ),
             fence=fence,

@@ -34,6 +34,14 @@ LINEAGES = PREFIX + "lineages"
 # the EXEC that adds a deadline; only the sweeper raises or removes an entry, from the line's set in one Lua call.
 # So the sweeper reads the lines due now, never every registered lineage.
 REWARD_DUE_LINES = PREFIX + "rewards:due_lines"
+# Automatic training over lineages (training/scheduler.py): ZSET line → a lower bound of the creation epoch of that
+# line's oldest pending sample (every line but the default one, which the scheduler always reads). Invariant: a line
+# with pending samples always has an entry at or before its oldest. Lowered (ZADD LT) in every EXEC that puts a
+# sample into a non-default line's pending index (publication, reward arrival or fallback, a run giving samples
+# back); never raised there. Claims, exclusions and deletions leave it low (still a lower bound); the scheduler
+# corrects the entries it reads from the line's own pending index, WATCHing it (raise to the head, or remove when
+# empty). So choosing the next line reads the oldest entries, never every registered lineage.
+TRAINING_WAITING = PREFIX + "training:waiting"
 # Listing indexes (newest first): ZSETs of ids scored by creation epoch. Tasks are indexed once overall and once
 # under their current status. When a record gets its TTL, its id joins a listing-expiry ZSET scored by the epoch
 # the record expires; the retention sweeper then removes it from the listing indexes (and listings drop ids whose

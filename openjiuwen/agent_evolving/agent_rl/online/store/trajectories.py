@@ -156,6 +156,13 @@ class TrajectoryStore:
     def index_key(self, status: str) -> str:
         return keys.traj_index(self._owner, status)
 
+    def queue_waiting(self, pipe: Pipeline, created_at: float) -> None:
+        """Queue, in the caller's MULTI that puts a sample of creation epoch `created_at` into this line's pending
+        index, the lowering of the line's `TRAINING_WAITING` entry to it (non-default lines only), so the entry
+        stays at or before the line's oldest pending sample (the invariant in keys.py)."""
+        if self.lineage != DEFAULT_LINEAGE:
+            pipe.zadd(keys.TRAINING_WAITING, {self._owner: created_at}, lt=True)
+
     # ------------------------------------------------------------------ writes
 
     async def insert_if_absent(self, samples: Sequence[PackedSample]) -> list[str]:
@@ -255,6 +262,8 @@ class TrajectoryStore:
                     },
                 )
                 pipe.zadd(self.index_key(status), {sample_id: ids.parse_iso_epoch(created_at)})
+                if status == SampleStatus.PENDING:
+                    self.queue_waiting(pipe, ids.parse_iso_epoch(created_at))
                 self.queue_counters(pipe, status, source, policy_version, +1)
                 self._queue_policy_stats(pipe, policy_version, meta, sample.response_ids, +1)
             pipe.sadd(keys.TRAJ_USERS, self._owner)
@@ -387,6 +396,7 @@ class TrajectoryStore:
             pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), -1)
         if new == SampleStatus.PENDING:
             pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), +1)
+            self.queue_waiting(pipe, score)  # `score` is the sample's creation epoch here
         # `source:<src>` counts samples of every status, so a move leaves it alone.
 
     @staticmethod

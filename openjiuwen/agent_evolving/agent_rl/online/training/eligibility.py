@@ -6,6 +6,9 @@ deciding, `min_interval_seconds` passed since its previous run ended, and either
 samples wait (reason `min_pending_samples`) or its oldest pending sample waited `max_wait_seconds` with at least
 `min_batch_on_wait` eligible (reason `max_wait_seconds`). Among eligible lines the one whose oldest sample waited
 longest goes first, and no more start than `max_concurrent_runs` minus the runs already active.
+
+Each line is judged under its lineage's policy (`training_policy.lineages.<name>` merged over the top level,
+`TrainingPolicyConfig.for_lineage`); `max_concurrent_runs` is machine-wide, the top level's.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class Verdict:
     next_eligible_at: float | None  # epoch the line becomes eligible if nothing else changes, when known
 
 
-def judge_line(state: LineState, policy: TrainingPolicyConfig, now: float) -> Verdict:
+def judge_line(state: LineState, top: TrainingPolicyConfig, now: float) -> Verdict:
+    policy = top.for_lineage(state.lineage)
     wait = None if state.oldest_at is None else max(0.0, now - state.oldest_at)
 
     def no(reason: str, at: float | None = None) -> Verdict:

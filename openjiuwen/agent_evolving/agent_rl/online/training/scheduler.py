@@ -1,13 +1,17 @@
-"""Automatic training: the leader's duty that starts Training Runs by itself (docs/training.md).
+"""Automatic training: the leader's duty that starts Training Runs by itself (docs/training.md, docs/lineages.md).
 
-Each tick reads a small snapshot of every line (pending and eligible counts from the O(1) stats hash, the oldest
-pending sample from the head of the pending index, the active run, a live rollout, the line's previous run end, an
-operator pause), lets `eligibility.choose` pick the lines to start, and starts each through `TrainingRunner.start`,
-the very path of `POST /v1/rl/training/runs` (claims stay O(batch); runs are recorded and executed alike), with the
-run's `trigger`. Automatic runs are started for the `default` lineage's line only (`lines()`): choosing among
-thousands of lineages' lines without reading them all needs the waiting-line hint of docs/lineages.md, not built
-yet. The operator view, pause and resume work for every registered lineage (`resolve`).
-Reading a line costs a fixed handful of commands: no scan of samples or of lines.
+Each tick reads a small snapshot of the candidate lines (pending and eligible counts from the O(1) stats hash, the
+oldest pending sample from the head of the line's pending index, its previous run end, an operator pause; the active
+run and a live rollout once), lets `eligibility.choose` pick the lines to start (each judged under its lineage's
+policy) and starts each through `TrainingRunner.start`, the very path of `POST /v1/rl/training/runs` (claims stay
+O(batch)), with the run's `trigger` naming its lineage.
+
+Candidates: the default line, always, and the other lines in the order of the waiting hint `rl:v1:training:waiting`
+(keys.py: line → a lower bound of its oldest pending sample), read a page of `HINT_PAGE` entries at a time. Entries
+of a page are first corrected from their line's own pending index (raised to its head, or removed when it is empty),
+so a line whose samples were claimed, excluded or deleted drops back or out; reading stops once enough eligible
+lines were found (pages are oldest first: no later line waited longer) or after `HINT_LINES_PER_TICK` lines. So a
+tick never scans all lineages. A line is never chosen without a snapshot of its own keys.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from ...common.ids import policy_lag_version
-from ...common.lineage import DEFAULT_LINEAGE, is_lineage, line_of
+from ...common.lineage import DEFAULT_LINEAGE, is_lineage, line_of, split_line
 from ...common.policy_names import BASE_POLICY
 from ..background import stop_loop
 from ..errors import DomainError, NotFound
@@ -32,6 +37,7 @@ from ..store import keys
 from ..store.codec import text
 from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
+from ..workers.fence import Fence
 from .eligibility import LineState, Verdict, choose, judge_line
 from .models import TrainingRun
 from .pauses import LineagePauses
@@ -43,6 +49,10 @@ if TYPE_CHECKING:
     from .runner import TrainingRunner
 
 log = logging.getLogger("openjiuwen.agent_rl.online.training.scheduler")
+
+HINT_PAGE = 64  # hint entries read (and corrected) per round trip
+HINT_LINES_PER_TICK = 512  # non-default lines judged per tick at most
+_CORRECTION_ROUNDS = 3  # re-reads of a page whose entries moved when corrected
 
 
 def _iso(epoch: float | None) -> str | None:
@@ -63,6 +73,7 @@ class TrainingScheduler:
         store: TrajectoryStore,
         rollout: "RolloutController | None",
         pauses: LineagePauses,
+        fence: Fence,
         policy: TrainingPolicyConfig,
         model_id: str,
         max_policy_lag: int | None,
@@ -74,6 +85,7 @@ class TrainingScheduler:
         self._store = store
         self._rollout = rollout
         self._pauses = pauses
+        self._fence = fence  # the hint corrections are leader-only writes
         self._policy = policy
         self._model_id = model_id
         self._max_policy_lag = max_policy_lag
@@ -85,10 +97,6 @@ class TrainingScheduler:
     def policy(self) -> TrainingPolicyConfig:
         return self._policy
 
-    def lines(self) -> list[tuple[str, str]]:
-        """(line, lineage) of every line the scheduler starts runs for: the default lineage's only (see above)."""
-        return [(self._model_id, DEFAULT_LINEAGE)]
-
     async def resolve(self, lineage: str) -> str:
         """The line of `lineage` when it exists (`default`, or registered by its first Task), else UnknownLineage."""
         if is_lineage(lineage) and (lineage == DEFAULT_LINEAGE
@@ -99,31 +107,48 @@ class TrainingScheduler:
     # ------------------------------------------------------------------ snapshot
 
     async def snapshot(self, line: str, lineage: str) -> LineState:
-        store = self._store.for_line(line)  # the line's own pending index and counters
-        async with self._redis.pipeline(transaction=False) as reads:
-            reads.hgetall(store.stats_key)
-            reads.zrange(store.index_key(SampleStatus.PENDING), 0, 0, withscores=True)
-            reads.get(keys.POLICY_OBSERVED)
-            raw_stats, head, observed = await reads.execute()
-        counters = {(text(k) or ""): int(v) for k, v in raw_stats.items()}
-        pending = max(0, counters.get(f"status:{SampleStatus.PENDING}", 0))
-        # `policy:observed` is the default line's: another line's staleness is left to its run's claim.
-        stale = 0 if lineage != DEFAULT_LINEAGE else stale_pending(
-            counters, model_id=self._model_id, current_version=self._observed_version(observed),
-            max_policy_lag=self._max_policy_lag)
         active = await self._runs.active()
         live = await self._rollout.in_progress() if self._rollout is not None else None
-        return LineState(
-            line=line,
-            lineage=lineage,
-            pending=pending,
-            eligible=max(0, pending - stale),
-            oldest_at=float(head[0][1]) if head else None,
-            last_end_at=await self._runs.last_end(line),
-            active_run=None if active is None else active.training_run_id,
-            rollout_deciding=live is not None,
-            paused=await self._pauses.get(lineage) is not None,
-        )
+        [state] = await self._snapshots([(line, lineage)], active=active, rollout_live=live is not None)
+        return state
+
+    async def _snapshots(
+        self, lines: list[tuple[str, str]], *, active: TrainingRun | None, rollout_live: bool
+    ) -> list[LineState]:
+        """One pipelined read of every given line's own keys; the active run and the rollout are the caller's."""
+        async with self._redis.pipeline(transaction=False) as reads:
+            reads.get(keys.POLICY_OBSERVED)
+            for line, lineage in lines:
+                store = self._store.for_line(line)  # the line's own pending index and counters
+                reads.hgetall(store.stats_key)
+                reads.zrange(store.index_key(SampleStatus.PENDING), 0, 0, withscores=True)
+                reads.hget(keys.TRAINING_LAST_END, line)
+                reads.hexists(keys.LINEAGES_PAUSED, lineage)  # any field means paused: fails closed
+            observed, *rows = await reads.execute()
+        # Rollouts (canary / manual) roll out the default lineage only: another line under them would be refused.
+        gated = self._rollout is not None and self._rollout.gated
+        states = []
+        for i, (line, lineage) in enumerate(lines):
+            raw_stats, head, last_end, paused = rows[4 * i:4 * i + 4]
+            counters = {(text(k) or ""): int(v) for k, v in raw_stats.items()}
+            pending = max(0, counters.get(f"status:{SampleStatus.PENDING}", 0))
+            # `policy:observed` is the default line's: another line's staleness is left to its run's claim.
+            stale = 0 if lineage != DEFAULT_LINEAGE else stale_pending(
+                counters, model_id=self._model_id, current_version=self._observed_version(observed),
+                max_policy_lag=self._max_policy_lag)
+            states.append(LineState(
+                line=line,
+                lineage=lineage,
+                pending=pending,
+                eligible=max(0, pending - stale),
+                oldest_at=float(head[0][1]) if head else None,
+                last_end_at=None if last_end is None else float(last_end),
+                # One run at a time machine-wide (`training_run:active`): it blocks every line while it runs.
+                active_run=None if active is None else active.training_run_id,
+                rollout_deciding=rollout_live or (gated and lineage != DEFAULT_LINEAGE),
+                paused=bool(paused),
+            ))
+        return states
 
     def _observed_version(self, observed: bytes | None) -> int:
         # The policy the runner last read from the gateway; the claim re-reads it, this only estimates staleness.
@@ -133,18 +158,88 @@ class TrainingScheduler:
                 name = str(orjson.loads(observed).get("lora_name") or BASE_POLICY)
         return policy_lag_version(name, self._model_id)
 
+    # ------------------------------------------------------------------ the waiting hint
+
+    async def waiting_page(self, offset: int) -> list[tuple[str, str]]:
+        """(line, lineage) of the hint entries at ranks `offset`.. (at most HINT_PAGE), oldest first, each
+        corrected to its line's oldest pending sample; lines with none left are removed from the hint and not
+        returned."""
+        for _ in range(_CORRECTION_ROUNDS):
+            entries = await self._redis.zrange(keys.TRAINING_WAITING, offset, offset + HINT_PAGE - 1, withscores=True)
+            parsed = [(text(raw) or "", float(score), self._lineage_of(text(raw) or "")) for raw, score in entries]
+            async with self._redis.pipeline(transaction=False) as reads:
+                for line, _, lineage in parsed:
+                    if lineage is not None:
+                        reads.zrange(keys.traj_index(line, SampleStatus.PENDING), 0, 0, withscores=True)
+                heads = iter(await reads.execute())
+            exact, corrected = [], 0
+            for line, score, lineage in parsed:
+                head = None if lineage is None else next(heads)
+                if lineage is not None and head and float(head[0][1]) == score:
+                    exact.append((line, lineage))
+                    continue
+                await self._correct(line, valid=lineage is not None)
+                corrected += 1
+            if not corrected:
+                return exact
+        return exact  # still moving (publications meanwhile): judge what is exact now, the rest next tick
+
+    def _lineage_of(self, line: str) -> str | None:
+        """The lineage of a hint entry's line, None for an entry that is no non-default line of this model."""
+        try:
+            model, lineage = split_line(line)
+            keys.traj_index(line, SampleStatus.PENDING)  # a line no key may carry is no line of ours either
+        except ValueError:  # InvalidLineage, InvalidIdentifier
+            return None
+        return lineage if model == self._model_id and lineage != DEFAULT_LINEAGE else None
+
+    async def _correct(self, line: str, *, valid: bool) -> None:
+        """Set the line's hint entry to its oldest pending sample, or remove it (also an entry we never wrote)."""
+        index = keys.traj_index(line, SampleStatus.PENDING) if valid else None
+
+        async def body(pipe: Pipeline) -> None:
+            head = await pipe.zrange(index, 0, 0, withscores=True) if index is not None else []
+            # Invariant (keys.TRAINING_WAITING): the pending index is WATCHed, so a sample that becomes pending
+            # after this read fails the EXEC (and its own EXEC lowers the entry anyway): an entry is raised only
+            # to the true head, and removed only while the index is empty.
+            pipe.multi()
+            if head:
+                pipe.zadd(keys.TRAINING_WAITING, {line: head[0][1]})
+            else:
+                pipe.zrem(keys.TRAINING_WAITING, line)
+            await pipe.execute()
+
+        await self._fence.transact(self._redis, body, *([index] if index is not None else [keys.TRAINING_WAITING]))
+
     # ------------------------------------------------------------------ one tick
 
     async def tick(self) -> list[TrainingRun]:
         """Start what the policy says should start now; returns the runs created."""
-        if not self._policy.auto:
+        if not self._policy.any_auto:
             return []
-        states = {state.line: state for state in [await self.snapshot(line, name) for line, name in self.lines()]}
-        # Machine-wide: every active run counts, whichever line it trains.
-        active = sum(1 for state in states.values() if state.active_run is not None)
+        active = await self._runs.active()
+        # Machine-wide: the one active run (whichever line it trains) takes the one slot.
+        room = self._policy.max_concurrent_runs - (active is not None)
+        if room <= 0:
+            return []
+        live = (await self._rollout.in_progress() if self._rollout is not None else None) is not None
+        now = self._clock()
+        states = await self._snapshots([(self._model_id, DEFAULT_LINEAGE)], active=active, rollout_live=live)
+        found, seen = 0, {self._model_id}
+        offset = 0
+        while found < room and offset < HINT_LINES_PER_TICK:
+            page = [(line, lineage) for line, lineage in await self.waiting_page(offset) if line not in seen]
+            if not page:
+                break
+            seen.update(line for line, _ in page)
+            more = await self._snapshots(page, active=active, rollout_live=live)
+            found += sum(1 for state in more if judge_line(state, self._policy, now).eligible)
+            states += more
+            offset += HINT_PAGE
+        by_line = {state.line: state for state in states}
         started = []
-        for verdict in choose(states.values(), self._policy, self._clock(), active_runs=active):
-            run = await self._start(states[verdict.line], verdict)
+        for verdict in choose(states, self._policy, now, active_runs=0 if active is None else 1):
+            run = await self._start(by_line[verdict.line], verdict)
             if run is not None:
                 started.append(run)
         return started
@@ -159,8 +254,9 @@ class TrainingScheduler:
             "oldest_wait_seconds": round(verdict.oldest_wait_s or 0.0, 3),
         }
         try:
-            run, created = await self._runner.start(trigger=trigger, min_samples=verdict.min_samples)
-        except DomainError as exc:  # fewer samples at claim time, a rollout that just began, the gateway down
+            run, created = await self._runner.start(trigger=trigger, min_samples=verdict.min_samples,
+                                                    lineage=state.lineage)
+        except DomainError as exc:  # fewer samples at claim time, a run or rollout that just began, the gateway down
             log.info("automatic training of %s did not start: %s", state.line, exc)
             return None
         if not created:
@@ -183,7 +279,7 @@ class TrainingScheduler:
             "line": line,
             "paused": pause is not None,
             "paused_at": None if pause is None else pause.get("paused_at"),
-            "training_policy": self._policy.model_dump(),
+            "training_policy": self._policy.for_lineage(lineage).model_dump(exclude={"lineages"}),
             "scheduler": {
                 "pending_samples": state.pending,
                 "eligible_samples": state.eligible,
@@ -211,7 +307,7 @@ class TrainingScheduler:
     # ------------------------------------------------------------------ background (leader only)
 
     def start(self) -> None:
-        if not self._policy.auto:
+        if not self._policy.any_auto:
             return
         self._stopping = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="training-scheduler")
