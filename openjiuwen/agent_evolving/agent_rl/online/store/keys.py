@@ -221,7 +221,7 @@ def rollout_events(ro: str) -> str:
     return f"{rollout(ro)}:events"
 
 
-def lineage_key(lineage: str, suffix: str) -> str:
+def _lineage_key(lineage: str, suffix: str) -> str:
     """The one builder of a non-default lineage's own keys, `rl:v1:lineage:{lineage}:{suffix}` (docs/lineages.md
     wire 6). The default lineage never comes here: its keys keep their names from before lineages."""
     if not is_lineage(lineage) or lineage == DEFAULT_LINEAGE:
@@ -232,4 +232,4 @@ def lineage_key(lineage: str, suffix: str) -> str:
 def rollout_current(lineage: str = DEFAULT_LINEAGE) -> str:
     """The pointer to a line's one rollout not ended: `rollout:current` for the default line (the key AIGW-era
     tooling knows), the lineage's own pointer otherwise. Invariant 10 holds per line."""
-    return ROLLOUT_CURRENT if lineage == DEFAULT_LINEAGE else lineage_key(lineage, "rollout:current")
+    return ROLLOUT_CURRENT if lineage == DEFAULT_LINEAGE else _lineage_key(lineage, "rollout:current")
