@@ -659,7 +659,8 @@ async def _check_rollouts(redis: Redis, report: InvariantReport, rollout_ids: li
             name = (record.get(side) or {}).get("lora_name")
             parsed = parse_version_name(name)
             if name is not None and name != "base" and (parsed is None or split_line(parsed[0])[1] != lineage):
-                report.add(f"rollout {rollout_id} of lineage {lineage!r}: its {side} {name!r} is no version of its line")
+                report.add(f"rollout {rollout_id} of lineage {lineage!r}: its {side} {name!r} is no version of "
+                           "its line")
     flagged = {_s(m) for m in await redis.smembers(keys.ROLLOUT_LIVE_LINEAGES)}
     if flagged != set(pointer_lineages):
         report.add(f"rollouts:live_lineages is {sorted(flagged)}, the lineages with a rollout pointer are "
