@@ -66,6 +66,7 @@ class FakeGateway:
         self.policy_reads = 0
         self.unauthorized = 0
         self.candidate: tuple[str, str] | None = None
+        self.line_candidates: dict[str, tuple[str, str]] = {}  # the candidate of each non-default line
         self.canary_plan: deque[Behaviour] = deque()
         self.canary_calls: list[tuple[str, dict[str, Any]]] = []
         self._lock = threading.Lock()
@@ -74,7 +75,7 @@ class FakeGateway:
             Route("/internal/v1/rl/loras/{line}", self._policy, methods=["GET"]),
             Route("/internal/v1/rl/loras/activate", self._activate, methods=["POST"]),
         ] + ([
-            Route(f"/internal/v1/rl/canary/{model_id}", self._canary_status, methods=["GET"]),
+            Route("/internal/v1/rl/canary/{line}", self._canary_status, methods=["GET"]),
             Route("/internal/v1/rl/canary/start", self._canary_start, methods=["POST"]),
             Route("/internal/v1/rl/canary/abort", self._canary_abort, methods=["POST"]),
             Route("/internal/v1/rl/canary/promote", self._canary_promote, methods=["POST"]),
@@ -169,48 +170,82 @@ class FakeGateway:
         self.active = (body["lora_name"], body["lora_path"])
         return JSONResponse({"status": "active", "active_lora": self._policy_body()["active_lora"]})
 
-    def _canary_body(self) -> dict[str, Any]:
+    def _line_of(self, lora_name: object) -> str:
+        parsed = parse_version_name(lora_name)
+        return parsed[0] if parsed is not None else self.model_id
+
+    def _candidate(self, line: str) -> tuple[str, str] | None:
+        return self.candidate if line == self.model_id else self.line_candidates.get(line)
+
+    def _set_candidate(self, line: str, value: tuple[str, str] | None) -> None:
+        if line == self.model_id:
+            self.candidate = value
+        elif value is None:
+            self.line_candidates.pop(line, None)
+        else:
+            self.line_candidates[line] = value
+
+    def _canary_body(self, line: str | None = None) -> dict[str, Any]:
+        line = line or self.model_id
+        held = self._candidate(line)
         candidate = None
-        if self.candidate is not None:
-            candidate = {"lora_name": self.candidate[0], "lora_path": self.candidate[1], "share": 0.5,
+        if held is not None:
+            candidate = {"lora_name": held[0], "lora_path": held[1], "share": 0.5,
                          "started_at": "2026-01-01T00:00:00+00:00", "instances": {"ready": 1}}
-        return {**self._policy_body(), "candidate": candidate, "leases": {}}
+        return {**self._policy_body(line), "candidate": candidate, "leases": {}}
 
     async def _canary_status(self, request: Request) -> Response:
-        return JSONResponse(self._canary_body())
+        line = request.path_params["line"]
+        if line != self.model_id and not line.startswith(f"{self.model_id}:"):
+            return JSONResponse({"error": {"code": "model_not_found", "message": line}}, status_code=404)
+        return JSONResponse(self._canary_body(line))
 
     async def _canary_start(self, request: Request) -> Response:
         body = await request.json()
         with self._lock:
             self.canary_calls.append(("start", body))
             behaviour = self.canary_plan.popleft() if self.canary_plan else Ok()
+        line = self._line_of(body["lora_name"])
         if isinstance(behaviour, Fail):
             return Response(behaviour.body, status_code=behaviour.status, media_type="application/json")
         if isinstance(behaviour, Hang):
             if behaviour.switch:
-                self.candidate = (body["lora_name"], body["lora_path"])
+                self._set_candidate(line, (body["lora_name"], body["lora_path"]))
             await asyncio.sleep(behaviour.seconds)
-        self.candidate = (body["lora_name"], body["lora_path"])
-        return JSONResponse(self._canary_body())
+        held = self._candidate(line)
+        if held is not None and held[0] != body["lora_name"]:  # one candidate per line, as the gateway
+            return JSONResponse({"error": {"code": "canary_conflict", "message": f"{held[0]} is the candidate"}},
+                                status_code=409)
+        self._set_candidate(line, (body["lora_name"], body["lora_path"]))
+        return JSONResponse(self._canary_body(line))
 
     async def _canary_abort(self, request: Request) -> Response:
         body = await request.json()
         with self._lock:
             self.canary_calls.append(("abort", body))
-        if self.candidate is not None and self.candidate[0] == body["lora_name"]:
-            self.candidate = None
-        return JSONResponse(self._canary_body())
+        line = self._line_of(body["lora_name"])
+        held = self._candidate(line)
+        if held is not None and held[0] == body["lora_name"]:
+            self._set_candidate(line, None)
+        return JSONResponse(self._canary_body(line))
 
     async def _canary_promote(self, request: Request) -> Response:
         body = await request.json()
         with self._lock:
             self.canary_calls.append(("promote", body))
-        current = self.active[0] if self.active else "base"
-        if self.candidate is None:
+        line = self._line_of(body["lora_name"])
+        active = self.active if line == self.model_id else self.line_active.get(line)
+        current = active[0] if active else "base"
+        held = self._candidate(line)
+        if held is None:
             if current == body["lora_name"]:
-                return JSONResponse(self._canary_body())  # promoted already
+                return JSONResponse(self._canary_body(line))  # promoted already
             return JSONResponse({"error": {"code": "no_canary", "message": "x"}}, status_code=409)
-        if self.candidate[0] != body["lora_name"] or current != body["expected_lora_name"]:
+        if held[0] != body["lora_name"] or current != body["expected_lora_name"]:
             return JSONResponse({"error": {"code": "lora_cas_conflict", "message": "x"}}, status_code=409)
-        self.active, self.candidate = self.candidate, None
-        return JSONResponse(self._canary_body())
+        if line == self.model_id:
+            self.active = held
+        else:
+            self.line_active[line] = held
+        self._set_candidate(line, None)
+        return JSONResponse(self._canary_body(line))

@@ -54,7 +54,7 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
-from openjiuwen.agent_evolving.agent_rl.common.lineage import DEFAULT_LINEAGE, line_of
+from openjiuwen.agent_evolving.agent_rl.common.lineage import DEFAULT_LINEAGE, line_of, parse_version_name, split_line
 from openjiuwen.agent_evolving.agent_rl.online.store import keys, prompt_blocks
 from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import ALL_SAMPLE_STATUSES, SampleStatus
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
@@ -135,6 +135,9 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # Rollouts (docs/rollout.md): the current pointer, the listing, records and their timelines.
         ("rollout_current", "rollout:current"),
         ("rollouts_by_created", "rollouts:by_created"),
+        # Rollouts per line (docs/lineages.md): a lineage's own pointer, and the lineages with one.
+        ("lineage_rollout_current", "lineage:(?P<lineage>[a-z0-9-]{1,63}):rollout:current"),
+        ("rollouts_live_lineages", "rollouts:live_lineages"),
         ("rollout", "rollout:(?P<ro>ro-[0-9a-f]{12})"),
         ("rollout_events", "rollout:(?P<ro>ro-[0-9a-f]{12}):events"),
         # Worker processes (CONTRACT §2.11): the leader lease, its epoch, the recovered boot, heartbeats, the fault.
@@ -358,7 +361,8 @@ async def check_invariants(
     await _check_task_listings(redis, report, typed)
     active_run = await _check_runs(redis, report, run_ids, samples)
     await _check_run_lines(redis, report, run_ids, samples)
-    await _check_rollouts(redis, report, [g["ro"] for _, g in typed.get("rollout", [])])
+    await _check_rollouts(redis, report, [g["ro"] for _, g in typed.get("rollout", [])],
+                          [g["lineage"] for _, g in typed.get("lineage_rollout_current", [])])
     await _load_tasks(redis, tasks, typed)
     await _check_tasks(redis, report, tasks, strict_active_index)
     _check_task_samples(report, tasks, samples)
@@ -648,31 +652,50 @@ async def _check_runs(
 ROLLOUT_LIVE_STATUSES = frozenset({"running", "paused", "promoting", "rolling_back", "activating"})
 
 
-async def _check_rollouts(redis: Redis, report: InvariantReport, rollout_ids: list[str]) -> None:
-    """Invariant 10 (docs/rollout.md): the current pointer names exactly the one non-terminal rollout; every record
-    is listed; a canary has a candidate distinct from its baseline."""
+async def _check_rollouts(redis: Redis, report: InvariantReport, rollout_ids: list[str],
+                          pointer_lineages: list[str]) -> None:
+    """Invariant 10 (docs/rollout.md), per line (docs/lineages.md): each line's current pointer names exactly the
+    one non-terminal rollout of that line (`rollout:current` for the default line, the lineage's own pointer else);
+    `rollouts:live_lineages` holds exactly the lineages with a pointer; every record is listed; a canary has a
+    candidate distinct from its baseline, and its versions are its own line's."""
     raws = await _pipelined(redis, rollout_ids, lambda p, r: p.get(keys.rollout(r)))
-    live = []
+    live: dict[str, list[str]] = defaultdict(list)
     listed = {_s(m) for m in await redis.zrange(keys.ROLLOUTS_BY_CREATION, 0, -1)}
     for rollout_id, raw in zip(rollout_ids, raws):
         record = _json(raw)
         if not isinstance(record, dict) or record.get("rollout_id") != rollout_id:
             report.add(f"rollout {rollout_id}: record is not a JSON object naming itself")
             continue
+        lineage = record.get("lineage") or DEFAULT_LINEAGE
+        if record.get("lineage") == DEFAULT_LINEAGE:
+            report.add(f"rollout {rollout_id}: a default-line record carries lineage")
         if record.get("status") in ROLLOUT_LIVE_STATUSES:
-            live.append(rollout_id)
+            live[lineage].append(rollout_id)
         if rollout_id not in listed:
             report.add(f"rollout {rollout_id} is not in the rollout listing")
         candidate = (record.get("candidate") or {}).get("lora_name")
         if record.get("kind") == "canary" and candidate == (record.get("baseline") or {}).get("lora_name"):
             report.add(f"rollout {rollout_id}: the candidate is its own baseline")
-    pointer = _s(await redis.get(keys.ROLLOUT_CURRENT))
-    if len(live) > 1:
-        report.add(f"more than one rollout not ended: {sorted(live)}")
-    if pointer is None and live:
-        report.add(f"rollouts {sorted(live)} are not ended but no rollout is current")
-    if pointer is not None and live != [pointer]:
-        report.add(f"the current rollout pointer names {pointer}, the rollouts not ended are {sorted(live)}")
+        for side in ("candidate", "baseline"):
+            name = (record.get(side) or {}).get("lora_name")
+            parsed = parse_version_name(name)
+            if name is not None and name != "base" and (parsed is None or split_line(parsed[0])[1] != lineage):
+                report.add(f"rollout {rollout_id} of lineage {lineage!r}: its {side} {name!r} is no version of "
+                           "its line")
+    flagged = {_s(m) for m in await redis.smembers(keys.ROLLOUT_LIVE_LINEAGES)}
+    if flagged != set(pointer_lineages):
+        report.add(f"rollouts:live_lineages is {sorted(flagged)}, the lineages with a rollout pointer are "
+                   f"{sorted(pointer_lineages)}")
+    for lineage in sorted({DEFAULT_LINEAGE, *pointer_lineages, *live}):
+        pointer = _s(await redis.get(keys.rollout_current(lineage)))
+        ids = sorted(live.get(lineage, []))
+        if len(ids) > 1:
+            report.add(f"more than one rollout not ended on lineage {lineage!r}: {ids}")
+        if pointer is None and ids:
+            report.add(f"rollouts {ids} of lineage {lineage!r} are not ended but none is current")
+        if pointer is not None and ids != [pointer]:
+            report.add(f"lineage {lineage!r}'s current rollout pointer names {pointer}, the rollouts not ended "
+                       f"are {ids}")
 
 
 # -------------------------------------------------------------------------------------------------------- tasks

@@ -576,3 +576,23 @@ def test_lineage_options_and_lineage_list(gw: FakeGateway, capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["LINEAGE", "LINE", "PENDING", "ACTIVE_RUN", "FIRST_USED_AT"]
     assert lines[1].split() == ["a", "tiny:a", "4", "-", "2026-01-01T00:00:00+00:00"]
+
+
+def test_rollout_commands_name_a_lineage(gw: FakeGateway, capsys) -> None:
+    """`--lineage` reaches the routes as `?lineage=` (status) and `{"lineage"}` (decisions); absent, the requests
+    are exactly the default line's as before lineages."""
+    record = {"rollout_id": "ro-0123456789ab", "kind": "canary", "status": "paused", "lineage": "a",
+              "candidate": {"lora_name": "tiny:a:v1"}, "baseline": {"lora_name": "base"}}
+    gw.on("GET", "/v1/rl/rollout", ok({"mode": "canary", "config": {}, "current": record, "recent": [],
+                                       "lineage": "a"}))
+    for action in ("promote", "rollback", "pause", "resume"):
+        gw.on("POST", f"/v1/rl/rollout/{action}", ok(record))
+    assert run_cli(gw, "rollout", "status", "--lineage", "a") == 0
+    assert gw.requests[-1].url.params["lineage"] == "a"
+    assert run_cli(gw, "rollout", "status") == 0
+    assert "lineage" not in gw.requests[-1].url.params
+    for action in ("promote", "rollback", "pause", "resume"):
+        assert run_cli(gw, "rollout", action, "--lineage", "a") == 0
+        assert gw.requests[-1].read() == b'{"lineage":"a"}'
+        assert run_cli(gw, "rollout", action) == 0
+        assert gw.requests[-1].read() == b""

@@ -9,6 +9,8 @@
     openjiuwen-rl rl lineage get|pause|resume [LINEAGE]
     openjiuwen-rl rl lineage list [--limit N] [--all]
     openjiuwen-rl rl policy report [--lineage L]
+    openjiuwen-rl rl rollout status|promote|rollback|pause|resume [--lineage L]
+    openjiuwen-rl rl rollout events ROLLOUT_ID
     openjiuwen-rl rl lora status [MODEL]
     openjiuwen-rl rl lora delete MODEL
     openjiuwen-rl rl instance list
@@ -668,13 +670,15 @@ def _show_rollout(status: dict[str, Any]) -> None:
 
 
 def _rollout_status(ctx: Context) -> int:
-    ctx.show(ctx.client.request("GET", "/v1/rl/rollout"), _show_rollout)
+    params = {"lineage": ctx.args.lineage} if ctx.args.lineage else None  # absent: the default line, as before
+    ctx.show(ctx.client.request("GET", "/v1/rl/rollout", params=params), _show_rollout)
     return 0
 
 
 def _rollout(action: str) -> Callable[[Context], int]:
     def handler(ctx: Context) -> int:
-        ctx.show(ctx.client.request("POST", f"/v1/rl/rollout/{action}"), _show_rollout_record)
+        body = {"lineage": ctx.args.lineage} if ctx.args.lineage else None  # absent: the default line, as before
+        ctx.show(ctx.client.request("POST", f"/v1/rl/rollout/{action}", body=body), _show_rollout_record)
         return 0
 
     return handler
@@ -875,13 +879,18 @@ def build_parser() -> argparse.ArgumentParser:
          _policy_report).add_argument("--lineage", help="base and this lineage's versions only")
 
     rollout = group("rollout", "the canary of a new version: status, promote, roll back, pause (docs/rollout.md)")
+    line_help = "this lineage's line (default: the default lineage)"
     leaf(rollout, "status", "the rollout mode, the current rollout with both arms, their reward intervals and the "
-                            "decision with its reason, and the latest rollouts", _rollout_status)
-    leaf(rollout, "promote", "promote the candidate now: it serves every new Task", _rollout("promote"))
+                            "decision with its reason, and the latest rollouts",
+         _rollout_status).add_argument("--lineage", help=line_help)
+    leaf(rollout, "promote", "promote the candidate now: it serves every new Task",
+         _rollout("promote")).add_argument("--lineage", help=line_help)
     leaf(rollout, "rollback", "roll the candidate back now: every new Task gets the active version; Tasks pinned "
-                              "to the candidate keep it until they end", _rollout("rollback"))
-    leaf(rollout, "pause", "stop automatic decisions (new Tasks are still split)", _rollout("pause"))
-    leaf(rollout, "resume", "resume automatic decisions", _rollout("resume"))
+                              "to the candidate keep it until they end",
+         _rollout("rollback")).add_argument("--lineage", help=line_help)
+    leaf(rollout, "pause", "stop automatic decisions (new Tasks are still split)",
+         _rollout("pause")).add_argument("--lineage", help=line_help)
+    leaf(rollout, "resume", "resume automatic decisions", _rollout("resume")).add_argument("--lineage", help=line_help)
     leaf(rollout, "events", "the rollout timeline", _rollout_events).add_argument("rollout_id")
 
     lineage = group("lineage", "automatic training of a lineage: its scheduler view, pause, resume "

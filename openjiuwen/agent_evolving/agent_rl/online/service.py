@@ -270,8 +270,8 @@ class ServiceDeps:
         await self.lifecycle.shutdown()
 
     async def follow(self) -> None:
-        """A follower's beat: the live canary as Redis has it, so that a Task start here marks its arm."""
-        await self.rollout.in_progress()
+        """A follower's beat: each line's live canary as Redis has it, so that a Task start here marks its arm."""
+        await self.rollout.refresh()
 
     async def recover_worker(self) -> None:
         """A worker that replaces a dead one finishes what that one may have left half done and nobody else would:
@@ -493,7 +493,7 @@ def create_app(
     app.include_router(build_rail_router(deps.rail))
     app.include_router(build_training_router(deps.runner))
     app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id), deps.lineages))
-    app.include_router(build_rollout_router(deps.rollout))
+    app.include_router(build_rollout_router(deps.rollout, deps.lineages))
     app.include_router(build_lineages_router(deps.scheduler, deps.lineages))
     # Inside the guards (bearer 401 and size 413 first): a non-JSON body is 415 (a browser's cross-site simple POST).
     app.add_middleware(JsonBodyMiddleware, binary_routes=HOOK_BINARY_ROUTES)

@@ -123,7 +123,9 @@ TASK_ABORT = json_body(_object(
     ["reason"], {"reason": {"enum": [FinishReason.CAPTURE_FAILED.value, FinishReason.TIMEOUT.value]}}, closed=True,
 ))
 TRAINING_START = json_body({"anyOf": [{"type": "null"}, _object([], {}, closed=True)]}, required=False)
-ROLLOUT_ACTION = TRAINING_START  # promote / rollback / pause / resume: no body (absent, null or {})
+# promote / rollback / pause / resume: absent, null, {} (the default line) or {"lineage": L} (L's line)
+ROLLOUT_ACTION = json_body({"anyOf": [{"type": "null"}, _object([], {
+    "lineage": {"type": "string", "pattern": "^[a-z0-9-]{1,63}$"}}, closed=True)]}, required=False)
 LINEAGE_ACTION = TRAINING_START  # lineage pause / resume: no body
 LORA_ACTIVATE = json_body(_object(["lora_name"], {"lora_name": {"type": "string", "minLength": 1}}, closed=True))
 _LIMIT = query("limit", {"type": "integer", "minimum": 1, "maximum": 1000})
@@ -138,6 +140,7 @@ TASK_LIST = {"parameters": [query("status", {"enum": [s.value for s in TASK_STAT
 RUN_LIST = {"parameters": [_LIMIT, _CURSOR]}
 LINEAGE_LIST = {"parameters": [_LIMIT, _CURSOR]}
 POLICY_LIST = {"parameters": [query("lineage", {"type": "string", "pattern": "^[a-z0-9-]{1,63}$"})]}
+ROLLOUT_STATUS = POLICY_LIST  # `?lineage=`: that line's rollout
 _REWARD_SOURCE = {"type": "string", "pattern": "^[a-z0-9_-]{1,32}$"}
 _SCORE = {"type": "number", "minimum": 0, "maximum": 1}
 TRAJECTORY_REWARD = json_body(_object(["source", "score"], {"source": _REWARD_SOURCE, "score": _SCORE}, closed=True))

@@ -1,5 +1,7 @@
 """Rollout routes (docs/rollout.md; CONTRACT §2.10 ext): status, operator decisions, activation of any published
-version. The gateway proxies them signed like every control call."""
+version. The gateway proxies them signed like every control call. Per line (docs/lineages.md): the status takes
+`?lineage=`, the decisions a body `{"lineage": ...}` (as `POST /v1/rl/training/runs`); absent = `default`, so the
+routes answer exactly as before lineages for the default line."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...common.ids import is_rollout_id
+from ...common.lineage import DEFAULT_LINEAGE, is_lineage
+from ..lineages import LineageRegistry
 from ..lora.gateway_client import GatewayError
 from ..rollout.controller import RolloutController
 from . import openapi
@@ -16,14 +20,25 @@ from ...common.errors import ApiError, JSONBody
 from .errors import domain_errors
 
 
-async def _empty_body(request: Request) -> None:
+async def _lineage_body(request: Request) -> object:
+    """The lineage a decision names: absent, null and {} mean `default`; `{"lineage": L}` L's line."""
     body = await json_value(request)
-    if body is not None and body != {}:
-        raise ApiError(400, "invalid_rollout_request", "body must be absent, null or {}")
+    if body is not None and (not isinstance(body, dict) or not set(body) <= {"lineage"}):
+        raise ApiError(400, "invalid_rollout_request", 'body must be absent, null, {} or {"lineage": ...}')
+    return (body or {}).get("lineage", DEFAULT_LINEAGE)
 
 
-def build_rollout_router(controller: RolloutController) -> APIRouter:
+def build_rollout_router(controller: RolloutController, lineages: LineageRegistry) -> APIRouter:
     router = APIRouter()
+
+    async def known(lineage: object) -> str:
+        # Fail closed: a malformed name never reaches a key builder, an unregistered one has no line to roll out.
+        if not is_lineage(lineage):
+            raise ApiError(400, "invalid_lineage", "lineage must be 1-63 of [a-z0-9-], and not v<digits>")
+        assert isinstance(lineage, str)
+        if not await lineages.exists(lineage):
+            raise ApiError(404, "lineage_not_found", f"lineage {lineage!r} does not exist")
+        return lineage
 
     async def operate(call: Any) -> JSONBody:
         try:
@@ -32,30 +47,32 @@ def build_rollout_router(controller: RolloutController) -> APIRouter:
         except GatewayError as exc:
             raise ApiError(502, "gateway_unavailable", str(exc)[:1000]) from exc
 
-    @router.get("/v1/rl/rollout")
-    async def rollout_status() -> JSONBody:
-        """The mode, the current rollout with both arms and the decision it would take, and the latest ones."""
-        return await operate(controller.status)
+    @router.get("/v1/rl/rollout", openapi_extra=openapi.ROLLOUT_STATUS)
+    async def rollout_status(request: Request) -> JSONBody:
+        """The mode, the line's current rollout with both arms and the decision it would take, and its latest
+        ones (`?lineage=`, default `default`)."""
+        lineage = await known(request.query_params.get("lineage", DEFAULT_LINEAGE))
+        return await operate(lambda: controller.status(lineage))
 
     @router.post("/v1/rl/rollout/promote", openapi_extra=openapi.ROLLOUT_ACTION)
     async def rollout_promote(request: Request) -> JSONBody:
-        await _empty_body(request)
-        return await operate(controller.promote)
+        lineage = await known(await _lineage_body(request))
+        return await operate(lambda: controller.promote(lineage))
 
     @router.post("/v1/rl/rollout/rollback", openapi_extra=openapi.ROLLOUT_ACTION)
     async def rollout_rollback(request: Request) -> JSONBody:
-        await _empty_body(request)
-        return await operate(controller.rollback)
+        lineage = await known(await _lineage_body(request))
+        return await operate(lambda: controller.rollback(lineage))
 
     @router.post("/v1/rl/rollout/pause", openapi_extra=openapi.ROLLOUT_ACTION)
     async def rollout_pause(request: Request) -> JSONBody:
-        await _empty_body(request)
-        return await operate(lambda: controller.pause(True))
+        lineage = await known(await _lineage_body(request))
+        return await operate(lambda: controller.pause(True, lineage))
 
     @router.post("/v1/rl/rollout/resume", openapi_extra=openapi.ROLLOUT_ACTION)
     async def rollout_resume(request: Request) -> JSONBody:
-        await _empty_body(request)
-        return await operate(lambda: controller.pause(False))
+        lineage = await known(await _lineage_body(request))
+        return await operate(lambda: controller.pause(False, lineage))
 
     @router.get("/v1/rl/rollout/{rollout_id}/events")
     async def rollout_events(rollout_id: str) -> JSONBody:
@@ -66,7 +83,7 @@ def build_rollout_router(controller: RolloutController) -> APIRouter:
 
     @router.post("/v1/rl/loras/activate", openapi_extra=openapi.LORA_ACTIVATE)
     async def lora_activate(request: Request) -> JSONBody:
-        """Activate a published version of the model (`{"lora_name": "<model>:vN"}`) for every new Task."""
+        """Activate a published version of a line (`{"lora_name": "<line>:vN"}`) for every new Task of the line."""
         body = await json_value(request)
         if not isinstance(body, dict) or set(body) != {"lora_name"}:
             raise ApiError(400, "invalid_rollout_request", 'body must be exactly {"lora_name": "<model>:vN"}')

@@ -187,10 +187,11 @@ class GatewayLoraClient:
 
     # ------------------------------------------------------------------ canary (docs/rollout.md, CONTRACT §3.8 ext)
 
-    async def canary_status(self) -> dict[str, Any]:
-        """`GET /internal/v1/rl/canary/{model}` once. A gateway without the canary routes answers 404:
-        GatewayRejected with `missing_canary_routes` in its text, so start-up can say so."""
-        url = f"{self._endpoint}/internal/v1/rl/canary/{self._model_id}"
+    async def canary_status(self, line: str | None = None) -> dict[str, Any]:
+        """`GET /internal/v1/rl/canary/{line}` once (None: the default line, the model id). A gateway without the
+        canary routes answers 404: GatewayRejected with `missing_canary_routes` in its text, so start-up can say
+        so."""
+        url = f"{self._endpoint}/internal/v1/rl/canary/{line or self._model_id}"
         try:
             resp = await self._client.get(url, timeout=self._timeout_s)
         except httpx.TimeoutException as exc:
@@ -238,6 +239,8 @@ class GatewayLoraClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
         url = f"{self._endpoint}/internal/v1/rl/canary/{action}"
+        # The reconciling read asks the version's own line (the gateway derives it from the name the same way).
+        parsed = parse_version_name(body.get("lora_name"))
         failure = f"canary {action} request timed out"
         for delay in backoff_delays(attempts=self._attempts):
             remaining = deadline - loop.time()
@@ -265,7 +268,7 @@ class GatewayLoraClient:
                 break
             await asyncio.sleep(delay)
         try:
-            state = await self.canary_status()
+            state = await self.canary_status(parsed[0] if parsed else None)
         except GatewayError:
             raise GatewayError(failure) from None
         if done(state):

@@ -5,6 +5,10 @@ version (docs/rollout.md).
 Every change is an intent written to Redis first (`promoting`, `rolling_back`, `activating`), then the gateway call
 (idempotent, CAS on the names), then the end state: a restart at any point finishes what was started, and the
 gateway's own state file keeps the candidate across a gateway restart.
+
+Per line (docs/lineages.md "Rollout per lineage"): every lineage's line has its own rollout (record, pointer, arms,
+decision and lock); lines never wait for each other. The default line's records, keys and routes are exactly what
+they were before lineages.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from ..background import stop_loop
 from ..errors import Conflict, InvalidInput, NotFound
 from ..events import EventLog
 from ..faults import FaultHook, no_faults
-from ...common.ids import lora_version, now_iso, parse_iso_epoch
+from ...common.ids import now_iso, parse_iso_epoch
+from ...common.lineage import DEFAULT_LINEAGE, InvalidLineage, line_of, parse_version_name, split_line
 from ..lora.gateway_client import GatewayError, GatewayLoraClient, GatewayRejected, GatewayTransient
 from ..lora.repository import LoraRepository
 from ..store import keys
@@ -31,7 +36,7 @@ from ..workers.fence import LeaseLost
 from .config import CANARY, RolloutConfig
 from .decision import PROMOTE, ROLLBACK, WAIT, Arm, Decision, decide
 from .status import DECIDING, IN_FLIGHT, LIVE, RolloutStatus
-from .store import RolloutStore, new_rollout_id, rollout_id_for_run
+from .store import RolloutStore, lineage_of, new_rollout_id, rollout_id_for_run
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
@@ -75,17 +80,43 @@ class RolloutController:
         self._observe_policy = observe_policy
         self._active_run = active_run
         self._metrics = metrics
-        self._lock = asyncio.Lock()  # one change of rollout state at a time in this process
+        # One change of rollout state at a time per line in this process; lines never wait for each other.
+        self._locks: dict[str, asyncio.Lock] = {}
         self._loop: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
-        # The live canary as this process last wrote or read it (every change of rollout state happens here), so
-        # that a Task start costs no Redis read to know its arm.
-        self._live: dict[str, Any] | None = None
+        # Each line's live canary as this process last wrote or read it (every change of rollout state happens
+        # here), so that a Task start costs no Redis read to know its arm. Keyed by lineage.
+        self._live: dict[str, dict[str, Any]] = {}
         self._events = EventLog(redis)
 
     @property
     def gated(self) -> bool:
         return self.config.gated
+
+    def _lock(self, lineage: str) -> asyncio.Lock:
+        lock = self._locks.get(lineage)
+        if lock is None:
+            lock = self._locks[lineage] = asyncio.Lock()
+        return lock
+
+    def _line(self, lineage: str) -> str:
+        return line_of(self._model_id, lineage)
+
+    def lineage_of_line(self, line: str | None) -> str:
+        """The lineage of a line of this model (None: the default line); InvalidInput for anything else."""
+        if line is None:
+            return DEFAULT_LINEAGE
+        try:
+            model_id, lineage = split_line(line)
+        except InvalidLineage as exc:
+            raise InvalidInput("invalid_lineage", str(exc)) from exc
+        if model_id != self._model_id:
+            raise InvalidInput("invalid_lineage", f"{line!r} is not a line of {self._model_id}")
+        return lineage
+
+    async def _lines(self) -> list[str]:
+        """The lineages a decision round visits: the default line always, the others only while live."""
+        return [DEFAULT_LINEAGE, *await self.store.live_lineages()]
 
     # ------------------------------------------------------------------ start-up
 
@@ -112,6 +143,12 @@ class RolloutController:
         """Finish an intent a crash interrupted (promotion, rollback, activation); drop a gateway candidate that no
         live rollout owns (its record was lost with the Redis data, say): left alone it would refuse every later
         canary and activation (409 `canary_conflict`) with nobody to decide it."""
+        for lineage in (await self.store.live_lineages())[::-1]:  # other lines first; the default line last
+            other = self._remember(await self.store.current(lineage), lineage)
+            if other is not None and other["status"] in IN_FLIGHT:
+                log.info("rollout %s (lineage %s) was %s at restart; finishing it", other["rollout_id"], lineage,
+                         other["status"])
+                await self._finish(other)
         record = self._remember(await self.store.current())
         if record is not None and record["status"] in IN_FLIGHT:
             log.info("rollout %s was %s at restart; finishing it", record["rollout_id"], record["status"])
@@ -164,17 +201,24 @@ class RolloutController:
         """Make a succeeded run's version the candidate (gateway first, then the record). Idempotent per run.
         Raises GatewayError when the gateway refuses or fails, Conflict when another rollout is in progress."""
         assert run.lora_name and run.lora_path
+        lineage = run.lineage
         rollout_id = rollout_id_for_run(run.training_run_id)
         existing = await self.store.get(rollout_id)
         if existing is not None:
-            return self._remember(existing) or existing
-        current = await self.store.current()
+            return self._remember(existing, lineage) or existing
+        current = await self.store.current(lineage)
         if current is not None:
             raise Conflict(f"rollout {current['rollout_id']} is in progress", code="rollout_in_progress")
-        answer = await self._gateway.start_canary(
-            base_model=self._base_model_path, lora_name=run.lora_name, lora_path=run.lora_path,
-            expected=run.parent_lora_name, share=self.config.share,
-        )
+        try:
+            answer = await self._start_canary(run)
+        except GatewayRejected as exc:
+            # Start-up drops an orphan candidate of the default line only (asking every registered lineage's
+            # line would cost one call each); another line's orphan (its record lost with the Redis data) is
+            # dropped here, when its line's next canary meets it, and the start is tried once more.
+            if lineage == DEFAULT_LINEAGE or "canary_conflict" not in str(exc) \
+                    or not await self._drop_orphan(lineage, keep=run.lora_name):
+                raise
+            answer = await self._start_canary(run)
         started_at = (answer.get("candidate") or {}).get("started_at") or now_iso()
         record = {
             "rollout_id": rollout_id, "kind": "canary", "mode": self.config.mode, "status": RolloutStatus.RUNNING,
@@ -183,6 +227,8 @@ class RolloutController:
             "share": self.config.share, "training_run_id": run.training_run_id, "created_at": now_iso(),
             "window_started_at": started_at, "ended_at": None, "decision": None,
         }
+        if lineage != DEFAULT_LINEAGE:  # records of the default line stay as they were before lineages
+            record["lineage"] = lineage
         stored = await self._create(record, "canary_started", {
             "lora_name": run.lora_name, "baseline": run.parent_lora_name, "share": self.config.share,
             "mode": self.config.mode})
@@ -190,23 +236,62 @@ class RolloutController:
                  self.config.share * 100, run.parent_lora_name)
         return stored
 
+    async def _start_canary(self, run: "TrainingRun") -> dict[str, Any]:
+        assert run.lora_name and run.lora_path
+        return await self._gateway.start_canary(
+            base_model=self._base_model_path, lora_name=run.lora_name, lora_path=run.lora_path,
+            expected=run.parent_lora_name, share=self.config.share,
+        )
+
+    async def _drop_orphan(self, lineage: str, *, keep: str) -> bool:
+        """Abort the gateway candidate of a line that has no live rollout (the caller checked); True if one was."""
+        candidate = (await self._gateway.canary_status(self._line(lineage))).get("candidate")
+        name = candidate.get("lora_name") if isinstance(candidate, dict) else None
+        if not isinstance(name, str) or name == keep:
+            return False
+        log.warning("the gateway's candidate %s belongs to no live rollout of lineage %s; aborting it", name, lineage)
+        await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=name)
+        return True
+
     async def record_of(self, run: "TrainingRun") -> dict[str, Any] | None:
         """The canary a run's version started, if it got its record."""
         return await self.store.get(rollout_id_for_run(run.training_run_id))
 
-    async def in_progress(self) -> dict[str, Any] | None:
-        return self._remember(await self.store.current())
+    async def in_progress(self, line: str | None = None) -> dict[str, Any] | None:
+        """The rollout not ended of `line` (`<model_id>` or `<model_id>:<lineage>`; None: the default line)."""
+        lineage = self.lineage_of_line(line)
+        return self._remember(await self.store.current(lineage), lineage)
 
-    def _remember(self, record: dict[str, Any] | None) -> dict[str, Any] | None:
-        if record is None or record.get("status") in LIVE:
-            self._live = record
-        elif self._live is not None and self._live.get("rollout_id") == record.get("rollout_id"):
-            self._live = None
+    async def live_lines(self) -> set[str]:
+        """The lines whose rollout is not ended: the default line's pointer and the live-lineage set, two reads
+        however many lineages exist (the automatic training holds a line while its rollout decides)."""
+        lines = {line_of(self._model_id, lineage) for lineage in await self.store.live_lineages()}
+        if await self._redis.exists(keys.rollout_current(DEFAULT_LINEAGE)):
+            lines.add(self._model_id)
+        return lines
+
+    async def refresh(self) -> None:
+        """A follower's beat: every line's live rollout as Redis has it, so that a Task start here marks its arm."""
+        live = await self.store.live_lineages()
+        for lineage in [DEFAULT_LINEAGE, *live]:
+            self._remember(await self.store.current(lineage), lineage)
+        for gone in set(self._live) - {DEFAULT_LINEAGE, *live}:
+            self._live.pop(gone, None)
+
+    def _remember(self, record: dict[str, Any] | None, lineage: str | None = None) -> dict[str, Any] | None:
+        lineage = lineage_of(record) if record is not None else (lineage or DEFAULT_LINEAGE)
+        if record is None:
+            self._live.pop(lineage, None)
+        elif record.get("status") in LIVE:
+            self._live[lineage] = record
+        elif self._live.get(lineage, {}).get("rollout_id") == record.get("rollout_id"):
+            self._live.pop(lineage, None)
         return record
 
     async def task_started(self, task: "Task") -> None:
-        """Mark a new Task's arm in its timeline while a canary runs (best-effort, like every note event)."""
-        live = self._live
+        """Mark a new Task's arm in its timeline while its line's canary runs (best-effort, like every note
+        event)."""
+        live = self._live.get(task.lineage)
         if live is None or live.get("kind") != "canary" or live.get("status") not in DECIDING:
             return
         arms = {live["candidate"]["lora_name"]: "candidate", live["baseline"]["lora_name"]: "active"}
@@ -217,14 +302,32 @@ class RolloutController:
 
     # ------------------------------------------------------------------ decisions
 
-    async def tick(self) -> Decision | None:
-        """One decision round: finish an interrupted intent, else evaluate the running canary and, in `canary` mode
-        and not paused, act on a promote / rollback verdict."""
-        async with self._lock:
-            record = self._remember(await self.store.current())
+    async def tick(self) -> dict[str, Decision | None]:
+        """One decision round over every line with a live rollout (the default line always): lineage → the
+        decision taken (None: nothing to decide). One line's failure does not keep the others from deciding; the
+        first is raised once every line had its turn (a lost lease at once)."""
+        decisions: dict[str, Decision | None] = {}
+        failure: Exception | None = None
+        for lineage in await self._lines():
+            try:
+                decisions[lineage] = await self.tick_line(lineage)
+            except (asyncio.CancelledError, LeaseLost):
+                raise
+            except Exception as exc:  # the next round tries again; the state is durable
+                failure = failure or exc
+                log.warning("rollout decision of lineage %s failed: %s", lineage, exc)
+        if failure is not None:
+            raise failure
+        return decisions
+
+    async def tick_line(self, lineage: str = DEFAULT_LINEAGE) -> Decision | None:
+        """One decision round of a line: finish an interrupted intent, else evaluate the running canary and, in
+        `canary` mode and not paused, act on a promote / rollback verdict."""
+        async with self._lock(lineage):
+            record = self._remember(await self.store.current(lineage), lineage)
             if record is None:
-                self._live = None
-                self._report(None, None)
+                if lineage == DEFAULT_LINEAGE:
+                    self._report(None, None)
                 return None
             if record["status"] in IN_FLIGHT:
                 await self._finish(record)
@@ -232,7 +335,8 @@ class RolloutController:
             if record["kind"] != "canary":
                 return None
             decision = await self.evaluate(record)
-            self._report(record, decision)
+            if lineage == DEFAULT_LINEAGE:  # the per-arm gauges are the default line's (no lineage label)
+                self._report(record, decision)
             if record["mode"] == CANARY and record["status"] == RolloutStatus.RUNNING and decision.action != WAIT:
                 await self._act(record, decision.action, decision.public(), by="auto")
             return decision
@@ -248,6 +352,8 @@ class RolloutController:
         candidate = Arm(record["candidate"]["lora_name"])
         active = Arm(record["baseline"]["lora_name"])
         by_name = {candidate.lora_name: candidate, active.lora_name: active}
+        # Only the line's own Tasks count: `base` is every line's baseline before its first version.
+        lineage = lineage_of(record)
         start = parse_iso_epoch(record["window_started_at"])
         end = parse_iso_epoch(record["ended_at"]) if record.get("ended_at") else "+inf"
         ids = [text(t) for t in await self._redis.zrangebyscore(keys.TASKS_BY_CREATION, start, end)]
@@ -258,7 +364,7 @@ class RolloutController:
             for t, raw in zip(chunk, raws):
                 task = orjson.loads(raw) if raw is not None else None
                 arm = by_name.get(task.get("policy_lora_name")) if isinstance(task, dict) else None
-                if arm is None:
+                if arm is None or (task.get("lineage") or DEFAULT_LINEAGE) != lineage:
                     continue
                 arm.tasks += 1
                 if task.get("evaluation") is True:  # evaluation Tasks count too, and are shown apart
@@ -310,7 +416,7 @@ class RolloutController:
             if status == RolloutStatus.PROMOTING:
                 await self._gateway.promote_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"],
                                                    expected=baseline["lora_name"])
-                await self._now_active(candidate, record.get("training_run_id") or "")
+                await self._now_active(record, candidate, record.get("training_run_id") or "")
                 self._fault("rollout.switched")
                 return await self._update(rollout_id, lambda r: {**r, "status": RolloutStatus.PROMOTED}, "canary_promoted",
                                                {"lora_name": candidate["lora_name"]})
@@ -324,7 +430,7 @@ class RolloutController:
                 await self._gateway.activate(base_model=self._base_model_path, lora_name=candidate["lora_name"],
                                              lora_path=candidate["lora_path"], expected=baseline["lora_name"],
                                              run_id="")
-                await self._now_active(candidate, "")
+                await self._now_active(record, candidate, "")
                 return await self._update(rollout_id, lambda r: {**r, "status": RolloutStatus.ACTIVATED},
                                                "version_activated", {"lora_name": candidate["lora_name"],
                                                                      "previous": baseline["lora_name"]})
@@ -353,58 +459,69 @@ class RolloutController:
         self._remember(record)
         return record
 
-    async def _now_active(self, lora: dict[str, str], run_id: str) -> None:
+    async def _now_active(self, record: dict[str, Any], lora: dict[str, str], run_id: str) -> None:
         # The fenced write first: a deposed leader stops here rather than write the repository's marker (a file
-        # carries no token; the next leader, finishing the same intent, writes the same marker).
-        await self._observe_policy(lora["lora_name"], lora["lora_path"])
-        await self._repository.write_active(lora["lora_name"], lora["lora_path"], run_id)
+        # carries no token; the next leader, finishing the same intent, writes the same marker). `policy:observed`
+        # is the default line's (AIGW key); another line keeps its active version in its repository marker only,
+        # so its fenced step is the rollout's own end, written after the marker (the same marker again on replay).
+        lineage = lineage_of(record)
+        if lineage == DEFAULT_LINEAGE:
+            await self._observe_policy(lora["lora_name"], lora["lora_path"])
+        await self._repository.for_line(self._line(lineage)).write_active(lora["lora_name"], lora["lora_path"],
+                                                                            run_id)
 
     # ------------------------------------------------------------------ operator
 
-    async def status(self) -> dict[str, Any]:
-        """The current rollout with its live evaluation (arms, interval, the decision it would take), and the
-        latest ended ones."""
-        record = await self.store.current()
+    async def status(self, lineage: str = DEFAULT_LINEAGE) -> dict[str, Any]:
+        """The line's current rollout with its live evaluation (arms, interval, the decision it would take), and
+        the latest ended ones of that line."""
+        record = await self.store.current(lineage)
         current = None
         if record is not None:
             current = dict(record)
             if record["kind"] == "canary":
                 current["evaluation"] = (await self.evaluate(record)).public()
-        recent = [r for r in await self.store.list_recent(10) if record is None or r["rollout_id"] !=
-                  record["rollout_id"]]
+        # The listing is across lines (newest first); a line's latest ten are among the newest few hundred
+        # unless other lines roll out far more often, which then shows fewer of this line's, never another's.
+        recent = [r for r in await self.store.list_recent(200) if lineage_of(r) == lineage and
+                  (record is None or r["rollout_id"] != record["rollout_id"])][:10]
         for r in recent:
             if r.get("kind") == "canary" and r.get("decision") is None:
                 r["evaluation"] = (await self.evaluate(r)).public()
-        return {"mode": self.config.mode, "config": self.config.model_dump(), "current": current, "recent": recent}
+        answer = {"mode": self.config.mode, "config": self.config.model_dump(), "current": current, "recent": recent}
+        if lineage != DEFAULT_LINEAGE:  # the default line's answer stays as it was before lineages
+            answer["lineage"] = lineage
+        return answer
 
-    async def _require_canary(self) -> dict[str, Any]:
-        record = await self.store.current()
+    async def _require_canary(self, lineage: str) -> dict[str, Any]:
+        record = await self.store.current(lineage)
         if record is None or record["kind"] != "canary":
-            raise Conflict("no canary is in progress", code="no_rollout")
+            where = "" if lineage == DEFAULT_LINEAGE else f" for lineage {lineage!r}"
+            raise Conflict(f"no canary is in progress{where}", code="no_rollout")
         return record
 
-    async def promote(self) -> dict[str, Any]:
-        async with self._lock:
-            record = await self._require_canary()
+    async def promote(self, lineage: str = DEFAULT_LINEAGE) -> dict[str, Any]:
+        async with self._lock(lineage):
+            record = await self._require_canary(lineage)
             if record["status"] not in DECIDING:
                 raise Conflict(f"the canary is already {record['status']}", code="no_rollout")
             decision = (await self.evaluate(record)).public()
             return await self._act(record, PROMOTE, {**decision, "action": PROMOTE, "reason": "operator",
                                                      "detail": "promoted by the operator"}, by="operator")
 
-    async def rollback(self) -> dict[str, Any]:
-        async with self._lock:
-            record = await self._require_canary()
+    async def rollback(self, lineage: str = DEFAULT_LINEAGE) -> dict[str, Any]:
+        async with self._lock(lineage):
+            record = await self._require_canary(lineage)
             if record["status"] not in DECIDING:
                 raise Conflict(f"the canary is already {record['status']}", code="no_rollout")
             decision = (await self.evaluate(record)).public()
             return await self._act(record, ROLLBACK, {**decision, "action": ROLLBACK, "reason": "operator",
                                                       "detail": "rolled back by the operator"}, by="operator")
 
-    async def pause(self, paused: bool = True) -> dict[str, Any]:
-        """Stop (or resume) automatic decisions; the split of new Tasks goes on meanwhile."""
-        async with self._lock:
-            record = await self._require_canary()
+    async def pause(self, paused: bool = True, lineage: str = DEFAULT_LINEAGE) -> dict[str, Any]:
+        """Stop (or resume) automatic decisions of a line; the split of new Tasks goes on meanwhile."""
+        async with self._lock(lineage):
+            record = await self._require_canary(lineage)
             want, have = ((RolloutStatus.PAUSED, RolloutStatus.RUNNING) if paused
                           else (RolloutStatus.RUNNING, RolloutStatus.PAUSED))
 
@@ -414,18 +531,23 @@ class RolloutController:
             return await self._update(record["rollout_id"], change, "paused" if paused else "resumed", {})
 
     async def activate_version(self, lora_name: object) -> dict[str, Any]:
-        """Activate a published version of this model for every new Task (an operator's rollback to an earlier
-        version, or a roll forward), through a rollout record of kind `activation`."""
-        if not isinstance(lora_name, str) or lora_version(lora_name, self._model_id) is None:
-            raise InvalidInput("invalid_lora_name", f"lora_name must be `{self._model_id}:v<N>`")
-        version = lora_version(lora_name, self._model_id)
-        assert version is not None
-        complete = await asyncio.to_thread(self._repository.complete_versions)
+        """Activate a published version of a line of this model for every new Task of that line (an operator's
+        rollback to an earlier version, or a roll forward), through a rollout record of kind `activation`. The
+        line is the version's own (`<line>:vN`)."""
+        parsed = parse_version_name(lora_name)
+        if parsed is None or split_line(parsed[0])[0] != self._model_id:
+            raise InvalidInput("invalid_lora_name", f"lora_name must be `{self._model_id}:v<N>` or "
+                                                    f"`{self._model_id}:<lineage>:v<N>`")
+        assert isinstance(lora_name, str)
+        line, version = parsed
+        lineage = split_line(line)[1]
+        repository = self._repository.for_line(line)
+        complete = await asyncio.to_thread(repository.complete_versions)
         if version not in complete:
             raise NotFound(f"{lora_name} is not a published version")
-        path = str(self._repository.version_path(version))
-        async with self._lock:
-            current = await self.store.current()
+        path = str(repository.version_path(version))
+        async with self._lock(lineage):
+            current = await self.store.current(lineage)
             if current is not None:
                 raise Conflict(f"rollout {current['rollout_id']} is in progress: promote or roll it back first",
                                code="rollout_in_progress")
@@ -433,7 +555,7 @@ class RolloutController:
                 raise Conflict("a Training Run is in progress: its activation would race this one",
                                code="training_in_progress")
             try:
-                policy = await self._gateway.read_policy_retrying()
+                policy = await self._gateway.read_policy_retrying(line=None if lineage == DEFAULT_LINEAGE else line)
             except GatewayError as exc:
                 raise Conflict(f"cannot read the active policy from the gateway: {exc}",
                                code="gateway_unavailable") from exc
@@ -445,6 +567,8 @@ class RolloutController:
                 "ended_at": None, "decision": {"action": "activate", "reason": "operator", "by": "operator",
                                                "at": now_iso()},
             }
+            if lineage != DEFAULT_LINEAGE:
+                record["lineage"] = lineage
             if policy.lora_name == lora_name:
                 raise Conflict(f"{lora_name} is already active", code="lora_already_active")
             record = await self._create(record, "activation_requested",

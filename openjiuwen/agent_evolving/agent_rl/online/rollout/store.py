@@ -5,8 +5,11 @@ A rollout is a canary of a new version (`kind: canary`) or an operator's activat
 `rolled_back`; activation `activating` → `activated` | `failed`. The intermediate `promoting` / `rolling_back` /
 `activating` is written before the gateway call, so a restart finishes the call it was making.
 
-Invariant 10: `rollout:current` names exactly the one rollout not ended; every transition in and out of the ended
-states changes the record, the pointer and the timeline(s) in one MULTI. Only the leader changes rollouts: every
+Rollouts are per line (docs/lineages.md): a record of a non-default lineage carries `lineage` (the default line's
+records are unchanged), and each line has its own pointer (`keys.rollout_current(lineage)`: `rollout:current` for the
+default line). Invariant 10, per line: the line's pointer names exactly the one rollout of that line not ended; every
+transition in and out of the ended states changes the record, the pointer (and, for a non-default line, its
+membership of `rollouts:live_lineages`) and the timeline(s) in one MULTI. Only the leader changes rollouts: every
 write goes through its fence (workers/fence.py) and raises LeaseLost once its term is over.
 """
 
@@ -22,6 +25,7 @@ from redis.asyncio.client import Pipeline
 
 from .. import events
 from ..errors import Conflict, NotFound
+from ...common.lineage import DEFAULT_LINEAGE
 from ...common.ids import is_run_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import text
@@ -40,15 +44,25 @@ def new_rollout_id() -> str:
     return "ro-" + secrets.token_hex(6)
 
 
+def lineage_of(record: dict[str, Any]) -> str:
+    """The lineage whose line a rollout record rolls out (absent = `default`: records from before lineages)."""
+    return record.get("lineage") or DEFAULT_LINEAGE
+
+
 class RolloutStore:
     def __init__(self, redis: Redis, *, fence: Fence) -> None:
         self._redis = redis
         self._fence = fence
         self._events = events.EventLog(redis)
 
-    async def current(self) -> dict[str, Any] | None:
-        pointer = await self._redis.get(keys.ROLLOUT_CURRENT)
+    async def current(self, lineage: str = DEFAULT_LINEAGE) -> dict[str, Any] | None:
+        """The line's rollout not ended, if any."""
+        pointer = await self._redis.get(keys.rollout_current(lineage))
         return await self.get(text(pointer)) if pointer is not None else None
+
+    async def live_lineages(self) -> list[str]:
+        """The non-default lineages whose line has a rollout not ended (sorted, so rounds visit them in order)."""
+        return sorted(text(m) for m in await self._redis.smembers(keys.ROLLOUT_LIVE_LINEAGES))
 
     async def get(self, rollout_id: str | None) -> dict[str, Any] | None:
         if not rollout_id:
@@ -68,33 +82,44 @@ class RolloutStore:
 
     async def create(self, record: dict[str, Any], event: str, data: dict[str, Any]) -> dict[str, Any]:
         """Store a new live rollout and make it current; the same id again returns the stored record (a repeated
-        start). Another live rollout → Conflict `rollout_in_progress`."""
+        start). Another live rollout of the same line → Conflict `rollout_in_progress`."""
         rollout_id = record["rollout_id"]
         key = keys.rollout(rollout_id)
+        lineage = lineage_of(record)
+        current_key = keys.rollout_current(lineage)
 
         async def body(pipe: Pipeline) -> dict[str, Any]:
             existing = await pipe.get(key)
             if existing is not None:
                 return orjson.loads(existing)
-            pointer = await pipe.get(keys.ROLLOUT_CURRENT)
+            pointer = await pipe.get(current_key)
             if pointer is not None:
                 raise Conflict(f"rollout {text(pointer)} is in progress", code="rollout_in_progress")
             pipe.multi()
-            # Invariant 10: the record, the pointer, the listing and the timelines in one step.
+            # Invariant 10 (per line): the record, the line's pointer, the live-line set, the listing and the
+            # timelines in one step.
             pipe.set(key, orjson.dumps(record))
-            pipe.set(keys.ROLLOUT_CURRENT, rollout_id)
+            pipe.set(current_key, rollout_id)
+            if lineage != DEFAULT_LINEAGE:
+                pipe.sadd(keys.ROLLOUT_LIVE_LINEAGES, lineage)
             pipe.zadd(keys.ROLLOUTS_BY_CREATION, {rollout_id: parse_iso_epoch(record["created_at"])})
             self._queue_events(pipe, record, event, data)
             await pipe.execute()
             return record
 
-        return await self._fence.transact(self._redis, body, key, keys.ROLLOUT_CURRENT)
+        return await self._fence.transact(self._redis, body, key, current_key)
 
     async def update(self, rollout_id: str, change: Callable[[dict[str, Any]], dict[str, Any] | None],
                      event: str | None = None, data: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Apply `change` to a live record (None: leave it); reaching an ended status also clears the pointer.
-        An ended record is returned unchanged (transitions out of an end never happen)."""
+        """Apply `change` to a live record (None: leave it); reaching an ended status also clears the line's
+        pointer. An ended record is returned unchanged (transitions out of an end never happen)."""
         key = keys.rollout(rollout_id)
+        # A record's lineage never changes, so its pointer key can be chosen before the transaction watches it.
+        raw = await self._redis.get(key)
+        if raw is None:
+            raise NotFound("rollout not found")
+        lineage = lineage_of(orjson.loads(raw))
+        current_key = keys.rollout_current(lineage)
 
         async def body(pipe: Pipeline) -> dict[str, Any]:
             raw = await pipe.get(key)
@@ -108,21 +133,26 @@ class RolloutStore:
                 return record
             if changed["status"] != record["status"]:
                 ROLLOUT_TRANSITIONS.check(record["status"], changed["status"])  # raises on a move the table lacks
-            pointer = await pipe.get(keys.ROLLOUT_CURRENT)
+            if lineage_of(changed) != lineage:  # fail closed: a change never moves a rollout to another line
+                raise RuntimeError(f"rollout {rollout_id}: a change may not move it to another lineage")
+            pointer = await pipe.get(current_key)
             ended = changed["status"] in ENDED
             if ended:
                 changed["ended_at"] = changed.get("ended_at") or now_iso()
             pipe.multi()
             pipe.set(key, orjson.dumps(changed))
-            # Invariant 10: the rollout ends and stops being current in the same step.
+            # Invariant 10 (per line): the rollout ends and stops being its line's current one (and the line
+            # leaves the live-line set) in the same step.
             if ended and pointer is not None and text(pointer) == rollout_id:
-                pipe.delete(keys.ROLLOUT_CURRENT)
+                pipe.delete(current_key)
+                if lineage != DEFAULT_LINEAGE:
+                    pipe.srem(keys.ROLLOUT_LIVE_LINEAGES, lineage)
             if event is not None:
                 self._queue_events(pipe, changed, event, data or {})
             await pipe.execute()
             return changed
 
-        return await self._fence.transact(self._redis, body, key, keys.ROLLOUT_CURRENT)
+        return await self._fence.transact(self._redis, body, key, current_key)
 
     @staticmethod
     def _queue_events(pipe: Pipeline, record: dict[str, Any], event: str, data: dict[str, Any]) -> None:

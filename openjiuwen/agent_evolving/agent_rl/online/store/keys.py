@@ -6,6 +6,7 @@ Each builder validates the components it puts in a key, so a hostile id can neve
 from __future__ import annotations
 
 from ...common.ids import InvalidIdentifier, require_rollout_id, require_run_id, require_task_id, require_token_id
+from ...common.lineage import DEFAULT_LINEAGE, is_lineage
 from ..tasks.models import TASK_STATUSES
 from .sample_status import ALL_SAMPLE_STATUSES
 
@@ -57,6 +58,10 @@ EXCLUDED_INSTANCES = PREFIX + "excluded_instances"
 # creation epoch. Invariant 10: the pointer names exactly the one non-terminal rollout record.
 ROLLOUT_CURRENT = PREFIX + "rollout:current"
 ROLLOUTS_BY_CREATION = PREFIX + "rollouts:by_created"
+# SET of the non-default lineages whose line has a rollout not ended (docs/lineages.md "Rollout per lineage"): a
+# member exactly while `lineage_rollout_current(lineage)` exists (added and removed in the same MULTI as that
+# pointer), so a decision round visits the live lines without reading every registered lineage.
+ROLLOUT_LIVE_LINEAGES = PREFIX + "rollouts:live_lineages"
 # Workers (online/workers/, only with `workers` > 1): the leader lease (STRING `<boot>:<slot>:<pid>:<port>`, PX TTL),
 # its fencing epoch (INCR at every acquisition), the boot whose startup recovery is done, the live worker processes
 # (ZSET member `<boot>:<slot>:<pid>`, scored by the epoch ms its heartbeat entry expires), and the fault the leader's
@@ -222,3 +227,17 @@ def rollout(ro: str) -> str:
 
 def rollout_events(ro: str) -> str:
     return f"{rollout(ro)}:events"
+
+
+def _lineage_key(lineage: str, suffix: str) -> str:
+    """The one builder of a non-default lineage's own keys, `rl:v1:lineage:{lineage}:{suffix}` (docs/lineages.md
+    wire 6). The default lineage never comes here: its keys keep their names from before lineages."""
+    if not is_lineage(lineage) or lineage == DEFAULT_LINEAGE:
+        raise InvalidIdentifier("invalid lineage for a per-lineage key")
+    return f"{PREFIX}lineage:{lineage}:{suffix}"
+
+
+def rollout_current(lineage: str = DEFAULT_LINEAGE) -> str:
+    """The pointer to a line's one rollout not ended: `rollout:current` for the default line (the key AIGW-era
+    tooling knows), the lineage's own pointer otherwise. Invariant 10 holds per line."""
+    return ROLLOUT_CURRENT if lineage == DEFAULT_LINEAGE else _lineage_key(lineage, "rollout:current")

@@ -135,13 +135,9 @@ class TrainingRunner:
                     raise Conflict(f"training run {active.training_run_id} of lineage {active.lineage!r} is active: "
                                    "one Training Run at a time on this service", code="training_run_conflict")
                 return active, False
-            if lineage != DEFAULT_LINEAGE and self._rollout is not None and self._rollout.gated:
-                # Rollouts (canary / manual) keep one candidate per model today; a lineage's version must never
-                # become the default line's candidate, so such a run is refused rather than mis-rolled out.
-                raise Conflict(f"rollout.mode {self._rollout.config.mode!r} is not supported for lineage {lineage!r} yet: "
-                               "only the default lineage rolls out through a canary", code="lineage_rollout_unsupported")
-            if self._rollout is not None and (current := await self._rollout.in_progress()) is not None:
-                # Never two candidates, and a run trained while one is judged would have an undecided parent.
+            if self._rollout is not None and (current := await self._rollout.in_progress(line)) is not None:
+                # Never two candidates on a line, and a run trained while its line's candidate is judged would
+                # have an undecided parent. Other lines' rollouts do not hold this one.
                 raise Conflict(f"rollout {current['rollout_id']} ({current['status']}) is in progress: a new "
                                "Training Run starts once it is promoted or rolled back", code="rollout_in_progress")
             try:

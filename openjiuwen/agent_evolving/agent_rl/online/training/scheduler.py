@@ -108,12 +108,12 @@ class TrainingScheduler:
 
     async def snapshot(self, line: str, lineage: str) -> LineState:
         active = await self._runs.active()
-        live = await self._rollout.in_progress() if self._rollout is not None else None
-        [state] = await self._snapshots([(line, lineage)], active=active, rollout_live=live is not None)
+        live = await self._rollout.live_lines() if self._rollout is not None else set()
+        [state] = await self._snapshots([(line, lineage)], active=active, rollout_live=live)
         return state
 
     async def _snapshots(
-        self, lines: list[tuple[str, str]], *, active: TrainingRun | None, rollout_live: bool
+        self, lines: list[tuple[str, str]], *, active: TrainingRun | None, rollout_live: set[str]
     ) -> list[LineState]:
         """One pipelined read of every given line's own keys; the active run and the rollout are the caller's."""
         async with self._redis.pipeline(transaction=False) as reads:
@@ -125,8 +125,6 @@ class TrainingScheduler:
                 reads.hget(keys.TRAINING_LAST_END, line)
                 reads.hexists(keys.LINEAGES_PAUSED, lineage)  # any field means paused: fails closed
             observed, *rows = await reads.execute()
-        # Rollouts (canary / manual) roll out the default lineage only: another line under them would be refused.
-        gated = self._rollout is not None and self._rollout.gated
         states = []
         for i, (line, lineage) in enumerate(lines):
             raw_stats, head, last_end, paused = rows[4 * i:4 * i + 4]
@@ -145,7 +143,8 @@ class TrainingScheduler:
                 last_end_at=None if last_end is None else float(last_end),
                 # One run at a time machine-wide (`training_run:active`): it blocks every line while it runs.
                 active_run=None if active is None else active.training_run_id,
-                rollout_deciding=rollout_live or (gated and lineage != DEFAULT_LINEAGE),
+                # Every line rolls out its own versions (docs/lineages.md): only its own live rollout holds it.
+                rollout_deciding=line in rollout_live,
                 paused=bool(paused),
             ))
         return states
@@ -222,7 +221,7 @@ class TrainingScheduler:
         room = self._policy.max_concurrent_runs - (active is not None)
         if room <= 0:
             return []
-        live = (await self._rollout.in_progress() if self._rollout is not None else None) is not None
+        live = await self._rollout.live_lines() if self._rollout is not None else set()
         now = self._clock()
         states = await self._snapshots([(self._model_id, DEFAULT_LINEAGE)], active=active, rollout_live=live)
         found, seen = 0, {self._model_id}
