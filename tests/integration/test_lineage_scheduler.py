@@ -186,3 +186,28 @@ async def test_the_invariant_checker_flags_a_line_with_pending_samples_and_no_hi
                                       "its oldest one"]
         await redis.zadd(keys.TRAINING_WAITING, {line("l03"): 0.0, line("zz"): 0.0})
         assert await violations() == [f"waiting-hint for {line('zz')!r}, which is not a registered lineage's line"]
+
+
+async def test_a_lineage_whose_own_rollout_decides_waits_and_the_others_train(app, redis):
+    """Each line rolls out its own versions: a live rollout of l07's line holds l07 only (the scheduler reads the
+    default pointer and the live-lineage set, never every line)."""
+    app_cm, backend = app()
+    async with app_cm as (application, client):
+        deps = application.state.deps
+        await register(redis)
+        await publish(deps, "l07", 3, age_s=300)
+        younger = await publish(deps, "l23", 3, age_s=100)
+        # l07's line has a rollout not ended, as the rollout store writes it (pointer and live set in one MULTI).
+        async with redis.pipeline(transaction=True) as tx:
+            tx.set(keys.rollout_current("l07"), "ro-l07")
+            tx.sadd(keys.ROLLOUT_LIVE_LINEAGES, "l07")
+            await tx.execute()
+        assert await deps.rollout.live_lines() == {line("l07")}
+        done = await run_tick(deps)
+        assert (done.lineage, backend.calls[-1]["sample_ids"]) == ("l23", younger)
+        assert await deps.scheduler.tick() == []  # l07 waits for its own rollout
+        async with redis.pipeline(transaction=True) as tx:
+            tx.delete(keys.rollout_current("l07"))
+            tx.srem(keys.ROLLOUT_LIVE_LINEAGES, "l07")
+            await tx.execute()
+        assert (await run_tick(deps)).lineage == "l07"
