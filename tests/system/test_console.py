@@ -264,7 +264,8 @@ def test_the_lineage_selector_api_lists_default_first_and_shows_each_line(run: C
             assert (r.status_code, r.json()["error"]["code"]) == expected, path
         # The selected lineage reaches the RL Service's listing as `?lineage=`.
         versions = {lineage: [p["policy_version"] for p in client.get(
-            "/console/api/rl/policies", params={"lineage": lineage}).json()["items"]] for lineage in ("default", "support")}
+            "/console/api/rl/policies", params={"lineage": lineage}).json()["items"]]
+            for lineage in ("default", "support")}
         assert versions == {"default": ["base", "tiny:v1"], "support": ["base", "tiny:support:v1"]}
     with httpx.Client(base_url=run.gw.url, timeout=30) as anonymous:
         for path in ("/console/api/lineages", "/console/api/loras/tiny"):

@@ -1,5 +1,5 @@
-"""The console's lineage list (gateway/console.py `Console.lineages`) against a scripted RL answer, and the page script's
-rule that no text ever becomes markup. The real RL Service's answer is covered by tests/system/test_console.py."""
+"""The console's lineage list (gateway/console.py `Console.lineages`) against a scripted RL answer, and the page
+script's rule that no text ever becomes markup. The real RL Service's answer is covered by tests/system/test_console.py."""
 
 from __future__ import annotations
 
