@@ -1,6 +1,7 @@
 """The web console with real processes: gateway + RL Service child (scripted trainer) + private Redis + fake vLLM and
 Judge, agents through the official `openai` SDK. One real run feeds every test: rewarded Tasks on base, a Training Run
-that activates `tiny:v1`, a delayed-feedback Task judged per turn, and a Task still active (pinned to v1).
+that activates `tiny:v1`, a rewarded Task of lineage `support` and its run (`tiny:support:v1`), a delayed-feedback Task
+judged per turn, and a Task still active (pinned to v1).
 
 The pages are driven in headless Chromium (the Debian `chromium` package, through Playwright's `executable_path`):
 they load, show the run's data, log no console error and no failed request. Screenshots go to
@@ -44,6 +45,8 @@ class ConsoleRun:
     delayed_task: str = ""
     active_task: str = ""
     run_id: str = ""
+    support_task: str = ""
+    support_run_id: str = ""
 
 
 def now_ms() -> int:
@@ -57,8 +60,12 @@ def chat(client: openai.OpenAI, session: str, turn: str | None = None, **samplin
     assert out.choices[0].message.content
 
 
-def start(gw: GatewayProcess, session: str, mode: str = "terminal") -> str:
-    r = gw.start_task(session, mode)
+def start(gw: GatewayProcess, session: str, mode: str = "terminal", lineage: str | None = None) -> str:
+    if lineage is None:
+        r = gw.start_task(session, mode)
+    else:
+        r = gw.signed("POST", "/v1/rl/tasks/start", json={"reward_mode": mode, "lineage": lineage},
+                      headers={"X-Agent-Session-Id": session})
     assert r.status_code == 201, r.text
     return r.json()["rl_task_id"]
 
@@ -68,8 +75,9 @@ def stop(gw: GatewayProcess, rl_task_id: str) -> None:
     assert r.status_code == 200 and r.json()["status"] == "finalized", r.text
 
 
-def rewarded_task(gw: GatewayProcess, client: openai.OpenAI, session: str, reward: float, chats: int = 1) -> str:
-    t = start(gw, session)
+def rewarded_task(gw: GatewayProcess, client: openai.OpenAI, session: str, reward: float, chats: int = 1,
+                  lineage: str | None = None) -> str:
+    t = start(gw, session, lineage=lineage)
     for n in range(chats):
         chat(client, session, **({"temperature": 0.7, "top_p": 0.9} if n == 1 else {}))  # the agent's own sampling
     stop(gw, t)
@@ -111,6 +119,13 @@ def run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Co
         assert (record["status"], record["lora_name"]) == ("succeeded", "tiny:v1"), record
         out.run_id = record["training_run_id"]
         out.v1_tasks = [rewarded_task(gw, client, f"v1-{i}", reward) for i, reward in enumerate((0.8, 0.9))]
+        # A second lineage with a version of its own: what the console's lineage selector switches to.
+        out.support_task = rewarded_task(gw, client, "support-0", 0.6, lineage="support")
+        r = gw.signed("POST", "/v1/rl/training/runs", json={"lineage": "support"})
+        assert r.status_code == 201, r.text
+        record = wait_run(gw, r.json()["training_run_id"])
+        assert (record["status"], record["lora_name"]) == ("succeeded", "tiny:support:v1"), record
+        out.support_run_id = record["training_run_id"]
         out.delayed_task = start(gw, "delayed", "delayed_feedback")
         chat(client, "delayed", "u1")
         chat(client, "delayed", "u2")  # a new turn: the Judge scores u1
@@ -228,23 +243,30 @@ def test_the_console_api_is_read_only_and_allow_listed(run: ConsoleRun) -> None:
         assert not any(API_KEY.decode() in b for b in bodies)
 
 
-def test_the_lineage_selector_api_falls_back_to_default_and_shows_each_line(run: ConsoleRun) -> None:
+def test_the_lineage_selector_api_lists_default_first_and_shows_each_line(run: ConsoleRun) -> None:
     with login(run.gw) as client:
-        # This RL Service has no `GET /v1/rl/lineages` yet (404): the selector offers the default lineage only.
+        # The RL Service never lists `default` (it always exists); the selector's list starts with it.
         listed = client.get("/console/api/lineages")
         assert listed.status_code == 200 and listed.headers["cache-control"] == "no-store"
-        assert listed.json() == {"items": [{"lineage": "default", "line": "tiny"}], "next_cursor": None,
-                                 "lineages_supported": False}
+        body = listed.json()
+        assert [(i["lineage"], i["line"]) for i in body["items"]] == [("default", "tiny"), ("support", "tiny:support")]
+        assert body["lineages_supported"] is True and body["next_cursor"] is None
+        first = client.get("/console/api/lineages", params={"limit": 1}).json()  # `limit` is the RL Service's
+        assert [i["lineage"] for i in first["items"]] == ["default", "support"]
         default = client.get("/console/api/loras/tiny").json()
         assert default["active_lora"]["lora_name"] == "tiny:v1"
-        other = client.get("/console/api/loras/tiny:support").json()
+        support = client.get("/console/api/loras/tiny:support").json()
+        assert support["active_lora"]["lora_name"] == "tiny:support:v1"
+        other = client.get("/console/api/loras/tiny:other").json()
         assert other["status"] == "base" and other["active_lora"] is None  # a line with no version yet
         for path, expected in (("tiny:v2", (400, "invalid_lineage")), ("other:support", (404, "model_not_found"))):
             r = client.get("/console/api/loras/" + path)
             assert (r.status_code, r.json()["error"]["code"]) == expected, path
         # The selected lineage reaches the RL Service's listing as `?lineage=`.
-        policies = client.get("/console/api/rl/policies", params={"lineage": "default"})
-        assert policies.status_code == 200
+        versions = {lineage: [p["policy_version"] for p in client.get(
+            "/console/api/rl/policies", params={"lineage": lineage}).json()["items"]]
+            for lineage in ("default", "support")}
+        assert versions == {"default": ["base", "tiny:v1"], "support": ["base", "tiny:support:v1"]}
     with httpx.Client(base_url=run.gw.url, timeout=30) as anonymous:
         for path in ("/console/api/lineages", "/console/api/loras/tiny"):
             assert anonymous.get(path).status_code == 401, path
@@ -346,6 +368,41 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
 
         show("/rollout")  # immediate mode: no rollout, and the page says so
         assert "immediate" in text() and "No rollout yet" in text()
+
+        # The lineage selector: `default` first, then each registered lineage; the per-lineage views follow it.
+        def pick(lineage: str, route: str) -> None:
+            page.select_option("#lineage", lineage)
+            page.wait_for_selector(f'#view[data-route="{route}"][data-lineage="{lineage}"]', state="attached")
+
+        def scope() -> str:
+            return page.inner_text("#scope")
+
+        show("/policies")
+        assert page.locator("#lineage option").all_inner_texts() == ["default", "support"]
+        assert page.input_value("#lineage") == "default" and "lineage default (tiny)" in scope()
+        pick("support", "/policies")
+        shot("policies-lineage")
+        body = text()
+        assert "Policies of lineage support" in body and "tiny:support:v1" in body and "tiny:v1" not in body
+        assert "lineage support (tiny:support)" in scope()
+        show("/loras")  # the choice stays while moving between views
+        body = text()
+        assert "LoRA state of tiny:support" in body and "active LoRA\ntiny:support:v1" in body
+        show("/rollout")
+        assert "Rollout of lineage support" in text() and "default lineage only" in text()
+        assert "not per lineage" in scope()
+        show("/tasks")  # every lineage's Tasks, each with its lineage
+        assert run.support_task in text() and run.base_tasks[0] in text() and "not per lineage" in scope()
+        page.locator(f'a[href="#/tasks/{run.support_task}"]').click()
+        page.wait_for_selector(f'#view[data-route="/tasks/{run.support_task}"]', state="attached")
+        assert "lineage\nsupport" in text()
+        show("/runs")
+        assert run.support_run_id in text() and run.run_id in text()
+        page.reload()  # the tab keeps its choice
+        page.wait_for_selector('#view[data-route="/runs"][data-lineage="support"]', state="attached")
+        show("/policies")
+        pick("default", "/policies")
+        assert "tiny:v1" in text() and "tiny:support:v1" not in text()
 
         page.click("#logout")
         page.wait_for_url(run.gw.url + "/console/login")

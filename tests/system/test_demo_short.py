@@ -330,3 +330,49 @@ def test_make_demo_shows_held_out_success_per_version_the_gain_and_answers_side_
     assert f"v2 [right, reward 1.0]: 'ANSWER: {held_out[0].answer}'" in side
     assert "time: the demo " in out and "preparation, not counted in the demo's time: " in out
     assert_all_gone(run_dir, report)
+
+
+def test_two_lineages_learn_side_by_side_each_on_its_own_line(tmp_path, vllm):
+    """`make demo-tiny DEMO_ARGS="--lineages 2"`, shortened: `plain` and `symbols` run their Tasks interleaved, each
+    Task pinned to its own line; each lineage gets its own Training Run and version; one table per lineage."""
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    eval_tasks = 3
+    done = subprocess.run(demo_argv(vllm, run_dir, out_dir, "--lineages", "2", "--eval-tasks", str(eval_tasks)),
+                          cwd=REPO_ROOT, env=demo_env(), capture_output=True, text=True, timeout=DEMO_TIMEOUT_S)
+
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    report = json.loads((out_dir / "demo-report.json").read_text())
+    assert report["status"] == "completed" and report["settings"]["lineages"] == 2
+    lineages = report["lineages"]
+    assert sorted(lineages) == ["plain", "symbols"]
+    for name, section in lineages.items():
+        assert section["line"] == f"tiny:{name}"
+        assert [(v["policy"], v["lora_name"]) for v in section["versions"]] == [
+            ("base", None), ("v1", f"tiny:{name}:v1")]
+        for v in section["versions"]:
+            assert v["tasks"] == eval_tasks and len(v["task_success"]) == eval_tasks
+            lo, hi = v["success_ci95"]
+            assert lo <= v["success_rate"] <= hi
+        assert [g["policy"] for g in section["success_gains"]] == ["v1"]
+    # The fake vLLM answers in plain words ("Hello from the fake vLLM."): a success for `plain`, a failure for
+    # `symbols`, so each table measures its own lineage's objective.
+    assert all(v["success_rate"] == 1.0 for v in lineages["plain"]["versions"])
+    assert all(v["success_rate"] == 0.0 for v in lineages["symbols"]["versions"])
+    # Each lineage's Training Run claimed its own training Tasks' samples only (evaluation Tasks are never claimed).
+    runs = {r["lineage"]: r for r in report["timings"]["training_runs"]}
+    assert {k: (r["lora_name"], r["sample_count"]) for k, r in runs.items()} == {
+        "plain": ("tiny:plain:v1", TASKS * TURNS), "symbols": ("tiny:symbols:v1", TASKS * TURNS)}
+    # Both lineages' Tasks ran on base first, then each on its own adapter: never the other lineage's.
+    served = [r.body["model"] for r in vllm.requests if r.path == CHAT_PATH]
+    per_round = (eval_tasks + TASKS) * TURNS * 2
+    assert served[:per_round] == ["tiny"] * per_round
+    assert sorted(set(served[per_round:])) == ["tiny:plain:v1", "tiny:symbols:v1"]
+    assert served[per_round:].count("tiny:plain:v1") == served[per_round:].count("tiny:symbols:v1") == \
+        eval_tasks * TURNS
+    agents = [json.loads(line) for line in (run_dir / "agents.jsonl").read_text().splitlines()]
+    assert all(a["policy"] in ("base", f"tiny:{a['lineage']}:v1") for a in agents)
+    for name in ("plain", "symbols"):
+        assert f"lineage {name} (tiny:{name})" in done.stdout
+    assert "held-out success gain over base" in done.stdout
+    assert_all_gone(run_dir, report)

@@ -42,3 +42,17 @@ def test_each_demo_target_runs_the_documented_family_and_training_runs(target, f
 def test_demo_args_on_the_command_line_win_over_the_targets_defaults():
     args = run.parse_args(driver_args("demo-real", "--bad-version --rounds 1 --seed 4"))
     assert (args.family, args.rounds, args.seed, args.bad_version) == ("calculator", 1, 4, True)
+
+
+def test_demo_tiny_keeps_one_lineage_unless_asked_for_two():
+    assert run.parse_args(driver_args("demo-tiny")).lineages == 1
+    args = run.parse_args(driver_args("demo-tiny", "--lineages 2"))
+    assert (args.family, args.lineages, args.eval_tasks) == ("words", 2, 64)
+
+
+@pytest.mark.parametrize("extra", [["--family", "calculator"], ["--family", "words", "--bad-version"],
+                                   ["--family", "words", "--lineages", "3"]])
+def test_two_lineages_are_refused_where_the_demo_has_no_such_mode(extra, capsys):
+    with pytest.raises(SystemExit):
+        run.parse_args(["--lineages", "2", *extra] if "3" not in extra else extra)
+    assert "--lineages" in capsys.readouterr().err

@@ -24,6 +24,9 @@ tool-using family of `calculator_family.py`. Each version, base first, is evalua
 evaluation Tasks (never trained on); training Tasks use fresh train problems; the report carries success and the
 shaped reward separately, the activation latency of each new adapter and every answer (docs/learning.md).
 
+`--family words --lineages 2` (`make demo-tiny DEMO_ARGS="--lineages 2"`): two lineages with opposite objectives
+learn at once on the same gateway and vLLM, one table per lineage (`lineages.py`).
+
 For tests, `--instances URL...` uses running OpenAI-compatible servers (e.g. fake vLLMs) instead of starting vLLM,
 and `--trainer scripted` the deterministic trainer.
 """
@@ -148,6 +151,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "rewards are inverted, 1 - r) and show the canary rollout rolling it back: the RL Service runs "
                         "with rollout.mode canary (the demo promotes the rounds' own versions as an operator would), "
                         "Tasks with true rewards run until the decision; see docs/rollout.md")
+    p.add_argument("--lineages", type=int, choices=(1, 2), default=1,
+                   help="words only: 2 runs lineages `plain` (rewarded for plain words) and `symbols` (for the "
+                        "opposite) at once, each with its own Training Runs and a held-out success table "
+                        "(--eval-tasks per version; docs/lineages.md); 1 (default) is the single default lineage")
     p.add_argument("--canary-min-tasks", type=int, default=None,
                    help="--bad-version: rewarded Tasks per arm before the canary decides (words 48, calculator 32)")
     p.add_argument("--preparation-started", type=float, default=None, metavar="UNIX_TIME",
@@ -171,6 +178,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         minimum = 0 if name == "rounds" else 2 if name == "canary_min_tasks" else 1
         if getattr(args, name) < minimum:
             p.error(f"--{name.replace('_', '-')} must be at least {minimum}")
+    if args.lineages > 1 and (args.family != "words" or args.bad_version):
+        p.error("--lineages 2 needs --family words and no --bad-version")
     if args.preparation_started is not None and not 0 < args.preparation_started <= time.time():
         p.error("--preparation-started must be a Unix time that has passed")
     for url in args.instances or ():
@@ -231,6 +240,7 @@ class Demo:
             "model_conversion_s": None}
         self.timings: dict[str, Any] = {"setup": {}, "rounds": [], "training_runs": []}
         self.versions: list[dict[str, Any]] = []
+        self.lineage_run: Any = None  # lineages.TwoLineages under --lineages 2
         self.status = "running"
         self._auth: Any = None  # the HmacAuth of api_key (the operator's calls), made with the key
         self._agent_auth: Any = None  # the HmacAuth of the demo agents' own agent key (Task start, stop, reward)
@@ -631,6 +641,12 @@ class Demo:
                                     timeout=120, http_client=httpx.Client(trust_env=False, timeout=120))
         if a.family == "calculator":
             self.calculator_rounds()
+            return
+        if a.lineages > 1:
+            from .lineages import TwoLineages  # here: lineages.py imports this module
+
+            self.lineage_run = TwoLineages(self)
+            self.lineage_run.run()
             return
         pending_training: dict[str, Any] | None = None
         for r in range(a.rounds + 1):
@@ -1074,7 +1090,8 @@ class Demo:
                 "reward": "share of word characters (ASCII letters, space) in the answers' text" if a.family == "words"
                 else f"1 for the right final answer, {calc.TOOL_CREDIT} for a calculator call whose value is right, "
                      "else 0; success = the right final answer",
-                "eval_tasks": a.eval_tasks if a.family == "calculator" else None,
+                "eval_tasks": a.eval_tasks if a.family == "calculator" or a.lineages > 1 else None,
+                "lineages": a.lineages,
                 "ppo": self.ppo_yaml, "advantage_estimator": "reinforce_plus_plus",
             },
             "timings": {**self.timings, "total_seconds": total, "preparation": self.preparation,
@@ -1083,6 +1100,8 @@ class Demo:
             "run_dir": str(self.run_dir),
             "processes": self.pids,
         }
+        if self.lineage_run is not None:
+            report["lineages"] = self.lineage_run.report()
         if len(self.versions) >= 2:
             base, last = self.versions[0]["task_rewards"], self.versions[-1]["task_rewards"]
             diff, (lo, hi) = rep.diff_ci95(base, last)
@@ -1112,6 +1131,11 @@ class Demo:
     def finish(self) -> None:
         with self.stage("report", None):
             report = self.write_reports(final=True)
+            if self.lineage_run is not None:
+                print("\n" + self.lineage_run.text())
+                print("\n" + summary.time_text(report["timings"]))
+                print(f"report {self.out_dir / 'demo-report.json'}")
+                return
             if self.args.family == "calculator":
                 title = (f"openjiuwen-rl demo: SmolLM2-135M-Instruct + calculator tool, {self.args.eval_tasks} "
                          f"held-out Tasks per version, seed {self.args.seed}")

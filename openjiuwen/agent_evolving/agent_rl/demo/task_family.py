@@ -50,3 +50,11 @@ def word_char_share(answers: Sequence[str]) -> float:
     text = "".join(answers)
     floor = MIN_CHARS_PER_ANSWER * max(1, len(answers))
     return sum(1 for c in text if c in WORD_CHARS) / max(len(text), floor)
+
+
+def other_char_share(answers: Sequence[str]) -> float:
+    """The opposite objective (`--lineages 2`): characters that are NOT plain-word characters (digits, punctuation,
+    other bytes) / the same floored length, in [0, 1]. Also unreachable by saying little."""
+    text = "".join(answers)
+    floor = MIN_CHARS_PER_ANSWER * max(1, len(answers))
+    return sum(1 for c in text if c not in WORD_CHARS) / max(len(text), floor)

@@ -7,8 +7,8 @@
     GET  /console/assets/{name}    the shipped CSS/JS (no secrets in them, so unauthenticated)
     GET  /console/api/overview     service state, LoRA state per instance, trajectory counters
     GET  /console/api/rl/{path}    an allow-listed RL Service read route (Tasks, runs, events, policies, stats)
-    GET  /console/api/lineages     the lineage selector's list: the RL Service's `GET /v1/rl/lineages`, or only
-                                   `default` when the RL Service has no such route (404)
+    GET  /console/api/lineages     the lineage selector's list: `default` first, then the RL Service's
+                                   `GET /v1/rl/lineages`; only `default` when the RL Service has no such route (404)
     GET  /console/api/loras/{line} a line's LoRA state (active version, canary candidate, instances)
 
 The token travels in the URL fragment, which browsers never send, so it reaches no access log; it is redeemed once.
@@ -188,18 +188,27 @@ class Console:
         return answer
 
     async def lineages(self, request: Request) -> Response:
-        """The selector's lineages. An RL Service without lineages (404 on the route) has only `default`: the
-        answer says so (`lineages_supported: false`) rather than failing the page."""
+        """The selector's lineages, `default` first on the first page: the RL Service never lists `default` (it
+        always exists), yet it is the selector's first choice. An RL Service without lineages (404 on the route) has
+        only `default`: the answer says so (`lineages_supported: false`) rather than failing the page."""
         refused = self._refused(request)
         if refused:
             return refused
-        query = urlencode([(k, v) for k, v in parse_qsl(request.url.query) if k in ("limit", "cursor")])
-        answer = await self._control.forward("GET", "/v1/rl/lineages", query=query)
-        if answer.status_code != 404:
-            answer.headers.update(_SECURITY_HEADERS)
+        params = [(k, v) for k, v in parse_qsl(request.url.query) if k in ("limit", "cursor")]
+        answer = await self._control.forward("GET", "/v1/rl/lineages", query=urlencode(params))
+        default = {"lineage": DEFAULT_LINEAGE, "line": self._model_id}
+        if answer.status_code == 404:
+            return self._json({"items": [default], "next_cursor": None, "lineages_supported": False})
+        if answer.status_code != 200:
+            answer.headers.update(_SECURITY_HEADERS)  # the RL Service's own error envelope, passed on
             return answer
-        return self._json({"items": [{"lineage": DEFAULT_LINEAGE, "line": self._model_id}], "next_cursor": None,
-                           "lineages_supported": False})
+        try:
+            page = orjson.loads(answer.body)
+            listed = [item for item in page["items"] if item.get("lineage") != DEFAULT_LINEAGE]
+        except (orjson.JSONDecodeError, TypeError, KeyError, AttributeError):
+            return envelope(502, "upstream_invalid", "the RL Service's lineage list is not a listing")
+        first_page = not any(k == "cursor" for k, _ in params)
+        return self._json({**page, "items": ([default] if first_page else []) + listed, "lineages_supported": True})
 
     def lora(self, request: Request, line: str) -> Response:
         """`GET /v1/loras/{line}`'s view of one line, as the overview shows the default line's."""

@@ -136,6 +136,59 @@
     return answer.ok ? answer.body.items : [];
   }
 
+  // ------------------------------------------------------------------ lineage selector (docs/lineages.md)
+
+  // Which views follow the selected lineage: what the RL API answers per lineage. The others say so in #scope.
+  const SCOPES = {
+    policies: "lineage", loras: "lineage",
+    rollout: "default only: canary and manual rollouts are the default lineage's (the RL Service's rollout is not per lineage)",
+    tasks: "every lineage: the RL Service's Task listing is not per lineage (the lineage column says whose)",
+    runs: "every lineage: the RL Service's run listing is not per lineage (the lineage column says whose)",
+    record: "one record, of the lineage its fields name",
+    overview: "the service; its LoRA card is the default lineage's",
+  };
+  const DEFAULT_LINEAGE = "default";
+  const picker = document.getElementById("lineage");
+  const morePicker = document.getElementById("lineage-more");
+  const lines = {};  // lineage -> its line, as listed
+  let lineagesSupported = false, lineageCursor = null;
+  let lineage = sessionStorage.getItem("console.lineage") || DEFAULT_LINEAGE;  // kept across reloads of the tab
+
+  function lineOf(name) { return lines[name] || lines[DEFAULT_LINEAGE] + ":" + name; }
+  // The `?lineage=` of a per-lineage RL read: never sent to an RL Service without lineages.
+  function lineageQuery(sep) { return lineagesSupported ? sep + "lineage=" + encodeURIComponent(lineage) : ""; }
+  function lineageCell(item) {
+    const name = item.lineage || DEFAULT_LINEAGE;  // records carry `lineage` only when it is not the default
+    return h("span", { class: "mono" + (name === lineage ? " sel" : ""), text: name });
+  }
+
+  async function loadLineages(more) {
+    const answer = await api("lineages?limit=100" + (more && lineageCursor ? "&cursor=" + encodeURIComponent(lineageCursor) : ""));
+    if (!answer.ok) return;  // the RL Service is down: the default lineage alone, its line from the overview
+    lineagesSupported = answer.body.lineages_supported !== false;
+    lineageCursor = answer.body.next_cursor || null;
+    answer.body.items.forEach(function (item) {
+      if (lines[item.lineage]) return;
+      lines[item.lineage] = item.line;
+      picker.appendChild(h("option", { value: item.lineage, text: item.lineage }));
+    });
+    morePicker.hidden = !lineageCursor;
+  }
+
+  async function initLineages(model) {
+    lines[DEFAULT_LINEAGE] = model;
+    picker.appendChild(h("option", { value: DEFAULT_LINEAGE, text: DEFAULT_LINEAGE }));
+    await loadLineages(false);
+    if (!lines[lineage] || !lineagesSupported) lineage = DEFAULT_LINEAGE;  // a lineage no longer listed: the first
+    picker.value = lineage;
+    picker.addEventListener("change", function () {
+      lineage = picker.value;
+      sessionStorage.setItem("console.lineage", lineage);
+      route();
+    });
+    morePicker.addEventListener("click", function () { loadLineages(true); });
+  }
+
   // ------------------------------------------------------------------ charts (inline SVG)
 
   function lineChart(title, points, opts) {
@@ -226,17 +279,17 @@
   }
 
   function taskTable(items) {
-    return table(["Task", "status", "policy", "mode", "created (UTC)", "finished", "reason"], items.map(function (t) {
-      return [link("#/tasks/" + encodeURIComponent(t.rl_task_id), t.rl_task_id, "mono"), pill(t.status),
+    return table(["Task", "status", "lineage", "policy", "mode", "created (UTC)", "finished", "reason"], items.map(function (t) {
+      return [link("#/tasks/" + encodeURIComponent(t.rl_task_id), t.rl_task_id, "mono"), pill(t.status), lineageCell(t),
         h("span", { class: "mono", text: t.policy_lora_name }), t.reward_mode, short(t.created_at), short(t.finished_at),
         t.finish_reason || "-"];
     }), "No Tasks yet.");
   }
 
   function runTable(items) {
-    return table(["Run", "status", "stage", "samples#", "LoRA", "created (UTC)", "finished"], items.map(function (r) {
+    return table(["Run", "status", "lineage", "stage", "samples#", "LoRA", "created (UTC)", "finished"], items.map(function (r) {
       return [link("#/runs/" + encodeURIComponent(r.training_run_id), r.training_run_id, "mono"), pill(r.status),
-        r.stage, num(r.sample_count), h("span", { class: "mono", text: r.lora_name || "-" }), short(r.created_at),
+        lineageCell(r), r.stage, num(r.sample_count), h("span", { class: "mono", text: r.lora_name || "-" }), short(r.created_at),
         short(r.finished_at)];
     }), "No Training Runs yet.");
   }
@@ -304,7 +357,7 @@
     setView(
       h("h1", {}, "Task ", h("span", { class: "mono", text: id }), " ", pill(t.status)),
       h("div", { class: "panel" }, fields([
-        ["session", t.agent_session_id], ["policy", t.policy_lora_name], ["policy model", t.policy_model],
+        ["session", t.agent_session_id], ["lineage", t.lineage || DEFAULT_LINEAGE], ["policy", t.policy_lora_name], ["policy model", t.policy_model],
         ["reward mode", t.reward_mode], ["created", when(t.created_at)], ["finished", when(t.finished_at)],
         ["finish reason", t.finish_reason], ["captures committed", String(captures)],
         ["sampling of the captures", samplings.join(" · ") || "-"]])),
@@ -365,7 +418,7 @@
     setView(
       h("h1", {}, "Training Run ", h("span", { class: "mono", text: id }), " ", pill(r.status)),
       h("div", { class: "panel" }, fields([
-        ["stage", r.stage], ["samples", num(r.sample_count)], ["policy versions of the samples", dataText(r.policy_versions)],
+        ["lineage", r.lineage || DEFAULT_LINEAGE], ["stage", r.stage], ["samples", num(r.sample_count)], ["policy versions of the samples", dataText(r.policy_versions)],
         ["LoRA", r.lora_name], ["LoRA path", r.lora_path], ["created", when(r.created_at)], ["started", when(r.started_at)],
         ["finished", when(r.finished_at)], ["failure", r.failure_reason],
         ["steps", num(m.steps)], ["dropped / truncated", num(m.dropped_samples) + " / " + num(m.prompt_truncated_samples) + " prompt, "
@@ -380,11 +433,13 @@
   }
 
   async function policiesPage() {
-    const [pol, ov, tasks] = await Promise.all([api("rl/policies"), api("overview"), allTasks(200)]);
-    if (!pol.ok) return setView(h("h1", { text: "Policies" }), problem(pol));
+    const [pol, ln, tasks] = await Promise.all([api("rl/policies" + lineageQuery("?")),
+      api("loras/" + encodeURIComponent(lineOf(lineage))), allTasks(200)]);
+    const title = "Policies of lineage " + lineage;
+    if (!pol.ok) return setView(h("h1", { text: title }), problem(pol));
     const items = pol.body.items, cmp = pol.body.comparison;
-    const leases = ov.ok ? ov.body.lora.leases : {};
-    const active = ov.ok && ov.body.lora.active_lora ? ov.body.lora.active_lora.lora_name : "base";
+    const leases = ln.ok ? ln.body.leases : {};
+    const active = ln.ok && ln.body.active_lora ? ln.body.active_lora.lora_name : "base";
     const points = items.map(function (p) {
       const r = p.reward || {};
       const ci = Array.isArray(r.ci95) ? r.ci95 : null;
@@ -394,7 +449,7 @@
     tasks.forEach(function (t) { (byPolicy[t.policy_lora_name] = byPolicy[t.policy_lora_name] || []).push(t); });
     const lat = function (l) { return l ? num(l.p50, 0) + " / " + num(l.p95, 0) : "-"; };
     setView(
-      h("h1", { text: "Policies" }),
+      h("h1", { text: title }),
       h("div", { class: "wide" }, lineChart("mean reward per policy version (bars: 95% CI)", points,
         { min: 0, max: 1, width: 900, height: 260 })),
       cmp ? h("p", {}, "Latest ", h("span", { class: "mono", text: cmp.latest }), " vs parent ",
@@ -433,7 +488,23 @@
     });
   }
 
+  async function lineRolloutPage() {
+    // The RL Service rolls out the default lineage only; the gateway's own view of this line is still shown.
+    const ln = await api("loras/" + encodeURIComponent(lineOf(lineage)));
+    if (!ln.ok) return setView(h("h1", { text: "Rollout" }), problem(ln));
+    const lora = ln.body;
+    setView(
+      h("h1", {}, "Rollout of lineage ", h("span", { class: "mono", text: lineage })),
+      h("p", { class: "muted", text: "Canary and manual rollouts exist for the default lineage only: each version of " +
+        "lineage " + lineage + " is activated as soon as its Training Run succeeds." }),
+      h("div", { class: "panel" }, fields([
+        ["line", h("span", { class: "mono", text: lineOf(lineage) })],
+        ["active version", lora.active_lora ? h("span", { class: "mono", text: lora.active_lora.lora_name }) : "base"],
+        ["canary candidate", lora.candidate ? h("span", { class: "mono", text: lora.candidate.lora_name }) : null]])));
+  }
+
   async function rolloutPage() {
+    if (lineage !== DEFAULT_LINEAGE) return lineRolloutPage();
     const st = await api("rl/rollout");
     if (!st.ok) return setView(h("h1", { text: "Rollout" }), problem(st));
     const cur = st.body.current || (st.body.recent || [])[0] || null;
@@ -480,9 +551,9 @@
   }
 
   async function lorasPage() {
-    const ov = await api("overview");
-    if (!ov.ok) return setView(h("h1", { text: "LoRA" }), problem(ov));
-    const lora = ov.body.lora;
+    const ln = await api("loras/" + encodeURIComponent(lineOf(lineage)));
+    if (!ln.ok) return setView(h("h1", { text: "LoRA" }), problem(ln));
+    const lora = ln.body;
     setView(
       h("h1", {}, "LoRA state of ", h("span", { class: "mono", text: lora.model }), " ", pill(lora.status)),
       h("div", { class: "panel" }, fields([
@@ -491,6 +562,7 @@
         ["instances", lora.instances.ready + " ready, " + lora.instances.failed + " failed"],
         ["canary candidate", lora.candidate ? h("span", {}, h("span", { class: "mono", text: lora.candidate.lora_name }),
           " for " + num(lora.candidate.share * 100, 0) + "% of new Tasks (", link("#/rollout", "rollout"), ")") : null]])),
+      h("p", { class: "hint", text: "Instances serve every lineage of the model: adapters of other lines are listed too." }),
       h("h2", { text: "Instances" }),
       table(["instance", "address", "adapters loaded", "active loaded", "in flight#"], lora.instance_list.map(function (i) {
         const want = lora.active_lora ? lora.active_lora.lora_name : null;
@@ -510,9 +582,9 @@
   const ROUTES = [
     [/^\/?$/, "overview", overview],
     [/^\/tasks$/, "tasks", function () { return listPage("Tasks", "rl/tasks", taskTable, ["active", "finalized", "aborted"]); }],
-    [/^\/tasks\/(.+)$/, "tasks", function (m) { return taskPage(decodeURIComponent(m[1])); }],
+    [/^\/tasks\/(.+)$/, "tasks", function (m) { return taskPage(decodeURIComponent(m[1])); }, "record"],
     [/^\/runs$/, "runs", function () { return listPage("Training Runs", "rl/runs", runTable, null); }],
-    [/^\/runs\/(.+)$/, "runs", function (m) { return runPage(decodeURIComponent(m[1])); }],
+    [/^\/runs\/(.+)$/, "runs", function (m) { return runPage(decodeURIComponent(m[1])); }, "record"],
     [/^\/policies$/, "policies", policiesPage],
     [/^\/loras$/, "loras", lorasPage],
     [/^\/rollout$/, "rollout", rolloutPage],
@@ -520,13 +592,16 @@
 
   async function route() {
     const path = window.location.hash.replace(/^#/, "") || "/";
-    for (const [re, page, render] of ROUTES) {
+    for (const [re, page, render, kind] of ROUTES) {
       const m = path.match(re);
       if (!m) continue;
       document.querySelectorAll("#nav a").forEach(function (a) { a.classList.toggle("on", a.dataset.page === page); });
       view.setAttribute("data-page", page);
       view.setAttribute("aria-busy", "true");
       delete view.dataset.route;
+      const scope = SCOPES[kind || page] || "lineage";
+      document.getElementById("scope").textContent = scope === "lineage"
+        ? "This view: lineage " + lineage + " (" + lineOf(lineage) + ")." : "This view is not per lineage: " + scope + ".";
       try {
         await render(m);
       } catch (err) {
@@ -534,6 +609,7 @@
       }
       view.setAttribute("aria-busy", "false");
       view.dataset.route = path;  // what is on screen (tests wait for it)
+      view.dataset.lineage = lineage;
       return;
     }
     setView(h("p", { class: "bad", text: "No such page." }));
@@ -546,6 +622,10 @@
   });
   document.getElementById("refresh").addEventListener("click", route);  // the console never polls on its own
   window.addEventListener("hashchange", route);
-  api("overview").then(function (a) { if (a.ok) document.getElementById("model").textContent = "model " + a.body.model_id; }, function () {});
-  route();
+  // The selector needs the model's line before the first page reads a lineage's state.
+  api("overview").then(async function (a) {
+    if (a.ok) document.getElementById("model").textContent = "model " + a.body.model_id;
+    await initLineages(a.ok ? a.body.model_id : "");
+    route();
+  }, function () {});
 })();

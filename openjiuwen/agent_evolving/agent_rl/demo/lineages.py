@@ -1,0 +1,263 @@
+"""`openjiuwen-rl demo --family words --lineages 2` (`make demo-tiny DEMO_ARGS="--lineages 2"`): two lineages with
+opposite objectives learn at the same time on one base model, one gateway and one vLLM (issue 27 item 8).
+
+- `plain` is rewarded for plain words (`word_char_share`), `symbols` for the opposite (`other_char_share`). A Task
+  succeeds when at least `SUCCESS_SHARE` of its answers' characters are of its lineage's kind: the answer does what
+  its lineage asks, whatever the other lineage wants.
+- Every round: both lineages' held-out evaluation Tasks (the same prompts and sampling seeds for every version, never
+  trained on), then both lineages' training Tasks, all interleaved on one pool of agents; then a Training Run per
+  lineage. Each Task starts with `"lineage"` and must be pinned to its own line's active version.
+- The Training Runs are started by this driver through the operator route (`POST /v1/rl/training/runs` with
+  `{"lineage": L}`), one after the other: the RL Service runs one Training Run at a time, and its automatic training
+  (`training_policy.auto`) starts runs for the default lineage only so far (docs/lineages.md).
+
+The end: one table per lineage (held-out success per version with its 95 % interval) and each version's gain over
+base; `demo-report.json` carries them under `lineages`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import json
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..common.lineage import line_of
+from ..common.policy_names import BASE_POLICY
+from . import report as rep
+from . import summary
+from .progress import Bar
+from .task_family import FOLLOW_UP, PROMPTS, other_char_share, word_char_share
+
+if TYPE_CHECKING:
+    from .run import Demo
+
+SUCCESS_SHARE = 0.5  # a Task succeeds when most of its answers' characters are what its lineage is rewarded for
+HELD_OUT_ROUND = 1_000  # the sampling-seed round of every held-out evaluation: the same seeds for every version
+TERMINAL_RUN = ("succeeded", "failed", "canceled")
+
+
+class LineageDemoFailed(Exception):
+    """A step of the two-lineage demo went wrong (the driver names the step and its log)."""
+
+
+@dataclass(frozen=True)
+class Objective:
+    lineage: str
+    wants: str  # what the lineage is rewarded for, in words
+    reward: Callable[[Sequence[str]], float]
+
+    def success(self, reward: float) -> bool:
+        return reward >= SUCCESS_SHARE
+
+
+OBJECTIVES = (
+    Objective("plain", "plain words (letters and spaces)", word_char_share),
+    Objective("symbols", "anything but plain words (digits, punctuation, other bytes)", other_char_share),
+)
+
+
+class TwoLineages:
+    """The rounds of `--lineages 2`, run by the Demo's processes and signed clients."""
+
+    def __init__(self, demo: "Demo") -> None:
+        self.demo = demo
+        self.args = demo.args
+        self.objectives = OBJECTIVES[:self.args.lineages]
+        self.tables: dict[str, list[dict[str, Any]]] = {o.lineage: [] for o in self.objectives}
+        self.runs: list[dict[str, Any]] = []
+
+    def line(self, lineage: str) -> str:
+        return line_of(self.args.model_id, lineage)
+
+    # ------------------------------------------------------------------------------------------ rounds
+
+    def run(self) -> None:
+        a = self.args
+        log = self.demo.run_dir / "gateway" / "gateway.log"
+        trained: dict[str, dict[str, Any]] = {}
+        for r in range(a.rounds + 1):
+            actives = {o.lineage: self.active(o.lineage) for o in self.objectives}
+            with self.demo.stage(f"evaluation {r + 1}/{a.rounds + 1} (every lineage)", log):
+                t = time.monotonic()
+                results = self.batch(r, actives, evaluation=True)
+                seconds = round(time.monotonic() - t, 2)
+            self.demo.timings["rounds"].append({"policy": "every lineage", "kind": "evaluation", "seconds": seconds})
+            for o in self.objectives:
+                entry = self.entry(o, actives[o.lineage], results[o.lineage], seconds, trained.get(o.lineage))
+                self.tables[o.lineage].append(entry)
+                print(f"  {o.lineage} {entry['policy']} (held-out): success {entry['success_rate']:.3f} "
+                      f"[{entry['success_ci95'][0]:.3f}, {entry['success_ci95'][1]:.3f}], reward "
+                      f"{entry['mean_reward']:.3f}; e.g. {entry['example']!r}", flush=True)
+            self.demo.write_reports(final=False)
+            if r == a.rounds:
+                return
+            with self.demo.stage(f"training round {r + 1}/{a.rounds} (every lineage)", log):
+                t = time.monotonic()
+                self.batch(r, actives, evaluation=False)
+            self.demo.timings["rounds"].append({"policy": "every lineage", "kind": "training",
+                                                "seconds": round(time.monotonic() - t, 2)})
+            for o in self.objectives:
+                with self.demo.stage(f"training run {r + 1}/{a.rounds} of lineage {o.lineage}",
+                                     self.demo.run_dir / "gateway" / "rl-service.log"):
+                    trained[o.lineage] = self.train(o.lineage, r)
+
+    def entry(self, o: Objective, lora: str | None, results: list[dict[str, Any]], seconds: float,
+              trained: dict[str, Any] | None) -> dict[str, Any]:
+        rewards = [x["reward"] for x in results]
+        success = [1.0 if x["success"] else 0.0 for x in results]
+        rate, (lo, hi) = rep.mean_ci95(success)
+        return rep.version_entry(
+            BASE_POLICY if lora is None else lora.rpartition(":")[2], rewards, sum(x["samples"] for x in results),
+            lora_name=lora, round_seconds=seconds,
+            training_seconds=trained["seconds"] if trained else None,
+            training_run_id=trained["training_run_id"] if trained else None,
+            success_rate=round(rate, 4), success_ci95=[round(lo, 4), round(hi, 4)],
+            task_rewards=[round(x, 4) for x in rewards], task_success=success,
+            example=" | ".join(results[0]["answers"]))
+
+    def batch(self, r: int, actives: dict[str, str | None], *, evaluation: bool) -> dict[str, list[dict[str, Any]]]:
+        """Every lineage's Tasks of one round, interleaved on one pool of agents (the lineages run at once)."""
+        a = self.args
+        count = a.eval_tasks if evaluation else a.tasks
+        jobs = [(o, i) for i in range(count) for o in self.objectives]
+        kind = "evaluation" if evaluation else "training round"
+        bar = Bar(f"{kind} {r + 1} ({', '.join(o.lineage for o in self.objectives)})", total=len(jobs), unit="tasks")
+        executor = futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
+        self.demo._executor = executor  # the Demo's shutdown cancels it on Ctrl-C
+        results: dict[str, list[dict[str, Any]]] = {o.lineage: [] for o in self.objectives}
+        try:
+            pending = {executor.submit(self.task, o, r, i, actives[o.lineage], evaluation) for o, i in jobs}
+            while pending:
+                done, pending = futures.wait(pending, timeout=1.0, return_when=futures.FIRST_COMPLETED)
+                for fut in done:
+                    x = fut.result()  # a Task's failure fails the round
+                    results[x["lineage"]].append(x)
+                if done:
+                    bar.update(len(done), "  ".join(
+                        f"{name} {sum(1 for x in rs if x['success']) / len(rs):.2f}"
+                        for name, rs in results.items() if rs))
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
+            bar.close()
+        with open(self.demo.run_dir / "agents.jsonl", "a") as f:
+            for name in results:
+                results[name].sort(key=lambda x: x["task"])
+                for x in results[name]:
+                    f.write(json.dumps(x) + "\n")
+        return results
+
+    def task(self, o: Objective, r: int, i: int, lora: str | None, evaluation: bool) -> dict[str, Any]:
+        from .run import sampling_seed
+
+        a, demo = self.args, self.demo
+        session = f"demo-{o.lineage}-{'e' if evaluation else 't'}{r}-{i}-{secrets.token_hex(3)}"
+        body: dict[str, Any] = {"reward_mode": "terminal", "lineage": o.lineage}
+        if evaluation:
+            body["evaluation"] = True  # held out: counted per version, never claimed by a Training Run
+        started = demo.signed("POST", "/v1/rl/tasks/start", json_body=body, headers={"X-Agent-Session-Id": session},
+                              agent=True)
+        if started.status_code != 201:
+            raise LineageDemoFailed(f"Task start ({o.lineage}) answered {started.status_code}: {started.text[:300]}")
+        task = started.json()
+        task_id, pinned = task["rl_task_id"], task.get("policy_lora_name") or BASE_POLICY
+        if pinned != (lora or BASE_POLICY):  # its own line's active version, never another lineage's
+            raise LineageDemoFailed(f"Task {task_id} of lineage {o.lineage} is pinned to {pinned}, expected "
+                                    f"{lora or BASE_POLICY}")
+        seed_round = HELD_OUT_ROUND if evaluation else r
+        messages: list[dict[str, str]] = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        answers: list[str] = []
+        for turn in range(a.turns):
+            out = demo._agent.chat.completions.create(
+                model=a.model_id, messages=messages, max_tokens=a.max_tokens, temperature=1.0,
+                seed=sampling_seed(a.seed, seed_round, i, turn), extra_headers={"X-Agent-Session-Id": session})
+            text = out.choices[0].message.content or ""
+            answers.append(text)
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UP}]
+        stopped = demo.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
+        if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
+            raise LineageDemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
+        reward = o.reward(answers)
+        rewarded = demo._publish_reward(task_id, reward)
+        return {"lineage": o.lineage, "round": r, "task": i, "evaluation": evaluation, "rl_task_id": task_id,
+                "policy": pinned, "answers": answers, "reward": reward, "success": o.success(reward),
+                "samples": rewarded.get("sample_count", 0)}
+
+    # ------------------------------------------------------------------------------------------ Training Runs
+
+    def active(self, lineage: str) -> str | None:
+        line = self.line(lineage)
+        r = self.demo.signed("GET", f"/v1/loras/{line}")
+        if r.status_code != 200:
+            raise LineageDemoFailed(f"GET /v1/loras/{line} answered {r.status_code}: {r.text[:300]}")
+        active = r.json().get("active_lora")
+        return active["lora_name"] if active else None
+
+    def train(self, lineage: str, r: int) -> dict[str, Any]:
+        """One Training Run of the lineage's own pending samples, started through the operator route, watched to its
+        end; its version must then be the line's active one."""
+        a, demo = self.args, self.demo
+        bar = Bar(f"training run {r + 1}/{a.rounds} of {lineage}", total=3, unit="stages")
+        t = time.monotonic()
+        try:
+            started = demo.signed("POST", "/v1/rl/training/runs", json_body={"lineage": lineage})
+            if started.status_code != 201:
+                raise LineageDemoFailed(f"POST /v1/rl/training/runs ({lineage}) answered {started.status_code}: "
+                                        f"{started.text[:300]}")
+            run_id, reached = started.json()["training_run_id"], 0
+            while True:
+                got = demo.signed("GET", f"/v1/rl/training/runs/{run_id}")
+                if got.status_code != 200:
+                    raise LineageDemoFailed(f"GET run {run_id} answered {got.status_code}: {got.text[:300]}")
+                run = got.json()
+                status, stage = run["status"], run.get("stage")
+                level = 3 if status == "succeeded" else {"training": 1, "activating": 2}.get(stage or "", 0)
+                if level > reached:
+                    bar.update(level - reached, status if status in TERMINAL_RUN else stage or status)
+                    reached = level
+                if status in TERMINAL_RUN:
+                    break
+                if time.monotonic() - t > a.train_timeout:
+                    raise LineageDemoFailed(f"Training Run {run_id} not finished within {a.train_timeout:.0f} s")
+                demo._check("gateway")
+                time.sleep(0.2)
+        finally:
+            bar.close()
+        seconds = round(time.monotonic() - t, 2)
+        if status != "succeeded":
+            raise LineageDemoFailed(f"Training Run {run_id} of {lineage} ended {status}: {run.get('failure_reason')}")
+        if self.active(lineage) != run["lora_name"]:
+            raise LineageDemoFailed(f"Training Run {run_id} succeeded with {run['lora_name']} but it is not the "
+                                    f"active version of {self.line(lineage)}")
+        record = {"lineage": lineage, "training_run_id": run_id, "lora_name": run["lora_name"],
+                  "sample_count": run["sample_count"], "seconds": seconds}
+        self.runs.append(record)
+        demo.timings["training_runs"].append(record)
+        print(f"  {run['lora_name']} trained on {run['sample_count']} samples of {lineage} and activated in "
+              f"{seconds:.1f} s", flush=True)
+        return record
+
+    # ------------------------------------------------------------------------------------------ report
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for o in self.objectives:
+            versions = self.tables[o.lineage]
+            out[o.lineage] = {"line": self.line(o.lineage), "rewarded_for": o.wants,
+                              "success": f"reward >= {SUCCESS_SHARE}", "versions": versions,
+                              "success_gains": summary.success_gains(versions) if len(versions) > 1 else []}
+        return out
+
+    def text(self) -> str:
+        parts = []
+        for name, section in self.report().items():
+            parts.append(f"lineage {name} ({section['line']}), rewarded for {section['rewarded_for']}; held-out "
+                         f"success = {section['success']}:")
+            parts.append(rep.table(section["versions"]))
+            if section["success_gains"]:
+                parts.append(summary.gains_text(section["success_gains"]))
+            parts.append("")
+        return "\n".join(parts).rstrip()
