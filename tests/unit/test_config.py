@@ -619,6 +619,8 @@ def test_training_policy_is_off_by_default_and_validated() -> None:
     ({"min_batch_on_wait": 40}, "training_policy: min_batch_on_wait must be <= min_pending_samples"),
     ({"min_pending_samples": 0}, "training_policy.min_pending_samples"),
     ({"max_concurrent_runs": 0}, "training_policy.max_concurrent_runs"),
+    # One Training Run at a time today: more is refused, not accepted and left unhonoured.
+    ({"max_concurrent_runs": 2}, "training_policy.max_concurrent_runs"),
     ({"max_wait_seconds": 0}, "training_policy.max_wait_seconds"),
     ({"min_interval_seconds": -1}, "training_policy.min_interval_seconds"),
     ({"auto": "yes"}, "training_policy.auto"),

@@ -69,10 +69,14 @@ def test_no_pending_sample_is_not_eligible_even_with_a_floor_of_one():
 
 def test_longest_waiting_line_first_and_at_most_max_concurrent():
     lines = [line("a", waited=5), line("b", waited=50), line("c", waited=20), line("d", eligible=1, waited=99)]
-    picked = choose(lines, policy(max_concurrent_runs=2), NOW, active_runs=0)
+    # The choice is written for any slot count; the config holds it at 1 today (one Training Run at a time), so a
+    # policy with two slots is built here without the config's validation.
+    two = policy().model_copy(update={"max_concurrent_runs": 2})
+    picked = choose(lines, two, NOW, active_runs=0)
     assert [v.line for v in picked] == ["b", "c"]
-    assert [v.line for v in choose(lines, policy(max_concurrent_runs=2), NOW, active_runs=1)] == ["b"]
-    assert choose(lines, policy(max_concurrent_runs=2), NOW, active_runs=2) == []
+    assert [v.line for v in choose(lines, two, NOW, active_runs=1)] == ["b"]
+    assert choose(lines, two, NOW, active_runs=2) == []
+    assert [v.line for v in choose(lines, policy(), NOW, active_runs=0)] == ["b"]
 
 
 def test_a_lineage_override_applies_to_its_own_line_only():

@@ -51,8 +51,8 @@ class TrainingPolicyConfig(BaseModel):
     # Between the end of a line's previous run and the start of its next one.
     min_interval_seconds: _Seconds = 0.0
     # Runs active at once on this machine, every line together. The service runs one Training Run at a time
-    # (the single `training_run:active` pointer), so a value above 1 starts no second run today.
-    max_concurrent_runs: _Positive = 1
+    # (the single `training_run:active` pointer): a value above 1 is refused rather than accepted and not honoured.
+    max_concurrent_runs: Annotated[int, Field(ge=1, le=1, strict=True)] = 1
     poll_interval_seconds: Annotated[float, Field(gt=0, le=3600, strict=True, allow_inf_nan=False)] = 5.0
     lineages: dict[str, LineageTrainingOverride] = Field(default_factory=dict)
 
