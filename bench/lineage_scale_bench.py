@@ -169,8 +169,8 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
     def scheduler(min_pending: int) -> TrainingScheduler:
         policy = TrainingPolicyConfig(auto=True, min_pending_samples=min_pending)
         return TrainingScheduler(redis, runs=runs, runner=runner, store=store, rollout=None,  # type: ignore[arg-type]
-                                 pauses=LineagePauses(redis), fence=UNFENCED, policy=policy, model_id=MODEL, max_policy_lag=None,
-                                 clock=lambda: float(T0 + 10 * args.samples))
+                                 pauses=LineagePauses(redis), fence=UNFENCED, policy=policy, model_id=MODEL,
+                                 max_policy_lag=None, clock=lambda: float(T0 + 10 * args.samples))
 
     try:
         # The default line's samples first, so every tick below sees the same default line.
