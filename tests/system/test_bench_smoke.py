@@ -59,6 +59,9 @@ SEPARATE: dict[str, list[str]] = {
     "bench/upstream_size_bench.py": ["--answer-mib", "8", "--limit-mib", "1"],
     # issue 27 item 6: adapter paging under many lineages, at a tenth of its quick size.
     "bench/lineage_paging_bench.py": ["--lines", "100", "--hot", "16", "--slots", "4", "--requests", "200"],
+    # issue 27 item 6: the RL Service under many lineages; 8 lines with samples at 10 and 40 registered lineages.
+    "bench/lineage_scale_bench.py": ["--sizes", "10", "40", "--pending-lines", "8", "--samples", "8", "--batches",
+                                     "8", "--reps", "2"],
 }
 
 
@@ -138,3 +141,25 @@ def test_each_separate_bench_runs_at_its_smallest_size(script: str, tmp_path: Pa
     out = tmp_path / "result.json"
     run([script, *SEPARATE[script], "--out", str(out)], tmp_path)
     assert load(out)
+
+
+def test_lineage_scale_bench_shows_costs_independent_of_registered_lineages(tmp_path: Path) -> None:
+    """What docs/lineages.md "Capacity planning" states from this bench, on its smallest run: a tick issues the same
+    Redis commands at 10 and 40 registered lineages (the same 8 with samples), and a lineage's claim the same as the
+    default line's. Command counts, not times: they do not depend on the machine's load."""
+    out = tmp_path / "lineage_scale.json"
+    run(["bench/lineage_scale_bench.py", *SEPARATE["bench/lineage_scale_bench.py"], "--out", str(out)], tmp_path)
+    result = load(out)
+    small, large = result["ticks"]
+    assert (small["registered"], large["registered"]) == (10, 40)
+    assert small["lines_with_samples"] == large["lines_with_samples"] == 8
+    for case in ("eligible", "none_eligible"):
+        assert small[case]["commands"] == large[case]["commands"], case
+        assert small[case]["commands"]["max"] > 0
+    assert small["eligible"]["chosen"] and not small["none_eligible"]["chosen"]
+    default, lineage = result["claims"]
+    assert (default["lineage"], lineage["lineage"], default["batch"]) == ("default", "user-000000", 8)
+    assert default["commands"] == lineage["commands"]
+    memory = result["memory"]
+    assert memory["registered"] == 40 and memory["lines_with_samples"] == 8
+    assert memory["line_keys_bytes"]["total"] > 0 and memory["used_memory_per_line_with_samples"] > 0
