@@ -110,7 +110,7 @@ async def test_a_leader_sigkill_mid_run_and_a_gateway_restart_keep_every_line_an
                 lambda: next((r for r in runs(gw) if r.get("lineage") == "down" and r["status"] == "running"
                               and r["stage"] == "training"), None),
                 timeout_s=60.0, what="an automatic run of down in training")
-            assert blocked["trigger"] == {**blocked["trigger"], "kind": "auto", "lineage": "down"}
+            assert (blocked["trigger"]["kind"], blocked["trigger"]["lineage"]) == ("auto", "down")
             run_id = blocked["training_run_id"]
             claimed = set(orjson.loads(await redis.get(keys.training_run(run_id)))["sample_ids"])
             assert len(claimed) == 2
