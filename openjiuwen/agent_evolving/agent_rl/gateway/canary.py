@@ -1,9 +1,9 @@
-"""The canary candidate of a model: its record, the deterministic split of new Tasks, and its state-file form
-(docs/rollout.md, CONTRACT §3.8 ext).
+"""The canary candidate of a line: its record, the deterministic split of new Tasks, and its state-file form
+(docs/rollout.md, docs/lineages.md, CONTRACT §3.8 ext).
 
 A candidate is a version loaded on every serving instance beside the active one; a fixed share of NEW Tasks is
 pinned to it. The split hashes the Task id, so a Task's arm never depends on timing or on which gateway process
-pinned it, and the RL Service can recompute it.
+pinned it. The RL Service does not recompute it: it reads each Task's arm from the policy the Task was pinned to.
 """
 
 from __future__ import annotations

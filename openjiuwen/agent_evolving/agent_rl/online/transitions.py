@@ -41,6 +41,3 @@ class Transitions(Generic[S]):
 
     def terminal(self, state: str) -> bool:
         return not self._next.get(state)  # type: ignore[call-overload]
-
-    def next_of(self, state: S) -> frozenset[S]:
-        return self._next[state]
