@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from openjiuwen.agent_evolving.agent_rl.demo import calculator_family as calc
 from tests.support.fake_vllm import CHAT_PATH, FakeVLLM, Reply
@@ -334,7 +335,8 @@ def test_make_demo_shows_held_out_success_per_version_the_gain_and_answers_side_
 
 def test_two_lineages_learn_side_by_side_each_on_its_own_line(tmp_path, vllm):
     """`make demo-tiny DEMO_ARGS="--lineages 2"`, shortened: `plain` and `symbols` run their Tasks interleaved, each
-    Task pinned to its own line; each lineage gets its own Training Run and version; one table per lineage."""
+    Task pinned to its own line; each lineage gets its own Training Run and version, started by the RL Service's
+    automatic training (the driver calls no route that starts a run); one table per lineage."""
     run_dir, out_dir = tmp_path / "run", tmp_path / "out"
     eval_tasks = 3
     done = subprocess.run(demo_argv(vllm, run_dir, out_dir, "--lineages", "2", "--eval-tasks", str(eval_tasks)),
@@ -363,6 +365,25 @@ def test_two_lineages_learn_side_by_side_each_on_its_own_line(tmp_path, vllm):
     runs = {r["lineage"]: r for r in report["timings"]["training_runs"]}
     assert {k: (r["lora_name"], r["sample_count"]) for k, r in runs.items()} == {
         "plain": ("tiny:plain:v1", TASKS * TURNS), "symbols": ("tiny:symbols:v1", TASKS * TURNS)}
+    # Every run was started by the scheduler for its own lineage once a round of its samples was pending (the
+    # trigger is the RL Service's record, copied by the driver), never by an operator call: the scheduler logged
+    # each start, and no `POST /v1/rl/training/runs` reached the RL Service (the gateway logs every request it
+    # forwards to it: the driver's run listings are there, a run start is not).
+    rl_config = yaml.safe_load((run_dir / "gateway" / "rl-service.yaml").read_text())
+    assert rl_config["training_policy"] == {"auto": True, "min_pending_samples": TASKS * TURNS,
+                                            "poll_interval_seconds": 1.0}
+    service_log = (run_dir / "gateway" / "rl-service.log").read_text()
+    for name, run in runs.items():
+        assert run["trigger"]["kind"] == "auto" and run["trigger"]["lineage"] == name, run
+        assert run["trigger"]["reason"] == "min_pending_samples" and run["trigger"]["eligible_samples"] == \
+            TASKS * TURNS
+        assert f"automatic training run {run['training_run_id']} started for tiny:{name} " in service_log
+        assert lineages[name]["versions"][1]["trigger"] == run["trigger"]
+        assert f"v1: Training Run {run['training_run_id']}, trigger auto (min_pending_samples)" in done.stdout
+    forwarded = [line for line in (run_dir / "gateway" / "gateway.log").read_text().splitlines()
+                 if "HTTP Request: " in line and "/v1/rl/training/runs" in line]
+    assert any(" GET " in line for line in forwarded)
+    assert not [line for line in forwarded if " POST " in line]
     # Both lineages' Tasks ran on base first, then each on its own adapter: never the other lineage's.
     served = [r.body["model"] for r in vllm.requests if r.path == CHAT_PATH]
     per_round = (eval_tasks + TASKS) * TURNS * 2

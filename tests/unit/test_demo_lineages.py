@@ -21,3 +21,20 @@ def test_the_two_objectives_are_opposite_and_each_succeeds_on_its_own_kind():
 def test_saying_little_succeeds_for_neither():
     for answers in ([""], ["!"], ["a"], ["", ""]):
         assert not PLAIN.success(PLAIN.reward(answers)) and not SYMBOLS.success(SYMBOLS.reward(answers)), answers
+
+
+def test_the_two_lineage_demo_trains_every_lineage_automatically_once_a_round_is_pending():
+    """The `training_policy` the driver writes under --lineages 2 is one the RL Service accepts, and it makes the
+    scheduler train each of the demo's lineages (not only the default line) at exactly one round of samples."""
+    from openjiuwen.agent_evolving.agent_rl.demo.run import lineage_training_policy
+    from openjiuwen.agent_evolving.agent_rl.online.training.eligibility import LineState, judge_line
+    from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
+
+    policy = TrainingPolicyConfig(**lineage_training_policy(192))
+    for o in OBJECTIVES:
+        state = LineState(line=f"tiny:{o.lineage}", lineage=o.lineage, pending=191, eligible=191, oldest_at=0.0,
+                          last_end_at=None)
+        assert not judge_line(state, policy, now=10.0).eligible  # a round not yet complete
+        full = LineState(line=state.line, lineage=o.lineage, pending=192, eligible=192, oldest_at=0.0,
+                         last_end_at=None)
+        assert judge_line(full, policy, now=10.0).reason == "min_pending_samples"

@@ -7,9 +7,11 @@ opposite objectives learn at the same time on one base model, one gateway and on
 - Every round: both lineages' held-out evaluation Tasks (the same prompts and sampling seeds for every version, never
   trained on), then both lineages' training Tasks, all interleaved on one pool of agents; then a Training Run per
   lineage. Each Task starts with `"lineage"` and must be pinned to its own line's active version.
-- The Training Runs are started by this driver through the operator route (`POST /v1/rl/training/runs` with
-  `{"lineage": L}`), one after the other: the RL Service runs one Training Run at a time, and its automatic training
-  (`training_policy.auto`) starts runs for the default lineage only so far (docs/lineages.md).
+- No operator call in the loop: the RL Service runs with `training_policy.auto: true` and `min_pending_samples` =
+  one round of a lineage's training samples (run.py, `lineage_training_policy`), so its scheduler starts each
+  lineage's Training Run by itself once that lineage's training Tasks are rewarded (one run at a time, machine-wide).
+  The driver only finds each lineage's new run in the run listing, watches it to its end, checks that its trigger
+  is `auto` and that its version is the line's active one on the gateway, then evaluates.
 
 The end: one table per lineage (held-out success per version with its 95 % interval) and each version's gain over
 base; `demo-report.json` carries them under `lineages`.
@@ -25,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..common.ids import parse_iso_epoch
 from ..common.lineage import line_of
 from ..common.policy_names import BASE_POLICY
 from . import report as rep
@@ -69,6 +72,7 @@ class TwoLineages:
         self.objectives = OBJECTIVES[:self.args.lineages]
         self.tables: dict[str, list[dict[str, Any]]] = {o.lineage: [] for o in self.objectives}
         self.runs: list[dict[str, Any]] = []
+        self.seen_runs: set[str] = set()  # Training Runs already waited for
 
     def line(self, lineage: str) -> str:
         return line_of(self.args.model_id, lineage)
@@ -100,10 +104,13 @@ class TwoLineages:
                 self.batch(r, actives, evaluation=False)
             self.demo.timings["rounds"].append({"policy": "every lineage", "kind": "training",
                                                 "seconds": round(time.monotonic() - t, 2)})
+            # One shared deadline: the service runs one Training Run at a time, and its scheduler picks the line
+            # whose samples waited longest, so a lineage's run may wait for the other's.
+            deadline = time.monotonic() + a.train_timeout * len(self.objectives)
             for o in self.objectives:
-                with self.demo.stage(f"training run {r + 1}/{a.rounds} of lineage {o.lineage}",
+                with self.demo.stage(f"automatic training run {r + 1}/{a.rounds} of lineage {o.lineage}",
                                      self.demo.run_dir / "gateway" / "rl-service.log"):
-                    trained[o.lineage] = self.train(o.lineage, r)
+                    trained[o.lineage] = self.wait_version(o.lineage, r, deadline)
 
     def entry(self, o: Objective, lora: str | None, results: list[dict[str, Any]], seconds: float,
               trained: dict[str, Any] | None) -> dict[str, Any]:
@@ -115,6 +122,7 @@ class TwoLineages:
             lora_name=lora, round_seconds=seconds,
             training_seconds=trained["seconds"] if trained else None,
             training_run_id=trained["training_run_id"] if trained else None,
+            trigger=trained["trigger"] if trained else None,
             success_rate=round(rate, 4), success_ci95=[round(lo, 4), round(hi, 4)],
             task_rewards=[round(x, 4) for x in rewards], task_success=success,
             example=" | ".join(results[0]["answers"]))
@@ -196,49 +204,81 @@ class TwoLineages:
         active = r.json().get("active_lora")
         return active["lora_name"] if active else None
 
-    def train(self, lineage: str, r: int) -> dict[str, Any]:
-        """One Training Run of the lineage's own pending samples, started through the operator route, watched to its
-        end; its version must then be the line's active one."""
+    def new_run(self, lineage: str) -> dict[str, Any] | None:
+        """The lineage's Training Run that this driver has not seen yet, from the newest runs (the run listing has
+        no lineage filter; a non-default run's record names its lineage), or None while the scheduler started none.
+        A run that started and ended between two polls is still found."""
+        got = self.demo.signed("GET", "/v1/rl/training/runs", params={"limit": 50})
+        if got.status_code != 200:
+            raise LineageDemoFailed(f"GET /v1/rl/training/runs answered {got.status_code}: {got.text[:300]}")
+        fresh = [run for run in got.json()["items"]
+                 if run.get("lineage") == lineage and run["training_run_id"] not in self.seen_runs]
+        return fresh[-1] if fresh else None  # newest first: the oldest unseen one
+
+    def wait_version(self, lineage: str, r: int, deadline: float) -> dict[str, Any]:
+        """The lineage's next version, trained by a run the RL Service's scheduler started (never this driver):
+        wait for the run, watch it to its end, check that its trigger is `auto` and that its version is then the
+        line's active one."""
         a, demo = self.args, self.demo
-        bar = Bar(f"training run {r + 1}/{a.rounds} of {lineage}", total=3, unit="stages")
-        t = time.monotonic()
+        bar = Bar(f"automatic training run {r + 1}/{a.rounds} of {lineage}", total=4, unit="stages")
+        reached = 0
         try:
-            started = demo.signed("POST", "/v1/rl/training/runs", json_body={"lineage": lineage})
-            if started.status_code != 201:
-                raise LineageDemoFailed(f"POST /v1/rl/training/runs ({lineage}) answered {started.status_code}: "
-                                        f"{started.text[:300]}")
-            run_id, reached = started.json()["training_run_id"], 0
+            run = None
             while True:
-                got = demo.signed("GET", f"/v1/rl/training/runs/{run_id}")
-                if got.status_code != 200:
-                    raise LineageDemoFailed(f"GET run {run_id} answered {got.status_code}: {got.text[:300]}")
-                run = got.json()
-                status, stage = run["status"], run.get("stage")
-                level = 3 if status == "succeeded" else {"training": 1, "activating": 2}.get(stage or "", 0)
+                run = self.new_run(lineage) if run is None else self.get_run(run["training_run_id"])
+                status = run["status"] if run else "waiting for the scheduler"
+                stage = run.get("stage") if run else None
+                level = 0 if run is None else 4 if status == "succeeded" else \
+                    {"training": 2, "activating": 3}.get(stage or "", 1)
                 if level > reached:
                     bar.update(level - reached, status if status in TERMINAL_RUN else stage or status)
                     reached = level
-                if status in TERMINAL_RUN:
+                if run is not None and status in TERMINAL_RUN:
                     break
-                if time.monotonic() - t > a.train_timeout:
-                    raise LineageDemoFailed(f"Training Run {run_id} not finished within {a.train_timeout:.0f} s")
+                if time.monotonic() > deadline:
+                    raise LineageDemoFailed(
+                        f"no new version of {self.line(lineage)} within {a.train_timeout * len(self.objectives):.0f}"
+                        f" s after the training round ({'no run started' if run is None else f'run {status}'}; "
+                        f"the scheduler's view of {lineage}: {self.scheduler_view(lineage)})")
                 demo._check("gateway")
                 time.sleep(0.2)
         finally:
             bar.close()
-        seconds = round(time.monotonic() - t, 2)
+        run_id = run["training_run_id"]
+        self.seen_runs.add(run_id)
         if status != "succeeded":
             raise LineageDemoFailed(f"Training Run {run_id} of {lineage} ended {status}: {run.get('failure_reason')}")
+        trigger = run.get("trigger") or {}
+        if trigger.get("kind") != "auto" or trigger.get("lineage") != lineage:
+            raise LineageDemoFailed(f"Training Run {run_id} of {lineage} was not started by automatic training of "
+                                    f"its lineage: trigger {trigger}")
         if self.active(lineage) != run["lora_name"]:
             raise LineageDemoFailed(f"Training Run {run_id} succeeded with {run['lora_name']} but it is not the "
                                     f"active version of {self.line(lineage)}")
+        # The run's own time (claim to activation), not the driver's wait, which may include the other lineage's.
+        seconds = round(parse_iso_epoch(run["finished_at"]) - parse_iso_epoch(run["created_at"]), 2)
         record = {"lineage": lineage, "training_run_id": run_id, "lora_name": run["lora_name"],
-                  "sample_count": run["sample_count"], "seconds": seconds}
+                  "sample_count": run["sample_count"], "seconds": seconds, "trigger": trigger}
         self.runs.append(record)
         demo.timings["training_runs"].append(record)
         print(f"  {run['lora_name']} trained on {run['sample_count']} samples of {lineage} and activated in "
-              f"{seconds:.1f} s", flush=True)
+              f"{seconds:.1f} s; started by automatic training ({trigger.get('reason')})", flush=True)
         return record
+
+    def scheduler_view(self, lineage: str) -> str:
+        """Why the scheduler has not trained the lineage (`GET /v1/rl/lineages/{lineage}`), for a failure message."""
+        got = self.demo.signed("GET", f"/v1/rl/lineages/{lineage}")
+        if got.status_code != 200:
+            return f"GET /v1/rl/lineages/{lineage} answered {got.status_code}"
+        view = got.json().get("scheduler") or {}
+        return (f"reason {view.get('reason')}, {view.get('pending_samples')} pending samples "
+                f"({view.get('eligible_samples')} eligible), active run {view.get('active_run')}")
+
+    def get_run(self, run_id: str) -> dict[str, Any]:
+        got = self.demo.signed("GET", f"/v1/rl/training/runs/{run_id}")
+        if got.status_code != 200:
+            raise LineageDemoFailed(f"GET run {run_id} answered {got.status_code}: {got.text[:300]}")
+        return got.json()
 
     # ------------------------------------------------------------------------------------------ report
 
@@ -257,6 +297,10 @@ class TwoLineages:
             parts.append(f"lineage {name} ({section['line']}), rewarded for {section['rewarded_for']}; held-out "
                          f"success = {section['success']}:")
             parts.append(rep.table(section["versions"]))
+            for v in section["versions"]:
+                if v.get("trigger"):  # who started each version's Training Run: the scheduler, never the driver
+                    parts.append(f"  {v['policy']}: Training Run {v['training_run_id']}, trigger "
+                                 f"{v['trigger']['kind']} ({v['trigger'].get('reason')})")
             if section["success_gains"]:
                 parts.append(summary.gains_text(section["success_gains"]))
             parts.append("")

@@ -25,7 +25,8 @@ evaluation Tasks (never trained on); training Tasks use fresh train problems; th
 shaped reward separately, the activation latency of each new adapter and every answer (docs/learning.md).
 
 `--family words --lineages 2` (`make demo-tiny DEMO_ARGS="--lineages 2"`): two lineages with opposite objectives
-learn at once on the same gateway and vLLM, one table per lineage (`lineages.py`).
+learn at once on the same gateway and vLLM, one table per lineage (`lineages.py`); their Training Runs are started
+by the RL Service's automatic training (`training_policy.auto`), never by the driver.
 
 For tests, `--instances URL...` uses running OpenAI-compatible servers (e.g. fake vLLMs) instead of starting vLLM,
 and `--trainer scripted` the deterministic trainer.
@@ -153,8 +154,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "Tasks with true rewards run until the decision; see docs/rollout.md")
     p.add_argument("--lineages", type=int, choices=(1, 2), default=1,
                    help="words only: 2 runs lineages `plain` (rewarded for plain words) and `symbols` (for the "
-                        "opposite) at once, each with its own Training Runs and a held-out success table "
-                        "(--eval-tasks per version; docs/lineages.md); 1 (default) is the single default lineage")
+                        "opposite) at once, each with its own Training Runs (started by the RL Service's automatic "
+                        "training, training_policy.auto) and a held-out success table (--eval-tasks per version; "
+                        "docs/lineages.md); 1 (default) is the single default lineage")
     p.add_argument("--canary-min-tasks", type=int, default=None,
                    help="--bad-version: rewarded Tasks per arm before the canary decides (words 48, calculator 32)")
     p.add_argument("--preparation-started", type=float, default=None, metavar="UNIX_TIME",
@@ -213,6 +215,14 @@ def canary_settings(min_tasks: int) -> dict[str, Any]:
     loop looks every second, so the demo waits little after each batch of Tasks."""
     return {"mode": "canary", "share": 0.5, "min_tasks": min_tasks, "tolerance": 0.01, "failure_margin": 0.5,
             "max_duration_seconds": 3600, "on_timeout": "rollback", "decision_interval_seconds": 1.0}
+
+
+def lineage_training_policy(samples: int) -> dict[str, Any]:
+    """The RL Service's `training_policy` under --lineages 2: the scheduler trains every lineage by itself, a line
+    once one round of its training Tasks' samples (`samples`) is pending, so the driver starts no run. Evaluation
+    samples are never pending, so only the training round fills a line. A tick a second: the demo waits little for
+    each start (the service runs one Training Run at a time, so the second lineage's run starts after the first)."""
+    return {"auto": True, "min_pending_samples": samples, "poll_interval_seconds": 1.0}
 
 
 CANARY_BATCHES = 8  # batches of canary Tasks (each about min_tasks per arm) before the demo gives up waiting
@@ -558,6 +568,8 @@ class Demo:
         }
         if a.bad_version:
             rl_config["rollout"] = canary_settings(a.canary_min_tasks)
+        if a.lineages > 1:
+            rl_config["training_policy"] = lineage_training_policy(samples)
         rl_path = gw_dir / "rl-service.yaml"
         rl_path.write_text(yaml.safe_dump(rl_config, sort_keys=False))
         gw_config = {
