@@ -389,8 +389,9 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         body = text()
         assert "LoRA state of tiny:support" in body and "active LoRA\ntiny:support:v1" in body
         show("/rollout")
-        assert "Rollout of lineage support" in text() and "default lineage only" in text()
-        assert "not per lineage" in scope()
+        # The RL Service answers the rollout per lineage (immediate mode here: no rollout of support either).
+        assert "Rollout of lineage support" in text() and "No rollout yet" in text()
+        assert "lineage support (tiny:support)" in scope()
         show("/tasks")  # every lineage's Tasks, each with its lineage
         assert run.support_task in text() and run.base_tasks[0] in text() and "not per lineage" in scope()
         page.locator(f'a[href="#/tasks/{run.support_task}"]').click()

@@ -141,7 +141,7 @@
   // Which views follow the selected lineage: what the RL API answers per lineage. The others say so in #scope.
   const SCOPES = {
     policies: "lineage", loras: "lineage",
-    rollout: "default only: canary and manual rollouts are the default lineage's (the RL Service's rollout is not per lineage)",
+    rollout: "lineage",
     tasks: "every lineage: the RL Service's Task listing is not per lineage (the lineage column says whose)",
     runs: "every lineage: the RL Service's run listing is not per lineage (the lineage column says whose)",
     record: "one record, of the lineage its fields name",
@@ -488,24 +488,9 @@
     });
   }
 
-  async function lineRolloutPage() {
-    // The RL Service rolls out the default lineage only; the gateway's own view of this line is still shown.
-    const ln = await api("loras/" + encodeURIComponent(lineOf(lineage)));
-    if (!ln.ok) return setView(h("h1", { text: "Rollout" }), problem(ln));
-    const lora = ln.body;
-    setView(
-      h("h1", {}, "Rollout of lineage ", h("span", { class: "mono", text: lineage })),
-      h("p", { class: "muted", text: "Canary and manual rollouts exist for the default lineage only: each version of " +
-        "lineage " + lineage + " is activated as soon as its Training Run succeeds." }),
-      h("div", { class: "panel" }, fields([
-        ["line", h("span", { class: "mono", text: lineOf(lineage) })],
-        ["active version", lora.active_lora ? h("span", { class: "mono", text: lora.active_lora.lora_name }) : "base"],
-        ["canary candidate", lora.candidate ? h("span", { class: "mono", text: lora.candidate.lora_name }) : null]])));
-  }
-
   async function rolloutPage() {
-    if (lineage !== DEFAULT_LINEAGE) return lineRolloutPage();
-    const st = await api("rl/rollout");
+    // Each lineage rolls out its own versions (docs/lineages.md): the RL Service answers per lineage.
+    const st = await api("rl/rollout" + lineageQuery("?"));
     if (!st.ok) return setView(h("h1", { text: "Rollout" }), problem(st));
     const cur = st.body.current || (st.body.recent || [])[0] || null;
     const events = cur ? await api("rl/rollout/" + encodeURIComponent(cur.rollout_id) + "/events") : null;
@@ -516,7 +501,7 @@
       return { x: k + " " + arms[k].lora_name, y: r.mean, lo: ci ? ci[0] : undefined, hi: ci ? ci[1] : undefined };
     });
     setView(
-      h("h1", {}, "Rollout ", pill(st.body.mode)),
+      h("h1", {}, lineage === DEFAULT_LINEAGE ? "Rollout " : "Rollout of lineage " + lineage + " ", pill(st.body.mode)),
       cur === null ? h("p", { class: "muted", text: "No rollout yet: with mode immediate a new version is activated at once." }) : [
         h("h2", {}, st.body.current ? "Current: " : "Latest: ", h("span", { class: "mono", text: cur.rollout_id }), " ", pill(cur.status)),
         h("div", { class: "panel" }, fields([
