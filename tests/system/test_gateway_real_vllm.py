@@ -5,7 +5,9 @@ traffic must be (`--logprobs-mode processed_logprobs`, docs/training.md "Samplin
   the adapter in vLLM, and a new Task served by it (CONTRACT §3.4, §3.5, §3.8, §3.9, §4.7);
 - completions at the agent's own sampling (temperatures 0.7 and 1.3, with and without top_p 0.9): the trainer's
   recomputed logprobs equal the captured ones within 1e-4 where no truncation cut the distribution, and the gap
-  where top_p did is exactly -log(kept mass), which the Training Run reports (issue 29).
+  where top_p did is exactly -log(kept mass), which the Training Run reports (issue 29);
+- two lineages' adapters loaded at once on the one vLLM, each lineage's Task served by its own adapter: the captured
+  logprobs are that adapter's, not the other's (docs/lineages.md, issue 27 item 7).
 
 Needs the CPU build of vLLM in its own environment (`.venv-vllm` in the repository root, created by `make demo`, or
 the interpreter named by RL_TEST_VLLM_PYTHON). Without it the tests are reported as skipped, never as passed. One
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,8 +30,10 @@ import httpx
 import openai
 import pytest
 import torch
+from redis import Redis as SyncRedis
 
 from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model
+from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.training.batch import convert_samples
 from openjiuwen.agent_evolving.agent_rl.online.training.ppo_math import response_log_probs
 from tests.support.gateway_process import GatewayProcess
@@ -273,3 +278,124 @@ def test_captured_logprobs_are_the_trainers_at_each_samples_own_sampling(redis, 
         # Bypass mode (no tis_cap): ratios exp(-gap) below PPO's 0.8 are the clipped ones.
         assert report["ratio_clipped_share"] == pytest.approx(float((torch.exp(-gaps) < 0.8).float().mean()),
                                                               abs=1 / gaps.numel())
+
+
+# Two lineages, one adapter each (`tiny:<lineage>:v1`), loaded at once on the one vLLM (`--max-loras 2`).
+LINEAGE_SEEDS = {"a": 1, "b": 2}
+LORA_B_STD = 0.05  # random B (peft starts it at zero: the base model), so the adapters differ from base and each other
+OTHER_ADAPTER_MIN_GAP = 0.01  # the other adapter's logprobs of the same tokens differ by more than this, at least once
+
+
+def _random_adapter(model_dir: Path, path: Path, seed: int) -> str:
+    """A LoRA on all linear layers as the local trainer makes one, but with seeded random B so that it measurably
+    changes the model's outputs (an untrained adapter is exactly the base model)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0,
+                                                  bias="none", task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, LORA_B_STD)
+    peft_model.save_pretrained(path)
+    return str(path)
+
+
+def _token_logprobs(vllm: RealVLLM, model: str, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+    """vLLM's own logprobs of `response_ids` after `prompt_ids` under `model` (an adapter's name), asked directly as
+    prompt logprobs: no sampling, so no greedy decoding inside a Task is needed to compare."""
+    ids = prompt_ids + response_ids
+    r = httpx.post(vllm.url + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    positions = r.json()["choices"][0]["prompt_logprobs"][len(prompt_ids):]
+    return [entry[str(token)]["logprob"] for entry, token in zip(positions, response_ids, strict=True)]
+
+
+def _line_task_samples(redis_url: str, line: str, rl_task_id: str) -> list[tuple[str, str]]:
+    """(sample id, policy_version) of the Task's pending samples, read from its line's own pending index (the
+    trajectory listing shows the default line only)."""
+    with SyncRedis.from_url(redis_url) as client:
+        found = []
+        for member in client.zrange(keys.traj_index(line, "pending"), 0, -1):
+            task_id, version = client.hmget(keys.traj(member.decode()), ["rl_task_id", "policy_version"])
+            if task_id is not None and task_id.decode() == rl_task_id:
+                found.append((member.decode(), version.decode()))
+        return found
+
+
+# The RL Service child as the gateway starts it, which first leaves its bearer token (a fresh one per child) where the
+# test reads it: the test then calls the internal activation route exactly as the RL Service does.
+_TOKEN_WRAPPER = (
+    "import os, pathlib, runpy, sys; "
+    "pathlib.Path(os.environ['RL_TEST_TOKEN_FILE']).write_text(os.environ['RL_SERVICE_TOKEN']); "
+    "sys.argv[0] = 'service'; "
+    "runpy.run_module('openjiuwen.agent_evolving.agent_rl.online.service', run_name='__main__', alter_sys=True)"
+)
+
+
+def test_two_lineages_adapters_loaded_at_once_each_task_served_by_its_own(redis, redis_url, tmp_path, model_dir,
+                                                                          real_vllm):
+    online = {"hookTimeout": "30s", "controlTimeout": "120s", "command": [sys.executable, "-c", _TOKEN_WRAPPER]}
+    token_file = tmp_path / "child-token"
+    with GatewayProcess(tmp_path, redis_url, instances=[real_vllm], online_overrides=online,
+                        rl_overrides={"base_model_path": str(model_dir)}, lora_overrides={"operationTimeout": "30s"},
+                        env={"RL_TEST_TOKEN_FILE": str(token_file)}) as gw:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        gw.start_service()
+        bearer = {"Authorization": f"Bearer {token_file.read_text()}"}
+        for lineage, seed in LINEAGE_SEEDS.items():
+            path = _random_adapter(model_dir, gw.lora_root / "tiny" / "lineages" / lineage / "v1", seed)
+            r = gw.http.post("/internal/v1/rl/loras/activate", headers=bearer, json={
+                "base_model": str(model_dir), "lora_name": f"tiny:{lineage}:v1", "lora_path": path,
+                "expected_lora_name": "base"})
+            assert r.status_code == 200, r.text
+        # Both adapters at once on the one instance, each line active with its own version.
+        assert _served_models(real_vllm) == {"tiny", "tiny:a:v1", "tiny:b:v1"}
+        for lineage in LINEAGE_SEEDS:
+            status = gw.signed("GET", f"/v1/loras/tiny:{lineage}").json()
+            assert status["active_lora"]["lora_name"] == f"tiny:{lineage}:v1", status
+        assert gw.signed("GET", "/v1/loras/tiny").json()["status"] == "base"  # the default line untouched
+
+        captured: dict[str, dict[str, Any]] = {}
+        for n, lineage in enumerate(LINEAGE_SEEDS):
+            session = f"lineage-{lineage}"
+            r = gw.signed("POST", "/v1/rl/tasks/start", json={"reward_mode": "terminal", "lineage": lineage},
+                          headers={"X-Agent-Session-Id": session})
+            assert r.status_code == 201, r.text
+            task = r.json()
+            assert (task["policy_lora_name"], task["policy_model"]) == (f"tiny:{lineage}:v1",) * 2
+            # The same prompt and sampling for both: only the adapter differs.
+            out = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Say something."}], max_tokens=12,
+                temperature=1.0, top_p=1.0, seed=n, extra_headers={"X-Agent-Session-Id": session})
+            assert out.choices[0].finish_reason in ("stop", "length")
+            assert gw.signed("POST", f"/v1/rl/tasks/{task['rl_task_id']}/stop").json()["status"] == "finalized"
+            rewarded = gw.signed("POST", f"/v1/rl/tasks/{task['rl_task_id']}/reward", json={"reward": 1.0})
+            assert rewarded.json() == {"sample_count": 1}, rewarded.text
+            [(sample_id, version)] = _line_task_samples(redis_url, f"tiny:{lineage}", task["rl_task_id"])
+            assert version == f"tiny:{lineage}:v1"
+            detail = gw.signed("GET", f"/v1/rl/trajectories/{sample_id}").json()
+            assert detail["request"]["model"] == detail["response"]["model"] == f"tiny:{lineage}:v1"
+            assert detail["lineage"] == lineage
+            captured[lineage] = detail
+
+        # Each capture's logprobs are its own adapter's (asked of vLLM directly for the captured tokens), and not the
+        # other lineage's nor the base model's: the response really came from its own adapter.
+        for lineage, detail in captured.items():
+            traj = detail["trajectory"]
+            prompt_ids, response_ids = traj["prompt_ids"], traj["response_ids"]
+            assert response_ids and len(traj["response_logprobs"]) == len(response_ids)
+            got = torch.tensor(traj["response_logprobs"], dtype=torch.float64)
+            under = {name: torch.tensor(_token_logprobs(real_vllm, name, prompt_ids, response_ids),
+                                        dtype=torch.float64)
+                     for name in ("tiny", "tiny:a:v1", "tiny:b:v1")}
+            own = f"tiny:{lineage}:v1"
+            assert torch.allclose(got, under[own], atol=EXACT_ATOL), (lineage, got - under[own])
+            for name in set(under) - {own}:
+                gap = float((got - under[name]).abs().max())
+                assert gap > OTHER_ADAPTER_MIN_GAP, (lineage, name, gap)
+        assert _served_models(real_vllm) == {"tiny", "tiny:a:v1", "tiny:b:v1"}  # still both: nothing paged out
