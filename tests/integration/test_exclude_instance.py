@@ -109,3 +109,27 @@ async def test_bad_exclusion_bodies_get_400(service):
                  {"instance": "a", "purge": True}, []):
         resp = await client.post("/v1/rl/trajectories/exclude", json=body)
         assert (resp.status_code, resp.json()["error"]["code"]) == (400, "invalid_request"), body
+
+
+async def test_exclusion_reaches_every_lineages_line(service, redis):
+    """A rogue instance served Tasks of several lineages: its samples on every line are excluded, not only the
+    default line's (docs/lineages.md: samples are filed on their lineage's line)."""
+    app, client, backend = service
+    deps = app.state.deps
+    await redis.zadd(keys.LINEAGES, {"support": 1.0, "coding": 2.0})
+    ids = []
+    for i, (lineage, instance) in enumerate([("support", "rogue"), ("coding", "rogue"), ("coding", "good"),
+                                             ("default", "rogue")], 20):
+        task = Task(f"t{i}", f"s{i}", MODEL_ID, "base", "terminal", "finalized", "2026-01-01T00:00:00+00:00",
+                    lineage=None if lineage == "default" else lineage)
+        sample = build_sample(task, capture_id=f"c{i:04d}", agent_turn_id=None, request=REQUEST, response=RESPONSE,
+                              validated=validate_response(RESPONSE, policy_model=MODEL_ID), instance=instance)
+        sample.meta["judge"] = {"score": 1.0, "source": "terminal"}
+        assert await deps.store.insert_if_absent([sample]) == [f"c{i:04d}"]
+        ids.append(f"c{i:04d}")
+    answer = (await client.post("/v1/rl/trajectories/exclude", json={"instance": "rogue"})).json()
+    assert answer["excluded"] == 3
+    assert await statuses(redis, ids) == ["excluded", "excluded", "pending", "excluded"]
+    assert await redis.zcard(keys.traj_index(f"{MODEL_ID}:support", "pending")) == 0
+    assert await redis.zcard(keys.traj_index(f"{MODEL_ID}:coding", "pending")) == 1
+    await assert_invariants(redis)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from ...common import ids
-from ...common.lineage import DEFAULT_LINEAGE, line_of, split_line
+from ...common.lineage import DEFAULT_LINEAGE, is_lineage, line_of, split_line
 from ...common.policy_names import BASE_POLICY
 from ..errors import InvalidInput
 from ...common.ids import InvalidIdentifier
@@ -42,6 +42,7 @@ _UNCLAIMED = (SampleStatus.PENDING, SampleStatus.AWAITING_REWARDS, SampleStatus.
 _SWEPT = (SampleStatus.TRAINED, SampleStatus.FAILED, SampleStatus.EVALUATION, SampleStatus.EXCLUDED)
 # Statuses an exclusion takes samples out of: published, not yet claimed by a Training Run.
 _EXCLUDABLE = (SampleStatus.AWAITING_REWARDS, SampleStatus.PENDING)
+_LINE_PAGE = 500  # registered lineages read at once when every line is visited
 _EXCLUDE_CHUNK = 256  # samples moved per transaction by an exclusion
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
 _SUMMARY_FIELDS = (
@@ -322,14 +323,32 @@ class TrajectoryStore:
         # First the set: a publication that has not executed yet WATCHes it and files the samples `excluded`, so
         # the scan below sees every sample published before.
         await self._redis.sadd(keys.EXCLUDED_INSTANCES, instance)
-        moved = 0
-        for status in _EXCLUDABLE:
-            matched = await self._served_by(instance, status)
-            for start in range(0, len(matched), _EXCLUDE_CHUNK):
-                moved += await self._exclude(matched[start:start + _EXCLUDE_CHUNK])
-        training = len(await self._served_by(instance, SampleStatus.TRAINING))
+        moved = training = 0
+        async for line in self._every_line():
+            for status in _EXCLUDABLE:
+                matched = await line._served_by(instance, status)
+                for start in range(0, len(matched), _EXCLUDE_CHUNK):
+                    moved += await line._exclude(matched[start:start + _EXCLUDE_CHUNK])
+            training += len(await line._served_by(instance, SampleStatus.TRAINING))
         excluded = sorted(text(m) or "" for m in await self._redis.smembers(keys.EXCLUDED_INSTANCES))
         return {"instance": instance, "excluded": moved, "training": training, "excluded_instances": excluded}
+
+    async def _every_line(self) -> AsyncIterator["TrajectoryStore"]:
+        """This store's line, then every registered lineage's (docs/lineages.md), read from the registry a page at a
+        time. An exclusion is a rare operator action, so reading every line once is its price; nothing periodic
+        walks the registry like this."""
+        yield self
+        start = 0
+        while True:
+            page = [text(m) or "" for m in await self._redis.zrange(keys.LINEAGES, start, start + _LINE_PAGE - 1)]
+            for lineage in page:
+                if is_lineage(lineage) and lineage != DEFAULT_LINEAGE:
+                    line = self.for_lineage(lineage)
+                    if line is not self:
+                        yield line
+            if len(page) < _LINE_PAGE:
+                return
+            start += _LINE_PAGE
 
     async def _served_by(self, instance: str, status: str) -> list[str]:
         """Ids in the `status` index whose sample `instance` served (index field reads only)."""
