@@ -174,3 +174,19 @@ async def test_a_registered_lineage_has_its_own_view_pause_and_resume(service, r
     r = await client.post("/v1/rl/lineages/unknown/pause")  # a lineage name never used: still 404
     assert (r.status_code, r.json()["error"]["code"]) == (404, "lineage_not_found")
     assert await redis.hlen(keys.LINEAGES_PAUSED) == 0
+
+
+async def test_samples_and_counters_of_a_lineage_are_listed_with_its_name(service, redis):
+    """`GET /v1/rl/trajectories?lineage=` and `/stats?lineage=` read that lineage's line; without it, the default
+    line's, exactly as before lineages."""
+    deps, client = service[0], service[1]
+    [sample_id] = await publish(deps.store, "support", 1, start=900, score=1.0)
+    listed = (await client.get("/v1/rl/trajectories", params={"lineage": "support"})).json()["items"]
+    assert [i["sample_id"] for i in listed] == [sample_id]
+    assert sample_id not in [i["sample_id"] for i in (await client.get("/v1/rl/trajectories")).json()["items"]]
+    stats = (await client.get("/v1/rl/trajectories/stats", params={"lineage": "support"})).json()
+    assert stats["by_status"]["pending"] == 1
+    assert (await client.get("/v1/rl/trajectories", params={"lineage": "Bad"})).json()["error"]["code"] == \
+        "invalid_lineage"
+    answer = await client.get("/v1/rl/trajectories/stats", params={"lineage": "nobody"})
+    assert (answer.status_code, answer.json()["error"]["code"]) == (404, "lineage_not_found")

@@ -18,6 +18,7 @@ from openjiuwen.agent_evolving.agent_rl.common import ids
 from openjiuwen.agent_evolving.agent_rl.common.errors import install_error_envelope
 from openjiuwen.agent_evolving.agent_rl.online.api.trajectories import build_trajectories_router
 from openjiuwen.agent_evolving.agent_rl.online.errors import InvalidInput
+from openjiuwen.agent_evolving.agent_rl.online.lineages import LineageRegistry
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import SAMPLE_STATUSES
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
@@ -480,7 +481,8 @@ async def test_redis_bytes_per_token_of_a_4096_token_sample(redis: Redis, store:
 async def client(store: TrajectoryStore) -> Any:
     app = FastAPI()
     install_error_envelope(app)
-    app.include_router(build_trajectories_router(store))
+    # The registry answers only `exists` here (`?lineage=`); the run store behind it is never read.
+    app.include_router(build_trajectories_router(store, LineageRegistry(store._redis, model_id=MODEL, runs=None)))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://rl") as c:
         yield c
 

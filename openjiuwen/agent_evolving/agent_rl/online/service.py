@@ -489,7 +489,7 @@ def create_app(
     app.include_router(build_hooks_router(hooks, deps.lifecycle, deps.registry))
     app.include_router(build_rewards_router(deps.reward_ledger))
     reward_stats = deps.reward_ledger.stats if deps.reward_ledger.policy.configured else None
-    app.include_router(build_trajectories_router(deps.store, reward_stats=reward_stats))
+    app.include_router(build_trajectories_router(deps.store, deps.lineages, reward_stats=reward_stats))
     app.include_router(build_rail_router(deps.rail))
     app.include_router(build_training_router(deps.runner))
     app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id), deps.lineages))

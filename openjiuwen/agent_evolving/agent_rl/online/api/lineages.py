@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...common.errors import ApiError, JSONBody
+from ...common.lineage import is_lineage
 from ..errors import InvalidInput
 from ..lineages import LineageRegistry
 from ..training.scheduler import TrainingScheduler, UnknownLineage
@@ -17,6 +18,17 @@ from .body import json_value
 from .paging import cursor_param, limit_param
 
 _NOT_FOUND = "lineage_not_found"
+
+
+async def known_lineage(registry: LineageRegistry, value: object) -> str:
+    """The lineage a request names, when it exists: 400 `invalid_lineage` for a malformed name (it never reaches a
+    key builder), 404 `lineage_not_found` for one never registered (it has no line). Fails closed."""
+    if not is_lineage(value):
+        raise ApiError(400, "invalid_lineage", "lineage must be 1-63 of [a-z0-9-], and not v<digits>")
+    assert isinstance(value, str)
+    if not await registry.exists(value):
+        raise ApiError(404, _NOT_FOUND, f"lineage {value!r} does not exist")
+    return value
 
 
 async def _empty_body(request: Request) -> None:

@@ -130,16 +130,18 @@ LINEAGE_ACTION = TRAINING_START  # lineage pause / resume: no body
 LORA_ACTIVATE = json_body(_object(["lora_name"], {"lora_name": {"type": "string", "minLength": 1}}, closed=True))
 _LIMIT = query("limit", {"type": "integer", "minimum": 1, "maximum": 1000})
 _CURSOR = query("cursor", {"type": "string"})
+_LINEAGE = query("lineage", {"type": "string", "pattern": "^[a-z0-9-]{1,63}$"})  # absent: the default line
 TRAJECTORY_LIST = {
     "parameters": [
         query("status", {"enum": [s.value for s in ALL_SAMPLE_STATUSES]}),
-        _LIMIT, _CURSOR,
+        _LIMIT, _CURSOR, _LINEAGE,
     ],
 }
+TRAJECTORY_STATS = {"parameters": [_LINEAGE]}
 TASK_LIST = {"parameters": [query("status", {"enum": [s.value for s in TASK_STATUSES]}), _LIMIT, _CURSOR]}
 RUN_LIST = {"parameters": [_LIMIT, _CURSOR]}
 LINEAGE_LIST = {"parameters": [_LIMIT, _CURSOR]}
-POLICY_LIST = {"parameters": [query("lineage", {"type": "string", "pattern": "^[a-z0-9-]{1,63}$"})]}
+POLICY_LIST = {"parameters": [_LINEAGE]}
 ROLLOUT_STATUS = POLICY_LIST  # `?lineage=`: that line's rollout
 _REWARD_SOURCE = {"type": "string", "pattern": "^[a-z0-9_-]{1,32}$"}
 _SCORE = {"type": "number", "minimum": 0, "maximum": 1}

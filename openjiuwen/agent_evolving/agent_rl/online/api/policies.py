@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from ...common.errors import ApiError, JSONBody
-from ...common.lineage import is_lineage
+from ...common.errors import JSONBody
 from ..lineages import LineageRegistry
 from ..policies import PolicyReport
 from . import openapi
+from .lineages import known_lineage
 
 
 def build_policies_router(report: PolicyReport, lineages: LineageRegistry) -> APIRouter:
@@ -21,10 +21,6 @@ def build_policies_router(report: PolicyReport, lineages: LineageRegistry) -> AP
         lineage = request.query_params.get("lineage")
         if lineage is None:
             return JSONBody(await report.report())
-        if not is_lineage(lineage):
-            raise ApiError(400, "invalid_lineage", "lineage must be 1-63 of [a-z0-9-], and not v<digits>")
-        if not await lineages.exists(lineage):
-            raise ApiError(404, "lineage_not_found", f"lineage {lineage!r} does not exist")
-        return JSONBody(await report.report(lineage=lineage))
+        return JSONBody(await report.report(lineage=await known_lineage(lineages, lineage)))
 
     return router

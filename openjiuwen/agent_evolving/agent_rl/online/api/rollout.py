@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...common.ids import is_rollout_id
-from ...common.lineage import DEFAULT_LINEAGE, is_lineage
+from ...common.lineage import DEFAULT_LINEAGE
 from ..lineages import LineageRegistry
 from ..lora.gateway_client import GatewayError
 from ..rollout.controller import RolloutController
@@ -18,6 +18,7 @@ from . import openapi
 from .body import json_value
 from ...common.errors import ApiError, JSONBody
 from .errors import domain_errors
+from .lineages import known_lineage
 
 
 async def _lineage_body(request: Request) -> object:
@@ -32,13 +33,7 @@ def build_rollout_router(controller: RolloutController, lineages: LineageRegistr
     router = APIRouter()
 
     async def known(lineage: object) -> str:
-        # Fail closed: a malformed name never reaches a key builder, an unregistered one has no line to roll out.
-        if not is_lineage(lineage):
-            raise ApiError(400, "invalid_lineage", "lineage must be 1-63 of [a-z0-9-], and not v<digits>")
-        assert isinstance(lineage, str)
-        if not await lineages.exists(lineage):
-            raise ApiError(404, "lineage_not_found", f"lineage {lineage!r} does not exist")
-        return lineage
+        return await known_lineage(lineages, lineage)
 
     async def operate(call: Any) -> JSONBody:
         try:

@@ -8,8 +8,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ..store.keys import ALL_SAMPLE_STATUSES
+from ..lineages import LineageRegistry
 from ..store.trajectories import TrajectoryStore
 from . import openapi
+from .lineages import known_lineage
 from ...common.errors import ApiError
 from ...common.ids import MAX_INSTANCE_NAME, is_instance_name
 from .body import json_object
@@ -18,16 +20,23 @@ from .paging import cursor_param, limit_param, status_param
 
 
 def build_trajectories_router(
-    store: TrajectoryStore, *, reward_stats: Callable[[], Awaitable[dict[str, Any]]] | None = None
+    store: TrajectoryStore, lineages: LineageRegistry, *,
+    reward_stats: Callable[[], Awaitable[dict[str, Any]]] | None = None,
 ) -> APIRouter:
-    """`reward_stats`, given only under a reward policy, adds the `rewards` section to the counters."""
+    """`reward_stats`, given only under a reward policy, adds the `rewards` section to the counters. The listing and
+    the counters are one line's: the default line's, or with `?lineage=` that lineage's (docs/lineages.md)."""
+
+    async def line_of_request(request: Request) -> TrajectoryStore:
+        lineage = request.query_params.get("lineage")
+        return store if lineage is None else store.for_lineage(await known_lineage(lineages, lineage))
+
     router = APIRouter()
 
     # Declared before `/{trajectory_id}`, which would otherwise capture "stats" as an id (§2.1).
-    @router.get("/v1/rl/trajectories/stats")
-    async def trajectory_stats() -> dict[str, Any]:
+    @router.get("/v1/rl/trajectories/stats", openapi_extra=openapi.TRAJECTORY_STATS)
+    async def trajectory_stats(request: Request) -> dict[str, Any]:
         """Counters read in O(1) from the transactional stats hash."""
-        stats = await store.stats()
+        stats = await (await line_of_request(request)).stats()
         if reward_stats is not None:
             stats["rewards"] = await reward_stats()
         return stats
@@ -49,8 +58,9 @@ def build_trajectories_router(
     async def list_trajectories(request: Request) -> dict[str, Any]:
         """One page in (bucket, score, sample id) order; `next_cursor` is null on the last page."""
         status, limit, cursor = _listing_params(request)
+        line = await line_of_request(request)
         with domain_errors(not_found="trajectory_not_found", conflict="trajectory_conflict"):
-            return await store.list_page(status, limit, cursor)
+            return await line.list_page(status, limit, cursor)
 
     @router.get("/v1/rl/trajectories/{trajectory_id}")
     async def trajectory_detail(trajectory_id: str) -> dict[str, Any]:
