@@ -596,3 +596,13 @@ def test_rollout_commands_name_a_lineage(gw: FakeGateway, capsys) -> None:
         assert gw.requests[-1].read() == b'{"lineage":"a"}'
         assert run_cli(gw, "rollout", action) == 0
         assert gw.requests[-1].read() == b""
+
+
+def test_traj_list_and_stats_name_a_lineage(gw: FakeGateway, capsys) -> None:
+    gw.on("GET", "/v1/rl/trajectories", ok({"items": [], "next_cursor": None}))
+    gw.on("GET", "/v1/rl/trajectories/stats", ok({"total": 0, "by_status": {}, "by_source": {}}))
+    assert run_cli(gw, "traj", "list", "--lineage", "support") == 0
+    assert run_cli(gw, "traj", "stats", "--lineage", "support") == 0
+    assert run_cli(gw, "traj", "list") == 0  # without it: the request as before lineages
+    assert [(r.url.path, r.url.params.get("lineage")) for r in gw.requests] == [
+        ("/v1/rl/trajectories", "support"), ("/v1/rl/trajectories/stats", "support"), ("/v1/rl/trajectories", None)]

@@ -15,8 +15,8 @@
     openjiuwen-rl rl lora delete MODEL
     openjiuwen-rl rl instance list
     openjiuwen-rl rl instance remove NAME
-    openjiuwen-rl rl traj stats
-    openjiuwen-rl rl traj list [--status S] [--limit N] [--all]
+    openjiuwen-rl rl traj stats [--lineage L]
+    openjiuwen-rl rl traj list [--status S] [--lineage L] [--limit N] [--all]
     openjiuwen-rl rl traj get ID
     openjiuwen-rl rl traj exclude --instance NAME
     openjiuwen-rl rl console url [--ttl SECONDS]
@@ -484,6 +484,8 @@ def _page_params(ctx: Context) -> dict[str, Any]:
         params["status"] = ctx.args.status
     if ctx.args.cursor:
         params["cursor"] = ctx.args.cursor
+    if getattr(ctx.args, "lineage", None):
+        params["lineage"] = ctx.args.lineage  # absent: the default line, as before lineages
     return params
 
 
@@ -736,7 +738,8 @@ def _instance_remove(ctx: Context) -> int:
 
 
 def _traj_stats(ctx: Context) -> int:
-    ctx.show(ctx.client.request("GET", "/v1/rl/trajectories/stats"), _show_stats)
+    params = {"lineage": ctx.args.lineage} if ctx.args.lineage else None  # absent: the default line, as before
+    ctx.show(ctx.client.request("GET", "/v1/rl/trajectories/stats", params=params), _show_stats)
     return 0
 
 
@@ -920,10 +923,12 @@ def build_parser() -> argparse.ArgumentParser:
          _instance_remove).add_argument("name")
 
     traj = group("traj", "trajectory samples: counters, listing, detail, external rewards")
-    leaf(traj, "stats", "counters by status and source", _traj_stats)
+    p = leaf(traj, "stats", "counters by status and source", _traj_stats)
+    p.add_argument("--lineage", help="this lineage's line (default: the default lineage)")
     p = leaf(traj, "list", "sample summaries, oldest first per status", _traj_list)
     p.add_argument("--status", choices=[s.value for s in ALL_SAMPLE_STATUSES],
                    help="one status only")
+    p.add_argument("--lineage", help="this lineage's line (default: the default lineage)")
     _add_page_options(p)
     leaf(traj, "get", "one sample with its token arrays and judge", _traj_get).add_argument("id")
     p = leaf(traj, "exclude", "keep every sample a vLLM instance served out of training, now and from now on "
