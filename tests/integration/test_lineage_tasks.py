@@ -66,6 +66,9 @@ async def test_default_lineage_record_is_unchanged(client, redis):
     ({"lineage": "support", "header": "support", "policy": "tiny:v1"}, "invalid_gateway_task"),
     ({"lineage": "support", "header": "support", "policy": "tiny:other:v1"}, "invalid_gateway_task"),
     ({"lineage": "support", "header": "support", "policy": "big:support:v1"}, "invalid_gateway_task"),
+    # A gateway that pins per line (it sends the header) pins a default Task on the default line only.
+    ({"header": "default", "policy": "tiny:support:v1"}, "invalid_gateway_task"),
+    ({"lineage": "default", "header": "default", "policy": "big:v1"}, "invalid_gateway_task"),
 ])
 async def test_refusals(client, redis, kw, expected):
     assert code(await start(client, "s1", "t1", **kw)) == (400, expected)
@@ -83,3 +86,14 @@ async def test_limit_refuses_a_new_lineage_but_not_a_known_one(client, redis):
     # Known lineages and the default one still start Tasks at the limit.
     assert (await start(client, "s5", "t5", lineage="a", header="a")).status_code == 201
     assert (await start(client, "s6", "t6")).status_code == 201
+
+
+async def test_a_start_of_another_lineage_on_a_session_with_an_active_task_is_a_conflict(client, redis):
+    """The session's active Task is answered to a repeated start only when it is of the lineage asked for: a Task of
+    another lineage would send the samples to the wrong line."""
+    assert (await start(client, "s1", "t1", header="default")).status_code == 201
+    r = await start(client, "s1", "t2", lineage="support", header="support", policy="tiny:support:v1")
+    assert code(r) == (409, "task_conflict") and "lineage 'default'" in r.json()["error"]["message"]
+    assert await redis.get(keys.task("t2")) is None and await redis.zcard(keys.LINEAGES) == 0
+    # The same lineage still answers the active Task (a repeated start), as before lineages.
+    assert (await start(client, "s1", "t3", header="default")).json()["rl_task_id"] == "t1"

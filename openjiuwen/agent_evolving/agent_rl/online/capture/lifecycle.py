@@ -108,8 +108,9 @@ class TaskLifecycle:
         if headers.lineage != lineage:
             raise InvalidInput("invalid_lineage", "X-AIGW-RL-Lineage differs from the body's lineage")
         # The policy the gateway pinned must belong to the Task's line, or the samples would train the wrong line.
-        # The default line keeps today's rule (any non-blank name), so an AIGW's policy names are untouched.
-        if lineage != DEFAULT_LINEAGE and headers.policy_name != BASE_POLICY \
+        # A gateway that sends the header pins per line, so this holds for the default line too; without the header
+        # (an AIGW) the default line keeps today's rule (any non-blank name), so an AIGW's policy names are untouched.
+        if headers.policy_name != BASE_POLICY \
                 and version_of(headers.policy_name, line_of(self._model_id, lineage)) is None:
             raise InvalidInput("invalid_gateway_task",
                                f"x-aigw-rl-policy-name is neither base nor a version of lineage {lineage!r}")

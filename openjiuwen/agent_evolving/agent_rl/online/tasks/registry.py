@@ -122,6 +122,10 @@ class TaskRegistry:
                     if other.active:
                         if not other.answers_to(requested.agent_key_id):
                             raise Conflict("the session has an active RL Task started with another key")
+                        if other.lineage != requested.lineage:
+                            # Never answer a Task of another lineage: its samples would train the wrong line.
+                            raise Conflict(f"the session has an active RL Task of lineage {other.lineage!r}; stop it "
+                                           f"before starting one of lineage {requested.lineage!r}")
                         return other, False
             created = parse_iso_epoch(requested.created_at)
             register = await self._lineage_to_register(pipe, requested.lineage)
