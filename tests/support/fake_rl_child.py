@@ -91,6 +91,13 @@ class Child(http.server.BaseHTTPRequestHandler):
         if headers.get("x-aigw-rl-lineage", "default") != "default":
             task["lineage"] = headers["x-aigw-rl-lineage"]
         tasks = load_tasks()
+        # A repeated start on a session with an active Task answers that Task (CONTRACT §2.4), whatever lineage the
+        # start asked for: what an RL Service that does not compare lineages would answer, so the gateway's own
+        # check of the answered record is what the tests see.
+        for other in tasks.values():
+            if other["agent_session_id"] == task["agent_session_id"] and other["status"] == "active":
+                self._answer(200, other)
+                return
         tasks[task["rl_task_id"]] = task
         save_tasks(tasks)
         self._answer(201, task)

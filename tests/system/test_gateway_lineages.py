@@ -124,7 +124,15 @@ def test_task_start_sends_its_lineage_and_takes_the_policy_of_its_line(tmp_path,
         invalid = start({"lineage": "Bad Name"}, "s4")
         assert (invalid.status_code, invalid.json()["error"]["code"]) == (400, "invalid_lineage")
 
+        # The session's active Task is of `support`: a start of another lineage there is refused by the gateway
+        # even when the RL Service answers that Task (it is never bound under the lineage the start named).
+        other = start({"reward_mode": "terminal"}, "s1")  # the operator, no lineage: `default`
+        assert (other.status_code, other.json()["error"]["code"]) == (409, "task_conflict")
+        again = start({"reward_mode": "terminal", "lineage": "support"}, "s1", "agent-a")
+        assert again.status_code == 200 and again.json()["lineage"] == "support"
+
         starts = [call for call in child_calls(tmp_path) if call["path"] == "/v1/rl/tasks/start"]
+        starts = [s for s in starts if s["headers"]["x-agent-session-id"] != "s1" or s is starts[0]]
         assert [s["headers"]["x-aigw-rl-lineage"] for s in starts] == ["support", "default"]
         assert [s["headers"]["x-aigw-rl-policy-name"] for s in starts] == ["tiny:support:v1", "base"]
         assert json.loads(starts[0]["body"])["lineage"] == "support"  # forwarded as it came

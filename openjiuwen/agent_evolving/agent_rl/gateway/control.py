@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from ..common import json_nesting
 from ..common.ids import is_task_id
-from ..common.lineage import InvalidLineage, line_of
+from ..common.lineage import DEFAULT_LINEAGE, InvalidLineage, line_of
 from ..common.signing_keys import AGENT_KEY_HEADER
 from . import capture_secret
 from .lora_manager import LoraManager
@@ -126,6 +126,12 @@ class RLControl:
         if record.get("status") != "active":
             await self._tracker.unlease(policy_name)
             return passthrough(answer)
+        # The RL Service's record says the Task's lineage (absent: `default`); the key's limit was checked against
+        # the lineage asked for, so a Task of another lineage is never bound or answered here (fails closed).
+        if record.get("lineage", DEFAULT_LINEAGE) != lineage:
+            await self._tracker.unlease(policy_name)
+            return envelope(409, "task_conflict", "the session has an active RL Task of another lineage; stop it "
+                                                  "before starting one of this lineage")
         # A repeated start answers the session's existing Task: it keeps the secret it was created with (or none).
         existing = self._sessions.for_task(record["rl_task_id"])
         secret: str | None = None
@@ -136,8 +142,7 @@ class RLControl:
             rl_task_id=record["rl_task_id"], session_id=record["agent_session_id"],
             policy_name=record["policy_lora_name"], policy_model=record["policy_model"],
             reward_mode=record["reward_mode"], agent_key=record.get("agent_key_id"), secret_digest=digest,
-            # A repeated start answers the existing Task: its lineage is the one it was started in.
-            lineage=existing.lineage if existing is not None else lineage,
+            lineage=lineage,  # the record's, checked above
         )
         await self._tracker.adopt(binding, leased_policy=policy_name)
         if wants_secret and secret is None:
