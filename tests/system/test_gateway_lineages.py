@@ -131,6 +131,15 @@ def test_task_start_sends_its_lineage_and_takes_the_policy_of_its_line(tmp_path,
         again = start({"reward_mode": "terminal", "lineage": "support"}, "s1", "agent-a")
         assert again.status_code == 200 and again.json()["lineage"] == "support"
 
+        # Rail samples train the default line: a key limited to `support` may not upload; an unlimited one is
+        # forwarded (the fake child knows no rail route: its 404 shows the batch reached it).
+        batch = {"session_id": "rail-1", "samples": []}
+        rail = gw.signed("POST", "/v1/gateway/upload/batch", json=batch, agent="agent-a")
+        assert (rail.status_code, rail.json()["error"]["code"]) == (403, "lineage_forbidden")
+        rail = gw.signed("POST", "/v1/gateway/upload/batch", json=batch, agent="agent-b")
+        assert (rail.status_code, rail.json()["error"]["code"]) == (404, "not_found")
+        assert sum(c["path"] == "/v1/gateway/upload/batch" for c in child_calls(tmp_path)) == 1
+
         starts = [call for call in child_calls(tmp_path) if call["path"] == "/v1/rl/tasks/start"]
         starts = [s for s in starts if s["headers"]["x-agent-session-id"] != "s1" or s is starts[0]]
         assert [s["headers"]["x-aigw-rl-lineage"] for s in starts] == ["support", "default"]

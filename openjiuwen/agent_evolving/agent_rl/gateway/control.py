@@ -190,6 +190,13 @@ class RLControl:
 
     # ------------------------------------------------------------ proxy
 
+    async def rail_upload(self, path: str, body: bytes, *, query: str, agent_key: str | None) -> Response:
+        """A rail-v1 batch, proxied as it came once the agent key's lineage limit allows the default line."""
+        refused = self._lineage_guard.rail_refusal(agent_key)
+        if refused is not None:
+            return refused
+        return await self.forward("POST", path, body=body, query=query, agent_key=agent_key)
+
     async def forward(
         self, method: str, path: str, *, body: bytes = b"", query: str = "", task_id: str | None = None,
         agent_key: str | None = None,

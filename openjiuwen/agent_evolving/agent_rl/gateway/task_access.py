@@ -60,6 +60,15 @@ class LineageGuard:
             return None
         return envelope(403, "lineage_forbidden", f"this agent key may not use Tasks of the lineage {lineage}")
 
+    def rail_refusal(self, agent_key: str | None) -> Response | None:
+        """A rail-v1 upload's samples are filed on the default line (the rail contract names no lineage), so a key
+        whose limit leaves `default` out may not upload (fails closed: an empty limit allows nothing)."""
+        allowed = self._limits.get(agent_key) if agent_key is not None else None
+        if allowed is None or DEFAULT_LINEAGE in allowed:
+            return None
+        return envelope(403, "lineage_forbidden", "rail uploads train the default lineage, which this agent key "
+                                                  "may not use")
+
     async def _lookup(self, rl_task_id: str) -> tuple[str | None, object] | Response | None:
         """(owner key id, lineage) from the RL Service's record; None when unknown; a refusal when unreadable."""
         try:
