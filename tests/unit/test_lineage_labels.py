@@ -81,3 +81,19 @@ def test_version_names_map_to_their_lineage_and_the_config_default_is_20() -> No
     assert [lineage_of_name(n) for n in ("tiny:v3", "tiny:support:v1", "base", "tiny", None)] == [
         "default", "support", "default", "default", "default"]
     assert MetricsSection().lineage_label_top_k == 20
+
+
+def test_traffic_outside_a_task_never_takes_a_label_slot() -> None:
+    """Requests outside a Task are unauthenticated and may name any model: 20 made-up lineages x 10 requests each
+    must leave the slots to the lineages whose Tasks run (captured traffic), which then get their own labels."""
+    metrics = GatewayMetrics(lineage_top_k=2)
+    for n in range(20):
+        for _ in range(10):
+            metrics.lineage_request(f"junk-{n}", captured=False)
+    for _ in range(10):
+        metrics.lineage_request("support", captured=True)
+    assert metrics.lineages.granted() == frozenset({"support"})
+    metrics.lineage_request("support", captured=False)  # a granted lineage keeps its label outside a Task too
+    value = metrics.registry.get_sample_value
+    assert value("gw_lineage_requests_total", {"lineage": "support", "captured": "false"}) == 1
+    assert value("gw_lineage_requests_total", {"lineage": OTHER, "captured": "false"}) == 200

@@ -95,8 +95,11 @@ class GatewayMetrics:
         self.lineage_adapter_loads.labels(self.lineages.known(lineage_of_name(lora_name))).inc()
 
     def lineage_request(self, lineage: str, *, captured: bool) -> None:
-        """One inference request of `lineage` (the traffic that ranks lineages for a label)."""
-        self.lineage_requests.labels(self.lineages.label(lineage), "true" if captured else "false").inc()
+        """One inference request of `lineage`. Only captured requests (a Task's, started with a signed call) rank
+        lineages for a label: traffic outside a Task is unauthenticated and names any model it likes, so made-up
+        names must not take the label slots from real lineages."""
+        label = self.lineages.label(lineage) if captured else self.lineages.known(lineage)
+        self.lineage_requests.labels(label, "true" if captured else "false").inc()
 
     def lineage_capture(self, lineage: str, outcome: str) -> None:
         self.lineage_captures.labels(self.lineages.known(lineage), outcome).inc()
