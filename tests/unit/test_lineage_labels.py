@@ -97,3 +97,15 @@ def test_traffic_outside_a_task_never_takes_a_label_slot() -> None:
     value = metrics.registry.get_sample_value
     assert value("gw_lineage_requests_total", {"lineage": "support", "captured": "false"}) == 1
     assert value("gw_lineage_requests_total", {"lineage": OTHER, "captured": "false"}) == 200
+
+
+def test_lease_series_stay_bounded_with_many_lineages() -> None:
+    """gw_lora_leases: the default line's versions and labelled lineages' keep their names, every other
+    lineage's leases sum into `other` (1,000 lineages with running Tasks are not 1,000 series)."""
+    metrics = GatewayMetrics(lineage_top_k=1)
+    for _ in range(10):
+        metrics.lineage_request("support", captured=True)
+    counts = {"tiny:v3": 2, "tiny:support:v1": 1, **{f"tiny:u{n}:v1": 1 for n in range(1000)}}
+    metrics.set_leases(counts)
+    samples = [s for f in metrics.registry.collect() if f.name == "gw_lora_leases" for s in f.samples]
+    assert {s.labels["lora_name"]: s.value for s in samples} == {"tiny:v3": 2, "tiny:support:v1": 1, OTHER: 1000}

@@ -7,7 +7,7 @@ does: a removed instance's series are dropped at the next scrape, so registratio
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from ..common.http_metrics import FAST_BUCKETS_S
 from ..common.lineage import DEFAULT_LINEAGE, parse_version_name, split_line
 from .instances import InstanceRegistry
-from .lineage_labels import LineageLabels
+from .lineage_labels import OTHER, LineageLabels
 from .lora_manager import LoraManager
 from .lora_types import LoraStatus
 from .sessions import SessionMap
@@ -141,11 +141,21 @@ class GatewayMetrics:
             for family in (self.adapter_loads, self.adapter_evictions):
                 with suppress(KeyError):
                     family.remove(name)
-        self.lora_leases.clear()
-        for name, count in loras.leases.counts().items():
-            self.lora_leases.labels(name).set(count)
+        self.set_leases(loras.leases.counts())
         self.tasks_mapped.set(len(sessions.all_tasks()))
         self.rl_service_up.set(1 if rl_running else 0)
+
+    def set_leases(self, counts: Mapping[str, int]) -> None:
+        """One series per leased version of the default line and of the lineages with a label; every other
+        lineage's versions sum into `other`, so thousands of lineages with running Tasks stay a bounded family."""
+        leases: dict[str, int] = {}
+        for name, count in counts.items():
+            lineage = lineage_of_name(name)
+            key = name if lineage == DEFAULT_LINEAGE or self.lineages.known(lineage) != OTHER else OTHER
+            leases[key] = leases.get(key, 0) + count
+        self.lora_leases.clear()
+        for name, count in leases.items():
+            self.lora_leases.labels(name).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
