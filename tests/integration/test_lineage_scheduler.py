@@ -211,3 +211,26 @@ async def test_a_lineage_whose_own_rollout_decides_waits_and_the_others_train(ap
             tx.srem(keys.ROLLOUT_LIVE_LINEAGES, "l07")
             await tx.execute()
         assert (await run_tick(deps)).lineage == "l07"
+
+
+async def test_a_line_whose_start_is_refused_gives_the_turn_to_the_next_in_the_same_tick(app, redis):
+    """The longest-waiting line's claim is refused (as when its pending samples are stale for the claim, which the
+    snapshot cannot see): the next eligible line starts in the same tick instead of every line waiting behind it."""
+    from openjiuwen.agent_evolving.agent_rl.online.errors import Conflict
+
+    app_cm, backend = app()
+    async with app_cm as (application, client):
+        deps = application.state.deps
+        await register(redis)
+        await publish(deps, "l07", 3, age_s=300)
+        younger = await publish(deps, "l23", 3, age_s=100)
+        real_start = deps.runner.start
+
+        async def start(**kwargs):  # fault injection: l07's claim refused as the runner refuses a short batch
+            if kwargs.get("lineage") == "l07":
+                raise Conflict("pending samples 0 is below minimum 3", code="insufficient_samples")
+            return await real_start(**kwargs)
+
+        deps.runner.start = start
+        done = await run_tick(deps)
+        assert (done.lineage, backend.calls[-1]["sample_ids"]) == ("l23", younger)

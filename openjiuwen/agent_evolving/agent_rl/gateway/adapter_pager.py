@@ -11,6 +11,11 @@ first; a slot is reserved (the name put there) before the load is sent, so concu
 instance. Choosing and unloading a victim happens under the instance's lock; a use (`using`) is counted
 with no await between the routing pick and the count, so a version a request was routed to is never the victim.
 Requests for the same version on the same instance share one load (single flight).
+
+A version is no victim while it has users (requests in flight, or a policy switch between its load and the recording
+of holdings: `using`) or loads in flight (`_loading` counts them, so two concurrent loads of one version never clear
+each other's mark). `unload` (collect, rollback) skips a version with users: the pager's LRU unloads it once idle. A
+listing (`held`) is applied only to the names no load, eviction or unload touched since it was requested.
 """
 
 from __future__ import annotations
@@ -52,7 +57,11 @@ class AdapterPager:
         self._metrics = metrics
         self._resident: dict[str, OrderedDict[str, None]] = {}
         self._users: Counter[tuple[str, str]] = Counter()  # (instance, version) → requests using it now
-        self._loading: set[tuple[str, str]] = set()  # loads sent and not answered: never a victim
+        self._loading: Counter[tuple[str, str]] = Counter()  # loads sent and not answered: never a victim
+        # Per instance, while a listing is in flight: name → stamp of its last resident change (see `held`).
+        self._listings: Counter[str] = Counter()
+        self._touched: dict[str, dict[str, int]] = {}
+        self._stamp = 0
         self._locks: dict[str, asyncio.Lock] = {}  # per instance: victim choice and slot reservation
         self._changed: dict[str, asyncio.Event] = {}  # per instance: set when a slot or a use went away
         self._on_demand: dict[tuple[str, str], asyncio.Future[tuple[Load, str]]] = {}
@@ -63,6 +72,11 @@ class AdapterPager:
     def resident(self, instance_name: str) -> list[str]:
         """What the instance holds or is loading, least recently used first."""
         return list(self._resident.get(instance_name, ()))
+
+    def keeps(self, instance: Instance, name: str) -> bool:
+        """False when a paging instance no longer holds `name` in its slots (evicted since its load): holdings must
+        not record it as loaded there."""
+        return not self.pages(instance) or name in self._resident.get(instance.name, ())
 
     # ------------------------------------------------------------------------------------------ AdapterClient calls
 
@@ -79,12 +93,16 @@ class AdapterPager:
                 return Load.NO_ROOM, (f"{instance.name}: all {capacity} LoRA slots hold adapters in use "
                                       f"(waited {self._page_timeout_s:g}s)")
         resident.move_to_end(lora.lora_name)
-        self._loading.add(key)
+        self._loading[key] += 1
         started = time.perf_counter()
         try:
             outcome, detail = await self._vllm.load(instance, lora, deadline)
         finally:
-            self._loading.discard(key)
+            self._loading[key] -= 1
+            if self._loading[key] <= 0:
+                del self._loading[key]
+                self._wake(instance.name)  # idle now: a load waiting for room may take its slot
+            self._touch(instance.name, lora.lora_name)
         if outcome in (Load.FAILED, Load.UNREACHABLE):
             self._free(instance.name, lora.lora_name)
         elif outcome is Load.NEW and self._metrics is not None:
@@ -92,20 +110,39 @@ class AdapterPager:
         return outcome, detail
 
     async def unload(self, instance: Instance, name: str, deadline: float) -> bool:
+        """As `AdapterClient.unload`. On a paging instance a version with users or a load in flight is not unloaded
+        (False: it may still be there): a request routed to it must not meet a 404; it is no longer pinned by its
+        line, so the LRU unloads it once idle (or a later sweep does)."""
+        if self.pages(instance) and not self._idle(instance.name, name):
+            log.info("unload of %s on %s left to paging: requests in flight use it", name, instance.name)
+            return False
+        self._touch(instance.name, name)
         gone = await self._vllm.unload(instance, name, deadline)
+        self._touch(instance.name, name)
         if gone:
             self._free(instance.name, name)
         return gone
 
     async def held(self, instance: Instance, deadline: float) -> set[str] | None:
-        held = await self._vllm.held(instance, deadline)
+        started = self._stamp
+        self._listings[instance.name] += 1
+        try:
+            held = await self._vllm.held(instance, deadline)
+        finally:
+            self._listings[instance.name] -= 1
+            touched = self._touched.get(instance.name, {})
+            if self._listings[instance.name] <= 0:
+                del self._listings[instance.name]
+                self._touched.pop(instance.name, None)
         if held is not None:
-            # The listing is the truth; loads still in flight keep their reserved slot.
+            # The listing is the truth for the names nothing changed since it was requested (a load or an eviction
+            # that answered meanwhile is newer); loads still in flight keep their reserved slot.
+            stale = {n for n, stamp in touched.items() if stamp > started}
             resident = self._resident.setdefault(instance.name, OrderedDict())
             pending = {name for (i, name) in self._loading if i == instance.name}
-            for name in [n for n in resident if n not in held and n not in pending]:
+            for name in [n for n in resident if n not in held and n not in pending and n not in stale]:
                 del resident[name]
-            for name in sorted(held - set(resident)):
+            for name in sorted(held - set(resident) - stale):
                 resident[name] = None
         return held
 
@@ -185,6 +222,7 @@ class AdapterPager:
                         tried.add(victim)
                 if name in resident or len(resident) < capacity:
                     resident[name] = None
+                    self._touch(instance.name, name)
                     return True
             remaining = give_up - loop.time()
             if remaining <= 0:
@@ -203,7 +241,9 @@ class AdapterPager:
         # slot again (it waits for this lock), or it would land beside a slot count that no longer includes it.
         resident = self._resident[instance.name]
         resident.pop(name, None)
+        self._touch(instance.name, name)
         gone = await self._vllm.unload(instance, name, deadline)
+        self._touch(instance.name, name)
         self._holdings.unloaded(instance.name, name, gone=gone)
         if not gone:  # it may still be there: it keeps its slot, first in line for a later try
             resident[name] = None
@@ -213,6 +253,13 @@ class AdapterPager:
                 self._metrics.adapter_evicted(instance.name)
             log.info("paged %s out of %s", name, instance.name)
         return gone
+
+    def _touch(self, instance_name: str, name: str) -> None:
+        """`name`'s residence on the instance changes now: a listing requested before is stale for it. Recorded only
+        while a listing is in flight, so the record stays bounded."""
+        if self._listings.get(instance_name, 0) > 0:
+            self._stamp += 1
+            self._touched.setdefault(instance_name, {})[name] = self._stamp
 
     def _free(self, instance_name: str, name: str) -> None:
         resident = self._resident.get(instance_name)

@@ -7,6 +7,11 @@ that version instead, issue 28 item 1), persists the state file, changes the lin
 outside the lock, loads a new active version where it is missing (a promoted candidate) and unloads every version
 the line no longer serves, unless Tasks still hold it (leases). The last `ROLLBACK_SHARE` of the deadline is kept
 for the rollback, so `lora.operationTimeout` bounds "one multi-instance load + rollback".
+
+Paging instances (adapter_pager.py): the loaded version stays pinned in the pager (a use per instance) from before its
+load until holdings record it, so no other line's page-in evicts it in between; holdings record it only where the
+pager still holds it. There the load is best effort: `Load.NO_ROOM` (every slot in use) is no failure, the version is
+paged in when a Task needs it; a refused load still fails the switch.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .adapter_pager import AdapterPager
 from .adapter_placement import Placement
 from .canary import Candidate
 from .holdings import Holdings
@@ -27,7 +33,7 @@ from .lora_state_file import KEEP, LoraStateFile
 from .lora_types import ActiveLora, LoraError
 from .policy_lines import PolicyLine, PolicyLines
 from .routing import require_serving
-from .vllm_adapters import AdapterClient, Load
+from .vllm_adapters import Load
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
 
@@ -58,7 +64,7 @@ class Switch:
 
 class Switcher:
     def __init__(self, registry: InstanceRegistry, holdings: Holdings, lines: PolicyLines, placement: Placement,
-                 state_file: LoraStateFile, vllm: AdapterClient, *, timeout_s: float) -> None:
+                 state_file: LoraStateFile, vllm: AdapterPager, *, timeout_s: float) -> None:
         self._registry = registry
         self._holdings = holdings
         self._lines = lines
@@ -85,12 +91,14 @@ class Switcher:
             before = Serving(line.active, line.candidate)
             if change is None:
                 return before
-            holders, excused = await self._load_and_persist(line, change, deadline)
-            # Loaded everywhere and persisted: switch. Nothing awaits between here and the release of the lock.
-            if change.load is not None:
-                self._placement.paths[change.load.lora_name] = change.load.lora_path
-                for instance in holders:
-                    self._holdings.loaded(instance.name, change.load.lora_name)
+            with contextlib.ExitStack() as pins:  # the version's pager uses, released once holdings record it
+                holders, excused = await self._load_and_persist(line, change, deadline, pins)
+                # Loaded everywhere and persisted: switch. Nothing awaits between here and the release of the lock.
+                if change.load is not None:
+                    self._placement.paths[change.load.lora_name] = change.load.lora_path
+                    for instance in holders:
+                        if self._vllm.keeps(instance, change.load.lora_name):  # fail closed: never route to a gap
+                            self._holdings.loaded(instance.name, change.load.lora_name)
             if change.to.active != line.active:
                 line.failed.clear()
                 line.artifact_missing = False
@@ -118,8 +126,8 @@ class Switcher:
                 raise LoraError("lora_activation_failed", f"another LoRA operation on {line.name} is still running")
             yield
 
-    async def _load_and_persist(self, line: PolicyLine, change: Switch,
-                                deadline: float) -> tuple[list[Instance], list[Instance]]:
+    async def _load_and_persist(self, line: PolicyLine, change: Switch, deadline: float,
+                                pins: contextlib.ExitStack) -> tuple[list[Instance], list[Instance]]:
         """Load `change.load` everywhere (when set) and write the state file; returns the instances that hold it and
         the registered ones that could not load it."""
         before = line.candidate
@@ -139,11 +147,12 @@ class Switcher:
         load_deadline = self.load_deadline(deadline)
         instances = require_serving(self._registry, line.model)
         async with self._placement.locks.loading(change.load.lora_name, load_deadline):
-            return await self._load_everywhere(line.model, change.load, instances, load_deadline, deadline, persist)
+            return await self._load_everywhere(line.model, change.load, instances, load_deadline, deadline, persist,
+                                               pins)
 
     async def _load_everywhere(
         self, model: str, wanted: ActiveLora, instances: list[Instance], load_deadline: float, deadline: float,
-        persist: Callable[[], Awaitable[None]],
+        persist: Callable[[], Awaitable[None]], pins: contextlib.ExitStack,
     ) -> tuple[list[Instance], list[Instance]]:
         """Load on every serving instance and `persist` the state file; returns (the instances that hold it, the
         registered instances that could not load it). A static instance that fails fails the switch: what this call
@@ -151,9 +160,13 @@ class Switcher:
         routing for this version only, so that no holder of the instance key can block a switch; when no instance
         holds it at the end, the switch fails the same way. An instance that refuses the connection is down: it
         leaves routing and the quorum (readmission loads it later) and the switch goes on without it; when that
-        leaves no instance, 503 `no_healthy_instances`. Runs under the line lock and the version lock."""
+        leaves no instance, 503 `no_healthy_instances`. A paging instance with no free slot (`NO_ROOM`) is neither
+        holder nor failure. `pins`: a pager use per instance, entered here and left to the caller (closed before a
+        rollback, which must not be skipped as "in use"). Runs under the line lock and the version lock."""
         name = wanted.lora_name
         known = {i.name for i in instances if self._holdings.holds(i.name, name)}
+        for instance in instances:
+            pins.enter_context(self._vllm.using(instance, name))
         results = await asyncio.gather(*(self._vllm.load(i, wanted, load_deadline) for i in instances))
         for instance, (outcome, detail) in zip(instances, results):
             if outcome is Load.UNREACHABLE and self._registry.set_serving(instance, False):
@@ -163,7 +176,12 @@ class Switcher:
         if not instances:
             raise LoraError("no_healthy_instances", f"no instance of {model} answered; kept the previous policy")
         holders = [i for i, (outcome, _) in zip(instances, results) if outcome.held]
-        failed = [(i, outcome, detail) for i, (outcome, detail) in zip(instances, results) if not outcome.held]
+        # NO_ROOM comes only from a paging instance: it pages the version in on demand, so it is no failure there.
+        failed = [(i, outcome, detail) for i, (outcome, detail) in zip(instances, results)
+                  if not outcome.held and outcome is not Load.NO_ROOM]
+        for instance, (outcome, detail) in zip(instances, results):
+            if outcome is Load.NO_ROOM:
+                log.info("%s not loaded on %s now (%s): paged in when a Task needs it", name, instance.name, detail)
         failures = [detail for i, _, detail in failed if self._registry.is_static(i.name) or not holders]
         excused = [] if failures else [i for i, _, _ in failed]
         if not failures:
@@ -182,6 +200,7 @@ class Switcher:
         # Instances that held it before this call keep it (a leased version stays routable there).
         loaded_here = [(i, outcome is Load.UNKNOWN) for i, (outcome, _) in zip(instances, results)
                        if outcome not in (Load.FAILED, Load.NO_ROOM) and i.name not in known]
+        pins.close()  # the rollback unloads it: no longer a use of ours
         await self._roll_back(name, loaded_here, deadline)
         log.warning("activation of %s failed, kept the previous policy: %s", name, "; ".join(failures))
         raise LoraError("lora_activation_failed", "; ".join(failures)[:1000])
