@@ -204,7 +204,8 @@ async def test_a_listing_is_not_applied_to_names_changed_since_it_was_requested(
         await client.answered.wait()  # the instance listed {a, b}; the answer is on its way
         await serve(paged, instance, versions["c"])  # evicts `a`, loads `c`
         client.release.set()
-        assert await listing == {versions["a"].lora_name, versions["b"].lora_name}
+        # The instance listed {a, b}; what it holds now is {b, c}: holdings (sync_loaded) must not confirm `a` there.
+        assert await listing == {versions["b"].lora_name, versions["c"].lora_name}
         # Before the fix the stale listing brought back `a` and dropped `c`: slots counted what was not there.
         assert set(paged.resident(instance.name)) == fake.loaded == {versions["b"].lora_name, versions["c"].lora_name}
     finally:
