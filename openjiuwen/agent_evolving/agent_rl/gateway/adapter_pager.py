@@ -30,6 +30,7 @@ from typing import Protocol
 
 from .holdings import Holdings
 from .instances import Instance
+from .lora_locks import holding
 from .lora_types import ActiveLora, LoraError
 from .vllm_adapters import AdapterClient, Load
 
@@ -113,17 +114,33 @@ class AdapterPager:
         """As `AdapterClient.unload`. On a paging instance a version with users or a load in flight is not unloaded
         (False: it may still be there): a request routed to it must not meet a 404; it is no longer pinned by its
         line, so the LRU unloads it once idle (or a later sweep does)."""
-        if self.pages(instance) and not self._idle(instance.name, name):
-            log.info("unload of %s on %s left to paging: requests in flight use it", name, instance.name)
-            return False
-        self._touch(instance.name, name)
-        gone = await self._vllm.unload(instance, name, deadline)
-        self._touch(instance.name, name)
-        if gone:
-            self._free(instance.name, name)
-        return gone
+        if not self.pages(instance):
+            return await self._vllm.unload(instance, name, deadline)
+        # Under the instance's lock, as an eviction: a load of the same version meanwhile reserves a slot again after
+        # this unload, so the two never race at vLLM.
+        async with holding(self._locks.setdefault(instance.name, asyncio.Lock()), deadline) as held:
+            if not held:
+                return False
+            if not self._idle(instance.name, name):
+                log.info("unload of %s on %s left to paging: requests in flight use it", name, instance.name)
+                return False
+            resident = self._resident.setdefault(instance.name, OrderedDict())
+            was_resident = name in resident
+            resident.pop(name, None)
+            self._touch(instance.name, name)
+            gone = await self._vllm.unload(instance, name, deadline)
+            self._touch(instance.name, name)
+            if gone:
+                self._wake(instance.name)
+            elif was_resident:  # it may still be there: it keeps its slot, first in line for eviction
+                resident[name] = None
+                resident.move_to_end(name, last=False)
+            return gone
 
     async def held(self, instance: Instance, deadline: float) -> set[str] | None:
+        """As `AdapterClient.held`, on a paging instance corrected for what changed since the listing was requested:
+        a name loaded, evicted or unloaded meanwhile counts as held only when it is resident and no load of it is in
+        flight (fail closed: holdings never confirm from a stale listing)."""
         started = self._stamp
         self._listings[instance.name] += 1
         try:
@@ -144,6 +161,7 @@ class AdapterPager:
                 del resident[name]
             for name in sorted(held - set(resident) - stale):
                 resident[name] = None
+            held = (held - stale) | {n for n in stale if n in resident and n not in pending}
         return held
 
     async def aclose(self) -> None:
