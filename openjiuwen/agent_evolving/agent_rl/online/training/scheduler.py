@@ -2,7 +2,7 @@
 
 Each tick reads a small snapshot of the candidate lines (pending and eligible counts from the O(1) stats hash, the
 oldest pending sample from the head of the line's pending index, its previous run end, an operator pause; the active
-run and a live rollout once), lets `eligibility.choose` pick the lines to start (each judged under its lineage's
+run and a live rollout once), tries the lines `eligibility.ranked` orders (each judged under its lineage's
 policy) and starts each through `TrainingRunner.start`, the very path of `POST /v1/rl/training/runs` (claims stay
 O(batch)), with the run's `trigger` naming its lineage.
 
@@ -38,7 +38,7 @@ from ..store.codec import text
 from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
 from ..workers.fence import Fence
-from .eligibility import LineState, Verdict, choose, judge_line
+from .eligibility import LineState, Verdict, judge_line, ranked
 from .models import TrainingRun
 from .pauses import LineagePauses
 from .policy import TrainingPolicyConfig
@@ -236,8 +236,12 @@ class TrainingScheduler:
             states += more
             offset += HINT_PAGE
         by_line = {state.line: state for state in states}
-        started = []
-        for verdict in choose(states, self._policy, now, active_runs=0 if active is None else 1):
+        started: list[TrainingRun] = []
+        # Longest-waiting first; a line whose start is refused (e.g. its pending samples are stale for the claim)
+        # gives the turn to the next one in the same tick, so it never holds every other line back.
+        for verdict in ranked(states, self._policy, now):
+            if len(started) >= room:
+                break
             run = await self._start(by_line[verdict.line], verdict)
             if run is not None:
                 started.append(run)
