@@ -86,7 +86,12 @@ def choose(
     room = policy.max_concurrent_runs - active_runs
     if room <= 0:
         return []
+    return rank(states, policy, now)[:room]
+
+
+def rank(states: Iterable[LineState], policy: TrainingPolicyConfig, now: float) -> list[Verdict]:
+    """Every eligible line, longest-waiting first (the scheduler falls through to the next when a start fails)."""
     eligible = [v for v in (judge_line(s, policy, now) for s in states) if v.eligible]
     # Longest wait first; ties by line so the order is total and stable.
     eligible.sort(key=lambda v: (-(v.oldest_wait_s or 0.0), v.line))
-    return eligible[:room]
+    return eligible
