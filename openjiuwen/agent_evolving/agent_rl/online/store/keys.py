@@ -37,7 +37,8 @@ LINEAGES_PAUSED = PREFIX + "lineages:paused"
 LINEAGES = PREFIX + "lineages"
 # Reward deadlines of lineages (docs/lineages.md): ZSET line → a lower bound of the earliest deadline in that line's
 # `reward_deadlines:{line}` (every line but the default one, which the sweeper always visits). Lowered (ZADD LT) in
-# the EXEC that adds a deadline; only the sweeper raises or removes an entry, from the line's set in one Lua call.
+# the EXEC that adds a deadline; only the sweeper raises or removes an entry, from the line's set in one fenced
+# transaction WATCHing that set.
 # So the sweeper reads the lines due now, never every registered lineage.
 REWARD_DUE_LINES = PREFIX + "rewards:due_lines"
 # Automatic training over lineages (training/scheduler.py): ZSET line → a lower bound of the creation epoch of that
