@@ -735,3 +735,37 @@ def test_a_leader_route_refused_by_the_fence_answers_503_service_not_ready() -> 
         with domain_errors(not_found="training_run_not_found", conflict="insufficient_samples"):
             raise LeaseLost("leader term 1 is over")
     assert (answered.value.status, answered.value.code) == (503, "service_not_ready")
+
+
+@pytest.mark.parametrize("writer", ["run_activation", "rollout_promotion"])
+async def test_a_deposed_leader_never_rewrites_a_lineage_lines_active_marker(redis, redis_url, tmp_path,
+                                                                              writer) -> None:
+    """Issue 27 review item 3: a run's activation and a rollout's promotion of a non-default line wrote the line's
+    repository `active` file with no fenced write before it, so a deposed leader resuming there rolled the marker
+    back under its successor. Now the line's observed policy (`policy:observed_lines`, fenced) is written first, for
+    every line: the stale term stops there and the file is never written. With a live term both land."""
+    line = f"{MODEL_ID}:a"
+    lora = {"lora_name": f"{line}:v1", "lora_path": str(tmp_path / "v1")}
+    async with running_app(make_config(redis_url, tmp_path)) as (app, _):
+        deps = app.state.deps
+        runs = deps.runner._runs
+        marker = deps.runner._repository.for_line(line).model_dir / "active"
+        run = TrainingRun(training_run_id=new_run_id(), status="running", stage="activating", sample_count=1,
+                          policy_versions={}, created_at=now_iso(), lineage="a", **lora)
+
+        async def write() -> None:
+            if writer == "run_activation":
+                await deps.runner._succeed(run)
+            else:
+                await deps.rollout._now_active({"lineage": "a"}, lora, run.training_run_id)
+
+        runs._fence = await stale_term(redis)
+        with pytest.raises(LeaseLost):
+            await write()
+        assert not marker.exists()
+        assert await redis.hget(keys.POLICY_OBSERVED_LINES, line) is None
+        if writer == "rollout_promotion":  # (a run's activation also ends its record, which this run has not)
+            runs._fence = UNFENCED
+            await write()
+            assert f"{line}:v1" in marker.read_text()
+            assert orjson.loads(await redis.hget(keys.POLICY_OBSERVED_LINES, line))["lora_name"] == f"{line}:v1"
