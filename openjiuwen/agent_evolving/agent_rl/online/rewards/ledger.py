@@ -47,6 +47,10 @@ class SweepResult:
     dropped: int = 0  # removed by a `drop` fallback
     fallbacks: int = 0  # fallbacks applied (skip, default or drop)
 
+    def __add__(self, other: "SweepResult") -> "SweepResult":
+        return SweepResult(self.visited + other.visited, self.released + other.released,
+                           self.dropped + other.dropped, self.fallbacks + other.fallbacks)
+
 
 class RewardLedger:
     def __init__(self, redis: Redis, store: TrajectoryStore, policy: RewardPolicy, *, owner: str) -> None:
@@ -176,14 +180,15 @@ class RewardLedger:
 
     async def sweep_due(self, *, fence: Fence, now: float | None = None, limit: int = 500) -> SweepResult:
         """Apply the fallbacks of every deadline due at `now`, at most `limit` samples, one EXEC per sample, each
-        through `fence` (the reward-deadline sweeper's, a leader duty): the default line's first, then those of the
-        other lines whose due-hint is at or before `now` (at most `_LINES_PER_SWEEP` lines; a line is never found by
-        scanning the registry)."""
+        through `fence` (the reward-deadline sweeper's, a leader duty): the default line's and those of the other
+        lines whose due-hint is at or before `now` (at most `_LINES_PER_SWEEP` lines; a line is never found by
+        scanning the registry). While other lines are due the default line takes at most half of `limit` first,
+        the due lines the rest, and the default line whatever they left: a busy default line never starves them."""
         now = time.time() if now is None else now
-        total = await self._sweep_line(self._store, now, limit, fence)
         due_lines = await self._redis.zrange(
             keys.REWARD_DUE_LINES, "-inf", repr(now), byscore=True, offset=0, num=_LINES_PER_SWEEP
         )
+        total = await self._sweep_line(self._store, now, limit // 2 if due_lines else limit, fence)
         for raw in due_lines:
             if total.visited >= limit:
                 break
@@ -196,9 +201,9 @@ class RewardLedger:
             part = await self._sweep_line(line, now, limit - total.visited, fence)
             # After the line's due samples moved: its entry becomes its earliest remaining deadline, or goes.
             await self._refresh_hint(line, fence)
-            total = SweepResult(*(a + b for a, b in zip(
-                (total.visited, total.released, total.dropped, total.fallbacks),
-                (part.visited, part.released, part.dropped, part.fallbacks))))
+            total = total + part
+        if due_lines and total.visited < limit:  # the share the due lines did not use
+            total = total + await self._sweep_line(self._store, now, limit - total.visited, fence)
         return total
 
     async def _refresh_hint(self, line: TrajectoryStore, fence: Fence) -> None:
@@ -220,6 +225,8 @@ class RewardLedger:
         await fence.transact(self._redis, body, line.deadlines_key)
 
     async def _sweep_line(self, line: TrajectoryStore, now: float, limit: int, fence: Fence) -> SweepResult:
+        if limit <= 0:  # (a LIMIT count of 0 must not be read as "no limit" anywhere down the line)
+            return SweepResult()
         due = await self._redis.zrange(line.deadlines_key, "-inf", repr(now), byscore=True, offset=0, num=limit)
         released = dropped = fallbacks = 0
         for member in due:
