@@ -94,6 +94,35 @@ async def test_the_deadline_sweeper_applies_fallbacks_to_lineage_samples(service
     await clean(redis)
 
 
+async def test_a_busy_default_line_never_starves_the_due_lineage_lines(service, redis):
+    """Issue 27 review item 4: the default line took the sweep's whole `limit` before any other line was read, so a
+    default line with more due samples than `limit` at every tick starved every lineage. While lines are due, the
+    default line now takes at most half of the limit first, the due lines the rest, the default line what they
+    leave; with no line due it takes the whole limit as before."""
+    deps, _ = service
+    ledger = deps.reward_ledger
+    past_business = time.time() + 3700
+
+    def fallbacks(counts: dict[str, int]) -> int:
+        return counts.get("reward_fallback:business", 0)
+
+    await publish(deps.store, "default", 6, start=0, score=0.5)
+    a_ids = await publish(deps.store, "a", 3, start=10, score=0.5)
+    # Line a is due: 2 default samples (half of 4), then 2 of a's.
+    assert (await ledger.sweep_due(fence=UNFENCED, now=past_business, limit=4)).visited == 4
+    assert (fallbacks(await counters(redis, MODEL_ID)), fallbacks(await counters(redis, LINE_A))) == (2, 2)
+    # Again: 2 default, a's last one, and the default line takes the share a left (1).
+    assert (await ledger.sweep_due(fence=UNFENCED, now=past_business, limit=4)).visited == 4
+    assert (fallbacks(await counters(redis, MODEL_ID)), fallbacks(await counters(redis, LINE_A))) == (5, 3)
+    assert await redis.zscore(keys.REWARD_DUE_LINES, LINE_A) > past_business  # a's next: human, a day later
+    # No line due: the default line's last one, the whole limit its own.
+    await publish(deps.store, "default", 4, start=20, score=0.5)
+    assert (await ledger.sweep_due(fence=UNFENCED, now=past_business, limit=4)).visited == 4
+    assert fallbacks(await counters(redis, MODEL_ID)) == 9
+    assert await members(redis, LINE_A, "awaiting_rewards") == a_ids  # still waiting for human
+    await clean(redis)
+
+
 async def test_a_line_whose_hint_is_not_due_is_not_visited(service, redis):
     deps, _ = service
     await publish(deps.store, "a", 1, start=0, score=0.5)

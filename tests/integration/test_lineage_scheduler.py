@@ -32,12 +32,13 @@ def line(lineage: str) -> str:
     return f"{MODEL_ID}:{lineage}"
 
 
-async def publish(deps, lineage: str, count: int, *, age_s: float) -> list[str]:
-    """`count` pending samples of `lineage`, the oldest created `age_s` seconds ago (one microsecond apart)."""
+async def publish(deps, lineage: str, count: int, *, age_s: float, policy: str = "base") -> list[str]:
+    """`count` pending samples of `lineage` served by `policy`, the oldest created `age_s` seconds ago (one
+    microsecond apart)."""
     ids = []
     for _ in range(count):
         i = next(_counter)
-        task = Task(f"t{i}", f"s{i}", MODEL_ID, "base", "terminal", "finalized", "2026-01-01T00:00:00+00:00",
+        task = Task(f"t{i}", f"s{i}", MODEL_ID, policy, "terminal", "finalized", "2026-01-01T00:00:00+00:00",
                     lineage=lineage)
         sample = build_sample(task, capture_id=f"c{i:05d}", agent_turn_id=None, request=REQUEST, response=RESPONSE,
                               validated=validate_response(RESPONSE, policy_model=MODEL_ID))
@@ -65,9 +66,9 @@ async def gateway():
 
 @pytest.fixture
 def app(redis, redis_url, tmp_path, gateway):
-    def factory(policy: dict | None = None):
+    def factory(policy: dict | None = None, **overrides):
         config = make_config(
-            redis_url, tmp_path, aigw_endpoint=gateway.url, trainer_backend="scripted", min_samples_for_training=3,
+            redis_url, tmp_path, **overrides, aigw_endpoint=gateway.url, trainer_backend="scripted", min_samples_for_training=3,
             max_samples_per_run=5, lora_activation_timeout=3.0, training_tmp_root=str(tmp_path / "train-tmp"),
             training_policy={"auto": True, "min_pending_samples": 3, "poll_interval_seconds": 3600.0,
                              **(policy or {})})
@@ -234,3 +235,29 @@ async def test_a_line_whose_start_is_refused_gives_the_turn_to_the_next_in_the_s
         deps.runner.start = start
         done = await run_tick(deps)
         assert (done.lineage, backend.calls[-1]["sample_ids"]) == ("l23", younger)
+
+
+async def test_a_line_whose_pending_samples_are_all_stale_never_blocks_the_others(app, redis, gateway):
+    """Issue 27 review item 1: with `max_policy_lag: 1`, l07's 40 oldest pending samples were served by its v1
+    while its active version is v3. Its claim counts them stale; the scheduler once counted every pending sample of
+    a non-default line eligible, chose l07 every tick (it waited longest), its claim failed and the tick ended: no
+    other line ever trained. Now a failed start falls through to the next line, and once l07's active version is
+    observed its snapshot subtracts the stale samples as its claim does."""
+    app_cm, backend = app(max_policy_lag=1)
+    async with app_cm as (application, client):
+        deps = application.state.deps
+        await register(redis)
+        gateway.line_active[line("l07")] = (f"{line('l07')}:v3", "/loras/l07/v3")
+        await publish(deps, "l07", 40, age_s=600, policy=f"{line('l07')}:v1")
+        fresh = await publish(deps, "l23", 3, age_s=100)
+        done = await run_tick(deps)  # l07 first (longest wait) fails its claim; l23 starts in the same tick
+        assert (done.lineage, backend.calls[-1]["sample_ids"]) == ("l23", fresh)
+        # The failed start recorded l07's active version: its view counts the 40 stale, none eligible.
+        view = (await client.get("/v1/rl/lineages/l07")).json()["scheduler"]
+        assert (view["pending_samples"], view["eligible_samples"], view["eligible"]) == (40, 0, False)
+        # Later ticks no longer try l07 at all: l23's new samples train next, l07 stays as it was.
+        again = await publish(deps, "l23", 3, age_s=50)
+        assert (await run_tick(deps)).lineage == "l23"
+        assert backend.calls[-1]["sample_ids"] == again
+        assert len(backend.calls) == 2
+        assert await redis.zcard(keys.traj_index(line("l07"), "pending")) == 40

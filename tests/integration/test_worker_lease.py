@@ -559,6 +559,20 @@ async def case_reward_deadlines(redis: Redis, _: Setup) -> Write:
     return lambda fence: ledger.sweep_due(fence=fence, now=time.time() + 90000)
 
 
+async def case_reward_due_hint_refresh(redis: Redis, _: Setup) -> Write:
+    """A lineage line in the due-line hint whose deadlines moved on (its set is empty): the sweep resets the hint."""
+    _, ledger = make_store(redis)
+    await redis.zadd(keys.REWARD_DUE_LINES, {f"{MODEL_ID}:a": T_OLD})
+    return lambda fence: ledger.sweep_due(fence=fence, now=time.time())
+
+
+async def case_reward_due_hint_malformed(redis: Redis, _: Setup) -> Write:
+    """A due-line hint entry no line of ours can carry: the sweep removes it."""
+    _, ledger = make_store(redis)
+    await redis.zadd(keys.REWARD_DUE_LINES, {"Not A Line!": T_OLD})
+    return lambda fence: ledger.sweep_due(fence=fence, now=time.time())
+
+
 async def case_startup_recovery(redis: Redis, setup: Setup) -> Write:
     app, client = await setup.stack.enter_async_context(running_app(make_config(setup.redis_url, setup.tmp)))
     assert (await start_task(client, "s-active", "t-active")).status_code == 201
@@ -571,7 +585,7 @@ async def case_startup_recovery(redis: Redis, setup: Setup) -> Write:
     case_run_claim, case_run_progress, case_run_trained, case_run_finish, case_run_abandon, case_run_event,
     case_observed_policy, case_rollout_create, case_rollout_update, case_retention_unrewarded,
     case_retention_rewarded, case_retention_terminal_tasks, case_retention_samples, case_retention_listings,
-    case_reward_deadlines, case_startup_recovery,
+    case_reward_deadlines, case_reward_due_hint_refresh, case_reward_due_hint_malformed, case_startup_recovery,
 ], ids=lambda case: case.__name__.removeprefix("case_"))
 async def test_every_leader_only_write_is_refused_once_its_term_is_over(redis, redis_url, tmp_path, case) -> None:
     """Each duty's write, made with the fence of a term that is over, raises LeaseLost and changes nothing; the
@@ -595,6 +609,8 @@ LEADER_WRITERS = ("RunStore", "RolloutStore", "RetentionSweeper", "RewardDeadlin
 # client or on a pipeline of its own), but for the listed functions, which any worker runs.
 LEADER_MODULES = {"training/runs.py": {"list_page"}, "rollout/store.py": set(), "retention.py": set(),
                   "rewards/sweeper.py": set(), "training/scheduler.py": set()}
+# Leader-only functions of modules that any worker also writes from (scanned alone: the module may use `transact`).
+LEADER_FUNCTIONS = {"rewards/ledger.py": {"sweep_due", "_sweep_line", "_expire_one", "_refresh_hint"}}
 REDIS_WRITES = {"set", "setex", "delete", "unlink", "expire", "pexpire", "zadd", "zrem", "zremrangebyscore", "sadd",
                 "srem", "hset", "hdel", "hincrby", "incr", "incrby", "xadd", "lpush", "rpush", "eval", "evalsha",
                 "append", "rename", "persist"}
@@ -624,20 +640,35 @@ def test_every_leader_only_writer_goes_through_the_fence() -> None:
     root = Path(retention_mod.__file__).parent
     unfenced = [hit for module, allowed in LEADER_MODULES.items()
                 for hit in unfenced_writes(module, (root / module).read_text(), allowed)]
+    for module, only in LEADER_FUNCTIONS.items():
+        source = (root / module).read_text()
+        defined = {n.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.AsyncFunctionDef)}
+        assert only <= defined, f"{module} no longer defines {only - defined}: update LEADER_FUNCTIONS"
+        unfenced += [hit for hit in unfenced_writes(module, source, set(), only=only) if "imports" not in hit]
     assert unfenced == []
 
 
-def unfenced_writes(module: str, source: str, allowed: set[str]) -> list[str]:
+def unfenced_writes(module: str, source: str, allowed: set[str], *, only: set[str] | None = None) -> list[str]:
     """Redis writes in `source` that bypass a fence: `transact` imported, a write command on the client, on the
-    event log or on a pipeline the function opened itself (a fenced body's pipeline is its parameter)."""
+    event log or on a pipeline the function opened itself (a fenced body's pipeline is its parameter), or a call of
+    a script the module registered that does not pass `script_args()` (LUA_CHECK's token). `only`: scan just these
+    functions."""
     import ast
 
     tree = ast.parse(source)
     hits = [f"{module}: imports transact" for node in ast.walk(tree)
             if isinstance(node, ast.ImportFrom) and any(a.name == "transact" for a in node.names)]
+    scripts = {target.attr for node in ast.walk(tree) if isinstance(node, ast.Assign)
+               and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)
+               and node.value.func.attr == "register_script"
+               for target in node.targets if isinstance(target, ast.Attribute)}
     for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
-        if func.name in allowed:
+        if func.name in allowed or (only is not None and func.name not in only):
             continue
+        for call in (c for c in ast.walk(func) if isinstance(c, ast.Call)):
+            if (isinstance(call.func, ast.Attribute) and call.func.attr in scripts
+                    and "script_args" not in ast.unparse(call)):
+                hits.append(f"{module}:{call.lineno} {ast.unparse(call)[:60]}")
         own_pipes = {item.optional_vars.id for w in ast.walk(func) if isinstance(w, (ast.With, ast.AsyncWith))
                      for item in w.items if isinstance(item.optional_vars, ast.Name)}
         for call in (c for c in ast.walk(func) if isinstance(c, ast.Call)):
@@ -678,6 +709,21 @@ class R:
     assert hits == ["retention.py: imports transact", "retention.py:6 pipe.zrem('a', t)",
                     "retention.py:7 pipe.zadd('b', {t: 1})", "training/runs.py:4 self._redis.set('k', name)",
                     "training/runs.py:6 events.EventLog(self._redis).append('s', kind, data)"]
+    # The reward sweeper's hint writes as they were before the fence (issue 27 review): a registered script called
+    # without the term's token and a plain ZREM, found in the leader's functions only (`attach` is any worker's).
+    ledger_before = """
+class L:
+    def __init__(self, redis):
+        self._hint = redis.register_script("...")
+    async def attach(self):
+        await self._redis.zrem("mine", "x")
+    async def sweep_due(self, fence, raw, line):
+        await self._redis.zrem("due", raw)
+        await self._hint(keys=[line], args=[])
+        await self._hint(keys=[*fence.script_args()[0], line], args=[*fence.script_args()[1]])
+"""
+    assert sorted(unfenced_writes("rewards/ledger.py", ledger_before, set(), only={"sweep_due"})) == [
+        "rewards/ledger.py:8 self._redis.zrem('due', raw)", "rewards/ledger.py:9 self._hint(keys=[line], args=[])"]
 
 
 def test_a_leader_route_refused_by_the_fence_answers_503_service_not_ready() -> None:
@@ -689,3 +735,37 @@ def test_a_leader_route_refused_by_the_fence_answers_503_service_not_ready() -> 
         with domain_errors(not_found="training_run_not_found", conflict="insufficient_samples"):
             raise LeaseLost("leader term 1 is over")
     assert (answered.value.status, answered.value.code) == (503, "service_not_ready")
+
+
+@pytest.mark.parametrize("writer", ["run_activation", "rollout_promotion"])
+async def test_a_deposed_leader_never_rewrites_a_lineage_lines_active_marker(redis, redis_url, tmp_path,
+                                                                              writer) -> None:
+    """Issue 27 review item 3: a run's activation and a rollout's promotion of a non-default line wrote the line's
+    repository `active` file with no fenced write before it, so a deposed leader resuming there rolled the marker
+    back under its successor. Now the line's observed policy (`policy:observed_lines`, fenced) is written first, for
+    every line: the stale term stops there and the file is never written. With a live term both land."""
+    line = f"{MODEL_ID}:a"
+    lora = {"lora_name": f"{line}:v1", "lora_path": str(tmp_path / "v1")}
+    async with running_app(make_config(redis_url, tmp_path)) as (app, _):
+        deps = app.state.deps
+        runs = deps.runner._runs
+        marker = deps.runner._repository.for_line(line).model_dir / "active"
+        run = TrainingRun(training_run_id=new_run_id(), status="running", stage="activating", sample_count=1,
+                          policy_versions={}, created_at=now_iso(), lineage="a", **lora)
+
+        async def write() -> None:
+            if writer == "run_activation":
+                await deps.runner._succeed(run)
+            else:
+                await deps.rollout._now_active({"lineage": "a"}, lora, run.training_run_id)
+
+        runs._fence = await stale_term(redis)
+        with pytest.raises(LeaseLost):
+            await write()
+        assert not marker.exists()
+        assert await redis.hget(keys.POLICY_OBSERVED_LINES, line) is None
+        if writer == "rollout_promotion":  # (a run's activation also ends its record, which this run has not)
+            runs._fence = UNFENCED
+            await write()
+            assert f"{line}:v1" in marker.read_text()
+            assert orjson.loads(await redis.hget(keys.POLICY_OBSERVED_LINES, line))["lora_name"] == f"{line}:v1"

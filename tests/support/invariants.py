@@ -82,6 +82,7 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("tasks_gc", "tasks:gc"),
         ("traj_users", "traj_users"),
         ("policy_observed", "policy:observed"),
+        ("policy_observed_lines", "policy:observed_lines"),
         ("active_run", "training_run:active"),
         ("active_session", f"active_session:{_I}"),
         ("task", f"task:(?P<t>{_T})"),

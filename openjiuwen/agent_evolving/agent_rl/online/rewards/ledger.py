@@ -38,14 +38,6 @@ from .policy import RewardConflict, RewardPolicy, iso_at
 LATENCY_WINDOW = 1000  # lateness samples kept per source for the p50/p95 of the stats
 _FIELDS = ("status", "rewards", "source", "policy_version", "created_at", "lineage")
 _LINES_PER_SWEEP = 100  # non-default lines visited per sweep at most; the rest stay due for the next tick
-# Reset a line's due-hint entry to the earliest deadline its set holds now, or remove it when the set is empty. One
-# Lua call, so a publication's EXEC (deadline + ZADD LT) lands wholly before or after it: the hint never ends above
-# a deadline of the line. KEYS: the line's deadline set, REWARD_DUE_LINES; ARGV: the line.
-_REFRESH_HINT = """
-local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-if first[2] then redis.call('ZADD', KEYS[2], first[2], ARGV[1]) else redis.call('ZREM', KEYS[2], ARGV[1]) end
-return 1
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +46,10 @@ class SweepResult:
     released: int = 0  # awaiting_rewards → pending
     dropped: int = 0  # removed by a `drop` fallback
     fallbacks: int = 0  # fallbacks applied (skip, default or drop)
+
+    def __add__(self, other: "SweepResult") -> "SweepResult":
+        return SweepResult(self.visited + other.visited, self.released + other.released,
+                           self.dropped + other.dropped, self.fallbacks + other.fallbacks)
 
 
 class RewardLedger:
@@ -64,7 +60,6 @@ class RewardLedger:
         self._owner = owner
         self._stats_key = keys.traj_stats(owner)
         self._deadlines_key = keys.reward_deadlines(owner)
-        self._refresh_hint = redis.register_script(_REFRESH_HINT)
 
     def _policy_of(self, line: TrajectoryStore) -> RewardPolicy:
         """The policy of a line's samples; the (unconfigured) top-level one once the policy left the config, so
@@ -185,31 +180,53 @@ class RewardLedger:
 
     async def sweep_due(self, *, fence: Fence, now: float | None = None, limit: int = 500) -> SweepResult:
         """Apply the fallbacks of every deadline due at `now`, at most `limit` samples, one EXEC per sample, each
-        through `fence` (the reward-deadline sweeper's, a leader duty): the default line's first, then those of the
-        other lines whose due-hint is at or before `now` (at most `_LINES_PER_SWEEP` lines; a line is never found by
-        scanning the registry)."""
+        through `fence` (the reward-deadline sweeper's, a leader duty): the default line's and those of the other
+        lines whose due-hint is at or before `now` (at most `_LINES_PER_SWEEP` lines; a line is never found by
+        scanning the registry). While other lines are due the default line takes at most half of `limit` first,
+        the due lines the rest, and the default line whatever they left: a busy default line never starves them."""
         now = time.time() if now is None else now
-        total = await self._sweep_line(self._store, now, limit, fence)
         due_lines = await self._redis.zrange(
             keys.REWARD_DUE_LINES, "-inf", repr(now), byscore=True, offset=0, num=_LINES_PER_SWEEP
         )
+        total = await self._sweep_line(self._store, now, limit // 2 if due_lines else limit, fence)
         for raw in due_lines:
             if total.visited >= limit:
                 break
             try:
                 line = self._store.for_line(text(raw) or "")
             except (InvalidIdentifier, ValueError):
-                await self._redis.zrem(keys.REWARD_DUE_LINES, raw)  # never written by us; keep the hint clean
+                # Never written by us; keep the hint clean (a leader write like any other: fenced).
+                await fence.write(self._redis, lambda pipe, raw=raw: pipe.zrem(keys.REWARD_DUE_LINES, raw))
                 continue
             part = await self._sweep_line(line, now, limit - total.visited, fence)
             # After the line's due samples moved: its entry becomes its earliest remaining deadline, or goes.
-            await self._refresh_hint(keys=[line.deadlines_key, keys.REWARD_DUE_LINES], args=[line.owner])
-            total = SweepResult(*(a + b for a, b in zip(
-                (total.visited, total.released, total.dropped, total.fallbacks),
-                (part.visited, part.released, part.dropped, part.fallbacks))))
+            await self._refresh_hint(line, fence)
+            total = total + part
+        if due_lines and total.visited < limit:  # the share the due lines did not use
+            total = total + await self._sweep_line(self._store, now, limit - total.visited, fence)
         return total
 
+    async def _refresh_hint(self, line: TrajectoryStore, fence: Fence) -> None:
+        """Reset the line's due-hint entry to the earliest deadline its set holds now, or remove it when the set is
+        empty; through the sweeper's fence, so a deposed leader never moves the hint."""
+
+        async def body(pipe: Pipeline) -> None:
+            first = await pipe.zrange(line.deadlines_key, 0, 0, withscores=True)
+            # Invariant (keys.REWARD_DUE_LINES): the line's deadline set is WATCHed, so a publication's EXEC
+            # (deadline + ZADD LT) after this read fails this EXEC and the retry sees it: the hint never ends above
+            # a deadline of the line, and an entry is removed only while the set is empty.
+            pipe.multi()
+            if first:
+                pipe.zadd(keys.REWARD_DUE_LINES, {line.owner: first[0][1]})
+            else:
+                pipe.zrem(keys.REWARD_DUE_LINES, line.owner)
+            await pipe.execute()
+
+        await fence.transact(self._redis, body, line.deadlines_key)
+
     async def _sweep_line(self, line: TrajectoryStore, now: float, limit: int, fence: Fence) -> SweepResult:
+        if limit <= 0:  # (a LIMIT count of 0 must not be read as "no limit" anywhere down the line)
+            return SweepResult()
         due = await self._redis.zrange(line.deadlines_key, "-inf", repr(now), byscore=True, offset=0, num=limit)
         released = dropped = fallbacks = 0
         for member in due:

@@ -64,7 +64,7 @@ class RolloutController:
         config: RolloutConfig,
         model_id: str,
         base_model_path: str,
-        observe_policy: Callable[[str, str], Awaitable[None]],
+        observe_policy: Callable[..., Awaitable[None]],  # (lora_name, lora_path, *, line)
         active_run: Callable[[], Awaitable[Any]],
         metrics: "ServiceMetrics | None" = None,
         fault: FaultHook = no_faults,
@@ -460,15 +460,12 @@ class RolloutController:
         return record
 
     async def _now_active(self, record: dict[str, Any], lora: dict[str, str], run_id: str) -> None:
-        # The fenced write first: a deposed leader stops here rather than write the repository's marker (a file
-        # carries no token; the next leader, finishing the same intent, writes the same marker). `policy:observed`
-        # is the default line's (AIGW key); another line keeps its active version in its repository marker only,
-        # so its fenced step is the rollout's own end, written after the marker (the same marker again on replay).
-        lineage = lineage_of(record)
-        if lineage == DEFAULT_LINEAGE:
-            await self._observe_policy(lora["lora_name"], lora["lora_path"])
-        await self._repository.for_line(self._line(lineage)).write_active(lora["lora_name"], lora["lora_path"],
-                                                                            run_id)
+        # The fenced write first, on every line (`policy:observed` for the default line, the AIGW key; the line's
+        # field of `policy:observed_lines` for another): a deposed leader stops here rather than write the
+        # repository's marker (a file carries no token; the next leader, finishing the same intent, writes the same).
+        line = self._line(lineage_of(record))
+        await self._observe_policy(lora["lora_name"], lora["lora_path"], line=line)
+        await self._repository.for_line(line).write_active(lora["lora_name"], lora["lora_path"], run_id)
 
     # ------------------------------------------------------------------ operator
 

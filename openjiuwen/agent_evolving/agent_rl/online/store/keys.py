@@ -20,6 +20,11 @@ TASKS_AWAITING_REWARD = PREFIX + "tasks:awaiting_reward"
 TASKS_GC = PREFIX + "tasks:gc"
 TRAJ_USERS = PREFIX + "traj_users"
 POLICY_OBSERVED = PREFIX + "policy:observed"
+# HASH line → JSON {"lora_name", "lora_path", "at"}: the last active policy of each non-default line read from the
+# gateway or made active by this service (the default line's stays in `policy:observed`, an AIGW key). The
+# scheduler estimates a line's stale samples from it; every write is fenced, and precedes the line's repository
+# marker so that a deposed leader stops before the file write (docs/lineages.md).
+POLICY_OBSERVED_LINES = PREFIX + "policy:observed_lines"
 RAIL_INFLIGHT_SESSIONS = PREFIX + "rail:inflight_sessions"  # sessions with popped rail samples not yet stored
 ACTIVE_RUN = PREFIX + "training_run:active"
 # Automatic training (training/scheduler.py): HASH line → epoch its previous Training Run ended (written in the
@@ -32,7 +37,8 @@ LINEAGES_PAUSED = PREFIX + "lineages:paused"
 LINEAGES = PREFIX + "lineages"
 # Reward deadlines of lineages (docs/lineages.md): ZSET line → a lower bound of the earliest deadline in that line's
 # `reward_deadlines:{line}` (every line but the default one, which the sweeper always visits). Lowered (ZADD LT) in
-# the EXEC that adds a deadline; only the sweeper raises or removes an entry, from the line's set in one Lua call.
+# the EXEC that adds a deadline; only the sweeper raises or removes an entry, from the line's set in one fenced
+# transaction WATCHing that set.
 # So the sweeper reads the lines due now, never every registered lineage.
 REWARD_DUE_LINES = PREFIX + "rewards:due_lines"
 # Automatic training over lineages (training/scheduler.py): ZSET line → a lower bound of the creation epoch of that

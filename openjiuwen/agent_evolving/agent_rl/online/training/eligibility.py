@@ -84,12 +84,13 @@ def choose(
 ) -> list[Verdict]:
     """The lines to start now, longest-waiting first, at most `max_concurrent_runs - active_runs` of them."""
     room = policy.max_concurrent_runs - active_runs
-    return ranked(states, policy, now)[:room] if room > 0 else []
+    if room <= 0:
+        return []
+    return rank(states, policy, now)[:room]
 
 
-def ranked(states: Iterable[LineState], policy: TrainingPolicyConfig, now: float) -> list[Verdict]:
-    """Every eligible line, longest-waiting first: the order the scheduler tries them in (a start the claim refuses
-    gives the turn to the next line, so one line that cannot start never holds the others)."""
+def rank(states: Iterable[LineState], policy: TrainingPolicyConfig, now: float) -> list[Verdict]:
+    """Every eligible line, longest-waiting first (the scheduler falls through to the next when a start fails)."""
     eligible = [v for v in (judge_line(s, policy, now) for s in states) if v.eligible]
     # Longest wait first; ties by line so the order is total and stable.
     eligible.sort(key=lambda v: (-(v.oldest_wait_s or 0.0), v.line))

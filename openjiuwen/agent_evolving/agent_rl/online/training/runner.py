@@ -144,8 +144,9 @@ class TrainingRunner:
                 parent = await self._gateway.read_policy(line)
             except GatewayError as exc:
                 raise GatewayUnavailable(f"cannot read the active policy from the gateway: {exc}") from exc
-            if lineage == DEFAULT_LINEAGE:  # `policy:observed` is the default line's (AIGW key)
-                await self._runs.observe_policy(parent.lora_name, parent.lora_path)
+            # Every line's observed policy (the default line's is the AIGW key `policy:observed`): the scheduler
+            # judges the line's stale samples against it, as this claim does against `parent`.
+            await self._runs.observe_policy(parent.lora_name, parent.lora_path, line=line)
             draft = TrainingRun(
                 training_run_id=new_run_id(),
                 status=RunStatus.PENDING.value,
@@ -522,13 +523,13 @@ class TrainingRunner:
     async def _succeed(self, run: TrainingRun) -> TrainingRun:
         assert run.lora_name and run.lora_path
         run_id = run.training_run_id
-        # The fenced write first: a deposed leader stops before it writes the repository's marker (a file carries
-        # no token; the next leader, activating the same artifact again, writes the same marker). The default line's
-        # observed policy is the AIGW-visible one; other lines keep theirs in the repository marker only.
-        if run.lineage == DEFAULT_LINEAGE:
-            await self._durable(f"run {run_id} policy",
-                                lambda: self._runs.observe_policy(run.lora_name, run.lora_path))
-        await self._repository.for_line(run.line(self._model_id)).write_active(run.lora_name, run.lora_path, run_id)
+        # The fenced write first, on every line (the default line's observed policy is the AIGW key, another
+        # line's is its field of `policy:observed_lines`): a deposed leader stops before it writes the repository's
+        # marker (a file carries no token; the next leader, activating the same artifact again, writes the same).
+        line = run.line(self._model_id)
+        await self._durable(f"run {run_id} policy",
+                            lambda: self._runs.observe_policy(run.lora_name, run.lora_path, line=line))
+        await self._repository.for_line(line).write_active(run.lora_name, run.lora_path, run_id)
         log.info("training run %s succeeded: %s active", run_id, run.lora_name,
                  extra={"training_run_id": run_id, "lora_name": run.lora_name})
         return await self._durable(f"run {run_id} succeeded", lambda: self._runs.finish(

@@ -383,7 +383,11 @@ class RunStore:
         except RedisError as exc:
             log.warning("event %s could not be appended to %s: %s", event_type, stream, exc)
 
-    async def observe_policy(self, lora_name: str, lora_path: str) -> None:
-        """Remember the last active policy read from the gateway (used for `stale` in stats)."""
+    async def observe_policy(self, lora_name: str, lora_path: str, *, line: str | None = None) -> None:
+        """Remember the last active policy of `line` (default: the default line) read from the gateway or made
+        active here (used for `stale` in stats and by the scheduler). Fenced: a deposed leader gets LeaseLost."""
         observed = orjson.dumps({"lora_name": lora_name, "lora_path": lora_path, "at": now_iso()})
-        await self._fence.write(self._redis, lambda pipe: pipe.set(keys.POLICY_OBSERVED, observed))
+        if line is None or line == self._model_id:
+            await self._fence.write(self._redis, lambda pipe: pipe.set(keys.POLICY_OBSERVED, observed))
+        else:
+            await self._fence.write(self._redis, lambda pipe: pipe.hset(keys.POLICY_OBSERVED_LINES, line, observed))

@@ -1,10 +1,11 @@
 """Automatic training: the leader's duty that starts Training Runs by itself (docs/training.md, docs/lineages.md).
 
 Each tick reads a small snapshot of the candidate lines (pending and eligible counts from the O(1) stats hash, the
-oldest pending sample from the head of the line's pending index, its previous run end, an operator pause; the active
-run and a live rollout once), tries the lines `eligibility.ranked` orders (each judged under its lineage's
-policy) and starts each through `TrainingRunner.start`, the very path of `POST /v1/rl/training/runs` (claims stay
-O(batch)), with the run's `trigger` naming its lineage.
+eligible ones net of the samples lagging the line's observed policy as its claim counts them; the oldest pending
+sample from the head of the line's pending index, its previous run end, an operator pause; the active run and a live
+rollout once), lets `eligibility.rank` order the eligible lines (each judged under its lineage's policy) and starts
+them in that order through `TrainingRunner.start`, the very path of `POST /v1/rl/training/runs` (claims stay
+O(batch)), with the run's `trigger` naming its lineage; a start that fails falls through to the next line.
 
 Candidates: the default line, always, and the other lines in the order of the waiting hint `rl:v1:training:waiting`
 (keys.py: line → a lower bound of its oldest pending sample), read a page of `HINT_PAGE` entries at a time. Entries
@@ -38,7 +39,7 @@ from ..store.codec import text
 from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
 from ..workers.fence import Fence
-from .eligibility import LineState, Verdict, judge_line, ranked
+from .eligibility import LineState, Verdict, judge_line, rank
 from .models import TrainingRun
 from .pauses import LineagePauses
 from .policy import TrainingPolicyConfig
@@ -117,23 +118,27 @@ class TrainingScheduler:
     ) -> list[LineState]:
         """One pipelined read of every given line's own keys; the active run and the rollout are the caller's."""
         async with self._redis.pipeline(transaction=False) as reads:
-            reads.get(keys.POLICY_OBSERVED)
             for line, lineage in lines:
                 store = self._store.for_line(line)  # the line's own pending index and counters
                 reads.hgetall(store.stats_key)
                 reads.zrange(store.index_key(SampleStatus.PENDING), 0, 0, withscores=True)
                 reads.hget(keys.TRAINING_LAST_END, line)
                 reads.hexists(keys.LINEAGES_PAUSED, lineage)  # any field means paused: fails closed
-            observed, *rows = await reads.execute()
+                # The line's active policy as last observed (the default line's is the AIGW key): the claim
+                # subtracts the samples lagging it, so the snapshot must too, or a line whose pending samples are
+                # all stale would be chosen every tick and its claim fail every time.
+                if lineage == DEFAULT_LINEAGE:
+                    reads.get(keys.POLICY_OBSERVED)
+                else:
+                    reads.hget(keys.POLICY_OBSERVED_LINES, line)
+            rows = await reads.execute()
         states = []
         for i, (line, lineage) in enumerate(lines):
-            raw_stats, head, last_end, paused = rows[4 * i:4 * i + 4]
+            raw_stats, head, last_end, paused, observed = rows[5 * i:5 * i + 5]
             counters = {(text(k) or ""): int(v) for k, v in raw_stats.items()}
             pending = max(0, counters.get(f"status:{SampleStatus.PENDING}", 0))
-            # `policy:observed` is the default line's: another line's staleness is left to its run's claim.
-            stale = 0 if lineage != DEFAULT_LINEAGE else stale_pending(
-                counters, model_id=self._model_id, current_version=self._observed_version(observed),
-                max_policy_lag=self._max_policy_lag)
+            stale = stale_pending(counters, model_id=line, current_version=self._observed_version(observed, line),
+                                  max_policy_lag=self._max_policy_lag)
             states.append(LineState(
                 line=line,
                 lineage=lineage,
@@ -149,13 +154,15 @@ class TrainingScheduler:
             ))
         return states
 
-    def _observed_version(self, observed: bytes | None) -> int:
-        # The policy the runner last read from the gateway; the claim re-reads it, this only estimates staleness.
+    @staticmethod
+    def _observed_version(observed: bytes | None, line: str) -> int:
+        # The policy the runner last read from the gateway (or made active); the claim re-reads it, this only
+        # estimates staleness. None yet (a line never started): the base policy, and the first start records it.
         name = BASE_POLICY
         if observed is not None:
             with suppress(orjson.JSONDecodeError, AttributeError):
                 name = str(orjson.loads(observed).get("lora_name") or BASE_POLICY)
-        return policy_lag_version(name, self._model_id)
+        return policy_lag_version(name, line)
 
     # ------------------------------------------------------------------ the waiting hint
 
@@ -237,9 +244,9 @@ class TrainingScheduler:
             offset += HINT_PAGE
         by_line = {state.line: state for state in states}
         started: list[TrainingRun] = []
-        # Longest-waiting first; a line whose start is refused (e.g. its pending samples are stale for the claim)
-        # gives the turn to the next one in the same tick, so it never holds every other line back.
-        for verdict in ranked(states, self._policy, now):
+        # Every eligible line in order, not only the first `room`: a start that fails for one line (its claim
+        # found fewer samples, its rollout just began) must not keep every other line from training this tick.
+        for verdict in rank(states, self._policy, now):
             if len(started) >= room:
                 break
             run = await self._start(by_line[verdict.line], verdict)
