@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from openjiuwen.agent_evolving.agent_rl.demo import calculator_family as calc
+from openjiuwen.agent_evolving.agent_rl.demo import largest_family as big
 from tests.support.fake_vllm import CHAT_PATH, FakeVLLM, Reply
 
 pytestmark = pytest.mark.system
@@ -396,4 +397,62 @@ def test_two_lineages_learn_side_by_side_each_on_its_own_line(tmp_path, vllm):
     for name in ("plain", "symbols"):
         assert f"lineage {name} (tiny:{name})" in done.stdout
     assert "held-out success gain over base" in done.stdout
+    assert_all_gone(run_dir, report)
+
+
+def test_two_task_families_as_two_lineages_end_with_the_cross_table(tmp_path, vllm):
+    """`make demo-real DEMO_ARGS="--lineages 2"`, shortened, on the fake vLLM: lineage `calculator` runs the calculator
+    family, lineage `largest` the largest-number family, each trained automatically on its own samples (a calculator
+    Task leaves two, a largest Task one); then each lineage's last version answers the OTHER family's held-out
+    problems, pinned to its own adapter, and the report ends with the cross table."""
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    eval_tasks = 3
+    argv = demo_argv(vllm, run_dir, out_dir, "--family", "calculator", "--model-id", "tiny", "--lineages", "2",
+                     "--eval-tasks", str(eval_tasks))
+    vllm.reply = Reply(content="MAX: 42")  # no calculator call, and 42 is never a list's largest (it has 3 digits)
+    done = subprocess.run(argv, cwd=REPO_ROOT, env=demo_env(), capture_output=True, text=True,
+                          timeout=DEMO_TIMEOUT_S)
+
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    report = json.loads((out_dir / "demo-report.json").read_text())
+    lineages = report["lineages"]
+    assert {name: section["family"] for name, section in lineages.items()} == {
+        "calculator": "calculator", "largest": "largest"}
+    runs = {r["lineage"]: r for r in report["timings"]["training_runs"]}
+    assert {k: (r["lora_name"], r["sample_count"], r["trigger"]["kind"]) for k, r in runs.items()} == {
+        "calculator": ("tiny:calculator:v1", TASKS * 2, "auto"), "largest": ("tiny:largest:v1", TASKS, "auto")}
+    rl_config = yaml.safe_load((run_dir / "gateway" / "rl-service.yaml").read_text())
+    assert rl_config["training_policy"]["lineages"] == {"largest": {"min_pending_samples": TASKS}}
+    for section in lineages.values():
+        assert [v["policy"] for v in section["versions"]] == ["base", "v1"]
+        assert all(v["success_rate"] == 0.0 and v["tasks"] == eval_tasks for v in section["versions"])
+    reasons = lineages["largest"]["versions"][0]["reasons"]  # 42 may be a smaller number of a list, never the largest
+    assert set(reasons) <= {"wrong answer", "a smaller number of the list"} and sum(reasons.values()) == eval_tasks
+    assert lineages["calculator"]["versions"][0]["reasons"] == {"no ANSWER:": eval_tasks}
+
+    cross = report["lineages_cross"]
+    assert cross["families"] == ["calculator", "largest"]
+    assert [r["row"] for r in cross["rows"]] == ["base", "calculator v1", "largest v1"]
+    for row in cross["rows"][1:]:
+        assert sorted(row["families"]) == ["calculator", "largest"]
+        for cell in row["families"].values():
+            assert cell["tasks"] == eval_tasks and cell["gain_over_base"] == 0.0
+            lo, hi = cell["gain_ci95"]
+            assert lo <= 0.0 <= hi
+    assert "cross table: each lineage's last version on both families" in done.stdout
+
+    # Who served what: the cross evaluation's Tasks carry the other family's prompts to their OWN lineage's adapter.
+    chats = [r.body for r in vllm.requests if r.path == CHAT_PATH]
+    system = {c["model"]: set() for c in chats}
+    for c in chats:
+        system[c["model"]].add(c["messages"][0]["content"][:20])
+    calc_prompt, big_prompt = calc.SYSTEM_PROMPT[:20], big.SYSTEM_PROMPT[:20]
+    assert system["tiny:calculator:v1"] == {calc_prompt, big_prompt}
+    assert system["tiny:largest:v1"] == {calc_prompt, big_prompt}
+    cross_chats = chats[-(eval_tasks * 2 + eval_tasks):]  # last batch: 3 calculator Tasks x 2 + 3 largest x 1
+    assert sorted((c["model"], c["messages"][0]["content"][:20]) for c in cross_chats) == sorted(
+        [("tiny:calculator:v1", big_prompt)] * eval_tasks + [("tiny:largest:v1", calc_prompt)] * eval_tasks * 2)
+    agents = [json.loads(line) for line in (run_dir / "agents.jsonl").read_text().splitlines()]
+    assert all(a["policy"] in ("base", f"tiny:{a['lineage']}:v1") for a in agents)
     assert_all_gone(run_dir, report)

@@ -50,7 +50,12 @@ def test_demo_tiny_keeps_one_lineage_unless_asked_for_two():
     assert (args.family, args.lineages, args.eval_tasks) == ("words", 2, 64)
 
 
-@pytest.mark.parametrize("extra", [["--family", "calculator"], ["--family", "words", "--bad-version"],
+def test_demo_real_runs_two_task_families_as_two_lineages_when_asked():
+    args = run.parse_args(driver_args("demo-real", "--lineages 2"))
+    assert (args.family, args.lineages, args.rounds, args.eval_tasks) == ("calculator", 2, 3, 64)
+
+
+@pytest.mark.parametrize("extra", [["--family", "calculator", "--bad-version"], ["--family", "words", "--bad-version"],
                                    ["--family", "words", "--lineages", "3"]])
 def test_two_lineages_are_refused_where_the_demo_has_no_such_mode(extra, capsys):
     with pytest.raises(SystemExit):

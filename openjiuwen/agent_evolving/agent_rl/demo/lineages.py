@@ -66,10 +66,12 @@ OBJECTIVES = (
 class TwoLineages:
     """The rounds of `--lineages 2`, run by the Demo's processes and signed clients."""
 
+    OBJECTIVES: tuple[Any, ...] = OBJECTIVES
+
     def __init__(self, demo: "Demo") -> None:
         self.demo = demo
         self.args = demo.args
-        self.objectives = OBJECTIVES[:self.args.lineages]
+        self.objectives: tuple[Any, ...] = self.OBJECTIVES[:self.args.lineages]
         self.tables: dict[str, list[dict[str, Any]]] = {o.lineage: [] for o in self.objectives}
         self.runs: list[dict[str, Any]] = []
         self.seen_runs: set[str] = set()  # Training Runs already waited for
@@ -127,18 +129,24 @@ class TwoLineages:
             task_rewards=[round(x, 4) for x in rewards], task_success=success,
             example=" | ".join(results[0]["answers"]))
 
-    def batch(self, r: int, actives: dict[str, str | None], *, evaluation: bool) -> dict[str, list[dict[str, Any]]]:
-        """Every lineage's Tasks of one round, interleaved on one pool of agents (the lineages run at once)."""
+    def batch(self, r: int, actives: dict[str, str | None], *, evaluation: bool,
+              families: dict[str, str] | None = None, title: str | None = None) -> dict[str, list[dict[str, Any]]]:
+        """Every lineage's Tasks of one round, interleaved on one pool of agents (the lineages run at once).
+        `families` (lineage -> task family) replaces a lineage's own family: the cross evaluation of the SmolLM2
+        demo (family_lineages.py); the words family has one family and ignores it."""
         a = self.args
         count = a.eval_tasks if evaluation else a.tasks
-        jobs = [(o, i) for i in range(count) for o in self.objectives]
+        objectives = [o for o in self.objectives if families is None or o.lineage in families]
+        jobs = [(o, i) for i in range(count) for o in objectives]
         kind = "evaluation" if evaluation else "training round"
-        bar = Bar(f"{kind} {r + 1} ({', '.join(o.lineage for o in self.objectives)})", total=len(jobs), unit="tasks")
+        bar = Bar(title or f"{kind} {r + 1} ({', '.join(o.lineage for o in objectives)})", total=len(jobs),
+                  unit="tasks")
         executor = futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
         self.demo._executor = executor  # the Demo's shutdown cancels it on Ctrl-C
-        results: dict[str, list[dict[str, Any]]] = {o.lineage: [] for o in self.objectives}
+        results: dict[str, list[dict[str, Any]]] = {o.lineage: [] for o in objectives}
         try:
-            pending = {executor.submit(self.task, o, r, i, actives[o.lineage], evaluation) for o, i in jobs}
+            pending = {executor.submit(self.task, o, r, i, actives[o.lineage], evaluation,
+                                       None if families is None else families[o.lineage]) for o, i in jobs}
             while pending:
                 done, pending = futures.wait(pending, timeout=1.0, return_when=futures.FIRST_COMPLETED)
                 for fut in done:
@@ -158,7 +166,8 @@ class TwoLineages:
                     f.write(json.dumps(x) + "\n")
         return results
 
-    def task(self, o: Objective, r: int, i: int, lora: str | None, evaluation: bool) -> dict[str, Any]:
+    def task(self, o: Any, r: int, i: int, lora: str | None, evaluation: bool,
+             family: str | None = None) -> dict[str, Any]:
         from .run import sampling_seed
 
         a, demo = self.args, self.demo

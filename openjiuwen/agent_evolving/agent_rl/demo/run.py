@@ -153,10 +153,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "with rollout.mode canary (the demo promotes the rounds' own versions as an operator would), "
                         "Tasks with true rewards run until the decision; see docs/rollout.md")
     p.add_argument("--lineages", type=int, choices=(1, 2), default=1,
-                   help="words only: 2 runs lineages `plain` (rewarded for plain words) and `symbols` (for the "
-                        "opposite) at once, each with its own Training Runs (started by the RL Service's automatic "
-                        "training, training_policy.auto) and a held-out success table (--eval-tasks per version; "
-                        "docs/lineages.md); 1 (default) is the single default lineage")
+                   help="2 runs two lineages at once, each with its own Training Runs (started by the RL Service's "
+                        "automatic training, training_policy.auto) and a held-out success table (--eval-tasks per "
+                        "version; docs/lineages.md). words: `plain` (rewarded for plain words) and `symbols` (for the "
+                        "opposite); calculator (`make demo-real DEMO_ARGS=\"--lineages 2\"`): `calculator` (the "
+                        "calculator family) and `largest` (pick the largest number), then the cross table (each "
+                        "lineage's last version on both families). 1 (default) is the single default lineage")
     p.add_argument("--canary-min-tasks", type=int, default=None,
                    help="--bad-version: rewarded Tasks per arm before the canary decides (words 48, calculator 32)")
     p.add_argument("--preparation-started", type=float, default=None, metavar="UNIX_TIME",
@@ -180,8 +182,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         minimum = 0 if name == "rounds" else 2 if name == "canary_min_tasks" else 1
         if getattr(args, name) < minimum:
             p.error(f"--{name.replace('_', '-')} must be at least {minimum}")
-    if args.lineages > 1 and (args.family != "words" or args.bad_version):
-        p.error("--lineages 2 needs --family words and no --bad-version")
+    if args.lineages > 1 and args.bad_version:
+        p.error("--lineages 2 and --bad-version cannot be combined")
     if args.preparation_started is not None and not 0 < args.preparation_started <= time.time():
         p.error("--preparation-started must be a Unix time that has passed")
     for url in args.instances or ():
@@ -217,12 +219,17 @@ def canary_settings(min_tasks: int) -> dict[str, Any]:
             "max_duration_seconds": 3600, "on_timeout": "rollback", "decision_interval_seconds": 1.0}
 
 
-def lineage_training_policy(samples: int) -> dict[str, Any]:
+def lineage_training_policy(samples: int, per_lineage: dict[str, int] | None = None) -> dict[str, Any]:
     """The RL Service's `training_policy` under --lineages 2: the scheduler trains every lineage by itself, a line
-    once one round of its training Tasks' samples (`samples`) is pending, so the driver starts no run. Evaluation
-    samples are never pending, so only the training round fills a line. A tick a second: the demo waits little for
-    each start (the service runs one Training Run at a time, so the second lineage's run starts after the first)."""
-    return {"auto": True, "min_pending_samples": samples, "poll_interval_seconds": 1.0}
+    once one round of its training Tasks' samples (`samples`, or its own count in `per_lineage` when its Tasks have
+    another number of completions) is pending, so the driver starts no run. Evaluation samples are never pending,
+    so only the training round fills a line. A tick a second: the demo waits little for each start (the service runs
+    one Training Run at a time, so the second lineage's run starts after the first)."""
+    policy: dict[str, Any] = {"auto": True, "min_pending_samples": samples, "poll_interval_seconds": 1.0}
+    overrides = {name: {"min_pending_samples": n} for name, n in (per_lineage or {}).items() if n != samples}
+    if overrides:
+        policy["lineages"] = overrides
+    return policy
 
 
 CANARY_BATCHES = 8  # batches of canary Tasks (each about min_tasks per arm) before the demo gives up waiting
@@ -569,7 +576,12 @@ class Demo:
         if a.bad_version:
             rl_config["rollout"] = canary_settings(a.canary_min_tasks)
         if a.lineages > 1:
-            rl_config["training_policy"] = lineage_training_policy(samples)
+            per_lineage = None
+            if a.family == "calculator":
+                from .family_lineages import training_samples  # here: family_lineages.py imports this module
+
+                per_lineage = training_samples(a.tasks)
+            rl_config["training_policy"] = lineage_training_policy(samples, per_lineage)
         rl_path = gw_dir / "rl-service.yaml"
         rl_path.write_text(yaml.safe_dump(rl_config, sort_keys=False))
         gw_config = {
@@ -651,14 +663,16 @@ class Demo:
         a = self.args
         self._agent = openai.OpenAI(base_url=self.gateway_url + "/v1", api_key="demo-agent", max_retries=0,
                                     timeout=120, http_client=httpx.Client(trust_env=False, timeout=120))
+        if a.lineages > 1:
+            # Here: both modules import this one.
+            from .family_lineages import FamilyLineages
+            from .lineages import TwoLineages
+
+            self.lineage_run = FamilyLineages(self) if a.family == "calculator" else TwoLineages(self)
+            self.lineage_run.run()
+            return
         if a.family == "calculator":
             self.calculator_rounds()
-            return
-        if a.lineages > 1:
-            from .lineages import TwoLineages  # here: lineages.py imports this module
-
-            self.lineage_run = TwoLineages(self)
-            self.lineage_run.run()
             return
         pending_training: dict[str, Any] | None = None
         for r in range(a.rounds + 1):
@@ -1114,6 +1128,9 @@ class Demo:
         }
         if self.lineage_run is not None:
             report["lineages"] = self.lineage_run.report()
+            cross = getattr(self.lineage_run, "cross_report", lambda: None)()
+            if cross is not None:
+                report["lineages_cross"] = cross
         if len(self.versions) >= 2:
             base, last = self.versions[0]["task_rewards"], self.versions[-1]["task_rewards"]
             diff, (lo, hi) = rep.diff_ci95(base, last)

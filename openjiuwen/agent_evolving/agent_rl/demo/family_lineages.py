@@ -1,0 +1,248 @@
+"""`openjiuwen-rl demo --lineages 2` on SmolLM2 (`make demo-real DEMO_ARGS="--lineages 2"`): two lineages learn two
+different task families at once on one base model, one gateway and one vLLM, and the cross table shows what each
+lineage's training did to both families (issue 27 item 8).
+
+- Lineage `calculator` runs the calculator family (`calculator_family.py`: a tool call, then the answer; reward 1
+  for the right answer, 0.3 for a right tool call) and lineage `largest` the "pick the largest number" family
+  (`largest_family.py`: one completion; reward 1 for the right number, else 0). Both rewards measure success.
+- The rounds are those of `lineages.TwoLineages`: every lineage's held-out evaluation Tasks (the same problems for
+  every version, never trained on), every lineage's training Tasks on fresh train problems, all interleaved on one
+  pool of agents; each lineage's Training Run is started by the RL Service's automatic training (never by the
+  driver), each Task is pinned to its own line's active version.
+- After the last round, the cross evaluation: each lineage's last version on the OTHER family's held-out problems
+  (evaluation Tasks of that lineage, so they are pinned to its version and never trained on). Base on each family is
+  the round-0 evaluation (both lines start at base).
+
+The end: one table per lineage, then the cross table (rows: base and each lineage's last version; columns: the two
+families' held-out success with its 95 % interval and the gain over base with Welch's interval); `demo-report.json`
+carries it under `lineages_cross`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..common.policy_names import BASE_POLICY
+from . import calculator_family as calc
+from . import largest_family as big
+from . import report as rep
+from .lineages import LineageDemoFailed, TwoLineages
+
+Complete = Callable[[list[dict[str, str]]], str]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A task family as the two-lineage driver uses it: its problems, how an agent plays one, how it is scored."""
+
+    name: str
+    title: str
+    reward: str  # the reward in words
+
+    def problems(self, split: str, count: int, seed: int) -> list[Any]:
+        module = calc if self.name == "calculator" else big
+        return module.problems(split, count, seed)
+
+    def play(self, problem: Any, complete: Complete) -> tuple[list[str], str]:
+        """The agent's side of one Task: (the completions' text, the tool's answer shown to the model or "")."""
+        if self.name == "largest":
+            return [complete(big.messages(problem))], ""
+        first = calc.first_messages(problem)
+        call = complete(first)
+        _, feedback = calc.tool_call(call)  # the agent runs the tool
+        answer = complete([*first, {"role": "assistant", "content": call}, {"role": "user", "content": feedback}])
+        return [call, answer], feedback
+
+    def score(self, problem: Any, answers: list[str]) -> Any:
+        return (calc if self.name == "calculator" else big).score(problem, answers)
+
+
+FAMILIES = {
+    "calculator": Family("calculator", "word problems with a calculator tool",
+                         f"1 for the right final answer, {calc.TOOL_CREDIT} for a right calculator call, else 0"),
+    "largest": Family("largest", "pick the largest number of a list", "1 for the list's largest number, else 0"),
+}
+
+
+@dataclass(frozen=True)
+class FamilyObjective:
+    lineage: str
+    family: Family
+
+    @property
+    def wants(self) -> str:
+        return f"success on {self.family.title} ({self.family.reward})"
+
+    @property
+    def turns(self) -> int:
+        return 2 if self.family.name == "calculator" else 1
+
+
+OBJECTIVES = (FamilyObjective("calculator", FAMILIES["calculator"]), FamilyObjective("largest", FAMILIES["largest"]))
+
+
+def training_samples(tasks: int) -> dict[str, int]:
+    """Samples one training round of each lineage leaves pending (one per completion): its `min_pending_samples`."""
+    return {o.lineage: tasks * o.turns for o in OBJECTIVES}
+
+
+class FamilyLineages(TwoLineages):
+    """The rounds of `--family calculator --lineages 2`, then the cross evaluation."""
+
+    OBJECTIVES = OBJECTIVES
+
+    def __init__(self, demo: Any) -> None:
+        super().__init__(demo)
+        a = self.args
+        # Fixed held-out problems (every seed and version sees these) and fresh train problems per round.
+        self.held_out = {f.name: f.problems("held-out", a.eval_tasks, 0) for f in FAMILIES.values()}
+        self.train = {o.lineage: o.family.problems("train", a.tasks * max(1, a.rounds), a.seed)
+                      for o in self.objectives}
+        self.cross: dict[str, dict[str, Any]] = {}  # lineage -> its last version's entry on the other family
+
+    def run(self) -> None:
+        super().run()
+        self.cross_evaluation()
+
+    def cross_evaluation(self) -> None:
+        """Each lineage's last version on the other lineage's family: evaluation Tasks of its own lineage (pinned to
+        its version, never trained on) with the other family's held-out problems."""
+        if len(self.objectives) < 2 or self.args.rounds == 0:
+            return
+        names = [o.family.name for o in self.objectives]
+        families = {o.lineage: names[(k + 1) % len(names)] for k, o in enumerate(self.objectives)}
+        actives = {o.lineage: self.active(o.lineage) for o in self.objectives}
+        with self.demo.stage("cross evaluation (each lineage's last version on the other family)",
+                             self.demo.run_dir / "gateway" / "gateway.log"):
+            t = time.monotonic()
+            results = self.batch(self.args.rounds, actives, evaluation=True, families=families,
+                                 title="cross evaluation (each lineage on the other family)")
+            seconds = round(time.monotonic() - t, 2)
+        self.demo.timings["rounds"].append({"policy": "every lineage", "kind": "evaluation", "seconds": seconds})
+        for o in self.objectives:
+            entry = self.entry(o, actives[o.lineage], results[o.lineage], seconds, None)
+            entry["family"] = families[o.lineage]
+            self.cross[o.lineage] = entry
+            print(f"  {o.lineage} {entry['policy']} on {families[o.lineage]} (held-out): success "
+                  f"{entry['success_rate']:.3f} [{entry['success_ci95'][0]:.3f}, {entry['success_ci95'][1]:.3f}]",
+                  flush=True)
+
+    def task(self, o: Any, r: int, i: int, lora: str | None, evaluation: bool,
+             family: str | None = None) -> dict[str, Any]:
+        a, demo = self.args, self.demo
+        fam = FAMILIES[family] if family else o.family
+        problem = self.held_out[fam.name][i] if evaluation else self.train[o.lineage][r * a.tasks + i]
+        session = f"demo-{o.lineage}-{'e' if evaluation else 't'}{r}-{i}-{secrets.token_hex(3)}"
+        body: dict[str, Any] = {"reward_mode": "terminal", "lineage": o.lineage}
+        if evaluation:
+            body["evaluation"] = True  # held out: counted per version, never claimed by a Training Run
+        started = demo.signed("POST", "/v1/rl/tasks/start", json_body=body, headers={"X-Agent-Session-Id": session},
+                              agent=True)
+        if started.status_code != 201:
+            raise LineageDemoFailed(f"Task start ({o.lineage}) answered {started.status_code}: {started.text[:300]}")
+        task = started.json()
+        task_id, pinned = task["rl_task_id"], task.get("policy_lora_name") or BASE_POLICY
+        if pinned != (lora or BASE_POLICY):  # its own line's active version, never another lineage's
+            raise LineageDemoFailed(f"Task {task_id} of lineage {o.lineage} is pinned to {pinned}, expected "
+                                    f"{lora or BASE_POLICY}")
+
+        def complete(messages: list[dict[str, str]]) -> str:
+            # No per-request `seed` (vLLM 0.32's CPU sampler fails on seeded chunked prefills; run.py says more).
+            out = demo._agent.chat.completions.create(
+                model=a.model_id, messages=messages, max_tokens=a.max_tokens, temperature=1.0,
+                extra_headers={"X-Agent-Session-Id": session})
+            return out.choices[0].message.content or ""
+
+        answers, feedback = fam.play(problem, complete)
+        stopped = demo.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
+        if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
+            raise LineageDemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
+        scored = fam.score(problem, answers)
+        rewarded = demo._publish_reward(task_id, scored.reward)
+        return {"lineage": o.lineage, "family": fam.name, "round": r, "task": i, "evaluation": evaluation,
+                "rl_task_id": task_id, "policy": pinned, "question": problem.question, "answer": problem.answer,
+                "answers": answers, "feedback": feedback, "reward": scored.reward, "success": scored.success,
+                "reason": scored.reason, "samples": rewarded.get("sample_count", 0)}
+
+    def entry(self, o: Any, lora: str | None, results: list[dict[str, Any]], seconds: float,
+              trained: dict[str, Any] | None) -> dict[str, Any]:
+        entry = super().entry(o, lora, results, seconds, trained)
+        entry["reasons"] = {k: sum(1 for x in results if x["reason"] == k)
+                            for k in sorted({x["reason"] for x in results})}
+        entry["answers"] = [{"question": x["question"], "answer": x["answer"], "completions": x["answers"],
+                             "success": x["success"], "reward": x["reward"]} for x in results]
+        return entry
+
+    # ------------------------------------------------------------------------------------------ report
+
+    def cross_table(self) -> dict[str, Any]:
+        """Rows base and each lineage's last version; per family its held-out success, interval and gain over base
+        (Welch). Base on a family is the round-0 evaluation of the lineage that owns the family."""
+        own = {o.family.name: self.tables[o.lineage] for o in self.objectives}
+        base = {name: versions[0] for name, versions in own.items() if versions}
+        rows: list[dict[str, Any]] = [{"row": BASE_POLICY, "families": {
+            name: _cell(entry, None) for name, entry in base.items()}}]
+        for o in self.objectives:
+            versions = self.tables[o.lineage]
+            if len(versions) < 2 or o.lineage not in self.cross:
+                continue
+            last, other = versions[-1], self.cross[o.lineage]
+            cells = {o.family.name: _cell(last, base.get(o.family.name)),
+                     other["family"]: _cell(other, base.get(other["family"]))}
+            rows.append({"row": f"{o.lineage} {last['policy']}", "lineage": o.lineage,
+                         "lora_name": last["lora_name"], "families": cells})
+        return {"families": list(own), "rows": rows}
+
+    def report(self) -> dict[str, Any]:
+        out = super().report()
+        for o in self.objectives:
+            out[o.lineage]["family"] = o.family.name
+        return out
+
+    def cross_report(self) -> dict[str, Any] | None:
+        return self.cross_table() if self.cross else None
+
+    def text(self) -> str:
+        parts = [super().text()]
+        cross = self.cross_report()
+        if cross:
+            parts += ["", cross_text(cross)]
+        return "\n".join(parts)
+
+
+def _cell(entry: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
+    cell: dict[str, Any] = {"policy": entry["policy"], "success_rate": entry["success_rate"],
+                            "success_ci95": entry["success_ci95"], "tasks": entry["tasks"]}
+    if base is not None:
+        gain, (lo, hi) = rep.diff_ci95(base["task_success"], entry["task_success"])
+        cell["gain_over_base"] = round(gain, 4)
+        cell["gain_ci95"] = [round(lo, 4), round(hi, 4)]
+    return cell
+
+
+def cross_text(cross: dict[str, Any]) -> str:
+    """The cross table: one row per policy, per family its success [interval] and the gain over base [interval]."""
+    families = cross["families"]
+    width = max(len(r["row"]) for r in cross["rows"])
+    head = f"{'held-out success':<{width}}" + "".join(f"  {name:<40}" for name in families)
+    lines = ["cross table: each lineage's last version on both families (gain over base, 95% CI)", head,
+             "-" * len(head.rstrip())]
+    for row in cross["rows"]:
+        cells = []
+        for name in families:
+            c = row["families"].get(name)
+            if c is None:
+                cells.append(f"  {'-':<40}")
+                continue
+            lo, hi = c["success_ci95"]
+            text = f"{c['success_rate']:.3f} [{lo:.3f}, {hi:.3f}]"
+            if "gain_over_base" in c:
+                glo, ghi = c["gain_ci95"]
+                text += f" {c['gain_over_base']:+.3f} [{glo:+.3f}, {ghi:+.3f}]"
+            cells.append(f"  {text:<40}")
+        lines.append(f"{row['row']:<{width}}" + "".join(cells).rstrip())
+    return "\n".join(lines)
