@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from openjiuwen.agent_evolving.agent_rl.demo import calculator_family as calc
-from openjiuwen.agent_evolving.agent_rl.demo import largest_family as big
+from openjiuwen.agent_evolving.agent_rl.demo import sentiment_family as sent
 from tests.support.fake_vllm import CHAT_PATH, FakeVLLM, Reply
 
 pytestmark = pytest.mark.system
@@ -402,14 +402,15 @@ def test_two_lineages_learn_side_by_side_each_on_its_own_line(tmp_path, vllm):
 
 def test_two_task_families_as_two_lineages_end_with_the_cross_table(tmp_path, vllm):
     """`make demo-real DEMO_ARGS="--lineages 2"`, shortened, on the fake vLLM: lineage `calculator` runs the calculator
-    family, lineage `largest` the largest-number family, each trained automatically on its own samples (a calculator
-    Task leaves two, a largest Task one); then each lineage's last version answers the OTHER family's held-out
+    family, lineage `sentiment` the review-sentiment family, each trained automatically on its own samples (a
+    calculator Task leaves two, a sentiment Task one); then each lineage's last version answers the OTHER family's held-out
     problems, pinned to its own adapter, and the report ends with the cross table."""
     run_dir, out_dir = tmp_path / "run", tmp_path / "out"
     eval_tasks = 3
     argv = demo_argv(vllm, run_dir, out_dir, "--family", "calculator", "--model-id", "tiny", "--lineages", "2",
                      "--eval-tasks", str(eval_tasks))
-    vllm.reply = Reply(content="MAX: 42")  # no calculator call, and 42 is never a list's largest (it has 3 digits)
+    # No calculator call (every calculator Task fails); "positive" is right for every other review (they alternate).
+    vllm.reply = Reply(content="SENTIMENT: positive")
     done = subprocess.run(argv, cwd=REPO_ROOT, env=demo_env(), capture_output=True, text=True,
                           timeout=DEMO_TIMEOUT_S)
 
@@ -418,24 +419,26 @@ def test_two_task_families_as_two_lineages_end_with_the_cross_table(tmp_path, vl
     report = json.loads((out_dir / "demo-report.json").read_text())
     lineages = report["lineages"]
     assert {name: section["family"] for name, section in lineages.items()} == {
-        "calculator": "calculator", "largest": "largest"}
+        "calculator": "calculator", "sentiment": "sentiment"}
     runs = {r["lineage"]: r for r in report["timings"]["training_runs"]}
     assert {k: (r["lora_name"], r["sample_count"], r["trigger"]["kind"]) for k, r in runs.items()} == {
-        "calculator": ("tiny:calculator:v1", TASKS * 2, "auto"), "largest": ("tiny:largest:v1", TASKS, "auto")}
+        "calculator": ("tiny:calculator:v1", TASKS * 2, "auto"), "sentiment": ("tiny:sentiment:v1", TASKS, "auto")}
     rl_config = yaml.safe_load((run_dir / "gateway" / "rl-service.yaml").read_text())
-    assert rl_config["training_policy"]["lineages"] == {"largest": {"min_pending_samples": TASKS}}
-    for section in lineages.values():
+    assert rl_config["training_policy"]["lineages"] == {"sentiment": {"min_pending_samples": TASKS}}
+    for name, section in lineages.items():
         assert [v["policy"] for v in section["versions"]] == ["base", "v1"]
-        assert all(v["success_rate"] == 0.0 and v["tasks"] == eval_tasks for v in section["versions"])
-    reasons = lineages["largest"]["versions"][0]["reasons"]  # 42 may be a smaller number of a list, never the largest
-    assert set(reasons) <= {"wrong answer", "a smaller number of the list"} and sum(reasons.values()) == eval_tasks
+        assert all(v["tasks"] == eval_tasks for v in section["versions"])
+        assert [v["success_rate"] for v in section["versions"]] == ([0.0, 0.0] if name == "calculator" else
+                                                                   [round(2 / 3, 4)] * 2)
+    assert lineages["sentiment"]["versions"][0]["reasons"] == {"right answer": 2, "wrong answer": 1}
     assert lineages["calculator"]["versions"][0]["reasons"] == {"no ANSWER:": eval_tasks}
 
     cross = report["lineages_cross"]
-    assert cross["families"] == ["calculator", "largest"]
-    assert [r["row"] for r in cross["rows"]] == ["base", "calculator v1", "largest v1"]
+    assert cross["families"] == ["calculator", "sentiment"]
+    assert [r["row"] for r in cross["rows"]] == ["base", "calculator v1", "sentiment v1"]
+    assert cross["rows"][1]["families"]["sentiment"]["success_rate"] == round(2 / 3, 4)
     for row in cross["rows"][1:]:
-        assert sorted(row["families"]) == ["calculator", "largest"]
+        assert sorted(row["families"]) == ["calculator", "sentiment"]
         for cell in row["families"].values():
             assert cell["tasks"] == eval_tasks and cell["gain_over_base"] == 0.0
             lo, hi = cell["gain_ci95"]
@@ -447,12 +450,12 @@ def test_two_task_families_as_two_lineages_end_with_the_cross_table(tmp_path, vl
     system = {c["model"]: set() for c in chats}
     for c in chats:
         system[c["model"]].add(c["messages"][0]["content"][:20])
-    calc_prompt, big_prompt = calc.SYSTEM_PROMPT[:20], big.SYSTEM_PROMPT[:20]
-    assert system["tiny:calculator:v1"] == {calc_prompt, big_prompt}
-    assert system["tiny:largest:v1"] == {calc_prompt, big_prompt}
-    cross_chats = chats[-(eval_tasks * 2 + eval_tasks):]  # last batch: 3 calculator Tasks x 2 + 3 largest x 1
+    calc_prompt, sent_prompt = calc.SYSTEM_PROMPT[:20], sent.SYSTEM_PROMPT[:20]
+    assert system["tiny:calculator:v1"] == {calc_prompt, sent_prompt}
+    assert system["tiny:sentiment:v1"] == {calc_prompt, sent_prompt}
+    cross_chats = chats[-(eval_tasks * 2 + eval_tasks):]  # last batch: 3 sentiment Tasks x 1 + 3 calculator x 2
     assert sorted((c["model"], c["messages"][0]["content"][:20]) for c in cross_chats) == sorted(
-        [("tiny:calculator:v1", big_prompt)] * eval_tasks + [("tiny:largest:v1", calc_prompt)] * eval_tasks * 2)
+        [("tiny:calculator:v1", sent_prompt)] * eval_tasks + [("tiny:sentiment:v1", calc_prompt)] * eval_tasks * 2)
     agents = [json.loads(line) for line in (run_dir / "agents.jsonl").read_text().splitlines()]
     assert all(a["policy"] in ("base", f"tiny:{a['lineage']}:v1") for a in agents)
     assert_all_gone(run_dir, report)

@@ -3,8 +3,8 @@ different task families at once on one base model, one gateway and one vLLM, and
 lineage's training did to both families (issue 27 item 8).
 
 - Lineage `calculator` runs the calculator family (`calculator_family.py`: a tool call, then the answer; reward 1
-  for the right answer, 0.3 for a right tool call) and lineage `largest` the "pick the largest number" family
-  (`largest_family.py`: one completion; reward 1 for the right number, else 0). Both rewards measure success.
+  for the right answer, 0.3 for a right tool call) and lineage `sentiment` the review-sentiment family
+  (`sentiment_family.py`: one completion; reward 1 for the review's label, else 0). Both rewards measure success.
 - The rounds are those of `lineages.TwoLineages`: every lineage's held-out evaluation Tasks (the same problems for
   every version, never trained on), every lineage's training Tasks on fresh train problems, all interleaved on one
   pool of agents; each lineage's Training Run is started by the RL Service's automatic training (never by the
@@ -28,7 +28,7 @@ from typing import Any
 
 from ..common.policy_names import BASE_POLICY
 from . import calculator_family as calc
-from . import largest_family as big
+from . import sentiment_family as sent
 from . import report as rep
 from .lineages import LineageDemoFailed, TwoLineages
 
@@ -44,13 +44,13 @@ class Family:
     reward: str  # the reward in words
 
     def problems(self, split: str, count: int, seed: int) -> list[Any]:
-        module = calc if self.name == "calculator" else big
+        module = calc if self.name == "calculator" else sent
         return module.problems(split, count, seed)
 
     def play(self, problem: Any, complete: Complete) -> tuple[list[str], str]:
         """The agent's side of one Task: (the completions' text, the tool's answer shown to the model or "")."""
-        if self.name == "largest":
-            return [complete(big.messages(problem))], ""
+        if self.name == "sentiment":
+            return [complete(sent.messages(problem))], ""
         first = calc.first_messages(problem)
         call = complete(first)
         _, feedback = calc.tool_call(call)  # the agent runs the tool
@@ -58,13 +58,14 @@ class Family:
         return [call, answer], feedback
 
     def score(self, problem: Any, answers: list[str]) -> Any:
-        return (calc if self.name == "calculator" else big).score(problem, answers)
+        return (calc if self.name == "calculator" else sent).score(problem, answers)
 
 
 FAMILIES = {
     "calculator": Family("calculator", "word problems with a calculator tool",
                          f"1 for the right final answer, {calc.TOOL_CREDIT} for a right calculator call, else 0"),
-    "largest": Family("largest", "pick the largest number of a list", "1 for the list's largest number, else 0"),
+    "sentiment": Family("sentiment", "say whether a short review is positive or negative",
+                        "1 for the review's label, else 0"),
 }
 
 
@@ -82,7 +83,8 @@ class FamilyObjective:
         return 2 if self.family.name == "calculator" else 1
 
 
-OBJECTIVES = (FamilyObjective("calculator", FAMILIES["calculator"]), FamilyObjective("largest", FAMILIES["largest"]))
+OBJECTIVES = (FamilyObjective("calculator", FAMILIES["calculator"]),
+              FamilyObjective("sentiment", FAMILIES["sentiment"]))
 
 
 def training_samples(tasks: int) -> dict[str, int]:
