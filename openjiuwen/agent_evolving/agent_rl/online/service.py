@@ -41,7 +41,7 @@ from .capture.pipeline import CapturePipeline
 from .capture.rewards import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig, load_config
-from .faults import FaultHook, fault_hook, no_faults
+from .faults import CRASH_AT_ENV, FaultHook, fault_hook, no_faults
 from ..common.gc_tuning import tune_gc
 from ..common.http_guard import ConnectionLimits, server_config
 from .logs import configure_logging
@@ -85,7 +85,6 @@ api_log = logging.getLogger("openjiuwen.agent_rl.online.api")  # unhandled route
 
 SCRIPTED_PLAN_ENV = "ONLINE_RL_SCRIPTED_PLAN"  # tests only: the plan file of the scripted backend
 VISIBLE_DEVICES_ENV = "ONLINE_RL_VISIBLE_DEVICES_ENV"  # verl: the variable training_gpu_ids is exported as
-CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"  # chaos tests only: `[stop:]<point>[@<n>]` of faults.POINTS; unset = no fault
 # At shutdown the leader finishes the active Tasks only once the other workers left (their servers drained their
 # hooks first), waiting at most this long.
 SHUTDOWN_WAIT_FOR_WORKERS_S = 35.0
