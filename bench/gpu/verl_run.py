@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
 
 from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model  # noqa: E402
 from tests.support import learning as L  # noqa: E402
+from tests.support.runs import wait_for_run  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ async def run(size_name: str, workdir: Path, *, model_name: str = "generated", r
         answer = await client.post("/v1/rl/training/runs")
         if answer.status_code != 201:
             raise RuntimeError(f"run start answered {answer.status_code}: {answer.text}")
-        record = await deps.runner.wait(answer.json()["training_run_id"])
+        record = await wait_for_run(deps.runner, answer.json()["training_run_id"])
         wall = time.perf_counter() - run_started
         activated = gateway.active == (record.lora_name, record.lora_path)
     if record.status != "succeeded":

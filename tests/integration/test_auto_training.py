@@ -24,6 +24,7 @@ from openjiuwen.agent_evolving.agent_rl.online.workers.coordinator import Placem
 from tests.integration.test_training_runs import REQUEST, RESPONSE
 from tests.support.fake_gateway import FakeGateway
 from tests.support.service_app import MODEL_ID, make_config, running_app
+from tests.support.runs import wait_for_run
 
 _counter = iter(range(1_000_000))
 
@@ -80,7 +81,7 @@ async def test_no_run_below_min_pending_then_one_at_it_with_its_trigger(service,
         assert not await redis.exists(keys.ACTIVE_RUN) and backend.calls == []
         await publish(deps, 1)
         [run] = await tick(deps)
-        done = await deps.runner.wait(run.training_run_id)
+        done = await wait_for_run(deps.runner, run.training_run_id)
         assert (done.status, done.sample_count, done.lora_name) == ("succeeded", 3, f"{MODEL_ID}:v1")
         public = (await client.get(f"/v1/rl/training/runs/{run.training_run_id}")).json()
         assert public["trigger"] == {"kind": "auto", "reason": "min_pending_samples", "lineage": "default",
@@ -106,7 +107,7 @@ async def test_max_wait_trains_a_smaller_batch_above_the_floor_and_not_below(ser
         [run] = await tick(deps)
         assert (run.sample_count, run.trigger["reason"], run.trigger["eligible_samples"]) == (
             2, "max_wait_seconds", 2)
-        await deps.runner.wait(run.training_run_id)
+        await wait_for_run(deps.runner, run.training_run_id)
         await publish(deps, 2)  # fresh ones: at the floor but not waited long enough
         assert await tick(deps) == []
         view = (await client.get("/v1/rl/lineages/default")).json()["scheduler"]
@@ -119,7 +120,7 @@ async def test_min_interval_counts_from_the_previous_run_end(service, redis):
         deps = app.state.deps
         await publish(deps, 3)
         [first] = await tick(deps)  # never trained before: no interval to wait
-        await deps.runner.wait(first.training_run_id)
+        await wait_for_run(deps.runner, first.training_run_id)
         await publish(deps, 3)
         assert await tick(deps) == []
         view = (await client.get("/v1/rl/lineages/default")).json()["scheduler"]
@@ -160,7 +161,7 @@ async def test_pause_stops_auto_runs_survives_a_restart_and_resume_restarts_them
         resumed = (await client.post("/v1/rl/lineages/default/resume")).json()
         assert resumed["paused"] is False and resumed["scheduler"]["eligible"] is True
         [run] = await tick(deps)
-        await deps.runner.wait(run.training_run_id)
+        await wait_for_run(deps.runner, run.training_run_id)
 
 
 async def test_lineage_routes_refuse_unknown_lineages_and_bodies(service):
@@ -182,7 +183,7 @@ async def test_manual_runs_still_work_while_auto_is_on(service, redis):
         assert await tick(deps) == []
         r = await client.post("/v1/rl/training/runs")
         assert r.status_code == 201 and r.json()["trigger"] == {"kind": "manual"}
-        await deps.runner.wait(r.json()["training_run_id"])
+        await wait_for_run(deps.runner, r.json()["training_run_id"])
         metrics = (await client.get("/metrics")).text
         assert f'rl_training_runs_started_total{{model_id="{MODEL_ID}",trigger="manual"}} 1.0' in metrics
 
@@ -193,7 +194,7 @@ async def test_a_deciding_canary_holds_the_next_auto_run(service, gateway):
         deps = app.state.deps
         await publish(deps, 3)
         [run] = await tick(deps)
-        done = await deps.runner.wait(run.training_run_id)
+        done = await wait_for_run(deps.runner, run.training_run_id)
         assert done.status == "succeeded" and gateway.candidate is not None  # the canary of the auto run
         await publish(deps, 3)
         assert await tick(deps) == []

@@ -18,6 +18,7 @@ from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import check_invariants
 from tests.support.samples import sample_status
 from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_headers
+from tests.support.runs import wait_for_run
 
 REQUEST, RESPONSE = load_fixture("chat_request.json"), load_fixture("chat_response.json")
 
@@ -94,7 +95,7 @@ async def test_evaluation_samples_are_never_claimed_even_when_oldest(service, re
     await rewarded(client, 4, 0.5, evaluation=False)
     r = await client.post("/v1/rl/training/runs")
     assert r.status_code == 201, r.text
-    run = await app.state.deps.runner.wait(r.json()["training_run_id"])
+    run = await wait_for_run(app.state.deps.runner, r.json()["training_run_id"])
     assert run.status == "succeeded", run.failure_reason
     # max_samples_per_run 8 would have room for all five: only the two training samples were claimed.
     assert sorted(run.sample_ids) == ["c3-0", "c4-0"]

@@ -22,6 +22,7 @@ from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import check_invariants
 from tests.support.service_app import MODEL_ID, make_config, running_app
+from tests.support.runs import wait_for_run
 
 REQUEST = normalize_request(load_fixture("chat_request.json"))
 RESPONSE = load_fixture("chat_response.json")
@@ -82,7 +83,7 @@ async def test_exclusion_files_an_instances_samples_now_and_later_and_only_its_o
     assert again.json()["excluded"] == 0
     # The next Training Run trains on the other samples only.
     run = (await client.post("/v1/rl/training/runs")).json()
-    await app.state.deps.runner.wait(run["training_run_id"])
+    await wait_for_run(app.state.deps.runner, run["training_run_id"])
     assert backend.calls[-1]["sample_ids"] == [ids[1], ids[3]]
     await assert_invariants(redis)
 

@@ -25,6 +25,7 @@ from tests.support.fake_judge import FakeJudge
 from tests.support.invariants import check_invariants
 from tests.support.redis_server import RedisServer
 from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_task, with_user
+from tests.support.runs import wait_for_run
 
 REQUEST, RESPONSE = load_fixture("chat_request.json"), load_fixture("chat_response.json")
 
@@ -139,7 +140,7 @@ async def test_training_run_outlives_a_redis_pause(tmp_path):
             assert (health.status_code, health.json()["error"]["code"]) == (503, "service_not_ready")
         finally:
             server.resume()
-        done = await asyncio.wait_for(app.state.deps.runner.wait(run.json()["training_run_id"]), 30)
+        done = await asyncio.wait_for(wait_for_run(app.state.deps.runner, run.json()["training_run_id"]), 30)
         assert (done.status, done.lora_name) == ("succeeded", "tiny:v1")
         assert gateway.active is not None and gateway.active[0] == "tiny:v1"
         assert (await client.get("/health")).status_code == 200
@@ -201,12 +202,12 @@ async def test_training_run_whose_claim_answer_was_lost_still_executes(tmp_path,
             run_id = (await redis.get(keys.ACTIVE_RUN)).decode()
             again = await client.post("/v1/rl/training/runs")
             assert (again.status_code, again.json()["training_run_id"]) == (200, run_id)
-            done = await asyncio.wait_for(app.state.deps.runner.wait(run_id), 30)
+            done = await asyncio.wait_for(wait_for_run(app.state.deps.runner, run_id), 30)
             for _ in range(200):  # wait() can meet the run between its claim and its launch
                 if done.terminal:
                     break
                 await asyncio.sleep(0.05)
-                done = await app.state.deps.runner.wait(run_id)
+                done = await wait_for_run(app.state.deps.runner, run_id)
             assert (done.status, done.lora_name, len(backend.calls)) == ("succeeded", "tiny:v1", 1)
             assert gateway.active is not None and gateway.active[0] == "tiny:v1"
             assert (await client.get("/health")).status_code == 200

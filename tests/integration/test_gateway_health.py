@@ -13,7 +13,7 @@ from openjiuwen.agent_evolving.agent_rl.gateway import health
 from openjiuwen.agent_evolving.agent_rl.gateway.health import HEALTH_PATH, HealthMonitor
 from openjiuwen.agent_evolving.agent_rl.gateway.instance_addresses import AddressPolicy
 from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
-from openjiuwen.agent_evolving.agent_rl.gateway.domain_errors import http_status
+from tests.support.gateway_errors import http_status
 from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
 from tests.support.fake_vllm import FakeVLLM
 

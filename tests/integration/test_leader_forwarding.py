@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from openjiuwen.agent_evolving.agent_rl.online.workers import forward
-from openjiuwen.agent_evolving.agent_rl.online.workers.forward import LeaderForwarding, leader_only
+from openjiuwen.agent_evolving.agent_rl.common.wire.routes import leader_only
+from openjiuwen.agent_evolving.agent_rl.online.workers.forward import LeaderForwarding
 from openjiuwen.agent_evolving.agent_rl.online.workers.lease import Holder
 from tests.support.asgi_server import ThreadedServer
 from tests.support.redis_server import free_port

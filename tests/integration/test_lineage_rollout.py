@@ -15,6 +15,7 @@ from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import check_invariants
 from tests.conftest import load_fixture
 from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_headers
+from tests.support.runs import wait_for_run
 
 A, B = f"{MODEL_ID}:a", f"{MODEL_ID}:b"
 ROLLOUT = {"mode": "canary", "share": 0.5, "min_tasks": 3, "tolerance": 0.05,
@@ -53,7 +54,7 @@ async def canary_of(deps, client, lineage: str) -> dict:
     await publish(deps.store, lineage, 2, start={"a": 0, "b": 10}[lineage], score=1.0)
     r = await client.post("/v1/rl/training/runs", json={"lineage": lineage})
     assert r.status_code == 201, r.text  # was 409 lineage_rollout_unsupported
-    run = await deps.runner.wait(r.json()["training_run_id"])
+    run = await wait_for_run(deps.runner, r.json()["training_run_id"])
     assert (run.status, run.lora_name) == ("succeeded", f"{MODEL_ID}:{lineage}:v1")
     status = (await client.get("/v1/rl/rollout", params={"lineage": lineage})).json()
     assert status["lineage"] == lineage

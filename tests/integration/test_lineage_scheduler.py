@@ -23,6 +23,7 @@ from tests.integration.test_training_runs import REQUEST, RESPONSE
 from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import check_invariants
 from tests.support.service_app import MODEL_ID, make_config, running_app
+from tests.support.runs import wait_for_run
 
 _counter = iter(range(1_000_000))
 LINEAGES = [f"l{i:02d}" for i in range(50)]
@@ -85,7 +86,7 @@ async def register(redis) -> None:
 
 async def run_tick(deps):
     [run] = await deps.scheduler.tick()
-    return await deps.runner.wait(run.training_run_id)
+    return await wait_for_run(deps.runner, run.training_run_id)
 
 
 async def test_of_fifty_lineages_the_three_with_samples_train_longest_waiting_first(app, redis):

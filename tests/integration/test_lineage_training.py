@@ -19,6 +19,7 @@ from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import check_invariants
 from tests.support.service_app import MODEL_ID, make_config, running_app
+from tests.support.runs import wait_for_run
 
 REQUEST = normalize_request(load_fixture("chat_request.json"))
 RESPONSE = load_fixture("chat_response.json")
@@ -68,7 +69,7 @@ async def test_two_lineages_train_their_own_samples(service, redis, tmp_path):
         r = await client.post("/v1/rl/training/runs", json={"lineage": lineage})
         assert r.status_code == 201, r.text
         assert r.json()["lineage"] == lineage
-        done[lineage] = await deps.runner.wait(r.json()["training_run_id"])
+        done[lineage] = await wait_for_run(deps.runner, r.json()["training_run_id"])
     assert backend.calls[0]["sample_ids"] == a_ids[:2]  # the line's oldest, and no sample of the other line
     assert backend.calls[1]["sample_ids"] == b_ids[:2]
     for lineage in ("a", "b"):
@@ -85,7 +86,7 @@ async def test_two_lineages_train_their_own_samples(service, redis, tmp_path):
     # The next run of `a` continues from `a`'s v1 and numbers per line.
     await publish(deps.store, "a", 1, start=20, score=1.0, policy=f"{MODEL_ID}:a:v1")
     r = await client.post("/v1/rl/training/runs", json={"lineage": "a"})
-    second = await deps.runner.wait(r.json()["training_run_id"])
+    second = await wait_for_run(deps.runner, r.json()["training_run_id"])
     assert (second.lora_name, second.parent_lora_name) == (f"{MODEL_ID}:a:v2", f"{MODEL_ID}:a:v1")
     assert backend.calls[2]["sample_ids"] == [a_ids[2], "c0020"]
     report = await check_invariants(redis, model_id=MODEL_ID, raise_on_violation=False)
@@ -109,7 +110,7 @@ async def test_run_records_of_the_default_line_carry_no_lineage(service, redis):
     await publish(deps.store, "default", 2, start=0, score=1.0)
     r = await client.post("/v1/rl/training/runs", json={"lineage": "default"})
     assert r.status_code == 201 and "lineage" not in r.json()
-    run = await deps.runner.wait(r.json()["training_run_id"])
+    run = await wait_for_run(deps.runner, r.json()["training_run_id"])
     assert run.lora_name == f"{MODEL_ID}:v1"
     assert b"lineage" not in await redis.get(keys.training_run(run.training_run_id))
     assert gateway.policy_lines == [MODEL_ID]

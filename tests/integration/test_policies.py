@@ -20,6 +20,7 @@ from tests.conftest import load_fixture
 from tests.integration.test_training_runs import publish
 from tests.support.fake_gateway import FakeGateway
 from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_task
+from tests.support.runs import wait_for_run
 
 REQUEST, RESPONSE = load_fixture("chat_request.json"), load_fixture("chat_response.json")
 TOKENS = len(RESPONSE["choices"][0]["token_ids"])
@@ -59,7 +60,7 @@ async def test_versions_rewards_and_comparison(service, redis):
     await start_task(client, "s-idle", "t-idle")  # a Task without samples still counts
     # A training run on two of them publishes v1 with base as its parent.
     run = (await client.post("/v1/rl/training/runs")).json()
-    assert (await app.state.deps.runner.wait(run["training_run_id"])).lora_name == V1
+    assert (await wait_for_run(app.state.deps.runner, run["training_run_id"])).lora_name == V1
     v1_rewards = [0.9, 0.7]
     for i, r in enumerate(v1_rewards, start=10):
         await rewarded_task(client, i, V1, r)

@@ -25,6 +25,7 @@ from openjiuwen.agent_evolving.agent_rl.online.training.backends.local import Lo
 from openjiuwen.agent_evolving.agent_rl.online.training.ppo_settings import PPOSettings
 from tests.support.fake_gateway import FakeGateway
 from tests.support.service_app import MODEL_ID, make_config, running_app
+from tests.support.runs import wait_for_run
 
 OTHER_UID = 65534  # "nobody": any uid but ours
 SAMPLES = 4
@@ -105,7 +106,7 @@ async def run_once(redis_url: str, tmp: Path, model_dir: Path, docs: list[dict[s
                 await deps.store.insert_if_absent([PackedSample.from_document(d) for d in docs])
                 r = await client.post("/v1/rl/training/runs")
                 assert r.status_code == 201, r.text
-                return await deps.runner.wait(r.json()["training_run_id"]), backend
+                return await wait_for_run(deps.runner, r.json()["training_run_id"]), backend
         finally:
             logger = logging.getLogger(ROOT_LOGGER)
             for handler in list(logger.handlers):

@@ -11,7 +11,8 @@ import asyncio
 import httpx
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.rl_client import RLClient, idempotent
+from openjiuwen.agent_evolving.agent_rl.common.wire.routes import idempotent
+from openjiuwen.agent_evolving.agent_rl.gateway.rl_client import RLClient
 
 
 class Flaky:

@@ -16,6 +16,7 @@ from tests.support.fake_gateway import FakeGateway
 from tests.support.fake_judge import FakeJudge, Status, Verdict
 from tests.support.redis_server import RedisServer
 from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_task, with_user
+from tests.support.runs import wait_for_run
 
 REQUEST, RESPONSE = load_fixture("chat_request.json"), load_fixture("chat_response.json")
 
@@ -130,7 +131,7 @@ async def test_training_and_activation_metrics(service, plan):
               "correction": "ppo_clip"}
     plan["sampling"] = report
     run = (await client.post("/v1/rl/training/runs")).json()
-    done = await app.state.deps.runner.wait(run["training_run_id"])
+    done = await wait_for_run(app.state.deps.runner, run["training_run_id"])
     assert done.metrics["sampling"] == report
     assert (await client.get(f"/v1/rl/training/runs/{run['training_run_id']}")).json()["metrics"]["sampling"] == report
     m = await scrape(client)

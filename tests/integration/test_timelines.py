@@ -16,6 +16,7 @@ from tests.conftest import load_fixture
 from tests.integration.test_training_runs import publish
 from tests.support.fake_gateway import FakeGateway
 from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_task
+from tests.support.runs import wait_for_run
 
 REQUEST, RESPONSE = load_fixture("chat_request.json"), load_fixture("chat_response.json")
 
@@ -157,9 +158,9 @@ async def test_run_timeline_listing_and_ttl(training, redis):
     deps = app.state.deps
     await publish(deps, 4)
     first = (await client.post("/v1/rl/training/runs")).json()["training_run_id"]
-    await deps.runner.wait(first)
+    await wait_for_run(deps.runner, first)
     second = (await client.post("/v1/rl/training/runs")).json()["training_run_id"]
-    await deps.runner.wait(second)
+    await wait_for_run(deps.runner, second)
     items = (await client.get(f"/v1/rl/training/runs/{first}/events")).json()["items"]
     kinds = [i["type"] for i in items]
     assert kinds[:2] == ["created", "training_started"]

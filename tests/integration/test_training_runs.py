@@ -19,6 +19,7 @@ from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraReposi
 from tests.conftest import load_fixture
 from tests.support.fake_gateway import Fail, FakeGateway, Hang
 from tests.support.service_app import MODEL_ID, make_config, running_app
+from tests.support.runs import wait_for_run
 
 REQUEST = normalize_request(load_fixture("chat_request.json"))
 RESPONSE = load_fixture("chat_response.json")
@@ -103,7 +104,7 @@ async def test_success_claims_oldest_trains_publishes_and_activates(make_service
         assert not {"sample_ids", "parent_lora_name", "parent_lora_path"} & set(run)
         assert (run["status"], run["stage"], run["sample_count"]) == ("pending", "queued", 3)
         assert run["policy_versions"] == {"base": 3}
-        done = await deps.runner.wait(run["training_run_id"])
+        done = await wait_for_run(deps.runner, run["training_run_id"])
         assert (done.status, done.stage) == ("succeeded", "activating")
         assert done.lora_name == f"{MODEL_ID}:v1"
         lora_path = Path(done.lora_path)
@@ -129,7 +130,7 @@ async def test_success_claims_oldest_trains_publishes_and_activates(make_service
         # The next run starts from the new version.
         await publish(deps, 1, start=5, policy=f"{MODEL_ID}:v1")
         second = (await client.post("/v1/rl/training/runs")).json()
-        done2 = await deps.runner.wait(second["training_run_id"])
+        done2 = await wait_for_run(deps.runner, second["training_run_id"])
         assert done2.lora_name == f"{MODEL_ID}:v2" and done2.status == "succeeded"
         assert gateway.activations[-1]["expected_lora_name"] == f"{MODEL_ID}:v1"
         assert second["policy_versions"] == {"base": 2, f"{MODEL_ID}:v1": 1}
@@ -159,7 +160,7 @@ async def test_active_run_is_reused_and_stop_restores(make_service, redis):
         # Restored samples keep their place: the next claim takes the same oldest three.
         backend.plan = {"outcome": "succeed"}
         nxt = (await client.post("/v1/rl/training/runs")).json()
-        await app.state.deps.runner.wait(nxt["training_run_id"])
+        await wait_for_run(app.state.deps.runner, nxt["training_run_id"])
         assert backend.calls[-1]["sample_ids"] == ids[:3]
 
 
@@ -169,7 +170,7 @@ async def test_trainer_failure_restores_samples(make_service, redis, gateway):
     async with app_cm as (app, client):
         ids = await publish(app.state.deps, 3)
         run = (await client.post("/v1/rl/training/runs")).json()
-        done = await app.state.deps.runner.wait(run["training_run_id"])
+        done = await wait_for_run(app.state.deps.runner, run["training_run_id"])
         assert (done.status, done.failure_reason, done.stage) == ("failed", "CUDA out of memory (scripted)", "training")
         assert await statuses(redis, ids) == ["pending"] * 3
         assert gateway.activations == []
@@ -182,7 +183,7 @@ async def test_dropped_samples_are_marked_failed(make_service, redis):
         ids = await publish(app.state.deps, 3)
         backend.plan = {"outcome": "succeed", "drop": [ids[1]]}
         run = (await client.post("/v1/rl/training/runs")).json()
-        await app.state.deps.runner.wait(run["training_run_id"])
+        await wait_for_run(app.state.deps.runner, run["training_run_id"])
         assert await statuses(redis, ids) == ["trained", "failed", "trained"]
 
 
@@ -194,7 +195,7 @@ async def test_cas_conflict_fails_without_retry_and_keeps_artifact(make_service,
         run = (await client.post("/v1/rl/training/runs")).json()
         # The gateway switched between the parent read and the activation.
         gateway.active = (f"{MODEL_ID}:v8", "/elsewhere/v8")
-        done = await app.state.deps.runner.wait(run["training_run_id"])
+        done = await wait_for_run(app.state.deps.runner, run["training_run_id"])
         assert done.status == "failed"
         assert done.failure_reason.startswith("activation status 409: ")
         assert len(gateway.activations) == 1
@@ -209,7 +210,7 @@ async def test_5xx_is_retried_then_succeeds(make_service, gateway):
         await publish(app.state.deps, 3)
         run = (await client.post("/v1/rl/training/runs")).json()
         started = time.monotonic()
-        done = await app.state.deps.runner.wait(run["training_run_id"])
+        done = await wait_for_run(app.state.deps.runner, run["training_run_id"])
         assert done.status == "succeeded"
         assert len(gateway.activations) == 3
         assert 2.5 <= time.monotonic() - started < 7  # backoff 1 s then 2 s
@@ -221,7 +222,7 @@ async def test_timeout_reconciled_by_policy_read(make_service, gateway):
     async with app_cm as (app, client):
         await publish(app.state.deps, 3)
         run = (await client.post("/v1/rl/training/runs")).json()
-        done = await app.state.deps.runner.wait(run["training_run_id"])
+        done = await wait_for_run(app.state.deps.runner, run["training_run_id"])
         assert done.status == "succeeded"
         assert gateway.active[0] == done.lora_name
 
@@ -232,7 +233,7 @@ async def test_timeout_without_switch_fails(make_service, gateway):
     async with app_cm as (app, client):
         await publish(app.state.deps, 3)
         run = (await client.post("/v1/rl/training/runs")).json()
-        done = await app.state.deps.runner.wait(run["training_run_id"])
+        done = await wait_for_run(app.state.deps.runner, run["training_run_id"])
         assert (done.status, done.failure_reason) == ("failed", "LoRA activation request timed out")
 
 
@@ -257,7 +258,7 @@ async def test_stop_as_training_completes_keeps_artifact_without_activation(make
         runner = app.state.deps.runner
         run_id = (await client.post("/v1/rl/training/runs")).json()["training_run_id"]
         runner._stop_requested.add(run_id)  # the stop arrives while train() returns its artifact
-        done = await runner.wait(run_id)
+        done = await wait_for_run(runner, run_id)
         assert (done.status, done.stage) == ("canceled", "activating")
         assert Path(done.lora_path, "metadata.json").is_file()
         assert gateway.activations == []
@@ -367,7 +368,7 @@ async def test_stale_samples_are_excluded_under_max_policy_lag(make_service, gat
         run = (await client.post("/v1/rl/training/runs")).json()
         assert run["policy_versions"] == {f"{MODEL_ID}:v2": 1, f"{MODEL_ID}:v3": 2}
         assert run["metrics"]["stale_excluded"] == 2
-        await app.state.deps.runner.wait(run["training_run_id"])
+        await wait_for_run(app.state.deps.runner, run["training_run_id"])
         assert backend.calls[0]["sample_ids"] == v2 + v3
         assert await statuses(redis, old) == ["pending", "pending"]
 
@@ -405,7 +406,7 @@ async def test_run_record_vanishing_while_training_keeps_the_service_healthy(mak
         backend.plan = {"outcome": "succeed"}
         nxt = await client.post("/v1/rl/training/runs")
         assert nxt.status_code == 201, nxt.text
-        done = await app.state.deps.runner.wait(nxt.json()["training_run_id"])
+        done = await wait_for_run(app.state.deps.runner, nxt.json()["training_run_id"])
         assert done.status == "succeeded" and backend.calls[-1]["sample_ids"] == ids
         assert (await client.get("/health")).status_code == 200
 

@@ -21,6 +21,7 @@ from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from tests.support import learning as L
 from tests.support.fake_gateway import FakeGateway
 from tests.support.service_app import make_config, running_app
+from tests.support.runs import wait_for_run
 
 SAMPLES, LENGTH = 32, 12
 PPO_YAML = """
@@ -71,7 +72,7 @@ async def train_once(redis_url, tmp_path, model_dir, prompt, responses, logprobs
             await deps.store.insert_if_absent([PackedSample.from_document(d) for d in docs])
             r = await client.post("/v1/rl/training/runs")
             assert r.status_code == 201, r.text
-            run = await deps.runner.wait(r.json()["training_run_id"])
+            run = await wait_for_run(deps.runner, r.json()["training_run_id"])
             assert run.status == "succeeded", run.failure_reason
             assert gateway.active == (run.lora_name, run.lora_path)
             return run

@@ -30,6 +30,7 @@ import pytest
 from pydantic import BaseModel
 
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
+from tests.support.apps import endpoints, gateway_app, service_app
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "contract.md"
@@ -108,59 +109,18 @@ def describe(items: Iterable[Any]) -> str:
 
 def app_routes(routes: Iterable[Any]) -> Iterator[tuple[str, str]]:
     """(method, path) of every endpoint, through included routers; `{name:converter}` written as `{name}`."""
-    for route in routes:
-        inner = getattr(route, "original_router", None)  # an included APIRouter (FastAPI ≥ 0.16x)
-        if inner is not None:
-            prefix = getattr(getattr(route, "include_context", None), "prefix", "") or ""
-            for method, path in app_routes(inner.routes):
-                yield method, prefix + path
-            continue
-        if hasattr(route, "routes") and not hasattr(route, "methods"):  # a Mount
-            for method, path in app_routes(route.routes):
-                yield method, getattr(route, "path", "") + path
-            continue
-        path = re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path)
-        for method in sorted(route.methods or ()):
-            if method != "HEAD":  # implied by GET
-                yield method, path
+    for method, path, _ in endpoints(routes):
+        yield method, path
 
 
 @pytest.fixture(scope="module")
 def service_routes(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, str]]:
-    from redis.asyncio import Redis
-
-    from openjiuwen.agent_evolving.agent_rl.online.config import config_from_mapping
-    from openjiuwen.agent_evolving.agent_rl.online.service import create_app
-
-    tmp = tmp_path_factory.mktemp("contract-service")
-    url = "redis://127.0.0.1:1/0"  # never connected: building the app does no I/O
-    config = config_from_mapping({
-        "redis_url": url, "model_id": "tiny", "base_model_path": "/models/tiny",
-        "lora_repository_path": str(tmp / "loras"), "log_path": str(tmp / "rl.log"), "trainer_backend": "scripted",
-        "judge_endpoint": "http://127.0.0.1:1", "judge_model": "judge",
-        "reward_policy": {"sources": {"human": {"deadline_seconds": 60, "fallback": "skip"}}},
-    })
-    app = create_app(config, redis=Redis.from_url(url), token="t" * 16)
-    return set(app_routes(app.routes))
+    return set(app_routes(service_app(tmp_path_factory.mktemp("contract-service")).routes))
 
 
 @pytest.fixture(scope="module")
 def gateway_routes(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, str]]:
-    from openjiuwen.agent_evolving.agent_rl.gateway.app import build_gateway, create_gateway_app
-    from openjiuwen.agent_evolving.agent_rl.gateway.config import gateway_config_from_mapping
-    from openjiuwen.agent_evolving.agent_rl.gateway.console_auth import ConsoleAuth
-    from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import HmacVerifier
-
-    tmp = tmp_path_factory.mktemp("contract-gateway")
-    config = gateway_config_from_mapping({
-        "global": {"hmacKeyFile": str(tmp / "keys.json")},
-        "instances": [{"name": "vllm-0", "model": "tiny", "instanceIp": "127.0.0.1", "port": 1}],
-        "lora": {"root": str(tmp / "loras"), "statePath": str(tmp / "lora-state.json")},
-        "onlineRL": {"command": ["python"], "configPath": str(tmp / "rl.yaml"), "modelId": "tiny"},
-    })
-    key = b"k" * 32
-    gateway = build_gateway(config, verifier=HmacVerifier(key), console_auth=ConsoleAuth(key), env={})
-    return set(app_routes(create_gateway_app(gateway).routes))
+    return set(app_routes(gateway_app(tmp_path_factory.mktemp("contract-gateway")).routes))
 
 
 def compare_routes(served: set[tuple[str, str]], documented: set[tuple[str, str]], app: str, where: str) -> None:

@@ -29,6 +29,7 @@ from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import (
     sign_request,
 )
 from openjiuwen.agent_evolving.agent_rl.common.signing_keys import SigningKey
+from tests.support.replay_caches import replay_capacity_by_key, replay_entries_by_key
 
 API = b"a" * 32
 INS = b"i" * 32
@@ -338,7 +339,7 @@ def test_each_agent_key_has_its_own_replay_cache():
         ts, sig = headers(key=AGENTS["sales-bot"], body=body, key_id="sales-bot")
         results.append(bool(check(verifier, ts, body, sig, key_id="sales-bot")))
     assert results == [True] * 5 + [False] * 3
-    assert verifier.replay_entries_by_key == {"api": 0, "instance": 0, "agent:support-bot": 0, "agent:sales-bot": 5}
+    assert replay_entries_by_key(verifier) == {"api": 0, "instance": 0, "agent:support-bot": 0, "agent:sales-bot": 5}
     ts, sig = headers(key=AGENTS["support-bot"], key_id="support-bot")
     assert check(verifier, ts, BODY, sig, key_id="support-bot")  # another agent is not affected
     ts, sig = headers()
@@ -362,7 +363,7 @@ def test_instance_key_flood_cannot_refuse_operator_requests():
     """The attack of issue 19 item 3, at a small size: the instance key's cache fills, the api key's does not."""
     verifier = HmacVerifier(API, INS, replay_capacity=20)
     assert flood_instance_key(verifier, 30, NOW) == [True] * 20 + [False] * 10
-    assert verifier.replay_entries_by_key == {"api": 0, "instance": 20}
+    assert replay_entries_by_key(verifier) == {"api": 0, "instance": 20}
     for i in range(20):  # the operator's whole allowance is still there, on any signed route
         ts, sig = headers(body=b"", at=NOW + i, method="GET", target="/v1/rl/service")
         assert check(verifier, ts, b"", sig, method="GET", target="/v1/rl/service")
@@ -376,7 +377,7 @@ def test_instance_key_flood_cannot_refuse_operator_requests():
 def test_default_caches_are_per_key_at_the_real_size():
     verifier = HmacVerifier(API, INS)
     assert REPLAY_CAPACITY == 100_000
-    assert verifier.replay_capacity_by_key == {"api": REPLAY_CAPACITY, "instance": REPLAY_CAPACITY}
+    assert replay_capacity_by_key(verifier) == {"api": REPLAY_CAPACITY, "instance": REPLAY_CAPACITY}
     results = flood_instance_key(verifier, REPLAY_CAPACITY + 1, NOW)
     assert results[-1] is False and all(results[:-1])
     ts, sig = headers(body=b"", method="GET", target="/v1/rl/service")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import SAMPLE_TRANSITIONS, SampleStatus
+from openjiuwen.agent_evolving.agent_rl.common.wire.task_states import (
+    ENDED_TASK_STATUSES, FinishReason, RewardMode, TaskStatus,
+)
 from openjiuwen.agent_evolving.agent_rl.online.tasks.models import (
-    TASK_TRANSITIONS, TERMINAL_REWARD_TRANSITIONS, TURN_PUBLICATION_TRANSITIONS, FinishReason, RewardMode, Task,
-    TaskStatus, TerminalReward, TurnPublication,
+    TASK_TRANSITIONS, TERMINAL_REWARD_TRANSITIONS, TURN_PUBLICATION_TRANSITIONS, Task, TerminalReward, TurnPublication,
 )
 from openjiuwen.agent_evolving.agent_rl.online.training.models import (
     RUN_STAGE_TRANSITIONS, RUN_TRANSITIONS, TERMINAL_STATUSES, RunStage, RunStatus, TrainingRun, new_run_id,
@@ -68,6 +70,11 @@ def test_training_run_moves_outside_the_table_raise(status, stage, changes):
 def test_terminal_run_statuses_are_the_ends_of_the_table():
     assert TERMINAL_STATUSES == {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELED}
     assert not RUN_TRANSITIONS.terminal(RunStatus.PENDING) and RUN_STAGE_TRANSITIONS.terminal(RunStage.ACTIVATING)
+
+
+def test_the_task_ends_the_gateway_knows_are_the_ends_of_the_table():
+    # The gateway reads ENDED_TASK_STATUSES (common/wire) to tell a stopped Task; the RL Service's table decides.
+    assert ENDED_TASK_STATUSES == {s for s in TaskStatus if TASK_TRANSITIONS.terminal(s)}
 
 
 @pytest.mark.parametrize("old, new", [

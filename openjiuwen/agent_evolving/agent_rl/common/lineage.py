@@ -12,9 +12,6 @@ from __future__ import annotations
 import re
 
 DEFAULT_LINEAGE = "default"
-# Gateway → RL Service on Task start (docs/lineages.md wire 1, 2): the Task's lineage, always sent (`default`
-# included) by a gateway that pins Tasks per lineage; its absence means a gateway without lineages (an AIGW).
-LINEAGE_HEADER = "x-aigw-rl-lineage"
 LINEAGE_RE = re.compile(r"[a-z0-9-]{1,63}")
 _VERSION_LIKE = re.compile(r"v[0-9]+")
 _VERSION_SUFFIX = re.compile(r":v(?P<n>[1-9][0-9]*)")

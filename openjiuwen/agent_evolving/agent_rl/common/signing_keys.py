@@ -27,9 +27,6 @@ _HEX_KEY = re.compile(r"[0-9a-fA-F]{64}")
 # Agent key ids travel in a header (X-Key-Id), in the Task record and in log lines: short, printable, no separators
 # a header or a log could misread.
 AGENT_KEY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-# Gateway → RL Service (ext): on a Task start, the agent key that starts it; on a stop or reward, the agent key that
-# calls. Absent for operator calls (and from an AIGW, which has no agent keys).
-AGENT_KEY_HEADER = "x-aigw-rl-agent-key"
 
 
 class KeyFileError(ValueError):

@@ -30,11 +30,12 @@ from starlette.responses import Response
 
 from ..common import json_nesting
 from ..common.lineage import DEFAULT_LINEAGE, InvalidLineage, split_line
+from ..common.wire import routes as rl_routes
 from .console_auth import COOKIE_NAME, ConsoleAuth
 from .control import RLControl
 from .lora_manager import LoraManager
 from .responses import envelope, json_response
-from .supervisor import RLSupervisor
+from .supervisor import RLSupervisor, ServiceStatus
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.console")
 
@@ -44,17 +45,17 @@ MAX_LOGIN_BODY_BYTES = 1024
 
 _ID = r"[A-Za-z0-9_:-][A-Za-z0-9_.:-]{0,199}"  # one segment, never `.` or `..`
 # Console path → RL Service path. Trajectory details (prompts, responses) are deliberately not offered.
-_RL_READS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), t) for p, t in (
-    (r"tasks", "/v1/rl/tasks"),
-    (rf"tasks/({_ID})", "/v1/rl/tasks/{0}"),
-    (rf"tasks/({_ID})/events", "/v1/rl/tasks/{0}/events"),
-    (r"runs", "/v1/rl/training/runs"),
-    (rf"runs/({_ID})", "/v1/rl/training/runs/{0}"),
-    (rf"runs/({_ID})/events", "/v1/rl/training/runs/{0}/events"),
-    (r"policies", "/v1/rl/policies"),
-    (r"rollout", "/v1/rl/rollout"),
-    (r"rollout/(ro-[0-9a-f]{12})/events", "/v1/rl/rollout/{0}/events"),
-    (r"trajectories/stats", "/v1/rl/trajectories/stats"),
+_RL_READS: tuple[tuple[re.Pattern[str], rl_routes.Route], ...] = tuple((re.compile(p), t) for p, t in (
+    (r"tasks", rl_routes.TASK_LIST),
+    (rf"tasks/({_ID})", rl_routes.TASK),
+    (rf"tasks/({_ID})/events", rl_routes.TASK_EVENTS),
+    (r"runs", rl_routes.RUN_LIST),
+    (rf"runs/({_ID})", rl_routes.RUN),
+    (rf"runs/({_ID})/events", rl_routes.RUN_EVENTS),
+    (r"policies", rl_routes.POLICIES),
+    (r"rollout", rl_routes.ROLLOUT),
+    (r"rollout/(ro-[0-9a-f]{12})/events", rl_routes.ROLLOUT_EVENTS),
+    (r"trajectories/stats", rl_routes.TRAJECTORY_STATS),
 ))
 _QUERY_KEYS = ("status", "limit", "cursor", "lineage")  # the listing parameters; anything else is dropped, not forwarded
 
@@ -165,8 +166,8 @@ class Console:
             return refused
         service = self._supervisor.status()
         stats: Any = None
-        if service["status"] == "running":
-            answer = await self._control.forward("GET", "/v1/rl/trajectories/stats")
+        if service["status"] == ServiceStatus.RUNNING:
+            answer = await self._control.forward("GET", rl_routes.TRAJECTORY_STATS.path)
             stats = orjson.loads(answer.body) if answer.status_code == 200 else None
         data = {"model_id": self._model_id, "service": service, "lora": self._loras.describe(self._model_id),
                 "trajectories": stats}
@@ -183,7 +184,7 @@ class Console:
         else:
             return envelope(404, "not_found", "no such console route")
         query = urlencode([(k, v) for k, v in parse_qsl(request.url.query) if k in _QUERY_KEYS])
-        answer = await self._control.forward("GET", target.format(*match.groups()), query=query)
+        answer = await self._control.forward("GET", target.fill(*match.groups()), query=query)
         answer.headers.update(_SECURITY_HEADERS)
         return answer
 
@@ -195,7 +196,7 @@ class Console:
         if refused:
             return refused
         params = [(k, v) for k, v in parse_qsl(request.url.query) if k in ("limit", "cursor")]
-        answer = await self._control.forward("GET", "/v1/rl/lineages", query=urlencode(params))
+        answer = await self._control.forward("GET", rl_routes.LINEAGE_LIST.path, query=urlencode(params))
         default = {"lineage": DEFAULT_LINEAGE, "line": self._model_id}
         if answer.status_code == 404:
             return self._json({"items": [default], "next_cursor": None, "lineages_supported": False})

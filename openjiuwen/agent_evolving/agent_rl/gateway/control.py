@@ -20,20 +20,20 @@ from starlette.responses import Response
 from ..common import json_nesting
 from ..common.ids import is_task_id
 from ..common.lineage import DEFAULT_LINEAGE, InvalidLineage, line_of
-from ..common.signing_keys import AGENT_KEY_HEADER
+from ..common.wire import headers as wire_headers
+from ..common.wire import routes as rl_routes
+from ..common.wire.task_states import ENDED_TASK_STATUSES, FinishReason, TaskStatus
 from . import capture_secret
 from .lora_manager import LoraManager
 from .responses import envelope, json_response, passthrough
 from .rl_client import HookUnreachable, RLAnswer, RLClient
 from .sessions import Binding
-from .supervisor import RLSupervisor, SupervisorError
+from .supervisor import RLSupervisor, ServiceStatus, SupervisorError
 from .task_access import LineageGuard
-from .task_lineage import LINEAGE_HEADER, requested_lineage
+from .task_lineage import requested_lineage
 from .tasks import TaskTracker
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.control")
-
-_TERMINAL = {"finalized", "aborted"}
 
 
 class RLControl:
@@ -61,7 +61,7 @@ class RLControl:
         self._lineage_guard = LineageGuard(self._agent_lineages, self._sessions, rl)
 
     def running(self) -> bool:
-        return self._supervisor.status()["status"] == "running"
+        return self._supervisor.status()["status"] == ServiceStatus.RUNNING
 
     # ------------------------------------------------------------ service
 
@@ -107,15 +107,15 @@ class RLControl:
         headers: dict[str, str | bytes] = {
             # The bytes as received: the RL Service judges the format (400 `missing_session_id`); re-encoding a
             # non-ASCII value as text would fail here instead.
-            "x-agent-session-id": request.headers.get("x-agent-session-id", "").encode("latin-1"),
-            "x-aigw-rl-task-id": rl_task_id,
-            "x-aigw-rl-policy-name": policy_name,
-            "x-aigw-rl-policy-model": policy_model,
-            LINEAGE_HEADER: lineage,  # always, `default` included: the RL Service knows the gateway pins by lineage
+            wire_headers.SESSION_ID: request.headers.get(wire_headers.SESSION_ID, "").encode("latin-1"),
+            wire_headers.TASK_ID: rl_task_id,
+            wire_headers.POLICY_NAME: policy_name,
+            wire_headers.POLICY_MODEL: policy_model,
+            wire_headers.LINEAGE: lineage,  # always, `default` included: the RL Service knows the gateway pins by lineage
             **_agent_header(agent_key),
         }
         try:
-            answer = await self._rl.forward("POST", "/v1/rl/tasks/start", body=body, headers=headers)
+            answer = await self._rl.forward("POST", rl_routes.TASK_START.path, body=body, headers=headers)
         except httpx.HTTPError as exc:
             await self._tracker.unlease(policy_name)
             return self._transport_failure(exc)
@@ -123,7 +123,7 @@ class RLControl:
             await self._tracker.unlease(policy_name)
             return passthrough(answer)
         record = answer.json()
-        if record.get("status") != "active":
+        if record.get("status") != TaskStatus.ACTIVE:
             await self._tracker.unlease(policy_name)
             return passthrough(answer)
         # The RL Service's record says the Task's lineage (absent: `default`); the key's limit was checked against
@@ -170,11 +170,11 @@ class RLControl:
             # The in-flight completion still finishes for its client; its capture is refused once aborted.
             await self._tracker.release(rl_task_id)
             try:
-                await self._rl.abort(rl_task_id, "timeout")
+                await self._rl.abort(rl_task_id, FinishReason.TIMEOUT)
             except HookUnreachable:
                 log.warning("could not abort task %s after its drain timeout", rl_task_id)
             return envelope(504, "task_drain_timeout", "captures of the Task were still in flight")
-        return await self.forward("POST", f"/v1/rl/tasks/{rl_task_id}/stop", body=body, task_id=rl_task_id,
+        return await self.forward("POST", rl_routes.TASK_STOP.fill(rl_task_id), body=body, task_id=rl_task_id,
                                   agent_key=agent_key)
 
     async def task_reward(self, rl_task_id: str, path: str, body: bytes, *, query: str,
@@ -221,7 +221,7 @@ class RLControl:
             # A failed stop may have aborted the Task (a Judge failure in the final publication) or left it active
             # (Redis unreachable): ask.
             try:
-                answer = await self._rl.forward("GET", f"/v1/rl/tasks/{rl_task_id}")
+                answer = await self._rl.forward("GET", rl_routes.TASK.fill(rl_task_id))
             except httpx.HTTPError:
                 return
         if answer.ok:
@@ -229,7 +229,7 @@ class RLControl:
                 status = answer.json().get("status")
             except (orjson.JSONDecodeError, AttributeError):
                 return
-            if status in _TERMINAL:
+            if status in ENDED_TASK_STATUSES:
                 await self._tracker.release(rl_task_id)
 
     @staticmethod
@@ -241,7 +241,7 @@ class RLControl:
 
 def _agent_header(agent_key: str | None) -> dict[str, str | bytes]:
     """The header naming the calling agent key to the RL Service; none for the operator key."""
-    return {} if agent_key is None else {AGENT_KEY_HEADER: agent_key}
+    return {} if agent_key is None else {wire_headers.AGENT_KEY: agent_key}
 
 
 def _take_secret_request(body: bytes) -> tuple[bool, bytes]:

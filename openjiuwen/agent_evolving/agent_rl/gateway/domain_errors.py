@@ -43,7 +43,3 @@ def error_answer(exc: LoraError | CaptureFailed) -> Response:
         return passthrough(exc.relayed)
     return envelope(STATUS_OF_CODE.get(exc.code, 500), exc.code, exc.message)
 
-
-def http_status(exc: LoraError | CaptureFailed) -> int:
-    """The status a client gets for `exc`."""
-    return error_answer(exc).status_code

@@ -184,14 +184,6 @@ class HmacVerifier:
         """Live entries in every replay cache (for metrics and tests)."""
         return sum(len(cache) for cache in self._caches().values())
 
-    @property
-    def replay_entries_by_key(self) -> dict[str, int]:
-        return {name: len(cache) for name, cache in self._caches().items()}
-
-    @property
-    def replay_capacity_by_key(self) -> dict[str, int]:
-        return {name: cache.capacity for name, cache in self._caches().items()}
-
     def verify_request(
         self, method: str, target: str | bytes, headers: Mapping[str, str], body: bytes, *, now_ms: int,
         allow_ins: bool = False,

@@ -37,6 +37,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ..common.wire import headers as wire_headers
+from ..common.wire.task_states import FinishReason
 from . import capture_secret
 from ..common import json_nesting
 from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
@@ -176,7 +178,7 @@ class InferenceProxy:
         wants = client_wants(body)
         if client_model is not None:
             wants = ClientWants(wants.logprobs, wants.usage, wants.stream, client_model)
-        session_id = request.headers.get("x-agent-session-id")
+        session_id = request.headers.get(wire_headers.SESSION_ID)
         binding = self._sessions.for_session(session_id)
         # The request's counts: closed here when the answer is returned, or by the stream's relay that takes them over.
         with contextlib.ExitStack() as counts:
@@ -533,7 +535,7 @@ class InferenceProxy:
         """`:abort capture_failed` and unmap; best effort (the RL Service may be gone)."""
         await self._tracker.release(rl_task_id)
         try:
-            await self._rl.abort(rl_task_id, "capture_failed")
+            await self._rl.abort(rl_task_id, FinishReason.CAPTURE_FAILED)
         except HookUnreachable:
             log.warning("could not abort task %s: RL Service unreachable", rl_task_id)
 

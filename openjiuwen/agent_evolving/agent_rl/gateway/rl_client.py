@@ -11,7 +11,6 @@ connection broke before an answer (a worker of the RL Service died with it, CONT
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,8 @@ import httpx
 import orjson
 
 from ..common import packed_hook
+from ..common.wire import routes as rl_routes
+from ..common.wire.task_states import FinishReason
 from .http11 import Http11Client, TransportError
 
 if TYPE_CHECKING:
@@ -28,13 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("openjiuwen.agent_rl.gateway.rl_client")
 
 
-# Repeating these answers the same (the RL Service's own idempotency, CONTRACT §2.4, §2.5).
-_IDEMPOTENT_POSTS = re.compile(r"^/v1/rl/tasks/(start|[^/]+/(stop|reward))$")
 _BROKEN = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
-
-
-def idempotent(method: str, path: str) -> bool:
-    return method in ("GET", "HEAD") or (method == "POST" and _IDEMPOTENT_POSTS.match(path) is not None)
 
 
 class HookUnreachable(RuntimeError):
@@ -142,20 +137,20 @@ class RLClient:
         raise HookUnreachable(f"{path}: {type(last).__name__}")
 
     async def before(self, body: dict[str, Any] | bytes) -> RLAnswer:
-        return await self.hook("/internal/v1/completions:before", body)
+        return await self.hook(rl_routes.HOOK_BEFORE.path, body)
 
     async def after(self, body: dict[str, Any] | bytes, *, packed: bool = False) -> RLAnswer:
-        return await self.hook("/internal/v1/completions:after", body, packed=packed)
+        return await self.hook(rl_routes.HOOK_AFTER.path, body, packed=packed)
 
     async def discard(self, body: dict[str, Any]) -> RLAnswer:
-        return await self.hook("/internal/v1/completions:discard", body)
+        return await self.hook(rl_routes.HOOK_DISCARD.path, body)
 
-    async def abort(self, rl_task_id: str, reason: str) -> RLAnswer:
-        return await self.hook(f"/internal/v1/rl/tasks/{rl_task_id}:abort", {"reason": reason})
+    async def abort(self, rl_task_id: str, reason: FinishReason) -> RLAnswer:
+        return await self.hook(rl_routes.TASK_ABORT.fill(rl_task_id), {"reason": reason})
 
     async def metrics_text(self, timeout_s: float) -> bytes:
         """The RL Service's own `/metrics` (federated into the gateway's scrape); raises httpx errors."""
-        resp = await self._client.get(self._endpoint + "/metrics", headers=self._headers(), timeout=timeout_s)
+        resp = await self._client.get(self._endpoint + rl_routes.METRICS.path, headers=self._headers(), timeout=timeout_s)
         resp.raise_for_status()
         return resp.content
 
@@ -164,7 +159,7 @@ class RLClient:
     ) -> RLAnswer:
         """A proxied public call, bounded by `controlTimeout`; raises httpx.TimeoutException / TransportError."""
         url = self._endpoint + path + (f"?{query}" if query else "")
-        tries, attempt = (self._hook_retries + 1 if idempotent(method, path) else 1), 0
+        tries, attempt = (self._hook_retries + 1 if rl_routes.idempotent(method, path) else 1), 0
         while True:
             attempt += 1
             try:

@@ -30,6 +30,8 @@ from typing import IO, Any
 import httpx
 
 from ..common.private_files import make_private_dirs, private_opener
+from ..common.wire import env as wire_env
+from ..common.wire import routes as rl_routes
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.supervisor")
 
@@ -44,7 +46,6 @@ class ServiceStatus(StrEnum):
 
 
 RUNNING, STOPPED, FAILED = ServiceStatus.RUNNING, ServiceStatus.STOPPED, ServiceStatus.FAILED
-TOKEN_ENV = "RL_SERVICE_TOKEN"
 PR_SET_PDEATHSIG = 1
 PARENT_GONE_EXIT_CODE = 70  # same code as the service's own watchdog
 HEALTH_FIRST_DELAY_S = 0.05  # poll pauses double from here up to the cap
@@ -237,7 +238,7 @@ class RLSupervisor:
 
     async def _endpoint_taken(self, client: httpx.AsyncClient) -> bool:
         try:
-            await client.get(f"{self._endpoint}/health", timeout=PROBE_TIMEOUT_S)
+            await client.get(self._endpoint + rl_routes.HEALTH.path, timeout=PROBE_TIMEOUT_S)
         except httpx.ConnectError:
             return False  # nobody listens: the port is ours to take
         except httpx.TransportError:
@@ -247,7 +248,7 @@ class RLSupervisor:
     def _child_env(self, token: str) -> dict[str, str]:
         # Inheriting the gateway's environment is the contract (§3.1: ONLINE_RL_*, CUDA_VISIBLE_DEVICES, …).
         env = dict(os.environ if self._env is None else self._env)
-        env[TOKEN_ENV] = token
+        env[wire_env.SERVICE_TOKEN] = token
         return env
 
     def _open_logs(self) -> tuple[IO[bytes] | int, IO[bytes] | int]:
@@ -307,7 +308,7 @@ class RLSupervisor:
     async def _wait_healthy(self, client: httpx.AsyncClient, child: _Child) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._control_timeout_s
-        url = f"{self._endpoint}/health"
+        url = self._endpoint + rl_routes.HEALTH.path
         delay = HEALTH_FIRST_DELAY_S
         while True:
             if child.exited.done():  # fail fast: no point waiting for a process that is gone

@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from ..common.ids import is_task_id
 from ..common.lineage import DEFAULT_LINEAGE
+from ..common.wire import routes as rl_routes
 from .responses import envelope
 from .rl_client import RLAnswer
 from .sessions import SessionMap
@@ -72,7 +73,7 @@ class LineageGuard:
     async def _lookup(self, rl_task_id: str) -> tuple[str | None, object] | Response | None:
         """(owner key id, lineage) from the RL Service's record; None when unknown; a refusal when unreadable."""
         try:
-            answer = await self._rl.forward("GET", f"/v1/rl/tasks/{rl_task_id}")
+            answer = await self._rl.forward("GET", rl_routes.TASK.fill(rl_task_id))
         except httpx.TimeoutException:
             return envelope(504, "rl_service_timeout", "the RL Service did not answer in time")
         except httpx.HTTPError as exc:

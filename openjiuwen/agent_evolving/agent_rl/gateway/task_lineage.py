@@ -1,5 +1,5 @@
 """The lineage of a Task start (docs/lineages.md "## Gateway", wire 1): read from the signed body, which is forwarded
-as it came (never re-encoded for this), and told to the RL Service in `X-AIGW-RL-Lineage`."""
+as it came (never re-encoded for this), and told to the RL Service in `X-AIGW-RL-Lineage` (common/wire/headers.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import orjson
 from ..common import json_nesting
 from ..common.lineage import DEFAULT_LINEAGE, InvalidLineage, require_lineage
 
-LINEAGE_HEADER = "x-aigw-rl-lineage"
 LINEAGE_FIELD = "lineage"
 
 

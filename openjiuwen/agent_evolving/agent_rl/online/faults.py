@@ -22,6 +22,9 @@ from collections.abc import Callable
 log = logging.getLogger("openjiuwen.agent_rl.online.faults")
 
 CRASH_EXIT_CODE = 86
+# `[stop:]<point>[@<n>]` of POINTS; unset = no fault. Read by service.py; the worker group (workers/group.py) drops
+# it from a crashed worker's heir, so a fault crashes the first workers only.
+CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"
 
 POINTS: dict[str, str] = {
     "capture.committed": "`:after` committed the capture, before its 204",

@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from ..common.http_metrics import FAST_BUCKETS_S
 from ..common.ids import lora_version
+from ..common.wire.task_states import TaskStatus
 from .store import keys
 
 if TYPE_CHECKING:
@@ -208,8 +209,8 @@ class ServiceMetrics:
             counts = await stats()
             async with redis.pipeline(transaction=False) as pipe:
                 pipe.scard(keys.ACTIVE_TASKS)
-                pipe.zcard(keys.tasks_by_status("finalized"))
-                pipe.zcard(keys.tasks_by_status("aborted"))
+                pipe.zcard(keys.tasks_by_status(TaskStatus.FINALIZED))
+                pipe.zcard(keys.tasks_by_status(TaskStatus.ABORTED))
                 pipe.get(keys.POLICY_OBSERVED)
                 active, finalized, aborted, observed = await pipe.execute()
         except RedisError:
@@ -217,7 +218,8 @@ class ServiceMetrics:
             return
         for status, n in counts["by_status"].items():
             self.trajectories.labels(self.model_id, status).set(n)
-        for status, n in (("active", active), ("finalized", finalized), ("aborted", aborted)):
+        S = TaskStatus
+        for status, n in ((S.ACTIVE, active), (S.FINALIZED, finalized), (S.ABORTED, aborted)):
             self.tasks.labels(self.model_id, status).set(n)
         name = None
         if observed:

@@ -28,7 +28,8 @@ from .capture.rewards import RewardProjector
 from .store import keys
 from .store.codec import text
 from .store.trajectories import TrajectoryStore
-from .tasks.models import TASK_STATUSES, Task, TerminalReward
+from ..common.wire.task_states import TASK_STATUSES
+from .tasks.models import Task, TerminalReward
 from .workers.fence import Fence, LeaseLost
 
 log = logging.getLogger("openjiuwen.agent_rl.online.retention")

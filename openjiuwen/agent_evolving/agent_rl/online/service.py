@@ -41,7 +41,7 @@ from .capture.pipeline import CapturePipeline
 from .capture.rewards import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig, load_config
-from .faults import FaultHook, fault_hook, no_faults
+from .faults import CRASH_AT_ENV, FaultHook, fault_hook, no_faults
 from ..common.gc_tuning import tune_gc
 from ..common.http_guard import ConnectionLimits, server_config
 from .logs import configure_logging
@@ -52,6 +52,7 @@ from .lora.repository import LoraRepository
 from .lineages import LineageRegistry
 from .policies import PolicyReport
 from ..common.private_files import UnsafeDirectoryError, ensure_private_root
+from ..common.wire import env as wire_env
 from .rail.ingest import RailIngestor
 from .rail.records import RailRecorder
 from .retention import RetentionSweeper
@@ -82,11 +83,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("openjiuwen.agent_rl.online.service")
 api_log = logging.getLogger("openjiuwen.agent_rl.online.api")  # unhandled route errors
 
-CONFIG_ENV = "RL_SERVICE_CONFIG"
-TOKEN_ENV = "RL_SERVICE_TOKEN"
 SCRIPTED_PLAN_ENV = "ONLINE_RL_SCRIPTED_PLAN"  # tests only: the plan file of the scripted backend
 VISIBLE_DEVICES_ENV = "ONLINE_RL_VISIBLE_DEVICES_ENV"  # verl: the variable training_gpu_ids is exported as
-CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"  # chaos tests only: `[stop:]<point>[@<n>]` of faults.POINTS; unset = no fault
 # At shutdown the leader finishes the active Tasks only once the other workers left (their servers drained their
 # hooks first), waiting at most this long.
 SHUTDOWN_WAIT_FOR_WORKERS_S = 35.0
@@ -461,13 +459,13 @@ def create_app(
     token from `RL_SERVICE_TOKEN` and the fault injection point (chaos tests only) from `ONLINE_RL_CRASH_AT`.
     `placement`: this process's place in a worker group (workers/); None runs alone."""
     if config is None:
-        path = os.environ.get(CONFIG_ENV)
+        path = os.environ.get(wire_env.SERVICE_CONFIG)
         if not path:
-            raise ConfigError(f"{CONFIG_ENV} is not set and no config was given")
+            raise ConfigError(f"{wire_env.SERVICE_CONFIG} is not set and no config was given")
         config = load_config(path)
         configure_logging(config)
     if token is None:
-        token = os.environ.get(TOKEN_ENV) or None
+        token = os.environ.get(wire_env.SERVICE_TOKEN) or None
     if fault is None:
         fault = fault_hook(os.environ.get(CRASH_AT_ENV))
     deps = ServiceDeps.build(config, redis=redis, judge=judge, backend=backend, token=token, fault=fault,
@@ -521,16 +519,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Run the online RL Service (started by the gateway; binds loopback only).",
     )
     parser.add_argument(
-        "--config", help=f"YAML or JSON config file (default: ${CONFIG_ENV}); see docs/configuration.md"
+        "--config", help=f"YAML or JSON config file (default: ${wire_env.SERVICE_CONFIG}); see docs/configuration.md"
     )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    path = args.config or os.environ.get(CONFIG_ENV)
+    path = args.config or os.environ.get(wire_env.SERVICE_CONFIG)
     if not path:
-        print(f"error: pass --config FILE or set {CONFIG_ENV}", file=sys.stderr)
+        print(f"error: pass --config FILE or set {wire_env.SERVICE_CONFIG}", file=sys.stderr)
         return 2
     try:
         config = load_config(path)
@@ -572,7 +570,7 @@ def _serve(
 
     from ..common.quiet_server import QuietServer
 
-    app = create_app(config, token=os.environ.get(TOKEN_ENV) or None, fault=fault, placement=placement)
+    app = create_app(config, token=os.environ.get(wire_env.SERVICE_TOKEN) or None, fault=fault, placement=placement)
     limits = ConnectionLimits(header_timeout_s=config.http_header_timeout_seconds,
                               keep_alive_s=config.http_keep_alive_seconds,
                               max_connections=config.http_max_connections)

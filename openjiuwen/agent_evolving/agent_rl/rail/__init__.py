@@ -2,7 +2,8 @@
 
 `TrajectoryUploader` (uploader.py) queues samples and sends them as rail-v1 batches (CONTRACT §2.9, §4.6) with
 back-pressure and retries; `RLOnlineRail` (hook.py) is the per-turn hook an agent loop calls. Nothing here imports
-the RL Service or the gateway; the only project imports are the HMAC signer and the agent's key (common/).
+the RL Service or the gateway; the only project imports are two of common/: the HMAC signer every signed client uses
+(`HmacAuth`, common/hmac_signing.py) and the agent's key (`SigningKey`, common/signing_keys.py).
 """
 
 from .hook import RLOnlineRail

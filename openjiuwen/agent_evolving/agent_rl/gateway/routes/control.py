@@ -12,44 +12,16 @@ from urllib.parse import quote
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
+from ...common.wire import routes as rl_routes
 from .deps import AgentSigned, GatewayDep, SignedBody, agent_signed, api_signed_body
 
 operator_router = APIRouter(dependencies=[Depends(api_signed_body)])
 agent_router = APIRouter(dependencies=[Depends(agent_signed)])
 
-# Proxied to the RL Service unchanged (method, encoded path, query, signed body): operator key only.
-PROXIED_ROUTES = (
-    ("GET", "/v1/rl/tasks"),
-    ("GET", "/v1/rl/tasks/{rl_task_id}"),
-    ("GET", "/v1/rl/tasks/{rl_task_id}/events"),
-    ("GET", "/v1/rl/training/runs"),
-    ("POST", "/v1/rl/training/runs"),
-    ("GET", "/v1/rl/training/runs/{training_run_id}"),
-    ("POST", "/v1/rl/training/runs/{training_run_id}/stop"),
-    ("GET", "/v1/rl/training/runs/{training_run_id}/events"),
-    ("GET", "/v1/rl/trajectories/stats"),
-    ("GET", "/v1/rl/trajectories"),
-    ("GET", "/v1/rl/trajectories/{trajectory_id}"),
-    ("POST", "/v1/rl/trajectories/exclude"),
-    ("POST", "/v1/rl/trajectories/rewards"),
-    ("POST", "/v1/rl/trajectories/{trajectory_id}/rewards"),
-    ("GET", "/v1/rl/policies"),
-    ("GET", "/v1/rl/rollout"),
-    ("POST", "/v1/rl/rollout/promote"),
-    ("POST", "/v1/rl/rollout/rollback"),
-    ("POST", "/v1/rl/rollout/pause"),
-    ("POST", "/v1/rl/rollout/resume"),
-    ("GET", "/v1/rl/rollout/{rollout_id}/events"),
-    ("GET", "/v1/rl/lineages"),
-    ("GET", "/v1/rl/lineages/{lineage}"),
-    ("POST", "/v1/rl/lineages/{lineage}/pause"),
-    ("POST", "/v1/rl/lineages/{lineage}/resume"),
-    ("POST", "/v1/rl/loras/activate"),
-)
-# Proxied the same way, with the calling agent key named to the RL Service: operator key or an agent key.
-AGENT_PROXIED_ROUTES = (
-    ("POST", "/v1/gateway/upload/batch"),
-)
+# Proxied to the RL Service unchanged (method, encoded path, query, signed body), as common/wire/routes.py flags
+# them: operator key only, or (agent) the operator key or an agent key, named to the RL Service.
+PROXIED_ROUTES = tuple((r.method, r.path) for r in rl_routes.proxied(rl_routes.Gateway.OPERATOR))
+AGENT_PROXIED_ROUTES = tuple((r.method, r.path) for r in rl_routes.proxied(rl_routes.Gateway.AGENT))
 
 
 @operator_router.post("/v1/rl/service/start")
@@ -67,17 +39,17 @@ async def service_status(gw: GatewayDep) -> Response:
     return gw.control.service_status()
 
 
-@agent_router.post("/v1/rl/tasks/start")
+@agent_router.post(rl_routes.TASK_START.path)
 async def task_start(request: Request, signed: AgentSigned, gw: GatewayDep) -> Response:
     return await gw.control.task_start(request, signed.body, agent_key=signed.caller.agent_key_id)
 
 
-@agent_router.post("/v1/rl/tasks/{rl_task_id}/stop")
+@agent_router.post(rl_routes.TASK_STOP.path)
 async def task_stop(rl_task_id: str, signed: AgentSigned, gw: GatewayDep) -> Response:
     return await gw.control.task_stop(rl_task_id, signed.body, agent_key=signed.caller.agent_key_id)
 
 
-@agent_router.post("/v1/rl/tasks/{rl_task_id}/reward")
+@agent_router.post(rl_routes.TASK_REWARD.path)
 async def task_reward(rl_task_id: str, request: Request, signed: AgentSigned, gw: GatewayDep) -> Response:
     """Proxied as it came, once the agent key's lineage limit allows the Task (docs/lineages.md)."""
     return await gw.control.task_reward(rl_task_id, raw_path(request), signed.body, query=request.url.query,

@@ -27,7 +27,8 @@ from ...common.content_type import BodyTypeGuard, send_unsupported
 from ...common.errors import ApiError, PayloadTooLarge, UnhandledErrors, envelope_bytes
 from ...common.guards import Admission, BodyCounter, RequestGuard
 from ...common.http_metrics import UNMATCHED_ROUTE
-from .hooks import AFTER_PATH, BEFORE_PATH, DISCARD_PATH, BodyReader, CaptureHooks
+from ...common.wire import routes as rl_routes
+from .hooks import BodyReader, CaptureHooks
 
 Headers = list[tuple[bytes, bytes]]
 Answer = tuple[int, Headers, bytes]  # status, headers, body
@@ -64,7 +65,8 @@ class HookFastPath:
         self._unhandled = unhandled
         self._observe = observe
         self._routes: dict[str, Callable[[Scope, BodyReader], Awaitable[Answer]]] = {
-            BEFORE_PATH: self._before, AFTER_PATH: self._after, DISCARD_PATH: self._discard,
+            rl_routes.HOOK_BEFORE.path: self._before, rl_routes.HOOK_AFTER.path: self._after,
+            rl_routes.HOOK_DISCARD.path: self._discard,
         }
 
     def serves(self, scope: Scope) -> bool:

@@ -10,6 +10,7 @@ from fastapi import APIRouter
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from ...common.wire import routes as rl_routes
 from ...common import packed_hook
 from ..store import keys
 from ...common.errors import JSONBody, envelope
@@ -26,7 +27,7 @@ def build_health_router(
     router = APIRouter()
     checks = list(extra_checks or [])
 
-    @router.get("/health")
+    @router.get(rl_routes.HEALTH.path)
     async def health() -> JSONBody:
         try:
             async with asyncio.timeout(HEALTH_REDIS_TIMEOUT_S):

@@ -7,13 +7,14 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
 
+from ...common.wire import routes as rl_routes
 from ...common import json_nesting, packed_hook
 from ...common.content_type import media_type
 from ...common.errors import ApiError, JSONBody
 from ..capture.lifecycle import TaskLifecycle
 from ..capture.pipeline import CapturePipeline
 from ..metrics import ServiceMetrics
-from ..tasks.models import FinishReason
+from ...common.wire.task_states import FinishReason
 from ..tasks.registry import StaleTask, TaskRegistry
 from . import openapi
 from .body import json_object, parse_json_object
@@ -22,12 +23,9 @@ from .tasks import reason_from_body
 
 T = TypeVar("T")
 
-BEFORE_PATH = "/internal/v1/completions:before"
-AFTER_PATH = "/internal/v1/completions:after"
-DISCARD_PATH = "/internal/v1/completions:discard"
 # The one non-JSON body of the service: the packed `:after` (CONTRACT §2.8); JsonBodyMiddleware and the fast path
 # (api/fast_hooks.py) both let it through on that route only.
-BINARY_ROUTES = {AFTER_PATH: packed_hook.MEDIA_TYPE}
+BINARY_ROUTES = {rl_routes.HOOK_AFTER.path: packed_hook.MEDIA_TYPE}
 _PACKED_MEDIA_TYPE = packed_hook.MEDIA_TYPE.encode()
 # A hook meets StaleTask only when its Task id was started again as another Task after its record expired; each
 # retry runs with the Task as it is now, so a second one is already beyond anything seen.
@@ -113,21 +111,21 @@ def build_hooks_router(hooks: CaptureHooks, lifecycle: TaskLifecycle, registry: 
     internal finish and abort."""
     router = APIRouter()
 
-    @router.post(BEFORE_PATH, openapi_extra=openapi.HOOK_BEFORE)
+    @router.post(rl_routes.HOOK_BEFORE.path, openapi_extra=openapi.HOOK_BEFORE)
     async def before(request: Request) -> JSONBody:
         return JSONBody(await hooks.before(request.body))
 
-    @router.post(AFTER_PATH, status_code=204, openapi_extra=openapi.HOOK_AFTER)
+    @router.post(rl_routes.HOOK_AFTER.path, status_code=204, openapi_extra=openapi.HOOK_AFTER)
     async def after(request: Request) -> Response:
         await hooks.after(request.body, _content_type(request))
         return Response(status_code=204)
 
-    @router.post(DISCARD_PATH, status_code=204, openapi_extra=openapi.HOOK_DISCARD)
+    @router.post(rl_routes.HOOK_DISCARD.path, status_code=204, openapi_extra=openapi.HOOK_DISCARD)
     async def discard(request: Request) -> Response:
         await hooks.discard(request.body)
         return Response(status_code=204)
 
-    @router.post("/internal/v1/rl/tasks/{rl_task_id}:finish", openapi_extra=openapi.TASK_FINISH)
+    @router.post(rl_routes.TASK_FINISH.path, openapi_extra=openapi.TASK_FINISH)
     async def finish(rl_task_id: str, request: Request) -> dict[str, Any]:
         body = await json_object(request)
         assert body is not None
@@ -136,7 +134,7 @@ def build_hooks_router(hooks: CaptureHooks, lifecycle: TaskLifecycle, registry: 
             task = await lifecycle.finish(rl_task_id, reason)
         return task.public()
 
-    @router.post("/internal/v1/rl/tasks/{rl_task_id}:abort", openapi_extra=openapi.TASK_ABORT)
+    @router.post(rl_routes.TASK_ABORT.path, openapi_extra=openapi.TASK_ABORT)
     async def abort(rl_task_id: str, request: Request) -> dict[str, Any]:
         body = await json_object(request)
         assert body is not None

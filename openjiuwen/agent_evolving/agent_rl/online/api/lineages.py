@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ...common.wire import routes as rl_routes
 from ...common.errors import ApiError, JSONBody
 from ...common.lineage import is_lineage
 from ..errors import InvalidInput
@@ -47,7 +48,7 @@ async def _answer(call: Awaitable[dict[str, Any]]) -> JSONBody:
 def build_lineages_router(scheduler: TrainingScheduler, registry: LineageRegistry) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/v1/rl/lineages", openapi_extra=openapi.LINEAGE_LIST)
+    @router.get(rl_routes.LINEAGE_LIST.path, openapi_extra=openapi.LINEAGE_LIST)
     async def list_lineages(request: Request) -> JSONBody:
         """Registered lineages newest first (by first use), each with its line, pending samples and active run;
         `default` always exists and is not listed. `next_cursor` is null on the last page."""
@@ -57,18 +58,18 @@ def build_lineages_router(scheduler: TrainingScheduler, registry: LineageRegistr
         except InvalidInput as exc:  # a cursor that is not one of ours
             raise ApiError(400, exc.code or "invalid_request", exc.message) from exc
 
-    @router.get("/v1/rl/lineages/{lineage}")
+    @router.get(rl_routes.LINEAGE.path)
     async def get_lineage(lineage: str) -> JSONBody:
         """Paused or not, the training policy, and the scheduler's view: pending, oldest wait, next eligible time."""
         return await _answer(scheduler.view(lineage))
 
-    @router.post("/v1/rl/lineages/{lineage}/pause", openapi_extra=openapi.LINEAGE_ACTION)
+    @router.post(rl_routes.LINEAGE_PAUSE.path, openapi_extra=openapi.LINEAGE_ACTION)
     async def pause(lineage: str, request: Request) -> JSONBody:
         """Stop automatic Training Runs of the lineage (manual runs still start); kept until resumed."""
         await _empty_body(request)
         return await _answer(scheduler.pause(lineage))
 
-    @router.post("/v1/rl/lineages/{lineage}/resume", openapi_extra=openapi.LINEAGE_ACTION)
+    @router.post(rl_routes.LINEAGE_RESUME.path, openapi_extra=openapi.LINEAGE_ACTION)
     async def resume(lineage: str, request: Request) -> JSONBody:
         """Let the scheduler start the lineage's runs again."""
         await _empty_body(request)

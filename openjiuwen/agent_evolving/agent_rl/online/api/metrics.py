@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from redis.asyncio import Redis
 
+from ...common.wire import routes as rl_routes
 from ...common.http_metrics import CONTENT_TYPE
 from ..metrics import ServiceMetrics
 
@@ -17,7 +18,7 @@ def build_metrics_router(
 ) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/metrics", include_in_schema=False)  # Prometheus text, not part of the JSON API
+    @router.get(rl_routes.METRICS.path, include_in_schema=False)  # Prometheus text, not part of the JSON API
     async def scrape() -> Response:
         await metrics.refresh(redis, stats)
         return Response(metrics.render(), media_type=CONTENT_TYPE)

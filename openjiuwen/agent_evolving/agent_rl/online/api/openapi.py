@@ -12,7 +12,8 @@ from typing import Any
 
 from ...common.ids import MAX_INSTANCE_NAME, TASK_ID_RE, TOKEN_ID_RE
 from ..store.sample_status import ALL_SAMPLE_STATUSES
-from ..tasks.models import TASK_STATUSES, FinishReason, RewardMode
+from ...common.wire import headers as wire_headers
+from ...common.wire.task_states import TASK_STATUSES, FinishReason, RewardMode
 
 TASK_ID = {"type": "string", "pattern": f"^{TASK_ID_RE.pattern}$"}
 TOKEN_ID = {"type": "string", "pattern": f"^{TOKEN_ID_RE.pattern}$"}
@@ -103,10 +104,10 @@ TASK_START = {
     **json_body(_object(["reward_mode"], {"reward_mode": {"enum": [m.value for m in RewardMode]},
                                           "evaluation": {"type": "boolean"}}, closed=True)),
     "parameters": [
-        header("X-Agent-Session-Id", TOKEN_ID),
-        header("X-AIGW-RL-Task-Id", TASK_ID),
-        header("X-AIGW-RL-Policy-Name", _NON_BLANK),
-        header("X-AIGW-RL-Policy-Model", _NON_BLANK),
+        header(wire_headers.SESSION_ID, TOKEN_ID),
+        header(wire_headers.TASK_ID, TASK_ID),
+        header(wire_headers.POLICY_NAME, _NON_BLANK),
+        header(wire_headers.POLICY_MODEL, _NON_BLANK),
     ],
 }
 TASK_STOP = json_body({"type": "object"}, required=False)  # ignored by the route

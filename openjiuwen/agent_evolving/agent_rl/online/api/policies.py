@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from ...common.wire import routes as rl_routes
 from ...common.errors import JSONBody
 from ..lineages import LineageRegistry
 from ..policies import PolicyReport
@@ -14,7 +15,7 @@ from .lineages import known_lineage
 def build_policies_router(report: PolicyReport, lineages: LineageRegistry) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/v1/rl/policies", openapi_extra=openapi.POLICY_LIST)
+    @router.get(rl_routes.POLICIES.path, openapi_extra=openapi.POLICY_LIST)
     async def policies(request: Request) -> JSONBody:
         """Every policy version oldest → newest with its aggregates, and the latest version against its parent;
         with `?lineage=`, `base` and that lineage's versions only."""

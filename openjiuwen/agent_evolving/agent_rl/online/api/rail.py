@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ...common.wire import routes as rl_routes
 from ..rail.ingest import RailIngestor
 from . import openapi
 from .body import json_object
@@ -15,7 +16,7 @@ from .errors import domain_errors
 def build_rail_router(ingestor: RailIngestor) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/gateway/upload/batch", openapi_extra=openapi.RAIL_BATCH)
+    @router.post(rl_routes.RAIL_BATCH.path, openapi_extra=openapi.RAIL_BATCH)
     async def upload_batch(request: Request) -> dict[str, Any]:
         """Stage, judge and store one rail-v1 batch; 400 `invalid_rail_batch` / `judge_not_configured`."""
         body = await json_object(request)

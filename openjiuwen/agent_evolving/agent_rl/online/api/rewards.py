@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ...common.wire import routes as rl_routes
 from ..errors import InvalidInput
 from ..rewards.ledger import RewardLedger
 from . import openapi
@@ -21,7 +22,7 @@ _SCORE_MESSAGE = "score must be a number between 0 and 1"
 def build_rewards_router(ledger: RewardLedger) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/rl/trajectories/rewards", openapi_extra=openapi.TRAJECTORY_REWARDS)
+    @router.post(rl_routes.TRAJECTORY_REWARDS.path, openapi_extra=openapi.TRAJECTORY_REWARDS)
     async def attach_rewards(request: Request) -> dict[str, Any]:
         """Batch form: every item is answered on its own (`ok` and the single route's answer or error)."""
         body = await json_object(request, lenient=True)
@@ -33,7 +34,7 @@ def build_rewards_router(ledger: RewardLedger) -> APIRouter:
             )
         return {"results": [await _attach_item(ledger, item) for item in items]}
 
-    @router.post("/v1/rl/trajectories/{trajectory_id}/rewards", openapi_extra=openapi.TRAJECTORY_REWARD)
+    @router.post(rl_routes.TRAJECTORY_REWARD.path, openapi_extra=openapi.TRAJECTORY_REWARD)
     async def attach_reward(trajectory_id: str, request: Request) -> dict[str, Any]:
         """Idempotent per (sample, source); 409 `reward_conflict` for another score or a sample already claimed."""
         body = await json_object(request, lenient=True)  # a NaN score is `invalid_reward`, not a parse error

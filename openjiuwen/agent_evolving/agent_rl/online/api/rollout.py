@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ...common.wire import routes as rl_routes
 from ...common.ids import is_rollout_id
 from ...common.lineage import DEFAULT_LINEAGE
 from ..lineages import LineageRegistry
@@ -42,41 +43,41 @@ def build_rollout_router(controller: RolloutController, lineages: LineageRegistr
         except GatewayError as exc:
             raise ApiError(502, "gateway_unavailable", str(exc)[:1000]) from exc
 
-    @router.get("/v1/rl/rollout", openapi_extra=openapi.ROLLOUT_STATUS)
+    @router.get(rl_routes.ROLLOUT.path, openapi_extra=openapi.ROLLOUT_STATUS)
     async def rollout_status(request: Request) -> JSONBody:
         """The mode, the line's current rollout with both arms and the decision it would take, and its latest
         ones (`?lineage=`, default `default`)."""
         lineage = await known(request.query_params.get("lineage", DEFAULT_LINEAGE))
         return await operate(lambda: controller.status(lineage))
 
-    @router.post("/v1/rl/rollout/promote", openapi_extra=openapi.ROLLOUT_ACTION)
+    @router.post(rl_routes.ROLLOUT_PROMOTE.path, openapi_extra=openapi.ROLLOUT_ACTION)
     async def rollout_promote(request: Request) -> JSONBody:
         lineage = await known(await _lineage_body(request))
         return await operate(lambda: controller.promote(lineage))
 
-    @router.post("/v1/rl/rollout/rollback", openapi_extra=openapi.ROLLOUT_ACTION)
+    @router.post(rl_routes.ROLLOUT_ROLLBACK.path, openapi_extra=openapi.ROLLOUT_ACTION)
     async def rollout_rollback(request: Request) -> JSONBody:
         lineage = await known(await _lineage_body(request))
         return await operate(lambda: controller.rollback(lineage))
 
-    @router.post("/v1/rl/rollout/pause", openapi_extra=openapi.ROLLOUT_ACTION)
+    @router.post(rl_routes.ROLLOUT_PAUSE.path, openapi_extra=openapi.ROLLOUT_ACTION)
     async def rollout_pause(request: Request) -> JSONBody:
         lineage = await known(await _lineage_body(request))
         return await operate(lambda: controller.pause(True, lineage))
 
-    @router.post("/v1/rl/rollout/resume", openapi_extra=openapi.ROLLOUT_ACTION)
+    @router.post(rl_routes.ROLLOUT_RESUME.path, openapi_extra=openapi.ROLLOUT_ACTION)
     async def rollout_resume(request: Request) -> JSONBody:
         lineage = await known(await _lineage_body(request))
         return await operate(lambda: controller.pause(False, lineage))
 
-    @router.get("/v1/rl/rollout/{rollout_id}/events")
+    @router.get(rl_routes.ROLLOUT_EVENTS.path)
     async def rollout_events(rollout_id: str) -> JSONBody:
         """The rollout's timeline, oldest first."""
         if not is_rollout_id(rollout_id):
             raise ApiError(404, "rollout_not_found", "rollout not found")
         return await operate(lambda: _items(controller, rollout_id))
 
-    @router.post("/v1/rl/loras/activate", openapi_extra=openapi.LORA_ACTIVATE)
+    @router.post(rl_routes.LORA_ACTIVATE.path, openapi_extra=openapi.LORA_ACTIVATE)
     async def lora_activate(request: Request) -> JSONBody:
         """Activate a published version of a line (`{"lora_name": "<line>:vN"}`) for every new Task of the line."""
         body = await json_value(request)

@@ -11,16 +11,17 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ...common.wire import routes as rl_routes
 from ..capture.lifecycle import StartHeaders, TaskLifecycle
 from ..capture.rewards import RewardProjector, parse_reward_body
-from ..tasks.models import FinishReason, Task
+from ...common.wire.task_states import FinishReason
+from ..tasks.models import Task
 from ..store.keys import TASK_STATUSES
 from ..tasks.registry import TaskRegistry
 from . import openapi
 from .body import json_object
 from ...common.errors import ApiError, JSONBody
-from ...common.lineage import LINEAGE_HEADER
-from ...common.signing_keys import AGENT_KEY_HEADER
+from ...common.wire import headers as wire_headers
 from .errors import domain_errors
 from .paging import cursor_param, limit_param, status_param
 
@@ -30,14 +31,14 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
     """`on_created`: told of each new Task (the rollout marks its arm in the Task's timeline)."""
     router = APIRouter()
 
-    @router.post("/v1/rl/tasks/start", openapi_extra=openapi.TASK_START)
+    @router.post(rl_routes.TASK_START.path, openapi_extra=openapi.TASK_START)
     async def start_task(request: Request) -> JSONBody:
         body = await json_object(request)
         assert body is not None
         h = request.headers
         headers = StartHeaders(
-            h.get("x-agent-session-id"), h.get("x-aigw-rl-task-id"), h.get("x-aigw-rl-policy-name"),
-            h.get("x-aigw-rl-policy-model"), h.get(AGENT_KEY_HEADER), h.get(LINEAGE_HEADER),
+            h.get(wire_headers.SESSION_ID), h.get(wire_headers.TASK_ID), h.get(wire_headers.POLICY_NAME),
+            h.get(wire_headers.POLICY_MODEL), h.get(wire_headers.AGENT_KEY), h.get(wire_headers.LINEAGE),
         )
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
             task, created = await registry.start(lifecycle.parse_start(headers, body))
@@ -45,7 +46,7 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
             await on_created(task)
         return JSONBody(task.public(), status_code=201 if created else 200)
 
-    @router.get("/v1/rl/tasks", openapi_extra=openapi.TASK_LIST)
+    @router.get(rl_routes.TASK_LIST.path, openapi_extra=openapi.TASK_LIST)
     async def list_tasks(request: Request) -> JSONBody:
         """Task records newest first by creation, optionally one status; `next_cursor` is null on the last page."""
         params = request.query_params
@@ -53,33 +54,33 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
             return JSONBody(await registry.list_page(status, limit, cursor))
 
-    @router.get("/v1/rl/tasks/{rl_task_id}/events")
+    @router.get(rl_routes.TASK_EVENTS.path)
     async def task_events(rl_task_id: str) -> JSONBody:
         """The Task timeline, oldest first (bounded to about 1000 entries)."""
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
             return JSONBody({"items": await registry.events(rl_task_id)})
 
-    @router.get("/v1/rl/tasks/{rl_task_id}")
+    @router.get(rl_routes.TASK.path)
     async def get_task(rl_task_id: str) -> dict[str, Any]:
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
             task = await registry.require(rl_task_id)
         return task.public()
 
-    @router.post("/v1/rl/tasks/{rl_task_id}/stop", openapi_extra=openapi.TASK_STOP)
+    @router.post(rl_routes.TASK_STOP.path, openapi_extra=openapi.TASK_STOP)
     async def stop_task(rl_task_id: str, request: Request) -> dict[str, Any]:
         # The body is ignored (CONTRACT §2.5), so it is never parsed.
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
             task = await lifecycle.finish(rl_task_id, FinishReason.USER_STOPPED,
-                                          agent_key=request.headers.get(AGENT_KEY_HEADER))
+                                          agent_key=request.headers.get(wire_headers.AGENT_KEY))
         return task.public()
 
-    @router.post("/v1/rl/tasks/{rl_task_id}/reward", openapi_extra=openapi.TASK_REWARD)
+    @router.post(rl_routes.TASK_REWARD.path, openapi_extra=openapi.TASK_REWARD)
     async def reward_task(rl_task_id: str, request: Request) -> dict[str, Any]:
         body = await json_object(request, lenient=True)  # a NaN reward is `invalid_reward`, not a parse error
         assert body is not None
         with domain_errors(not_found="task_not_found", conflict="reward_conflict"):
             value = parse_reward_body(body)
-            count = await rewards.reward(rl_task_id, value, agent_key=request.headers.get(AGENT_KEY_HEADER))
+            count = await rewards.reward(rl_task_id, value, agent_key=request.headers.get(wire_headers.AGENT_KEY))
         return {"sample_count": count}
 
     return router

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ...common.wire import routes as rl_routes
 from ...common.ids import is_run_id
 from ...common.lineage import DEFAULT_LINEAGE, is_lineage
 from ..training.runner import GatewayUnavailable, TrainingRunner
@@ -21,7 +22,7 @@ _NOT_FOUND = "training_run_not_found"
 def build_training_router(runner: TrainingRunner) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/rl/training/runs", openapi_extra=openapi.TRAINING_START)
+    @router.post(rl_routes.RUN_START.path, openapi_extra=openapi.TRAINING_START)
     async def start_run(request: Request) -> JSONBody:
         body = await json_value(request)
         # Absent, null and {} all mean "start or reuse" on the default lineage; {"lineage": L} on L's line (ext).
@@ -37,7 +38,7 @@ def build_training_router(runner: TrainingRunner) -> APIRouter:
             raise ApiError(502, "gateway_unavailable", exc.message) from exc
         return JSONBody(run.public(), status_code=201 if created else 200)
 
-    @router.get("/v1/rl/training/runs", openapi_extra=openapi.RUN_LIST)
+    @router.get(rl_routes.RUN_LIST.path, openapi_extra=openapi.RUN_LIST)
     async def list_runs(request: Request) -> JSONBody:
         """Public run records newest first by creation; `next_cursor` is null on the last page."""
         params = request.query_params
@@ -45,7 +46,7 @@ def build_training_router(runner: TrainingRunner) -> APIRouter:
         with domain_errors(not_found=_NOT_FOUND, conflict="training_run_conflict"):
             return JSONBody(await runner.list_runs(limit, cursor))
 
-    @router.get("/v1/rl/training/runs/{training_run_id}/events")
+    @router.get(rl_routes.RUN_EVENTS.path)
     async def run_events(training_run_id: str) -> JSONBody:
         """The run timeline, oldest first (bounded to about 1000 entries)."""
         if not is_run_id(training_run_id):
@@ -53,14 +54,14 @@ def build_training_router(runner: TrainingRunner) -> APIRouter:
         with domain_errors(not_found=_NOT_FOUND, conflict="training_run_conflict"):
             return JSONBody({"items": await runner.events(training_run_id)})
 
-    @router.get("/v1/rl/training/runs/{training_run_id}")
+    @router.get(rl_routes.RUN.path)
     async def get_run(training_run_id: str) -> dict[str, Any]:
         if not is_run_id(training_run_id):  # a malformed id is simply unknown
             raise ApiError(404, _NOT_FOUND, "training run not found")
         with domain_errors(not_found=_NOT_FOUND, conflict="training_run_conflict"):
             return (await runner.get(training_run_id)).public()
 
-    @router.post("/v1/rl/training/runs/{training_run_id}/stop")
+    @router.post(rl_routes.RUN_STOP.path)
     async def stop_run(training_run_id: str) -> dict[str, Any]:
         if not is_run_id(training_run_id):
             raise ApiError(404, _NOT_FOUND, "training run not found")

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ...common.wire import routes as rl_routes
 from ..store.keys import ALL_SAMPLE_STATUSES
 from ..lineages import LineageRegistry
 from ..store.trajectories import TrajectoryStore
@@ -33,7 +34,7 @@ def build_trajectories_router(
     router = APIRouter()
 
     # Declared before `/{trajectory_id}`, which would otherwise capture "stats" as an id (§2.1).
-    @router.get("/v1/rl/trajectories/stats", openapi_extra=openapi.TRAJECTORY_STATS)
+    @router.get(rl_routes.TRAJECTORY_STATS.path, openapi_extra=openapi.TRAJECTORY_STATS)
     async def trajectory_stats(request: Request) -> dict[str, Any]:
         """Counters read in O(1) from the transactional stats hash."""
         stats = await (await line_of_request(request)).stats()
@@ -41,7 +42,7 @@ def build_trajectories_router(
             stats["rewards"] = await reward_stats()
         return stats
 
-    @router.post("/v1/rl/trajectories/exclude", openapi_extra=openapi.TRAJECTORY_EXCLUDE)
+    @router.post(rl_routes.TRAJECTORY_EXCLUDE.path, openapi_extra=openapi.TRAJECTORY_EXCLUDE)
     async def exclude_instance(request: Request) -> dict[str, Any]:
         """An operator excludes what one vLLM instance served from training: its samples not yet claimed become
         `excluded` now, and those published later too. Idempotent."""
@@ -54,7 +55,7 @@ def build_trajectories_router(
                            "printable characters>}")
         return await store.exclude_instance(instance)
 
-    @router.get("/v1/rl/trajectories", openapi_extra=openapi.TRAJECTORY_LIST)
+    @router.get(rl_routes.TRAJECTORY_LIST.path, openapi_extra=openapi.TRAJECTORY_LIST)
     async def list_trajectories(request: Request) -> dict[str, Any]:
         """One page in (bucket, score, sample id) order; `next_cursor` is null on the last page."""
         status, limit, cursor = _listing_params(request)
@@ -62,7 +63,7 @@ def build_trajectories_router(
         with domain_errors(not_found="trajectory_not_found", conflict="trajectory_conflict"):
             return await line.list_page(status, limit, cursor)
 
-    @router.get("/v1/rl/trajectories/{trajectory_id}")
+    @router.get(rl_routes.TRAJECTORY.path)
     async def trajectory_detail(trajectory_id: str) -> dict[str, Any]:
         """The full sample view with re-assembled token arrays; unknown or malformed ids are 404."""
         detail = await store.detail(trajectory_id)

@@ -17,7 +17,7 @@ from ...common.packed_hook import PackedArrays
 from ..errors import Conflict, InvalidInput
 from ..faults import FaultHook, no_faults
 from ..judge import feedback_from_request
-from ..tasks.models import FinishReason
+from ...common.wire.task_states import FinishReason
 from ..tasks.registry import AbortingConflict, ReserveOutcome, TaskRegistry
 from .hooks import HookBody, parse_hook
 from .request import (

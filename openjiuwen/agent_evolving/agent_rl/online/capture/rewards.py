@@ -22,7 +22,8 @@ from ..store.codec import PackedSample
 from ..store.policy_stats import add_task_reward
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
-from ..tasks.models import TERMINAL_REWARD_TRANSITIONS, RewardMode, Task, TaskStatus, TerminalReward
+from ...common.wire.task_states import RewardMode, TaskStatus
+from ..tasks.models import TERMINAL_REWARD_TRANSITIONS, Task, TerminalReward
 
 
 def parse_reward_body(body: dict[str, Any]) -> float:

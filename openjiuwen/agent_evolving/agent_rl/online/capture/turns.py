@@ -18,7 +18,8 @@ from ..errors import Conflict, JudgeFailed
 from ..faults import FaultHook, no_faults
 from ..store.codec import PackedSample
 from ..store.trajectories import TrajectoryStore
-from ..tasks.models import FinishReason, Task, TurnPublication
+from ...common.wire.task_states import FinishReason
+from ..tasks.models import Task, TurnPublication
 from ..tasks.registry import TaskRegistry
 from ..workers.fence import UNFENCED, Fence
 from ..workers.membership import SOLO, Membership

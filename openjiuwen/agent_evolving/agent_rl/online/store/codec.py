@@ -158,6 +158,3 @@ class PackedSample:
         pos += n_resp
         lp = blob[pos : pos + n_lp]
         return cls(meta, prompt, resp, lp)
-
-    def token_count(self) -> int:
-        return (len(self.prompt_ids) + len(self.response_ids)) // 4

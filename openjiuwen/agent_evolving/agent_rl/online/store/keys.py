@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ...common.ids import InvalidIdentifier, require_rollout_id, require_run_id, require_task_id, require_token_id
 from ...common.lineage import DEFAULT_LINEAGE, is_lineage
-from ..tasks.models import TASK_STATUSES
+from ...common.wire.task_states import TASK_STATUSES
 from .sample_status import ALL_SAMPLE_STATUSES
 
 PREFIX = "rl:v1:"

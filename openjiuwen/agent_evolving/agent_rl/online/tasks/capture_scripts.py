@@ -24,9 +24,12 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
+from ...common.wire.task_states import TaskStatus
 from .. import events
+from .models import CaptureStatus
 
-# Reply codes (first element of every reply).
+# Reply codes (first element of every reply). The scripts take them, and the status values they compare, by
+# substitution, so that a value is spelled once (here, or in the status enums).
 NOT_FOUND = 0  # no Task record
 TASK_CHANGED = 1  # the record is another Task than the caller's facts: [1, record]
 DONE = 2  # the transition was written
@@ -67,7 +70,7 @@ local status, answer = task_status(ARGV[1])
 if answer then return answer end
 local existing = redis.call('GET', KEYS[2])
 if existing then return {%(CAPTURE_EXISTS)d, existing} end
-if status ~= 'active' then return {%(INACTIVE)d} end
+if status ~= '%(ACTIVE)s' then return {%(INACTIVE)d} end
 local turn = ARGV[3]
 local set_current = false
 if ARGV[7] == '1' then
@@ -92,7 +95,7 @@ redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('SADD', KEYS[4], ARGV[2])
 event(KEYS[5], 'capture_reserved', ARGV[5], ARGV[6])
 return {%(DONE)d}
-""" % {"CAPTURE_EXISTS": CAPTURE_EXISTS, "INACTIVE": INACTIVE, "TURN_CLOSED": TURN_CLOSED,
+""" % {"CAPTURE_EXISTS": CAPTURE_EXISTS, "INACTIVE": INACTIVE, "ACTIVE": TaskStatus.ACTIVE.value, "TURN_CLOSED": TURN_CLOSED,
        "TURN_CLOSING": TURN_CLOSING, "TURN_WAITING": TURN_WAITING, "PUBLISH_CURRENT": PUBLISH_CURRENT, "DONE": DONE}
 
 # open → committed (CONTRACT §4.2 after). The caller decided from `expected`, the capture metadata as it read or
@@ -108,7 +111,7 @@ local status, answer = task_status(ARGV[1])
 if answer then return answer end
 local raw = redis.call('GET', KEYS[2])
 local active = 0
-if status == 'active' then active = 1 end
+if status == '%(ACTIVE)s' then active = 1 end
 if ARGV[2] == '' or raw ~= ARGV[2] or active == 0 then return {%(STATE)d, raw, active} end
 redis.call('SET', KEYS[2], ARGV[3])
 redis.call('SET', KEYS[3], ARGV[4])
@@ -117,7 +120,7 @@ redis.call('SADD', KEYS[5], ARGV[5])
 if KEYS[7] then redis.call('SADD', KEYS[7], ARGV[5]) end
 event(KEYS[6], 'capture_committed', ARGV[6], ARGV[7])
 return {%(DONE)d}
-""" % {"STATE": STATE, "DONE": DONE}
+""" % {"STATE": STATE, "DONE": DONE, "ACTIVE": TaskStatus.ACTIVE.value}
 
 # Drop an open capture (CONTRACT §4.2 discard): unknown capture or inactive Task is a no-op; a committed capture or
 # another turn's is a conflict. Invariant 2 as in RESERVE: metadata and both memberships go together, with the
@@ -128,9 +131,9 @@ DISCARD = _PROLOGUE + """
 local status, answer = task_status('')
 if answer then return answer end
 local raw = redis.call('GET', KEYS[2])
-if not raw or status ~= 'active' then return {%(NO_CAPTURE)d} end
+if not raw or status ~= '%(ACTIVE)s' then return {%(NO_CAPTURE)d} end
 local meta = cjson.decode(raw)
-if meta['status'] == 'committed' then return {%(COMMITTED)d} end
+if meta['status'] == '%(COMMITTED_STATUS)s' then return {%(COMMITTED)d} end
 local turn = meta['agent_turn_id']
 if turn == cjson.null or turn == nil then turn = '' end
 if turn ~= ARGV[1] then return {%(OTHER_TURN)d} end
@@ -139,7 +142,8 @@ redis.call('SREM', KEYS[3], ARGV[2])
 redis.call('SREM', KEYS[4], ARGV[2])
 event(KEYS[5], 'capture_discarded', ARGV[3], ARGV[4])
 return {%(DONE)d}
-""" % {"NO_CAPTURE": NO_CAPTURE, "COMMITTED": COMMITTED, "OTHER_TURN": OTHER_TURN, "DONE": DONE}
+""" % {"NO_CAPTURE": NO_CAPTURE, "COMMITTED": COMMITTED, "OTHER_TURN": OTHER_TURN, "DONE": DONE,
+       "ACTIVE": TaskStatus.ACTIVE.value, "COMMITTED_STATUS": CaptureStatus.COMMITTED.value}
 
 
 class CaptureScripts:

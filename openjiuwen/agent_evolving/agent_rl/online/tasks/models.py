@@ -1,4 +1,5 @@
-"""Task and capture records, and their state machines as data (CONTRACT §4.1, §4.2, §4.3, §4.4)."""
+"""Task and capture records, and their state machines as data (CONTRACT §4.1, §4.2, §4.3, §4.4). The Task values
+that cross the wire (status, finish reason, reward mode) are common/wire/task_states.py's."""
 
 from __future__ import annotations
 
@@ -9,29 +10,8 @@ from typing import Any
 import orjson
 
 from ...common.lineage import DEFAULT_LINEAGE, line_of
+from ...common.wire.task_states import FinishReason, RewardMode, TaskStatus
 from ..transitions import Transitions
-
-
-class TaskStatus(StrEnum):
-    ACTIVE = "active"
-    FINALIZED = "finalized"
-    ABORTED = "aborted"
-
-
-TASK_STATUSES: tuple[TaskStatus, ...] = tuple(TaskStatus)
-
-
-class FinishReason(StrEnum):
-    USER_STOPPED = "user_stopped"
-    SERVICE_STOPPED = "service_stopped"
-    CAPTURE_FAILED = "capture_failed"
-    TIMEOUT = "timeout"
-    SERVICE_RESTARTED = "service_restarted"
-
-
-class RewardMode(StrEnum):
-    TERMINAL = "terminal"
-    DELAYED_FEEDBACK = "delayed_feedback"
 
 
 class CaptureStatus(StrEnum):

@@ -26,10 +26,8 @@ from ..store.codec import PackedSample, text
 from ..store.listing import newest_first
 from ..store.tx import MAX_WATCH_RETRIES, RedisContention, transact
 from ..workers.fence import UNFENCED, Fence
-from .models import (
-    TASK_STATUSES, TURN_PUBLICATION_TRANSITIONS, CaptureMeta, CaptureStatus, FinishReason, RewardMode, Task, TaskStatus,
-    TurnPublication,
-)
+from ...common.wire.task_states import TASK_STATUSES, FinishReason, RewardMode, TaskStatus
+from .models import TURN_PUBLICATION_TRANSITIONS, CaptureMeta, CaptureStatus, Task, TurnPublication
 from .signals import TaskSignals
 
 if TYPE_CHECKING:

@@ -270,13 +270,6 @@ class TrainingRunner:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
 
-    async def wait(self, run_id: str) -> TrainingRun:
-        """Wait for this process's execution of a run to end (tests, shutdown); then return the record."""
-        task = self._executions.get(run_id)
-        if task is not None:
-            await asyncio.gather(asyncio.shield(task), return_exceptions=True)
-        return await self.get(run_id)
-
     def check_health(self) -> None:
         if self._failure is not None:
             raise RuntimeError(self._failure)

@@ -1,7 +1,8 @@
 """Leader-only requests on a follower: relayed to the leader's private port.
 
 The Training Runner and the rollout controller keep in-process state (the executing run, the one change of rollout
-state at a time), so the routes that change them run on the leader only. The shared port hands a connection to any
+state at a time), so the routes that change them run on the leader only (flagged `leader_only` in
+common/wire/routes.py). The shared port hands a connection to any
 worker; a follower relays such a request over loopback to the leader's private port (the lease names it) and
 returns the leader's answer unchanged. With no leader (a failover: the dead leader's slot restarted, or its lease
 TTL passed) the follower waits for one up to `FAILOVER_WAIT_S`, then answers 503 `service_not_ready`. A relay that
@@ -13,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Awaitable, Callable
 
 import httpx
 
 from ...common.errors import envelope_bytes
+from ...common.wire.routes import leader_only
 
 from .lease import Holder
 
@@ -30,17 +31,6 @@ FORWARD_TIMEOUT_S = 600.0
 FAILOVER_WAIT_S = 10.0  # longer than a lease TTL (5 s) plus a worker's restart
 FAILOVER_POLL_S = 0.1
 _RELAYED_HEADERS = (b"authorization", b"content-type")
-
-LEADER_ROUTES = (
-    ("POST", re.compile(r"^/v1/rl/training/runs$")),
-    ("POST", re.compile(r"^/v1/rl/training/runs/[^/]+/stop$")),
-    ("POST", re.compile(r"^/v1/rl/rollout/(promote|rollback|pause|resume)$")),
-    ("POST", re.compile(r"^/v1/rl/loras/activate$")),
-)
-
-
-def leader_only(method: str, path: str) -> bool:
-    return any(method == m and pattern.match(path) for m, pattern in LEADER_ROUTES)
 
 
 class LeaderForwarding:

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from ..faults import CRASH_AT_ENV
 from .lease import bury
 
 log = logging.getLogger("openjiuwen.agent_rl.online.workers")
 
 WORKER_ENV = "ONLINE_RL_WORKER"  # `<boot>:<slot>:<count>:<listen fd>:<ready fd>`, set by the group only
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"  # chaos tests only (faults.py): a fault crashes the first workers, not their heirs
 MODULE = "openjiuwen.agent_evolving.agent_rl.online.service"
 STOP_TIMEOUT_S = 45.0  # a worker's graceful stop (30 s) plus the leader's wait for the others
 FIRST_BACKOFF_S = 0.2
@@ -158,7 +158,7 @@ class WorkerGroup:
         assert self._sock is not None
         env = dict(os.environ)
         if replacement:  # as a lone service restarted after an injected crash, its replacement runs without it
-            env.pop(CRASH_AT_ENV, None)
+            env.pop(CRASH_AT_ENV, None)  # chaos tests only: a fault crashes the first workers, not their heirs
         env[WORKER_ENV] = WorkerSlot(self._boot, slot, self._count, self._sock.fileno(), self._ready_w).encode()
         env[METRICS_DIR_ENV] = self._metrics_dir
         proc = await asyncio.create_subprocess_exec(
