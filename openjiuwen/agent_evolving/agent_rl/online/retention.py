@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from . import events
-from ..common.lineage import DEFAULT_LINEAGE, line_of
+from ..common.lineage import DEFAULT_LINEAGE, is_lineage, line_of
 from .background import stop_loop
 from .capture.rewards import RewardProjector
 from .store import keys
@@ -129,8 +129,7 @@ class RetentionSweeper:
         ids = [text(t) for t in await self._redis.zrange(keys.TASKS_GC, 0, BATCH - 1)]
         for t in ids:
             task_keys = await self._task_keys(t)
-            raw_task = await self._redis.get(keys.task(t))
-            lineage = Task.from_json(raw_task).lineage if raw_task else DEFAULT_LINEAGE
+            lineage = _lineage_of_record(await self._redis.get(keys.task(t)))
 
             def queue(pipe: Pipeline) -> None:  # awaited below, within this iteration
                 for key in task_keys:
@@ -240,3 +239,14 @@ class RetentionSweeper:
     async def stop(self) -> None:
         await stop_loop(self._task, self._stopping)
         self._task = None
+
+
+def _lineage_of_record(raw: bytes | None) -> str:
+    """The lineage a Task record names (absent or unreadable: `default`). Read leniently: retention must never
+    stop on one odd record, and only the listing trim uses it."""
+    try:
+        record = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        return DEFAULT_LINEAGE
+    lineage = record.get("lineage") if isinstance(record, dict) else None
+    return lineage if is_lineage(lineage) else DEFAULT_LINEAGE

@@ -12,6 +12,7 @@ says `done` a start costs one GET. Re-indexing an id a writer already filed is a
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import orjson
 from redis.asyncio import Redis
@@ -65,21 +66,32 @@ class ListingBackfill:
         else:
             following = _PHASES.index(phase) + 1
             marker = orjson.dumps({"phase": _PHASES[following], "cursor": None}) if following < len(_PHASES) else _DONE
+        records = [_parse(raw, Task if tasks else TrainingRun) for raw in raws]
         pipe.multi()
-        for raw in raws:
-            if raw is None:
-                continue  # expired: the listings drop it on their own
+        for record in records:
+            if record is None:
+                continue  # expired (the listings drop it on their own) or unreadable (never fail a leader start)
             if tasks:
-                task = Task.from_json(raw)
+                task = record
                 created = parse_iso_epoch(task.created_at)
                 pipe.zadd(TASK_LISTING.index(task.lineage), {task.rl_task_id: created})
                 pipe.zadd(TASK_LISTING.index(task.lineage, task.status), {task.rl_task_id: created})
                 TASK_LISTING.queue_expiring(pipe, task.rl_task_id, task.lineage)
             else:
-                run = TrainingRun.from_json(raw)
+                run = record
                 pipe.zadd(RUN_LISTING.index(run.lineage), {run.training_run_id: parse_iso_epoch(run.created_at)})
                 RUN_LISTING.queue_expiring(pipe, run.training_run_id, run.lineage)
         # The progress moves with the chunk it covers (invariant: every id before the marker is indexed).
         pipe.set(keys.LISTINGS_LINEAGE_BACKFILL, marker)
         await pipe.execute()
         return len(ids)
+
+
+def _parse(raw: bytes | None, kind: type) -> Any:
+    if raw is None:
+        return None
+    try:
+        return kind.from_json(raw)
+    except (ValueError, TypeError, KeyError):
+        log.warning("listings per lineage: an unreadable %s record is left unindexed", kind.__name__)
+        return None
