@@ -165,3 +165,51 @@ async def test_invariant_checker_flags_a_line_without_its_pointer(service, redis
     report = await check_invariants(redis, model_id=MODEL_ID, raise_on_violation=False)
     assert f"rollouts ['{ro['rollout_id']}'] of lineage 'a' are not ended but none is current" in report.violations
     assert "rollouts:live_lineages is ['a'], the lineages with a rollout pointer are []" in report.violations
+
+
+async def rollout_series(client) -> dict[tuple[str, tuple], float]:
+    """(family, sorted labels without model_id) → value of the rollout gauges in `GET /metrics`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get("/metrics")).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("rl_rollout_arm_tasks", "rl_rollout_arm_reward_mean", "rl_rollout_in_progress"):
+            for s in family.samples:
+                out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_id")))] = s.value
+    return out
+
+
+async def test_rollout_gauges_carry_the_lineage_of_each_live_canary_only(service, redis):
+    deps, client, _ = service
+    await canary_of(deps, client, "a")
+    await canary_of(deps, client, "b")
+    await rewarded_task(client, "ta-c0", "a", f"{A}:v1", 0.9)
+    await rewarded_task(client, "tb-a0", "b", "base", 0.2)
+    await rewarded_task(client, "tb-a1", "b", "base", 0.4)
+    decisions = await deps.rollout.tick()
+    assert decisions["a"].action == decisions["b"].action == "wait"  # min_tasks 3: nothing decided yet
+    series = await rollout_series(client)
+
+    def val(name: str, **labels: str) -> float | None:
+        return series.get((name, tuple(sorted(labels.items()))))
+
+    assert val("rl_rollout_arm_tasks", lineage="a", arm="candidate", outcome="started") == 1
+    assert val("rl_rollout_arm_tasks", lineage="a", arm="candidate", outcome="rewarded") == 1
+    assert val("rl_rollout_arm_reward_mean", lineage="a", arm="candidate") == pytest.approx(0.9)
+    assert val("rl_rollout_arm_tasks", lineage="b", arm="active", outcome="started") == 2
+    assert val("rl_rollout_arm_reward_mean", lineage="b", arm="active") == pytest.approx(0.3)
+    assert val("rl_rollout_in_progress", lineage="b", status="running") == 1
+    # The default line: always there, zeros (no canary of its own); its arms count no lineage's Tasks.
+    assert val("rl_rollout_in_progress", lineage="default", status="running") == 0
+    assert val("rl_rollout_arm_tasks", lineage="default", arm="candidate", outcome="started") == 0
+    assert {dict(labels)["lineage"] for _, labels in series} == {"default", "a", "b"}
+
+    # b's canary ends (operator rollback): the next round drops b's series, a's stay. Bounded by live canaries.
+    r = await client.post("/v1/rl/rollout/rollback", json={"lineage": "b"})
+    assert r.status_code == 200, r.text
+    await deps.rollout.tick()
+    assert await redis.smembers(keys.ROLLOUT_LIVE_LINEAGES) == {b"a"}
+    series = await rollout_series(client)
+    assert {dict(labels)["lineage"] for _, labels in series} == {"default", "a"}
+    assert val("rl_rollout_arm_tasks", lineage="a", arm="candidate", outcome="started") == 1

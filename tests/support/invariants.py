@@ -121,6 +121,13 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("tasks_listing_expiry", "tasks:listing_expiry"),
         ("runs_by_created", "training_runs:by_created"),
         ("runs_listing_expiry", "training_runs:listing_expiry"),
+        # Listings per lineage (docs/lineages.md): each lineage's own indexes, the lineage of expiring records.
+        ("tasks_by_lineage", "tasks:by_lineage:(?P<lineage>[a-z0-9-]{1,63})"),
+        ("tasks_by_lineage_status", "tasks:by_lineage:(?P<lineage>[a-z0-9-]{1,63}):(?P<ts>active|finalized|aborted)"),
+        ("tasks_listing_lineage", "tasks:listing_lineage"),
+        ("runs_by_lineage", "training_runs:by_lineage:(?P<lineage>[a-z0-9-]{1,63})"),
+        ("runs_listing_lineage", "training_runs:listing_lineage"),
+        ("listings_lineage_backfill", "listings:lineage_backfill"),
         # Per-version evaluation aggregates (docs/observability.md).
         ("policy_versions", "policy_versions"),
         # Instances an operator excluded from training (issue 28 item 2).
@@ -599,6 +606,36 @@ async def _check_task_listings(
             record = _json(raw)
             if isinstance(record, dict) and record.get("status") != groups["ts"]:
                 report.add(f"task {t} is listed under {groups['ts']} but is {record.get('status')}")
+    # Listings per lineage (docs/lineages.md): an id in a lineage's index is a record of that lineage (and of that
+    # status); once the one-time backfill is done, every listed Task with a record is in its lineage's indexes.
+    by_lineage: dict[str, set[str]] = {}
+    for family in ("tasks_by_lineage", "tasks_by_lineage_status"):
+        for key, groups in typed.get(family, []):
+            members = [_s(m) or "" for m in await redis.zrange(key, 0, -1)]
+            records = await _pipelined(redis, members, lambda p, t: p.get(keys.task(t)))
+            for t, raw in zip(members, records):
+                by_lineage.setdefault(key, set()).add(t)
+                record = _json(raw)
+                if not isinstance(record, dict):
+                    continue
+                if record.get("lineage", "default") != groups["lineage"]:
+                    report.add(f"task {t} is in lineage {groups['lineage']!r}'s listing but is of "
+                               f"{record.get('lineage', 'default')!r}")
+                if "ts" in groups and record.get("status") != groups["ts"]:
+                    report.add(f"task {t} is in lineage {groups['lineage']!r}'s {groups['ts']} listing but is "
+                               f"{record.get('status')}")
+    if _s(await redis.get(keys.LISTINGS_LINEAGE_BACKFILL)) == "done":
+        for key, _groups in typed.get("tasks_by_created", []):
+            members = [_s(m) or "" for m in await redis.zrange(key, 0, -1)]
+            records = await _pipelined(redis, members, lambda p, t: p.get(keys.task(t)))
+            for t, raw in zip(members, records):
+                record = _json(raw)
+                if not isinstance(record, dict):
+                    continue
+                lineage, status = record.get("lineage", "default"), record.get("status")
+                for index in (keys.tasks_by_lineage(lineage), keys.tasks_by_lineage_status(lineage, status)):
+                    if t not in by_lineage.get(index, set()):
+                        report.add(f"task {t} is listed but missing from {index}")
 
 
 # --------------------------------------------------------------------------------------------------------- runs

@@ -392,13 +392,14 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         # The RL Service answers the rollout per lineage (immediate mode here: no rollout of support either).
         assert "Rollout of lineage support" in text() and "No rollout yet" in text()
         assert "lineage support (tiny:support)" in scope()
-        show("/tasks")  # every lineage's Tasks, each with its lineage
-        assert run.support_task in text() and run.base_tasks[0] in text() and "not per lineage" in scope()
+        show("/tasks")  # the selected lineage's Tasks only (the RL listing's ?lineage=, docs/lineages.md)
+        assert run.support_task in text() and run.base_tasks[0] not in text()
+        assert "lineage support (tiny:support)" in scope()
         page.locator(f'a[href="#/tasks/{run.support_task}"]').click()
         page.wait_for_selector(f'#view[data-route="/tasks/{run.support_task}"]', state="attached")
         assert "lineage\nsupport" in text()
         show("/runs")
-        assert run.support_run_id in text() and run.run_id in text()
+        assert run.support_run_id in text() and run.run_id not in text()
         page.reload()  # the tab keeps its choice
         page.wait_for_selector('#view[data-route="/runs"][data-lineage="support"]', state="attached")
         show("/policies")

@@ -4,7 +4,9 @@
     openjiuwen-rl rl task start --session S [--mode terminal|delayed_feedback] [--evaluation] [--capture-secret]
     openjiuwen-rl rl task stop|get|events ID
     openjiuwen-rl rl task reward ID VALUE
+    openjiuwen-rl rl task list [--status S] [--lineage L] [--limit N] [--all]
     openjiuwen-rl rl train start [--lineage L] [--watch]
+    openjiuwen-rl rl train list [--lineage L] [--limit N] [--all]
     openjiuwen-rl rl train watch|stop|get RUN_ID
     openjiuwen-rl rl lineage get|pause|resume [LINEAGE]
     openjiuwen-rl rl lineage list [--limit N] [--all]
@@ -485,7 +487,8 @@ def _page_params(ctx: Context) -> dict[str, Any]:
     if ctx.args.cursor:
         params["cursor"] = ctx.args.cursor
     if getattr(ctx.args, "lineage", None):
-        params["lineage"] = ctx.args.lineage  # absent: the default line, as before lineages
+        # Trajectories: absent = the default line, as before lineages; Tasks and runs: absent = every lineage's.
+        params["lineage"] = ctx.args.lineage
     return params
 
 
@@ -858,6 +861,7 @@ def build_parser() -> argparse.ArgumentParser:
     leaf(task, "events", "the Task timeline", _task_events).add_argument("id")
     p = leaf(task, "list", "Tasks newest first", _task_list)
     p.add_argument("--status", choices=("active", "finalized", "aborted"), help="one status only")
+    p.add_argument("--lineage", help="this lineage's Tasks only (`default` too; absent: every lineage's)")
     _add_page_options(p)
     p = leaf(task, "reward", "the terminal reward of a finalized Task (publishes its samples)", _task_reward)
     p.add_argument("id")
@@ -874,7 +878,9 @@ def build_parser() -> argparse.ArgumentParser:
     leaf(train, "stop", "cancel a run (returns once it settled)", _train_stop).add_argument("run_id")
     leaf(train, "get", "the run record", _train_get).add_argument("run_id")
     leaf(train, "events", "the run timeline", _train_events).add_argument("run_id")
-    _add_page_options(leaf(train, "list", "Training Runs newest first", _train_list))
+    p = leaf(train, "list", "Training Runs newest first", _train_list)
+    p.add_argument("--lineage", help="this lineage's runs only (`default` too; absent: every lineage's)")
+    _add_page_options(p)
 
     policy = group("policy", "per-version evaluation of the trained policies")
     leaf(policy, "report", "Tasks, samples, reward with its confidence interval, sources, judge agreement, tokens "

@@ -95,15 +95,18 @@ class ServiceMetrics:
         self.redis_errors = Counter("rl_redis_errors_total", "Redis errors seen by requests, sweeps and scrapes",
                                     m, registry=r)
         # Rollouts (docs/rollout.md): the canary's arms as the last decision round saw them, and the decisions.
-        self.rollout_arm_tasks = Gauge("rl_rollout_arm_tasks", "Tasks of the running canary window by arm and outcome "
-                                       "(started, ended, failed, rewarded)", m + ("arm", "outcome"), registry=r,
-                                       multiprocess_mode=LAST)
+        # `lineage` is bounded by the live canaries (docs/lineages.md "Rollout per lineage"): `default` always,
+        # another lineage only while its line's canary is live (its series go when the canary ends).
+        self.rollout_arm_tasks = Gauge("rl_rollout_arm_tasks", "Tasks of the running canary window by lineage, arm "
+                                       "and outcome (started, ended, failed, rewarded)",
+                                       m + ("lineage", "arm", "outcome"), registry=r, multiprocess_mode=LAST)
         self.rollout_arm_reward = Gauge("rl_rollout_arm_reward_mean",
-                                        "Mean per-Task reward of each arm of the running canary", m + ("arm",),
-                                        registry=r, multiprocess_mode=LAST)
+                                        "Mean per-Task reward of each arm of the running canary, by lineage",
+                                        m + ("lineage", "arm"), registry=r, multiprocess_mode=LAST)
         self.rollout_in_progress = Gauge("rl_rollout_in_progress",
-                                         "1 while a canary runs, by status (running, paused)", m + ("status",),
-                                         registry=r, multiprocess_mode=LAST)
+                                         "1 while a canary runs, by lineage and status (running, paused)",
+                                         m + ("lineage", "status"), registry=r, multiprocess_mode=LAST)
+        self._rollout_lineages: set[str] = set()  # non-default lineages with rollout series
         self.rollout_decisions = Counter("rl_rollout_decisions_total", "Rollout decisions by action, reason, by whom",
                                          m + ("action", "reason", "by"), registry=r)
         # Labelled children of the per-request series, looked up once (`.labels()` builds and hashes a key tuple
@@ -175,10 +178,12 @@ class ServiceMetrics:
     def activation(self, result: str, seconds: float) -> None:
         self.activation_duration.labels(self.model_id, result).observe(seconds)
 
-    def rollout_state(self, record: dict[str, Any] | None, decision: Any) -> None:
-        """The running canary's arms as one decision round saw them; zeros when none runs."""
+    def rollout_state(self, record: dict[str, Any] | None, decision: Any, lineage: str = "default") -> None:
+        """A line's canary arms as one decision round saw them; zeros when none runs (the default line)."""
+        if lineage != "default":
+            self._rollout_lineages.add(lineage)
         for status in ("running", "paused"):
-            self.rollout_in_progress.labels(self.model_id, status).set(
+            self.rollout_in_progress.labels(self.model_id, lineage, status).set(
                 1 if record is not None and record.get("status") == status else 0)
         arms = decision.arms if decision is not None else {}
         for arm in ("candidate", "active"):
@@ -186,8 +191,21 @@ class ServiceMetrics:
             reward = row.get("reward") or {}
             for outcome, value in (("started", row.get("tasks")), ("ended", row.get("ended")),
                                    ("failed", row.get("failed")), ("rewarded", reward.get("n"))):
-                self.rollout_arm_tasks.labels(self.model_id, arm, outcome).set(value or 0)
-            self.rollout_arm_reward.labels(self.model_id, arm).set(reward.get("mean") or 0.0)
+                self.rollout_arm_tasks.labels(self.model_id, lineage, arm, outcome).set(value or 0)
+            self.rollout_arm_reward.labels(self.model_id, lineage, arm).set(reward.get("mean") or 0.0)
+
+    def rollout_lines(self, live: set[str]) -> None:
+        """Drop the series of every non-default lineage whose canary is no longer live, so the label stays bounded
+        by the live canaries. Zeroed first: in a worker group the value files keep a removed child's last value."""
+        for lineage in self._rollout_lineages - live:
+            self.rollout_state(None, None, lineage)
+            for status in ("running", "paused"):
+                self.rollout_in_progress.remove(self.model_id, lineage, status)
+            for arm in ("candidate", "active"):
+                for outcome in ("started", "ended", "failed", "rewarded"):
+                    self.rollout_arm_tasks.remove(self.model_id, lineage, arm, outcome)
+                self.rollout_arm_reward.remove(self.model_id, lineage, arm)
+            self._rollout_lineages.discard(lineage)
 
     def rollout_decision(self, action: str, reason: str, by: str) -> None:
         self.rollout_decisions.labels(self.model_id, action, reason, by).inc()

@@ -22,11 +22,12 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from . import events
-from ..common.lineage import line_of
+from ..common.lineage import DEFAULT_LINEAGE, is_lineage, line_of
 from .background import stop_loop
 from .capture.rewards import RewardProjector
 from .store import keys
 from .store.codec import text
+from .store.lineage_listing import RUN_LISTING, TASK_LISTING
 from .store.trajectories import TrajectoryStore
 from ..common.wire.task_states import TASK_STATUSES
 from .tasks.models import Task, TerminalReward
@@ -100,9 +101,9 @@ class RetentionSweeper:
         ZSETs (at most BATCH each) whose record is gone; one still present (clock skew) waits for the next tick."""
         removed = 0
         task_indexes = (keys.TASKS_BY_CREATION, *(keys.tasks_by_status(s) for s in TASK_STATUSES))
-        for expiry, record_key, indexes in (
-            (keys.TASKS_LISTING_EXPIRY, keys.task, task_indexes),
-            (keys.RUNS_LISTING_EXPIRY, keys.training_run, (keys.RUNS_BY_CREATION,)),
+        for expiry, record_key, indexes, per_lineage in (
+            (keys.TASKS_LISTING_EXPIRY, keys.task, task_indexes, TASK_LISTING),
+            (keys.RUNS_LISTING_EXPIRY, keys.training_run, (keys.RUNS_BY_CREATION,), RUN_LISTING),
         ):
             ids = [text(m) or "" for m in await self._redis.zrangebyscore(expiry, "-inf", now, 0, BATCH)]
             if not ids:
@@ -113,9 +114,13 @@ class RetentionSweeper:
                 present = await reads.execute()
             gone = [member for member, exists in zip(ids, present) if not exists]
             if gone:
+                lineages = await per_lineage.lineages_of(self._redis, gone)
+
                 def forget(pipe: Pipeline) -> None:  # awaited below, within this iteration
+                    # The lineage indexes lose an id in the same EXEC as the overall ones (their invariant).
                     for listing in (*indexes, expiry):
                         pipe.zrem(listing, *gone)
+                    per_lineage.queue_forget(pipe, gone, lineages)
 
                 await self._fence.write(self._redis, forget)
                 removed += len(gone)
@@ -125,12 +130,14 @@ class RetentionSweeper:
         ids = [text(t) for t in await self._redis.zrange(keys.TASKS_GC, 0, BATCH - 1)]
         for t in ids:
             task_keys = await self._task_keys(t)
+            lineage = _lineage_of_record(await self._redis.get(keys.task(t)))
 
             def queue(pipe: Pipeline) -> None:  # awaited below, within this iteration
                 for key in task_keys:
                     pipe.expire(key, self._task_retention_s)
                 # The listing entry goes once the record has expired (`_forget_expired_listings`).
                 pipe.zadd(keys.TASKS_LISTING_EXPIRY, {t: time.time() + self._task_retention_s})
+                TASK_LISTING.queue_expiring(pipe, t, lineage)  # which lineage index to trim then
                 pipe.zrem(keys.TASKS_GC, t)
 
             await self._fence.write(self._redis, queue)
@@ -233,3 +240,14 @@ class RetentionSweeper:
     async def stop(self) -> None:
         await stop_loop(self._task, self._stopping)
         self._task = None
+
+
+def _lineage_of_record(raw: bytes | None) -> str:
+    """The lineage a Task record names (absent or unreadable: `default`). Read leniently: retention must never
+    stop on one odd record, and only the listing trim uses it."""
+    try:
+        record = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        return DEFAULT_LINEAGE
+    lineage = record.get("lineage") if isinstance(record, dict) else None
+    return lineage if is_lineage(lineage) else DEFAULT_LINEAGE

@@ -72,6 +72,7 @@ from .training.runs import RunStore
 from .training.scheduler import TrainingScheduler
 from .watchdog import install_parent_death_watchdog
 from .workers.coordinator import Placement, WorkerCoordinator, make_fence
+from .store.lineage_backfill import ListingBackfill
 from .workers.fence import Fence
 from .workers.forward import LeaderForwarding
 from .workers.group import WORKER_ENV, WorkerGroup, WorkerSlot
@@ -238,6 +239,8 @@ class ServiceDeps:
         await self.rollout.probe()  # canary / manual under a gateway without the canary routes: refuse
         await self.rollout.recover()
         await self.runner.recover()
+        # Before the first sweep: ids listed before the per-lineage listing indexes existed get theirs (one-time).
+        await ListingBackfill(self.redis, fence=self.fence).run()
         await self.sweeper.sweep_once()
         # Without a policy the reward sweeper runs only to release samples that still wait from a time a policy
         # was configured (their open sources are gone, so each is released at its next deadline).
@@ -482,14 +485,14 @@ def create_app(
         on_redis_error=deps.metrics.redis_error,
         workers=None if deps.coordinator.placement.solo else deps.coordinator.snapshot,
     ))
-    app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards,
+    app.include_router(build_tasks_router(deps.registry, deps.lifecycle, deps.rewards, deps.lineages,
                                           on_created=deps.rollout.task_started))
     app.include_router(build_hooks_router(hooks, deps.lifecycle, deps.registry))
     app.include_router(build_rewards_router(deps.reward_ledger))
     reward_stats = deps.reward_ledger.stats if deps.reward_ledger.policy.configured else None
     app.include_router(build_trajectories_router(deps.store, deps.lineages, reward_stats=reward_stats))
     app.include_router(build_rail_router(deps.rail))
-    app.include_router(build_training_router(deps.runner))
+    app.include_router(build_training_router(deps.runner, deps.lineages))
     app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id), deps.lineages))
     app.include_router(build_rollout_router(deps.rollout, deps.lineages))
     app.include_router(build_lineages_router(deps.scheduler, deps.lineages))

@@ -142,8 +142,7 @@
   const SCOPES = {
     policies: "lineage", loras: "lineage",
     rollout: "lineage",
-    tasks: "every lineage: the RL Service's Task listing is not per lineage (the lineage column says whose)",
-    runs: "every lineage: the RL Service's run listing is not per lineage (the lineage column says whose)",
+    tasks: "lineage", runs: "lineage",
     record: "one record, of the lineage its fields name",
     overview: "the service; its LoRA card is the default lineage's",
   };
@@ -305,6 +304,8 @@
       const q = ["limit=50"];
       if (status) q.push("status=" + encodeURIComponent(status));
       if (cursor) q.push("cursor=" + encodeURIComponent(cursor));
+      const lq = lineageQuery("");  // the selected lineage's records only (RL listings take ?lineage=)
+      if (lq) q.push(lq);
       const answer = await api(route + "?" + q.join("&"));
       if (!answer.ok) { body.replaceChildren(problem(answer)); return; }
       items = items.concat(answer.body.items);

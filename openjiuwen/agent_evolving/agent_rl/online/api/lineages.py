@@ -7,6 +7,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request
+from starlette.datastructures import QueryParams
 
 from ...common.wire import routes as rl_routes
 from ...common.errors import ApiError, JSONBody
@@ -30,6 +31,14 @@ async def known_lineage(registry: LineageRegistry, value: object) -> str:
     if not await registry.exists(value):
         raise ApiError(404, _NOT_FOUND, f"lineage {value!r} does not exist")
     return value
+
+
+async def lineage_param(params: QueryParams, registry: LineageRegistry) -> str | None:
+    """The `?lineage=` filter of a listing: None when absent, else a known lineage (400 / 404 as `known_lineage`).
+    An empty value is a malformed name, not an absent one: a filter is never silently dropped."""
+    if "lineage" not in params:
+        return None
+    return await known_lineage(registry, params.get("lineage"))
 
 
 async def _empty_body(request: Request) -> None:

@@ -23,11 +23,13 @@ from .body import json_object
 from ...common.errors import ApiError, JSONBody
 from ...common.wire import headers as wire_headers
 from .errors import domain_errors
+from ..lineages import LineageRegistry
+from .lineages import lineage_param
 from .paging import cursor_param, limit_param, status_param
 
 
-def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards: RewardProjector, *,
-                       on_created: Callable[[Task], Awaitable[None]] | None = None) -> APIRouter:
+def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards: RewardProjector,
+                       lineages: LineageRegistry, *, on_created: Callable[[Task], Awaitable[None]] | None = None) -> APIRouter:
     """`on_created`: told of each new Task (the rollout marks its arm in the Task's timeline)."""
     router = APIRouter()
 
@@ -48,11 +50,13 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
 
     @router.get(rl_routes.TASK_LIST.path, openapi_extra=openapi.TASK_LIST)
     async def list_tasks(request: Request) -> JSONBody:
-        """Task records newest first by creation, optionally one status; `next_cursor` is null on the last page."""
+        """Task records newest first by creation, optionally one status and one lineage (`?lineage=`, ext:
+        docs/lineages.md); `next_cursor` is null on the last page."""
         params = request.query_params
         status, limit, cursor = status_param(params, TASK_STATUSES), limit_param(params), cursor_param(params)
+        lineage = await lineage_param(params, lineages)
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
-            return JSONBody(await registry.list_page(status, limit, cursor))
+            return JSONBody(await registry.list_page(status, limit, cursor, lineage))
 
     @router.get(rl_routes.TASK_EVENTS.path)
     async def task_events(rl_task_id: str) -> JSONBody:

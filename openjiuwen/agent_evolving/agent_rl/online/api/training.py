@@ -14,12 +14,14 @@ from . import openapi
 from .body import json_value
 from ...common.errors import ApiError, JSONBody
 from .errors import domain_errors
+from .lineages import lineage_param
+from ..lineages import LineageRegistry
 from .paging import cursor_param, limit_param
 
 _NOT_FOUND = "training_run_not_found"
 
 
-def build_training_router(runner: TrainingRunner) -> APIRouter:
+def build_training_router(runner: TrainingRunner, lineages: LineageRegistry) -> APIRouter:
     router = APIRouter()
 
     @router.post(rl_routes.RUN_START.path, openapi_extra=openapi.TRAINING_START)
@@ -40,11 +42,13 @@ def build_training_router(runner: TrainingRunner) -> APIRouter:
 
     @router.get(rl_routes.RUN_LIST.path, openapi_extra=openapi.RUN_LIST)
     async def list_runs(request: Request) -> JSONBody:
-        """Public run records newest first by creation; `next_cursor` is null on the last page."""
+        """Public run records newest first by creation, optionally one lineage's (`?lineage=`, ext:
+        docs/lineages.md); `next_cursor` is null on the last page."""
         params = request.query_params
         limit, cursor = limit_param(params), cursor_param(params)
+        lineage = await lineage_param(params, lineages)
         with domain_errors(not_found=_NOT_FOUND, conflict="training_run_conflict"):
-            return JSONBody(await runner.list_runs(limit, cursor))
+            return JSONBody(await runner.list_runs(limit, cursor, lineage))
 
     @router.get(rl_routes.RUN_EVENTS.path)
     async def run_events(training_run_id: str) -> JSONBody:

@@ -308,7 +308,10 @@ class RolloutController:
         first is raised once every line had its turn (a lost lease at once)."""
         decisions: dict[str, Decision | None] = {}
         failure: Exception | None = None
-        for lineage in await self._lines():
+        lines = await self._lines()
+        if self._metrics is not None:  # the per-lineage rollout series of canaries that ended go
+            self._metrics.rollout_lines(set(lines))
+        for lineage in lines:
             try:
                 decisions[lineage] = await self.tick_line(lineage)
             except (asyncio.CancelledError, LeaseLost):
@@ -335,8 +338,7 @@ class RolloutController:
             if record["kind"] != "canary":
                 return None
             decision = await self.evaluate(record)
-            if lineage == DEFAULT_LINEAGE:  # the per-arm gauges are the default line's (no lineage label)
-                self._report(record, decision)
+            self._report(record, decision, lineage)  # series per live canary's lineage (bounded: metrics.py)
             if record["mode"] == CANARY and record["status"] == RolloutStatus.RUNNING and decision.action != WAIT:
                 await self._act(record, decision.action, decision.public(), by="auto")
             return decision
@@ -383,9 +385,10 @@ class RolloutController:
                         arm.add_reward(float(state["reward"]))
         return candidate, active
 
-    def _report(self, record: dict[str, Any] | None, decision: Decision | None) -> None:
+    def _report(self, record: dict[str, Any] | None, decision: Decision | None,
+                lineage: str = DEFAULT_LINEAGE) -> None:
         if self._metrics is not None:
-            self._metrics.rollout_state(record, decision)
+            self._metrics.rollout_state(record, decision, lineage)
 
     async def _act(self, record: dict[str, Any], action: str, decision: dict[str, Any], *, by: str) -> dict[str, Any]:
         target = RolloutStatus.PROMOTING if action == PROMOTE else RolloutStatus.ROLLING_BACK

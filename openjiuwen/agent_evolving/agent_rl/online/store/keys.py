@@ -57,6 +57,15 @@ TASKS_BY_CREATION = PREFIX + "tasks:by_created"
 RUNS_BY_CREATION = PREFIX + "training_runs:by_created"
 TASKS_LISTING_EXPIRY = PREFIX + "tasks:listing_expiry"
 RUNS_LISTING_EXPIRY = PREFIX + "training_runs:listing_expiry"
+# Listings per lineage (docs/lineages.md "Listings per lineage"): the indexes above hold every lineage's ids, so each
+# lineage (`default` included) has its own creation index (`tasks_by_lineage`, `tasks_by_lineage_status`,
+# `runs_by_lineage`), written in the same EXEC as the overall one. A record with a TTL whose lineage is not `default`
+# has its lineage in a HASH id → lineage, written with its listing-expiry entry, so the sweeper that trims the
+# listings (the record gone) knows which lineage index holds the id; no field means `default`. The backfill marker
+# holds the progress of the one-time indexing of ids listed before these indexes existed (`done` when finished).
+TASKS_LISTING_LINEAGE = PREFIX + "tasks:listing_lineage"
+RUNS_LISTING_LINEAGE = PREFIX + "training_runs:listing_lineage"
+LISTINGS_LINEAGE_BACKFILL = PREFIX + "listings:lineage_backfill"
 POLICY_VERSIONS = PREFIX + "policy_versions"  # SET of policy versions with aggregates (`policy_stats:{version}`)
 # SET of the vLLM instance names an operator excluded (issue 28 item 2): their samples are `excluded`, never trained.
 EXCLUDED_INSTANCES = PREFIX + "excluded_instances"
@@ -83,6 +92,30 @@ def tasks_by_status(status: str) -> str:
     if status not in TASK_STATUSES:
         raise InvalidIdentifier("invalid task status")
     return f"{PREFIX}tasks:by_created:{status}"
+
+
+def _listing_lineage(lineage: str) -> str:
+    # Every lineage, `default` included: the overall listing indexes above are not per lineage.
+    if not is_lineage(lineage):
+        raise InvalidIdentifier("invalid lineage for a listing index")
+    return lineage
+
+
+def tasks_by_lineage(lineage: str) -> str:
+    """One lineage's Task ids (ZSET, score = creation epoch), `default` included."""
+    return f"{PREFIX}tasks:by_lineage:{_listing_lineage(lineage)}"
+
+
+def tasks_by_lineage_status(lineage: str, status: str) -> str:
+    """One lineage's Task ids of one status (ZSET, score = creation epoch)."""
+    if status not in TASK_STATUSES:
+        raise InvalidIdentifier("invalid task status")
+    return f"{tasks_by_lineage(lineage)}:{status}"
+
+
+def runs_by_lineage(lineage: str) -> str:
+    """One lineage's Training Run ids (ZSET, score = creation epoch), `default` included."""
+    return f"{PREFIX}training_runs:by_lineage:{_listing_lineage(lineage)}"
 
 
 def policy_stats(version: str) -> str:

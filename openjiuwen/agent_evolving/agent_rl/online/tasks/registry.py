@@ -23,6 +23,7 @@ from ...common.ids import is_token_id, now_iso, parse_iso_epoch
 from ...common.lineage import DEFAULT_LINEAGE
 from ..store import keys
 from ..store.codec import PackedSample, text
+from ..store.lineage_listing import TASK_LISTING
 from ..store.listing import newest_first
 from ..store.tx import MAX_WATCH_RETRIES, RedisContention, transact
 from ..workers.fence import UNFENCED, Fence
@@ -136,8 +137,11 @@ class TaskRegistry:
             pipe.set(pointer_key, t)
             pipe.sadd(keys.ACTIVE_TASKS, t)
             # The listing indexes and the timeline start with the record (one EXEC: a listed Task always exists).
+            # Invariant: a Task is in its lineage's indexes exactly when it is in the overall ones (same EXEC).
             pipe.zadd(keys.TASKS_BY_CREATION, {t: created})
             pipe.zadd(keys.tasks_by_status(TaskStatus.ACTIVE), {t: created})
+            pipe.zadd(TASK_LISTING.index(requested.lineage), {t: created})
+            pipe.zadd(TASK_LISTING.index(requested.lineage, TaskStatus.ACTIVE), {t: created})
             if is_token_id(requested.policy_lora_name):  # per-version Task count (GET /v1/rl/policies)
                 pipe.hincrby(keys.policy_stats(requested.policy_lora_name), "tasks", 1)
                 if requested.evaluation:
@@ -242,9 +246,12 @@ class TaskRegistry:
             extra_writes(pipe)
             for index in indexes:
                 pipe.zadd(index, {t: parse_iso_epoch(now)})
-            # The status listing index and the timeline move with the record.
+            # The status listing indexes (overall and the lineage's: the same invariant as at start) and the
+            # timeline move with the record.
             pipe.zrem(keys.tasks_by_status(TaskStatus.ACTIVE), t)
             pipe.zadd(keys.tasks_by_status(status), {t: parse_iso_epoch(task.created_at)})
+            pipe.zrem(TASK_LISTING.index(task.lineage, TaskStatus.ACTIVE), t)
+            pipe.zadd(TASK_LISTING.index(task.lineage, status), {t: parse_iso_epoch(task.created_at)})
             events.queue(pipe, keys.task_events(t), status.value, {"reason": reason.value}, at=now)
             await pipe.execute()
             transitioned.append(True)
@@ -259,13 +266,20 @@ class TaskRegistry:
                 self._metrics.task_finished(task.status, reason.value)
         return task
 
-    async def list_page(self, status: str | None, limit: int, cursor: str | None) -> dict[str, Any]:
-        """Task records newest first by creation (`GET /v1/rl/tasks`), from the creation-time listing indexes.
+    async def list_page(
+        self, status: str | None, limit: int, cursor: str | None, lineage: str | None = None,
+    ) -> dict[str, Any]:
+        """Task records newest first by creation (`GET /v1/rl/tasks`), from the creation-time listing indexes; with
+        `lineage`, from that lineage's own indexes (O(page): other lineages' ids are never read).
 
         An id whose record is gone (expired by retention) is dropped from the indexes on the way; a record whose
         status changed between the index read and the record read is left out of a filtered page."""
-        index = keys.TASKS_BY_CREATION if status is None else keys.tasks_by_status(status)
-        ids, next_cursor = await newest_first(self._redis, index, limit=limit, cursor=cursor, scope=status or "*")
+        if lineage is None:
+            index = keys.TASKS_BY_CREATION if status is None else keys.tasks_by_status(status)
+            scope = status or "*"  # the cursor of the unfiltered listing, as before lineages
+        else:
+            index, scope = TASK_LISTING.index(lineage, status), f"{lineage}/{status or '*'}"
+        ids, next_cursor = await newest_first(self._redis, index, limit=limit, cursor=cursor, scope=scope)
         raws = await self._redis.mget([keys.task(t) for t in ids]) if ids else []
         items, gone = [], []
         for t, raw in zip(ids, raws):
@@ -273,18 +287,23 @@ class TaskRegistry:
                 gone.append(t)
                 continue
             task = Task.from_json(raw)
-            if status is None or task.status == status:
+            if (status is None or task.status == status) and (lineage is None or task.lineage == lineage):
                 items.append(task.public())
         if gone:
-            await self.forget(gone)
+            await self.forget(gone, lineage)
         return {"items": items, "next_cursor": next_cursor}
 
-    async def forget(self, rl_task_ids: list[str]) -> None:
-        """Drop ids whose records expired from every listing index (the record, not the index, is the truth)."""
+    async def forget(self, rl_task_ids: list[str], lineage: str | None = None) -> None:
+        """Drop ids whose records expired from every listing index (the record, not the index, is the truth):
+        the overall ones and their lineage's (`lineage` when the caller read that lineage's index, else the one
+        recorded when the record got its TTL)."""
+        lineages = ([lineage] * len(rl_task_ids) if lineage is not None
+                    else await TASK_LISTING.lineages_of(self._redis, rl_task_ids))
         async with self._redis.pipeline(transaction=False) as pipe:
             for index in (keys.TASKS_BY_CREATION, *(keys.tasks_by_status(s) for s in TASK_STATUSES),
                           keys.TASKS_LISTING_EXPIRY):
                 pipe.zrem(index, *rl_task_ids)
+            TASK_LISTING.queue_forget(pipe, rl_task_ids, lineages)
             await pipe.execute()
 
     async def events(self, rl_task_id: str) -> list[dict[str, Any]]:

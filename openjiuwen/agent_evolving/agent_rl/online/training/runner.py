@@ -98,8 +98,8 @@ class TrainingRunner:
 
     # ------------------------------------------------------------------ API
 
-    async def list_runs(self, limit: int, cursor: str | None) -> dict[str, Any]:
-        return await self._runs.list_page(limit, cursor)
+    async def list_runs(self, limit: int, cursor: str | None, lineage: str | None = None) -> dict[str, Any]:
+        return await self._runs.list_page(limit, cursor, lineage)
 
     async def events(self, run_id: str) -> list[dict[str, Any]]:
         items = await self._runs.events(run_id)

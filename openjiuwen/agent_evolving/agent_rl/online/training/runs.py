@@ -24,6 +24,7 @@ from ..errors import NotFound
 from ...common.ids import is_token_id, now_iso, parse_iso_epoch, policy_lag_version
 from ..store import keys
 from ..store.codec import text
+from ..store.lineage_listing import RUN_LISTING
 from ..store.listing import newest_first
 from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
@@ -152,7 +153,9 @@ class RunStore:
                 )
             pipe.set(run_key, run.to_json())
             pipe.set(keys.ACTIVE_RUN, run.training_run_id)
+            # Invariant: a run is in its lineage's listing index exactly when it is in the overall one (same EXEC).
             pipe.zadd(keys.RUNS_BY_CREATION, {run.training_run_id: parse_iso_epoch(run.created_at)})
+            pipe.zadd(RUN_LISTING.index(run.lineage), {run.training_run_id: parse_iso_epoch(run.created_at)})
             events.queue(pipe, keys.training_run_events(run.training_run_id), "created", {
                 "sample_count": run.sample_count, "policy_versions": versions,
                 "parent_lora_name": run.parent_lora_name, "trigger": run.trigger,
@@ -275,6 +278,7 @@ class RunStore:
             self._queue_restore(pipe, run, moves, at)
             pipe.set(run_key, done.to_json(), ex=self._run_retention_s)
             pipe.zadd(keys.RUNS_LISTING_EXPIRY, {run_id: parse_iso_epoch(at) + self._run_retention_s})
+            RUN_LISTING.queue_expiring(pipe, run_id, run.lineage)  # which lineage index to trim then
             if pointer == run_id:
                 pipe.delete(keys.ACTIVE_RUN)
             # The line's last run end moves with the terminal record, so `min_interval_seconds` of automatic
@@ -353,19 +357,24 @@ class RunStore:
                             bool(instance) and text(instance) in excluded))
         return out
 
-    async def list_page(self, limit: int, cursor: str | None) -> dict[str, Any]:
-        """Public run records newest first (`GET /v1/rl/training/runs`); ids of expired records leave the index."""
-        ids, next_cursor = await newest_first(
-            self._redis, keys.RUNS_BY_CREATION, limit=limit, cursor=cursor, scope="runs"
-        )
+    async def list_page(self, limit: int, cursor: str | None, lineage: str | None = None) -> dict[str, Any]:
+        """Public run records newest first (`GET /v1/rl/training/runs`); with `lineage`, from that lineage's own
+        index (O(page)). Ids of expired records leave the indexes."""
+        index, scope = ((keys.RUNS_BY_CREATION, "runs") if lineage is None
+                        else (RUN_LISTING.index(lineage), f"runs/{lineage}"))
+        ids, next_cursor = await newest_first(self._redis, index, limit=limit, cursor=cursor, scope=scope)
         raws = await self._redis.mget([keys.training_run(r) for r in ids]) if ids else []
         gone = [r for r, raw in zip(ids, raws) if raw is None]
         if gone:
+            lineages = ([lineage] * len(gone) if lineage is not None
+                        else await RUN_LISTING.lineages_of(self._redis, gone))
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.zrem(keys.RUNS_BY_CREATION, *gone)
                 pipe.zrem(keys.RUNS_LISTING_EXPIRY, *gone)
+                RUN_LISTING.queue_forget(pipe, gone, lineages)
                 await pipe.execute()
-        items = [TrainingRun.from_json(raw).public() for raw in raws if raw is not None]
+        runs = [TrainingRun.from_json(raw) for raw in raws if raw is not None]
+        items = [run.public() for run in runs if lineage is None or run.lineage == lineage]
         return {"items": items, "next_cursor": next_cursor}
 
     async def events(self, run_id: str) -> list[dict[str, Any]] | None:
