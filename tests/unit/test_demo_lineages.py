@@ -26,7 +26,7 @@ def test_saying_little_succeeds_for_neither():
 def test_the_two_lineage_demo_trains_every_lineage_automatically_once_a_round_is_pending():
     """The `training_policy` the driver writes under --lineages 2 is one the RL Service accepts, and it makes the
     scheduler train each of the demo's lineages (not only the default line) at exactly one round of samples."""
-    from openjiuwen.agent_evolving.agent_rl.demo.run import lineage_training_policy
+    from openjiuwen.agent_evolving.agent_rl.demo.stack_config import lineage_training_policy
     from openjiuwen.agent_evolving.agent_rl.online.training.eligibility import LineState, judge_line
     from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
 

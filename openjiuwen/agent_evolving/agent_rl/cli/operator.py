@@ -819,34 +819,36 @@ def _add_watch_options(parser: argparse.ArgumentParser) -> None:
                         help="give up watching after this many seconds (default 0: wait until the run ends)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    _add_common(common, leaf=True)
-    parser = argparse.ArgumentParser(
-        prog="openjiuwen-rl rl", description="Operate online RL through a gateway's signed control API.",
-        epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_common(parser, leaf=False)
-    groups = parser.add_subparsers(dest="group", metavar="GROUP", required=True)
+class _Commands:
+    """The `rl` parser's GROUP ACTION tree: every leaf takes the common options and names its handler."""
 
-    def group(name: str, help_text: str) -> argparse._SubParsersAction:
-        sub = groups.add_parser(name, help=help_text, description=help_text)
+    def __init__(self, groups: argparse._SubParsersAction) -> None:
+        self.groups = groups
+        self.common = argparse.ArgumentParser(add_help=False)
+        _add_common(self.common, leaf=True)
+
+    def group(self, name: str, help_text: str) -> argparse._SubParsersAction:
+        sub = self.groups.add_parser(name, help=help_text, description=help_text)
         return sub.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    def leaf(actions: argparse._SubParsersAction, name: str, help_text: str,
+    def leaf(self, actions: argparse._SubParsersAction, name: str, help_text: str,
              handler: Callable[[Context], int]) -> argparse.ArgumentParser:
-        p = actions.add_parser(name, parents=[common], help=help_text, description=help_text, epilog=ENVIRONMENT,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = actions.add_parser(name, parents=[self.common], help=help_text, description=help_text,
+                               epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(handler=handler)
         return p
 
-    service = group("service", "start, stop or inspect the RL Service child of the gateway")
-    leaf(service, "start", "start the RL Service (idempotent; waits until it is healthy)", _service("start"))
-    leaf(service, "stop", "drain captures and stop the RL Service (idempotent)", _service("stop"))
-    leaf(service, "status", "running, stopped or failed (with the reason)", _service("status"))
 
-    task = group("task", "start, stop, reward and inspect RL Tasks")
-    p = leaf(task, "start", "start (or reuse) the Task of an agent session", _task_start)
+def _add_service_commands(c: _Commands) -> None:
+    service = c.group("service", "start, stop or inspect the RL Service child of the gateway")
+    c.leaf(service, "start", "start the RL Service (idempotent; waits until it is healthy)", _service("start"))
+    c.leaf(service, "stop", "drain captures and stop the RL Service (idempotent)", _service("stop"))
+    c.leaf(service, "status", "running, stopped or failed (with the reason)", _service("status"))
+
+
+def _add_task_commands(c: _Commands) -> None:
+    task = c.group("task", "start, stop, reward and inspect RL Tasks")
+    p = c.leaf(task, "start", "start (or reuse) the Task of an agent session", _task_start)
     p.add_argument("--session", required=True, help="the agent's X-Agent-Session-Id")
     p.add_argument("--mode", choices=("terminal", "delayed_feedback"), default="terminal",
                    help="reward mode (default terminal)")
@@ -856,102 +858,137 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evaluation", action="store_true",
                    help="an evaluation Task: its samples count in the per-version evaluation (`policy report`) but "
                         "no Training Run ever claims them")
-    leaf(task, "stop", "drain in-flight captures and finalize the Task", _task_stop).add_argument("id")
-    leaf(task, "get", "the Task record", _task_get).add_argument("id")
-    leaf(task, "events", "the Task timeline", _task_events).add_argument("id")
-    p = leaf(task, "list", "Tasks newest first", _task_list)
+    c.leaf(task, "stop", "drain in-flight captures and finalize the Task", _task_stop).add_argument("id")
+    c.leaf(task, "get", "the Task record", _task_get).add_argument("id")
+    c.leaf(task, "events", "the Task timeline", _task_events).add_argument("id")
+    p = c.leaf(task, "list", "Tasks newest first", _task_list)
     p.add_argument("--status", choices=("active", "finalized", "aborted"), help="one status only")
     p.add_argument("--lineage", help="this lineage's Tasks only (`default` too; absent: every lineage's)")
     _add_page_options(p)
-    p = leaf(task, "reward", "the terminal reward of a finalized Task (publishes its samples)", _task_reward)
+    p = c.leaf(task, "reward", "the terminal reward of a finalized Task (publishes its samples)", _task_reward)
     p.add_argument("id")
     p.add_argument("value", type=float, help="a number between 0 and 1")
 
-    train = group("train", "start, watch and stop Training Runs")
-    p = leaf(train, "start", "start a Training Run (or return the active one)", _train_start)
+
+def _add_train_commands(c: _Commands) -> None:
+    train = c.group("train", "start, watch and stop Training Runs")
+    p = c.leaf(train, "start", "start a Training Run (or return the active one)", _train_start)
     p.add_argument("--watch", action="store_true", help="then follow it like `train watch`")
     p.add_argument("--lineage", help="train this lineage's line (default: the default lineage)")
     _add_watch_options(p)
-    p = leaf(train, "watch", "follow a run until it ends; exit 1 when it failed or was canceled", _train_watch)
+    p = c.leaf(train, "watch", "follow a run until it ends; exit 1 when it failed or was canceled", _train_watch)
     p.add_argument("run_id")
     _add_watch_options(p)
-    leaf(train, "stop", "cancel a run (returns once it settled)", _train_stop).add_argument("run_id")
-    leaf(train, "get", "the run record", _train_get).add_argument("run_id")
-    leaf(train, "events", "the run timeline", _train_events).add_argument("run_id")
-    p = leaf(train, "list", "Training Runs newest first", _train_list)
+    c.leaf(train, "stop", "cancel a run (returns once it settled)", _train_stop).add_argument("run_id")
+    c.leaf(train, "get", "the run record", _train_get).add_argument("run_id")
+    c.leaf(train, "events", "the run timeline", _train_events).add_argument("run_id")
+    p = c.leaf(train, "list", "Training Runs newest first", _train_list)
     p.add_argument("--lineage", help="this lineage's runs only (`default` too; absent: every lineage's)")
     _add_page_options(p)
 
-    policy = group("policy", "per-version evaluation of the trained policies")
-    leaf(policy, "report", "Tasks, samples, reward with its confidence interval, sources, judge agreement, tokens "
-                           "and latency per version, and the latest version against its parent",
-         _policy_report).add_argument("--lineage", help="base and this lineage's versions only")
 
-    rollout = group("rollout", "the canary of a new version: status, promote, roll back, pause (docs/rollout.md)")
+def _add_policy_commands(c: _Commands) -> None:
+    policy = c.group("policy", "per-version evaluation of the trained policies")
+    c.leaf(policy, "report", "Tasks, samples, reward with its confidence interval, sources, judge agreement, tokens "
+                             "and latency per version, and the latest version against its parent",
+           _policy_report).add_argument("--lineage", help="base and this lineage's versions only")
+
+
+def _add_rollout_commands(c: _Commands) -> None:
+    rollout = c.group("rollout", "the canary of a new version: status, promote, roll back, pause (docs/rollout.md)")
     line_help = "this lineage's line (default: the default lineage)"
-    leaf(rollout, "status", "the rollout mode, the current rollout with both arms, their reward intervals and the "
-                            "decision with its reason, and the latest rollouts",
-         _rollout_status).add_argument("--lineage", help=line_help)
-    leaf(rollout, "promote", "promote the candidate now: it serves every new Task",
-         _rollout("promote")).add_argument("--lineage", help=line_help)
-    leaf(rollout, "rollback", "roll the candidate back now: every new Task gets the active version; Tasks pinned "
-                              "to the candidate keep it until they end",
-         _rollout("rollback")).add_argument("--lineage", help=line_help)
-    leaf(rollout, "pause", "stop automatic decisions (new Tasks are still split)",
-         _rollout("pause")).add_argument("--lineage", help=line_help)
-    leaf(rollout, "resume", "resume automatic decisions", _rollout("resume")).add_argument("--lineage", help=line_help)
-    leaf(rollout, "events", "the rollout timeline", _rollout_events).add_argument("rollout_id")
+    c.leaf(rollout, "status", "the rollout mode, the current rollout with both arms, their reward intervals and the "
+                              "decision with its reason, and the latest rollouts",
+           _rollout_status).add_argument("--lineage", help=line_help)
+    c.leaf(rollout, "promote", "promote the candidate now: it serves every new Task",
+           _rollout("promote")).add_argument("--lineage", help=line_help)
+    c.leaf(rollout, "rollback", "roll the candidate back now: every new Task gets the active version; Tasks pinned "
+                                "to the candidate keep it until they end",
+           _rollout("rollback")).add_argument("--lineage", help=line_help)
+    c.leaf(rollout, "pause", "stop automatic decisions (new Tasks are still split)",
+           _rollout("pause")).add_argument("--lineage", help=line_help)
+    c.leaf(rollout, "resume", "resume automatic decisions",
+           _rollout("resume")).add_argument("--lineage", help=line_help)
+    c.leaf(rollout, "events", "the rollout timeline", _rollout_events).add_argument("rollout_id")
 
-    lineage = group("lineage", "automatic training of a lineage: its scheduler view, pause, resume "
-                               "(docs/training.md)")
+
+def _add_lineage_commands(c: _Commands) -> None:
+    lineage = c.group("lineage", "automatic training of a lineage: its scheduler view, pause, resume "
+                                 "(docs/training.md)")
     for action, text in (("get", "paused or not, pending samples, oldest wait, and when the scheduler may start "
                                  "the next run"),
                          ("pause", "stop automatic Training Runs of the lineage (manual ones still start)"),
                          ("resume", "let the scheduler start the lineage's runs again")):
-        leaf(lineage, action, text, _lineage(action)).add_argument(
+        c.leaf(lineage, action, text, _lineage(action)).add_argument(
             "lineage", nargs="?", default="default", help="the lineage (default: default)")
-    _add_page_options(leaf(lineage, "list", "registered lineages newest first, with their line, pending samples "
-                                            "and active run (docs/lineages.md)", _lineage_list))
+    _add_page_options(c.leaf(lineage, "list", "registered lineages newest first, with their line, pending samples "
+                                              "and active run (docs/lineages.md)", _lineage_list))
 
-    lora = group("lora", "inspect or roll back the active LoRA of a model")
-    leaf(lora, "activate", "activate any published version (<model>:vN) for every new Task, through the RL "
-                           "Service so that its records stay true; pinned Tasks keep theirs",
-         _lora_activate).add_argument("lora_name", help="e.g. tiny:v3")
-    leaf(lora, "status", "base, active or degraded, with the active LoRA and instance counts",
-         _lora_status).add_argument("model", nargs="?", help=f"model id (default ${MODEL_ENV})")
-    leaf(lora, "delete", "deactivate the LoRA: new Tasks use the base model, pinned Tasks keep theirs",
-         _lora_delete).add_argument("model")
 
-    instance = group("instance", "the vLLM instances behind the gateway: list them, remove a registered one")
-    leaf(instance, "list", "every instance with its origin (static or registered), health and loaded adapters",
-         _instance_list)
-    leaf(instance, "remove", "remove a registered instance from routing (static ones live in the gateway config)",
-         _instance_remove).add_argument("name")
+def _add_lora_commands(c: _Commands) -> None:
+    lora = c.group("lora", "inspect or roll back the active LoRA of a model")
+    c.leaf(lora, "activate", "activate any published version (<model>:vN) for every new Task, through the RL "
+                             "Service so that its records stay true; pinned Tasks keep theirs",
+           _lora_activate).add_argument("lora_name", help="e.g. tiny:v3")
+    c.leaf(lora, "status", "base, active or degraded, with the active LoRA and instance counts",
+           _lora_status).add_argument("model", nargs="?", help=f"model id (default ${MODEL_ENV})")
+    c.leaf(lora, "delete", "deactivate the LoRA: new Tasks use the base model, pinned Tasks keep theirs",
+           _lora_delete).add_argument("model")
 
-    traj = group("traj", "trajectory samples: counters, listing, detail, external rewards")
-    p = leaf(traj, "stats", "counters by status and source", _traj_stats)
+
+def _add_instance_commands(c: _Commands) -> None:
+    instance = c.group("instance", "the vLLM instances behind the gateway: list them, remove a registered one")
+    c.leaf(instance, "list", "every instance with its origin (static or registered), health and loaded adapters",
+           _instance_list)
+    c.leaf(instance, "remove", "remove a registered instance from routing (static ones live in the gateway config)",
+           _instance_remove).add_argument("name")
+
+
+def _add_traj_commands(c: _Commands) -> None:
+    traj = c.group("traj", "trajectory samples: counters, listing, detail, external rewards")
+    p = c.leaf(traj, "stats", "counters by status and source", _traj_stats)
     p.add_argument("--lineage", help="this lineage's line (default: the default lineage)")
-    p = leaf(traj, "list", "sample summaries, oldest first per status", _traj_list)
+    p = c.leaf(traj, "list", "sample summaries, oldest first per status", _traj_list)
     p.add_argument("--status", choices=[s.value for s in ALL_SAMPLE_STATUSES],
                    help="one status only")
     p.add_argument("--lineage", help="this lineage's line (default: the default lineage)")
     _add_page_options(p)
-    leaf(traj, "get", "one sample with its token arrays and judge", _traj_get).add_argument("id")
-    p = leaf(traj, "exclude", "keep every sample a vLLM instance served out of training, now and from now on "
-                              "(its pending samples become `excluded`)", _traj_exclude)
+    c.leaf(traj, "get", "one sample with its token arrays and judge", _traj_get).add_argument("id")
+    p = c.leaf(traj, "exclude", "keep every sample a vLLM instance served out of training, now and from now on "
+                                "(its pending samples become `excluded`)", _traj_exclude)
     p.add_argument("--instance", required=True, help="the instance name (as `rl instance list` shows it)")
-    p = leaf(traj, "reward", "attach a score of an external reward source (needs a reward policy; docs/rewards.md)",
-             _traj_reward)
+    p = c.leaf(traj, "reward", "attach a score of an external reward source (needs a reward policy; "
+                               "docs/rewards.md)", _traj_reward)
     p.add_argument("id", help="the sample (trajectory) id")
     p.add_argument("source", help="an external source of the service's reward_policy")
     p.add_argument("score", type=float, help="a number between 0 and 1")
 
-    console = group("console", "the gateway's read-only web console")
-    p = leaf(console, "url", "print a single-use login link for the web console (signed here; no request is sent)",
-             _console_url)
+
+def _add_console_commands(c: _Commands) -> None:
+    console = c.group("console", "the gateway's read-only web console")
+    p = c.leaf(console, "url", "print a single-use login link for the web console (signed here; no request is "
+                               "sent)", _console_url)
     p.add_argument("--ttl", type=float, default=float(DEFAULT_LOGIN_TTL_S),
                    help=f"seconds the link stays valid (default {DEFAULT_LOGIN_TTL_S}, at most "
                         f"{MAX_LOGIN_TTL_MS // 1000})")
+
+
+# The command groups in the order `--help` lists them.
+_COMMAND_GROUPS: tuple[Callable[[_Commands], None], ...] = (
+    _add_service_commands, _add_task_commands, _add_train_commands, _add_policy_commands, _add_rollout_commands,
+    _add_lineage_commands, _add_lora_commands, _add_instance_commands, _add_traj_commands, _add_console_commands,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="openjiuwen-rl rl", description="Operate online RL through a gateway's signed control API.",
+        epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common(parser, leaf=False)
+    commands = _Commands(parser.add_subparsers(dest="group", metavar="GROUP", required=True))
+    for add in _COMMAND_GROUPS:
+        add(commands)
     return parser
 
 

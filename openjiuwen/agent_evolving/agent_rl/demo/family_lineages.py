@@ -124,7 +124,7 @@ class FamilyLineages(TwoLineages):
             results = self.batch(self.args.rounds, actives, evaluation=True, families=families,
                                  title="cross evaluation (each lineage on the other family)")
             seconds = round(time.monotonic() - t, 2)
-        self.demo.timings["rounds"].append({"policy": "every lineage", "kind": "evaluation", "seconds": seconds})
+        self.demo.report.timings["rounds"].append({"policy": "every lineage", "kind": "evaluation", "seconds": seconds})
         for o in self.objectives:
             entry = self.entry(o, actives[o.lineage], results[o.lineage], seconds, None)
             entry["family"] = families[o.lineage]
@@ -142,8 +142,8 @@ class FamilyLineages(TwoLineages):
         body: dict[str, Any] = {"reward_mode": "terminal", "lineage": o.lineage}
         if evaluation:
             body["evaluation"] = True  # held out: counted per version, never claimed by a Training Run
-        started = demo.signed("POST", "/v1/rl/tasks/start", json_body=body, headers={"X-Agent-Session-Id": session},
-                              agent=True)
+        started = demo.stack.signed("POST", "/v1/rl/tasks/start", json_body=body,
+                                    headers={"X-Agent-Session-Id": session}, agent=True)
         if started.status_code != 201:
             raise LineageDemoFailed(f"Task start ({o.lineage}) answered {started.status_code}: {started.text[:300]}")
         task = started.json()
@@ -153,18 +153,18 @@ class FamilyLineages(TwoLineages):
                                     f"{lora or BASE_POLICY}")
 
         def complete(messages: list[dict[str, str]]) -> str:
-            # No per-request `seed` (vLLM 0.32's CPU sampler fails on seeded chunked prefills; run.py says more).
-            out = demo._agent.chat.completions.create(
+            # No per-request `seed` (vLLM 0.32's CPU sampler fails on seeded chunked prefills; rounds.py says more).
+            out = demo.stack.agent.chat.completions.create(
                 model=a.model_id, messages=messages, max_tokens=a.max_tokens, temperature=1.0,
                 extra_headers={"X-Agent-Session-Id": session})
             return out.choices[0].message.content or ""
 
         answers, feedback = fam.play(problem, complete)
-        stopped = demo.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
+        stopped = demo.stack.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
         if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
             raise LineageDemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
         scored = fam.score(problem, answers)
-        rewarded = demo._publish_reward(task_id, scored.reward)
+        rewarded = demo.calls.publish_reward(task_id, scored.reward)
         return {"lineage": o.lineage, "family": fam.name, "round": r, "task": i, "evaluation": evaluation,
                 "rl_task_id": task_id, "policy": pinned, "question": problem.question, "answer": problem.answer,
                 "answers": answers, "feedback": feedback, "reward": scored.reward, "success": scored.success,

@@ -8,7 +8,7 @@ opposite objectives learn at the same time on one base model, one gateway and on
   trained on), then both lineages' training Tasks, all interleaved on one pool of agents; then a Training Run per
   lineage. Each Task starts with `"lineage"` and must be pinned to its own line's active version.
 - No operator call in the loop: the RL Service runs with `training_policy.auto: true` and `min_pending_samples` =
-  one round of a lineage's training samples (run.py, `lineage_training_policy`), so its scheduler starts each
+  one round of a lineage's training samples (stack_config.py, `lineage_training_policy`), so its scheduler starts each
   lineage's Training Run by itself once that lineage's training Tasks are rewarded (one run at a time, machine-wide).
   The driver only finds each lineage's new run in the run listing, watches it to its end, checks that its trigger
   is `auto` and that its version is the line's active one on the gateway, then evaluates.
@@ -91,21 +91,22 @@ class TwoLineages:
                 t = time.monotonic()
                 results = self.batch(r, actives, evaluation=True)
                 seconds = round(time.monotonic() - t, 2)
-            self.demo.timings["rounds"].append({"policy": "every lineage", "kind": "evaluation", "seconds": seconds})
+            self.demo.report.timings["rounds"].append({"policy": "every lineage", "kind": "evaluation",
+                                                       "seconds": seconds})
             for o in self.objectives:
                 entry = self.entry(o, actives[o.lineage], results[o.lineage], seconds, trained.get(o.lineage))
                 self.tables[o.lineage].append(entry)
                 print(f"  {o.lineage} {entry['policy']} (held-out): success {entry['success_rate']:.3f} "
                       f"[{entry['success_ci95'][0]:.3f}, {entry['success_ci95'][1]:.3f}], reward "
                       f"{entry['mean_reward']:.3f}; e.g. {entry['example']!r}", flush=True)
-            self.demo.write_reports(final=False)
+            self.demo.report.write(final=False)
             if r == a.rounds:
                 return
             with self.demo.stage(f"training round {r + 1}/{a.rounds} (every lineage)", log):
                 t = time.monotonic()
                 self.batch(r, actives, evaluation=False)
-            self.demo.timings["rounds"].append({"policy": "every lineage", "kind": "training",
-                                                "seconds": round(time.monotonic() - t, 2)})
+            self.demo.report.timings["rounds"].append({"policy": "every lineage", "kind": "training",
+                                                       "seconds": round(time.monotonic() - t, 2)})
             # One shared deadline: the service runs one Training Run at a time, and its scheduler picks the line
             # whose samples waited longest, so a lineage's run may wait for the other's.
             deadline = time.monotonic() + a.train_timeout * len(self.objectives)
@@ -142,7 +143,7 @@ class TwoLineages:
         bar = Bar(title or f"{kind} {r + 1} ({', '.join(o.lineage for o in objectives)})", total=len(jobs),
                   unit="tasks")
         executor = futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
-        self.demo._executor = executor  # the Demo's shutdown cancels it on Ctrl-C
+        self.demo.rounds.executor = executor  # the Demo's shutdown cancels it on Ctrl-C
         results: dict[str, list[dict[str, Any]]] = {o.lineage: [] for o in objectives}
         try:
             pending = {executor.submit(self.task, o, r, i, actives[o.lineage], evaluation,
@@ -168,15 +169,15 @@ class TwoLineages:
 
     def task(self, o: Any, r: int, i: int, lora: str | None, evaluation: bool,
              family: str | None = None) -> dict[str, Any]:
-        from .run import sampling_seed
+        from .rounds import sampling_seed
 
         a, demo = self.args, self.demo
         session = f"demo-{o.lineage}-{'e' if evaluation else 't'}{r}-{i}-{secrets.token_hex(3)}"
         body: dict[str, Any] = {"reward_mode": "terminal", "lineage": o.lineage}
         if evaluation:
             body["evaluation"] = True  # held out: counted per version, never claimed by a Training Run
-        started = demo.signed("POST", "/v1/rl/tasks/start", json_body=body, headers={"X-Agent-Session-Id": session},
-                              agent=True)
+        started = demo.stack.signed("POST", "/v1/rl/tasks/start", json_body=body,
+                                    headers={"X-Agent-Session-Id": session}, agent=True)
         if started.status_code != 201:
             raise LineageDemoFailed(f"Task start ({o.lineage}) answered {started.status_code}: {started.text[:300]}")
         task = started.json()
@@ -188,17 +189,17 @@ class TwoLineages:
         messages: list[dict[str, str]] = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
         answers: list[str] = []
         for turn in range(a.turns):
-            out = demo._agent.chat.completions.create(
+            out = demo.stack.agent.chat.completions.create(
                 model=a.model_id, messages=messages, max_tokens=a.max_tokens, temperature=1.0,
                 seed=sampling_seed(a.seed, seed_round, i, turn), extra_headers={"X-Agent-Session-Id": session})
             text = out.choices[0].message.content or ""
             answers.append(text)
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UP}]
-        stopped = demo.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
+        stopped = demo.stack.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
         if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
             raise LineageDemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
         reward = o.reward(answers)
-        rewarded = demo._publish_reward(task_id, reward)
+        rewarded = demo.calls.publish_reward(task_id, reward)
         return {"lineage": o.lineage, "round": r, "task": i, "evaluation": evaluation, "rl_task_id": task_id,
                 "policy": pinned, "answers": answers, "reward": reward, "success": o.success(reward),
                 "samples": rewarded.get("sample_count", 0)}
@@ -207,7 +208,7 @@ class TwoLineages:
 
     def active(self, lineage: str) -> str | None:
         line = self.line(lineage)
-        r = self.demo.signed("GET", f"/v1/loras/{line}")
+        r = self.demo.stack.signed("GET", f"/v1/loras/{line}")
         if r.status_code != 200:
             raise LineageDemoFailed(f"GET /v1/loras/{line} answered {r.status_code}: {r.text[:300]}")
         active = r.json().get("active_lora")
@@ -217,7 +218,7 @@ class TwoLineages:
         """The lineage's Training Run that this driver has not seen yet, from the newest runs (the run listing has
         no lineage filter; a non-default run's record names its lineage), or None while the scheduler started none.
         A run that started and ended between two polls is still found."""
-        got = self.demo.signed("GET", "/v1/rl/training/runs", params={"limit": 50})
+        got = self.demo.stack.signed("GET", "/v1/rl/training/runs", params={"limit": 50})
         if got.status_code != 200:
             raise LineageDemoFailed(f"GET /v1/rl/training/runs answered {got.status_code}: {got.text[:300]}")
         fresh = [run for run in got.json()["items"]
@@ -249,7 +250,7 @@ class TwoLineages:
                         f"no new version of {self.line(lineage)} within {a.train_timeout * len(self.objectives):.0f}"
                         f" s after the training round ({'no run started' if run is None else f'run {status}'}; "
                         f"the scheduler's view of {lineage}: {self.scheduler_view(lineage)})")
-                demo._check("gateway")
+                demo.stack.check("gateway")
                 time.sleep(0.2)
         finally:
             bar.close()
@@ -269,14 +270,14 @@ class TwoLineages:
         record = {"lineage": lineage, "training_run_id": run_id, "lora_name": run["lora_name"],
                   "sample_count": run["sample_count"], "seconds": seconds, "trigger": trigger}
         self.runs.append(record)
-        demo.timings["training_runs"].append(record)
+        demo.report.timings["training_runs"].append(record)
         print(f"  {run['lora_name']} trained on {run['sample_count']} samples of {lineage} and activated in "
               f"{seconds:.1f} s; started by automatic training ({trigger.get('reason')})", flush=True)
         return record
 
     def scheduler_view(self, lineage: str) -> str:
         """Why the scheduler has not trained the lineage (`GET /v1/rl/lineages/{lineage}`), for a failure message."""
-        got = self.demo.signed("GET", f"/v1/rl/lineages/{lineage}")
+        got = self.demo.stack.signed("GET", f"/v1/rl/lineages/{lineage}")
         if got.status_code != 200:
             return f"GET /v1/rl/lineages/{lineage} answered {got.status_code}"
         view = got.json().get("scheduler") or {}
@@ -284,7 +285,7 @@ class TwoLineages:
                 f"({view.get('eligible_samples')} eligible), active run {view.get('active_run')}")
 
     def get_run(self, run_id: str) -> dict[str, Any]:
-        got = self.demo.signed("GET", f"/v1/rl/training/runs/{run_id}")
+        got = self.demo.stack.signed("GET", f"/v1/rl/training/runs/{run_id}")
         if got.status_code != 200:
             raise LineageDemoFailed(f"GET run {run_id} answered {got.status_code}: {got.text[:300]}")
         return got.json()
