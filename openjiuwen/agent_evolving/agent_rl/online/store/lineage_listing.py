@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from ...common.lineage import DEFAULT_LINEAGE, is_lineage
-from ..tasks.models import TASK_STATUSES
+from ...common.wire.task_states import TASK_STATUSES
 from . import keys
 from .codec import text
 
