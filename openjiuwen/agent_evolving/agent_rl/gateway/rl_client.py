@@ -147,7 +147,7 @@ class RLClient:
     async def after(self, body: dict[str, Any] | bytes, *, packed: bool = False) -> RLAnswer:
         return await self.hook("/internal/v1/completions:after", body, packed=packed)
 
-    async def discard(self, body: dict[str, Any]) -> RLAnswer:
+    async def discard(self, body: dict[str, Any] | bytes) -> RLAnswer:
         return await self.hook("/internal/v1/completions:discard", body)
 
     async def abort(self, rl_task_id: str, reason: str) -> RLAnswer:
