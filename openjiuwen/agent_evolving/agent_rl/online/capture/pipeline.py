@@ -5,6 +5,8 @@ Each hook parses its body once, validates against the Task's immutable facts (re
 process made); the scripts check the Task's existence, identity and live status. Abort rules: at `:before` input
 errors, model mismatch, capture-id reuse and "another turn waiting" leave the Task active, while a closed or closing
 turn and a failed or timed-out publication abort it; at `:after` every rejection past the body shape aborts it.
+`:after` does not validate or normalize again a request that is exactly the one this process injected at `:before`
+(`_as_reserved`).
 """
 
 from __future__ import annotations
