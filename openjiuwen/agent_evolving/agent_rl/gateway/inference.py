@@ -6,10 +6,10 @@ instance. For a captured call: `:before` (the RL Service injects the flags) → 
 (or stream-aggregated) response before the client sees the end, or `:discard` on an upstream error, a broken stream
 or a client disconnect. Private fields never reach a client.
 
-A request holds two counts while it runs: its instance's requests in flight (least-busy routing) and, when captured,
-its Task's captures in flight (a Task stop drains them). Both live in one `ExitStack` per request, closed when the
-handler returns or, for a stream, when the relay ends; a capture still pending then is discarded, and the Task's count
-ends when the hook that ends the capture (`:after` or `:discard`) returns.
+A request is one call object (captured_call.py) that holds its counts: its instance's requests in flight (least-busy
+routing) and, when captured, its Task's captures in flight (a Task stop drains them). It is closed when the handler
+returns or, for a stream, when the relay it was handed over to ends; a capture still pending then is discarded, and
+the Task's count ends when the hook that ends the capture (`:after` or `:discard`) returns.
 
 Inside a Task the request is screened first (capture_fields.py: honoured, refused and dropped fields), and a Task
 started with a capture secret needs it on every call (capture_secret.py). Outside a Task the body goes upstream as
@@ -24,13 +24,9 @@ outside a Task is relayed event by event and never aggregated, so only its event
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -38,15 +34,15 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ..common.wire import headers as wire_headers
-from ..common.wire.task_states import FinishReason
 from . import capture_secret
 from ..common import json_nesting
 from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
+from .capture_hooks import CaptureHooks
+from .captured_call import CapturedCall, ProxiedCall
 from .capture_fields import IGNORED_FIELDS_HEADER, FieldRefused, ignored_header, screen
 from .http11 import AnswerTooLarge, HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
 from .lora_manager import LoraManager
-from ..common.packed_hook import pack_after
 from ..common.lineage import DEFAULT_LINEAGE, lineage_of_version
 from .domain_errors import error_answer
 from .lora_types import LoraError
@@ -56,7 +52,7 @@ from .openai_shapes import (
     stream_fields_refused,
 )
 from .responses import envelope, json_response, upstream_error
-from .rl_client import CaptureFailed, HookUnreachable, RLClient
+from .rl_client import CaptureFailed, RLClient
 from .sessions import Binding
 from .sse import DONE, encode_sse, iter_sse_batches
 from .tasks import TaskTracker
@@ -70,42 +66,6 @@ UPSTREAM_READ_TIMEOUT_S = 600.0  # one read; a long generation streams or answer
 CHAT_PATH = "/v1/chat/completions"
 # Converted Anthropic fields → the names the client used, for refusal messages and the ignored-fields header.
 ANTHROPIC_NAMES = {"parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
-
-
-@dataclass
-class Capture:
-    binding: Binding
-    capture_id: str
-    turn_id: str | None
-    request: dict[str, Any]  # the injected request `:before` returned
-    instance: str | None = None  # the instance that serves it, once routed
-
-    def hook_body(self, **extra: Any) -> dict[str, Any]:
-        return {"rl_task_id": self.binding.rl_task_id, "capture_id": self.capture_id,
-                "agent_turn_id": self.turn_id, **extra}
-
-    def _head(self, request_json: bytes) -> bytes:
-        # `instance` (ext): the sample records who served it, so that an operator can exclude an instance's samples.
-        head = orjson.dumps(self.hook_body(instance=self.instance))
-        return b"".join((head[:-1], b',"request":', request_json, b"}"))
-
-    def after_body(self, request_json: bytes, response_json: bytes) -> bytes:
-        """The `:after` body spliced from JSON already at hand: the upstream answer's bytes go in as they came
-        (parsed once, for validity and the client's view), never re-serialized."""
-        return b"".join((self._head(request_json)[:-1], b',"response":', response_json, b"}"))
-
-    def packed_after_body(self, request_json: bytes, response: dict[str, Any]) -> bytes | None:
-        """The packed `:after` body (common/packed_hook.py), or None for a response it cannot carry."""
-        return pack_after(self._head(request_json), response)
-
-
-@dataclass
-class _PendingCapture:
-    """A captured call counted among its Task's captures in flight: `capture` once `:before` answered, `committed`
-    once `:after` took the count over."""
-
-    capture: Capture | None = None
-    committed: bool = False
 
 
 class InferenceProxy:
@@ -128,14 +88,12 @@ class InferenceProxy:
         self._max_upstream_bytes = max_upstream_bytes
         self._recheck = recheck
         self._model_id = model_id
-        self._tracker = tracker
         self._sessions = tracker.sessions
         self._loras = loras
         self._routing = loras.routing
-        self._rl = rl
+        self._hooks = CaptureHooks(rl, tracker, metrics)
         self._rl_running = rl_running
         self._upstream = upstream
-        self._background: set[asyncio.Task[Any]] = set()
 
     # ---------------------------------------------------------------- routes
 
@@ -180,20 +138,20 @@ class InferenceProxy:
             wants = ClientWants(wants.logprobs, wants.usage, wants.stream, client_model)
         session_id = request.headers.get(wire_headers.SESSION_ID)
         binding = self._sessions.for_session(session_id)
-        # The request's counts: closed here when the answer is returned, or by the stream's relay that takes them over.
-        with contextlib.ExitStack() as counts:
-            if binding is None or not self._rl_running():
-                if self._metrics is not None:  # the lineage of the version named; base and anything else: default
-                    self._metrics.lineage_request(
-                        lineage_of_version(body.get("model"), self._model_id) or DEFAULT_LINEAGE, captured=False)
-                return await self._bypass(body, wants, flavor, session_id, counts)
-            if self._metrics is not None:
-                self._metrics.lineage_request(binding.lineage, captured=True)
-            return await self._serve_captured(request, body, wants, flavor, binding, names, counts)
+        if binding is None or not self._rl_running():
+            if self._metrics is not None:  # the lineage of the version named; base and anything else: default
+                self._metrics.lineage_request(
+                    lineage_of_version(body.get("model"), self._model_id) or DEFAULT_LINEAGE, captured=False)
+            # The call's counts: closed here when the answer is returned, or by the stream's relay it is handed to.
+            with ProxiedCall() as call:
+                return await self._bypass(body, wants, flavor, session_id, call)
+        if self._metrics is not None:
+            self._metrics.lineage_request(binding.lineage, captured=True)
+        return await self._serve_captured(request, body, wants, flavor, binding, names)
 
     async def _serve_captured(
         self, request: Request, body: dict[str, Any], wants: ClientWants, flavor: str, binding: Binding,
-        names: dict[str, str] | None, counts: contextlib.ExitStack,
+        names: dict[str, str] | None,
     ) -> Response:
         if binding.secret_digest is not None:
             presented = request.headers.get(capture_secret.HEADER)
@@ -206,8 +164,9 @@ class InferenceProxy:
             screened = screen(dict(body, model=binding.policy_model), names=names)
         except FieldRefused as exc:
             return envelope(400, "invalid_request" if exc.invalid else "capture_field_refused", str(exc))
-        response = await self._captured(screened.request, wants, flavor, binding,
-                                        request.headers.get("x-agent-turn-id"), counts)
+        # Counted among the Task's captures in flight from here until the call's capture ends (captured_call.py).
+        with CapturedCall(self._sessions, self._hooks, binding, request.headers.get("x-agent-turn-id")) as call:
+            response = await self._captured(screened.request, wants, flavor, call)
         if screened.ignored:
             response.headers[IGNORED_FIELDS_HEADER] = ignored_header(screened.ignored)
         return response
@@ -215,8 +174,7 @@ class InferenceProxy:
     # ---------------------------------------------------------------- bypass
 
     async def _bypass(
-        self, body: dict[str, Any], wants: ClientWants, flavor: str, session_id: str | None,
-        counts: contextlib.ExitStack,
+        self, body: dict[str, Any], wants: ClientWants, flavor: str, session_id: str | None, call: ProxiedCall,
     ) -> Response:
         model = body.get("model")
         line = line_of_version(model)
@@ -230,34 +188,30 @@ class InferenceProxy:
             # Base traffic of one session sticks to one instance (prefix-cache reuse); LoRA traffic never does.
             policy_model = model if isinstance(model, str) else self._model_id
             instance = await self._pick(self._model_id, policy_model, affinity_key=session_id)
-            await self._loras.page_in(instance, policy_model, counts)  # on a paging instance: loaded on demand
+            await self._loras.page_in(instance, policy_model, call)  # on a paging instance: loaded on demand
         except LoraError as exc:
             return error_answer(exc)
-        return await self._upstream_answer(instance, body, wants, flavor, counts, pending=None)
+        return await self._upstream_answer(instance, body, wants, flavor, call)
 
     # -------------------------------------------------------------- captured
 
-    async def _captured(
-        self, body: dict[str, Any], wants: ClientWants, flavor: str, binding: Binding, turn_id: str | None,
-        counts: contextlib.ExitStack,
-    ) -> Response:
+    async def _captured(self, body: dict[str, Any], wants: ClientWants, flavor: str, call: CapturedCall) -> Response:
         """`body`: screened, `model` already the pinned policy model."""
-        capture_id = "cap-" + uuid.uuid4().hex
-        pending = counts.enter_context(self._capture_in_flight(binding.rl_task_id))
+        binding = call.binding
         try:
-            injected = await self._before(binding, capture_id, turn_id, body)
+            injected = await self._hooks.before(call, body)
         except CaptureFailed as exc:
             return error_answer(exc)
-        pending.capture = Capture(binding, capture_id, turn_id, injected)  # from here it ends by `:after` or `:discard`
+        call.captured(injected)  # from here it ends by `:after` or `:discard`
         try:
             instance = await self._pick(self._model_id, binding.policy_model, affinity_key=binding.session_id,
                                         captured=True)
             # The pinned version itself, loaded on demand where it was paged out: never another adapter or base.
-            await self._loras.page_in(instance, binding.policy_model, counts)
+            await self._loras.page_in(instance, binding.policy_model, call)
         except LoraError as exc:
             return error_answer(exc)
-        pending.capture.instance = instance.name
-        return await self._upstream_answer(instance, injected, wants, flavor, counts, pending=pending)
+        call.instance = instance.name
+        return await self._upstream_answer(instance, injected, wants, flavor, call)
 
     async def _pick(self, model: str, policy_model: str, **how: Any) -> Instance:
         """The routing pick; when every instance is out of routing, once more after an immediate health check (a
@@ -270,57 +224,16 @@ class InferenceProxy:
         await self._recheck()
         return self._routing.pick(model, policy_model, **how)
 
-    @contextlib.contextmanager
-    def _capture_in_flight(self, rl_task_id: str) -> Iterator[_PendingCapture]:
-        """Count a captured call among its Task's captures in flight until its capture ends: by `:after` (which takes
-        the count over, `_commit`), else by `:discard` in the background once `:before` answered, else at once."""
-        self._sessions.begin(rl_task_id)
-        pending = _PendingCapture()
-        try:
-            yield pending
-        finally:
-            if pending.committed:
-                pass
-            elif pending.capture is not None:
-                # In a detached task: a stream's relay may be inside a cancelled scope where every await fails at once.
-                self._spawn(self._discard(pending.capture))
-            else:
-                self._sessions.end(rl_task_id)
-
-    async def _before(
-        self, binding: Binding, capture_id: str, turn_id: str | None, request: dict[str, Any]
-    ) -> dict[str, Any]:
-        t = binding.rl_task_id
-        body = {"rl_task_id": t, "capture_id": capture_id, "agent_turn_id": turn_id, "request": request}
-        try:
-            answer = await self._rl.before(body)
-        except HookUnreachable:
-            self._abort_in_background(t)
-            raise CaptureFailed("rl_hook_timeout", "the RL Service did not answer the capture hook")
-        if answer.ok:
-            return answer.json()["request"]
-        if answer.status == 404:
-            await self._tracker.release(t)
-            raise CaptureFailed("completion_conflict", "the RL Task is no longer active")
-        if answer.status == 409:
-            self._abort_in_background(t)
-            raise CaptureFailed(relayed=answer)
-        if answer.status >= 500:
-            self._abort_in_background(t)
-            raise CaptureFailed("rl_hook_failed", "the RL Service failed the capture hook")
-        raise CaptureFailed(relayed=answer)  # other 4xx: the Task stays active
-
     # -------------------------------------------------------------- upstream
 
     async def _upstream_answer(
-        self, instance: Instance, body: dict[str, Any], wants: ClientWants, flavor: str, counts: contextlib.ExitStack,
-        *, pending: _PendingCapture | None,
+        self, instance: Instance, body: dict[str, Any], wants: ClientWants, flavor: str, call: ProxiedCall,
     ) -> Response:
         """Send to `instance`, counted in flight there until the answer (or the stream) ends. An error answer leaves
-        the capture pending: the request's counts discard it when they close."""
-        counts.enter_context(self._routing.in_flight(instance))
+        the capture pending: the call discards it when it closes."""
+        call.enter_context(self._routing.in_flight(instance))
         stream = body.get("stream") is True
-        request_json = orjson.dumps(body)
+        call.request_json = request_json = orjson.dumps(body)  # once: `:after` carries these bytes
         started = time.perf_counter()
         try:
             resp = await self._upstream.open_stream(
@@ -346,7 +259,7 @@ class InferenceProxy:
             return upstream_error(resp.status, content, resp.headers.get("content-type"))
         if stream:
             return StreamingResponse(
-                self._relay_stream(resp, wants, flavor, pending, counts.pop_all()), media_type="text/event-stream",
+                self._relay_stream(resp, wants, flavor, call.hand_over()), media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
         try:
@@ -371,12 +284,10 @@ class InferenceProxy:
             answer = self._client_answer(completion, wants, flavor)
         except Exception as exc:  # noqa: BLE001 - re-raised below, unchanged
             failure = exc
-        after = None
-        if pending is not None and (capture := pending.capture) is not None:
-            after = self._after_body(capture, request_json, completion, content)
+        after = call.after_body(completion, content) if isinstance(call, CapturedCall) else None
         del completion
         if after is not None:
-            await self._commit(pending, capture, *after)
+            await call.commit(*after)
         if failure is not None:
             raise failure
         return answer
@@ -403,12 +314,12 @@ class InferenceProxy:
             return envelope(502, "upstream_invalid", "vLLM answer is nested too deep to be relayed")
 
     async def _relay_stream(
-        self, resp: StreamedAnswer, wants: ClientWants, flavor: str, pending: _PendingCapture | None,
-        counts: contextlib.ExitStack,
+        self, resp: StreamedAnswer, wants: ClientWants, flavor: str, call: ProxiedCall,
     ) -> AsyncIterator[bytes]:
-        """The client's stream. It took the request's `counts` over: they close when it ends, a broken stream or a
-        client disconnect included. Only a captured stream is aggregated (for `:after`), and bounded in all."""
-        aggregator = StreamAggregator() if pending is not None else None
+        """The client's stream. It took the `call` over: closed when it ends, a broken stream or a client disconnect
+        included. Only a captured stream is aggregated (for `:after`), and bounded in all."""
+        captured = call if isinstance(call, CapturedCall) else None
+        aggregator = StreamAggregator() if captured is not None else None
         chunks = resp.aiter_raw() if aggregator is None else resp.aiter_bounded(self._max_upstream_bytes)
         writer = AnthropicStreamWriter() if flavor == "anthropic" else None
         finish_reason: str | None = None
@@ -425,11 +336,8 @@ class InferenceProxy:
                         done = True
                         if failed:
                             break
-                        capture = pending.capture if pending is not None else None
-                        if aggregator is not None and capture is not None:
-                            body, packed = self._after_body(capture, orjson.dumps(capture.request),
-                                                            aggregator.result())
-                            await self._commit(pending, capture, body, packed)
+                        if captured is not None and aggregator is not None:
+                            await captured.commit(*captured.after_body(aggregator.result()))
                         if writer is not None:
                             for name, data in writer.finish(finish_reason, usage):
                                 out.append(encode_sse(orjson.dumps(data), event=name))
@@ -473,78 +381,8 @@ class InferenceProxy:
             if out:  # what was relayable before the break still reaches the client, as before batching
                 yield b"".join(out)
         finally:
-            counts.close()  # before any await: this generator may be inside a cancelled scope
+            call.close()  # before any await: this generator may be inside a cancelled scope
             await resp.aclose()
 
-    # --------------------------------------------------------- hook endings
-
-    async def _after(self, capture: Capture, body: bytes, packed: bool) -> None:
-        """Commit the capture (`body`: the `:after` JSON, or its packed form); a refusal still gives the client its
-        completion, but the Task is aborted."""
-        t = capture.binding.rl_task_id
-        try:
-            try:
-                answer = await self._rl.after(body, packed=packed)
-            except HookUnreachable:
-                answer = None
-            committed = answer is not None and answer.ok
-            if self._metrics is not None:
-                self._metrics.lineage_capture(capture.binding.lineage, "committed" if committed else "refused")
-            if not committed:
-                log.warning("after hook for task %s failed (%s); aborting it", t,
-                            "unreachable" if answer is None else answer.status)
-                self._abort_in_background(t)
-        finally:
-            self._sessions.end(t)
-
-    def _after_body(self, capture: Capture, request_json: bytes, response: dict[str, Any],
-                    response_json: bytes | None = None) -> tuple[bytes, bool]:
-        """(the `:after` body, whether packed): packed when the running service takes it and the response fits
-        the packed form, else JSON spliced from `response_json` (the upstream's bytes) or, for an aggregated
-        stream, from the response serialized once."""
-        if self._rl.packs_after() and (packed := capture.packed_after_body(request_json, response)) is not None:
-            return packed, True
-        spliced = orjson.dumps(response) if response_json is None else response_json
-        return capture.after_body(request_json, spliced), False
-
-    async def _commit(self, pending: _PendingCapture, capture: Capture, body: bytes, packed: bool) -> None:
-        """`:after` in its own task, which takes the capture's count over: a client that disconnects while it runs
-        cannot cut it in half (which would leave the RL Service unsure whether the capture was committed)."""
-        pending.committed = True  # no await before the task owns the count
-        await asyncio.shield(self._spawn(self._after(capture, body, packed)))
-
-    async def _discard(self, capture: Capture) -> None:
-        t = capture.binding.rl_task_id
-        try:
-            try:
-                answer = await self._rl.discard(capture.hook_body())
-                ok = answer.ok
-            except HookUnreachable:
-                ok = False
-            if self._metrics is not None:
-                self._metrics.lineage_capture(capture.binding.lineage, "discarded")
-            if not ok:
-                await self._abort(t)
-        finally:
-            self._sessions.end(t)
-
-    def _abort_in_background(self, rl_task_id: str) -> None:
-        self._spawn(self._abort(rl_task_id))
-
-    async def _abort(self, rl_task_id: str) -> None:
-        """`:abort capture_failed` and unmap; best effort (the RL Service may be gone)."""
-        await self._tracker.release(rl_task_id)
-        try:
-            await self._rl.abort(rl_task_id, FinishReason.CAPTURE_FAILED)
-        except HookUnreachable:
-            log.warning("could not abort task %s: RL Service unreachable", rl_task_id)
-
-    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
     async def close(self) -> None:
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._hooks.close()

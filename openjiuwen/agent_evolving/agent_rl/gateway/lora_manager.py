@@ -18,13 +18,12 @@ cancellation (owned_tasks.py). Every vLLM call has a timeout taken from the oper
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager, Protocol
 
 import httpx
 
@@ -50,6 +49,12 @@ from .vllm_adapters import AdapterClient
 __all__ = ["LoraError", "LoraManager"]
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
+
+
+class UseHolder(Protocol):
+    """What holds an adapter's use until a request ends: the request's call (captured_call.py), or an ExitStack."""
+
+    def enter_context(self, cm: ContextManager[Any]) -> Any: ...
 
 
 class LoraManager:
@@ -310,10 +315,10 @@ class LoraManager:
             return BASE_POLICY, model
         return line.active.lora_name, line.active.lora_name
 
-    async def page_in(self, instance: Instance, policy_model: str, counts: contextlib.ExitStack) -> None:
+    async def page_in(self, instance: Instance, policy_model: str, counts: UseHolder) -> None:
         """Before a request for `policy_model` goes to `instance` (the routing pick, no await since): on a paging
-        instance, count the use in `counts` (so the adapter is no victim until the request ends) and load the version
-        on demand. LoraError 503 `lora_capacity_exhausted` / 502 `lora_load_failed` / 503 `lora_unavailable`."""
+        instance, count the use in `counts` (the request's call, captured_call.py; so the adapter is no victim until
+        the request ends) and load the version on demand. LoraError 503 `lora_capacity_exhausted` / 502 `lora_load_failed` / 503 `lora_unavailable`."""
         if not self.pager.pages(instance) or line_of_version(policy_model) is None:
             return
         counts.enter_context(self.pager.using(instance, policy_model))  # first: nothing awaits before it

@@ -142,7 +142,7 @@ class RLClient:
     async def after(self, body: dict[str, Any] | bytes, *, packed: bool = False) -> RLAnswer:
         return await self.hook(rl_routes.HOOK_AFTER.path, body, packed=packed)
 
-    async def discard(self, body: dict[str, Any]) -> RLAnswer:
+    async def discard(self, body: dict[str, Any] | bytes) -> RLAnswer:
         return await self.hook(rl_routes.HOOK_DISCARD.path, body)
 
     async def abort(self, rl_task_id: str, reason: FinishReason) -> RLAnswer:

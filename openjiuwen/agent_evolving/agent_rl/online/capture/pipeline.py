@@ -5,6 +5,8 @@ Each hook parses its body once, validates against the Task's immutable facts (re
 process made); the scripts check the Task's existence, identity and live status. Abort rules: at `:before` input
 errors, model mismatch, capture-id reuse and "another turn waiting" leave the Task active, while a closed or closing
 turn and a failed or timed-out publication abort it; at `:after` every rejection past the body shape aborts it.
+`:after` does not validate or normalize again a request that is exactly the one this process injected at `:before`
+(`_as_reserved`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ..errors import Conflict, InvalidInput
 from ..faults import FaultHook, no_faults
 from ..judge import feedback_from_request
 from ...common.wire.task_states import FinishReason
+from ..tasks.models import Task
 from ..tasks.registry import AbortingConflict, ReserveOutcome, TaskRegistry
 from .hooks import HookBody, parse_hook
 from .request import (
@@ -104,23 +107,27 @@ class CapturePipeline:
         task, cached = await self._registry.task_facts(hook.rl_task_id)
         try:
             try:
+                injected, request_fp = self._as_reserved(task, hook)
                 try:
-                    validate_request(
-                        hook.request, policy_model=task.policy_model, delayed=task.delayed,
-                        agent_turn_id=hook.agent_turn_id,
-                    )
+                    if injected is None:  # not (or not provably) the request `:before` injected: checked as new
+                        validate_request(
+                            hook.request, policy_model=task.policy_model, delayed=task.delayed,
+                            agent_turn_id=hook.agent_turn_id,
+                        )
                     if arrays is None:
                         validated = validate_response(hook.response, policy_model=task.policy_model)
                     else:
                         validated = validate_packed_response(hook.response, arrays, policy_model=task.policy_model)
                 except (RequestModelMismatch, ResponseModelMismatch) as exc:
                     raise Conflict(str(exc)) from exc
-                injected = normalize_request(hook.request)
+                if injected is None:
+                    injected = normalize_request(hook.request)
+                    request_fp = request_fingerprint(injected)
                 sample = build_sample(
                     task, capture_id=hook.capture_id, agent_turn_id=hook.agent_turn_id, request=injected,
                     response=hook.response, validated=validated, instance=hook.instance,
                 )
-                fingerprints = request_fingerprint(injected), (
+                fingerprints = request_fp, (
                     response_fingerprint(hook.response) if arrays is None
                     else packed_response_fingerprint(hook.response, arrays)
                 )
@@ -143,6 +150,24 @@ class CapturePipeline:
                                "agent_turn_id": hook.agent_turn_id})
             await self._registry.abort(task.rl_task_id, FinishReason.CAPTURE_FAILED)
             raise
+
+    def _as_reserved(self, task: Task, hook: HookBody) -> tuple[dict[str, Any] | None, str | None]:
+        """(the request, its fingerprint) when `:after` carries exactly the request this process injected and
+        fingerprinted at `:before` for this capture and turn, else (None, None). That request was validated and
+        normalized then, and normalizing is idempotent, so both would answer the same again: they are skipped. The
+        checks that depend on the Task's facts are repeated (cheap; a Task id started anew may have other facts).
+        Anything else (another worker reserved it, a changed request, a request that cannot be fingerprinted) takes
+        the full path, and the commit script still compares the stored fingerprint."""
+        if hook.request.get("model") != task.policy_model or (task.delayed and hook.agent_turn_id is None):
+            return None, None
+        reserved = self._registry.reserved_fingerprint(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)
+        if reserved is None:
+            return None, None
+        try:
+            fp = request_fingerprint(hook.request)
+        except InvalidInput:
+            return None, None
+        return (hook.request, fp) if fp == reserved else (None, None)
 
     async def discard(self, body: dict[str, Any]) -> bool:
         """Drop an open capture; True when this call dropped one. The script checks the Task exists (404)."""

@@ -361,6 +361,18 @@ class TaskRegistry:
             del hints[next(iter(hints))]
         hints[key] = meta_json
 
+    def reserved_fingerprint(self, rl_task_id: str, capture_id: str, turn_id: str | None) -> str | None:
+        """The request fingerprint this process stored when it reserved the capture at `:before`, while the capture is
+        open for `turn_id` as far as this process knows (its own reservation hint; no Redis read); else None. A hint
+        is no proof: the commit script still checks the stored record."""
+        hint = self._open_hints.get((rl_task_id, capture_id))
+        if hint is None:
+            return None
+        meta = CaptureMeta.from_json(hint)
+        if meta.status != CaptureStatus.OPEN or meta.agent_turn_id != turn_id:
+            return None
+        return meta.request_fingerprint
+
     def _task_reply(self, t: str, reply: list[Any]) -> NoReturn:
         """NOT_FOUND and TASK_CHANGED, the answers every capture script may give before deciding anything."""
         if reply[0] == scripts.TASK_CHANGED:
