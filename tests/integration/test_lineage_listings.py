@@ -17,6 +17,7 @@ from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
 from tests.integration.test_lineage_training import publish
 from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import check_invariants
+from tests.support.runs import wait_for_run
 from tests.support.service_app import MODEL_ID, make_config, running_app, start_headers
 
 # Interleaved starts: a lineage's items are spread between the others' in the overall index.
@@ -130,7 +131,7 @@ async def test_run_listing_per_lineage_across_pages_and_retention(service, redis
     for lineage in order:
         r = await client.post("/v1/rl/training/runs", json={"lineage": lineage})
         assert r.status_code == 201, r.text
-        runs.append((lineage, (await deps.runner.wait(r.json()["training_run_id"])).training_run_id))
+        runs.append((lineage, (await wait_for_run(deps.runner, r.json()["training_run_id"])).training_run_id))
     a_runs = [run for lineage, run in reversed(runs) if lineage == "a"]
     got = await pages(client, "/v1/rl/training/runs", lineage="a", limit=2)
     assert [r for page in got for r in page] == a_runs and len(got) == 2
