@@ -20,7 +20,6 @@ carries it under `lineages_cross`.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from ..common.policy_names import BASE_POLICY
 from . import calculator_family as calc
 from . import sentiment_family as sent
 from . import report as rep
-from .lineages import LineageDemoFailed, TwoLineages
+from .lineages import TwoLineages
 
 Complete = Callable[[list[dict[str, str]]], str]
 
@@ -138,19 +137,7 @@ class FamilyLineages(TwoLineages):
         a, demo = self.args, self.demo
         fam = FAMILIES[family] if family else o.family
         problem = self.held_out[fam.name][i] if evaluation else self.train[o.lineage][r * a.tasks + i]
-        session = f"demo-{o.lineage}-{'e' if evaluation else 't'}{r}-{i}-{secrets.token_hex(3)}"
-        body: dict[str, Any] = {"reward_mode": "terminal", "lineage": o.lineage}
-        if evaluation:
-            body["evaluation"] = True  # held out: counted per version, never claimed by a Training Run
-        started = demo.stack.signed("POST", "/v1/rl/tasks/start", json_body=body,
-                                    headers={"X-Agent-Session-Id": session}, agent=True)
-        if started.status_code != 201:
-            raise LineageDemoFailed(f"Task start ({o.lineage}) answered {started.status_code}: {started.text[:300]}")
-        task = started.json()
-        task_id, pinned = task["rl_task_id"], task.get("policy_lora_name") or BASE_POLICY
-        if pinned != (lora or BASE_POLICY):  # its own line's active version, never another lineage's
-            raise LineageDemoFailed(f"Task {task_id} of lineage {o.lineage} is pinned to {pinned}, expected "
-                                    f"{lora or BASE_POLICY}")
+        session, task_id, pinned = self.start_task(o.lineage, r, i, lora, evaluation)
 
         def complete(messages: list[dict[str, str]]) -> str:
             # No per-request `seed` (vLLM 0.32's CPU sampler fails on seeded chunked prefills; rounds.py says more).
@@ -160,11 +147,8 @@ class FamilyLineages(TwoLineages):
             return out.choices[0].message.content or ""
 
         answers, feedback = fam.play(problem, complete)
-        stopped = demo.stack.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
-        if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
-            raise LineageDemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
         scored = fam.score(problem, answers)
-        rewarded = demo.calls.publish_reward(task_id, scored.reward)
+        rewarded = self.stop_and_reward(task_id, scored.reward)
         return {"lineage": o.lineage, "family": fam.name, "round": r, "task": i, "evaluation": evaluation,
                 "rl_task_id": task_id, "policy": pinned, "question": problem.question, "answer": problem.answer,
                 "answers": answers, "feedback": feedback, "reward": scored.reward, "success": scored.success,

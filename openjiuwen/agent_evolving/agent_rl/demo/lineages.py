@@ -172,19 +172,7 @@ class TwoLineages:
         from .rounds import sampling_seed
 
         a, demo = self.args, self.demo
-        session = f"demo-{o.lineage}-{'e' if evaluation else 't'}{r}-{i}-{secrets.token_hex(3)}"
-        body: dict[str, Any] = {"reward_mode": "terminal", "lineage": o.lineage}
-        if evaluation:
-            body["evaluation"] = True  # held out: counted per version, never claimed by a Training Run
-        started = demo.stack.signed("POST", "/v1/rl/tasks/start", json_body=body,
-                                    headers={"X-Agent-Session-Id": session}, agent=True)
-        if started.status_code != 201:
-            raise LineageDemoFailed(f"Task start ({o.lineage}) answered {started.status_code}: {started.text[:300]}")
-        task = started.json()
-        task_id, pinned = task["rl_task_id"], task.get("policy_lora_name") or BASE_POLICY
-        if pinned != (lora or BASE_POLICY):  # its own line's active version, never another lineage's
-            raise LineageDemoFailed(f"Task {task_id} of lineage {o.lineage} is pinned to {pinned}, expected "
-                                    f"{lora or BASE_POLICY}")
+        session, task_id, pinned = self.start_task(o.lineage, r, i, lora, evaluation)
         seed_round = HELD_OUT_ROUND if evaluation else r
         messages: list[dict[str, str]] = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
         answers: list[str] = []
@@ -195,14 +183,36 @@ class TwoLineages:
             text = out.choices[0].message.content or ""
             answers.append(text)
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UP}]
-        stopped = demo.stack.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
-        if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
-            raise LineageDemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
         reward = o.reward(answers)
-        rewarded = demo.calls.publish_reward(task_id, reward)
+        rewarded = self.stop_and_reward(task_id, reward)
         return {"lineage": o.lineage, "round": r, "task": i, "evaluation": evaluation, "rl_task_id": task_id,
                 "policy": pinned, "answers": answers, "reward": reward, "success": o.success(reward),
                 "samples": rewarded.get("sample_count", 0)}
+
+    def start_task(self, lineage: str, r: int, i: int, lora: str | None, evaluation: bool) -> tuple[str, str, str]:
+        """(session, Task id, pinned version) of a signed Task start of `lineage`, checked to be pinned to its own
+        line's active version `lora` (never another lineage's)."""
+        session = f"demo-{lineage}-{'e' if evaluation else 't'}{r}-{i}-{secrets.token_hex(3)}"
+        body: dict[str, Any] = {"reward_mode": "terminal", "lineage": lineage}
+        if evaluation:
+            body["evaluation"] = True  # held out: counted per version, never claimed by a Training Run
+        started = self.demo.stack.signed("POST", "/v1/rl/tasks/start", json_body=body,
+                                         headers={"X-Agent-Session-Id": session}, agent=True)
+        if started.status_code != 201:
+            raise LineageDemoFailed(f"Task start ({lineage}) answered {started.status_code}: {started.text[:300]}")
+        task = started.json()
+        task_id, pinned = task["rl_task_id"], task.get("policy_lora_name") or BASE_POLICY
+        if pinned != (lora or BASE_POLICY):
+            raise LineageDemoFailed(f"Task {task_id} of lineage {lineage} is pinned to {pinned}, expected "
+                                    f"{lora or BASE_POLICY}")
+        return session, task_id, pinned
+
+    def stop_and_reward(self, task_id: str, reward: float) -> dict[str, Any]:
+        """Signed stop (the Task must finalize), then the signed terminal reward; the reward answer."""
+        stopped = self.demo.stack.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
+        if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
+            raise LineageDemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
+        return self.demo.calls.publish_reward(task_id, reward)
 
     # ------------------------------------------------------------------------------------------ Training Runs
 
