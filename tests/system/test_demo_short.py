@@ -403,8 +403,8 @@ def test_two_lineages_learn_side_by_side_each_on_its_own_line(tmp_path, vllm):
 def test_two_task_families_as_two_lineages_end_with_the_cross_table(tmp_path, vllm):
     """`make demo-real DEMO_ARGS="--lineages 2"`, shortened, on the fake vLLM: lineage `calculator` runs the calculator
     family, lineage `sentiment` the review-sentiment family, each trained automatically on its own samples (a
-    calculator Task leaves two, a sentiment Task one); then each lineage's last version answers the OTHER family's held-out
-    problems, pinned to its own adapter, and the report ends with the cross table."""
+    calculator Task leaves two, a sentiment Task one); then each lineage's last version answers the OTHER family's
+    held-out problems, pinned to its own adapter, and the report ends with the cross table."""
     run_dir, out_dir = tmp_path / "run", tmp_path / "out"
     eval_tasks = 3
     argv = demo_argv(vllm, run_dir, out_dir, "--family", "calculator", "--model-id", "tiny", "--lineages", "2",

@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "automatic training, training_policy.auto) and a held-out success table (--eval-tasks per "
                         "version; docs/lineages.md). words: `plain` (rewarded for plain words) and `symbols` (for the "
                         "opposite); calculator (`make demo-real DEMO_ARGS=\"--lineages 2\"`): `calculator` (the "
-                        "calculator family) and `sentiment` (is a review positive or negative?), then the cross table (each "
-                        "lineage's last version on both families). 1 (default) is the single default lineage")
+                        "calculator family) and `sentiment` (is a review positive or negative?), then the cross "
+                        "table (each lineage's last version on both families). 1 (default) is the single default "
+                        "lineage")
     p.add_argument("--canary-min-tasks", type=int, default=None,
                    help="--bad-version: rewarded Tasks per arm before the canary decides (words 48, calculator 32)")
     p.add_argument("--preparation-started", type=float, default=None, metavar="UNIX_TIME",
