@@ -225,14 +225,13 @@ class TwoLineages:
         return active["lora_name"] if active else None
 
     def new_run(self, lineage: str) -> dict[str, Any] | None:
-        """The lineage's Training Run that this driver has not seen yet, from the newest runs (the run listing has
-        no lineage filter; a non-default run's record names its lineage), or None while the scheduler started none.
-        A run that started and ended between two polls is still found."""
-        got = self.demo.stack.signed("GET", "/v1/rl/training/runs", params={"limit": 50})
+        """The lineage's Training Run that this driver has not seen yet, from the lineage's newest runs
+        (`?lineage=`), or None while the scheduler started none. A run that started and ended between two polls is
+        still found."""
+        got = self.demo.stack.signed("GET", "/v1/rl/training/runs", params={"limit": 50, "lineage": lineage})
         if got.status_code != 200:
             raise LineageDemoFailed(f"GET /v1/rl/training/runs answered {got.status_code}: {got.text[:300]}")
-        fresh = [run for run in got.json()["items"]
-                 if run.get("lineage") == lineage and run["training_run_id"] not in self.seen_runs]
+        fresh = [run for run in got.json()["items"] if run["training_run_id"] not in self.seen_runs]
         return fresh[-1] if fresh else None  # newest first: the oldest unseen one
 
     def wait_version(self, lineage: str, r: int, deadline: float) -> dict[str, Any]:
