@@ -1,5 +1,5 @@
 """An ordinary HTTP client that sends a body over the limit reads the 413 `payload_too_large` envelope, from the RL
-Service and from the gateway (both bound bodies with common/guards.py), instead of a broken pipe or a reset.
+Service and from the gateway (both bound bodies with common/request_guards.py), instead of a broken pipe or a reset.
 
 Python's `urllib.request` writes the whole body before it reads the answer. A server that answers 413 and closes
 at once leaves the rest of the body unread in its socket, and the kernel answers the client's next segments with a
@@ -105,7 +105,7 @@ def test_gateway_answers_413_to_a_33_mib_upload(
 
 def test_drain_is_bounded_and_the_answer_comes_first(service: ServiceProcess) -> None:
     """A client that declares a huge body and trickles it is not read forever: it has the whole 413 at once, and
-    the server closes after its idle bound (common/guards.py: DRAIN_IDLE_SECONDS), well before DRAIN_SECONDS."""
+    the server closes after its idle bound (common/request_guards.py: DRAIN_IDLE_SECONDS), well before DRAIN_SECONDS."""
     import socket
     from urllib.parse import urlsplit
 

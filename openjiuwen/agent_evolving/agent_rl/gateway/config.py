@@ -263,7 +263,7 @@ class GlobalSection(_Model):
     # Project gateway: live (timestamp, signature) pairs remembered per key (api, instance, each agent key apart); a key
     # whose cache is full of live pairs has its further requests refused until some expire.
     replay_cache_size: Annotated[StrictInt, Field(ge=1)] = Field(default=REPLAY_CAPACITY, alias="replayCacheSize")
-    # Project gateway, slow clients (common/http_guard.py): a request head must be complete within headerTimeout
+    # Project gateway, slow clients (common/slow_clients.py): a request head must be complete within headerTimeout
     # (else 408), an idle kept-alive connection closes after keepAliveTimeout, and past maxConnections the oldest
     # connection without a complete head is closed to make room.
     header_timeout_s: Duration = Field(default=10.0, alias="headerTimeout")

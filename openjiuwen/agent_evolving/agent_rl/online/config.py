@@ -205,12 +205,12 @@ class RLServiceConfig(BaseModel):
 
     # HTTP and logging.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432
-    # Slow clients (common/http_guard.py): head deadline (408 after it), idle keep-alive, and the connection cap past which
-    # the oldest connection without a complete request head is closed.
+    # Slow clients (common/slow_clients.py): head deadline (408 after it), idle keep-alive, and the connection cap past
+    # which the oldest connection without a complete request head is closed.
     http_header_timeout_seconds: Seconds = 10.0
     http_keep_alive_seconds: Seconds = 5.0
     http_max_connections: Annotated[StrictInt, Field(ge=16)] = 4096
-    record_dir: StrictStr = "records"  # JSONL copy of stored rail samples (rail/records.py); "" = none
+    record_dir: StrictStr = "records"  # JSONL copy of stored rail samples (rail_ingest/jsonl_copy.py); "" = none
     record_max_bytes: PositiveInt = 67108864
     record_backup_count: PositiveInt = 5
     log_path: NonBlank = "rl-service.log"

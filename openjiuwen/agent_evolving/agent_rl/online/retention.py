@@ -30,7 +30,7 @@ from .store.codec import text
 from .store.lineage_listing import RUN_LISTING, TASK_LISTING
 from .store.trajectories import TrajectoryStore
 from ..common.wire.task_states import TASK_STATUSES
-from .tasks.models import Task, TerminalReward
+from .tasks.task_records import Task, TerminalReward
 from .workers.fence import Fence, LeaseLost
 
 log = logging.getLogger("openjiuwen.agent_rl.online.retention")

@@ -29,7 +29,7 @@ from ..store.listing import newest_first
 from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
 from ..workers.fence import Fence
-from .models import RunStage, RunStatus, TrainingRun
+from .run_records import RunStage, RunStatus, TrainingRun
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics

@@ -40,7 +40,7 @@ from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
 from ..workers.fence import Fence
 from .eligibility import LineState, Verdict, judge_line, rank
-from .models import TrainingRun
+from .run_records import TrainingRun
 from .pauses import LineagePauses
 from .policy import TrainingPolicyConfig
 from .runs import RunStore

@@ -25,10 +25,10 @@ from starlette.types import Message, Receive, Scope, Send
 
 from ...common.content_type import BodyTypeGuard, send_unsupported
 from ...common.errors import ApiError, PayloadTooLarge, UnhandledErrors, envelope_bytes
-from ...common.guards import Admission, BodyCounter, RequestGuard
+from ...common.request_guards import Admission, BodyCounter, RequestGuard
 from ...common.http_metrics import UNMATCHED_ROUTE
 from ...common.wire import routes as rl_routes
-from .hooks import BodyReader, CaptureHooks
+from .capture_hooks import BodyReader, CaptureHooks
 
 Headers = list[tuple[bytes, bytes]]
 Answer = tuple[int, Headers, bytes]  # status, headers, body
