@@ -109,10 +109,10 @@ def test_drain_is_bounded_and_the_answer_comes_first(service: ServiceProcess) ->
     import socket
     from urllib.parse import urlsplit
 
-    from openjiuwen.agent_evolving.agent_rl.common import guards
+    from openjiuwen.agent_evolving.agent_rl.common import request_guards
 
     url = urlsplit(service.url)
-    with socket.create_connection((url.hostname, url.port), timeout=guards.DRAIN_SECONDS + 30) as s:
+    with socket.create_connection((url.hostname, url.port), timeout=request_guards.DRAIN_SECONDS + 30) as s:
         s.sendall(b"POST /v1/rl/tasks/start HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100000000000\r\n\r\n" + b"x" * 1024)
         started = time.monotonic()
@@ -126,5 +126,5 @@ def test_drain_is_bounded_and_the_answer_comes_first(service: ServiceProcess) ->
         closed_at = time.monotonic() - started
     assert answer.startswith(b"HTTP/1.1 413 ") and b"payload_too_large" in answer
     assert b"connection: close" in answer.lower()
-    assert first_at is not None and first_at < guards.DRAIN_IDLE_SECONDS
-    assert guards.DRAIN_IDLE_SECONDS - 0.5 <= closed_at < guards.DRAIN_SECONDS
+    assert first_at is not None and first_at < request_guards.DRAIN_IDLE_SECONDS
+    assert request_guards.DRAIN_IDLE_SECONDS - 0.5 <= closed_at < request_guards.DRAIN_SECONDS
