@@ -127,7 +127,9 @@ async def measure_tick(redis, scheduler, runner, reps: int) -> dict[str, Any]:
 
 async def measure_claims(redis, runs, store, lineage: str, batches: list[int], reps: int) -> list[dict[str, Any]]:
     from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
-    from openjiuwen.agent_evolving.agent_rl.online.training.models import RunStage, RunStatus, TrainingRun, new_run_id
+    from openjiuwen.agent_evolving.agent_rl.online.training.run_records import (
+        RunStage, RunStatus, TrainingRun, new_run_id,
+    )
 
     rows = []
     for batch in batches:

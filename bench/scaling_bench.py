@@ -74,7 +74,9 @@ async def measure_store(redis_url: str, sizes: list[int], reps: int) -> list[dic
 
     from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
     from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
-    from openjiuwen.agent_evolving.agent_rl.online.training.models import RunStage, RunStatus, TrainingRun, new_run_id
+    from openjiuwen.agent_evolving.agent_rl.online.training.run_records import (
+        RunStage, RunStatus, TrainingRun, new_run_id,
+    )
     from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
     from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
 
@@ -123,7 +125,7 @@ async def seed_active_tasks(redis_url: str, n: int) -> None:
 
     from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
     from openjiuwen.agent_evolving.agent_rl.online.store import keys
-    from openjiuwen.agent_evolving.agent_rl.online.tasks.models import Task
+    from openjiuwen.agent_evolving.agent_rl.online.tasks.task_records import Task
 
     redis = Redis.from_url(redis_url)
     try:

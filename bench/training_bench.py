@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import make_tiny_model  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.training.backends import TrainingJob  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.local import LocalBackend  # noqa: E402

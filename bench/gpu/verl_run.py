@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import make_tiny_model  # noqa: E402
 from tests.support import learning as L  # noqa: E402
 from tests.support.runs import wait_for_run  # noqa: E402
 
@@ -86,7 +86,7 @@ def prepare_model(model_name: str, size: Size, workdir: Path) -> tuple[Path, str
     if model_name == "smollm2":
         from transformers import AutoTokenizer
 
-        from openjiuwen.agent_evolving.agent_rl.models import smollm2
+        from openjiuwen.agent_evolving.agent_rl.model_makers import smollm2
 
         model_dir, _ = smollm2.provision(smollm2.default_cache_dir())
         tok = AutoTokenizer.from_pretrained(model_dir)

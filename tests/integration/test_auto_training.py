@@ -18,7 +18,7 @@ from openjiuwen.agent_evolving.agent_rl.online.capture.response import validate_
 from openjiuwen.agent_evolving.agent_rl.online.capture.sample import build_sample
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
-from openjiuwen.agent_evolving.agent_rl.online.tasks.models import Task
+from openjiuwen.agent_evolving.agent_rl.online.tasks.task_records import Task
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
 from openjiuwen.agent_evolving.agent_rl.online.workers.coordinator import Placement
 from tests.integration.test_training_runs import REQUEST, RESPONSE

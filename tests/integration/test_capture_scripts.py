@@ -31,7 +31,7 @@ from openjiuwen.agent_evolving.agent_rl.online.errors import Conflict, NotFound
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample, text
 from openjiuwen.agent_evolving.agent_rl.online.store.tx import transact
-from openjiuwen.agent_evolving.agent_rl.online.tasks.models import (
+from openjiuwen.agent_evolving.agent_rl.online.tasks.task_records import (
     CaptureMeta, CaptureStatus, FinishReason, RewardMode, Task, TaskStatus,
 )
 from openjiuwen.agent_evolving.agent_rl.online.tasks.registry import (

@@ -16,7 +16,7 @@ from openjiuwen.agent_evolving.agent_rl.online.capture.response import validate_
 from openjiuwen.agent_evolving.agent_rl.online.capture.sample import build_sample
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
-from openjiuwen.agent_evolving.agent_rl.online.tasks.models import Task
+from openjiuwen.agent_evolving.agent_rl.online.tasks.task_records import Task
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
 from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway

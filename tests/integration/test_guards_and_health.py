@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from openjiuwen.agent_evolving.agent_rl.common import guards
+from openjiuwen.agent_evolving.agent_rl.common import request_guards
 from openjiuwen.agent_evolving.agent_rl.online.config import RLServiceConfig
 from openjiuwen.agent_evolving.agent_rl.online.service import create_app
 from tests.support.redis_server import RedisServer
@@ -160,7 +160,7 @@ async def test_body_limit_from_content_length(limited):
 async def test_body_limit_while_reading_a_chunked_body(limited, monkeypatch):
     # After the 413 the guard reads on (and discards) what the client still sends, within DRAIN_BYTES; a small
     # bound here shows both the early decision and that bound.
-    monkeypatch.setattr(guards, "DRAIN_BYTES", 1024)
+    monkeypatch.setattr(request_guards, "DRAIN_BYTES", 1024)
     async with running_app(limited) as (_, client):
         sent = 0
 

@@ -1,4 +1,4 @@
-"""The hooks' lean ASGI path (online/api/fast_hooks.py) answers exactly what the FastAPI stack answers.
+"""The hooks' lean ASGI path (online/api/hook_fast_path.py) answers exactly what the FastAPI stack answers.
 
 Each case runs twice on a fresh app over the same fresh Redis state: once as served (the fast path in front), once
 with the fast path taken out (`app.hook_fast_path = None`: the routes, middlewares and handlers of FastAPI). The two

@@ -13,7 +13,7 @@ import pytest
 from openjiuwen.agent_evolving.agent_rl.common.packed_hook import MEDIA_TYPE, pack_after
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
-from openjiuwen.agent_evolving.agent_rl.online.tasks.models import CaptureMeta
+from openjiuwen.agent_evolving.agent_rl.online.tasks.task_records import CaptureMeta
 from tests.conftest import load_fixture
 from tests.support.service_app import capture, make_config, running_app, start_task
 

@@ -13,7 +13,7 @@ from openjiuwen.agent_evolving.agent_rl.online.capture.sample import build_sampl
 from openjiuwen.agent_evolving.agent_rl.online.policies import quantile_ms, reward_summary, t95
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.policy_stats import contribution
-from openjiuwen.agent_evolving.agent_rl.online.tasks.models import Task
+from openjiuwen.agent_evolving.agent_rl.online.tasks.task_records import Task
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from tests.conftest import load_fixture

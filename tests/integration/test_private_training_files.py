@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model
+from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import make_tiny_model
 from openjiuwen.agent_evolving.agent_rl.online.logs import ROOT_LOGGER, configure_logging
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from openjiuwen.agent_evolving.agent_rl.common.private_files import UnsafeDirectoryError, ensure_private_root

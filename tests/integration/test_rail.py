@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from openjiuwen.agent_evolving.agent_rl.common.errors import install_error_envelope
 from openjiuwen.agent_evolving.agent_rl.online.api.rail import build_rail_router
 from openjiuwen.agent_evolving.agent_rl.online.errors import InvalidInput, JudgeFailed
-from openjiuwen.agent_evolving.agent_rl.online.rail.ingest import RailIngestor
+from openjiuwen.agent_evolving.agent_rl.online.rail_ingest.ingest import RailIngestor
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore

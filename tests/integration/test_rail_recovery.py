@@ -7,7 +7,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from openjiuwen.agent_evolving.agent_rl.online.rail.ingest import RailIngestor
+from openjiuwen.agent_evolving.agent_rl.online.rail_ingest.ingest import RailIngestor
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
 from tests.integration.test_rail import MODEL, RETENTION_S, SESSION, TRAJ, FakeJudge, batch, rail_sample

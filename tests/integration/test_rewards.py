@@ -19,7 +19,7 @@ from openjiuwen.agent_evolving.agent_rl.online.rewards.policy import RewardPolic
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import ALL_SAMPLE_STATUSES, SAMPLE_STATUSES
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
-from openjiuwen.agent_evolving.agent_rl.online.training.models import TrainingRun, new_run_id
+from openjiuwen.agent_evolving.agent_rl.online.training.run_records import TrainingRun, new_run_id
 from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
 from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
 from tests.conftest import load_fixture

@@ -28,7 +28,7 @@ from openjiuwen.agent_evolving.agent_rl.online.retention import RetentionSweeper
 from openjiuwen.agent_evolving.agent_rl.online.rollout.store import RolloutStore
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
-from openjiuwen.agent_evolving.agent_rl.online.training.models import RunStatus, TrainingRun, new_run_id
+from openjiuwen.agent_evolving.agent_rl.online.training.run_records import RunStatus, TrainingRun, new_run_id
 from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
 from openjiuwen.agent_evolving.agent_rl.online.training.scheduler import TrainingScheduler
 from openjiuwen.agent_evolving.agent_rl.online.workers.coordinator import Placement, WorkerCoordinator, make_fence

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.models import smollm2
+from openjiuwen.agent_evolving.agent_rl.model_makers import smollm2
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model
+from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import make_tiny_model
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from openjiuwen.agent_evolving.agent_rl.online.training.backends import TrainingJob
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.local import LocalBackend

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model
+from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import make_tiny_model
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from tests.support import learning as L
 from tests.support.fake_gateway import FakeGateway

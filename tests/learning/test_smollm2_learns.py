@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.common.sampling import Sampling
-from openjiuwen.agent_evolving.agent_rl.models import smollm2
+from openjiuwen.agent_evolving.agent_rl.model_makers import smollm2
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from tests.support import learning as L
 from tests.support.fake_gateway import FakeGateway

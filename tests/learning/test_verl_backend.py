@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model
+from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import make_tiny_model
 from openjiuwen.agent_evolving.agent_rl.online.training.backends import TrainingCanceled, TrainingJob
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.verl import VerlBackend, actor_name, ray_namespace
 from openjiuwen.agent_evolving.agent_rl.online.training.verl.compose import compose_ppo_config, settings_from_config

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from openjiuwen.agent_evolving.agent_rl.online.training.models import TrainingRun
+from openjiuwen.agent_evolving.agent_rl.online.training.run_records import TrainingRun
 from openjiuwen.agent_evolving.agent_rl.online.training.runner import TrainingRunner
 
 

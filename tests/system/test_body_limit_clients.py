@@ -1,5 +1,5 @@
 """An ordinary HTTP client that sends a body over the limit reads the 413 `payload_too_large` envelope, from the RL
-Service and from the gateway (both bound bodies with common/guards.py), instead of a broken pipe or a reset.
+Service and from the gateway (both bound bodies with common/request_guards.py), instead of a broken pipe or a reset.
 
 Python's `urllib.request` writes the whole body before it reads the answer. A server that answers 413 and closes
 at once leaves the rest of the body unread in its socket, and the kernel answers the client's next segments with a
@@ -105,14 +105,14 @@ def test_gateway_answers_413_to_a_33_mib_upload(
 
 def test_drain_is_bounded_and_the_answer_comes_first(service: ServiceProcess) -> None:
     """A client that declares a huge body and trickles it is not read forever: it has the whole 413 at once, and
-    the server closes after its idle bound (common/guards.py: DRAIN_IDLE_SECONDS), well before DRAIN_SECONDS."""
+    the server closes after its idle bound (common/request_guards.py: DRAIN_IDLE_SECONDS), well before DRAIN_SECONDS."""
     import socket
     from urllib.parse import urlsplit
 
-    from openjiuwen.agent_evolving.agent_rl.common import guards
+    from openjiuwen.agent_evolving.agent_rl.common import request_guards
 
     url = urlsplit(service.url)
-    with socket.create_connection((url.hostname, url.port), timeout=guards.DRAIN_SECONDS + 30) as s:
+    with socket.create_connection((url.hostname, url.port), timeout=request_guards.DRAIN_SECONDS + 30) as s:
         s.sendall(b"POST /v1/rl/tasks/start HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100000000000\r\n\r\n" + b"x" * 1024)
         started = time.monotonic()
@@ -126,5 +126,5 @@ def test_drain_is_bounded_and_the_answer_comes_first(service: ServiceProcess) ->
         closed_at = time.monotonic() - started
     assert answer.startswith(b"HTTP/1.1 413 ") and b"payload_too_large" in answer
     assert b"connection: close" in answer.lower()
-    assert first_at is not None and first_at < guards.DRAIN_IDLE_SECONDS
-    assert guards.DRAIN_IDLE_SECONDS - 0.5 <= closed_at < guards.DRAIN_SECONDS
+    assert first_at is not None and first_at < request_guards.DRAIN_IDLE_SECONDS
+    assert request_guards.DRAIN_IDLE_SECONDS - 0.5 <= closed_at < request_guards.DRAIN_SECONDS

@@ -32,7 +32,7 @@ import pytest
 import torch
 from redis import Redis as SyncRedis
 
-from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model
+from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import make_tiny_model
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.training.batch import convert_samples
 from openjiuwen.agent_evolving.agent_rl.online.training.ppo_math import response_log_probs

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from openjiuwen.agent_evolving.agent_rl.common.guards import GuardMiddleware
+from openjiuwen.agent_evolving.agent_rl.common.request_guards import GuardMiddleware
 from tests.support.fake_vllm import FakeVLLM
 from tests.support.gateway_process import GatewayProcess
 from tests.support.redis_server import free_port

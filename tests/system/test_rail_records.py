@@ -1,5 +1,5 @@
-"""`record_dir`: the JSONL copy of the rail-v1 samples the RL Service stored (online/rail/records.py), through the real
-upload route of a real service process with a fake Judge on a socket.
+"""`record_dir`: the JSONL copy of the rail-v1 samples the RL Service stored (online/rail_ingest/jsonl_copy.py),
+through the real upload route of a real service process with a fake Judge on a socket.
 
 One line per stored sample, equal to its trajectory document; a sample uploaded again is not written twice; the
 folder and the file are private; the file rotates within `record_max_bytes` × (`record_backup_count` + 1); a copy

@@ -8,7 +8,7 @@ from dataclasses import asdict
 import orjson
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.online.tasks.models import CaptureMeta, CaptureStatus
+from openjiuwen.agent_evolving.agent_rl.online.tasks.task_records import CaptureMeta, CaptureStatus
 
 
 @pytest.mark.parametrize("meta", [

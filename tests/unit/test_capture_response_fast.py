@@ -10,33 +10,33 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openjiuwen.agent_evolving.agent_rl.online.capture import response as R
-from openjiuwen.agent_evolving.agent_rl.online.errors import InvalidInput
+from openjiuwen.agent_evolving.agent_rl.online.errors import InvalidInput, invalid_completion
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import MAX_TOKEN_ID
 
 
 def _reference_logprobs(value: Any, expected: int) -> list[float]:
     """The loop as it stood before the fast path (the contract's rule, element by element)."""
     if not isinstance(value, dict) or not isinstance(value.get("content"), list):
-        raise R._invalid("choices[0].logprobs.content must be a list")
+        raise invalid_completion("choices[0].logprobs.content must be a list")
     out = []
     for entry in value["content"]:
         lp = entry.get("logprob") if isinstance(entry, dict) else None
         if type(lp) is int:
             lp = float(lp)
         if type(lp) is not float or not math.isfinite(lp) or lp > 0:
-            raise R._invalid("every logprob must be a finite number <= 0")
+            raise invalid_completion("every logprob must be a finite number <= 0")
         out.append(lp)
     if len(out) != expected:
-        raise R._invalid("logprobs are not aligned with the completion token ids")
+        raise invalid_completion("logprobs are not aligned with the completion token ids")
     return out
 
 
 def _reference_ids(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not value:
-        raise R._invalid(f"{name} must be a non-empty list of non-negative integers")
+        raise invalid_completion(f"{name} must be a non-empty list of non-negative integers")
     for x in value:
         if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
-            raise R._invalid(f"{name} must be a non-empty list of integers in 0..{MAX_TOKEN_ID}")
+            raise invalid_completion(f"{name} must be a non-empty list of integers in 0..{MAX_TOKEN_ID}")
     return value
 
 

@@ -13,7 +13,7 @@ pytest.importorskip("verl")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import make_tiny_model  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.training.ppo_math import response_log_probs  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.training.ppo_settings import PPOSettings, apply_tree  # noqa: E402
 

@@ -64,6 +64,6 @@ def test_the_checker_sees_relative_and_absolute_imports(tmp_path: Path) -> None:
     # The guard must be able to fail: a gateway module importing online/ and rail/ in three spellings is caught.
     probe = tmp_path / "agent_rl" / "gateway" / "probe.py"
     probe.parent.mkdir(parents=True)
-    probe.write_text("from ..online.ids import x\nimport openjiuwen.agent_evolving.agent_rl.rail.hook\n"
+    probe.write_text("from ..online.ids import x\nimport openjiuwen.agent_evolving.agent_rl.rail.agent_rail\n"
                      "from .. import common\nfrom ..common.ids import y\n")
     assert _imported_packages(probe, tmp_path / "agent_rl") == {"online", "rail", "common"}

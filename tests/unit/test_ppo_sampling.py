@@ -12,7 +12,7 @@ pytest.importorskip("verl")
 import torch.nn.functional as F  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from openjiuwen.agent_evolving.agent_rl.models.tiny import make_tiny_model  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import make_tiny_model  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.training.batch import convert_samples  # noqa: E402
 from openjiuwen.agent_evolving.agent_rl.online.training.ppo_math import (  # noqa: E402
     response_log_probs, sampling_report,

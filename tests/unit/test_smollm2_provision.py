@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.cli.main import COMMANDS
-from openjiuwen.agent_evolving.agent_rl.models import smollm2
+from openjiuwen.agent_evolving.agent_rl.model_makers import smollm2
 
 
 class Crash(BaseException):

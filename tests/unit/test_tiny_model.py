@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from openjiuwen.agent_evolving.agent_rl.cli.main import COMMANDS  # noqa: E402
-from openjiuwen.agent_evolving.agent_rl.models.tiny import (  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import (  # noqa: E402
     IM_END,
     IM_START,
     PAD_TOKEN,

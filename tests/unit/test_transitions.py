@@ -8,10 +8,10 @@ from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import SAMPLE
 from openjiuwen.agent_evolving.agent_rl.common.wire.task_states import (
     ENDED_TASK_STATUSES, FinishReason, RewardMode, TaskStatus,
 )
-from openjiuwen.agent_evolving.agent_rl.online.tasks.models import (
+from openjiuwen.agent_evolving.agent_rl.online.tasks.task_records import (
     TASK_TRANSITIONS, TERMINAL_REWARD_TRANSITIONS, TURN_PUBLICATION_TRANSITIONS, Task, TerminalReward, TurnPublication,
 )
-from openjiuwen.agent_evolving.agent_rl.online.training.models import (
+from openjiuwen.agent_evolving.agent_rl.online.training.run_records import (
     RUN_STAGE_TRANSITIONS, RUN_TRANSITIONS, TERMINAL_STATUSES, RunStage, RunStatus, TrainingRun, new_run_id,
 )
 from openjiuwen.agent_evolving.agent_rl.online.transitions import IllegalTransition

@@ -44,13 +44,13 @@ def _keys(argv: list[str]) -> int:
 
 
 def _model(argv: list[str]) -> int:
-    from ..models.smollm2 import main as model_main
+    from ..model_makers.smollm2 import main as model_main
 
     return model_main(argv)
 
 
 def _tiny_model(argv: list[str]) -> int:
-    from ..models.tiny import main as tiny_main
+    from ..model_makers.tiny import main as tiny_main
 
     return tiny_main(argv)
 

@@ -52,7 +52,7 @@ from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS, login_
 from ..common.hmac_signing import HmacAuth
 from ..common.signing_keys import KeyFileError, SigningKey, decode_key, load_signing_key
 from ..online.store.sample_status import ALL_SAMPLE_STATUSES
-from ..online.training.models import TERMINAL_STATUSES, RunStatus
+from ..online.training.run_records import TERMINAL_STATUSES, RunStatus
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 URL_ENV = "OPENJIUWEN_RL_GATEWAY"

@@ -40,7 +40,7 @@ def declares_body(headers: dict[bytes, bytes]) -> bool:
 
 class BodyTypeGuard:
     """The check of JsonBodyMiddleware, for any ASGI path that answers before the app's routing (the RL Service's
-    hook fast path, online/api/fast_hooks.py, runs it as the middleware does).
+    hook fast path, online/api/hook_fast_path.py, runs it as the middleware does).
 
     `binary_routes`: path → the one non-JSON media type that path also takes (the RL Service's packed `:after`,
     common/packed_hook.py). Such a type is no CORS-safelisted one, so a browser preflights it: the door stays shut."""

@@ -21,6 +21,21 @@ def route_label(scope: Scope) -> str:
     return path if isinstance(path, str) else UNMATCHED_ROUTE
 
 
+class StatusTap:
+    """An ASGI `send` that passes every message on and keeps the status of the answer it started: 500 until one
+    starts, which is what a request that died before answering is counted as. Both ways a request is counted (this
+    middleware and the RL Service's hook fast path) read the status here, so they count the same."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.status = 500
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = int(message["status"])
+        await self._send(message)
+
+
 class HttpMetricsMiddleware:
     """Counts every answer by route template and status, auth and size refusals included (outermost middleware)."""
 
@@ -32,15 +47,8 @@ class HttpMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
+        tap = StatusTap(send)
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, tap)
         finally:
-            self._observe(route_label(scope), status)
+            self._observe(route_label(scope), tap.status)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -27,6 +28,14 @@ def is_task_id(value: object) -> bool:
     return isinstance(value, str) and TASK_ID_RE.fullmatch(value) is not None
 
 
+def _checked(value: object, check: Callable[[object], bool], message: str) -> str:
+    """`value` when `check` accepts it; else InvalidIdentifier(message) (the message names the field, never the
+    value)."""
+    if not check(value):
+        raise InvalidIdentifier(message)
+    return value  # type: ignore[return-value]
+
+
 def is_token_id(value: object) -> bool:
     return isinstance(value, str) and TOKEN_ID_RE.fullmatch(value) is not None
 
@@ -36,21 +45,15 @@ def is_run_id(value: object) -> bool:
 
 
 def require_task_id(value: object) -> str:
-    if not is_task_id(value):
-        raise InvalidIdentifier("invalid rl_task_id")
-    return value  # type: ignore[return-value]
+    return _checked(value, is_task_id, "invalid rl_task_id")
 
 
 def require_token_id(value: object, what: str = "identifier") -> str:
-    if not is_token_id(value):
-        raise InvalidIdentifier(f"invalid {what}")
-    return value  # type: ignore[return-value]
+    return _checked(value, is_token_id, f"invalid {what}")
 
 
 def require_run_id(value: object) -> str:
-    if not is_run_id(value):
-        raise InvalidIdentifier("invalid training_run_id")
-    return value  # type: ignore[return-value]
+    return _checked(value, is_run_id, "invalid training_run_id")
 
 
 def is_rollout_id(value: object) -> bool:
@@ -58,9 +61,7 @@ def is_rollout_id(value: object) -> bool:
 
 
 def require_rollout_id(value: object) -> str:
-    if not is_rollout_id(value):
-        raise InvalidIdentifier("invalid rollout_id")
-    return value  # type: ignore[return-value]
+    return _checked(value, is_rollout_id, "invalid rollout_id")
 
 
 MAX_INSTANCE_NAME = 256  # a vLLM instance name, as the gateway accepts it (config or registration)

@@ -25,22 +25,23 @@ def validation_problems(exc: ValidationError) -> str:
     )
 
 
-def _invalid(message: str) -> PydanticCustomError:
-    # A fixed message: pydantic then reports it verbatim, without the "Value error, " prefix or the input.
+def config_invalid(message: str) -> PydanticCustomError:
+    """The error a config validator raises: every config model (both processes') uses this one. A fixed message:
+    pydantic then reports it verbatim, without the "Value error, " prefix or the input (which may be a secret)."""
     return PydanticCustomError("config_invalid", message)
 
 
 def check_model_id(value: str) -> str:
     if not value.strip():
-        raise _invalid("must not be blank")
+        raise config_invalid("must not be blank")
     if any(c.isspace() for c in value):
-        raise _invalid("must not contain whitespace")
+        raise config_invalid("must not contain whitespace")
     if ":" in value:
-        raise _invalid("must not contain ':'")
+        raise config_invalid("must not contain ':'")
     if value.startswith("/"):
-        raise _invalid("must not start with '/'")
+        raise config_invalid("must not start with '/'")
     if ".." in value.replace("\\", "/").split("/"):
-        raise _invalid("must not contain a '..' path segment")
+        raise config_invalid("must not contain a '..' path segment")
     return value
 
 

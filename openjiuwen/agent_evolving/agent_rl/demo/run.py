@@ -23,7 +23,7 @@ Outputs: progress bars, the final table, `demo-report.json` and `demo-reward.png
 directory). Ctrl-C or a failure stops every process the demo started and names the step that failed and its log.
 
 `--family calculator` (the default; `make demo-real` with three rounds): SmolLM2-135M-Instruct (provisioned by
-`models/smollm2.py`) on the
+`model_makers/smollm2.py`) on the
 tool-using family of `calculator_family.py`. Each version, base first, is evaluated on the same held-out problems as
 evaluation Tasks (never trained on); training Tasks use fresh train problems; the report carries success and the
 shaped reward separately, the activation latency of each new adapter and every answer (docs/learning.md).

@@ -1,6 +1,6 @@
 """The demo's stack: the model, the processes, their health waits, the signed clients, and stopping all of it.
 
-Set-up: a tiny random model (`make_tiny_model`) or SmolLM2-135M-Instruct (provisioned by `models/smollm2.py`), a
+Set-up: a tiny random model (`make_tiny_model`) or SmolLM2-135M-Instruct (provisioned by `model_makers/smollm2.py`), a
 private `redis-server`, a real vLLM server (CPU build, from its own environment, runtime LoRA updating on), the
 reference gateway (`openjiuwen-rl gateway --config`) with an HMAC key file made here, and its RL Service child with
 the local PPO trainer (configs from `stack_config.py`). Every process runs in its own process group on a free
@@ -112,7 +112,7 @@ class Stack:
         a = self.args
         t = time.monotonic()
         if a.model is None and a.family == "calculator" and (a.trainer == "local" or a.instances is None):
-            from ..models.smollm2 import ProvisionError, default_cache_dir, provision
+            from ..model_makers.smollm2 import ProvisionError, default_cache_dir, provision
 
             bar.note("provisioning SmolLM2-135M-Instruct")
             try:
@@ -127,7 +127,7 @@ class Stack:
             if not (self.model_dir / "config.json").is_file():
                 raise DemoFailed(f"--model {self.model_dir} has no config.json")
         elif a.trainer == "local" or a.instances is None:
-            from ..models.tiny import make_tiny_model
+            from ..model_makers.tiny import make_tiny_model
 
             bar.note("generating the tiny model")
             with self._log_to(self.run_dir / "demo.log"):

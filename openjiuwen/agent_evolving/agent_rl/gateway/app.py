@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from ..common.content_type import JsonBodyMiddleware
 from ..common.errors import install_error_envelope
-from ..common.guards import GuardMiddleware
+from ..common.request_guards import GuardMiddleware
 from ..common.http_metrics import HttpMetricsMiddleware
 from .assembly import Gateway, build_gateway
 from .lora_manager import LoraError

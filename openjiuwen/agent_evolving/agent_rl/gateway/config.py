@@ -35,12 +35,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
 
 from ..common.lineage import is_lineage
 from ..common.signing_keys import decode_key, is_agent_key_id
 from ..common import loopback
-from ..common.validation import ModelId, validation_problems
+from ..common.validation import ModelId, config_invalid, validation_problems
 from .hmac_auth import REPLAY_CAPACITY
 from .instances import valid_host
 
@@ -67,10 +66,6 @@ _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|
 class GatewayConfigError(ValueError):
     """The gateway config or its key source cannot be read, parsed or validated. Names the field, never a value."""
 
-
-def _invalid(message: str) -> PydanticCustomError:
-    # A fixed message: pydantic reports it verbatim, without the "Value error, " prefix or the input.
-    return PydanticCustomError("gateway_config_invalid", message)
 
 
 # --- durations --------------------------------------------------------------------------------------------------
@@ -116,16 +111,16 @@ def format_duration(seconds: float) -> str:
 
 def _duration_input(value: Any) -> float:
     if not isinstance(value, str):
-        raise _invalid("must be a Go duration string such as '30s'")
+        raise config_invalid("must be a Go duration string such as '30s'")
     try:
         return parse_duration(value)
     except ValueError as exc:
-        raise _invalid(str(exc)) from None
+        raise config_invalid(str(exc)) from None
 
 
 def _positive(value: float) -> float:
     if not value > 0:
-        raise _invalid("must be a positive duration")
+        raise config_invalid("must be a positive duration")
     return value
 
 
@@ -143,32 +138,32 @@ Duration = Annotated[
 
 def _non_blank(value: str) -> str:
     if not value.strip():
-        raise _invalid("must not be blank")
+        raise config_invalid("must not be blank")
     return value
 
 
 def _no_whitespace(value: str) -> str:
     if not value or any(c.isspace() for c in value):
-        raise _invalid("must be non-empty and contain no whitespace")
+        raise config_invalid("must be non-empty and contain no whitespace")
     return value
 
 
 def _host(value: str) -> str:
     if not valid_host(value):
-        raise _invalid("must be a DNS name or an IP address")
+        raise config_invalid("must be a DNS name or an IP address")
     return value
 
 
 def _port(value: Any) -> int:
     # AIGW writes instance ports as numbers or numeric strings; booleans and other types are refused.
     if isinstance(value, bool):
-        raise _invalid("must be a port number 1..65535")
+        raise config_invalid("must be a port number 1..65535")
     if isinstance(value, str):
         if not (value.isascii() and value.isdigit() and len(value) <= 5):
-            raise _invalid("must be a port number 1..65535")
+            raise config_invalid("must be a port number 1..65535")
         value = int(value)
     if not isinstance(value, int) or not 1 <= value <= 65535:
-        raise _invalid("must be a port number 1..65535")
+        raise config_invalid("must be a port number 1..65535")
     return value
 
 
@@ -176,18 +171,18 @@ def _split_listen(value: str) -> tuple[str, int]:
     """`host:port`, `[v6]:port`; port 0 asks the OS for a free port (tests)."""
     host, sep, port = value.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit() and len(port) <= 5) or int(port) > 65535:
-        raise _invalid("must be 'host:port' with a port 0..65535")
+        raise config_invalid("must be 'host:port' with a port 0..65535")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     if not host or any(c.isspace() for c in host) or ("]" in host or "[" in host):
-        raise _invalid("must be 'host:port' with a port 0..65535")
+        raise config_invalid("must be 'host:port' with a port 0..65535")
     if ":" in host:  # an IPv6 literal must be bracketed, and valid
         try:
             ip_address(host)
         except ValueError:
-            raise _invalid("must be 'host:port'; write IPv6 hosts as '[::1]:8080'") from None
+            raise config_invalid("must be 'host:port'; write IPv6 hosts as '[::1]:8080'") from None
         if not value.startswith("["):
-            raise _invalid("must be 'host:port'; write IPv6 hosts as '[::1]:8080'")
+            raise config_invalid("must be 'host:port'; write IPv6 hosts as '[::1]:8080'")
     return host, int(port)
 
 
@@ -200,35 +195,35 @@ def _check_network(value: str) -> str:
     try:
         ip_network(value)
     except ValueError:
-        raise _invalid("must be a network such as 127.0.0.0/8 or fd00::/8 (no host bits set)") from None
+        raise config_invalid("must be a network such as 127.0.0.0/8 or fd00::/8 (no host bits set)") from None
     return value
 
 
 def _check_absolute(value: str) -> str:
     if not value.strip() or "\x00" in value or not os.path.isabs(value):
-        raise _invalid("must be an absolute path")
+        raise config_invalid("must be an absolute path")
     return value
 
 
 def _check_path(value: str) -> str:
     if not value.strip() or "\x00" in value:
-        raise _invalid("must be a non-empty path")
+        raise config_invalid("must be a non-empty path")
     return value
 
 
 def _check_loopback_url(value: str) -> str:
     if any(c.isspace() for c in value):
-        raise _invalid("must be an http URL on loopback without whitespace")
+        raise config_invalid("must be an http URL on loopback without whitespace")
     try:
         parts = urlsplit(value)
         host = parts.hostname
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
-        raise _invalid("must be an http URL on loopback such as http://127.0.0.1:18081") from None
+        raise config_invalid("must be an http URL on loopback such as http://127.0.0.1:18081") from None
     if parts.scheme != "http" or host is None or not loopback.is_loopback_ip(host):
-        raise _invalid(f"must be an http URL on {loopback.ALLOWED}, such as http://127.0.0.1:18081")
+        raise config_invalid(f"must be an http URL on {loopback.ALLOWED}, such as http://127.0.0.1:18081")
     if parts.username or parts.password or parts.query or parts.fragment or parts.path not in ("", "/"):
-        raise _invalid("must be a base URL without credentials, path, query or fragment")
+        raise config_invalid("must be a base URL without credentials, path, query or fragment")
     return value.rstrip("/")
 
 
@@ -263,7 +258,7 @@ class GlobalSection(_Model):
     # Project gateway: live (timestamp, signature) pairs remembered per key (api, instance, each agent key apart); a key
     # whose cache is full of live pairs has its further requests refused until some expire.
     replay_cache_size: Annotated[StrictInt, Field(ge=1)] = Field(default=REPLAY_CAPACITY, alias="replayCacheSize")
-    # Project gateway, slow clients (common/http_guard.py): a request head must be complete within headerTimeout
+    # Project gateway, slow clients (common/slow_clients.py): a request head must be complete within headerTimeout
     # (else 408), an idle kept-alive connection closes after keepAliveTimeout, and past maxConnections the oldest
     # connection without a complete head is closed to make room.
     header_timeout_s: Duration = Field(default=10.0, alias="headerTimeout")
@@ -273,7 +268,7 @@ class GlobalSection(_Model):
     @model_validator(mode="after")
     def _exactly_one_key_source(self) -> "GlobalSection":
         if (self.hmac_key_file is None) == (self.crypto_sock is None):
-            raise _invalid("set exactly one of hmacKeyFile and cryptoSock")
+            raise config_invalid("set exactly one of hmacKeyFile and cryptoSock")
         return self
 
     @property
@@ -373,7 +368,7 @@ class GatewayConfig(_Model):
     def _unique_names(cls, value: list[InstanceConfig]) -> list[InstanceConfig]:
         names = [i.name for i in value]
         if len(names) != len(set(names)):
-            raise _invalid("instance names must be unique")
+            raise config_invalid("instance names must be unique")
         return value
 
     def to_json(self) -> dict[str, Any]:

@@ -51,11 +51,8 @@ class RLControl:
         """`agent_lineages`: agent key id → the lineages whose Tasks it may start, stop and reward (a key absent
         here: every one)."""
         self._model_id = model_id
-        self._supervisor = supervisor
-        self._rl = rl
-        self._tracker = tracker
-        self._sessions = tracker.sessions
-        self._loras = loras
+        self._supervisor, self._rl, self._loras = supervisor, rl, loras
+        self._tracker, self._sessions = tracker, tracker.sessions
         self._drain_timeout_s = drain_timeout_s
         self._agent_lineages = dict(agent_lineages or {})
         self._lineage_guard = LineageGuard(self._agent_lineages, self._sessions, rl)

@@ -160,9 +160,7 @@ class HmacVerifier:
             raise ValueError("agent_keys must map valid key ids to non-empty keys")
         if skew_ms <= 0 or replay_capacity <= 0:
             raise ValueError("skew_ms and replay_capacity must be positive")
-        self._api_key = api_key
-        self._ins_key = ins_key
-        self._agent_keys = agents
+        self._api_key, self._ins_key, self._agent_keys = api_key, ins_key, agents  # one key per holder
         self._skew_ms = skew_ms
         self._accept_legacy = accept_legacy
         self._api_replays = _ReplayCache("api", replay_capacity)

@@ -21,7 +21,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 async def _serve(config_path: str) -> int:
     from ..common.gc_tuning import tune_gc
-    from ..common.http_guard import ConnectionLimits, server_config
+    from ..common.slow_clients import ConnectionLimits, server_config
     from ..common.quiet_server import QuietServer
     from .app import build_gateway, create_gateway_app
     from .config import GatewayConfigError, load_gateway_config, load_hmac_keys

@@ -26,10 +26,9 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
-from pydantic_core import PydanticCustomError
 
 from ..common import loopback
-from ..common.validation import ModelId, validation_problems
+from ..common.validation import ModelId, config_invalid, validation_problems
 from .rewards.config import RewardPolicyConfig
 from .rollout.config import RolloutConfig
 from .training.policy import TrainingPolicyConfig
@@ -44,38 +43,34 @@ class ConfigError(ValueError):
     """The config file cannot be read, parsed or validated. The message names the field, never a secret value."""
 
 
-def _invalid(message: str) -> PydanticCustomError:
-    # A fixed message: pydantic then reports it verbatim, without the "Value error, " prefix or the input.
-    return PydanticCustomError("config_invalid", message)
-
 
 # --- field checks (each gets a value already of the right type) -------------------------------------------------
 
 
 def _check_listen_host(value: str) -> str:
     if not loopback.is_loopback_ip(value):
-        raise _invalid(f"the service binds loopback only: {loopback.ALLOWED}, such as 127.0.0.1")
+        raise config_invalid(f"the service binds loopback only: {loopback.ALLOWED}, such as 127.0.0.1")
     return value
 
 
 def _check_non_blank(value: str) -> str:
     if not value.strip():
-        raise _invalid("must not be blank")
+        raise config_invalid("must not be blank")
     return value
 
 
 def _check_http_url(value: str) -> str:
     if any(c.isspace() for c in value):
-        raise _invalid("must be an http(s) URL without whitespace")
+        raise config_invalid("must be an http(s) URL without whitespace")
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 - raises ValueError on a malformed port
     except ValueError:
-        raise _invalid("must be a valid http(s) URL") from None
+        raise config_invalid("must be a valid http(s) URL") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise _invalid("must be an http:// or https:// URL with a host")
+        raise config_invalid("must be an http:// or https:// URL with a host")
     if parts.query or parts.fragment:
-        raise _invalid("must be a base URL without query or fragment")
+        raise config_invalid("must be a base URL without query or fragment")
     return value.rstrip("/")
 
 
@@ -88,19 +83,19 @@ def _check_optional_http_url(value: str) -> str:
 def _check_redis_url(value: SecretStr) -> SecretStr:
     url = value.get_secret_value()
     if not url.lower().startswith(REDIS_SCHEMES):
-        raise _invalid("must start with redis://, rediss:// or unix://")
+        raise config_invalid("must start with redis://, rediss:// or unix://")
     if any(c.isspace() for c in url):
-        raise _invalid("must not contain whitespace")
+        raise config_invalid("must not contain whitespace")
     if url.lower().startswith("unix://") and len(url) == len("unix://"):
-        raise _invalid("unix:// needs a socket path")
+        raise config_invalid("unix:// needs a socket path")
     return value
 
 
 def _check_absolute_path(value: str) -> str:
     if not value.strip():
-        raise _invalid("must not be blank")
+        raise config_invalid("must not be blank")
     if not os.path.isabs(value):
-        raise _invalid("must be an absolute path")
+        raise config_invalid("must be an absolute path")
     return value
 
 
@@ -109,17 +104,17 @@ def _check_gpu_ids(value: str) -> str:
         return ""
     items = [item.strip() for item in value.split(",")]
     if not all(item.isascii() and item.isdigit() for item in items):
-        raise _invalid("must be empty or a comma-separated list of non-negative integers (e.g. '0,1')")
+        raise config_invalid("must be empty or a comma-separated list of non-negative integers (e.g. '0,1')")
     ids = [str(int(item)) for item in items]
     if len(set(ids)) != len(ids):
-        raise _invalid("must not repeat a GPU index")
+        raise config_invalid("must not repeat a GPU index")
     return ",".join(ids)
 
 
 def _check_log_level(value: str) -> str:
     level = value.strip().upper()
     if level not in LOG_LEVELS:
-        raise _invalid("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+        raise config_invalid("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
     return level
 
 
@@ -205,12 +200,12 @@ class RLServiceConfig(BaseModel):
 
     # HTTP and logging.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432
-    # Slow clients (common/http_guard.py): head deadline (408 after it), idle keep-alive, and the connection cap past which
-    # the oldest connection without a complete request head is closed.
+    # Slow clients (common/slow_clients.py): head deadline (408 after it), idle keep-alive, and the connection cap past
+    # which the oldest connection without a complete request head is closed.
     http_header_timeout_seconds: Seconds = 10.0
     http_keep_alive_seconds: Seconds = 5.0
     http_max_connections: Annotated[StrictInt, Field(ge=16)] = 4096
-    record_dir: StrictStr = "records"  # JSONL copy of stored rail samples (rail/records.py); "" = none
+    record_dir: StrictStr = "records"  # JSONL copy of stored rail samples (rail_ingest/jsonl_copy.py); "" = none
     record_max_bytes: PositiveInt = 67108864
     record_backup_count: PositiveInt = 5
     log_path: NonBlank = "rl-service.log"
@@ -226,7 +221,7 @@ class RLServiceConfig(BaseModel):
     @classmethod
     def _judge_model_required(cls, value: str, info: ValidationInfo) -> str:
         if info.data.get("judge_endpoint") and not value.strip():
-            raise _invalid("required when judge_endpoint is set")
+            raise config_invalid("required when judge_endpoint is set")
         return value
 
     @field_validator("judge_min_votes")
@@ -234,7 +229,7 @@ class RLServiceConfig(BaseModel):
     def _min_votes_within_votes(cls, value: int | None, info: ValidationInfo) -> int | None:
         votes = info.data.get("judge_votes")
         if value is not None and votes is not None and value > votes:
-            raise _invalid("must be between 1 and judge_votes")
+            raise config_invalid("must be between 1 and judge_votes")
         return value
 
     @field_validator("max_samples_per_run")
@@ -242,7 +237,7 @@ class RLServiceConfig(BaseModel):
     def _max_at_least_min(cls, value: int, info: ValidationInfo) -> int:
         minimum = info.data.get("min_samples_for_training")
         if minimum is not None and value < minimum:
-            raise _invalid("must be >= min_samples_for_training")
+            raise config_invalid("must be >= min_samples_for_training")
         return value
 
     @field_validator("ppo_config_path")
@@ -251,14 +246,14 @@ class RLServiceConfig(BaseModel):
         if value is None:
             return None
         if not value.strip():
-            raise _invalid("must be null or the path of an existing file")
+            raise config_invalid("must be null or the path of an existing file")
         path = Path(value).expanduser()
         try:
             is_file = path.is_file()
         except (OSError, ValueError):
             is_file = False
         if not is_file:
-            raise _invalid("must be the path of an existing file")
+            raise config_invalid("must be the path of an existing file")
         return str(path.resolve())
 
     @property

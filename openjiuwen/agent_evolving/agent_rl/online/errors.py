@@ -22,6 +22,11 @@ class InvalidInput(DomainError):
         super().__init__(message, code=code)
 
 
+def invalid_completion(message: str) -> InvalidInput:
+    """A captured request or completion that breaks the hook contract (400 `invalid_completion`, CONTRACT §2.8)."""
+    return InvalidInput("invalid_completion", message)
+
+
 class NotFound(DomainError):
     """The addressed entity does not exist (404, code chosen by the route)."""
 

@@ -30,7 +30,7 @@ from .store.codec import text
 from .store.lineage_listing import RUN_LISTING, TASK_LISTING
 from .store.trajectories import TrajectoryStore
 from ..common.wire.task_states import TASK_STATUSES
-from .tasks.models import Task, TerminalReward
+from .tasks.task_records import Task, TerminalReward
 from .workers.fence import Fence, LeaseLost
 
 log = logging.getLogger("openjiuwen.agent_rl.online.retention")
@@ -55,17 +55,12 @@ class RetentionSweeper:
         fence: Fence,
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
-        self._redis = redis
-        self._fence = fence
-        self._store = store
-        self._rewards = rewards
+        self._redis, self._fence, self._store, self._rewards = redis, fence, store, rewards
         self._owner = owner
-        self._task_retention_s = task_retention_s
-        self._reward_timeout_s = reward_timeout_s
-        self._trajectory_retention_s = trajectory_retention_s
-        self._run_retention_s = run_retention_s
-        self._on_error = on_error
-        self._interval_s = interval_s
+        # How long each kind of record lives, and how often the sweep runs.
+        self._task_retention_s, self._reward_timeout_s = task_retention_s, reward_timeout_s
+        self._trajectory_retention_s, self._run_retention_s = trajectory_retention_s, run_retention_s
+        self._interval_s, self._on_error = interval_s, on_error
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._line_cursor = 0  # rank in `rl:v1:lineages` of the next lineage whose line's samples are swept

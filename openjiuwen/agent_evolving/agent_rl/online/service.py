@@ -23,11 +23,11 @@ from redis.asyncio import BlockingConnectionPool, Redis
 
 from ..common.content_type import BodyTypeGuard, JsonBodyMiddleware
 from ..common.errors import INTERNAL_ERROR_MESSAGE, UnhandledErrors, install_error_envelope
-from ..common.guards import GuardMiddleware, RequestGuard
-from .api.fast_hooks import HookFastPath, ServiceApp
+from ..common.request_guards import GuardMiddleware, RequestGuard
+from .api.hook_fast_path import HookFastPath, ServiceApp
 from .api.health import build_health_router
 from .api.lineages import build_lineages_router
-from .api.hooks import BINARY_ROUTES as HOOK_BINARY_ROUTES, CaptureHooks, build_hooks_router
+from .api.capture_hooks import BINARY_ROUTES as HOOK_BINARY_ROUTES, CaptureHooks, build_hooks_router
 from .api.metrics import build_metrics_router
 from .api.policies import build_policies_router
 from .api.rail import build_rail_router
@@ -43,7 +43,7 @@ from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig, load_config
 from .faults import CRASH_AT_ENV, FaultHook, fault_hook, no_faults
 from ..common.gc_tuning import tune_gc
-from ..common.http_guard import ConnectionLimits, server_config
+from ..common.slow_clients import ConnectionLimits, server_config
 from .logs import configure_logging
 from ..common.http_metrics import HttpMetricsMiddleware
 from .metrics import MeteredJudge, ServiceMetrics
@@ -53,8 +53,8 @@ from .lineages import LineageRegistry
 from .policies import PolicyReport
 from ..common.private_files import UnsafeDirectoryError, ensure_private_root
 from ..common.wire import env as wire_env
-from .rail.ingest import RailIngestor
-from .rail.records import RailRecorder
+from .rail_ingest.ingest import RailIngestor
+from .rail_ingest.jsonl_copy import RailRecorder
 from .retention import RetentionSweeper
 from .rewards.ledger import RewardLedger
 from .rewards.policy import RewardPolicy

@@ -1,6 +1,6 @@
 """The Task values that cross the wire (CONTRACT §4.1): a Task record's `status` and `finish_reason`, the
 `reward_mode` of a Task start, the reason of an internal abort. The RL Service's transition table stays in
-online/tasks/models.py over these values."""
+online/tasks/task_records.py over these values."""
 
 from __future__ import annotations
 

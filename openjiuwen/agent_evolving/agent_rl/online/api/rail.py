@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...common.wire import routes as rl_routes
-from ..rail.ingest import RailIngestor
+from ..rail_ingest.ingest import RailIngestor
 from . import openapi
 from .body import json_object
 from .errors import domain_errors

@@ -15,7 +15,7 @@ from ...common.wire import routes as rl_routes
 from ..capture.lifecycle import StartHeaders, TaskLifecycle
 from ..capture.rewards import RewardProjector, parse_reward_body
 from ...common.wire.task_states import FinishReason
-from ..tasks.models import Task
+from ..tasks.task_records import Task
 from ..store.keys import TASK_STATUSES
 from ..tasks.registry import TaskRegistry
 from . import openapi

@@ -14,7 +14,7 @@ from ...common.lineage import DEFAULT_LINEAGE, is_lineage, line_of, version_of
 from ...common.policy_names import BASE_POLICY
 from ...common.signing_keys import is_agent_key_id
 from ...common.wire.task_states import FinishReason, RewardMode, TaskStatus
-from ..tasks.models import Task
+from ..tasks.task_records import Task
 from ..tasks.registry import TaskRegistry
 from ..workers.fence import Fence
 from .turns import TurnPublisher

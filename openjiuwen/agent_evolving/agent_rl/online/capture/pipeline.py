@@ -20,9 +20,9 @@ from ..errors import Conflict, InvalidInput
 from ..faults import FaultHook, no_faults
 from ..judge import feedback_from_request
 from ...common.wire.task_states import FinishReason
-from ..tasks.models import Task
+from ..tasks.task_records import Task
 from ..tasks.registry import AbortingConflict, ReserveOutcome, TaskRegistry
-from .hooks import HookBody, parse_hook
+from .hook_body import HookBody, parse_hook
 from .request import (
     RequestModelMismatch,
     normalize_request,

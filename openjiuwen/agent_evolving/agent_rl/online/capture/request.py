@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from ..errors import InvalidInput
+from ..errors import invalid_completion
 from ...common import sampling
 from ...common.ids import NotCanonicalJSON, fingerprint
 from ...common.packed_hook import PackedArrays
@@ -15,29 +15,26 @@ class RequestModelMismatch(ValueError):
     """`request.model` is not the Task's pinned policy model (a conflict, not an input error)."""
 
 
-def _invalid(message: str) -> InvalidInput:
-    return InvalidInput("invalid_completion", message)
-
 
 def validate_request(request: Any, *, policy_model: str, delayed: bool, agent_turn_id: str | None) -> None:
     if not isinstance(request, dict):
-        raise _invalid("request must be an object")
+        raise invalid_completion("request must be an object")
     if not isinstance(request.get("messages"), list):
-        raise _invalid("request.messages must be a list")
+        raise invalid_completion("request.messages must be a list")
     n = request.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
-        raise _invalid("request.n must be absent or 1")
+        raise invalid_completion("request.n must be absent or 1")
     if not isinstance(request.get("model"), str):
-        raise _invalid("request.model must be a string")
+        raise invalid_completion("request.model must be a string")
     try:
         sampling.check(request)
     except sampling.SamplingRefused as exc:
-        raise _invalid(f"request.{exc}") from None
+        raise invalid_completion(f"request.{exc}") from None
     top = request.get("top_logprobs")
     if top is not None and (type(top) is not int or top < -1):
-        raise _invalid("request.top_logprobs must be absent, null or an integer of at least -1")
+        raise invalid_completion("request.top_logprobs must be absent, null or an integer of at least -1")
     if delayed and agent_turn_id is None:
-        raise _invalid("agent_turn_id is required for delayed_feedback Tasks")
+        raise invalid_completion("agent_turn_id is required for delayed_feedback Tasks")
     if request.get("model") != policy_model:
         raise RequestModelMismatch("request model does not match Task policy")
 
@@ -68,14 +65,14 @@ def request_fingerprint(normalized: dict[str, Any]) -> str:
     try:
         return fingerprint(normalized)
     except NotCanonicalJSON as exc:
-        raise _invalid(f"request cannot be stored: {exc}") from exc
+        raise invalid_completion(f"request cannot be stored: {exc}") from exc
 
 
 def response_fingerprint(response: dict[str, Any]) -> str:
     try:
         return fingerprint(response)
     except NotCanonicalJSON as exc:
-        raise _invalid(f"response cannot be stored: {exc}") from exc
+        raise invalid_completion(f"response cannot be stored: {exc}") from exc
 
 
 def packed_response_fingerprint(response: dict[str, Any], arrays: PackedArrays) -> str:

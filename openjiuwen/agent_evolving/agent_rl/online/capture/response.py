@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...common.packed_hook import PackedArrays
-from ..errors import InvalidInput
+from ..errors import invalid_completion
 from ..store.codec import MAX_TOKEN_ID, pack_ids, pack_logprobs
 
 
@@ -27,13 +27,10 @@ class ValidatedResponse:
     routing_metadata: Any
 
 
-def _invalid(message: str) -> InvalidInput:
-    return InvalidInput("invalid_completion", message)
-
 
 def _token_ids(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not value:
-        raise _invalid(f"{name} must be a non-empty list of non-negative integers")
+        raise invalid_completion(f"{name} must be a non-empty list of non-negative integers")
     # Fast path in C (type set, min, max) for the common valid list; anything else takes the loop below, which
     # alone decides the error.
     if set(map(type, value)) == {int} and min(value) >= 0 and max(value) <= MAX_TOKEN_ID:
@@ -42,13 +39,13 @@ def _token_ids(value: Any, name: str) -> list[int]:
         # `type(x) is int` rejects bool (a subclass of int) in the same check; the upper bound is the packed
         # storage's (uint32), far above any vocabulary, and a larger id would otherwise fail only when stored.
         if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
-            raise _invalid(f"{name} must be a non-empty list of integers in 0..{MAX_TOKEN_ID}")
+            raise invalid_completion(f"{name} must be a non-empty list of integers in 0..{MAX_TOKEN_ID}")
     return value
 
 
 def _logprobs(value: Any, expected: int) -> list[float]:
     if not isinstance(value, dict) or not isinstance(value.get("content"), list):
-        raise _invalid("choices[0].logprobs.content must be a list")
+        raise invalid_completion("choices[0].logprobs.content must be a list")
     fast = _logprobs_fast(value["content"], expected)
     if fast is not None:
         return fast
@@ -59,10 +56,10 @@ def _logprobs(value: Any, expected: int) -> list[float]:
         if type(lp) is int:
             lp = float(lp)
         if type(lp) is not float or not isfinite(lp) or lp > 0:
-            raise _invalid("every logprob must be a finite number <= 0")
+            raise invalid_completion("every logprob must be a finite number <= 0")
         out.append(lp)
     if len(out) != expected:
-        raise _invalid("logprobs are not aligned with the completion token ids")
+        raise invalid_completion("logprobs are not aligned with the completion token ids")
     return out
 
 
@@ -92,25 +89,25 @@ def logprobs_valid(logprobs: Sequence[float]) -> bool:
 def _usage_int(usage: dict[str, Any], name: str) -> int:
     value = usage.get(name)
     if type(value) is not int:
-        raise _invalid(f"usage.{name} must be an integer")
+        raise invalid_completion(f"usage.{name} must be an integer")
     return value
 
 
 def _checked_choice(response: Any) -> dict[str, Any]:
     """The response's one choice, after the checks that do not involve the token arrays."""
     if not isinstance(response, dict):
-        raise _invalid("response must be an object")
+        raise invalid_completion("response must be an object")
     if response.get("object") != "chat.completion":
-        raise _invalid("response.object must be chat.completion")
+        raise invalid_completion("response.object must be chat.completion")
     choices = response.get("choices")
     if not isinstance(choices, list) or len(choices) != 1:
-        raise _invalid("response must have exactly one choice")
+        raise invalid_completion("response must have exactly one choice")
     choice = choices[0]
     if not isinstance(choice, dict) or not isinstance(choice.get("message"), dict):
-        raise _invalid("choices[0].message must be an object")
+        raise invalid_completion("choices[0].message must be an object")
     finish = choice.get("finish_reason")
     if not isinstance(finish, str) or not finish:
-        raise _invalid("choices[0].finish_reason must be a non-empty string")
+        raise invalid_completion("choices[0].finish_reason must be a non-empty string")
     return choice
 
 
@@ -120,14 +117,14 @@ def _validated(
     """Usage against the token counts, the model, and the routing fields: (routed_experts, routing_metadata)."""
     usage = response.get("usage")
     if not isinstance(usage, dict):
-        raise _invalid("usage must be an object")
+        raise invalid_completion("usage must be an object")
     prompt_tokens = _usage_int(usage, "prompt_tokens")
     completion_tokens = _usage_int(usage, "completion_tokens")
     total_tokens = _usage_int(usage, "total_tokens")
     if prompt_tokens != prompt_count or completion_tokens != response_count:
-        raise _invalid("usage does not match the token ids")
+        raise invalid_completion("usage does not match the token ids")
     if total_tokens != prompt_tokens + completion_tokens:
-        raise _invalid("usage.total_tokens is not the sum of prompt and completion tokens")
+        raise invalid_completion("usage.total_tokens is not the sum of prompt and completion tokens")
     if response.get("model") != policy_model:
         raise ResponseModelMismatch("response model does not match Task policy")
     routed = choice.get("routed_experts")
@@ -155,13 +152,13 @@ def validate_packed_response(response: Any, arrays: PackedArrays, *, policy_mode
     uint32 by construction and only their counts and the logprobs' values are left to check."""
     choice = _checked_choice(response)
     if "prompt_token_ids" in response or any(k in choice for k in ("token_ids", "logprobs")):
-        raise _invalid("a packed body carries the token ids and logprobs in its arrays, not in the JSON part")
+        raise invalid_completion("a packed body carries the token ids and logprobs in its arrays, not in the JSON part")
     if not arrays.prompt_count:
-        raise _invalid("prompt_token_ids must be a non-empty list of non-negative integers")
+        raise invalid_completion("prompt_token_ids must be a non-empty list of non-negative integers")
     if not arrays.response_count:
-        raise _invalid("choices[0].token_ids must be a non-empty list of non-negative integers")
+        raise invalid_completion("choices[0].token_ids must be a non-empty list of non-negative integers")
     if not logprobs_valid(arrays.logprobs):
-        raise _invalid("every logprob must be a finite number <= 0")
+        raise invalid_completion("every logprob must be a finite number <= 0")
     routed, routing = _validated(response, choice, prompt_count=arrays.prompt_count,
                                  response_count=arrays.response_count, policy_model=policy_model)
     return ValidatedResponse(arrays.prompt_ids, arrays.response_ids, pack_logprobs(arrays.logprobs), choice, routed,

@@ -23,7 +23,7 @@ from ..store.policy_stats import add_task_reward
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
 from ...common.wire.task_states import RewardMode, TaskStatus
-from ..tasks.models import TERMINAL_REWARD_TRANSITIONS, Task, TerminalReward
+from ..tasks.task_records import TERMINAL_REWARD_TRANSITIONS, Task, TerminalReward
 
 
 def parse_reward_body(body: dict[str, Any]) -> float:

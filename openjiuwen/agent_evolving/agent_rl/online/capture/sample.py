@@ -8,7 +8,7 @@ from ...common.lineage import DEFAULT_LINEAGE
 from ...common.sampling import Sampling
 from ..store.codec import PackedSample
 from ..store.documents import sample_document
-from ..tasks.models import Task
+from ..tasks.task_records import Task
 from .response import ValidatedResponse
 
 

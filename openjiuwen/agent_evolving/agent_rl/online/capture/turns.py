@@ -19,7 +19,7 @@ from ..faults import FaultHook, no_faults
 from ..store.codec import PackedSample
 from ..store.trajectories import TrajectoryStore
 from ...common.wire.task_states import FinishReason
-from ..tasks.models import Task, TurnPublication
+from ..tasks.task_records import Task, TurnPublication
 from ..tasks.registry import TaskRegistry
 from ..workers.fence import UNFENCED, Fence
 from ..workers.membership import SOLO, Membership

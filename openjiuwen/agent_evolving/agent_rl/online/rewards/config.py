@@ -15,9 +15,9 @@ import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
-from pydantic_core import PydanticCustomError
 
 from ...common.lineage import DEFAULT_LINEAGE, is_lineage
+from ...common.validation import config_invalid
 
 BUILTIN_SOURCES = ("terminal", "judge")
 SOURCE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -28,9 +28,6 @@ Score = Annotated[float, Field(ge=0, le=1, strict=True, allow_inf_nan=False)]
 Aggregation = Literal["weighted_mean", "last", "min"]
 Fallback = Literal["skip", "default", "drop"]
 
-
-def _invalid(message: str) -> PydanticCustomError:
-    return PydanticCustomError("config_invalid", message)
 
 
 class RewardSourceConfig(BaseModel):
@@ -55,20 +52,20 @@ class RewardRulesConfig(BaseModel):
     @model_validator(mode="after")
     def _check_sources(self) -> "RewardRulesConfig":
         if len(self.sources) > MAX_SOURCES:
-            raise _invalid(f"at most {MAX_SOURCES} sources")
+            raise config_invalid(f"at most {MAX_SOURCES} sources")
         for name, source in self.sources.items():
             if not SOURCE_NAME.fullmatch(name):
-                raise _invalid("source names are 1-32 of [a-z0-9_-], starting with a letter")
+                raise config_invalid("source names are 1-32 of [a-z0-9_-], starting with a letter")
             if name in BUILTIN_SOURCES:
                 if source.deadline_seconds is not None or source.fallback is not None or (
                     source.default_score is not None
                 ):
-                    raise _invalid(f"sources.{name}: arrives with publication; only weight applies")
+                    raise config_invalid(f"sources.{name}: arrives with publication; only weight applies")
                 continue
             if source.deadline_seconds is None:
-                raise _invalid(f"sources.{name}: deadline_seconds is required for an external source")
+                raise config_invalid(f"sources.{name}: deadline_seconds is required for an external source")
             if (source.fallback == "default") != (source.default_score is not None):
-                raise _invalid(f"sources.{name}: default_score is required with fallback default, and only then")
+                raise config_invalid(f"sources.{name}: default_score is required with fallback default, and only then")
         return self
 
     def external_sources(self) -> tuple[str, ...]:
@@ -89,5 +86,5 @@ class RewardPolicyConfig(RewardRulesConfig):
         for name in self.lineages:
             # `default` is the top-level policy itself: an entry for it would be a second, conflicting one.
             if not is_lineage(name) or name == DEFAULT_LINEAGE:
-                raise _invalid(f"lineages.{name}: not a lineage name other than default")
+                raise config_invalid(f"lineages.{name}: not a lineage name other than default")
         return self

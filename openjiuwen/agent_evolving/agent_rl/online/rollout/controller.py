@@ -40,8 +40,8 @@ from .store import RolloutStore, lineage_of, new_rollout_id, rollout_id_for_run
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
-    from ..tasks.models import Task
-    from ..training.models import TrainingRun
+    from ..tasks.task_records import Task
+    from ..training.run_records import TrainingRun
 
 log = logging.getLogger("openjiuwen.agent_rl.online.rollout")
 

@@ -1,5 +1,6 @@
 """The sample document (CONTRACT §4.5), laid out in one place for both ways a sample arrives: a gateway capture
-(`capture/sample.py`) and a rail-v1 upload (`rail/samples.py`). The key order is the stored order of the JSON part.
+(`capture/sample.py`) and a rail-v1 upload (`rail_ingest/samples.py`). The key order is the stored order of the JSON
+part.
 """
 
 from __future__ import annotations

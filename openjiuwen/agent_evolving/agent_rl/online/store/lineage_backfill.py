@@ -19,8 +19,8 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from ...common.ids import parse_iso_epoch
-from ..tasks.models import Task
-from ..training.models import TrainingRun
+from ..tasks.task_records import Task
+from ..training.run_records import TrainingRun
 from ..workers.fence import Fence
 from . import keys
 from .lineage_listing import RUN_LISTING, TASK_LISTING

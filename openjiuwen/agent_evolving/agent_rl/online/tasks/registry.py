@@ -28,7 +28,7 @@ from ..store.listing import newest_first
 from ..store.tx import MAX_WATCH_RETRIES, RedisContention, transact
 from ..workers.fence import UNFENCED, Fence
 from ...common.wire.task_states import TASK_STATUSES, FinishReason, RewardMode, TaskStatus
-from .models import TURN_PUBLICATION_TRANSITIONS, CaptureMeta, CaptureStatus, Task, TurnPublication
+from .task_records import TURN_PUBLICATION_TRANSITIONS, CaptureMeta, CaptureStatus, Task, TurnPublication
 from .signals import TaskSignals
 
 if TYPE_CHECKING:

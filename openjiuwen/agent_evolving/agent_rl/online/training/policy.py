@@ -11,17 +11,14 @@ from __future__ import annotations
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, ValidationError, model_validator
-from pydantic_core import PydanticCustomError
 
 from ...common.lineage import DEFAULT_LINEAGE, is_lineage
+from ...common.validation import config_invalid
 
 _Seconds = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
 _Positive = Annotated[StrictInt, Field(ge=1)]
 _Wait = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
 
-
-def _invalid(message: str) -> PydanticCustomError:
-    return PydanticCustomError("config_invalid", message)
 
 
 class LineageTrainingOverride(BaseModel):
@@ -62,17 +59,17 @@ class TrainingPolicyConfig(BaseModel):
     def _check(self) -> "TrainingPolicyConfig":
         # A floor above the threshold would never apply: the threshold would always fire first.
         if self.min_batch_on_wait > self.min_pending_samples:
-            raise _invalid("min_batch_on_wait must be <= min_pending_samples")
+            raise config_invalid("min_batch_on_wait must be <= min_pending_samples")
         resolved = {}
         for name, override in self.lineages.items():
             # `default` is the top-level policy itself: an entry for it would be a second, conflicting one.
             if not is_lineage(name) or name == DEFAULT_LINEAGE:
-                raise _invalid(f"lineages.{name}: not a lineage name other than default")
+                raise config_invalid(f"lineages.{name}: not a lineage name other than default")
             merged = self.model_dump(exclude={"lineages"}) | override.model_dump(include=override.model_fields_set)
             try:
                 resolved[name] = TrainingPolicyConfig(**merged)
             except ValidationError as exc:  # the merge broke a rule (e.g. the floor above the threshold)
-                raise _invalid(f"lineages.{name}: {exc.errors()[0]['msg']}") from None
+                raise config_invalid(f"lineages.{name}: {exc.errors()[0]['msg']}") from None
         self._resolved = resolved
         return self
 

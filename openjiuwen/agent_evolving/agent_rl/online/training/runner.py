@@ -36,7 +36,7 @@ from ..lora.repository import Artifact, LoraRepository
 from ..store.trajectories import TrajectoryStore
 from ..workers.fence import LeaseLost
 from .backends import TrainerBackend, TrainingJob
-from .models import RunStage, RunStatus, TrainingRun, empty_metrics, manual_trigger, new_run_id
+from .run_records import RunStage, RunStatus, TrainingRun, empty_metrics, manual_trigger, new_run_id
 from .runs import RunNotFound, RunStore
 
 if TYPE_CHECKING:

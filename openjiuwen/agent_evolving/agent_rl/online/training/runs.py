@@ -29,7 +29,7 @@ from ..store.listing import newest_first
 from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
 from ..workers.fence import Fence
-from .models import RunStage, RunStatus, TrainingRun
+from .run_records import RunStage, RunStatus, TrainingRun
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
@@ -69,12 +69,8 @@ class RunStore:
         self, redis: Redis, store: TrajectoryStore, *, model_id: str, run_retention_s: int, fence: Fence,
         metrics: "ServiceMetrics | None" = None,
     ) -> None:
-        self._redis = redis
-        self._fence = fence
-        self._metrics = metrics
-        self._store = store
-        self._model_id = model_id
-        self._run_retention_s = run_retention_s
+        self._redis, self._fence, self._store, self._metrics = redis, fence, store, metrics
+        self._model_id, self._run_retention_s = model_id, run_retention_s
 
     async def get(self, run_id: str) -> TrainingRun | None:
         raw = await self._redis.get(keys.training_run(run_id))

@@ -40,7 +40,7 @@ from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
 from ..workers.fence import Fence
 from .eligibility import LineState, Verdict, judge_line, rank
-from .models import TrainingRun
+from .run_records import TrainingRun
 from .pauses import LineagePauses
 from .policy import TrainingPolicyConfig
 from .runs import RunStore
@@ -80,16 +80,10 @@ class TrainingScheduler:
         max_policy_lag: int | None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._redis = redis
-        self._runs = runs
-        self._runner = runner
-        self._store = store
-        self._rollout = rollout
-        self._pauses = pauses
+        self._redis, self._store, self._pauses = redis, store, pauses
+        self._runs, self._runner, self._rollout = runs, runner, rollout
         self._fence = fence  # the hint corrections are leader-only writes
-        self._policy = policy
-        self._model_id = model_id
-        self._max_policy_lag = max_policy_lag
+        self._policy, self._model_id, self._max_policy_lag = policy, model_id, max_policy_lag
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()

@@ -82,12 +82,9 @@ class VerlBackend:
         ray_init_kwargs: dict[str, Any] | None = None,
         progress_interval_s: float = 1.0,
     ) -> None:
-        self._repository = repository
-        self._model_id = model_id
-        self._ppo_config = ppo_config
-        self._settings = settings
-        self._ray_address = ray_address
-        self._nproc = nproc_per_node
+        self._repository, self._model_id = repository, model_id
+        self._ppo_config, self._settings = ppo_config, settings
+        self._ray_address, self._nproc = ray_address, nproc_per_node
         self._gpu_ids = [gpu for gpu in training_gpu_ids.split(",") if gpu]
         if self._gpu_ids and len(self._gpu_ids) < nproc_per_node:
             raise ValueError(

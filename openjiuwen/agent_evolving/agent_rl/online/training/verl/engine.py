@@ -50,13 +50,8 @@ class PPOSteps:
                  record: Any) -> None:
         from .data import to_data_proto
 
-        self.worker = worker
-        self.cfg = cfg
-        self.settings = settings
-        self.batch = batch
-        self.rank = rank
-        self.world_size = world_size
-        self.record = record
+        self.worker, self.cfg, self.settings, self.batch = worker, cfg, settings, batch
+        self.rank, self.world_size, self.record = rank, world_size, record
         self.data = to_data_proto(batch)
         self.loss_ready = False
         self.sampling: dict[str, Any] = {}

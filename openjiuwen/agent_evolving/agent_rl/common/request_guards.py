@@ -110,7 +110,7 @@ class Admission(Enum):
 
 class RequestGuard:
     """The checks of GuardMiddleware, in the contract's order, for any ASGI path that answers before the app's
-    routing (the RL Service's hook fast path, online/api/fast_hooks.py, runs them as the middleware does)."""
+    routing (the RL Service's hook fast path, online/api/hook_fast_path.py, runs them as the middleware does)."""
 
     def __init__(self, *, token: str | None, max_body_bytes: int, loopback_only: bool = True) -> None:
         self.loopback_only = loopback_only  # the RL Service; the gateway serves the network and passes False

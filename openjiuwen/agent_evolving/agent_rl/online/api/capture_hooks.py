@@ -24,7 +24,7 @@ from .tasks import reason_from_body
 T = TypeVar("T")
 
 # The one non-JSON body of the service: the packed `:after` (CONTRACT §2.8); JsonBodyMiddleware and the fast path
-# (api/fast_hooks.py) both let it through on that route only.
+# (api/hook_fast_path.py) both let it through on that route only.
 BINARY_ROUTES = {rl_routes.HOOK_AFTER.path: packed_hook.MEDIA_TYPE}
 _PACKED_MEDIA_TYPE = packed_hook.MEDIA_TYPE.encode()
 # A hook meets StaleTask only when its Task id was started again as another Task after its record expired; each
@@ -62,7 +62,7 @@ async def _again_on_stale(call: Callable[[], Awaitable[T]]) -> T:
 
 class CaptureHooks:
     """The three capture hooks from a body reader to the answer's content, metrics included: what the FastAPI
-    routes below and the raw ASGI path in front of the app (api/fast_hooks.py) both run, so that they answer
+    routes below and the raw ASGI path in front of the app (api/hook_fast_path.py) both run, so that they answer
     alike. Errors are raised as ApiError (the envelope's status, code and message)."""
 
     def __init__(self, pipeline: CapturePipeline, metrics: ServiceMetrics) -> None:

@@ -38,7 +38,7 @@ from .samples import INVALID, PROTOCOL_VERSION, BatchContext, StagedSample, buil
 
 if TYPE_CHECKING:
     from ..judge import Judge
-    from .records import RailRecorder
+    from .jsonl_copy import RailRecorder
 
 log = logging.getLogger("openjiuwen.agent_rl.online.rail")
 
@@ -79,7 +79,7 @@ class RailIngestor:
         recorder: RailRecorder | None = None,
         membership: Membership = SOLO,
     ) -> None:
-        self._recorder = recorder  # the optional JSONL copy of stored samples (`record_dir`, records.py)
+        self._recorder = recorder  # the optional JSONL copy of stored samples (`record_dir`, jsonl_copy.py)
         self._membership = membership  # whose in-flight pops are left from a dead worker
         self._redis = redis
         self._store = store

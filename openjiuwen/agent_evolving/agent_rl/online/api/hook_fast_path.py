@@ -25,10 +25,10 @@ from starlette.types import Message, Receive, Scope, Send
 
 from ...common.content_type import BodyTypeGuard, send_unsupported
 from ...common.errors import ApiError, PayloadTooLarge, UnhandledErrors, envelope_bytes
-from ...common.guards import Admission, BodyCounter, RequestGuard
-from ...common.http_metrics import UNMATCHED_ROUTE
+from ...common.request_guards import Admission, BodyCounter, RequestGuard
+from ...common.http_metrics import UNMATCHED_ROUTE, StatusTap
 from ...common.wire import routes as rl_routes
-from .hooks import BodyReader, CaptureHooks
+from .capture_hooks import BodyReader, CaptureHooks
 
 Headers = list[tuple[bytes, bytes]]
 Answer = tuple[int, Headers, bytes]  # status, headers, body
@@ -60,10 +60,8 @@ class HookFastPath:
         observe: Callable[[str, int], None],
     ) -> None:
         self._hooks = hooks
-        self._guard = guard
-        self._body_types = body_types
-        self._unhandled = unhandled
-        self._observe = observe
+        # The app's own pieces, run here in the app's order: guards, body type, catch-all, request counting.
+        self._guard, self._body_types, self._unhandled, self._observe = guard, body_types, unhandled, observe
         self._routes: dict[str, Callable[[Scope, BodyReader], Awaitable[Answer]]] = {
             rl_routes.HOOK_BEFORE.path: self._before, rl_routes.HOOK_AFTER.path: self._after,
             rl_routes.HOOK_DISCARD.path: self._discard,
@@ -76,15 +74,8 @@ class HookFastPath:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
-        status = 500  # what HttpMetricsMiddleware counts when no answer started
+        counted_send = StatusTap(send)  # counted as HttpMetricsMiddleware counts
         route = UNMATCHED_ROUTE
-
-        async def counted_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
         try:
             admission = await self._guard.admit(scope, receive, counted_send)
             if admission is Admission.REFUSED:
@@ -97,7 +88,7 @@ class HookFastPath:
                               counter=None if admission is Admission.SIZED else BodyCounter(
                                   self._guard.max_body_bytes, counted_send, receive))
         finally:
-            self._observe(route, status)
+            self._observe(route, counted_send.status)
 
     async def _serve(
         self,
