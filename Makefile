@@ -35,7 +35,8 @@ help:
 	@echo "               times of the 2026-12-01 runs; plus the first run's set-up; docs/demo.md)"
 	@echo "make demo-tiny - the tiny random model, 'answer in plain words': the fast demo (~4 min);"
 	@echo "               DEMO_ARGS=\"--lineages 2\": two lineages with opposite rewards at once (docs/demo.md)"
-	@echo "make demo-real - make demo with three Training Runs (15-24 min; docs/learning.md)"
+	@echo "make demo-real - make demo with three Training Runs (15-24 min; docs/learning.md);"
+	@echo "               DEMO_ARGS=\"--lineages 2\": calculator and review-sentiment lineages at once, cross table"
 	@echo "make model   - provision SmolLM2-135M-Instruct (openjiuwen-rl model smollm2) into its cache directory"
 	@echo "make clean   - remove .venv and caches"
 

@@ -53,6 +53,8 @@ def test_demo_tiny_keeps_one_lineage_unless_asked_for_two():
 def test_demo_real_runs_two_task_families_as_two_lineages_when_asked():
     args = run.parse_args(driver_args("demo-real", "--lineages 2"))
     assert (args.family, args.lineages, args.rounds, args.eval_tasks) == ("calculator", 2, 3, 64)
+    args = run.parse_args(driver_args("demo-real", "--lineages 2 --rounds 2"))  # README's and docs/demo.md's run
+    assert (args.family, args.lineages, args.rounds) == ("calculator", 2, 2)
 
 
 @pytest.mark.parametrize("extra", [["--family", "calculator", "--bad-version"], ["--family", "words", "--bad-version"],

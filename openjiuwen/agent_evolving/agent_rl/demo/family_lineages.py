@@ -41,6 +41,7 @@ class Family:
     name: str
     title: str
     reward: str  # the reward in words
+    success: str  # what a success is, in words
 
     def problems(self, split: str, count: int, seed: int) -> list[Any]:
         module = calc if self.name == "calculator" else sent
@@ -62,9 +63,10 @@ class Family:
 
 FAMILIES = {
     "calculator": Family("calculator", "word problems with a calculator tool",
-                         f"1 for the right final answer, {calc.TOOL_CREDIT} for a right calculator call, else 0"),
-    "sentiment": Family("sentiment", "say whether a short review is positive or negative",
-                        "1 for the review's label, else 0"),
+                         f"1 for the right final answer, {calc.TOOL_CREDIT} for a right calculator call, else 0",
+                         "the right final answer"),
+    "sentiment": Family("sentiment", "the sentiment of short reviews (positive or negative)",
+                        "1 for the review's label, else 0", "the review's label"),
 }
 
 
@@ -76,6 +78,10 @@ class FamilyObjective:
     @property
     def wants(self) -> str:
         return f"success on {self.family.title} ({self.family.reward})"
+
+    @property
+    def success_rule(self) -> str:
+        return self.family.success
 
     @property
     def turns(self) -> int:
@@ -212,23 +218,24 @@ def _cell(entry: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
 
 def cross_text(cross: dict[str, Any]) -> str:
     """The cross table: one row per policy, per family its success [interval] and the gain over base [interval]."""
-    families = cross["families"]
-    width = max(len(r["row"]) for r in cross["rows"])
-    head = f"{'held-out success':<{width}}" + "".join(f"  {name:<40}" for name in families)
-    lines = ["cross table: each lineage's last version on both families (gain over base, 95% CI)", head,
+    families, cell = cross["families"], 44
+    title = "held-out success"
+    width = max(len(title), *(len(r["row"]) for r in cross["rows"]))
+    head = f"{title:<{width}}" + "".join(f"  {name:<{cell}}" for name in families)
+    lines = ["cross table: each lineage's last version on both families (gain over base, 95% CI)", head.rstrip(),
              "-" * len(head.rstrip())]
     for row in cross["rows"]:
         cells = []
         for name in families:
             c = row["families"].get(name)
             if c is None:
-                cells.append(f"  {'-':<40}")
+                cells.append(f"  {'-':<{cell}}")
                 continue
             lo, hi = c["success_ci95"]
             text = f"{c['success_rate']:.3f} [{lo:.3f}, {hi:.3f}]"
             if "gain_over_base" in c:
                 glo, ghi = c["gain_ci95"]
                 text += f" {c['gain_over_base']:+.3f} [{glo:+.3f}, {ghi:+.3f}]"
-            cells.append(f"  {text:<40}")
+            cells.append(f"  {text:<{cell}}")
         lines.append(f"{row['row']:<{width}}" + "".join(cells).rstrip())
     return "\n".join(lines)

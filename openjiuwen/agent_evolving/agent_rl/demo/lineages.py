@@ -306,7 +306,8 @@ class TwoLineages:
         for o in self.objectives:
             versions = self.tables[o.lineage]
             out[o.lineage] = {"line": self.line(o.lineage), "rewarded_for": o.wants,
-                              "success": f"reward >= {SUCCESS_SHARE}", "versions": versions,
+                              "success": getattr(o, "success_rule", f"reward >= {SUCCESS_SHARE}"),
+                              "versions": versions,
                               "success_gains": summary.success_gains(versions) if len(versions) > 1 else []}
         return out
 
