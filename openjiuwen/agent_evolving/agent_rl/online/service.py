@@ -41,7 +41,8 @@ from .capture.pipeline import CapturePipeline
 from .capture.rewards import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig, load_config
-from .faults import CRASH_AT_ENV, FaultHook, fault_hook, no_faults
+from . import faults
+from .faults import CRASH_AT_ENV
 from ..common.gc_tuning import tune_gc
 from ..common.http_guard import ConnectionLimits, server_config
 from .logs import configure_logging
@@ -136,7 +137,6 @@ class ServiceDeps:
         judge: "Judge | None" = None,
         backend: TrainerBackend | None = None,
         token: str | None = None,
-        fault: FaultHook = no_faults,
         placement: Placement | None = None,
     ) -> "ServiceDeps":
         placement = placement or Placement()
@@ -153,13 +153,13 @@ class ServiceDeps:
             reward_policy=reward_policy, metrics=metrics,
         )
         reward_ledger = RewardLedger(redis, store, reward_policy, owner=config.model_id)
-        publisher = TurnPublisher(registry, store, metered_judge, metrics=metrics, fault=fault, membership=membership)
-        rewards = RewardProjector(redis, store, fault=fault)
+        publisher = TurnPublisher(registry, store, metered_judge, metrics=metrics, membership=membership)
+        rewards = RewardProjector(redis, store)
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
         gateway = _make_gateway_client(config, token, metrics)
         backend = backend or make_backend(config, repository)
         rollout, runner, runs = _make_training(
-            config, redis, store, backend, repository, gateway, metrics, fault, fence)
+            config, redis, store, backend, repository, gateway, metrics, fence)
         deps = cls(
             config=config,
             redis=redis,
@@ -168,10 +168,10 @@ class ServiceDeps:
             judge=judge,
             publisher=publisher,
             pipeline=CapturePipeline(
-                registry, publisher, turn_publish_timeout_s=config.turn_publish_timeout_seconds, fault=fault
+                registry, publisher, turn_publish_timeout_s=config.turn_publish_timeout_seconds
             ),
             lifecycle=TaskLifecycle(
-                registry, publisher, model_id=config.model_id, judge_configured=judge is not None, fault=fault
+                registry, publisher, model_id=config.model_id, judge_configured=judge is not None
             ),
             rewards=rewards,
             sweeper=_make_retention_sweeper(config, redis, store, rewards, metrics, fence),
@@ -340,7 +340,6 @@ def _make_training(
     repository: LoraRepository,
     gateway: GatewayLoraClient,
     metrics: ServiceMetrics,
-    fault: FaultHook,
     fence: Fence,
 ) -> tuple[RolloutController, TrainingRunner, RunStore]:
     """Training Runs and the rollout of what they produce: the rollout controller, the runner, the run store."""
@@ -351,7 +350,7 @@ def _make_training(
     rollout = RolloutController(
         redis, RolloutStore(redis, fence=fence), gateway, repository, config=config.rollout, model_id=config.model_id,
         base_model_path=config.base_model_path, observe_policy=runs.observe_policy, active_run=runs.active,
-        metrics=metrics, fault=fault,
+        metrics=metrics,
     )
     runner = TrainingRunner(
         runs,
@@ -366,7 +365,6 @@ def _make_training(
         max_policy_lag=config.max_policy_lag,
         tmp_root=config.training_tmp_root,
         metrics=metrics,
-        fault=fault,
         rollout=rollout,
     )
     return rollout, runner, runs
@@ -455,11 +453,11 @@ def create_app(
     judge: "Judge | None" = None,
     backend: TrainerBackend | None = None,
     token: str | None = None,
-    fault: FaultHook | None = None,
     placement: Placement | None = None,
 ) -> FastAPI:
     """The ASGI app. With no arguments (uvicorn factory) the config comes from `RL_SERVICE_CONFIG`, the bearer
-    token from `RL_SERVICE_TOKEN` and the fault injection point (chaos tests only) from `ONLINE_RL_CRASH_AT`.
+    token from `RL_SERVICE_TOKEN`, and the process's fault injection point (chaos tests only) is installed from
+    `ONLINE_RL_CRASH_AT` (faults.py; `main` installs it itself).
     `placement`: this process's place in a worker group (workers/); None runs alone."""
     if config is None:
         path = os.environ.get(wire_env.SERVICE_CONFIG)
@@ -467,12 +465,10 @@ def create_app(
             raise ConfigError(f"{wire_env.SERVICE_CONFIG} is not set and no config was given")
         config = load_config(path)
         configure_logging(config)
+        faults.install_from_env()  # the factory is this process's start
     if token is None:
         token = os.environ.get(wire_env.SERVICE_TOKEN) or None
-    if fault is None:
-        fault = fault_hook(os.environ.get(CRASH_AT_ENV))
-    deps = ServiceDeps.build(config, redis=redis, judge=judge, backend=backend, token=token, fault=fault,
-                             placement=placement)
+    deps = ServiceDeps.build(config, redis=redis, judge=judge, backend=backend, token=token, placement=placement)
     app = ServiceApp(
         title="openjiuwen online RL service", lifespan=deps.lifespan, docs_url=None, redoc_url=None,
         redirect_slashes=False,  # `/v1/rl/trajectories/` is an unknown path (404 envelope), not a 307 to the listing
@@ -539,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        fault = fault_hook(os.environ.get(CRASH_AT_ENV))
+        faults.install_from_env()  # once, for the whole process: the parts reach their points through faults.py
     except ValueError as exc:
         print(f"error: {CRASH_AT_ENV}: {exc}", file=sys.stderr)
         return 2
@@ -547,33 +543,33 @@ def main(argv: list[str] | None = None) -> int:
     install_parent_death_watchdog()  # the gateway's child, or a worker of the group (workers/group.py)
     slot = os.environ.get(WORKER_ENV)
     if slot:
-        return _serve_worker(config, fault, WorkerSlot.decode(slot))
+        return _serve_worker(config, WorkerSlot.decode(slot))
     if config.worker_count > 1:
         group = WorkerGroup(config_path=path, host=config.listen_host, port=config.listen_port,
                             count=config.worker_count, redis_url=config.redis_url.get_secret_value())
         return group.run()
-    return _serve(config, fault, placement=None, sockets=None)
+    return _serve(config, placement=None, sockets=None)
 
 
-def _serve_worker(config: RLServiceConfig, fault: FaultHook, slot: WorkerSlot) -> int:
+def _serve_worker(config: RLServiceConfig, slot: WorkerSlot) -> int:
     """One worker of a group: the group's shared socket, plus a private loopback one the followers relay
     leader-only requests to (workers/forward.py)."""
     shared = socket.socket(fileno=slot.listen_fd)
     private = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     private.bind(("127.0.0.1", 0))
     placement = Placement(boot=slot.boot, index=slot.slot, count=slot.count, port=private.getsockname()[1])
-    return _serve(config, fault, placement=placement, sockets=[shared, private], ready_fd=slot.ready_fd)
+    return _serve(config, placement=placement, sockets=[shared, private], ready_fd=slot.ready_fd)
 
 
 def _serve(
-    config: RLServiceConfig, fault: FaultHook, *, placement: Placement | None, sockets: list[socket.socket] | None,
+    config: RLServiceConfig, *, placement: Placement | None, sockets: list[socket.socket] | None,
     ready_fd: int = -1,
 ) -> int:
     import uvloop  # hooks are mostly event-loop and socket work: uvloop's loop does it in C
 
     from ..common.quiet_server import QuietServer
 
-    app = create_app(config, token=os.environ.get(wire_env.SERVICE_TOKEN) or None, fault=fault, placement=placement)
+    app = create_app(config, token=os.environ.get(wire_env.SERVICE_TOKEN) or None, placement=placement)
     limits = ConnectionLimits(header_timeout_s=config.http_header_timeout_seconds,
                               keep_alive_s=config.http_keep_alive_seconds,
                               max_connections=config.http_max_connections)

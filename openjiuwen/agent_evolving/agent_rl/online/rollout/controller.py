@@ -25,7 +25,7 @@ from redis.asyncio import Redis
 from ..background import stop_loop
 from ..errors import Conflict, InvalidInput, NotFound
 from ..events import EventLog
-from ..faults import FaultHook, no_faults
+from .. import faults
 from ...common.ids import now_iso, parse_iso_epoch
 from ...common.lineage import DEFAULT_LINEAGE, InvalidLineage, line_of, parse_version_name, split_line
 from ..lora.gateway_client import GatewayError, GatewayLoraClient, GatewayRejected, GatewayTransient
@@ -67,10 +67,8 @@ class RolloutController:
         observe_policy: Callable[..., Awaitable[None]],  # (lora_name, lora_path, *, line)
         active_run: Callable[[], Awaitable[Any]],
         metrics: "ServiceMetrics | None" = None,
-        fault: FaultHook = no_faults,
     ) -> None:
         self._redis = redis
-        self._fault = fault  # chaos tests only (faults.py)
         self.store = store
         self._gateway = gateway
         self._repository = repository
@@ -407,7 +405,7 @@ class RolloutController:
         if self._metrics is not None:
             self._metrics.rollout_decision(action, str(note.get("reason")), by)
         log.info("rollout %s: %s (%s, by %s)", record["rollout_id"], action, note.get("detail"), by)
-        self._fault("rollout.intent")
+        faults.reached("rollout.intent")
         return await self._finish(record)
 
     async def _finish(self, record: dict[str, Any]) -> dict[str, Any]:
@@ -420,12 +418,12 @@ class RolloutController:
                 await self._gateway.promote_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"],
                                                    expected=baseline["lora_name"])
                 await self._now_active(record, candidate, record.get("training_run_id") or "")
-                self._fault("rollout.switched")
+                faults.reached("rollout.switched")
                 return await self._update(rollout_id, lambda r: {**r, "status": RolloutStatus.PROMOTED}, "canary_promoted",
                                                {"lora_name": candidate["lora_name"]})
             if status == RolloutStatus.ROLLING_BACK:
                 await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"])
-                self._fault("rollout.switched")
+                faults.reached("rollout.switched")
                 return await self._update(rollout_id, lambda r: {**r, "status": RolloutStatus.ROLLED_BACK},
                                                "canary_rolled_back", {"lora_name": candidate["lora_name"],
                                                                       "active": baseline["lora_name"]})
