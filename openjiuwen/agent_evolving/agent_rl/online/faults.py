@@ -3,8 +3,10 @@
 Off by default. The one seam is this module: code reaches a point with `reached("<point>")`, which calls the hook
 installed for the whole process. `service.py` installs it once at process start (`install_from_env`): a `CrashAt`
 only when the environment variable `ONLINE_RL_CRASH_AT` is set (`[stop:]<point>[@<n>]`: the n-th time the point is
-reached, default 1); otherwise the hook stays `no_faults`, a function that does nothing. No class takes a hook. A crash is `os._exit(CRASH_EXIT_CODE)`: no `finally`, no shutdown, no flush of
-anything but the log line written just before, so it stands for a SIGKILL at exactly that point. With `stop:` the
+reached, default 1); otherwise the hook stays `no_faults`, a function that does nothing. No class takes a hook.
+
+A crash is `os._exit(CRASH_EXIT_CODE)`: no `finally`, no shutdown, no flush of anything but the log line written
+just before, so it stands for a SIGKILL at exactly that point. With `stop:` the
 process sends itself SIGSTOP there instead and goes on from that line once something sends it SIGCONT: a process
 frozen (a VM pause, a swap storm) with what follows the point already on its way, the stalled leader of
 docs/reliability.md.
@@ -23,8 +25,8 @@ from collections.abc import Callable, Mapping
 log = logging.getLogger("openjiuwen.agent_rl.online.faults")
 
 CRASH_EXIT_CODE = 86
-# `[stop:]<point>[@<n>]` of POINTS; unset = no fault. Read once by service.py (`install_from_env`); the worker group (workers/group.py) drops
-# it from a crashed worker's heir, so a fault crashes the first workers only.
+# `[stop:]<point>[@<n>]` of POINTS; unset = no fault. Read once by service.py (`install_from_env`); the worker group
+# (workers/group.py) drops it from a crashed worker's heir, so a fault crashes the first workers only.
 CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"
 
 POINTS: dict[str, str] = {
