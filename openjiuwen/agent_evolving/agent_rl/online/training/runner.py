@@ -136,7 +136,7 @@ class TrainingRunner:
             if self._rollout is not None and (current := await self._rollout.in_progress(line)) is not None:
                 # Never two candidates on a line, and a run trained while its line's candidate is judged would
                 # have an undecided parent. Other lines' rollouts do not hold this one.
-                raise Conflict(f"rollout {current['rollout_id']} ({current['status']}) is in progress: a new "
+                raise Conflict(f"rollout {current.rollout_id} ({current.status}) is in progress: a new "
                                "Training Run starts once it is promoted or rolled back", code="rollout_in_progress")
             try:
                 parent = await self._gateway.read_policy(line)
@@ -496,10 +496,10 @@ class TrainingRunner:
             )))
         self._activation_done("ok", time.perf_counter() - started)
         log.info("training run %s succeeded: %s is the candidate of rollout %s", run_id, run.lora_name,
-                 record["rollout_id"], extra={"training_run_id": run_id, "lora_name": run.lora_name})
+                 record.rollout_id, extra={"training_run_id": run_id, "lora_name": run.lora_name})
         return await asyncio.shield(self._durable(f"run {run_id} succeeded", lambda: self._runs.finish(
             run_id, RunStatus.SUCCEEDED,
-            before=[("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record["rollout_id"]})],
+            before=[("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record.rollout_id})],
         )))
 
     def _stage(self, stage: str, outcome: str, seconds: float) -> None:
@@ -554,7 +554,7 @@ class TrainingRunner:
         record = await self._rollout.record_of(run)
         if record is not None:
             return await self._runs.finish(run.training_run_id, RunStatus.SUCCEEDED, before=[
-                ("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record["rollout_id"]})])
+                ("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record.rollout_id})])
         try:
             await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=run.lora_name)
         except GatewayError as exc:
