@@ -117,8 +117,7 @@ class ServiceDeps:
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
         gateway = _make_gateway_client(config, token, metrics)
         backend = backend or make_backend(config, repository)
-        rollout, runner, runs = _make_training(
-            config, redis, store, backend, repository, gateway, metrics, fence)
+        rollout, runner, runs = _make_training(config, redis, store, backend, repository, gateway, metrics, fence)
         deps = cls(
             config=config,
             redis=redis,
@@ -126,12 +125,8 @@ class ServiceDeps:
             store=store,
             judge=judge,
             publisher=publisher,
-            pipeline=CapturePipeline(
-                registry, publisher, turn_publish_timeout_s=config.turn_publish_timeout_seconds
-            ),
-            lifecycle=TaskLifecycle(
-                registry, publisher, model_id=config.model_id, judge_configured=judge is not None
-            ),
+            pipeline=CapturePipeline(registry, publisher, turn_publish_timeout_s=config.turn_publish_timeout_seconds),
+            lifecycle=TaskLifecycle(registry, publisher, model_id=config.model_id, judge_configured=judge is not None),
             rewards=rewards,
             sweeper=_make_retention_sweeper(config, redis, store, rewards, metrics, fence),
             reward_ledger=reward_ledger,
