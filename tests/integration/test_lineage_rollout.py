@@ -73,7 +73,7 @@ async def test_two_lineages_each_decided_by_their_own_arms(service, redis, tmp_p
     assert await redis.smembers(keys.ROLLOUT_LIVE_LINEAGES) == {b"a", b"b"}
     default = (await client.get("/v1/rl/rollout")).json()
     assert default["current"] is None and "lineage" not in default
-    assert await deps.rollout.in_progress() is None and (await deps.rollout.in_progress(A))["rollout_id"] == \
+    assert await deps.rollout.in_progress() is None and (await deps.rollout.in_progress(A)).rollout_id == \
         ro_a["rollout_id"]
     # The line's own next run waits for its canary; the run store is per line too.
     await publish(deps.store, "a", 2, start=20, score=1.0)

@@ -77,17 +77,17 @@ async def test_a_gateway_candidate_without_a_live_rollout_is_aborted_at_start(re
 
 async def test_the_rollout_store_refuses_a_move_outside_the_table(redis):
     """A change that would move a stored rollout along no edge of its table raises and writes nothing."""
+    from openjiuwen.agent_evolving.agent_rl.online.rollout.record import Rollout
     from openjiuwen.agent_evolving.agent_rl.online.rollout.store import RolloutStore, new_rollout_id
     from openjiuwen.agent_evolving.agent_rl.online.transitions import IllegalTransition
 
     store = RolloutStore(redis, fence=UNFENCED)
     rollout_id = new_rollout_id()
-    record = {"rollout_id": rollout_id, "kind": "canary", "status": "running",
-              "created_at": "2026-12-01T00:00:00+00:00"}
+    record = Rollout(rollout_id=rollout_id, kind="canary", status="running", created_at="2026-12-01T00:00:00+00:00")
     await store.create(record, "canary_started", {})
     with pytest.raises(IllegalTransition):
-        await store.update(rollout_id, lambda r: {**r, "status": "promoted"}, "canary_promoted", {})
-    assert (await store.get(rollout_id))["status"] == "running"
-    assert (await store.current())["rollout_id"] == rollout_id  # still the live one
-    paused = await store.update(rollout_id, lambda r: {**r, "status": "paused"}, "paused", {})
-    assert paused["status"] == "paused"
+        await store.update(rollout_id, lambda r: r.evolve(status="promoted"), "canary_promoted", {})
+    assert (await store.get(rollout_id)).status == "running"
+    assert (await store.current()).rollout_id == rollout_id  # still the live one
+    paused = await store.update(rollout_id, lambda r: r.evolve(status="paused"), "paused", {})
+    assert paused.status == "paused"

@@ -25,6 +25,7 @@ from redis.exceptions import ResponseError
 from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
 from openjiuwen.agent_evolving.agent_rl.online.capture.rewards import RewardProjector
 from openjiuwen.agent_evolving.agent_rl.online.retention import RetentionSweeper
+from openjiuwen.agent_evolving.agent_rl.online.rollout.record import LoraRef, Rollout
 from openjiuwen.agent_evolving.agent_rl.online.rollout.store import RolloutStore
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
@@ -505,9 +506,9 @@ async def case_observed_policy(redis: Redis, _: Setup) -> Write:
     return lambda fence: run_store(redis, fence).observe_policy(f"{MODEL_ID}:v1", "/l/v1")
 
 
-def canary(rollout_id: str) -> dict:
-    return {"rollout_id": rollout_id, "kind": "canary", "status": "running", "created_at": now_iso(),
-            "candidate": {"lora_name": f"{MODEL_ID}:v2"}, "baseline": {"lora_name": f"{MODEL_ID}:v1"}}
+def canary(rollout_id: str) -> Rollout:
+    return Rollout(rollout_id=rollout_id, kind="canary", status="running", created_at=now_iso(),
+                   candidate=LoraRef(f"{MODEL_ID}:v2"), baseline=LoraRef(f"{MODEL_ID}:v1"))
 
 
 async def case_rollout_create(redis: Redis, _: Setup) -> Write:
@@ -517,7 +518,7 @@ async def case_rollout_create(redis: Redis, _: Setup) -> Write:
 async def case_rollout_update(redis: Redis, _: Setup) -> Write:
     await RolloutStore(redis, fence=UNFENCED).create(canary("ro-000000000002"), "canary_started", {})
     return lambda fence: RolloutStore(redis, fence=fence).update(
-        "ro-000000000002", lambda r: {**r, "status": "paused"}, "paused", {})
+        "ro-000000000002", lambda r: r.evolve(status="paused"), "paused", {})
 
 
 async def case_retention_unrewarded(redis: Redis, _: Setup) -> Write:
@@ -757,7 +758,7 @@ async def test_a_deposed_leader_never_rewrites_a_lineage_lines_active_marker(red
             if writer == "run_activation":
                 await deps.runner._succeed(run)
             else:
-                await deps.rollout._now_active({"lineage": "a"}, lora, run.training_run_id)
+                await deps.rollout._now_active("a", LoraRef(**lora), run.training_run_id)
 
         runs._fence = await stale_term(redis)
         with pytest.raises(LeaseLost):

@@ -56,7 +56,7 @@ import httpx
 import orjson
 from redis.asyncio import Redis
 
-from openjiuwen.agent_evolving.agent_rl.online.faults import POINTS
+from openjiuwen.agent_evolving.agent_rl.online.faults import CRASH_AT_ENV as CRASH_ENV, POINTS
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.workers.lease import Holder
 from tests.conftest import load_fixture
@@ -67,7 +67,6 @@ from tests.support.redis_server import RedisServer
 from tests.support.service_process import ServiceProcess, worker_pids
 
 MODEL_ID = "tiny"
-CRASH_ENV = "ONLINE_RL_CRASH_AT"
 TERMINAL_RUN = {"succeeded", "failed", "canceled"}
 # Points that startup recovery reaches again: `recrash:` crashes there a second time, during the recovery itself.
 RECOVERY_POINTS = ("reward.inserted", "run.activated")

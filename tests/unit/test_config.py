@@ -20,7 +20,7 @@ from openjiuwen.agent_evolving.agent_rl.online.config import (
 )
 from openjiuwen.agent_evolving.agent_rl.online.rollout.config import RolloutConfig
 from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
-from openjiuwen.agent_evolving.agent_rl.online.service import make_judge
+from openjiuwen.agent_evolving.agent_rl.online.wiring import make_judge
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "rl-service.example.yaml"

@@ -77,3 +77,46 @@ def test_stop_freezes_the_process_at_the_nth_hit_and_it_goes_on_once_continued()
             proc.kill()
     assert (proc.returncode, out) == (0, "continued\nthird\n")
     assert CrashAt.parse("stop:run.activated@2").stop and not CrashAt.parse("run.activated").stop
+
+
+def test_the_process_hook_is_installed_once_from_the_environment_and_reached_by_point_name():
+    """One seam: `install_from_env` sets the process's hook, every part reaches a point through `reached`."""
+    code = (
+        "from openjiuwen.agent_evolving.agent_rl.online import faults\n"
+        "faults.reached('task.finalized'); print('off', flush=True)\n"  # nothing installed: no fault
+        "faults.install_from_env({'ONLINE_RL_CRASH_AT': 'task.finalized@2'})\n"
+        "faults.reached('capture.committed'); faults.reached('task.finalized'); print('first', flush=True)\n"
+        "faults.reached('task.finalized'); print('not reached', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout) == (CRASH_EXIT_CODE, "off\nfirst\n")
+
+
+def test_a_malformed_spec_in_the_environment_is_refused():
+    from openjiuwen.agent_evolving.agent_rl.online import faults
+
+    with pytest.raises(ValueError):
+        faults.install_from_env({"ONLINE_RL_CRASH_AT": "nowhere"})
+
+
+def test_every_point_is_reached_by_name_and_no_part_takes_a_hook():
+    """Each documented point is passed by the service code through `faults.reached`, and no constructor or
+    function of the service takes a fault hook any more (the seam is faults.py's, not threaded)."""
+    import ast
+    from pathlib import Path
+
+    from openjiuwen.agent_evolving.agent_rl.online import faults
+
+    root = Path(faults.__file__).resolve().parent
+    reached: set[str] = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "reached" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "faults":
+                assert isinstance(node.args[0], ast.Constant) and node.args[0].value in POINTS, ast.unparse(node)
+                reached.add(node.args[0].value)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and path.name != "faults.py":
+                hooks = [a.arg for a in (*node.args.args, *node.args.kwonlyargs)
+                         if a.annotation is not None and "FaultHook" in ast.unparse(a.annotation)]
+                assert not hooks, f"{path.name}:{node.lineno} {node.name} takes a fault hook"
+    assert reached == set(POINTS)

@@ -150,3 +150,16 @@ def test_no_wire_name_is_spelled_outside_common() -> None:
                 ):
                     spelled.append(f"{path.relative_to(package)}:{node.lineno} {node.value!r}")
     assert spelled == []
+
+
+def test_the_relay_of_every_served_route_follows_the_flag_it_is_declared_with(service: Served) -> None:
+    """One flag, no second list: the follower's relay (workers/forward.py asks `leader_only`) decides each route
+    of the RL Service app exactly as the wire Route its router is declared with is flagged."""
+    declared = {(r.method, r.path): r for r in rl_routes.RL_API}
+    relayed = set()
+    for method, path in service:
+        route = declared[(method, path)]
+        concrete = route.fill(*["x-1"] * path.count("{"))
+        assert leader_only(method, concrete) is route.leader_only, (method, path)
+        relayed |= {(method, path)} if route.leader_only else set()
+    assert relayed == {(r.method, r.path) for r in rl_routes.LEADER_ROUTES} != set()

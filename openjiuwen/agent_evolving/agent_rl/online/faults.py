@@ -1,9 +1,12 @@
 """Fault injection, for chaos tests only: end the process abruptly at a named point of a code path, or freeze it.
 
-Off by default. `service.py` builds a `CrashAt` only when the environment variable `ONLINE_RL_CRASH_AT` is set
-(`[stop:]<point>[@<n>]`: the n-th time the point is reached, default 1); every other process gets `no_faults`,
-a function that does nothing. A crash is `os._exit(CRASH_EXIT_CODE)`: no `finally`, no shutdown, no flush of
-anything but the log line written just before, so it stands for a SIGKILL at exactly that point. With `stop:` the
+Off by default. The one seam is this module: code reaches a point with `reached("<point>")`, which calls the hook
+installed for the whole process. `service.py` installs it once at process start (`install_from_env`): a `CrashAt`
+only when the environment variable `ONLINE_RL_CRASH_AT` is set (`[stop:]<point>[@<n>]`: the n-th time the point is
+reached, default 1); otherwise the hook stays `no_faults`, a function that does nothing. No class takes a hook.
+
+A crash is `os._exit(CRASH_EXIT_CODE)`: no `finally`, no shutdown, no flush of anything but the log line written
+just before, so it stands for a SIGKILL at exactly that point. With `stop:` the
 process sends itself SIGSTOP there instead and goes on from that line once something sends it SIGCONT: a process
 frozen (a VM pause, a swap storm) with what follows the point already on its way, the stalled leader of
 docs/reliability.md.
@@ -17,13 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("openjiuwen.agent_rl.online.faults")
 
 CRASH_EXIT_CODE = 86
-# `[stop:]<point>[@<n>]` of POINTS; unset = no fault. Read by service.py; the worker group (workers/group.py) drops
-# it from a crashed worker's heir, so a fault crashes the first workers only.
+# `[stop:]<point>[@<n>]` of POINTS; unset = no fault. Read once by service.py (`install_from_env`); the worker group
+# (workers/group.py) drops it from a crashed worker's heir, so a fault crashes the first workers only.
 CRASH_AT_ENV = "ONLINE_RL_CRASH_AT"
 
 POINTS: dict[str, str] = {
@@ -90,3 +93,24 @@ class CrashAt:
 def fault_hook(spec: str | None) -> FaultHook:
     """`no_faults` for an empty spec, else the `CrashAt` it names (ValueError for an unknown point)."""
     return CrashAt.parse(spec) if spec and spec.strip() else no_faults
+
+
+# The process's hook: one per process, since a spec names one point of the whole process (its n-th hit counts hits
+# from every part that reaches it).
+_hook: FaultHook = no_faults
+
+
+def install(hook: FaultHook) -> None:
+    """Make `hook` the process's fault hook (`no_faults` turns injection off again)."""
+    global _hook
+    _hook = hook
+
+
+def install_from_env(environ: Mapping[str, str] | None = None) -> None:
+    """Install the hook `ONLINE_RL_CRASH_AT` names (none when unset); ValueError for a malformed spec."""
+    install(fault_hook((os.environ if environ is None else environ).get(CRASH_AT_ENV)))
+
+
+def reached(point: str) -> None:
+    """Code passed `point` (one of POINTS): the installed hook may crash or freeze the process here."""
+    _hook(point)

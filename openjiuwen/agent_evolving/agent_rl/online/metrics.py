@@ -178,13 +178,13 @@ class ServiceMetrics:
     def activation(self, result: str, seconds: float) -> None:
         self.activation_duration.labels(self.model_id, result).observe(seconds)
 
-    def rollout_state(self, record: dict[str, Any] | None, decision: Any, lineage: str = "default") -> None:
-        """A line's canary arms as one decision round saw them; zeros when none runs (the default line)."""
+    def rollout_state(self, status: str | None, decision: Any, lineage: str = "default") -> None:
+        """A line's canary status and arms as one decision round saw them; zeros when none runs (the default
+        line)."""
         if lineage != "default":
             self._rollout_lineages.add(lineage)
-        for status in ("running", "paused"):
-            self.rollout_in_progress.labels(self.model_id, lineage, status).set(
-                1 if record is not None and record.get("status") == status else 0)
+        for state in ("running", "paused"):
+            self.rollout_in_progress.labels(self.model_id, lineage, state).set(1 if status == state else 0)
         arms = decision.arms if decision is not None else {}
         for arm in ("candidate", "active"):
             row = arms.get(arm) or {}

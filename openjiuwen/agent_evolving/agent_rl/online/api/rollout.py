@@ -15,6 +15,7 @@ from ...common.lineage import DEFAULT_LINEAGE
 from ..lineages import LineageRegistry
 from ..lora.gateway_client import GatewayError
 from ..rollout.controller import RolloutController
+from ..rollout.record import Rollout
 from . import openapi
 from .body import json_value
 from ...common.errors import ApiError, JSONBody
@@ -39,7 +40,7 @@ def build_rollout_router(controller: RolloutController, lineages: LineageRegistr
     async def operate(call: Any) -> JSONBody:
         try:
             with domain_errors(not_found="rollout_not_found", conflict="no_rollout", invalid="invalid_lora_name"):
-                return JSONBody(await call())
+                return JSONBody(_answer(await call()))
         except GatewayError as exc:
             raise ApiError(502, "gateway_unavailable", str(exc)[:1000]) from exc
 
@@ -86,11 +87,16 @@ def build_rollout_router(controller: RolloutController, lineages: LineageRegistr
         try:
             with domain_errors(not_found="lora_version_not_found", conflict="rollout_in_progress",
                                invalid="invalid_lora_name"):
-                return JSONBody(await controller.activate_version(body["lora_name"]))
+                return JSONBody((await controller.activate_version(body["lora_name"])).public())
         except GatewayError as exc:
             raise ApiError(502, "gateway_unavailable", str(exc)[:1000]) from exc
 
     return router
+
+
+def _answer(result: Rollout | dict[str, Any]) -> dict[str, Any]:
+    """A rollout record answers in its stored form; the status and timeline answers are built as dicts."""
+    return result.public() if isinstance(result, Rollout) else result
 
 
 async def _items(controller: RolloutController, rollout_id: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import Conflict, InvalidInput, NotFound
-from ..faults import FaultHook, no_faults
+from .. import faults
 from ...common.ids import is_task_id, is_token_id, now_iso
 from ...common.lineage import DEFAULT_LINEAGE, is_lineage, line_of, version_of
 from ...common.policy_names import BASE_POLICY
@@ -47,13 +47,11 @@ class TaskLifecycle:
         *,
         model_id: str,
         judge_configured: bool,
-        fault: FaultHook = no_faults,
     ) -> None:
         self._registry = registry
         self._publisher = publisher
         self._model_id = model_id
         self._judge_configured = judge_configured
-        self._fault = fault  # chaos tests only (faults.py)
 
     def parse_start(self, headers: StartHeaders, body: dict[str, Any]) -> Task:
         """The requested Task, or the first failing rule of CONTRACT §2.4 in its order."""
@@ -130,7 +128,7 @@ class TaskLifecycle:
             if current is not None:
                 await self._publisher.publish(task, current, feedback="", tag="session_done", deadline=None)
         done = await self._registry.finalize(rl_task_id, reason)
-        self._fault("task.finalized")
+        faults.reached("task.finalized")
         return done
 
     async def recover(self, *, fence: Fence) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ...common.packed_hook import PackedArrays
 from ..errors import Conflict, InvalidInput
-from ..faults import FaultHook, no_faults
+from .. import faults
 from ..judge import feedback_from_request
 from ...common.wire.task_states import FinishReason
 from ..tasks.task_records import Task
@@ -46,12 +46,10 @@ class CapturePipeline:
         publisher: TurnPublisher,
         *,
         turn_publish_timeout_s: float,
-        fault: FaultHook = no_faults,
     ) -> None:
         self._registry = registry
         self._publisher = publisher
         self._turn_publish_timeout_s = turn_publish_timeout_s
-        self._fault = fault  # chaos tests only (faults.py)
 
     async def before(self, body: dict[str, Any]) -> dict[str, Any]:
         """Reserve a capture; the injected request. May raise StaleTask (nothing written): call again."""
@@ -87,7 +85,7 @@ class CapturePipeline:
             await self._publisher.publish(
                 task, current, feedback=feedback_from_request(injected), tag="feedback", deadline=deadline
             )
-            self._fault("turn.published")
+            faults.reached("turn.published")
             await self._registry.advance_turn(task.rl_task_id, current, hook.agent_turn_id)
 
     async def after(self, body: dict[str, Any]) -> bool:
@@ -142,7 +140,7 @@ class CapturePipeline:
             committed = await self._registry.commit(
                 task, hook.capture_id, hook.agent_turn_id, *fingerprints, sample,
             )
-            self._fault("capture.committed")
+            faults.reached("capture.committed")
             return committed
         except (InvalidInput, Conflict) as exc:
             log.warning("capture %s of task %s rejected at after: %s", hook.capture_id, task.rl_task_id, exc,

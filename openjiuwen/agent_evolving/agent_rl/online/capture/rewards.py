@@ -15,7 +15,7 @@ from redis.asyncio.client import Pipeline
 
 from .. import events
 from ..errors import Conflict, InvalidInput, NotFound
-from ..faults import FaultHook, no_faults
+from .. import faults
 from ...common.ids import is_token_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import PackedSample
@@ -39,10 +39,9 @@ def parse_reward_body(body: dict[str, Any]) -> float:
 
 
 class RewardProjector:
-    def __init__(self, redis: Redis, store: TrajectoryStore, *, fault: FaultHook = no_faults) -> None:
+    def __init__(self, redis: Redis, store: TrajectoryStore) -> None:
         self._redis = redis
         self._store = store
-        self._fault = fault  # chaos tests only (faults.py)
 
     async def reward(self, rl_task_id: str, value: float, *, agent_key: str | None = None) -> int:
         """The terminal reward of a finalized Task; the number of samples it published. `agent_key`: the calling
@@ -83,7 +82,7 @@ class RewardProjector:
         count = await transact(self._redis, claim, task_key, reward_key, committed_key)
         if count is not None:
             return count
-        self._fault("reward.claimed")
+        faults.reached("reward.claimed")
         return await self.project(t, value)
 
     async def resume_interrupted(self, *, batch: int = 500) -> int:
@@ -118,7 +117,7 @@ class RewardProjector:
             samples.append(sample)
         if samples:
             await self._store.insert_if_absent(samples)
-            self._fault("reward.inserted")
+            faults.reached("reward.inserted")
         reward_key = keys.reward(t)
 
         # Invariants 3 and 4: the staged copies disappear in the same step that marks the reward published, and

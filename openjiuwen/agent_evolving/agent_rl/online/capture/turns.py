@@ -15,7 +15,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from ..errors import Conflict, JudgeFailed
-from ..faults import FaultHook, no_faults
+from .. import faults
 from ..store.codec import PackedSample
 from ..store.trajectories import TrajectoryStore
 from ...common.wire.task_states import FinishReason
@@ -38,14 +38,13 @@ class PublicationTimeout(Conflict):
 class TurnPublisher:
     def __init__(
         self, registry: TaskRegistry, store: TrajectoryStore, judge: "Judge | None", *,
-        metrics: "ServiceMetrics | None" = None, fault: FaultHook = no_faults, membership: Membership = SOLO,
+        metrics: "ServiceMetrics | None" = None, membership: Membership = SOLO,
     ) -> None:
         self._registry = registry
         self._membership = membership
         self._store = store
         self._judge = judge
         self._metrics = metrics
-        self._fault = fault  # chaos tests only (faults.py)
         # One claim-and-publish at a time per (Task, turn) in this process; a lock nobody holds or awaits goes away.
         self._locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = weakref.WeakValueDictionary()
 
@@ -116,7 +115,7 @@ class TurnPublisher:
                 for sample, result in zip(samples, results):
                     sample.meta["judge"] = result.as_sample_judge(tag)
                 inserted = await self._store.insert_if_absent(samples)
-                self._fault("turn.inserted")
+                faults.reached("turn.inserted")
             reward = sum(r.score for r in results) / len(results) if samples else None
             await self._registry.complete_publish(t, turn_id, [c for c, _ in staged], reward=reward,
                                                   owner=self._membership.member)

@@ -25,7 +25,7 @@ from redis.asyncio import Redis
 from ..background import stop_loop
 from ..errors import Conflict, InvalidInput, NotFound
 from ..events import EventLog
-from ..faults import FaultHook, no_faults
+from .. import faults
 from ...common.ids import now_iso, parse_iso_epoch
 from ...common.lineage import DEFAULT_LINEAGE, InvalidLineage, line_of, parse_version_name, split_line
 from ..lora.gateway_client import GatewayError, GatewayLoraClient, GatewayRejected, GatewayTransient
@@ -35,8 +35,9 @@ from ..store.codec import text
 from ..workers.fence import LeaseLost
 from .config import CANARY, RolloutConfig
 from .decision import PROMOTE, ROLLBACK, WAIT, Arm, Decision, decide
-from .status import DECIDING, IN_FLIGHT, LIVE, RolloutStatus
-from .store import RolloutStore, lineage_of, new_rollout_id, rollout_id_for_run
+from .record import ACTIVATION_KIND, CANARY_KIND, LoraRef, Rollout
+from .status import RolloutStatus
+from .store import RolloutStore, new_rollout_id, rollout_id_for_run
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
@@ -67,10 +68,8 @@ class RolloutController:
         observe_policy: Callable[..., Awaitable[None]],  # (lora_name, lora_path, *, line)
         active_run: Callable[[], Awaitable[Any]],
         metrics: "ServiceMetrics | None" = None,
-        fault: FaultHook = no_faults,
     ) -> None:
         self._redis = redis
-        self._fault = fault  # chaos tests only (faults.py)
         self.store = store
         self._gateway = gateway
         self._repository = repository
@@ -86,7 +85,7 @@ class RolloutController:
         self._stopping = asyncio.Event()
         # Each line's live canary as this process last wrote or read it (every change of rollout state happens
         # here), so that a Task start costs no Redis read to know its arm. Keyed by lineage.
-        self._live: dict[str, dict[str, Any]] = {}
+        self._live: dict[str, Rollout] = {}
         self._events = EventLog(redis)
 
     @property
@@ -145,20 +144,20 @@ class RolloutController:
         canary and activation (409 `canary_conflict`) with nobody to decide it."""
         for lineage in (await self.store.live_lineages())[::-1]:  # other lines first; the default line last
             other = self._remember(await self.store.current(lineage), lineage)
-            if other is not None and other["status"] in IN_FLIGHT:
-                log.info("rollout %s (lineage %s) was %s at restart; finishing it", other["rollout_id"], lineage,
-                         other["status"])
+            if other is not None and other.in_flight:
+                log.info("rollout %s (lineage %s) was %s at restart; finishing it", other.rollout_id, lineage,
+                         other.status)
                 await self._finish(other)
         record = self._remember(await self.store.current())
-        if record is not None and record["status"] in IN_FLIGHT:
-            log.info("rollout %s was %s at restart; finishing it", record["rollout_id"], record["status"])
+        if record is not None and record.in_flight:
+            log.info("rollout %s was %s at restart; finishing it", record.rollout_id, record.status)
             record = await self._finish(record)
         if not self.gated:
             return
         try:
             candidate = (await self._gateway.canary_status()).get("candidate")
             name = candidate.get("lora_name") if isinstance(candidate, dict) else None
-            owned = record is not None and record.get("status") in LIVE and record["candidate"]["lora_name"] == name
+            owned = record is not None and record.live and record.candidate.lora_name == name
             if isinstance(name, str) and not owned:
                 log.warning("the gateway's candidate %s belongs to no live rollout; aborting it", name)
                 await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=name)
@@ -197,7 +196,7 @@ class RolloutController:
 
     # ------------------------------------------------------------------ a run's new version
 
-    async def begin(self, run: "TrainingRun") -> dict[str, Any]:
+    async def begin(self, run: "TrainingRun") -> Rollout:
         """Make a succeeded run's version the candidate (gateway first, then the record). Idempotent per run.
         Raises GatewayError when the gateway refuses or fails, Conflict when another rollout is in progress."""
         assert run.lora_name and run.lora_path
@@ -208,7 +207,7 @@ class RolloutController:
             return self._remember(existing, lineage) or existing
         current = await self.store.current(lineage)
         if current is not None:
-            raise Conflict(f"rollout {current['rollout_id']} is in progress", code="rollout_in_progress")
+            raise Conflict(f"rollout {current.rollout_id} is in progress", code="rollout_in_progress")
         try:
             answer = await self._start_canary(run)
         except GatewayRejected as exc:
@@ -220,15 +219,13 @@ class RolloutController:
                 raise
             answer = await self._start_canary(run)
         started_at = (answer.get("candidate") or {}).get("started_at") or now_iso()
-        record = {
-            "rollout_id": rollout_id, "kind": "canary", "mode": self.config.mode, "status": RolloutStatus.RUNNING,
-            "candidate": {"lora_name": run.lora_name, "lora_path": run.lora_path},
-            "baseline": {"lora_name": run.parent_lora_name, "lora_path": run.parent_lora_path},
-            "share": self.config.share, "training_run_id": run.training_run_id, "created_at": now_iso(),
-            "window_started_at": started_at, "ended_at": None, "decision": None,
-        }
-        if lineage != DEFAULT_LINEAGE:  # records of the default line stay as they were before lineages
-            record["lineage"] = lineage
+        record = Rollout(
+            rollout_id=rollout_id, kind=CANARY_KIND, mode=self.config.mode, status=RolloutStatus.RUNNING,
+            candidate=LoraRef(run.lora_name, run.lora_path),
+            baseline=LoraRef(run.parent_lora_name, run.parent_lora_path),
+            share=self.config.share, training_run_id=run.training_run_id, created_at=now_iso(),
+            window_started_at=started_at, lineage=lineage,
+        )
         stored = await self._create(record, "canary_started", {
             "lora_name": run.lora_name, "baseline": run.parent_lora_name, "share": self.config.share,
             "mode": self.config.mode})
@@ -253,11 +250,11 @@ class RolloutController:
         await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=name)
         return True
 
-    async def record_of(self, run: "TrainingRun") -> dict[str, Any] | None:
+    async def record_of(self, run: "TrainingRun") -> Rollout | None:
         """The canary a run's version started, if it got its record."""
         return await self.store.get(rollout_id_for_run(run.training_run_id))
 
-    async def in_progress(self, line: str | None = None) -> dict[str, Any] | None:
+    async def in_progress(self, line: str | None = None) -> Rollout | None:
         """The rollout not ended of `line` (`<model_id>` or `<model_id>:<lineage>`; None: the default line)."""
         lineage = self.lineage_of_line(line)
         return self._remember(await self.store.current(lineage), lineage)
@@ -278,13 +275,13 @@ class RolloutController:
         for gone in set(self._live) - {DEFAULT_LINEAGE, *live}:
             self._live.pop(gone, None)
 
-    def _remember(self, record: dict[str, Any] | None, lineage: str | None = None) -> dict[str, Any] | None:
-        lineage = lineage_of(record) if record is not None else (lineage or DEFAULT_LINEAGE)
+    def _remember(self, record: Rollout | None, lineage: str | None = None) -> Rollout | None:
+        lineage = record.lineage if record is not None else (lineage or DEFAULT_LINEAGE)
         if record is None:
             self._live.pop(lineage, None)
-        elif record.get("status") in LIVE:
+        elif record.live:
             self._live[lineage] = record
-        elif self._live.get(lineage, {}).get("rollout_id") == record.get("rollout_id"):
+        elif (live := self._live.get(lineage)) is not None and live.rollout_id == record.rollout_id:
             self._live.pop(lineage, None)
         return record
 
@@ -292,13 +289,13 @@ class RolloutController:
         """Mark a new Task's arm in its timeline while its line's canary runs (best-effort, like every note
         event)."""
         live = self._live.get(task.lineage)
-        if live is None or live.get("kind") != "canary" or live.get("status") not in DECIDING:
+        if live is None or not live.canary or not live.deciding:
             return
-        arms = {live["candidate"]["lora_name"]: "candidate", live["baseline"]["lora_name"]: "active"}
+        arms = {live.candidate.lora_name: "candidate", live.baseline.lora_name: "active"}
         arm = arms.get(task.policy_lora_name)
         if arm is not None:
             await self._events.append(keys.task_events(task.rl_task_id), "rollout_arm", {
-                "rollout_id": live["rollout_id"], "arm": arm, "lora_name": task.policy_lora_name})
+                "rollout_id": live.rollout_id, "arm": arm, "lora_name": task.policy_lora_name})
 
     # ------------------------------------------------------------------ decisions
 
@@ -332,32 +329,32 @@ class RolloutController:
                 if lineage == DEFAULT_LINEAGE:
                     self._report(None, None)
                 return None
-            if record["status"] in IN_FLIGHT:
+            if record.in_flight:
                 await self._finish(record)
                 return None
-            if record["kind"] != "canary":
+            if not record.canary:
                 return None
             decision = await self.evaluate(record)
             self._report(record, decision, lineage)  # series per live canary's lineage (bounded: metrics.py)
-            if record["mode"] == CANARY and record["status"] == RolloutStatus.RUNNING and decision.action != WAIT:
+            if record.mode == CANARY and record.status == RolloutStatus.RUNNING and decision.action != WAIT:
                 await self._act(record, decision.action, decision.public(), by="auto")
             return decision
 
-    async def evaluate(self, record: dict[str, Any]) -> Decision:
+    async def evaluate(self, record: Rollout) -> Decision:
         candidate, active = await self.arms(record)
-        elapsed = parse_iso_epoch(now_iso()) - parse_iso_epoch(record["window_started_at"])
+        elapsed = parse_iso_epoch(now_iso()) - parse_iso_epoch(record.window_started_at)
         return decide(candidate, active, self.config, elapsed)
 
-    async def arms(self, record: dict[str, Any]) -> tuple[Arm, Arm]:
+    async def arms(self, record: Rollout) -> tuple[Arm, Arm]:
         """The Tasks created in the canary window, by the version they were pinned to. Read from the Task records
         and their reward states (durable): a restart loses nothing, and older history never counts."""
-        candidate = Arm(record["candidate"]["lora_name"])
-        active = Arm(record["baseline"]["lora_name"])
+        candidate = Arm(record.candidate.lora_name)
+        active = Arm(record.baseline.lora_name)
         by_name = {candidate.lora_name: candidate, active.lora_name: active}
         # Only the line's own Tasks count: `base` is every line's baseline before its first version.
-        lineage = lineage_of(record)
-        start = parse_iso_epoch(record["window_started_at"])
-        end = parse_iso_epoch(record["ended_at"]) if record.get("ended_at") else "+inf"
+        lineage = record.lineage
+        start = parse_iso_epoch(record.window_started_at)
+        end = parse_iso_epoch(record.ended_at) if record.ended_at else "+inf"
         ids = [text(t) for t in await self._redis.zrangebyscore(keys.TASKS_BY_CREATION, start, end)]
         for offset in range(0, len(ids), _SCAN_BATCH):
             chunk = ids[offset:offset + _SCAN_BATCH]
@@ -385,90 +382,90 @@ class RolloutController:
                         arm.add_reward(float(state["reward"]))
         return candidate, active
 
-    def _report(self, record: dict[str, Any] | None, decision: Decision | None,
+    def _report(self, record: Rollout | None, decision: Decision | None,
                 lineage: str = DEFAULT_LINEAGE) -> None:
         if self._metrics is not None:
-            self._metrics.rollout_state(record, decision, lineage)
+            self._metrics.rollout_state(record.status if record is not None else None, decision, lineage)
 
-    async def _act(self, record: dict[str, Any], action: str, decision: dict[str, Any], *, by: str) -> dict[str, Any]:
+    async def _act(self, record: Rollout, action: str, decision: dict[str, Any], *, by: str) -> Rollout:
         target = RolloutStatus.PROMOTING if action == PROMOTE else RolloutStatus.ROLLING_BACK
         note = {**decision, "by": by, "at": now_iso()}
         note.pop("arms", None)
         arms = decision.get("arms")
 
-        def change(r: dict[str, Any]) -> dict[str, Any] | None:
-            if r["status"] not in DECIDING:
+        def change(r: Rollout) -> Rollout | None:
+            if not r.deciding:
                 return None
-            return {**r, "status": target, "decision": {**note, "arms": arms}}
+            return r.evolve(status=target, decision={**note, "arms": arms})
 
         event = "promotion_started" if action == PROMOTE else "rollback_started"
-        record = await self._update(record["rollout_id"], change, event,
+        record = await self._update(record.rollout_id, change, event,
                                          {"reason": note.get("reason"), "detail": note.get("detail"), "by": by})
         if self._metrics is not None:
             self._metrics.rollout_decision(action, str(note.get("reason")), by)
-        log.info("rollout %s: %s (%s, by %s)", record["rollout_id"], action, note.get("detail"), by)
-        self._fault("rollout.intent")
+        log.info("rollout %s: %s (%s, by %s)", record.rollout_id, action, note.get("detail"), by)
+        faults.reached("rollout.intent")
         return await self._finish(record)
 
-    async def _finish(self, record: dict[str, Any]) -> dict[str, Any]:
+    async def _finish(self, record: Rollout) -> Rollout:
         """Make the gateway match the intent, then end the record. A transient gateway failure leaves the intent
         for the next round; a refusal ends it with what the gateway now holds."""
-        rollout_id, status = record["rollout_id"], record["status"]
-        candidate, baseline = record["candidate"], record["baseline"]
+        rollout_id, status = record.rollout_id, record.status
+        candidate, baseline = record.candidate, record.baseline
         try:
             if status == RolloutStatus.PROMOTING:
-                await self._gateway.promote_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"],
-                                                   expected=baseline["lora_name"])
-                await self._now_active(record, candidate, record.get("training_run_id") or "")
-                self._fault("rollout.switched")
-                return await self._update(rollout_id, lambda r: {**r, "status": RolloutStatus.PROMOTED}, "canary_promoted",
-                                               {"lora_name": candidate["lora_name"]})
+                await self._gateway.promote_canary(base_model=self._base_model_path, lora_name=candidate.lora_name,
+                                                   expected=baseline.lora_name)
+                await self._now_active(record.lineage, candidate, record.training_run_id or "")
+                faults.reached("rollout.switched")
+                return await self._update(rollout_id, lambda r: r.evolve(status=RolloutStatus.PROMOTED),
+                                          "canary_promoted", {"lora_name": candidate.lora_name})
             if status == RolloutStatus.ROLLING_BACK:
-                await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=candidate["lora_name"])
-                self._fault("rollout.switched")
-                return await self._update(rollout_id, lambda r: {**r, "status": RolloutStatus.ROLLED_BACK},
-                                               "canary_rolled_back", {"lora_name": candidate["lora_name"],
-                                                                      "active": baseline["lora_name"]})
+                await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=candidate.lora_name)
+                faults.reached("rollout.switched")
+                return await self._update(rollout_id, lambda r: r.evolve(status=RolloutStatus.ROLLED_BACK),
+                                          "canary_rolled_back", {"lora_name": candidate.lora_name,
+                                                                 "active": baseline.lora_name})
             if status == RolloutStatus.ACTIVATING:
-                await self._gateway.activate(base_model=self._base_model_path, lora_name=candidate["lora_name"],
-                                             lora_path=candidate["lora_path"], expected=baseline["lora_name"],
+                await self._gateway.activate(base_model=self._base_model_path, lora_name=candidate.lora_name,
+                                             lora_path=candidate.lora_path, expected=baseline.lora_name,
                                              run_id="")
-                await self._now_active(record, candidate, "")
-                return await self._update(rollout_id, lambda r: {**r, "status": RolloutStatus.ACTIVATED},
-                                               "version_activated", {"lora_name": candidate["lora_name"],
-                                                                     "previous": baseline["lora_name"]})
+                await self._now_active(record.lineage, candidate, "")
+                return await self._update(rollout_id, lambda r: r.evolve(status=RolloutStatus.ACTIVATED),
+                                          "version_activated", {"lora_name": candidate.lora_name,
+                                                                "previous": baseline.lora_name})
         except GatewayTransient:
             raise
         except GatewayError as exc:
             if status == RolloutStatus.PROMOTING and isinstance(exc, GatewayRejected):
                 # The gateway no longer has this candidate against this baseline: never leave a half state.
                 log.warning("rollout %s: promotion refused (%s); rolling back", rollout_id, exc)
-                with_reason = {**record, "status": RolloutStatus.ROLLING_BACK}
+                with_reason = record.evolve(status=RolloutStatus.ROLLING_BACK)
                 await self._update(rollout_id, lambda r: with_reason, "rollback_started",
-                                        {"reason": "promotion_refused", "detail": str(exc)[:500], "by": "auto"})
+                                   {"reason": "promotion_refused", "detail": str(exc)[:500], "by": "auto"})
                 return await self._finish(with_reason)
             if status == RolloutStatus.ACTIVATING or isinstance(exc, GatewayRejected):
-                return await self._update(rollout_id, lambda r: {**r, "status": RolloutStatus.FAILED, "error": str(exc)},
-                                               "failed", {"error": str(exc)[:500]})
+                return await self._update(rollout_id, lambda r: r.evolve(status=RolloutStatus.FAILED, error=str(exc)),
+                                          "failed", {"error": str(exc)[:500]})
             raise
         return record
 
-    async def _create(self, record: dict[str, Any], event: str, data: dict[str, Any]) -> dict[str, Any]:
+    async def _create(self, record: Rollout, event: str, data: dict[str, Any]) -> Rollout:
         return self._remember(await self.store.create(record, event, data)) or record
 
     async def _update(self, rollout_id: str, change: Any, event: str | None = None,
-                      data: dict[str, Any] | None = None) -> dict[str, Any]:
+                      data: dict[str, Any] | None = None) -> Rollout:
         record = await self.store.update(rollout_id, change, event, data)
         self._remember(record)
         return record
 
-    async def _now_active(self, record: dict[str, Any], lora: dict[str, str], run_id: str) -> None:
+    async def _now_active(self, lineage: str, lora: LoraRef, run_id: str) -> None:
         # The fenced write first, on every line (`policy:observed` for the default line, the AIGW key; the line's
         # field of `policy:observed_lines` for another): a deposed leader stops here rather than write the
         # repository's marker (a file carries no token; the next leader, finishing the same intent, writes the same).
-        line = self._line(lineage_of(record))
-        await self._observe_policy(lora["lora_name"], lora["lora_path"], line=line)
-        await self._repository.for_line(line).write_active(lora["lora_name"], lora["lora_path"], run_id)
+        line = self._line(lineage)
+        await self._observe_policy(lora.lora_name, lora.lora_path, line=line)
+        await self._repository.for_line(line).write_active(lora.lora_name, lora.lora_path, run_id)
 
     # ------------------------------------------------------------------ operator
 
@@ -478,59 +475,61 @@ class RolloutController:
         record = await self.store.current(lineage)
         current = None
         if record is not None:
-            current = dict(record)
-            if record["kind"] == "canary":
+            current = record.public()
+            if record.canary:
                 current["evaluation"] = (await self.evaluate(record)).public()
         # The listing is across lines (newest first); a line's latest ten are among the newest few hundred
         # unless other lines roll out far more often, which then shows fewer of this line's, never another's.
-        recent = [r for r in await self.store.list_recent(200) if lineage_of(r) == lineage and
-                  (record is None or r["rollout_id"] != record["rollout_id"])][:10]
-        for r in recent:
-            if r.get("kind") == "canary" and r.get("decision") is None:
-                r["evaluation"] = (await self.evaluate(r)).public()
+        recent = []
+        for r in [r for r in await self.store.list_recent(200) if r.lineage == lineage and
+                  (record is None or r.rollout_id != record.rollout_id)][:10]:
+            shown = r.public()
+            if r.canary and r.decision is None:
+                shown["evaluation"] = (await self.evaluate(r)).public()
+            recent.append(shown)
         answer = {"mode": self.config.mode, "config": self.config.model_dump(), "current": current, "recent": recent}
         if lineage != DEFAULT_LINEAGE:  # the default line's answer stays as it was before lineages
             answer["lineage"] = lineage
         return answer
 
-    async def _require_canary(self, lineage: str) -> dict[str, Any]:
+    async def _require_canary(self, lineage: str) -> Rollout:
         record = await self.store.current(lineage)
-        if record is None or record["kind"] != "canary":
+        if record is None or not record.canary:
             where = "" if lineage == DEFAULT_LINEAGE else f" for lineage {lineage!r}"
             raise Conflict(f"no canary is in progress{where}", code="no_rollout")
         return record
 
-    async def promote(self, lineage: str = DEFAULT_LINEAGE) -> dict[str, Any]:
+    async def promote(self, lineage: str = DEFAULT_LINEAGE) -> Rollout:
         async with self._lock(lineage):
             record = await self._require_canary(lineage)
-            if record["status"] not in DECIDING:
-                raise Conflict(f"the canary is already {record['status']}", code="no_rollout")
+            if not record.deciding:
+                raise Conflict(f"the canary is already {record.status}", code="no_rollout")
             decision = (await self.evaluate(record)).public()
             return await self._act(record, PROMOTE, {**decision, "action": PROMOTE, "reason": "operator",
                                                      "detail": "promoted by the operator"}, by="operator")
 
-    async def rollback(self, lineage: str = DEFAULT_LINEAGE) -> dict[str, Any]:
+    async def rollback(self, lineage: str = DEFAULT_LINEAGE) -> Rollout:
         async with self._lock(lineage):
             record = await self._require_canary(lineage)
-            if record["status"] not in DECIDING:
-                raise Conflict(f"the canary is already {record['status']}", code="no_rollout")
+            if not record.deciding:
+                raise Conflict(f"the canary is already {record.status}", code="no_rollout")
             decision = (await self.evaluate(record)).public()
             return await self._act(record, ROLLBACK, {**decision, "action": ROLLBACK, "reason": "operator",
                                                       "detail": "rolled back by the operator"}, by="operator")
 
-    async def pause(self, paused: bool = True, lineage: str = DEFAULT_LINEAGE) -> dict[str, Any]:
+    async def pause(self, paused: bool = True, lineage: str = DEFAULT_LINEAGE) -> Rollout:
         """Stop (or resume) automatic decisions of a line; the split of new Tasks goes on meanwhile."""
         async with self._lock(lineage):
             record = await self._require_canary(lineage)
             want, have = ((RolloutStatus.PAUSED, RolloutStatus.RUNNING) if paused
                           else (RolloutStatus.RUNNING, RolloutStatus.PAUSED))
 
-            def change(r: dict[str, Any]) -> dict[str, Any] | None:
-                return {**r, "status": want} if r["status"] == have else None
+            def change(r: Rollout) -> Rollout | None:
+                return r.evolve(status=want) if r.status == have else None
 
-            return await self._update(record["rollout_id"], change, "paused" if paused else "resumed", {})
+            return await self._update(record.rollout_id, change, "paused" if paused else "resumed", {})
 
-    async def activate_version(self, lora_name: object) -> dict[str, Any]:
+    async def activate_version(self, lora_name: object) -> Rollout:
         """Activate a published version of a line of this model for every new Task of that line (an operator's
         rollback to an earlier version, or a roll forward), through a rollout record of kind `activation`. The
         line is the version's own (`<line>:vN`)."""
@@ -549,7 +548,7 @@ class RolloutController:
         async with self._lock(lineage):
             current = await self.store.current(lineage)
             if current is not None:
-                raise Conflict(f"rollout {current['rollout_id']} is in progress: promote or roll it back first",
+                raise Conflict(f"rollout {current.rollout_id} is in progress: promote or roll it back first",
                                code="rollout_in_progress")
             if await self._active_run() is not None:
                 raise Conflict("a Training Run is in progress: its activation would race this one",
@@ -559,18 +558,15 @@ class RolloutController:
             except GatewayError as exc:
                 raise Conflict(f"cannot read the active policy from the gateway: {exc}",
                                code="gateway_unavailable") from exc
-            record = {
-                "rollout_id": new_rollout_id(), "kind": "activation", "mode": "operator", "status": RolloutStatus.ACTIVATING,
-                "candidate": {"lora_name": lora_name, "lora_path": path},
-                "baseline": {"lora_name": policy.lora_name, "lora_path": policy.lora_path},
-                "share": 1.0, "training_run_id": None, "created_at": now_iso(), "window_started_at": now_iso(),
-                "ended_at": None, "decision": {"action": "activate", "reason": "operator", "by": "operator",
-                                               "at": now_iso()},
-            }
-            if lineage != DEFAULT_LINEAGE:
-                record["lineage"] = lineage
             if policy.lora_name == lora_name:
                 raise Conflict(f"{lora_name} is already active", code="lora_already_active")
+            record = Rollout(
+                rollout_id=new_rollout_id(), kind=ACTIVATION_KIND, mode="operator", status=RolloutStatus.ACTIVATING,
+                candidate=LoraRef(lora_name, path), baseline=LoraRef(policy.lora_name, policy.lora_path),
+                share=1.0, created_at=now_iso(), window_started_at=now_iso(),
+                decision={"action": "activate", "reason": "operator", "by": "operator", "at": now_iso()},
+                lineage=lineage,
+            )
             record = await self._create(record, "activation_requested",
-                                             {"lora_name": lora_name, "previous": policy.lora_name})
+                                        {"lora_name": lora_name, "previous": policy.lora_name})
             return await self._finish(record)

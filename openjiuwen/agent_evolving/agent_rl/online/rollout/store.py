@@ -1,4 +1,4 @@
-"""Rollout records in Redis (docs/rollout.md; CONTRACT §5.2 ext).
+"""Rollout records in Redis (docs/rollout.md; CONTRACT §5.2 ext); the record's type is record.py's `Rollout`.
 
 A rollout is a canary of a new version (`kind: canary`) or an operator's activation of a version
 (`kind: activation`). Statuses: canary `running` | `paused` → `promoting` | `rolling_back` → `promoted` |
@@ -19,7 +19,6 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
@@ -30,7 +29,8 @@ from ...common.ids import is_run_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import text
 from ..workers.fence import Fence
-from .status import ENDED, ROLLOUT_TRANSITIONS
+from .record import Rollout
+from .status import ROLLOUT_TRANSITIONS
 
 RUN_EVENTS = ("canary_started", "canary_promoted", "canary_rolled_back")
 
@@ -44,18 +44,13 @@ def new_rollout_id() -> str:
     return "ro-" + secrets.token_hex(6)
 
 
-def lineage_of(record: dict[str, Any]) -> str:
-    """The lineage whose line a rollout record rolls out (absent = `default`: records from before lineages)."""
-    return record.get("lineage") or DEFAULT_LINEAGE
-
-
 class RolloutStore:
     def __init__(self, redis: Redis, *, fence: Fence) -> None:
         self._redis = redis
         self._fence = fence
         self._events = events.EventLog(redis)
 
-    async def current(self, lineage: str = DEFAULT_LINEAGE) -> dict[str, Any] | None:
+    async def current(self, lineage: str = DEFAULT_LINEAGE) -> Rollout | None:
         """The line's rollout not ended, if any."""
         pointer = await self._redis.get(keys.rollout_current(lineage))
         return await self.get(text(pointer)) if pointer is not None else None
@@ -64,53 +59,53 @@ class RolloutStore:
         """The non-default lineages whose line has a rollout not ended (sorted, so rounds visit them in order)."""
         return sorted(text(m) for m in await self._redis.smembers(keys.ROLLOUT_LIVE_LINEAGES))
 
-    async def get(self, rollout_id: str | None) -> dict[str, Any] | None:
+    async def get(self, rollout_id: str | None) -> Rollout | None:
         if not rollout_id:
             return None
         raw = await self._redis.get(keys.rollout(rollout_id))
-        return orjson.loads(raw) if raw is not None else None
+        return Rollout.from_json(raw) if raw is not None else None
 
-    async def list_recent(self, limit: int = 20) -> list[dict[str, Any]]:
+    async def list_recent(self, limit: int = 20) -> list[Rollout]:
         ids = [text(i) for i in await self._redis.zrevrange(keys.ROLLOUTS_BY_CREATION, 0, limit - 1)]
         raws = await self._redis.mget([keys.rollout(i) for i in ids]) if ids else []
-        return [orjson.loads(r) for r in raws if r is not None]
+        return [Rollout.from_json(r) for r in raws if r is not None]
 
     async def events(self, rollout_id: str) -> list[dict[str, Any]]:
         if await self._redis.exists(keys.rollout(rollout_id)) == 0:
             raise NotFound("rollout not found")
         return await self._events.read(keys.rollout_events(rollout_id))
 
-    async def create(self, record: dict[str, Any], event: str, data: dict[str, Any]) -> dict[str, Any]:
+    async def create(self, record: Rollout, event: str, data: dict[str, Any]) -> Rollout:
         """Store a new live rollout and make it current; the same id again returns the stored record (a repeated
         start). Another live rollout of the same line → Conflict `rollout_in_progress`."""
-        rollout_id = record["rollout_id"]
+        rollout_id = record.rollout_id
         key = keys.rollout(rollout_id)
-        lineage = lineage_of(record)
+        lineage = record.lineage
         current_key = keys.rollout_current(lineage)
 
-        async def body(pipe: Pipeline) -> dict[str, Any]:
+        async def body(pipe: Pipeline) -> Rollout:
             existing = await pipe.get(key)
             if existing is not None:
-                return orjson.loads(existing)
+                return Rollout.from_json(existing)
             pointer = await pipe.get(current_key)
             if pointer is not None:
                 raise Conflict(f"rollout {text(pointer)} is in progress", code="rollout_in_progress")
             pipe.multi()
             # Invariant 10 (per line): the record, the line's pointer, the live-line set, the listing and the
             # timelines in one step.
-            pipe.set(key, orjson.dumps(record))
+            pipe.set(key, record.to_json())
             pipe.set(current_key, rollout_id)
             if lineage != DEFAULT_LINEAGE:
                 pipe.sadd(keys.ROLLOUT_LIVE_LINEAGES, lineage)
-            pipe.zadd(keys.ROLLOUTS_BY_CREATION, {rollout_id: parse_iso_epoch(record["created_at"])})
+            pipe.zadd(keys.ROLLOUTS_BY_CREATION, {rollout_id: parse_iso_epoch(record.created_at)})
             self._queue_events(pipe, record, event, data)
             await pipe.execute()
             return record
 
         return await self._fence.transact(self._redis, body, key, current_key)
 
-    async def update(self, rollout_id: str, change: Callable[[dict[str, Any]], dict[str, Any] | None],
-                     event: str | None = None, data: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def update(self, rollout_id: str, change: Callable[[Rollout], Rollout | None],
+                     event: str | None = None, data: dict[str, Any] | None = None) -> Rollout:
         """Apply `change` to a live record (None: leave it); reaching an ended status also clears the line's
         pointer. An ended record is returned unchanged (transitions out of an end never happen)."""
         key = keys.rollout(rollout_id)
@@ -118,29 +113,29 @@ class RolloutStore:
         raw = await self._redis.get(key)
         if raw is None:
             raise NotFound("rollout not found")
-        lineage = lineage_of(orjson.loads(raw))
+        lineage = Rollout.from_json(raw).lineage
         current_key = keys.rollout_current(lineage)
 
-        async def body(pipe: Pipeline) -> dict[str, Any]:
+        async def body(pipe: Pipeline) -> Rollout:
             raw = await pipe.get(key)
             if raw is None:
                 raise NotFound("rollout not found")
-            record = orjson.loads(raw)
-            if record["status"] in ENDED:
+            record = Rollout.from_json(raw)
+            if record.ended:
                 return record
-            changed = change(dict(record))
+            changed = change(record)
             if changed is None:
                 return record
-            if changed["status"] != record["status"]:
-                ROLLOUT_TRANSITIONS.check(record["status"], changed["status"])  # raises on a move the table lacks
-            if lineage_of(changed) != lineage:  # fail closed: a change never moves a rollout to another line
+            if changed.status != record.status:
+                ROLLOUT_TRANSITIONS.check(record.status, changed.status)  # raises on a move the table lacks
+            if changed.lineage != lineage:  # fail closed: a change never moves a rollout to another line
                 raise RuntimeError(f"rollout {rollout_id}: a change may not move it to another lineage")
             pointer = await pipe.get(current_key)
-            ended = changed["status"] in ENDED
+            ended = changed.ended
             if ended:
-                changed["ended_at"] = changed.get("ended_at") or now_iso()
+                changed = changed.evolve(ended_at=changed.ended_at or now_iso())
             pipe.multi()
-            pipe.set(key, orjson.dumps(changed))
+            pipe.set(key, changed.to_json())
             # Invariant 10 (per line): the rollout ends and stops being its line's current one (and the line
             # leaves the live-line set) in the same step.
             if ended and pointer is not None and text(pointer) == rollout_id:
@@ -155,8 +150,8 @@ class RolloutStore:
         return await self._fence.transact(self._redis, body, key, current_key)
 
     @staticmethod
-    def _queue_events(pipe: Pipeline, record: dict[str, Any], event: str, data: dict[str, Any]) -> None:
-        events.queue(pipe, keys.rollout_events(record["rollout_id"]), event, data)
-        run_id = record.get("training_run_id")
+    def _queue_events(pipe: Pipeline, record: Rollout, event: str, data: dict[str, Any]) -> None:
+        events.queue(pipe, keys.rollout_events(record.rollout_id), event, data)
+        run_id = record.training_run_id
         if event in RUN_EVENTS and is_run_id(run_id):  # the run's timeline tells what became of its version
-            events.queue(pipe, keys.training_run_events(run_id), event, {"rollout_id": record["rollout_id"], **data})
+            events.queue(pipe, keys.training_run_events(run_id), event, {"rollout_id": record.rollout_id, **data})

@@ -218,55 +218,8 @@ class TrajectoryStore:
             prompt_blocks.queue_acquire(pipe, acquired)
             now_epoch = ids.parse_iso_epoch(now)
             for sample_id in fresh:
-                sample = by_id[sample_id]
-                meta = sample.meta
-                source = str(meta.get("source") or "")
-                policy_version = str(meta.get("policy_version") or BASE_POLICY)
-                created_at = str(meta["created_at"])
-                instance = meta.get("instance")
-                final = (SampleStatus.EVALUATION if meta.get("evaluation") is True
-                         else SampleStatus.EXCLUDED if instance in excluded else None)
-                status, extra = final or SampleStatus.PENDING, {}
-                if self._reward_policy is not None:
-                    # An evaluation or excluded sample keeps a reward state (external sources may still post to an
-                    # evaluation one) but never enters `awaiting_rewards` nor the deadline index.
-                    state = self._reward_policy.initial(meta.get("judge"), now_epoch)
-                    status = final or self._reward_policy.status(state)
-                    extra = {"rewards": orjson.dumps(state)}
-                    if status == SampleStatus.AWAITING_REWARDS:
-                        self.queue_deadline(pipe, sample_id, self._reward_policy.next_deadline(state))
-                pipe.hset(
-                    hash_keys[sample_id],
-                    mapping={
-                        "sample_id": sample_id,
-                        "user_id": str(meta.get("user_id") or self._owner),
-                        "session_id": str(meta.get("session_id") or ""),
-                        "rl_task_id": str(meta.get("rl_task_id") or ""),
-                        "source": source,
-                        "policy_version": policy_version,
-                        "created_at": created_at,
-                        "status": status,
-                        "updated_at": now,
-                        "run_id": "",
-                        "instance": instance if isinstance(instance, str) else "",
-                        "sample_json": sample.meta_blob(),
-                        # The ids after the last shared block; the blocks' digests only when there are blocks.
-                        "prompt_ids": split[sample_id][1],
-                        "response_ids": sample.response_ids,
-                        "response_logprobs": sample.response_logprobs,
-                        **extra,
-                        **({"prompt_blocks": prompt_blocks.pack_digests(d for d, _ in split[sample_id][0])}
-                           if split[sample_id][0] else {}),
-                        **({"sampling": orjson.dumps(meta["sampling"])} if meta.get("sampling") else {}),
-                        # The line's owner of a non-default sample (its indexes and counters); absent for default.
-                        **({"lineage": self.lineage} if self.lineage != DEFAULT_LINEAGE else {}),
-                    },
-                )
-                pipe.zadd(self.index_key(status), {sample_id: ids.parse_iso_epoch(created_at)})
-                if status == SampleStatus.PENDING:
-                    self.queue_waiting(pipe, ids.parse_iso_epoch(created_at))
-                self.queue_counters(pipe, status, source, policy_version, +1)
-                self._queue_policy_stats(pipe, policy_version, meta, sample.response_ids, +1)
+                self._queue_insert(pipe, by_id[sample_id], split[sample_id], excluded=excluded, now=now,
+                                   now_epoch=now_epoch)
             pipe.sadd(keys.TRAJ_USERS, self._owner)
             await pipe.execute()
             return fresh
@@ -276,6 +229,62 @@ class TrajectoryStore:
             for sample_id in fresh:
                 self._metrics.published(str(by_id[sample_id].meta.get("source") or ""))
         return fresh
+
+    def _queue_insert(
+        self, pipe: Pipeline, sample: PackedSample, split: tuple[list[tuple[bytes, bytes]], bytes], *,
+        excluded: set[str], now: str, now_epoch: float,
+    ) -> None:
+        """Queue, in `insert_if_absent`'s MULTI, one fresh sample: its hash, status index, counters, policy stats
+        and (under a reward policy) its reward state and deadline. `split`: its prompt's shared blocks and tail."""
+        meta = sample.meta
+        sample_id = str(meta["sample_id"])
+        source = str(meta.get("source") or "")
+        policy_version = str(meta.get("policy_version") or BASE_POLICY)
+        created_at = str(meta["created_at"])
+        instance = meta.get("instance")
+        final = (SampleStatus.EVALUATION if meta.get("evaluation") is True
+                 else SampleStatus.EXCLUDED if instance in excluded else None)
+        status, extra = final or SampleStatus.PENDING, {}
+        if self._reward_policy is not None:
+            # An evaluation or excluded sample keeps a reward state (external sources may still post to an
+            # evaluation one) but never enters `awaiting_rewards` nor the deadline index.
+            state = self._reward_policy.initial(meta.get("judge"), now_epoch)
+            status = final or self._reward_policy.status(state)
+            extra = {"rewards": orjson.dumps(state)}
+            if status == SampleStatus.AWAITING_REWARDS:
+                self.queue_deadline(pipe, sample_id, self._reward_policy.next_deadline(state))
+        blocks, tail = split
+        pipe.hset(
+            keys.traj(sample_id),
+            mapping={
+                "sample_id": sample_id,
+                "user_id": str(meta.get("user_id") or self._owner),
+                "session_id": str(meta.get("session_id") or ""),
+                "rl_task_id": str(meta.get("rl_task_id") or ""),
+                "source": source,
+                "policy_version": policy_version,
+                "created_at": created_at,
+                "status": status,
+                "updated_at": now,
+                "run_id": "",
+                "instance": instance if isinstance(instance, str) else "",
+                "sample_json": sample.meta_blob(),
+                # The ids after the last shared block; the blocks' digests only when there are blocks.
+                "prompt_ids": tail,
+                "response_ids": sample.response_ids,
+                "response_logprobs": sample.response_logprobs,
+                **extra,
+                **({"prompt_blocks": prompt_blocks.pack_digests(d for d, _ in blocks)} if blocks else {}),
+                **({"sampling": orjson.dumps(meta["sampling"])} if meta.get("sampling") else {}),
+                # The line's owner of a non-default sample (its indexes and counters); absent for default.
+                **({"lineage": self.lineage} if self.lineage != DEFAULT_LINEAGE else {}),
+            },
+        )
+        pipe.zadd(self.index_key(status), {sample_id: ids.parse_iso_epoch(created_at)})
+        if status == SampleStatus.PENDING:
+            self.queue_waiting(pipe, ids.parse_iso_epoch(created_at))
+        self.queue_counters(pipe, status, source, policy_version, +1)
+        self._queue_policy_stats(pipe, policy_version, meta, sample.response_ids, +1)
 
     async def delete_pending(self, sample_ids: Sequence[str], *, fence: Fence = UNFENCED) -> int:
         """Roll back samples inserted by a failed publication: those still `pending`, `awaiting_rewards` or

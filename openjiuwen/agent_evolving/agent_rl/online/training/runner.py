@@ -28,7 +28,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..errors import Conflict, DomainError, NotFound
-from ..faults import FaultHook, no_faults
+from .. import faults
 from ...common.ids import now_iso, parse_iso_epoch, policy_lag_version
 from ...common.lineage import DEFAULT_LINEAGE, line_of
 from ..lora.gateway_client import GatewayError, GatewayLoraClient
@@ -71,7 +71,6 @@ class TrainingRunner:
         max_policy_lag: int | None,
         tmp_root: str | Path,
         metrics: "ServiceMetrics | None" = None,
-        fault: FaultHook = no_faults,
         redis_outage_s: float = REDIS_OUTAGE_S,
         rollout: "RolloutController | None" = None,
     ) -> None:
@@ -92,7 +91,6 @@ class TrainingRunner:
         self._claim_checks: set[asyncio.Task[None]] = set()  # claims whose EXEC answer was lost (_settle_lost_claim)
         self._stop_requested: set[str] = set()
         self._failure: str | None = None
-        self._fault = fault  # chaos tests only (faults.py)
         self._redis_outage_s = redis_outage_s
         self._rollout = rollout  # canary / manual: a new version becomes the candidate, not the active one
 
@@ -138,7 +136,7 @@ class TrainingRunner:
             if self._rollout is not None and (current := await self._rollout.in_progress(line)) is not None:
                 # Never two candidates on a line, and a run trained while its line's candidate is judged would
                 # have an undecided parent. Other lines' rollouts do not hold this one.
-                raise Conflict(f"rollout {current['rollout_id']} ({current['status']}) is in progress: a new "
+                raise Conflict(f"rollout {current.rollout_id} ({current.status}) is in progress: a new "
                                "Training Run starts once it is promoted or rolled back", code="rollout_in_progress")
             try:
                 parent = await self._gateway.read_policy(line)
@@ -181,7 +179,7 @@ class TrainingRunner:
                     f"pending samples {claim.eligible} is below minimum {minimum}",
                     code="insufficient_samples",
                 )
-            self._fault("run.claimed")
+            faults.reached("run.claimed")
             if self._metrics is not None:
                 self._metrics.run_started(str(trigger.get("kind")))
             self._launch(claim.run)
@@ -375,7 +373,7 @@ class TrainingRunner:
             )
             artifact = await self._backend.train(job, on_progress=self._progress_recorder(run_id))
             await asyncio.to_thread(self._repository.for_line(run.line(self._model_id)).validate_artifact, artifact)
-            self._fault("run.trained")
+            faults.reached("run.trained")
         except asyncio.CancelledError:
             self._stage("training", "canceled", time.perf_counter() - started)
             raise  # `stop` settles the record
@@ -403,7 +401,7 @@ class TrainingRunner:
                 self._durable(f"run {run_id} canceled", lambda: self._runs.finish(run_id, RunStatus.CANCELED))
             )
             return
-        self._fault("run.marked")
+        faults.reached("run.marked")
         await self._activate(run)
 
     async def _mark_trained(self, run_id: str, artifact: Artifact) -> TrainingRun:
@@ -470,7 +468,7 @@ class TrainingRunner:
                 before=[("activation_failed", {"lora_name": run.lora_name, "error": error})],
             )))
         self._activation_done("ok", time.perf_counter() - started)
-        self._fault("run.activated")
+        faults.reached("run.activated")
         return await asyncio.shield(self._succeed(run))
 
     async def _begin_canary(self, run: TrainingRun) -> TrainingRun:
@@ -498,10 +496,10 @@ class TrainingRunner:
             )))
         self._activation_done("ok", time.perf_counter() - started)
         log.info("training run %s succeeded: %s is the candidate of rollout %s", run_id, run.lora_name,
-                 record["rollout_id"], extra={"training_run_id": run_id, "lora_name": run.lora_name})
+                 record.rollout_id, extra={"training_run_id": run_id, "lora_name": run.lora_name})
         return await asyncio.shield(self._durable(f"run {run_id} succeeded", lambda: self._runs.finish(
             run_id, RunStatus.SUCCEEDED,
-            before=[("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record["rollout_id"]})],
+            before=[("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record.rollout_id})],
         )))
 
     def _stage(self, stage: str, outcome: str, seconds: float) -> None:
@@ -556,7 +554,7 @@ class TrainingRunner:
         record = await self._rollout.record_of(run)
         if record is not None:
             return await self._runs.finish(run.training_run_id, RunStatus.SUCCEEDED, before=[
-                ("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record["rollout_id"]})])
+                ("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record.rollout_id})])
         try:
             await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=run.lora_name)
         except GatewayError as exc:

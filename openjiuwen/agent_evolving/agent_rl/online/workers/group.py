@@ -10,7 +10,7 @@ workers that accept on it. The parent serves nothing itself. It
   it held it), so the claims it held are taken over and a new leader elected without waiting out a TTL;
 - fails the whole start, as a lone service would, when a worker exits before any worker of the group was ready;
 - on SIGTERM (or SIGINT) stops every worker with SIGTERM and waits for them: each drains its requests; the leader
-  then finishes the active Tasks once the others left (service.py `leave_office`); it exits 0 when every worker
+  then finishes the active Tasks once the others left (leader_duties.py `leave_office`); it exits 0 when every worker
   stopped cleanly (or died of that SIGTERM while still starting, before it served anything);
 - dies with the gateway (the parent-death watchdog), and its workers die with it (their own watchdog).
 
