@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
-from openjiuwen.agent_evolving.agent_rl.online.capture.rewards import RewardProjector
+from openjiuwen.agent_evolving.agent_rl.online.rewards.projector import RewardProjector
 from openjiuwen.agent_evolving.agent_rl.online.retention import RetentionSweeper
 from openjiuwen.agent_evolving.agent_rl.online.rollout.record import LoraRef, Rollout
 from openjiuwen.agent_evolving.agent_rl.online.rollout.store import RolloutStore

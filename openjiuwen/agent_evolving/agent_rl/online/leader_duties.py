@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from ..common.private_files import UnsafeDirectoryError, ensure_private_root
 from .capture.lifecycle import TaskLifecycle
-from .capture.rewards import RewardProjector
+from .rewards.projector import RewardProjector
 from .rail.ingest import RailIngestor
 from .retention import RetentionSweeper
 from .rewards.ledger import RewardLedger

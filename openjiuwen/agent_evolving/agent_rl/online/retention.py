@@ -24,7 +24,7 @@ from redis.asyncio.client import Pipeline
 from . import events
 from ..common.lineage import DEFAULT_LINEAGE, is_lineage, line_of
 from .background import stop_loop
-from .capture.rewards import RewardProjector
+from .rewards.projector import RewardProjector
 from .store import keys
 from .store.codec import text
 from .store.lineage_listing import RUN_LISTING, TASK_LISTING

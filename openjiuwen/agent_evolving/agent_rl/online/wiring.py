@@ -14,7 +14,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 
 from .capture.lifecycle import TaskLifecycle
 from .capture.pipeline import CapturePipeline
-from .capture.rewards import RewardProjector
+from .rewards.projector import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig
 from .leader_duties import LeaderDuties

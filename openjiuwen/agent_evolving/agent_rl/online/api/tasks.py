@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 
 from ...common.wire import routes as rl_routes
 from ..capture.lifecycle import StartHeaders, TaskLifecycle
-from ..capture.rewards import RewardProjector, parse_reward_body
+from ..rewards.projector import RewardProjector, parse_reward_body
 from ...common.wire.task_states import FinishReason
 from ..tasks.task_records import Task
 from ..store.keys import TASK_STATUSES
