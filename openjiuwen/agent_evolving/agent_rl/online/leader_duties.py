@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from ..common.private_files import UnsafeDirectoryError, ensure_private_root
 from .capture.lifecycle import TaskLifecycle
 from .rewards.projector import RewardProjector
-from .rail.ingest import RailIngestor
+from .rail_ingest.ingest import RailIngestor
 from .retention import RetentionSweeper
 from .rewards.ledger import RewardLedger
 from .rewards.sweeper import RewardDeadlineSweeper

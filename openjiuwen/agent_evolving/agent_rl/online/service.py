@@ -24,24 +24,16 @@ from redis.asyncio import Redis
 
 from ..common.content_type import BodyTypeGuard, JsonBodyMiddleware
 from ..common.errors import INTERNAL_ERROR_MESSAGE, UnhandledErrors, install_error_envelope
-<<<<<<< HEAD
-from ..common.request_guards import GuardMiddleware, RequestGuard
-from .api.hook_fast_path import HookFastPath, ServiceApp
-from .api.health import build_health_router
-from .api.lineages import build_lineages_router
-from .api.capture_hooks import BINARY_ROUTES as HOOK_BINARY_ROUTES, CaptureHooks, build_hooks_router
-=======
 from ..common.gc_tuning import tune_gc
-from ..common.guards import GuardMiddleware, RequestGuard
-from ..common.http_guard import ConnectionLimits, server_config
+from ..common.request_guards import GuardMiddleware, RequestGuard
+from ..common.slow_clients import ConnectionLimits, server_config
 from ..common.http_metrics import HttpMetricsMiddleware
 from ..common.wire import env as wire_env
 from . import faults
-from .api.fast_hooks import HookFastPath, ServiceApp
+from .api.hook_fast_path import HookFastPath, ServiceApp
 from .api.health import build_health_router
-from .api.hooks import BINARY_ROUTES as HOOK_BINARY_ROUTES, CaptureHooks, build_hooks_router
+from .api.capture_hooks import BINARY_ROUTES as HOOK_BINARY_ROUTES, CaptureHooks, build_hooks_router
 from .api.lineages import build_lineages_router
->>>>>>> wt-svc
 from .api.metrics import build_metrics_router
 from .api.policies import build_policies_router
 from .api.rail import build_rail_router
@@ -51,32 +43,9 @@ from .api.tasks import build_tasks_router
 from .api.training import build_training_router
 from .api.trajectories import build_trajectories_router
 from .config import ConfigError, RLServiceConfig, load_config
-<<<<<<< HEAD
-from .faults import CRASH_AT_ENV, FaultHook, fault_hook, no_faults
-from ..common.gc_tuning import tune_gc
-from ..common.slow_clients import ConnectionLimits, server_config
-=======
 from .faults import CRASH_AT_ENV
->>>>>>> wt-svc
 from .logs import configure_logging
 from .policies import PolicyReport
-<<<<<<< HEAD
-from ..common.private_files import UnsafeDirectoryError, ensure_private_root
-from ..common.wire import env as wire_env
-from .rail_ingest.ingest import RailIngestor
-from .rail_ingest.jsonl_copy import RailRecorder
-from .retention import RetentionSweeper
-from .rewards.ledger import RewardLedger
-from .rewards.policy import RewardPolicy
-from .rewards.sweeper import RewardDeadlineSweeper
-from .rollout.controller import RolloutController
-from .rollout.store import RolloutStore
-from .store import keys
-from .store.trajectories import TrajectoryStore
-from .tasks.registry import TaskRegistry
-from .tasks.signals import TaskSignals
-=======
->>>>>>> wt-svc
 from .training.backends import TrainerBackend
 from .watchdog import install_parent_death_watchdog
 from .wiring import ServiceDeps

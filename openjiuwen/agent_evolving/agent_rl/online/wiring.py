@@ -22,8 +22,8 @@ from .lineages import LineageRegistry
 from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
 from .metrics import MeteredJudge, ServiceMetrics
-from .rail.ingest import RailIngestor
-from .rail.records import RailRecorder
+from .rail_ingest.ingest import RailIngestor
+from .rail_ingest.jsonl_copy import RailRecorder
 from .retention import RetentionSweeper
 from .rewards.ledger import RewardLedger
 from .rewards.policy import RewardPolicy
