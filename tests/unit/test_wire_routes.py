@@ -163,3 +163,12 @@ def test_the_relay_of_every_served_route_follows_the_flag_it_is_declared_with(se
         assert leader_only(method, concrete) is route.leader_only, (method, path)
         relayed |= {(method, path)} if route.leader_only else set()
     assert relayed == {(r.method, r.path) for r in rl_routes.LEADER_ROUTES} != set()
+
+
+def test_header_names_are_shown_as_the_contract_writes_them():
+    from openjiuwen.agent_evolving.agent_rl.common.wire import headers
+
+    assert [headers.display(h) for h in (headers.SESSION_ID, headers.TASK_ID, headers.POLICY_NAME,
+                                         headers.POLICY_MODEL, headers.AGENT_KEY, headers.LINEAGE)] == [
+        "X-Agent-Session-Id", "X-AIGW-RL-Task-Id", "X-AIGW-RL-Policy-Name", "X-AIGW-RL-Policy-Model",
+        "X-AIGW-RL-Agent-Key", "X-AIGW-RL-Lineage"]

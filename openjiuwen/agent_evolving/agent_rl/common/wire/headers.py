@@ -15,3 +15,9 @@ AGENT_KEY = "x-aigw-rl-agent-key"
 # ext (docs/lineages.md wire 1, 2): the Task's lineage, always sent (`default` included) by a gateway that pins
 # Tasks per lineage; its absence means a gateway without lineages (an AIGW).
 LINEAGE = "x-aigw-rl-lineage"
+
+
+def display(name: str) -> str:
+    """A header name as the contract and the published API schema write it (`X-AIGW-RL-Task-Id`); HTTP compares
+    header names without case, so this is only how they are shown."""
+    return "-".join(part.upper() if part in ("x", "aigw", "rl") else part.capitalize() for part in name.split("-"))

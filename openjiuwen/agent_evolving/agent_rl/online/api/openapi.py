@@ -91,7 +91,7 @@ def json_body(schema: dict[str, Any], *, required: bool = True) -> dict[str, Any
 
 
 def header(name: str, schema: dict[str, Any]) -> dict[str, Any]:
-    return {"name": name, "in": "header", "required": True, "schema": schema}
+    return {"name": wire_headers.display(name), "in": "header", "required": True, "schema": schema}
 
 
 def query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
