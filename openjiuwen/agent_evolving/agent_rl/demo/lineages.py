@@ -117,18 +117,8 @@ class TwoLineages:
 
     def entry(self, o: Objective, lora: str | None, results: list[dict[str, Any]], seconds: float,
               trained: dict[str, Any] | None) -> dict[str, Any]:
-        rewards = [x["reward"] for x in results]
-        success = [1.0 if x["success"] else 0.0 for x in results]
-        rate, (lo, hi) = rep.mean_ci95(success)
-        return rep.version_entry(
-            BASE_POLICY if lora is None else lora.rpartition(":")[2], rewards, sum(x["samples"] for x in results),
-            lora_name=lora, round_seconds=seconds,
-            training_seconds=trained["seconds"] if trained else None,
-            training_run_id=trained["training_run_id"] if trained else None,
-            trigger=trained["trigger"] if trained else None,
-            success_rate=round(rate, 4), success_ci95=[round(lo, 4), round(hi, 4)],
-            task_rewards=[round(x, 4) for x in rewards], task_success=success,
-            example=" | ".join(results[0]["answers"]))
+        return rep.success_entry(BASE_POLICY if lora is None else lora.rpartition(":")[2], lora, results, seconds,
+                                 trained, trigger=trained["trigger"] if trained else None)
 
     def batch(self, r: int, actives: dict[str, str | None], *, evaluation: bool,
               families: dict[str, str] | None = None, title: str | None = None) -> dict[str, list[dict[str, Any]]]:

@@ -63,6 +63,22 @@ def version_entry(policy: str, rewards: Sequence[float], samples: int, **extra: 
             "tasks": len(rewards), "samples": samples, **extra}
 
 
+def success_entry(policy: str, lora_name: str | None, results: Sequence[dict[str, Any]], seconds: float,
+                  trained: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+    """A version's held-out evaluation: the mean reward and the success rate of its Tasks (`results`, each with
+    `reward`, `success`, `samples`, `answers`), each with its 95 % interval, and the Training Run that made it."""
+    rewards = [x["reward"] for x in results]
+    success = [1.0 if x["success"] else 0.0 for x in results]
+    rate, (lo, hi) = mean_ci95(success)
+    return version_entry(
+        policy, rewards, sum(x["samples"] for x in results), lora_name=lora_name, round_seconds=seconds,
+        training_seconds=trained["seconds"] if trained else None,
+        training_run_id=trained["training_run_id"] if trained else None,
+        success_rate=round(rate, 4), success_ci95=[round(lo, 4), round(hi, 4)],
+        task_rewards=[round(x, 4) for x in rewards], task_success=success, **extra,
+        example=" | ".join(results[0]["answers"]))
+
+
 def table(versions: Sequence[dict[str, Any]]) -> str:
     """The final table: one line per policy version."""
     success = bool(versions) and "success_rate" in versions[0]

@@ -138,22 +138,13 @@ class Rounds:
 
     def calculator_entry(self, label: str, lora: str | None, results: list[dict[str, Any]], seconds: float,
                          pending: dict[str, Any] | None) -> dict[str, Any]:
-        rewards = [x["reward"] for x in results]
-        success = [1.0 if x["success"] else 0.0 for x in results]
-        rate, (lo, hi) = rep.mean_ci95(success)
-        return rep.version_entry(
-            label, rewards, sum(x["samples"] for x in results), lora_name=lora, round_seconds=seconds,
-            training_seconds=pending["seconds"] if pending else None,
-            training_run_id=pending["training_run_id"] if pending else None,
+        return rep.success_entry(
+            label, lora, results, seconds, pending,
             activation_latency_s=pending.get("first_served_s") if pending else None,
-            success_rate=round(rate, 4), success_ci95=[round(lo, 4), round(hi, 4)],
-            task_rewards=[round(x, 4) for x in rewards], task_success=success,
             reasons={k: sum(1 for x in results if x["reason"] == k) for k in sorted({x["reason"] for x in results})},
             answers=[{"question": x["question"], "answer": x["answer"], "completions": x["answers"],
                       "tool_result": x["feedback"], "success": x["success"], "reward": x["reward"]}
-                     for x in results],
-            example=" | ".join(results[0]["answers"]),
-        )
+                     for x in results])
 
     def run_round(self, r: int, lora: str | None, label: str, problems: list[Any] | None = None,
                   evaluation: bool = False, *, count: int | None = None, invert: bool = False,

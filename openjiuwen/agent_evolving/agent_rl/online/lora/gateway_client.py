@@ -146,33 +146,10 @@ class GatewayLoraClient:
             "expected_lora_name": expected, "training_run_id": run_id,
         }
         url = f"{self._endpoint}/internal/v1/rl/loras/activate"
-        failure = "LoRA activation request timed out"
-        for attempt, delay in enumerate(backoff_delays(attempts=self._attempts), start=1):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            try:
-                resp = await self._client.post(url, json=body, timeout=remaining)
-            except httpx.TimeoutException:
-                self._on_attempt("timeout")
-                failure = "LoRA activation request timed out"
-            except httpx.TransportError as exc:
-                self._on_attempt("transport_error")
-                failure = f"LoRA activation request failed: {type(exc).__name__}"
-            else:
-                if resp.is_success:
-                    self._on_attempt("success")
-                    return
-                text = f"activation status {resp.status_code}: {resp.text[:500]}"
-                if resp.status_code < 500:
-                    self._on_attempt("rejected")
-                    raise GatewayRejected(text)
-                self._on_attempt("server_error")
-                failure = text
-            log.warning("activation of %s attempt %d failed: %s", lora_name, attempt, failure)
-            if delay == 0 or deadline - loop.time() <= delay:
-                break
-            await asyncio.sleep(delay)
+        answered, failure = await self._post_retrying(url, body, deadline, request="LoRA activation",
+                                                      status="activation", on_attempt=self._on_attempt)
+        if answered is not None:
+            return
         # Before reporting a failure that may hide a success (timeout, exhausted retries), ask what is active.
         try:
             # The version's own line: `<line>:vN` (the gateway derives the line from the name the same way).
@@ -184,6 +161,40 @@ class GatewayLoraClient:
             log.info("activation of %s reconciled: the gateway reports it active", lora_name)
             return
         raise GatewayError(failure)
+
+    async def _post_retrying(self, url: str, body: dict[str, Any], deadline: float, *, request: str, status: str,
+                             on_attempt: Callable[[str], None] = lambda result: None,
+                             ) -> tuple[httpx.Response | None, str]:
+        """POST `body` within `deadline`: timeouts, transport errors and 5xx retried with backoff, a 4xx raised at
+        once (GatewayRejected). (the 2xx answer, "") or, when the retries ran out, (None, the last failure), which
+        the caller reconciles with a read before reporting it (a timeout may hide a success)."""
+        loop = asyncio.get_running_loop()
+        failure = f"{request} request timed out"
+        for attempt, delay in enumerate(backoff_delays(attempts=self._attempts), start=1):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                resp = await self._client.post(url, json=body, timeout=remaining)
+            except httpx.TimeoutException:
+                result, failure = "timeout", f"{request} request timed out"
+            except httpx.TransportError as exc:
+                result, failure = "transport_error", f"{request} request failed: {type(exc).__name__}"
+            else:
+                if resp.is_success:
+                    on_attempt("success")
+                    return resp, ""
+                text = f"{status} status {resp.status_code}: {resp.text[:500]}"
+                if resp.status_code < 500:
+                    on_attempt("rejected")
+                    raise GatewayRejected(text)
+                result, failure = "server_error", text
+            on_attempt(result)
+            log.warning("%s of %s attempt %d failed: %s", request, body.get("lora_name"), attempt, failure)
+            if delay == 0 or deadline - loop.time() <= delay:
+                break
+            await asyncio.sleep(delay)
+        return None, failure
 
     # ------------------------------------------------------------------ canary (docs/rollout.md, CONTRACT §3.8 ext)
 
@@ -241,32 +252,14 @@ class GatewayLoraClient:
         url = f"{self._endpoint}/internal/v1/rl/canary/{action}"
         # The reconciling read asks the version's own line (the gateway derives it from the name the same way).
         parsed = parse_version_name(body.get("lora_name"))
-        failure = f"canary {action} request timed out"
-        for delay in backoff_delays(attempts=self._attempts):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
+        answered, failure = await self._post_retrying(url, body, deadline, request=f"canary {action}",
+                                                      status=f"canary {action}")
+        if answered is not None:
             try:
-                resp = await self._client.post(url, json=body, timeout=remaining)
-            except httpx.TimeoutException:
-                failure = f"canary {action} request timed out"
-            except httpx.TransportError as exc:
-                failure = f"canary {action} request failed: {type(exc).__name__}"
-            else:
-                if resp.is_success:
-                    try:
-                        answer = orjson.loads(resp.content)
-                    except orjson.JSONDecodeError:
-                        answer = {}
-                    return answer if isinstance(answer, dict) else {}
-                text = f"canary {action} status {resp.status_code}: {resp.text[:500]}"
-                if resp.status_code < 500:
-                    raise GatewayRejected(text)
-                failure = text
-            log.warning("canary %s of %s failed: %s", action, body.get("lora_name"), failure)
-            if delay == 0 or deadline - loop.time() <= delay:
-                break
-            await asyncio.sleep(delay)
+                answer = orjson.loads(answered.content)
+            except orjson.JSONDecodeError:
+                answer = {}
+            return answer if isinstance(answer, dict) else {}
         try:
             state = await self.canary_status(parsed[0] if parsed else None)
         except GatewayError:

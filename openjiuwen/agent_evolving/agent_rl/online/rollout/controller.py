@@ -500,22 +500,21 @@ class RolloutController:
         return record
 
     async def promote(self, lineage: str = DEFAULT_LINEAGE) -> Rollout:
-        async with self._lock(lineage):
-            record = await self._require_canary(lineage)
-            if not record.deciding:
-                raise Conflict(f"the canary is already {record.status}", code="no_rollout")
-            decision = (await self.evaluate(record)).public()
-            return await self._act(record, PROMOTE, {**decision, "action": PROMOTE, "reason": "operator",
-                                                     "detail": "promoted by the operator"}, by="operator")
+        return await self._operator_decides(lineage, PROMOTE, "promoted by the operator")
 
     async def rollback(self, lineage: str = DEFAULT_LINEAGE) -> Rollout:
+        return await self._operator_decides(lineage, ROLLBACK, "rolled back by the operator")
+
+    async def _operator_decides(self, lineage: str, action: str, detail: str) -> Rollout:
+        """The operator's promote or roll back of the line's deciding canary, recorded with the arms' evaluation at
+        that moment (409 `no_rollout` when no canary of the line is deciding)."""
         async with self._lock(lineage):
             record = await self._require_canary(lineage)
             if not record.deciding:
                 raise Conflict(f"the canary is already {record.status}", code="no_rollout")
             decision = (await self.evaluate(record)).public()
-            return await self._act(record, ROLLBACK, {**decision, "action": ROLLBACK, "reason": "operator",
-                                                      "detail": "rolled back by the operator"}, by="operator")
+            return await self._act(record, action, {**decision, "action": action, "reason": "operator",
+                                                    "detail": detail}, by="operator")
 
     async def pause(self, paused: bool = True, lineage: str = DEFAULT_LINEAGE) -> Rollout:
         """Stop (or resume) automatic decisions of a line; the split of new Tasks goes on meanwhile."""
