@@ -20,6 +20,7 @@ import concurrent.futures as futures
 import json
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,13 +73,10 @@ class Rounds:
         for r in range(a.rounds + 1):
             lora = self.calls.active_policy()
             label = policy_label(lora)
-            log = self.run_dir / "gateway" / "gateway.log"
-            with self.stage(f"round {r + 1}/{a.rounds + 1} (policy {label})", log):
-                t = time.monotonic()
-                # Under --bad-version the last round's Tasks are evaluation Tasks: never trained on, so the bad
-                # Training Run that follows claims the inverted round's samples only.
-                results = self.run_round(r, lora, label, evaluation=a.bad_version and r == a.rounds)
-                seconds = round(time.monotonic() - t, 2)
+            # Under --bad-version the last round's Tasks are evaluation Tasks: never trained on, so the bad
+            # Training Run that follows claims the inverted round's samples only.
+            results, seconds = self.timed(f"round {r + 1}/{a.rounds + 1} (policy {label})", lambda: self.run_round(
+                r, lora, label, evaluation=a.bad_version and r == a.rounds))
             rewards = [x["reward"] for x in results]
             entry = rep.version_entry(
                 label, rewards, sum(x["samples"] for x in results), lora_name=lora, round_seconds=seconds,
@@ -96,6 +94,13 @@ class Rounds:
                 with self.stage(f"training run {r + 1}/{a.rounds}", self.run_dir / "gateway" / "rl-service.log"):
                     pending_training = self.train(r, lora)
 
+    def timed(self, step: str, run: Callable[[], list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], float]:
+        """One batch of Tasks as the named step (its log: the gateway's): its results and its seconds."""
+        with self.stage(step, self.run_dir / "gateway" / "gateway.log"):
+            t = time.monotonic()
+            results = run()
+            return results, round(time.monotonic() - t, 2)
+
     def calculator_rounds(self) -> None:
         """Evaluate base on the held-out problems (evaluation Tasks), then per round: training Tasks on fresh train
         problems, a Training Run, activation, and the new version's evaluation on the SAME held-out problems."""
@@ -106,11 +111,8 @@ class Rounds:
         for r in range(a.rounds + 1):
             lora = self.calls.active_policy()
             label = policy_label(lora)
-            log = self.run_dir / "gateway" / "gateway.log"
-            with self.stage(f"evaluation {r + 1}/{a.rounds + 1} (policy {label})", log):
-                t = time.monotonic()
-                results = self.run_round(r, lora, label, held_out, evaluation=True)
-                seconds = round(time.monotonic() - t, 2)
+            results, seconds = self.timed(f"evaluation {r + 1}/{a.rounds + 1} (policy {label})",
+                                          lambda: self.run_round(r, lora, label, held_out, evaluation=True))
             entry = self.calculator_entry(label, lora, results, seconds, pending_training)
             self.report.versions.append(entry)
             self.report.timings["rounds"].append({"policy": label, "kind": "evaluation", "seconds": seconds})
@@ -120,11 +122,9 @@ class Rounds:
             self.report.write(final=False)
             if r == a.rounds:
                 break
-            with self.stage(f"training round {r + 1}/{a.rounds} (policy {label})", log):
-                t = time.monotonic()
-                batch = train[r * a.tasks:(r + 1) * a.tasks]
-                results = self.run_round(r, lora, label, batch, evaluation=False)
-                seconds = round(time.monotonic() - t, 2)
+            batch = train[r * a.tasks:(r + 1) * a.tasks]
+            results, seconds = self.timed(f"training round {r + 1}/{a.rounds} (policy {label})",
+                                          lambda: self.run_round(r, lora, label, batch, evaluation=False))
             succ = [1.0 if x["success"] else 0.0 for x in results]
             rewards = [x["reward"] for x in results]
             self.report.training_rounds.append({"policy": label, "tasks": len(results), "seconds": seconds,
@@ -192,14 +192,7 @@ class Rounds:
         a = self.args
         session = f"demo-r{r}-t{i}-{secrets.token_hex(3)}"
         t = time.monotonic()
-        body: dict[str, Any] = {"reward_mode": "terminal", **({"evaluation": True} if evaluation else {})}
-        started = self.stack.signed("POST", "/v1/rl/tasks/start", json_body=body,
-                                    headers={"X-Agent-Session-Id": session}, agent=True)
-        if started.status_code != 201:
-            raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
-        task = started.json()
-        task_id = task["rl_task_id"]
-        pinned = self.check_pin(task, lora, pins)
+        task_id, pinned = self.start_task(session, lora, pins, evaluation)
         messages: list[dict[str, str]] = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
         answers: list[str] = []
         for turn in range(a.turns):
@@ -211,14 +204,28 @@ class Rounds:
             text = out.choices[0].message.content or ""
             answers.append(text)
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UP}]
-        stopped = self.stack.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
-        if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
-            raise DemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
+        self.stop_task(task_id)
         reward = word_char_share(answers)
         rewarded = self.calls.publish_reward(task_id, 1.0 - reward if invert else reward)
         return {"round": r, "task": i, "rl_task_id": task_id, "policy": pinned, "answers": answers,
                 "reward": reward, "samples": rewarded.get("sample_count", 0),
                 "seconds": round(time.monotonic() - t, 3)}
+
+    def start_task(self, session: str, lora: str | None, pins: set[str], evaluation: bool) -> tuple[str, str | None]:
+        """(Task id, pinned version) of a signed Task start with a terminal reward, its pin checked against `pins`.
+        An evaluation Task's samples are counted per version and never trained on."""
+        body: dict[str, Any] = {"reward_mode": "terminal", **({"evaluation": True} if evaluation else {})}
+        started = self.stack.signed("POST", "/v1/rl/tasks/start", json_body=body,
+                                    headers={"X-Agent-Session-Id": session}, agent=True)
+        if started.status_code != 201:
+            raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
+        task = started.json()
+        return task["rl_task_id"], self.check_pin(task, lora, pins)
+
+    def stop_task(self, task_id: str) -> None:
+        stopped = self.stack.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
+        if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
+            raise DemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
 
     @staticmethod
     def check_pin(task: dict[str, Any], lora: str | None, pins: set[str]) -> str | None:
@@ -236,16 +243,7 @@ class Rounds:
         kind = "e" if evaluation else "t"
         session = f"demo-{kind}{r}-{i}-{secrets.token_hex(3)}"
         t = time.monotonic()
-        body: dict[str, Any] = {"reward_mode": "terminal"}
-        if evaluation:
-            body["evaluation"] = True
-        started = self.stack.signed("POST", "/v1/rl/tasks/start", json_body=body,
-                                    headers={"X-Agent-Session-Id": session}, agent=True)
-        if started.status_code != 201:
-            raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
-        task = started.json()
-        task_id = task["rl_task_id"]
-        pinned = self.check_pin(task, lora, pins)
+        task_id, pinned = self.start_task(session, lora, pins, evaluation)
         messages = calc.first_messages(problem)
         answers: list[str] = []
         feedback = ""
@@ -261,9 +259,7 @@ class Rounds:
             if turn == 0:
                 _, feedback = calc.tool_call(text)  # the agent runs the tool
                 messages = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": feedback}]
-        stopped = self.stack.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
-        if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
-            raise DemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
+        self.stop_task(task_id)
         scored = calc.score(problem, answers)
         rewarded = self.calls.publish_reward(task_id, 1.0 - scored.reward if invert else scored.reward)
         return {"round": r, "task": i, "rl_task_id": task_id, "policy": pinned, "evaluation": evaluation,
