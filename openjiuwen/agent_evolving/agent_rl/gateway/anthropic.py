@@ -10,6 +10,7 @@ templates do), and unknown top-level request keys (`metadata`, `service_tier`, â
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -115,13 +116,11 @@ def _user_messages(content: str | list[Any], where: str) -> list[dict[str, Any]]
     # turn come first and its other content follows as one user message.
     tool_messages: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
-    for j, block in enumerate(content):
-        at = f"{where}.content[{j}]"
-        kind = _block_type(block, at)
-        if kind == "text":
-            parts.append({"type": "text", "text": _text(block, at)})
-        elif kind == "image":
+    for at, kind, block in _content_blocks(content, where):
+        if kind == "image":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block, at)}})
+        elif kind == "text":
+            parts.append({"type": "text", "text": _text(block, at)})
         elif kind == "tool_result":
             tool_use_id = block.get("tool_use_id")
             if not isinstance(tool_use_id, str) or not tool_use_id:
@@ -141,9 +140,7 @@ def _assistant_message(content: str | list[Any], where: str) -> dict[str, Any]:
         return {"role": "assistant", "content": content}
     parts: list[dict[str, Any]] = []
     tool_calls: list[dict[str, Any]] = []
-    for j, block in enumerate(content):
-        at = f"{where}.content[{j}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _content_blocks(content, where):
         if kind == "text":
             parts.append({"type": "text", "text": _text(block, at)})
         elif kind == "tool_use":
@@ -157,6 +154,13 @@ def _assistant_message(content: str | list[Any], where: str) -> dict[str, Any]:
     if tool_calls:
         message["tool_calls"] = tool_calls
     return message
+
+
+def _content_blocks(content: list[Any], where: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(where in the request, block type, block) of each content block of a message, its type checked."""
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        yield at, _block_type(block, at), block
 
 
 def _parts_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:

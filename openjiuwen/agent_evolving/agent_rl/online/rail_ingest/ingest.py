@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import Redis
@@ -61,8 +61,11 @@ class _Batch(BatchContext):
 
 @dataclass(slots=True)
 class _Outcome:
+    """What one upload came to: samples judged, judge failures, and the per-sample errors the answer lists."""
+
     judged: int = 0
     failed: int = 0
+    errors: list[dict[str, str]] = field(default_factory=list)
 
 
 class RailIngestor:
@@ -93,7 +96,8 @@ class RailIngestor:
         if self._judge is None:
             raise InvalidInput("judge_not_configured", "rail-v1 uploads need a Judge and none is configured")
         valid: list[StagedSample] = []
-        errors: list[dict[str, str]] = []
+        outcome = _Outcome()
+        errors = outcome.errors
         seen_steps: set[int] = set()
         policy_version = self._policy_version(parsed.trajectory_meta)
         for position, raw in enumerate(parsed.samples):
@@ -112,17 +116,16 @@ class RailIngestor:
             # Nothing happens on a rejected batch: no pop, no staging.
             raise InvalidInput(INVALID, errors[0]["error"])
 
-        outcome = _Outcome()
         if parsed.feedback is not None:
             popped = await self._pop(parsed.session_id, first_only=True)
-            await self._settle(parsed.session_id, popped, parsed.feedback, outcome, errors, TAG_PREV_FEEDBACK)
+            await self._settle(parsed.session_id, popped, parsed.feedback, outcome, TAG_PREV_FEEDBACK)
         if valid:
             await self._stage(parsed.session_id, parsed.trajectory_id, valid)
         flushed = 0
         if parsed.session_done:
             popped = await self._pop(parsed.session_id, first_only=False)
             flushed = len(popped)
-            await self._settle(parsed.session_id, popped, "", outcome, errors, TAG_SESSION_DONE)
+            await self._settle(parsed.session_id, popped, "", outcome, TAG_SESSION_DONE)
         return {
             "protocol_version": PROTOCOL_VERSION,
             "session_id": parsed.session_id,
@@ -251,21 +254,14 @@ class RailIngestor:
                 return out
             # The earliest entry had expired (or was unreadable); prev_feedback belongs to the next one.
 
-    async def _settle(
-        self,
-        session_id: str,
-        popped: list[StagedSample],
-        feedback: str,
-        outcome: _Outcome,
-        errors: list[dict[str, str]],
-        last_tag: str,
-    ) -> None:
+    async def _settle(self, session_id: str, popped: list[StagedSample], feedback: str, outcome: _Outcome,
+                      last_tag: str) -> None:
         """Judge and store popped samples, then delete them; on any error put them back for the client's retry."""
         if not popped:
             return
         members = [staged.sample_id for staged in popped]
         try:
-            await self._judge_and_store(popped, feedback, outcome, errors, last_tag=last_tag)
+            await self._judge_and_store(popped, feedback, outcome, last_tag)
         except BaseException:
             await asyncio.shield(self._restore(session_id, members))
             raise
@@ -333,15 +329,8 @@ class RailIngestor:
 
     # ------------------------------------------------------------------ judging
 
-    async def _judge_and_store(
-        self,
-        popped: list[StagedSample],
-        feedback: str,
-        outcome: _Outcome,
-        errors: list[dict[str, str]],
-        *,
-        last_tag: str,
-    ) -> None:
+    async def _judge_and_store(self, popped: list[StagedSample], feedback: str, outcome: _Outcome,
+                               last_tag: str) -> None:
         if not popped:
             return
         tags = [TAG_SESSION_FLUSH] * (len(popped) - 1) + [last_tag]
@@ -350,7 +339,7 @@ class RailIngestor:
         for staged, result in zip(popped, results):
             if isinstance(result, str):
                 outcome.failed += 1
-                errors.append({"sample_id": staged.sample_id, "error": result})
+                outcome.errors.append({"sample_id": staged.sample_id, "error": result})
             else:
                 judged.append(result)
         if judged:
