@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from ..common.policy_names import BASE_POLICY
@@ -39,17 +40,18 @@ class Family:
     """A task family as the two-lineage driver uses it: its problems, how an agent plays one, how it is scored."""
 
     name: str
+    module: ModuleType  # the family's module: its `problems` and `score`
+    turns: int  # completions per Task (samples it leaves)
     title: str
     reward: str  # the reward in words
     success: str  # what a success is, in words
 
     def problems(self, split: str, count: int, seed: int) -> list[Any]:
-        module = calc if self.name == "calculator" else sent
-        return module.problems(split, count, seed)
+        return self.module.problems(split, count, seed)
 
     def play(self, problem: Any, complete: Complete) -> tuple[list[str], str]:
         """The agent's side of one Task: (the completions' text, the tool's answer shown to the model or "")."""
-        if self.name == "sentiment":
+        if self.module is sent:
             return [complete(sent.messages(problem))], ""
         first = calc.first_messages(problem)
         call = complete(first)
@@ -58,14 +60,14 @@ class Family:
         return [call, answer], feedback
 
     def score(self, problem: Any, answers: list[str]) -> Any:
-        return (calc if self.name == "calculator" else sent).score(problem, answers)
+        return self.module.score(problem, answers)
 
 
 FAMILIES = {
-    "calculator": Family("calculator", "word problems with a calculator tool",
+    "calculator": Family("calculator", calc, 2, "word problems with a calculator tool",
                          f"1 for the right final answer, {calc.TOOL_CREDIT} for a right calculator call, else 0",
                          "the right final answer"),
-    "sentiment": Family("sentiment", "the sentiment of short reviews (positive or negative)",
+    "sentiment": Family("sentiment", sent, 1, "the sentiment of short reviews (positive or negative)",
                         "1 for the review's label, else 0", "the review's label"),
 }
 
@@ -83,10 +85,6 @@ class FamilyObjective:
     def success_rule(self) -> str:
         return self.family.success
 
-    @property
-    def turns(self) -> int:
-        return 2 if self.family.name == "calculator" else 1
-
 
 OBJECTIVES = (FamilyObjective("calculator", FAMILIES["calculator"]),
               FamilyObjective("sentiment", FAMILIES["sentiment"]))
@@ -94,7 +92,7 @@ OBJECTIVES = (FamilyObjective("calculator", FAMILIES["calculator"]),
 
 def training_samples(tasks: int) -> dict[str, int]:
     """Samples one training round of each lineage leaves pending (one per completion): its `min_pending_samples`."""
-    return {o.lineage: tasks * o.turns for o in OBJECTIVES}
+    return {o.lineage: tasks * o.family.turns for o in OBJECTIVES}
 
 
 class FamilyLineages(TwoLineages):
@@ -163,8 +161,7 @@ class FamilyLineages(TwoLineages):
     def entry(self, o: Any, lora: str | None, results: list[dict[str, Any]], seconds: float,
               trained: dict[str, Any] | None) -> dict[str, Any]:
         entry = super().entry(o, lora, results, seconds, trained)
-        entry["reasons"] = {k: sum(1 for x in results if x["reason"] == k)
-                            for k in sorted({x["reason"] for x in results})}
+        entry["reasons"] = rep.reason_counts(results)
         entry["answers"] = [{"question": x["question"], "answer": x["answer"], "completions": x["answers"],
                              "success": x["success"], "reward": x["reward"]} for x in results]
         return entry

@@ -301,6 +301,10 @@ class TwoLineages:
                               "success_gains": summary.success_gains(versions) if len(versions) > 1 else []}
         return out
 
+    def cross_report(self) -> dict[str, Any] | None:
+        """The cross table of lineages on each other's task family: none here (one family for both lineages)."""
+        return None
+
     def text(self) -> str:
         parts = []
         for name, section in self.report().items():

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,11 @@ def success_entry(policy: str, lora_name: str | None, results: Sequence[dict[str
         success_rate=round(rate, 4), success_ci95=[round(lo, 4), round(hi, 4)],
         task_rewards=[round(x, 4) for x in rewards], task_success=success, **extra,
         example=" | ".join(results[0]["answers"]))
+
+
+def reason_counts(results: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """How many Tasks ended for each reason (`results[].reason`), by reason name."""
+    return dict(sorted(Counter(x["reason"] for x in results).items()))
 
 
 def table(versions: Sequence[dict[str, Any]]) -> str:

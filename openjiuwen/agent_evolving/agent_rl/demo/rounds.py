@@ -141,7 +141,7 @@ class Rounds:
         return rep.success_entry(
             label, lora, results, seconds, pending,
             activation_latency_s=pending.get("first_served_s") if pending else None,
-            reasons={k: sum(1 for x in results if x["reason"] == k) for k in sorted({x["reason"] for x in results})},
+            reasons=rep.reason_counts(results),
             answers=[{"question": x["question"], "answer": x["answer"], "completions": x["answers"],
                       "tool_result": x["feedback"], "success": x["success"], "reward": x["reward"]}
                      for x in results])

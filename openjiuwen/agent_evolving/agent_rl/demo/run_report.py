@@ -52,7 +52,7 @@ class RunReport:
         }
         if self.lineage_run is not None:
             report["lineages"] = self.lineage_run.report()
-            cross = getattr(self.lineage_run, "cross_report", lambda: None)()
+            cross = self.lineage_run.cross_report()
             if cross is not None:
                 report["lineages_cross"] = cross
         if len(self.versions) >= 2:
