@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from ..common.http_metrics import FAST_BUCKETS_S
 from ..common.lineage import DEFAULT_LINEAGE, parse_version_name, split_line
 from .instances import InstanceRegistry
-from .lineage_labels import OTHER, LineageLabels
+from ..common.lineage_labels import OTHER, LineageLabels
 from .lora_manager import LoraManager
 from .lora_types import LoraStatus
 from .sessions import SessionMap
@@ -29,7 +29,7 @@ DEFAULT_LINEAGE_TOP_K = 20  # config `metrics.lineageLabelTopK`
 
 class GatewayMetrics:
     def __init__(self, *, lineage_top_k: int = DEFAULT_LINEAGE_TOP_K) -> None:
-        """`lineage_top_k`: lineages with their own `lineage` label beside `default` (lineage_labels.py)."""
+        """`lineage_top_k`: lineages with their own `lineage` label beside `default` (common/lineage_labels.py)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.http_requests = Counter("gw_http_requests_total", "Answers by route template and status",
@@ -69,7 +69,7 @@ class GatewayMetrics:
         self.adapter_load_seconds = Histogram("gw_lora_adapter_load_duration_seconds",
                                               "Time of one LoRA load call that loaded the adapter",
                                               buckets=UPSTREAM_BUCKETS_S, registry=r)
-        # Per lineage, through ONE bounded mapper (lineage_labels.py): at most top_k + 2 values per family.
+        # Per lineage, through ONE bounded mapper (common/lineage_labels.py): at most top_k + 2 values per family.
         self.lineages = LineageLabels(lineage_top_k)
         self.lineage_requests = Counter("gw_lineage_requests_total",
                                         "Inference requests by lineage (bounded label: top lineages, default, other) "

@@ -1,4 +1,5 @@
-"""The bounded `lineage` label of the gateway's per-request metrics (docs/lineages.md "## Gateway", wire 9).
+"""The bounded `lineage` metric label: the gateway's per-request metrics (docs/lineages.md "## Gateway", wire 9)
+and the RL Service's freshness histograms (docs/observability.md) both map lineages through it.
 
 Thousands of lineages must not become thousands of Prometheus series. The rule:
 
@@ -7,14 +8,14 @@ Thousands of lineages must not become thousands of Prometheus series. The rule:
   `grant_after` requests while a slot is free; traffic is counted in a heavy-hitter sketch of at most
   `SKETCH_PER_SLOT * top_k` entries (Misra-Gries: when full, every count drops by one and zeros leave), so a
   lineage seen once in a while never takes a slot and memory stays bounded whatever the number of lineages;
-- a granted label is kept until the gateway restarts, so series do not flap; the ranking starts afresh at restart;
+- a granted label is kept until the process restarts, so series do not flap; the ranking starts afresh at restart;
 - every other lineage is `other`.
 
 So a metric family has at most `top_k + 2` lineage values. Single event loop, no locks."""
 
 from __future__ import annotations
 
-from ..common.lineage import DEFAULT_LINEAGE
+from .lineage import DEFAULT_LINEAGE
 
 OTHER = "other"
 SKETCH_PER_SLOT = 8  # sketch entries per label slot: enough for the heavy hitters to stand out
