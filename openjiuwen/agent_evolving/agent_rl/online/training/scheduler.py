@@ -8,8 +8,9 @@ falls through to the next line.
 Which lines are due: the default line, always, and every line whose entry in the due index `rl:v1:training:waiting`
 (keys.py: line → the epoch by which it must be judged) has come. A publication, a reward arrival, a run giving its
 samples back, a resume and the leader's start lower a line's entry; a judgement raises it to the line's next due time
-(its `max_wait_seconds`, `min_interval_seconds` or `max_runs_per_hour` end; the next tick while a run or its
-rollout holds it), keeps an eligible line due, or removes the entry of a line that only another write could make
+(its `max_wait_seconds`, `min_interval_seconds` or `max_runs_per_hour` end), keeps it due while it is eligible or
+its run or rollout holds it (at most the live runs and rollouts), or removes the entry of a line that only another
+write could make
 eligible (nothing pending, below its floor, paused, automatic training off for it). So a lineage waiting below its
 threshold is read once per publication, never at every tick, and any number of them never hides an eligible line:
 every due line is judged in the tick (in chunks of `JUDGE_CHUNK`), and an eligible line is due.
@@ -64,7 +65,7 @@ DUE_PAGE = 500  # due-index entries (or registered lineages, at the leader's sta
 JUDGE_CHUNK = 100  # lines judged (and their entries written) per fenced transaction
 # Entries kept due until the verdict's time; the rest of the not-eligible reasons drop the line's entry.
 _TIMED = (INTERVAL, QUOTA, WAITING)
-_HELD = (RUN_ACTIVE, ROLLOUT_DECIDING)  # judged again at the next tick
+_HELD = (RUN_ACTIVE, ROLLOUT_DECIDING)  # judged again at every tick (at most the live runs and rollouts)
 
 
 def _iso(epoch: float | None) -> str | None:
@@ -124,37 +125,39 @@ class TrainingScheduler:
     ) -> list[LineState]:
         """One pipelined read of every given line's own keys; the live runs and rollouts are the caller's."""
         quotas = {lineage: self._policy.for_lineage(lineage).max_runs_per_hour for _, lineage in lines}
+        names = [line for line, _ in lines]
+        lineages = [lineage for _, lineage in lines]
         async with self._redis.pipeline(transaction=False) as reads:
             for line, lineage in lines:
                 store = self._store.for_line(line)  # the line's own pending index and counters
                 reads.hgetall(store.stats_key)
                 reads.zrange(store.index_key(SampleStatus.PENDING), 0, 0, withscores=True)
-                reads.hget(keys.TRAINING_LAST_END, line)
-                reads.hexists(keys.LINEAGES_PAUSED, lineage)  # any field means paused: fails closed
-                # The line's active policy as last observed (the default line's is the AIGW key): the claim
-                # subtracts the samples lagging it, so the snapshot must too, or a line whose pending samples are
-                # all stale would be chosen every tick and its claim fail every time.
-                if lineage == DEFAULT_LINEAGE:
-                    reads.get(keys.POLICY_OBSERVED)
-                else:
-                    reads.hget(keys.POLICY_OBSERVED_LINES, line)
-                reads.hget(keys.ELIGIBLE_SINCE, line)
                 if quotas[lineage] is not None:  # the lineage's newest starts within the hour, at most its quota
                     reads.zrevrangebyscore(RUN_LISTING.index(lineage), "+inf", repr(now - HOUR_S), start=0,
                                            num=quotas[lineage], withscores=True)
-            reads.hmget(keys.FAIR_SHARE, [keys.FAIR_SHARE_CLOCK, *(lineage for _, lineage in lines)])
-            *rows, shares = await reads.execute()
+            # One field per line of each shared hash: a read per chunk, not per line.
+            reads.hmget(keys.TRAINING_LAST_END, names)
+            reads.hmget(keys.LINEAGES_PAUSED, lineages)  # any field means paused: fails closed
+            # The line's active policy as last observed (the default line's is the AIGW key): the claim subtracts
+            # the samples lagging it, so the snapshot must too, or a line whose pending samples are all stale would
+            # be chosen every tick and its claim fail every time.
+            reads.hmget(keys.POLICY_OBSERVED_LINES, names)
+            reads.get(keys.POLICY_OBSERVED)
+            reads.hmget(keys.ELIGIBLE_SINCE, names)
+            reads.hmget(keys.FAIR_SHARE, [keys.FAIR_SHARE_CLOCK, *lineages])
+            *rows, last_ends, paused, observed_lines, observed_default, since, shares = await reads.execute()
         clock = stored_float(shares[0])
         states, at = [], 0
-        for (line, lineage), share in zip(lines, shares[1:]):
-            raw_stats, head, last_end, paused, observed, since = rows[at:at + 6]
-            at += 6
+        for i, (line, lineage) in enumerate(lines):
+            raw_stats, head = rows[at:at + 2]
+            at += 2
             recent: tuple[float, ...] = ()
             if quotas[lineage] is not None:
                 recent = tuple(float(score) for _, score in rows[at])
                 at += 1
             counters = {(text(k) or ""): int(v) for k, v in raw_stats.items()}
             pending = max(0, counters.get(f"status:{SampleStatus.PENDING}", 0))
+            observed = observed_default if lineage == DEFAULT_LINEAGE else observed_lines[i]
             version = self._observed_version(observed, line)
             stale = stale_pending(counters, model_id=line, current_version=version,
                                   max_policy_lag=self._max_policy_lag)
@@ -164,15 +167,15 @@ class TrainingScheduler:
                 pending=pending,
                 eligible=max(0, pending - stale),
                 oldest_at=float(head[0][1]) if head else None,
-                last_end_at=None if last_end is None else float(last_end),
+                last_end_at=stored_float(last_ends[i], None),
                 # The lineage's own live run holds its line; other lineages' runs hold only the shared room.
                 active_run=active.get(lineage),
                 # Every line rolls out its own versions (docs/lineages.md): only its own live rollout holds it.
                 rollout_deciding=line in rollout_live,
-                paused=bool(paused),
-                share_tag=max(stored_float(share), clock),
+                paused=paused[i] is not None,
+                share_tag=max(stored_float(shares[i + 1]), clock),
                 recent_starts=recent,
-                eligible_since=stored_float(since, None),
+                eligible_since=stored_float(since[i], None),
                 policy_version=version,
             ))
         return states
@@ -250,10 +253,10 @@ class TrainingScheduler:
             pipe.multi()
             for state, verdict in judged:
                 if state.lineage != DEFAULT_LINEAGE:
-                    self._queue_entry(pipe, state.line, verdict, now)
+                    self._queue_entry(pipe, state.line, verdict)
                 if verdict.eligible:
                     pipe.hsetnx(keys.ELIGIBLE_SINCE, state.line, repr(now))  # the first tick that found it so
-                else:
+                elif state.eligible_since is not None:
                     pipe.hdel(keys.ELIGIBLE_SINCE, state.line)
             await pipe.execute()
             return judged
@@ -266,12 +269,11 @@ class TrainingScheduler:
                         len(lines))
             return []
 
-    def _queue_entry(self, pipe: Pipeline, line: str, verdict: Verdict, now: float) -> None:
-        if verdict.eligible:
-            return  # stays due until it starts
-        if verdict.reason in _HELD:
-            pipe.zadd(keys.TRAINING_WAITING, {line: now + self._policy.poll_interval_seconds})
-        elif verdict.reason in _TIMED and verdict.next_eligible_at is not None:
+    @staticmethod
+    def _queue_entry(pipe: Pipeline, line: str, verdict: Verdict) -> None:
+        if verdict.eligible or verdict.reason in _HELD:
+            return  # stays due: judged at every tick until it starts, or its run or rollout ends
+        if verdict.reason in _TIMED and verdict.next_eligible_at is not None:
             pipe.zadd(keys.TRAINING_WAITING, {line: verdict.next_eligible_at})
         else:
             pipe.zrem(keys.TRAINING_WAITING, line)
