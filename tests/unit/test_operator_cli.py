@@ -536,6 +536,16 @@ def test_train_get_shows_why_the_run_started(gw: FakeGateway, capsys) -> None:
     assert "auto (max_wait_seconds: 4 eligible of 5 pending, oldest waited 61.2 s)" in capsys.readouterr().out
 
 
+def test_train_get_shows_the_runs_freshness(gw: FakeGateway, capsys) -> None:
+    fresh = {"eligible_at": "2025-01-01T00:00:00+00:00", "eligible_wait_seconds": 2.5, "policy_via": "promotion",
+             "policy_at": "2025-01-01T00:05:00+00:00",
+             "sample_to_policy_seconds": {"count": 2, "p50": 40.0, "p95": 71.5, "max": 71.5}}
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(run_record("succeeded", "activating", freshness=fresh)))
+    assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
+    assert ("eligible → run 2.5 s, sample → policy p50 40.0 s / p95 71.5 s (promotion)"
+            in capsys.readouterr().out)
+
+
 def test_traj_exclude_posts_the_instance_and_says_what_moved(gw: FakeGateway, capsys) -> None:
     gw.on("POST", "/v1/rl/trajectories/exclude", ok(
         {"instance": "vllm-x", "excluded": 3, "training": 1, "excluded_instances": ["vllm-w", "vllm-x"]}))
