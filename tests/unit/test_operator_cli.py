@@ -450,9 +450,9 @@ def test_train_stop_and_get(gw: FakeGateway, capsys) -> None:
     gw.on("POST", "/v1/rl/training/runs/run-0123456789ab/stop", ok(run_record("canceled", "training")))
     gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(run_record("canceled", "training")))
     assert run_cli(gw, "train", "stop", "run-0123456789ab") == 0
-    assert "status    canceled (stage training)\n" in capsys.readouterr().out
+    assert "status     canceled (stage training)\n" in capsys.readouterr().out
     assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
-    assert "samples   2 (base=2)\n" in capsys.readouterr().out
+    assert "samples    2 (base=2)\n" in capsys.readouterr().out
     report = {"tokens": 40, "temperatures": {"0.7": 1, "1.3": 1}, "truncated_samples": 1,
               "logprob_mismatch_mean": 0.0123, "logprob_mismatch_max": 0.25, "untruncated_mismatch_max": 2e-6,
               "ratio_clipped_share": 0.025, "correction": "ppo_clip"}
@@ -460,7 +460,7 @@ def test_train_stop_and_get(gw: FakeGateway, capsys) -> None:
     trained["metrics"]["sampling"] = report
     gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(trained))
     assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
-    assert ("sampling  T 0.7×1, 1.3×1; truncated 1; |captured − recomputed| mean 0.012, max 0.25; ratios clipped "
+    assert ("sampling   T 0.7×1, 1.3×1; truncated 1; |captured − recomputed| mean 0.012, max 0.25; ratios clipped "
             "2.5% (ppo_clip)\n") in capsys.readouterr().out
 
 
