@@ -598,7 +598,7 @@ async def _check_waiting_hint(redis: Redis, report: InvariantReport, model_id: s
     hints = {(_s(m) or ""): score for m, score in await redis.zrange(keys.TRAINING_WAITING, 0, -1, withscores=True)}
     others = [line for line in lines if line != model_id]
     for line in sorted(set(hints) - set(others)):
-        report.add(f"waiting-hint for {line!r}, which is not a registered lineage's line")
+        report.add(f"training due-index entry for {line!r}, which is not a registered lineage's line")
     lineages = {split_line(line)[1] for line in lines}
     for name in sorted({_s(f) or "" for f in await redis.hkeys(keys.FAIR_SHARE)} - lineages - {keys.FAIR_SHARE_CLOCK}):
         report.add(f"fair-share tag for {name!r}, which is not a registered lineage")
