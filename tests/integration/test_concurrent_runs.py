@@ -80,13 +80,18 @@ async def thaw(redis, dumped: dict[bytes, bytes]) -> None:
         await redis.restore(key, 0, value, replace=True)
 
 
+async def batches_of(deps, names: str, *, ages: tuple[float, ...]) -> dict[str, list[str]]:
+    """Register the one-letter lineages `names` and give each 3 pending samples, the i-th lineage's `ages[i]` s old."""
+    await deps.redis.zadd(keys.LINEAGES, {name: float(i) for i, name in enumerate(names)})
+    return {name: await publish(deps, name, 3, age_s=age) for name, age in zip(names, ages)}
+
+
 async def test_three_runs_train_at_once_and_the_room_is_machine_wide(app, redis):
     app_cm, backend = app()
     backend.plan = {"outcome": "block"}
     async with app_cm as (application, client):
         deps = application.state.deps
-        await redis.zadd(keys.LINEAGES, {name: float(i) for i, name in enumerate("abcd")})
-        batches = {name: await publish(deps, name, 3, age_s=400 - 100 * i) for i, name in enumerate("abcd")}
+        batches = await batches_of(deps, "abcd", ages=(400, 300, 200, 100))
         started = await deps.scheduler.tick()
         assert sorted(run.lineage for run in started) == ["a", "b", "c"]  # d waited least: no room left
         await wait_calls(backend, 3)  # three `train` calls in flight together, one per lineage
@@ -121,8 +126,7 @@ async def test_a_crash_with_three_runs_live_gives_every_batch_back_to_its_own_li
     backend.plan = {"outcome": "block"}
     async with app_cm as (application, client):
         deps = application.state.deps
-        await redis.zadd(keys.LINEAGES, {name: float(i) for i, name in enumerate("abc")})
-        batches = {name: await publish(deps, name, 3, age_s=100) for name in "abc"}
+        batches = await batches_of(deps, "abc", ages=(100, 100, 100))
         extra = await publish(deps, "a", 2, age_s=50)  # published while a trains: stays pending
         runs = {run.lineage: run for run in await deps.scheduler.tick()}
         assert set(runs) == {"a", "b", "c"}

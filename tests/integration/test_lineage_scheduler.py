@@ -205,8 +205,8 @@ async def test_the_invariant_checker_flags_a_line_that_could_become_eligible_but
         assert await violations() == [f"line {line('l03')} has 3 pending sample(s) and could become eligible, but "
                                       "is not due"]
         await redis.zadd(keys.TRAINING_WAITING, {line("l03"): 0.0, line("zz"): 0.0})
-        assert await violations() == [f"training due-index entry for {line('zz')!r}, which is not a registered lineage's "
-                                      "line"]
+        assert await violations() == [
+            f"training due-index entry for {line('zz')!r}, which is not a registered lineage's line"]
 
 
 async def test_a_lineage_whose_own_rollout_decides_waits_and_the_others_train(app, redis):

@@ -40,7 +40,8 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
     assert report.ok, report.describe()
 
 Sample statuses come from `ALL_SAMPLE_STATUSES` (`awaiting_rewards` included: its deadline index holds exactly
-those samples, each with its per-source state); listings hold each Task under its own status; `CLAIMED_STATUSES` names those that must belong to a live run.
+those samples, each with its per-source state); listings hold each Task under its own status; `CLAIMED_STATUSES`
+names those that must belong to a live run.
 Only reads: the checker never writes, deletes or flushes anything. Cost: one SCAN plus pipelined reads of index
 fields, about 1.6 s for 20 000 samples on the 2-core development machine (documents are read only for the samples
 a ClientRecord vouches for).

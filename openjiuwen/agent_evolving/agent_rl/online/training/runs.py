@@ -127,7 +127,8 @@ class RunStore:
         else:
             pipe.hset(keys.ACTIVE_LINEAGE_RUNS, run.lineage, run.training_run_id)
 
-    async def _pointers_of(self, pipe: Pipeline, run: TrainingRun) -> tuple[bool, bool]:
+    @staticmethod
+    async def _pointers_of(pipe: Pipeline, run: TrainingRun) -> tuple[bool, bool]:
         """Whether the default pointer and the lineage's field name `run` (the caller WATCHes both keys). The
         default pointer may name a run of another lineage when it was written before runs were concurrent."""
         default = text(await pipe.get(keys.ACTIVE_RUN)) == run.training_run_id
@@ -204,7 +205,8 @@ class RunStore:
             if len(chosen) < min_samples:
                 return ClaimResult(None, False, len(chosen), stale)
             await pipe.watch(*(keys.traj(sample_id) for sample_id, _ in chosen))
-            clock, tag = (stored_float(v) for v in await pipe.hmget(keys.FAIR_SHARE, keys.FAIR_SHARE_CLOCK, draft.lineage))
+            shares = await pipe.hmget(keys.FAIR_SHARE, keys.FAIR_SHARE_CLOCK, draft.lineage)
+            clock, tag = (stored_float(v) for v in shares)
             since = stored_float(await pipe.hget(keys.ELIGIBLE_SINCE, line), None)
             at = now_iso()
             score = parse_iso_epoch(at)
@@ -388,8 +390,8 @@ class RunStore:
         """Release a run whose record vanished, from the copy its execution holds: the samples still `training`
         under it go back to `pending` at their original position and the pointer that names the run is deleted, in
         one EXEC. Invariant 6 (every `training` sample belongs to the live run of its line) holds again and the
-        next claim of the lineage can proceed. A record that reappeared meanwhile is left to its own transitions. Returns the number
-        of samples restored."""
+        next claim of the lineage can proceed. A record that reappeared meanwhile is left to its own transitions.
+        Returns the number of samples restored."""
         run_id = run.training_run_id
         run_key = keys.training_run(run_id)
 
