@@ -253,8 +253,12 @@ class TrainingRunner:
     async def recover(self) -> list[TrainingRun]:
         """Startup or takeover: settle every live run (CONTRACT §4.7 Recover), each independently and at once (an
         activation retried for one line does not hold the others' batches), and return them settled."""
-        settled = await asyncio.gather(*(self._recover_one(run) for run in await self._runs.active_runs()))
-        return [run for run in settled if run is not None]
+        outcomes = await asyncio.gather(*(self._recover_one(run) for run in await self._runs.active_runs()),
+                                        return_exceptions=True)
+        for outcome in outcomes:  # every recovery ran to its end; then the first failure (LeaseLost, Redis) is raised
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return [run for run in outcomes if isinstance(run, TrainingRun)]
 
     async def _recover_one(self, run: TrainingRun) -> TrainingRun | None:
         try:

@@ -350,6 +350,7 @@ class TrainingScheduler:
         state = await self.snapshot(line, lineage)
         verdict = judge_line(state, self._policy, self._clock())
         pause = await self._pauses.get(lineage)
+        quota = self._policy.for_lineage(lineage).max_runs_per_hour
         return {
             "lineage": lineage,
             "line": line,
@@ -369,7 +370,7 @@ class TrainingScheduler:
                 "next_eligible_at": _iso(verdict.next_eligible_at),
                 "eligible_since": _iso(state.eligible_since),
                 "fair_share_tag": round(state.share_tag, 6),
-                "runs_last_hour": len(state.recent_starts) if state.recent_starts else None,
+                "runs_last_hour": None if quota is None else len(state.recent_starts),
             },
         }
 
