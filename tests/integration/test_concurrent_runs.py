@@ -180,6 +180,7 @@ async def test_a_pointer_written_before_concurrent_runs_is_guarded_and_recovered
         await publish(deps, "default", 3, age_s=10)
         refused = await client.post("/v1/rl/training/runs")  # room for 2, but the default slot is held
         assert (refused.status_code, refused.json()["error"]["code"]) == (409, "training_run_conflict")
+        assert "written before runs were concurrent" in refused.json()["error"]["message"]
         crash = await frozen(redis)
     await thaw(redis, crash)
     app_cm, backend = app({"max_concurrent_runs": 2})

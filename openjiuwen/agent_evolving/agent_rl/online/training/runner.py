@@ -214,6 +214,10 @@ class TrainingRunner:
 
     def _full(self, live: list[TrainingRun]) -> Conflict:
         names = ", ".join(f"{run.training_run_id} ({run.lineage})" for run in live)
+        if len(live) < self._policy.max_concurrent_runs:  # room, but the default pointer names another lineage's run
+            return Conflict(f"the default lineage's pointer names a live run of another lineage, written before runs "
+                            f"were concurrent ({names}): the default lineage starts once it ends",
+                            code="training_run_conflict")
         return Conflict(f"{len(live)} Training Run(s) live ({names}): at most "
                         f"{self._policy.max_concurrent_runs} at a time on this service (max_concurrent_runs)",
                         code="training_run_conflict")
