@@ -10,10 +10,9 @@ Which lines are due: the default line, always, and every line whose entry in the
 samples back, a resume and the leader's start lower a line's entry; a judgement raises it to the line's next due time
 (its `max_wait_seconds`, `min_interval_seconds` or `max_runs_per_hour` end), keeps it due while it is eligible or
 its run or rollout holds it (at most the live runs and rollouts), or removes the entry of a line that only another
-write could make
-eligible (nothing pending, below its floor, paused, automatic training off for it). So a lineage waiting below its
-threshold is read once per publication, never at every tick, and any number of them never hides an eligible line:
-every due line is judged in the tick (in chunks of `JUDGE_CHUNK`), and an eligible line is due.
+write could make eligible (nothing pending, below its floor, paused, automatic training off for it). So a lineage
+waiting below its threshold is read once per publication, never at every tick, and any number of them never hides
+an eligible line: every due line is judged in the tick (in chunks of `JUDGE_CHUNK`), and an eligible line is due.
 
 A chunk is judged in one fenced transaction that WATCHes the chunk's pending indexes: its snapshot (pending and
 eligible counts from the O(1) stats hash, net of the samples lagging the line's observed policy; the oldest pending
