@@ -456,29 +456,36 @@ class TrajectoryStore:
             members = await self._redis.zrange(index, "-inf", f"({cutoff!r}", byscore=True, offset=0, num=limit)
             sample_ids = [text(m) or "" for m in members]
             if sample_ids:
-                removed += await self._delete_swept(status, sample_ids, fence)
+                removed += await self.delete_in_status(status, sample_ids, fence)
         return removed
 
-    async def _delete_swept(self, status: str, sample_ids: list[str], fence: Fence) -> int:
+    async def delete_in_status(self, status: str, sample_ids: list[str], fence: Fence) -> int:
+        """Delete samples of this line's `status` index (retention's old samples, or any status when a lineage is
+        deleted, docs/lineages.md "Lifecycle") in one EXEC through `fence`; a sample that moved meanwhile stays.
+        Their contribution to the per-version aggregates stays, as `sweep_expired` says."""
         hash_keys = {sample_id: keys.traj(sample_id) for sample_id in sample_ids}
         index = self.index_key(status)
 
         async def body(pipe: Pipeline) -> int:
-            rows = await self._hmget_many(hash_keys.values(), ("status", "source", "prompt_blocks"))
+            rows = await self._hmget_many(hash_keys.values(), ("status", "source", "prompt_blocks", "policy_version"))
             pipe.multi()
             count = 0
             released = []
-            for sample_id, (stored_status, source, blocks) in zip(hash_keys, rows):
+            for sample_id, (stored_status, source, blocks, policy) in zip(hash_keys, rows):
                 stored = text(stored_status)
                 if stored is not None and stored != status:
                     continue  # moved meanwhile (e.g. another sweeper): not ours to delete
-                # Invariant 5: hash, index membership and counters go together. A member without a hash (never
-                # expected) still left its index, so only its status counter follows it.
+                # Invariant 5: hash, index membership (and a deadline entry) and counters go together. A member
+                # without a hash (never expected) still left its index, so only its status counter follows it.
                 pipe.zrem(index, sample_id)
                 pipe.hincrby(self._stats_key, _status_field(status), -1)
+                if status == SampleStatus.AWAITING_REWARDS:
+                    pipe.zrem(self._deadlines_key, sample_id)
                 if stored is not None:
                     pipe.delete(hash_keys[sample_id])
                     pipe.hincrby(self._stats_key, _source_field(text(source) or ""), -1)
+                    if status == SampleStatus.PENDING:
+                        pipe.hincrby(self._stats_key, _pending_policy_field(text(policy) or BASE_POLICY), -1)
                     released.append(blocks)
                 count += 1
             # Invariant P: the deleted samples' prompt-block references go in the same EXEC.
