@@ -258,8 +258,10 @@ class LineageLifecycle:
                 if state is None:  # restored meanwhile
                     await self._fence.write(self._redis, lambda pipe, m=raw: pipe.zrem(keys.LINEAGES_RETIRING, m))
                 elif state.status is LineageStatus.ARCHIVED:
-                    async with self._lock(lineage):
-                        if (await self.state(lineage) or state).status is LineageStatus.ARCHIVED:
+                    async with self._lock(lineage):  # an operator call may have finished it meanwhile
+                        now = await self.state(lineage)
+                        if now is not None and now.status is LineageStatus.ARCHIVED \
+                                and await self._redis.zscore(keys.LINEAGES_RETIRING, lineage) is not None:
                             await self._unload(lineage, line)
                 else:
                     # Unloaded first: nothing of a deleted lineage may stay served once its records are gone.

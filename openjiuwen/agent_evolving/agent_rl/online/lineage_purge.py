@@ -196,6 +196,7 @@ class LineagePurge:
             pipe.hdel(keys.POLICY_OBSERVED_LINES, line.owner)
             pipe.hdel(keys.LINEAGES_PAUSED, lineage)
             pipe.srem(keys.ROLLOUT_LIVE_LINEAGES, lineage)
+            pipe.srem(keys.TRAJ_USERS, line.owner)
             for registry in (keys.LINEAGES, keys.LINEAGES_LAST_TASK, keys.LINEAGES_RETIRING):
                 pipe.zrem(registry, lineage)
             if registrar is not None:

@@ -210,7 +210,8 @@ class GatewayLoraClient:
                     raise GatewayRejected(text)
                 result, failure = "server_error", text
             on_attempt(result)
-            log.warning("%s of %s attempt %d failed: %s", request, body.get("lora_name"), attempt, failure)
+            log.warning("%s of %s attempt %d failed: %s", request, body.get("lora_name") or body.get("line"), attempt,
+                        failure)
             if delay == 0 or deadline - loop.time() <= delay:
                 break
             await asyncio.sleep(delay)
