@@ -5,9 +5,10 @@ A deletion is marked first (lineage_lifecycle.py: the lineage's state `deleting`
 filtered listings answer 404, and this module empties it, one fenced EXEC of at most `BATCH` records at a time, in an
 order that never leaves a record pointing at one already gone:
 
-1. its Tasks (records, captures, staged samples, turns, timelines; their ids from every Task index);
-2. its line's samples, status by status (hash, index, counters, deadline entry and prompt-block references together,
-   invariants 5 and P);
+1. its Tasks with their samples (records, captures, staged samples, turns, timelines, their ids in every Task index,
+   and the samples their captures became: hash, index, counters, deadline entry and prompt-block references,
+   invariants 4, 5 and P);
+2. its line's samples left, status by status (those of Tasks whose records had expired);
 3. its Training Runs (records, timelines, listing entries);
 4. its rollout records (the rollout listing, read a page at a time: rollouts are few);
 5. the per-version aggregates of its line's versions (`policy_stats:<line>:vN`, found in `rl:v1:policy_versions`);
@@ -84,20 +85,29 @@ class LineagePurge:
         return total
 
     async def _tasks(self, lineage: str) -> int:
+        line = self._store.for_line(line_of(self._model_id, lineage))
+
         async def remove(ids: list[str]) -> None:
             owned = [key for t in ids for key in await keys_of_task(self._redis, t)]
+            # A Task's samples are its captures (sample id = capture id), on its lineage's line.
+            captured = [text(c) or "" for t in ids for c in await self._redis.smembers(keys.captures(t))]
 
-            def queue(pipe: Pipeline) -> None:
-                # A Task leaves with every key it owns and every index that lists it, in one EXEC: no listing
-                # names a Task that is gone, and the lineage's indexes lose it with the overall ones.
+            async def body(pipe: Pipeline) -> None:
+                samples = [row for row in await line.rows_to_delete(captured) if row is not None]
+                pipe.multi()
+                # A Task leaves with every key it owns, every index that lists it and its samples, in one EXEC: no
+                # listing names a Task that is gone, no sample names a Task that is gone (invariant 4), and the
+                # lineage's indexes lose it with the overall ones.
                 pipe.delete(*owned)
                 for index in (keys.TASKS_BY_CREATION, *(keys.tasks_by_status(s) for s in TASK_STATUSES),
                               keys.TASKS_LISTING_EXPIRY, keys.TASKS_GC, keys.TASKS_AWAITING_REWARD):
                     pipe.zrem(index, *ids)
                 pipe.srem(keys.ACTIVE_TASKS, *ids)
                 TASK_LISTING.queue_forget(pipe, ids, [lineage] * len(ids))
+                line.queue_delete(pipe, samples)
+                await pipe.execute()
 
-            await self._fence.write(self._redis, queue)
+            await self._fence.transact(self._redis, body, *(keys.traj(c) for c in captured))
 
         return await self._batches(keys.tasks_by_lineage(lineage), remove)
 
