@@ -125,3 +125,38 @@ def test_policy_lines_are_keyed_by_line() -> None:
     assert lines.of_version(f"{LINE}:v3") is support
     assert lines.of_version(f"{MODEL}:v3") is None  # the default line was never used
     assert lines.of(MODEL).model == MODEL
+
+
+async def test_retiring_a_line_drops_its_active_version_and_candidate_and_unloads_them(
+    fakes: list[FakeVLLM], lora_root: Path, tmp_path: Path
+) -> None:
+    """A lineage archived or deleted (docs/lineages.md "Lifecycle"): one switch takes the line's active version and
+    candidate out of serving, out of the state file and off the instances; the default line is untouched; a repeat
+    is a no-op; a restart serves nothing of the line."""
+    state = tmp_path / "state.json"
+    loras = make_manager(fakes, lora_root, state)
+    await loras.restore()
+    try:
+        await activate(loras, lora_root, MODEL, 1, "base")
+        await activate(loras, lora_root, LINE, 1, "base")
+        await loras.start_canary(base_model="/models/tiny", lora_name=f"{LINE}:v2", lora_path=path(lora_root, LINE, 2),
+                                 expected_lora_name=f"{LINE}:v1", share=0.5)
+        assert await loras.retire(LINE) == {"status": "retired", "line": LINE, "versions": [f"{LINE}:v1", f"{LINE}:v2"]}
+        assert loras.snapshot(LINE) == ("base", MODEL)
+        assert loras.canary_status(LINE)["candidate"] is None
+        for fake in fakes:
+            assert set(fake.loaded_paths) == {f"{MODEL}:v1"}
+        document = json.loads(state.read_text())
+        assert set(document["models"]) == {MODEL} and LINE not in document.get("candidates", {})
+        assert await loras.retire(LINE) == {"status": "retired", "line": LINE, "versions": []}
+        assert await loras.retire("tiny:never-used") == {"status": "retired", "line": "tiny:never-used",
+                                                          "versions": []}
+        assert loras.snapshot(MODEL) == (f"{MODEL}:v1", f"{MODEL}:v1")
+    finally:
+        await loras.close()
+    restarted = make_manager(fakes, lora_root, state)
+    await restarted.restore()
+    try:
+        assert restarted.snapshot(LINE) == ("base", MODEL)
+    finally:
+        await restarted.close()
