@@ -16,14 +16,9 @@ from tests.support.fake_vllm import CHAT_PATH, FakeVLLM
 from tests.support.gateway_process import GatewayProcess
 from tests.support.invariants import check_invariants
 from tests.support.waiting import wait_for
+from tests.system.test_operator_cli import vllm  # noqa: F401 - the fixture: one fake vLLM instance
 
 pytestmark = pytest.mark.system
-
-
-@pytest.fixture
-def vllm() -> Iterator[FakeVLLM]:
-    with FakeVLLM(served_model="tiny", name="vllm-a") as fake:
-        yield fake
 
 
 @pytest.fixture

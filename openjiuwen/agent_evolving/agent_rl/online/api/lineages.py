@@ -79,6 +79,11 @@ def build_lineages_router(scheduler: TrainingScheduler, registry: LineageRegistr
     async def view(lineage: str) -> dict[str, Any]:
         return {**await scheduler.view(lineage), **await lifecycle.describe(lineage)}
 
+    async def then_view(lineage: str, action: Awaitable[dict[str, Any]], status_code: int = 200) -> JSONBody:
+        """Carry out an operator action, then answer the lineage's whole view (the same shape as its GET)."""
+        await _answer(action)
+        return await _answer(view(lineage), status_code)
+
     @router.get(rl_routes.LINEAGE_LIST.path, openapi_extra=openapi.LINEAGE_LIST)
     async def list_lineages(request: Request) -> JSONBody:
         """Registered lineages newest first (by first use), each with its line, pending samples and active run;
@@ -99,36 +104,32 @@ def build_lineages_router(scheduler: TrainingScheduler, registry: LineageRegistr
     async def pause(lineage: str, request: Request) -> JSONBody:
         """Stop automatic Training Runs of the lineage (manual runs still start); kept until resumed."""
         await _empty_body(request)
-        await _answer(scheduler.pause(lineage))
-        return await _answer(view(lineage))
+        return await then_view(lineage, scheduler.pause(lineage))
 
     @router.post(rl_routes.LINEAGE_RESUME.path, openapi_extra=openapi.LINEAGE_ACTION)
     async def resume(lineage: str, request: Request) -> JSONBody:
         """Let the scheduler start the lineage's runs again."""
         await _empty_body(request)
-        await _answer(scheduler.resume(lineage))
-        return await _answer(view(lineage))
+        return await then_view(lineage, scheduler.resume(lineage))
 
     @router.post(rl_routes.LINEAGE_ARCHIVE.path, openapi_extra=openapi.LINEAGE_ACTION)
     async def archive(lineage: str, request: Request) -> JSONBody:
         """No new Task, no Training Run, its versions unloaded at the gateway; everything recorded stays, and a
         restore serves its version again. Refused while it has an active Task, a run or a rollout not ended."""
         await _empty_body(request)
-        await _answer(lifecycle.archive(lineage))
-        return await _answer(view(lineage))
+        return await then_view(lineage, lifecycle.archive(lineage))
 
     @router.post(rl_routes.LINEAGE_RESTORE.path, openapi_extra=openapi.LINEAGE_ACTION)
     async def restore(lineage: str, request: Request) -> JSONBody:
         """An archived lineage is live again, the version it served when archived active again on its line."""
         await _empty_body(request)
-        await _answer(lifecycle.restore(lineage))
-        return await _answer(view(lineage))
+        return await then_view(lineage, lifecycle.restore(lineage))
 
     @router.post(rl_routes.LINEAGE_DELETE.path, openapi_extra=openapi.LINEAGE_DELETE)
     async def delete(lineage: str, request: Request) -> JSONBody:
         """Mark the lineage for deletion (202): the leader unloads its versions, removes its records in batches
         and, with `remove_files`, its repository files; it then leaves the registry (404 from then on)."""
         remove_files = await _delete_body(request)
-        return await _answer(lifecycle.delete(lineage, remove_files=remove_files), status_code=202)
+        return await then_view(lineage, lifecycle.delete(lineage, remove_files=remove_files), status_code=202)
 
     return router
