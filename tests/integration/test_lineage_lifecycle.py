@@ -354,3 +354,24 @@ async def test_a_config_with_an_idle_ttl_is_validated(redis_url, tmp_path):
         with pytest.raises(ConfigError):
             make_config(redis_url, tmp_path, lineages=bad)
     assert make_config(redis_url, Path(tmp_path), lineages={}).lineages.idle_archive_seconds is None
+
+
+async def test_automatic_training_leaves_an_archived_lineage_alone_until_it_is_restored(redis, redis_url, tmp_path):
+    async with FakeGateway(model_id=MODEL_ID) as gateway:
+        config = make_config(redis_url, tmp_path, aigw_endpoint=gateway.url, trainer_backend="scripted",
+                             min_samples_for_training=2, max_samples_per_run=2, lora_activation_timeout=3.0,
+                             training_tmp_root=str(tmp_path / "train-tmp"),
+                             training_policy={"auto": True, "min_pending_samples": 2, "poll_interval_seconds": 3600})
+        backend = ScriptedBackend(LoraRepository(config.lora_repository_path, model_id=MODEL_ID))
+        async with running_app(config, backend=backend) as (app, client):
+            deps = app.state.deps
+            await finished_task(client, "a", "ta1", captures=2)
+            assert (await client.post("/v1/rl/lineages/a/archive")).status_code == 200
+            assert await deps.scheduler.tick() == []  # eligible by its count, archived: never started
+            view = await lineage_of(client, "a")
+            assert (view["state"], view["scheduler"]["eligible"], view["scheduler"]["pending_samples"]) == (
+                "archived", False, 2)
+            assert (await client.post("/v1/rl/lineages/a/restore")).status_code == 200
+            [run] = await deps.scheduler.tick()
+            assert run.lineage == "a" and (await wait_for_run(deps.runner, run.training_run_id)).status == "succeeded"
+            await check_invariants(redis, model_id=MODEL_ID)

@@ -142,10 +142,13 @@ class LineageLifecycle:
                 if current is None or current.status is not LineageStatus.ARCHIVED:
                     raise Conflict(f"lineage {lineage!r} changed meanwhile; retry", code="lineage_not_archived")
                 pipe.multi()
-                # Live again in one step: the state goes, the unload marker with it, and the idle clock restarts.
+                # Live again in one step: the state goes, the unload marker with it, the idle clock restarts, and
+                # the line is due for the scheduler's judgement again (keys.TRAINING_WAITING: an entry may only
+                # be lowered here, so the bound on its oldest pending sample still holds).
                 pipe.delete(state_key)
                 pipe.zrem(keys.LINEAGES_RETIRING, lineage)
                 pipe.zadd(keys.LINEAGES_LAST_TASK, {lineage: now})
+                pipe.zadd(keys.TRAINING_WAITING, {line: now}, lt=True)
                 await pipe.execute()
 
             await self._fence.transact(self._redis, body, state_key)
