@@ -71,24 +71,24 @@ async def test_archive_restore_and_delete_through_the_gateway(gw: GatewayProcess
     for action in ("archive", "restore", "delete"):
         assert code(gw.signed("POST", f"/v1/rl/lineages/up/{action}", agent="agent-a")) == (403, "key_not_permitted")
 
-    r = gw.signed("POST", "/v1/rl/lineages/up/archive")
-    assert r.status_code == 200, r.text
-    assert r.json()["state"] == "archived" and r.json()["restores_to"] == "tiny:up:v1"
+    env = {KEY_FILE_ENV: str(gw.dir / "hmac.json"), URL_ENV: gw.url}  # the documented operator commands
+    assert main(["lineage", "archive", "up"], env=env) == 0
+    assert "archived since" in capsys.readouterr().out
+    assert gw.signed("GET", "/v1/rl/lineages/up").json()["restores_to"] == "tiny:up:v1"
     assert active(gw, "tiny:up") is None and "tiny:up:v1" not in vllm.loaded  # unloaded from vLLM
     outside = httpx.post(gw.url + "/v1/chat/completions", timeout=30,
                          json={"model": "tiny:up:v1", "messages": [{"role": "user", "content": "hi"}]})
     assert code(outside) == (404, "model_not_found")
     assert code(task(gw, "up", "s3")) == (409, "lineage_archived")
 
-    r = gw.signed("POST", "/v1/rl/lineages/up/restore")
-    assert r.status_code == 200 and r.json()["state"] == "live", r.text
+    assert main(["lineage", "restore", "up"], env=env) == 0
+    assert "state          live" in capsys.readouterr().out
     assert active(gw, "tiny:up") == "tiny:up:v1"
     mark = len(vllm.requests)
     assert rewarded(gw, "up", "s4") == "tiny:up:v1"
     assert [q.body["model"] for q in vllm.requests[mark:] if q.path == CHAT_PATH] == ["tiny:up:v1"]
 
-    # The documented operator command, waiting until the deletion is done.
-    env = {KEY_FILE_ENV: str(gw.dir / "hmac.json"), URL_ENV: gw.url}
+    # Deleted, waiting until it is done.
     assert main(["lineage", "delete", "up", "--remove-files", "--wait", "--interval", "0.1",
                  "--watch-timeout", "60"], env=env) == 0
     out = capsys.readouterr().out
