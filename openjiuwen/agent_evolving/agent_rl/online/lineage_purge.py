@@ -42,7 +42,7 @@ from .store.codec import text
 from .store.lineage_listing import RUN_LISTING, TASK_LISTING
 from .store.sample_status import ALL_SAMPLE_STATUSES
 from .store.trajectories import TrajectoryStore
-from .tasks.task_keys import keys_of_task
+from .tasks.task_keys import keys_of_tasks
 from .workers.fence import Fence
 
 log = logging.getLogger("openjiuwen.agent_rl.online.lineages")
@@ -88,9 +88,10 @@ class LineagePurge:
         line = self._store.for_line(line_of(self._model_id, lineage))
 
         async def remove(ids: list[str]) -> None:
-            owned = [key for t in ids for key in await keys_of_task(self._redis, t)]
+            found = await keys_of_tasks(self._redis, ids)
+            owned = [key for task in found for key in task.keys]
             # A Task's samples are its captures (sample id = capture id), on its lineage's line.
-            captured = [text(c) or "" for t in ids for c in await self._redis.smembers(keys.captures(t))]
+            captured = [c for task in found for c in task.captures]
 
             async def body(pipe: Pipeline) -> None:
                 samples = [row for row in await line.rows_to_delete(captured) if row is not None]
