@@ -16,6 +16,7 @@ from openjiuwen.agent_evolving.agent_rl.online import lineage_lifecycle, lineage
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
+from openjiuwen.agent_evolving.agent_rl.online.training.run_records import TrainingRun
 from tests.conftest import load_fixture
 from tests.support.fake_gateway import Fail, FakeGateway
 from tests.support.invariants import check_invariants
@@ -62,12 +63,12 @@ async def finished_task(client, lineage: str, task_id: str, captures: int = 1) -
     assert (await client.post(f"/v1/rl/tasks/{task_id}/reward", json={"reward": 1.0})).status_code == 200
 
 
-async def train(deps, client, lineage: str) -> dict[str, Any]:
+async def train(deps, client, lineage: str) -> TrainingRun:
     r = await client.post("/v1/rl/training/runs", json={"lineage": lineage})
     assert r.status_code == 201, r.text
     run = await wait_for_run(deps.runner, r.json()["training_run_id"])
     assert run.status == "succeeded", run
-    return run.public()
+    return run
 
 
 def code(resp) -> tuple[int, str]:
@@ -84,7 +85,7 @@ async def test_archive_refuses_tasks_and_training_keeps_the_data_and_restore_ser
     deps, client, gateway = service
     await finished_task(client, "a", "ta1", captures=2)
     v1 = await train(deps, client, "a")
-    assert gateway.line_active[f"{MODEL_ID}:a"] == (v1["lora_name"], v1["lora_path"])
+    assert gateway.line_active[f"{MODEL_ID}:a"] == (v1.lora_name, v1.lora_path)
     await finished_task(client, "a", "ta2", captures=2)  # pending again: an archived line must not train them
 
     r = await client.post("/v1/rl/lineages/a/archive")
@@ -109,7 +110,7 @@ async def test_archive_refuses_tasks_and_training_keeps_the_data_and_restore_ser
     r = await client.post("/v1/rl/lineages/a/restore")
     assert r.status_code == 200, r.text
     assert r.json()["state"] == "live"
-    assert gateway.line_active[f"{MODEL_ID}:a"] == (v1["lora_name"], v1["lora_path"])
+    assert gateway.line_active[f"{MODEL_ID}:a"] == (v1.lora_name, v1.lora_path)
     assert (await start(client, "a", "ta3")).status_code == 201
     assert code(await client.post("/v1/rl/lineages/a/restore")) == (409, "lineage_not_archived")
     await check_invariants(redis, model_id=MODEL_ID)
@@ -251,7 +252,10 @@ async def test_delete_removes_every_key_of_the_lineage_in_batches_and_nothing_el
         assert without(value, tokens, names) == value, f"{key} still mentions lineage a"
         assert value == without(before[key], tokens, names), f"{key} changed beyond losing lineage a"
     assert gateway.retired == [f"{MODEL_ID}:a"]
-    assert not (tmp_path / "loras" / MODEL_ID / "lineages" / "a").exists()
+    # Its versions are gone from the repository; only the number of its last one stays.
+    a_dir = tmp_path / "loras" / MODEL_ID / "lineages" / "a"
+    assert [p.name for p in a_dir.iterdir()] == ["retired.json"]
+    assert orjson.loads((a_dir / "retired.json").read_bytes()) == {"last_version": 2}
     assert (tmp_path / "loras" / MODEL_ID / "lineages" / "b" / "v2").is_dir()
     await check_invariants(redis, model_id=MODEL_ID)
 
@@ -259,8 +263,10 @@ async def test_delete_removes_every_key_of_the_lineage_in_batches_and_nothing_el
     assert code(await client.get("/v1/rl/lineages/a")) == (404, "lineage_not_found")
     assert code(await client.get("/v1/rl/tasks", params={"lineage": "a"})) == (404, "lineage_not_found")
     assert [i["lineage"] for i in (await client.get("/v1/rl/lineages")).json()["items"]] == ["b"]
-    assert (await start(client, "a", "ta10")).status_code == 201
-    assert (await lineage_of(client, "a"))["scheduler"]["pending_samples"] == 0
+    await finished_task(client, "a", "ta10", captures=2)
+    assert (await lineage_of(client, "a"))["scheduler"]["pending_samples"] == 2  # its own, nothing of before
+    again = await train(deps, client, "a")  # from base, and never the name of a removed version
+    assert (again.parent_lora_name, again.lora_name) == ("base", f"{MODEL_ID}:a:v3")
 
     # b's files stay when the operator keeps them.
     assert (await client.post("/v1/rl/lineages/b/archive")).status_code == 200

@@ -94,7 +94,7 @@ async def test_archive_restore_and_delete_through_the_gateway(gw: GatewayProcess
     out = capsys.readouterr().out
     assert "being deleted since" in out and out.rstrip().endswith("lineage up deleted")
     assert active(gw, "tiny:up") is None and "tiny:up:v1" not in vllm.loaded
-    assert not (gw.lora_root / "tiny" / "lineages" / "up").exists()
+    assert [p.name for p in (gw.lora_root / "tiny" / "lineages" / "up").iterdir()] == ["retired.json"]
     assert code(gw.signed("GET", "/v1/rl/lineages/up")) == (404, "lineage_not_found")
     # Its registration was the key's one: the key may register a lineage again.
     assert task(gw, "second", "s5").status_code == 201

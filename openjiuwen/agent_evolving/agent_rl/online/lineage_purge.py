@@ -12,7 +12,9 @@ order that never leaves a record pointing at one already gone:
 3. its Training Runs (records, timelines, listing entries);
 4. its rollout records (the rollout listing, read a page at a time: rollouts are few);
 5. the per-version aggregates of its line's versions (`policy_stats:<line>:vN`, found in `rl:v1:policy_versions`);
-6. its repository directory `<root>/<model_id>/lineages/<lineage>/`, when the operator asked (`remove_files`);
+6. its versions in the repository (`<root>/<model_id>/lineages/<lineage>/`), when the operator asked (`remove_files`):
+   only a marker of its last version number stays (`retired.json`), so that a lineage of the same name never
+   publishes a version name a vLLM instance may still hold with other weights;
 7. one last EXEC, WATCHing the line's indexes and the lineage's Task and run indexes (so a straggler written
    meanwhile sends the purge round again): every remaining key of the lineage and its line, its entries in the
    shared hashes and sets, the registry entry with the agent-key count, the state and the marker.
@@ -25,9 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -171,11 +171,8 @@ class LineagePurge:
         return len(ours)
 
     def _remove_files(self, lineage: str) -> None:
-        directory = self._repository.for_line(line_of(self._model_id, lineage)).model_dir
-        if directory.is_dir() and not directory.is_symlink():
-            shutil.rmtree(directory)
-        elif directory.is_symlink():
-            Path(directory).unlink()  # a link planted there: removed, never followed
+        # Its versions go; the number of its last one stays, so a new lineage of the name never reuses a version name.
+        self._repository.for_line(line_of(self._model_id, lineage)).retire_sync()
 
     # ------------------------------------------------------------------ the last step
 
