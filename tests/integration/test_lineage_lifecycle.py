@@ -129,25 +129,27 @@ async def test_what_is_refused_and_why(service, redis):
     assert code(await client.post("/v1/rl/lineages/a/delete", json={"remove_files": "yes"})) == (
         400, "invalid_lineage_request")
     assert await redis.exists(keys.lineage_state("a")) == 0 and gateway.retired == []
-    # The gateway cannot read the line: nothing changes.
-    assert (await client.post("/v1/rl/tasks/ta1/stop")).status_code == 200
-    gateway.policy_plan.extend([Fail(503)] * 20)
-    assert code(await client.post("/v1/rl/lineages/a/archive")) == (502, "gateway_unavailable")
-    assert await redis.exists(keys.lineage_state("a")) == 0
     await check_invariants(redis, model_id=MODEL_ID)
 
 
-async def test_an_unload_the_gateway_refuses_is_finished_by_the_leader(service, redis):
+@pytest.mark.parametrize("failing", ["read", "retire"])
+async def test_an_unload_the_gateway_does_not_answer_is_finished_by_the_leader(service, redis, failing):
+    """Archived at once (no Task, no run), whatever the gateway says; the version to restore is read and the line
+    retired by the leader's loop once the gateway answers."""
     deps, client, gateway = service
-    await finished_task(client, "a", "ta1")
-    gateway.retire_plan.extend([Fail(503)] * 20)
+    await finished_task(client, "a", "ta1", captures=2)
+    v1 = await train(deps, client, "a")
+    (gateway.policy_plan if failing == "read" else gateway.retire_plan).extend([Fail(503)] * 20)
     assert code(await client.post("/v1/rl/lineages/a/archive")) == (502, "gateway_unavailable")
-    assert (await lineage_of(client, "a"))["state"] == "archived"  # archived at once: no Task, no run
+    assert (await lineage_of(client, "a"))["state"] == "archived"
+    assert code(await start(client, "a", "ta2")) == (409, "lineage_archived")
     assert await redis.zrange(keys.LINEAGES_RETIRING, 0, -1) == [b"a"]
     await check_invariants(redis, model_id=MODEL_ID)
+    gateway.policy_plan.clear()
     gateway.retire_plan.clear()
     await deps.lineage_lifecycle.finish_retiring()  # what the leader's loop does at its next round
     assert gateway.retired == [f"{MODEL_ID}:a"] and await redis.zcard(keys.LINEAGES_RETIRING) == 0
+    assert (await lineage_of(client, "a"))["restores_to"] == v1.lora_name
     await check_invariants(redis, model_id=MODEL_ID)
 
 

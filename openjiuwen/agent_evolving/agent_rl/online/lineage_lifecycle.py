@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import replace
 from typing import Any
 
 from redis.asyncio import Redis
@@ -43,7 +44,7 @@ from .workers.fence import Fence, LeaseLost
 
 log = logging.getLogger("openjiuwen.agent_rl.online.lineages")
 
-IDLE_PER_TICK = 16  # idle lineages archived per round at most (each costs two gateway calls)
+IDLE_PER_TICK = 16  # idle lineages archived per round at most (each costs two gateway calls: a read, the retire)
 RETRY_DELAY_S = 5.0  # after a round whose gateway call failed, the next one comes sooner than the interval
 _IN_USE = ("lineage_busy", "training_run_conflict", "rollout_in_progress")
 
@@ -105,11 +106,9 @@ class LineageLifecycle:
             if state is not None and state.status is LineageStatus.DELETING:
                 raise not_live(lineage, state)
             if state is None:
-                policy = await self._read_policy(line)
-                restore = None if policy.lora_name == BASE_POLICY else {
-                    "lora_name": policy.lora_name, "lora_path": policy.lora_path}
-                await self._mark(lineage, LineageState(LineageStatus.ARCHIVED, now_iso(), by, restore))
-                log.info("lineage %s archived (by %s; it served %s)", lineage, by, policy.lora_name)
+                # The version to restore is read by the unload, after this EXEC: nothing switches the line then.
+                await self._mark(lineage, LineageState(LineageStatus.ARCHIVED, now_iso(), by))
+                log.info("lineage %s archived (by %s)", lineage, by)
             await self._unload(lineage, line)
         return await self.describe(lineage)
 
@@ -228,21 +227,43 @@ class LineageLifecycle:
         await self._fence.transact(self._redis, body, state_key, active_index, runs_index, rollout_key)
 
     async def _unload(self, lineage: str, line: str) -> None:
-        """Retire an archived lineage's line at the gateway, then drop its marker (the lineage's lock is held)."""
+        """Retire an archived lineage's line at the gateway, then drop its marker (the lineage's lock is held).
+
+        The line's active version is read first and kept in the state: nothing switches an archived line, so what it
+        serves now is what a restore serves again. A line that serves base (never trained, or retired by an earlier
+        try whose answer was lost) leaves the state as it is."""
+        state_key = keys.lineage_state(lineage)
         try:
+            policy = await self._gateway.read_policy_retrying(line=line)
+            if policy.lora_name != BASE_POLICY:
+                await self._record_restore(lineage, {"lora_name": policy.lora_name, "lora_path": policy.lora_path})
             await self._gateway.retire_line(line)
         except GatewayError as exc:
             self._kick.set()  # the leader's loop tries again
             raise UnloadPending(f"archived; its versions are unloaded once the gateway answers: {exc}") from exc
 
         async def body(pipe: Pipeline) -> None:
-            current = parse_state(await pipe.get(keys.lineage_state(lineage)))
+            current = parse_state(await pipe.get(state_key))
             pipe.multi()
             if current is not None and current.status is LineageStatus.ARCHIVED:
                 pipe.zrem(keys.LINEAGES_RETIRING, lineage)
             await pipe.execute()
 
-        await self._fence.transact(self._redis, body, keys.lineage_state(lineage))
+        await self._fence.transact(self._redis, body, state_key)
+
+    async def _record_restore(self, lineage: str, restore: dict[str, str]) -> None:
+        """Keep in the archived state the version a restore activates, when it changed."""
+        state_key = keys.lineage_state(lineage)
+
+        async def body(pipe: Pipeline) -> None:
+            current = parse_state(await pipe.get(state_key))
+            if current is None or current.status is not LineageStatus.ARCHIVED or current.restore == restore:
+                return
+            pipe.multi()
+            pipe.set(state_key, replace(current, restore=restore).to_json())
+            await pipe.execute()
+
+        await self._fence.transact(self._redis, body, state_key)
 
     # ------------------------------------------------------------------ the leader's loop
 
