@@ -45,6 +45,7 @@ from .workers.fence import Fence, LeaseLost
 log = logging.getLogger("openjiuwen.agent_rl.online.lineages")
 
 IDLE_PER_TICK = 16  # idle lineages archived per round at most (each costs two gateway calls: a read, the retire)
+RETIRING_PER_ROUND = 64  # unloads and deletions finished per round at most (the marker's oldest)
 RETRY_DELAY_S = 5.0  # after a round whose gateway call failed, the next one comes sooner than the interval
 _IN_USE = ("lineage_busy", "training_run_conflict", "rollout_in_progress")
 
@@ -268,10 +269,10 @@ class LineageLifecycle:
     # ------------------------------------------------------------------ the leader's loop
 
     async def finish_retiring(self) -> int:
-        """Finish every archive unload and deletion the marker lists (oldest first); returns how many finished.
-        A gateway failure leaves the lineage for the next round."""
+        """Finish the archive unloads and deletions the marker lists, oldest first, at most `RETIRING_PER_ROUND`;
+        returns how many finished. A gateway that does not answer ends the round: the rest waits for the next."""
         finished = 0
-        for raw in await self._redis.zrange(keys.LINEAGES_RETIRING, 0, -1):
+        for raw in await self._redis.zrange(keys.LINEAGES_RETIRING, 0, RETIRING_PER_ROUND - 1):
             lineage = text(raw) or ""
             if not is_lineage(lineage) or lineage == DEFAULT_LINEAGE:
                 await self._fence.write(self._redis, lambda pipe, m=raw: pipe.zrem(keys.LINEAGES_RETIRING, m))
@@ -299,6 +300,7 @@ class LineageLifecycle:
             except LineageGatewayError as exc:
                 log.warning("lineage %s: the gateway did not retire its line (%s); retrying later", lineage,
                             exc.message)
+                break
         return finished
 
     async def sweep_idle(self, *, now: float | None = None) -> int:
