@@ -8,7 +8,8 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
 - lineages (docs/lineages.md): status indexes and counters exist only for the default line (the model id) and the
   lines `<model_id>:<lineage>` of registered lineages; a sample sits in its own line's index only (its hash `lineage`,
   absent = default) and each line's counters equal what its indexes hold; a run's batch holds only samples of the
-  run's lineage;
+  run's lineage; lifecycle (docs/lineages.md "Lifecycle"): states, the retiring marker and the idle clock name
+  registered lineages only, every deletion is marked, and each agent key's count equals the lineages it registered;
 - runs (inv. 6): at most one non-terminal run, named by the active pointer; every claimed (`training`) sample
   belongs to that run and is listed in its batch;
 - Tasks (inv. 1–3): the active index, the session pointers and the records agree; `captures` = open ∪ committed
@@ -115,6 +116,13 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("lineages_paused", "lineages:paused"),
         # Lineages (docs/lineages.md): every registered lineage but `default`.
         ("lineages", "lineages"),
+        # Lineage lifecycle (docs/lineages.md "Lifecycle"): the idle clock, the unload / deletion marker, the
+        # agent-key cap's bookkeeping, and each archived or deleting lineage's state.
+        ("lineages_last_task", "lineages:last_task"),
+        ("lineages_retiring", "lineages:retiring"),
+        ("lineages_registered_by", "lineages:registered_by"),
+        ("lineages_count_by_key", "lineages:count_by_key"),
+        ("lineage_state", "lineage:(?P<lineage>[a-z0-9-]{1,63}):state"),
         # Listings (docs/observability.md): creation-ordered indexes and the expiry index that trims them.
         ("tasks_by_created", "tasks:by_created"),
         ("tasks_by_status", "tasks:by_created:(?P<ts>active|finalized|aborted)"),
@@ -365,6 +373,7 @@ async def check_invariants(
     await _check_prompt_blocks(redis, report, sample_ids, [g["b"] for _, g in typed.get("prompt_block", [])])
     await _check_reward_deadlines(redis, report, model_id, sorted(lines), samples)
     await _check_waiting_hint(redis, report, model_id, sorted(lines))
+    await _check_lineage_lifecycle(redis, report, [g["lineage"] for _, g in typed.get("lineage_state", [])])
     await _check_excluded(redis, report, samples)
     await _check_task_listings(redis, report, typed)
     active_run = await _check_runs(redis, report, run_ids, samples)
@@ -588,6 +597,40 @@ async def _check_waiting_hint(redis: Redis, report: InvariantReport, model_id: s
             report.add(f"line {line} has pending samples but no waiting-hint at or before its oldest one")
     for line in sorted(set(hints) - set(others)):
         report.add(f"waiting-hint for {line!r}, which is not a registered lineage's line")
+
+
+async def _check_lineage_lifecycle(redis: Redis, report: InvariantReport, with_state: list[str]) -> None:
+    """Lineage lifecycle (docs/lineages.md "Lifecycle"): a state only for a registered lineage, and never `live`
+    (live is its absence); the marker lists only archived or deleting lineages, every deleting one included; the
+    idle clock only live registered lineages; the agent-key cap's counts equal the lineages each key registered,
+    and those are registered."""
+    registered = {_s(m) or "" for m in await redis.zrange(keys.LINEAGES, 0, -1)}
+    states: dict[str, str] = {}
+    for lineage in with_state:
+        record = _json(await redis.get(keys.lineage_state(lineage)))
+        state = record.get("state") if isinstance(record, dict) else None
+        states[lineage] = str(state)
+        if lineage not in registered:
+            report.add(f"lineage {lineage!r} has a lifecycle state but is not registered")
+        if state not in ("archived", "deleting"):
+            report.add(f"lineage {lineage!r}: lifecycle state {state!r} is neither archived nor deleting")
+    retiring = {_s(m) or "" for m in await redis.zrange(keys.LINEAGES_RETIRING, 0, -1)}
+    for lineage in sorted(retiring - set(states)):
+        report.add(f"lineage {lineage!r} is marked retiring but is neither archived nor being deleted")
+    for lineage in sorted(name for name, state in states.items() if state == "deleting" and name not in retiring):
+        report.add(f"lineage {lineage!r} is being deleted but no leader would finish it (not in lineages:retiring)")
+    for lineage in sorted({_s(m) or "" for m in await redis.zrange(keys.LINEAGES_LAST_TASK, 0, -1)}):
+        if lineage not in registered or lineage in states:
+            report.add(f"idle clock for {lineage!r}, which is not a live registered lineage")
+    registrars = {(_s(k) or ""): (_s(v) or "") for k, v in (await redis.hgetall(keys.LINEAGES_REGISTERED_BY)).items()}
+    for lineage in sorted(set(registrars) - registered):
+        report.add(f"lineage {lineage!r} has a registering agent key but is not registered")
+    counts = {(_s(k) or ""): int(v) for k, v in (await redis.hgetall(keys.LINEAGES_COUNT_BY_KEY)).items()}
+    per_key = Counter(registrars.values())
+    for key_id in sorted(set(counts) | set(per_key)):
+        if counts.get(key_id, 0) != per_key.get(key_id, 0):
+            report.add(f"agent key {key_id!r} counts {counts.get(key_id, 0)} registered lineage(s) but registered "
+                       f"{per_key.get(key_id, 0)}")
 
 
 async def _check_task_listings(

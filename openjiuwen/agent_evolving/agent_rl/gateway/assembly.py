@@ -51,8 +51,10 @@ class Gateway:
 def build_gateway(
     config: GatewayConfig, *, verifier: HmacVerifier, console_auth: ConsoleAuth, env: dict[str, str],
     agent_lineages: Mapping[str, frozenset[str]] | None = None,
+    agent_lineage_caps: Mapping[str, int] | None = None,
 ) -> Gateway:
-    """`agent_lineages`: the lineage limit of each agent key that has one (config.HmacKeys)."""
+    """`agent_lineages`, `agent_lineage_caps`: the lineage limit and the registration cap of each agent key that has
+    one (config.HmacKeys)."""
     online = config.online_rl
     model_id = online.model_id  # the gateway's own setting, checked against the child's /health
     metrics = GatewayMetrics(lineage_top_k=config.metrics.lineage_label_top_k)  # per app: its own CollectorRegistry
@@ -96,6 +98,7 @@ def build_gateway(
     control = RLControl(
         model_id=model_id, supervisor=supervisor, rl=rl, tracker=tracker, loras=loras,
         drain_timeout_s=online.drain_timeout_s, agent_lineages=agent_lineages or {},
+        agent_lineage_caps=agent_lineage_caps or {},
     )
     inference = InferenceProxy(
         model_id=model_id, tracker=tracker, loras=loras, rl=rl, rl_running=control.running, upstream=upstream,

@@ -47,15 +47,22 @@ class RLControl:
         loras: LoraManager,
         drain_timeout_s: float,
         agent_lineages: Mapping[str, frozenset[str]] | None = None,
+        agent_lineage_caps: Mapping[str, int] | None = None,
     ) -> None:
         """`agent_lineages`: agent key id → the lineages whose Tasks it may start, stop and reward (a key absent
-        here: every one)."""
+        here: every one). `agent_lineage_caps`: agent key id → how many lineages it may register, sent to the RL
+        Service with each of its Task starts (`X-AIGW-RL-Max-Lineages`), which counts them atomically."""
         self._model_id = model_id
         self._supervisor, self._rl, self._loras = supervisor, rl, loras
         self._tracker, self._sessions = tracker, tracker.sessions
         self._drain_timeout_s = drain_timeout_s
         self._agent_lineages = dict(agent_lineages or {})
+        self._agent_lineage_caps = dict(agent_lineage_caps or {})
         self._lineage_guard = LineageGuard(self._agent_lineages, self._sessions, rl)
+
+    def _cap_header(self, agent_key: str | None) -> dict[str, str]:
+        cap = self._agent_lineage_caps.get(agent_key) if agent_key is not None else None
+        return {} if cap is None else {wire_headers.MAX_LINEAGES: str(cap)}
 
     def running(self) -> bool:
         return self._supervisor.status()["status"] == ServiceStatus.RUNNING
@@ -110,6 +117,7 @@ class RLControl:
             wire_headers.POLICY_MODEL: policy_model,
             wire_headers.LINEAGE: lineage,  # always, `default` included: the RL Service knows the gateway pins by lineage
             **_agent_header(agent_key),
+            **self._cap_header(agent_key),
         }
         try:
             answer = await self._rl.forward("POST", rl_routes.TASK_START.path, body=body, headers=headers)

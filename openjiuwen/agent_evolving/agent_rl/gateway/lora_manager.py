@@ -159,6 +159,25 @@ class LoraManager:
 
         await self._switcher.switch(model, decide, deadline=None, wait_until=None)  # every holder is bounded
 
+    async def retire(self, line_name: str) -> dict[str, Any]:
+        """A lineage archived or deleted (docs/lineages.md "Lifecycle"): its line stops serving its candidate and its
+        active version in one switch (one state-file write: the line's entries go), and each is unloaded where no
+        Task holds it (a leased one once its last Task ends). Idempotent: a line that serves nothing answers the
+        same. New Tasks of the line are pinned to base; outside a Task its versions are no longer accepted."""
+        line = self._lines.get(line_name)
+        before = sorted(Serving(line.active, line.candidate).versions()) if line is not None else []
+        if before:
+            await self._tasks.run(self._retire(line_name), f"lora-retire:{line_name}")
+        return {"status": "retired", "line": line_name, "versions": before}
+
+    async def _retire(self, model: str) -> None:
+        def decide(line: PolicyLine) -> Switch | None:
+            if line.active is None and line.candidate is None:
+                return None
+            return Switch(Serving(None, None), f"retired {model}: it serves nothing now", active_entry=None)
+
+        await self._switcher.switch(model, decide, deadline=None, wait_until=None)  # every holder is bounded
+
     # ------------------------------------------------------------------------------------------------ canary
 
     async def start_canary(

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from ...common.policy_names import BASE_POLICY
 from .. import events
 from ..errors import NotFound
+from ..lineage_state import require_live
 from ...common.ids import is_token_id, now_iso, parse_iso_epoch, policy_lag_version
 from ..store import keys
 from ..store.codec import text
@@ -108,6 +109,9 @@ class RunStore:
         run_key = keys.training_run(draft.training_run_id)
 
         async def body(pipe: Pipeline) -> ClaimResult:
+            # No run claims on a lineage archived or being deleted: its state is WATCHed, so an archive that lands
+            # before this EXEC fails it (the archive in turn WATCHes the lineage's run index this EXEC writes).
+            await require_live(pipe, draft.lineage)
             active_id = text(await pipe.get(keys.ACTIVE_RUN))
             if active_id is not None:
                 await pipe.watch(keys.training_run(active_id))

@@ -125,7 +125,13 @@ class TrainingScheduler:
                     reads.get(keys.POLICY_OBSERVED)
                 else:
                     reads.hget(keys.POLICY_OBSERVED_LINES, line)
+            # A lineage archived or being deleted (lineage_state.py) is never trained: judged as paused. Its claim
+            # refuses it anyway; this keeps the scheduler from trying every tick.
+            others = [lineage for _, lineage in lines if lineage != DEFAULT_LINEAGE]
+            for lineage in others:
+                reads.exists(keys.lineage_state(lineage))
             rows = await reads.execute()
+        retired = {lineage for lineage, found in zip(others, rows[5 * len(lines):]) if found}
         states = []
         for i, (line, lineage) in enumerate(lines):
             raw_stats, head, last_end, paused, observed = rows[5 * i:5 * i + 5]
@@ -144,7 +150,7 @@ class TrainingScheduler:
                 active_run=None if active is None else active.training_run_id,
                 # Every line rolls out its own versions (docs/lineages.md): only its own live rollout holds it.
                 rollout_deciding=line in rollout_live,
-                paused=bool(paused),
+                paused=bool(paused) or lineage in retired,
             ))
         return states
 
