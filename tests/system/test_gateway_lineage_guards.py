@@ -44,17 +44,18 @@ def gateway(tmp_path: Path, redis_url: str, instances: list[FakeVLLM], *, lora: 
     return gw
 
 
-def activate(gw: GatewayProcess, tmp_path: Path, lineage: str) -> str:
-    """The lineage's v1 activated through the internal route, as the RL Service's first run does."""
+def activate(gw: GatewayProcess, tmp_path: Path, lineage: str, version: int = 1) -> str:
+    """The lineage's version activated through the internal route, as the RL Service's runs do."""
     default = lineage == "default"
-    path = gw.lora_root / "tiny" / ("v1" if default else f"lineages/{lineage}/v1")
+    path = gw.lora_root / "tiny" / (f"v{version}" if default else f"lineages/{lineage}/v{version}")
     path.mkdir(parents=True, exist_ok=True)
-    name = "tiny:v1" if default else f"tiny:{lineage}:v1"
+    line = "tiny" if default else f"tiny:{lineage}"
     token = (tmp_path / "token").read_text()
     r = gw.http.post("/internal/v1/rl/loras/activate", headers={"Authorization": f"Bearer {token}"}, json={
-        "base_model": "/models/tiny", "lora_name": name, "lora_path": str(path), "expected_lora_name": "base"})
+        "base_model": "/models/tiny", "lora_name": f"{line}:v{version}", "lora_path": str(path),
+        "expected_lora_name": "base" if version == 1 else f"{line}:v{version - 1}"})
     assert r.status_code == 200, r.text
-    return name
+    return f"{line}:v{version}"
 
 
 def body(model: str, *, stream: bool = False, max_tokens: int = 4) -> dict[str, Any]:
@@ -63,10 +64,14 @@ def body(model: str, *, stream: bool = False, max_tokens: int = 4) -> dict[str, 
 
 
 def start_task(gw: GatewayProcess, lineage: str, session: str) -> str:
+    return started(gw, lineage, session)["policy_lora_name"]
+
+
+def started(gw: GatewayProcess, lineage: str, session: str) -> dict[str, Any]:
     r = gw.signed("POST", "/v1/rl/tasks/start", json={"reward_mode": "terminal", "lineage": lineage},
                   headers={"X-Agent-Session-Id": session})
     assert r.status_code == 201, r.text
-    return r.json()["policy_lora_name"]
+    return r.json()
 
 
 def task_chat(gw: GatewayProcess, session: str) -> httpx.Response:
@@ -257,3 +262,36 @@ def test_requests_its_capture_secret_refuses_never_rank_a_lineage_for_a_label(tm
                              headers={"X-Agent-Session-Id": "s1", "X-Agent-Capture-Secret": secret})
             assert r.status_code == 200, r.text
         assert 'gw_lineage_requests_total{captured="true",lineage="junk"} 1.0' in gw.http.get("/metrics").text
+
+
+# ---------------------------------------------------------------------------------------------------- leases
+
+
+def test_tasks_pinned_past_the_lease_cap_are_stopped_and_their_versions_unloaded(tmp_path, redis_url) -> None:
+    """Suspected in issue 37, proven: a static instance keeps every leased version loaded, and Tasks never expire,
+    so one key holding a Task per version kept every version of a line on every instance (enough of them fill
+    vLLM's slots and fail other lines' activations). Now a line's Tasks keep at most `maxLeasedVersionsPerLine`
+    versions besides what the line serves; the Tasks pinned to older ones are stopped."""
+    with FakeVLLM(served_model="tiny", name="vllm-a") as vllm, \
+            gateway(tmp_path, redis_url, [vllm], lora={"maxLeasedVersionsPerLine": 1}) as gw:
+        gw.start_service()
+        tasks = []
+        for version in (1, 2, 3):
+            activate(gw, tmp_path, "alpha", version)
+            tasks.append(started(gw, "alpha", f"s{version}"))
+        assert [t["policy_lora_name"] for t in tasks] == ["tiny:alpha:v1", "tiny:alpha:v2", "tiny:alpha:v3"]
+        # v1 and v2 are leased only; the cap keeps one of them: v1's Task is stopped, v1 unloaded.
+        wait_for(lambda: "tiny:alpha:v1" not in vllm.loaded, timeout_s=10, what="v1 unloaded")
+        assert vllm.loaded == {"tiny:alpha:v2", "tiny:alpha:v3"}
+        stops = [c["path"] for c in child_calls(tmp_path) if c["path"].endswith("/stop")]
+        assert stops == [f"/v1/rl/tasks/{tasks[0]['rl_task_id']}/stop"]
+        token = (tmp_path / "token").read_text()
+        leases = gw.http.get("/internal/v1/rl/canary/tiny:alpha", headers={"Authorization": f"Bearer {token}"})
+        leases = leases.json()["leases"]
+        assert leases == {"tiny:alpha:v2": 1, "tiny:alpha:v3": 1}
+        # The stopped Task's session is no longer captured; the others still are.
+        assert task_chat(gw, "s2").status_code == 200 and chat_models(vllm)[-1] == "tiny:alpha:v2"
+
+
+def child_calls(tmp_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]

@@ -78,6 +78,7 @@ def build_gateway(
         max_loras={i.name: i.max_loras for i in config.instances if i.max_loras is not None},
         max_loras_default=config.lora.max_loras_per_instance, page_timeout_s=config.lora.page_timeout_s,
         paging_metrics=metrics, task_reserved_slots=config.lora.task_reserved_slots,
+        max_leased_versions=config.lora.max_leased_versions,
     )
     health = HealthMonitor(
         registry, readmit=loras.readmit, interval_s=checks.interval_s, timeout_s=checks.timeout_s,

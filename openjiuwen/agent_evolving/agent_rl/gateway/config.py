@@ -316,6 +316,10 @@ class LoraSection(_Model):
     # Project gateway (issue 37 item 2): slots of each paging instance that requests outside a Task never keep in
     # use, so that traffic outside Tasks cannot starve Tasks of slots (docs/lineages.md "Tasks first").
     task_reserved_slots: Annotated[StrictInt, Field(ge=0, le=100_000)] = Field(default=1, alias="taskReservedSlots")
+    # Project gateway (issue 37): versions of a line that running Tasks may keep loaded besides the line's active
+    # version and canary candidate; the Tasks pinned to older ones are stopped (docs/lineages.md "Leases").
+    max_leased_versions: Annotated[StrictInt, Field(ge=0, le=10_000)] = Field(
+        default=4, alias="maxLeasedVersionsPerLine")
     # Project gateway (issue 37 item 1): lineages whose active version anyone may name outside a Task, as the
     # default line's; any other lineage's versions take a signed request (docs/lineages.md "Private lines").
     open_lineages: list[Annotated[StrictStr, AfterValidator(_check_lineage)]] = Field(

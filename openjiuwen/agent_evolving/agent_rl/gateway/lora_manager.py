@@ -74,12 +74,15 @@ class LoraManager:
         page_timeout_s: float = 30.0,
         paging_metrics: PagingMetrics | None = None,
         task_reserved_slots: int = 1,
+        max_leased_versions: int = 4,
     ) -> None:
         """`addresses`: what a registration may name (instance_addresses.py). `capture_registered`: registered
         instances serve captured traffic too (routing.py). `probe`: the health check a registration must pass before
         the instance serves (None: admit at once). `max_loras`: LoRA capacity per instance name (static instances'
         `maxLoras`), else `max_loras_default`; 0 is unlimited (adapter_pager.py). `task_reserved_slots`: slots of a
-        paging instance that requests outside a Task never keep in use (`lora.taskReservedSlots`)."""
+        paging instance that requests outside a Task never keep in use (`lora.taskReservedSlots`).
+        `max_leased_versions`: versions of a line that Tasks may keep loaded besides what the line serves
+        (`lora.maxLeasedVersionsPerLine`, `leased_past_cap`)."""
         if not operation_timeout_s > 0:
             raise ValueError("operation_timeout_s must be positive")
         self._registry = registry
@@ -94,6 +97,7 @@ class LoraManager:
         # The inference proxy picks instances and counts requests.
         self.routing = Router(registry, self.holdings, capture_registered=capture_registered, paging=self)
         self.leases = Leases()
+        self._max_leased_versions = max_leased_versions
         self._lines = PolicyLines()
         self._state_file = LoraStateFile(state_path)
         self._tasks = OwnedTasks()
@@ -347,6 +351,25 @@ class LoraManager:
 
     def backed_off(self, instance: Instance) -> bool:
         return self.pager.backed_off(instance)
+
+    def leased_past_cap(self, line_name: str | None = None) -> list[str]:
+        """The versions whose Tasks should end, oldest first: of each line (or of `line_name`), every version Tasks
+        hold that the line no longer serves, but its newest `max_leased_versions`. A static instance keeps every
+        leased version loaded, so without a cap one key holding a Task per version would fill vLLM's slots and
+        fail other lines' activations (issue 37, "leases on non-paging instances")."""
+        by_line: dict[str, list[tuple[int, str]]] = {}
+        for name in self.leases.names():
+            parsed = parse_version_name(name)
+            if parsed is None or (line_name is not None and parsed[0] != line_name):
+                continue
+            line = self._lines.get(parsed[0])
+            if line is None or not line.serves(name):
+                by_line.setdefault(parsed[0], []).append((parsed[1], name))
+        past: list[str] = []
+        for versions in by_line.values():
+            versions.sort()
+            past += [name for _, name in versions[:max(0, len(versions) - self._max_leased_versions)]]
+        return past
 
     def acquire(self, lora_name: str) -> None:
         """Lease a version so it stays loaded (a Task pinned to it); base is never leased."""
