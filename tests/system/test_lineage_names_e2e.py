@@ -6,7 +6,6 @@ each goes start → capture → reward → train → activate → serve through 
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
@@ -16,10 +15,10 @@ from hypothesis import strategies as st
 from openjiuwen.agent_evolving.agent_rl.common.lineage import LINEAGE_RE, is_lineage, line_of, lora_name
 from tests.support.fake_vllm import CHAT_PATH, FakeVLLM
 from tests.support.gateway_process import GatewayProcess
+from tests.system.test_gateway_lora import wait_run
 
 pytestmark = pytest.mark.system
 
-RUN_TIMEOUT_S = 30.0
 NAMES = st.from_regex(LINEAGE_RE, fullmatch=True).filter(is_lineage)
 
 
@@ -70,12 +69,3 @@ def test_every_name_the_grammar_accepts_trains_activates_and_serves(tmp_path, re
         one_name()
     assert trained["v1-x"] >= 1 and sum(trained.values()) >= 3
 
-
-def wait_run(gw: GatewayProcess, run_id: str) -> dict:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while True:
-        record = gw.signed("GET", f"/v1/rl/training/runs/{run_id}").json()
-        if record["status"] in ("succeeded", "failed", "canceled"):
-            return record
-        assert time.monotonic() < deadline, record
-        time.sleep(0.05)

@@ -238,7 +238,7 @@ class InferenceProxy:
             again = await self._pick(self._model_id, policy_model, **how)
             if again.name == instance.name:  # no other instance can load it
                 raise
-        return await self._paged_in(again, policy_model, call, task=task)
+            return await self._paged_in(again, policy_model, call, task=task)
 
     async def _paged_in(self, instance: Instance, policy_model: str, call: ProxiedCall, *, task: bool) -> Instance:
         with contextlib.ExitStack() as counts:  # released at once when the page-in fails
@@ -263,8 +263,8 @@ class InferenceProxy:
     async def _upstream_answer(
         self, instance: Instance, body: dict[str, Any], wants: ClientWants, flavor: str, call: ProxiedCall,
     ) -> Response:
-        """Send to `instance`, counted in flight there until the answer (or the stream) ends. An error answer leaves
-        the capture pending: the call discards it when it closes."""
+        """Send to `instance` (the call counts it in flight there since `_route`, until the answer or the stream
+        ends). An error answer leaves the capture pending: the call discards it when it closes."""
         stream = body.get("stream") is True
         call.request_json = request_json = orjson.dumps(body)  # once: `:after` carries these bytes
         started = time.perf_counter()
