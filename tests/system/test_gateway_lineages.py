@@ -32,8 +32,11 @@ def vllm() -> Iterator[FakeVLLM]:
 
 
 def gateway(tmp_path: Path, redis_url: str, vllm: FakeVLLM) -> GatewayProcess:
+    # The lines are open (`openLineages`): anyone may name their active versions outside a Task, as the default
+    # line's (docs/lineages.md "Private lines"); one slot of the two stays reserved for Tasks.
     gw = GatewayProcess(tmp_path, redis_url, instances=[vllm], lora_overrides={"maxLorasPerInstance": 2,
-                                                                               "pageTimeout": "10s"},
+                                                                               "pageTimeout": "10s",
+                                                                               "openLineages": LINEAGES},
                         online_overrides={"command": [sys.executable, str(CHILD)]})
     gw.env.update(FAKE_CHILD_PORT=str(gw.rl_port), FAKE_CHILD_OUT=str(tmp_path / "starts.jsonl"),
                   FAKE_CHILD_TOKEN=str(tmp_path / "token"))

@@ -194,6 +194,13 @@ def _check_listen(value: str) -> str:
     return value
 
 
+def _check_lineage(value: str) -> str:
+    if not is_lineage(value) or value == "default":
+        raise config_invalid("must be a lineage name other than default (lower-case letters, digits and '-', "
+                             "1-63 characters, not 'v' followed by digits)")
+    return value
+
+
 def _check_network(value: str) -> str:
     try:
         ip_network(value)
@@ -309,6 +316,17 @@ class LoraSection(_Model):
     max_loras_per_instance: Annotated[StrictInt, Field(ge=0, le=100_000)] = Field(
         default=0, alias="maxLorasPerInstance")
     page_timeout_s: Duration = Field(default=30.0, alias="pageTimeout")
+    # Project gateway (issue 37 item 2): slots of each paging instance that requests outside a Task never keep in
+    # use, so that traffic outside Tasks cannot starve Tasks of slots (docs/lineages.md "Tasks first").
+    task_reserved_slots: Annotated[StrictInt, Field(ge=0, le=100_000)] = Field(default=1, alias="taskReservedSlots")
+    # Project gateway (issue 37): versions of a line that running Tasks may keep loaded besides the line's active
+    # version and canary candidate; the Tasks pinned to older ones are stopped (docs/lineages.md "Leases").
+    max_leased_versions: Annotated[StrictInt, Field(ge=0, le=10_000)] = Field(
+        default=4, alias="maxLeasedVersionsPerLine")
+    # Project gateway (issue 37 item 1): lineages whose active version anyone may name outside a Task, as the
+    # default line's; any other lineage's versions take a signed request (docs/lineages.md "Private lines").
+    open_lineages: list[Annotated[StrictStr, AfterValidator(_check_lineage)]] = Field(
+        default_factory=list, alias="openLineages")
 
 
 class InstanceHealthSection(_Model):
@@ -342,6 +360,8 @@ class MetricsSection(_Model):
 
     # Lineages with their own label beside `default`; every other lineage is `other` (0: all of them).
     lineage_label_top_k: Annotated[StrictInt, Field(ge=0, le=1000)] = Field(default=20, alias="lineageLabelTopK")
+    # How long a labelled lineage may go without captured traffic before another lineage may take its slot.
+    lineage_label_idle_s: Duration = Field(default=3600.0, alias="lineageLabelIdle")
 
 
 class OnlineRLSection(_Model):
