@@ -8,7 +8,8 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
 - lineages (docs/lineages.md): status indexes and counters exist only for the default line (the model id) and the
   lines `<model_id>:<lineage>` of registered lineages; a sample sits in its own line's index only (its hash `lineage`,
   absent = default) and each line's counters equal what its indexes hold; a run's batch holds only samples of the
-  run's lineage;
+  run's lineage; lifecycle (docs/lineages.md "Lifecycle"): states, the retiring marker and the idle clock name
+  registered lineages only, every deletion is marked, and each agent key's count equals the lineages it registered;
 - runs (inv. 6, per line): every non-terminal run is named by its lineage's pointer (`training_run:active` for
   `default`, the lineage's field of `training_runs:active_lineages` else) and every pointer names a non-terminal run
   of its lineage, so a lineage has at most one; at most `max_concurrent_runs` are live (with a `training_policy`);
@@ -24,7 +25,7 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
 - automatic training (keys.TRAINING_WAITING, the due index): entries name registered lineages' lines only; with a
   `training_policy` (the service's `training_policy` section) every non-default line with pending samples that
   could become eligible by time alone (automatic training on for it, not paused, at its threshold, or at its floor
-  with a `max_wait_seconds`) has an entry; fair-share tags and `eligible_since` name lineages / lines only;
+  with a `max_wait_seconds`, live) has an entry; fair-share tags and `eligible_since` name lineages / lines only;
 - excluded instances (inv. 11): no sample an excluded instance served is `pending` or `awaiting_rewards`, and every
   `excluded` sample was served by an excluded instance;
 - prompt blocks (invariant P, `store/prompt_blocks.py`): a block exists iff some sample references it, its `refs`
@@ -123,6 +124,13 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("lineages_paused", "lineages:paused"),
         # Lineages (docs/lineages.md): every registered lineage but `default`.
         ("lineages", "lineages"),
+        # Lineage lifecycle (docs/lineages.md "Lifecycle"): the idle clock, the unload / deletion marker, the
+        # agent-key cap's bookkeeping, and each archived or deleting lineage's state.
+        ("lineages_last_task", "lineages:last_task"),
+        ("lineages_retiring", "lineages:retiring"),
+        ("lineages_registered_by", "lineages:registered_by"),
+        ("lineages_count_by_key", "lineages:count_by_key"),
+        ("lineage_state", "lineage:(?P<lineage>[a-z0-9-]{1,63}):state"),
         # Listings (docs/observability.md): creation-ordered indexes and the expiry index that trims them.
         ("tasks_by_created", "tasks:by_created"),
         ("tasks_by_status", "tasks:by_created:(?P<ts>active|finalized|aborted)"),
@@ -379,6 +387,7 @@ async def check_invariants(
     await _check_prompt_blocks(redis, report, sample_ids, [g["b"] for _, g in typed.get("prompt_block", [])])
     await _check_reward_deadlines(redis, report, model_id, sorted(lines), samples)
     await _check_waiting_hint(redis, report, model_id, sorted(lines), policy)
+    await _check_lineage_lifecycle(redis, report, [g["lineage"] for _, g in typed.get("lineage_state", [])])
     await _check_excluded(redis, report, samples)
     await _check_task_listings(redis, report, typed)
     live_runs = await _check_runs(redis, report, run_ids, samples, model_id, policy)
@@ -609,14 +618,50 @@ async def _check_waiting_hint(redis: Redis, report: InvariantReport, model_id: s
         return
     paused = {_s(f) or "" for f in await redis.hkeys(keys.LINEAGES_PAUSED)}
     counts = await _pipelined(redis, others, lambda p, line: p.zcard(keys.traj_index(line, SampleStatus.PENDING)))
-    for line, pending in zip(others, counts):
+    # An archived lineage, or one being deleted, is judged as paused (lineage_state.py).
+    retired = await _pipelined(redis, others, lambda p, line: p.exists(keys.lineage_state(split_line(line)[1])))
+    for line, pending, state in zip(others, counts, retired):
         lineage = split_line(line)[1]
         rule = policy.for_lineage(lineage)
-        could = rule.auto and lineage not in paused and pending > 0 and (
+        could = rule.auto and lineage not in paused and not state and pending > 0 and (
             pending >= rule.min_pending_samples
             or (rule.max_wait_seconds is not None and pending >= rule.min_batch_on_wait))
         if could and line not in hints:
             report.add(f"line {line} has {pending} pending sample(s) and could become eligible, but is not due")
+
+
+async def _check_lineage_lifecycle(redis: Redis, report: InvariantReport, with_state: list[str]) -> None:
+    """Lineage lifecycle (docs/lineages.md "Lifecycle"): a state only for a registered lineage, and never `live`
+    (live is its absence); the marker lists only archived or deleting lineages, every deleting one included; the
+    idle clock only live registered lineages; the agent-key cap's counts equal the lineages each key registered,
+    and those are registered."""
+    registered = {_s(m) or "" for m in await redis.zrange(keys.LINEAGES, 0, -1)}
+    states: dict[str, str] = {}
+    for lineage in with_state:
+        record = _json(await redis.get(keys.lineage_state(lineage)))
+        state = record.get("state") if isinstance(record, dict) else None
+        states[lineage] = str(state)
+        if lineage not in registered:
+            report.add(f"lineage {lineage!r} has a lifecycle state but is not registered")
+        if state not in ("archived", "deleting"):
+            report.add(f"lineage {lineage!r}: lifecycle state {state!r} is neither archived nor deleting")
+    retiring = {_s(m) or "" for m in await redis.zrange(keys.LINEAGES_RETIRING, 0, -1)}
+    for lineage in sorted(retiring - set(states)):
+        report.add(f"lineage {lineage!r} is marked retiring but is neither archived nor being deleted")
+    for lineage in sorted(name for name, state in states.items() if state == "deleting" and name not in retiring):
+        report.add(f"lineage {lineage!r} is being deleted but no leader would finish it (not in lineages:retiring)")
+    for lineage in sorted({_s(m) or "" for m in await redis.zrange(keys.LINEAGES_LAST_TASK, 0, -1)}):
+        if lineage not in registered or lineage in states:
+            report.add(f"idle clock for {lineage!r}, which is not a live registered lineage")
+    registrars = {(_s(k) or ""): (_s(v) or "") for k, v in (await redis.hgetall(keys.LINEAGES_REGISTERED_BY)).items()}
+    for lineage in sorted(set(registrars) - registered):
+        report.add(f"lineage {lineage!r} has a registering agent key but is not registered")
+    counts = {(_s(k) or ""): int(v) for k, v in (await redis.hgetall(keys.LINEAGES_COUNT_BY_KEY)).items()}
+    per_key = Counter(registrars.values())
+    for key_id in sorted(set(counts) | set(per_key)):
+        if counts.get(key_id, 0) != per_key.get(key_id, 0):
+            report.add(f"agent key {key_id!r} counts {counts.get(key_id, 0)} registered lineage(s) but registered "
+                       f"{per_key.get(key_id, 0)}")
 
 
 async def _check_task_listings(

@@ -62,6 +62,8 @@ SEPARATE: dict[str, list[str]] = {
     # issue 27 item 6: the RL Service under many lineages; 8 lines with samples at 10 and 40 registered lineages.
     "bench/lineage_scale_bench.py": ["--sizes", "10", "40", "--pending-lines", "8", "--samples", "8", "--batches",
                                      "8", "--reps", "2"],
+    # issue 37: a claim behind stale samples, quiet and under a flooder; 0 and 100 stale samples, one claim each.
+    "bench/stale_claim_bench.py": ["--stale", "0", "100", "--reps", "1"],
 }
 
 

@@ -584,8 +584,36 @@ def test_lineage_options_and_lineage_list(gw: FakeGateway, capsys) -> None:
     assert run_cli(gw, "lineage", "list", "--limit", "5") == 0
     assert gw.requests[-1].url.params["limit"] == "5"
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["LINEAGE", "LINE", "PENDING", "ACTIVE_RUN", "FIRST_USED_AT"]
-    assert lines[1].split() == ["a", "tiny:a", "4", "-", "2026-01-01T00:00:00+00:00"]
+    assert lines[0].split() == ["LINEAGE", "LINE", "STATE", "PENDING", "ACTIVE_RUN", "FIRST_USED_AT"]
+    assert lines[1].split() == ["a", "tiny:a", "live", "4", "-", "2026-01-01T00:00:00+00:00"]  # no state: live
+
+
+def test_lineage_archive_restore_and_delete_call_their_routes(gw: FakeGateway, capsys) -> None:
+    archived = lineage_view(lineage="a", line="tiny:a", state="archived", archived_at="2026-01-01T00:00:00Z",
+                            archived_by="idle", restores_to="tiny:a:v3")
+    gw.on("POST", "/v1/rl/lineages/a/archive", ok(archived))
+    gw.on("POST", "/v1/rl/lineages/a/restore", ok(lineage_view(lineage="a", line="tiny:a", state="live")))
+    assert run_cli(gw, "lineage", "archive", "a") == 0
+    assert "archived since 2026-01-01T00:00:00Z (by idle; a restore serves tiny:a:v3 again)" in capsys.readouterr().out
+    assert run_cli(gw, "lineage", "restore", "a") == 0
+    assert "state          live" in capsys.readouterr().out
+    deleting = lineage_view(lineage="a", line="tiny:a", state="deleting", deletion_started_at="2026-01-02T00:00:00Z",
+                            remove_files=True)
+    gw.on("POST", "/v1/rl/lineages/a/delete", ok(deleting, 202))
+    gw.on("GET", "/v1/rl/lineages/a", ok(deleting), ok(deleting),
+          error(404, "lineage_not_found", "lineage 'a' does not exist"))
+    naps: list[float] = []
+    assert run_cli(gw, "lineage", "delete", "a", "--remove-files", "--wait", "--interval", "0.5",
+                   sleep=naps.append) == 0
+    out = capsys.readouterr().out
+    assert "being deleted since 2026-01-02T00:00:00Z (repository files removed)" in out
+    assert out.rstrip().endswith("lineage a deleted") and naps == [0.5, 0.5, 0.5]
+    assert [r.read() for r in gw.requests if r.url.path.endswith("/delete")] == [b'{"remove_files":true}']
+    assert run_cli(gw, "lineage", "delete", "a") == 0  # no --wait: the request only
+    assert gw.requests[-1].read() == b'{"remove_files":false}'
+    gw.on("POST", "/v1/rl/lineages/default/archive", error(400, "lineage_protected", "never"))
+    assert run_cli(gw, "lineage", "archive", "default") == 1
+    assert "400 lineage_protected" in capsys.readouterr().err
 
 
 def test_rollout_commands_name_a_lineage(gw: FakeGateway, capsys) -> None:

@@ -134,6 +134,10 @@ class LineagesConfig(BaseModel):
 
     # Registered lineages besides `default`; a Task start that would register one more is refused (409).
     max_count: PositiveInt = 1000
+    # Archive a lineage with no Task started for this long (docs/lineages.md "Lifecycle"); None: never.
+    idle_archive_seconds: PositiveInt | None = None
+    # How often the leader's lineage loop runs: the idle sweep, and unloads or deletions still to finish.
+    lifecycle_interval_seconds: PositiveInt = 60
     # Lineages with their own `lineage` label on the RL Service's freshness histograms beside `default` (the rest
     # are `other`; common/lineage_labels.py), so thousands of lineages stay a bounded set of series.
     metrics_label_top_k: Annotated[StrictInt, Field(ge=0, le=1000)] = 20

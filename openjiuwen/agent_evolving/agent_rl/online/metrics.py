@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -42,6 +42,7 @@ SLOW_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0
 FRESHNESS_BUCKETS_S = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0,
                        172800.0)
 LINEAGE_GRANT_AFTER = 3  # runs a lineage needs before it takes a free label slot of the freshness histograms
+LINEAGE_IDLE_S = 86400.0  # a lineage without a run for this long may lose its label to one that earns it
 
 
 class ServiceMetrics:
@@ -83,8 +84,8 @@ class ServiceMetrics:
                                         m + ("stage", "outcome"), buckets=SLOW_BUCKETS_S, registry=r)
         # Freshness per lineage (docs/training.md "Freshness"). The `lineage` label is bounded like the gateway's
         # (common/lineage_labels.py): `default`, at most `lineages.metrics_label_top_k` lineages that keep training
-        # (granted once they ran LINEAGE_GRANT_AFTER runs while a slot was free), every other lineage `other`.
-        self.training_lineages = LineageLabels(lineage_top_k, grant_after=LINEAGE_GRANT_AFTER)
+        # (granted once they ran LINEAGE_GRANT_AFTER runs while a slot was free; a label idle LINEAGE_IDLE_S goes to
+        # the next lineage that earns one, its series removed), every other lineage `other`.
         self.eligible_wait = Histogram("rl_training_eligible_wait_seconds",
                                        "Time a line waited from eligible (automatic training) to its run's start, "
                                        "by lineage (bounded label)", m + ("lineage",), buckets=FRESHNESS_BUCKETS_S,
@@ -93,6 +94,8 @@ class ServiceMetrics:
                                           "Per trained sample: its creation to the activation or promotion of the "
                                           "first version trained on it, by lineage (bounded label)",
                                           m + ("lineage",), buckets=FRESHNESS_BUCKETS_S, registry=r)
+        self.training_lineages = LineageLabels(lineage_top_k, grant_after=LINEAGE_GRANT_AFTER, idle_s=LINEAGE_IDLE_S,
+                                               released=self._drop_training_lineage)
         self.runs_active = Gauge("rl_training_runs_active", "Training Runs live now (every lineage)", m,
                                  registry=r, multiprocess_mode=LAST)
         self.samples_outdated = Counter("rl_samples_outdated_total",
@@ -191,6 +194,11 @@ class ServiceMetrics:
         label = self.training_lineages.label(lineage)
         if eligible_wait_s is not None:
             self.eligible_wait.labels(self.model_id, label).observe(max(0.0, eligible_wait_s))
+
+    def _drop_training_lineage(self, lineage: str) -> None:
+        for family in (self.eligible_wait, self.sample_to_policy):
+            with suppress(KeyError):  # a label granted but never observed has no series
+                family.remove(self.model_id, lineage)
 
     def policy_live(self, lineage: str, latencies_s: list[float]) -> None:
         """A version became its line's policy: each trained sample's creation-to-policy latency."""

@@ -18,6 +18,8 @@ from .rewards.projector import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig
 from .leader_duties import LeaderDuties
+from .lineage_lifecycle import LineageLifecycle
+from .lineage_purge import LineagePurge
 from .lineages import LineageRegistry
 from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
@@ -85,6 +87,7 @@ class ServiceDeps:
     scheduler: TrainingScheduler
     fence: Fence  # every leader-only write goes through it (workers/fence.py)
     lineages: LineageRegistry
+    lineage_lifecycle: LineageLifecycle
     duties: LeaderDuties = field(init=False)
     coordinator: WorkerCoordinator = field(init=False)
 
@@ -148,6 +151,12 @@ class ServiceDeps:
             ),
             fence=fence,
             lineages=LineageRegistry(redis, model_id=config.model_id, runs=runs),
+            lineage_lifecycle=LineageLifecycle(
+                redis, gateway=gateway, fence=fence, model_id=config.model_id,
+                purge=LineagePurge(redis, store, repository, model_id=config.model_id, fence=fence),
+                base_model_path=config.base_model_path, idle_archive_s=config.lineages.idle_archive_seconds,
+                interval_s=config.lineages.lifecycle_interval_seconds,
+            ),
         )
         deps.duties = _make_duties(deps)
         deps.coordinator = WorkerCoordinator(redis, placement, membership, deps.duties, fence,
@@ -173,7 +182,8 @@ def _make_duties(deps: ServiceDeps) -> LeaderDuties:
     return LeaderDuties(
         deps.redis, fence=deps.fence, lifecycle=deps.lifecycle, rewards=deps.rewards, rail=deps.rail,
         rollout=deps.rollout, runner=deps.runner, sweeper=deps.sweeper, reward_ledger=deps.reward_ledger,
-        reward_sweeper=deps.reward_sweeper, scheduler=deps.scheduler, training_tmp_root=deps.config.training_tmp_root,
+        reward_sweeper=deps.reward_sweeper, scheduler=deps.scheduler, lineages=deps.lineage_lifecycle,
+        training_tmp_root=deps.config.training_tmp_root,
         # The coordinator is built after the duties it runs: the call finds it then, at shutdown.
         wait_alone=lambda timeout_s: deps.coordinator.wait_alone(timeout_s),
     )

@@ -150,6 +150,7 @@
   const picker = document.getElementById("lineage");
   const morePicker = document.getElementById("lineage-more");
   const lines = {};  // lineage -> its line, as listed
+  const states = {};  // lineage -> its lifecycle state as listed (docs/lineages.md "Lifecycle"); absent: live
   let lineagesSupported = false, lineageCursor = null;
   let lineage = sessionStorage.getItem("console.lineage") || DEFAULT_LINEAGE;  // kept across reloads of the tab
 
@@ -167,9 +168,12 @@
     lineagesSupported = answer.body.lineages_supported !== false;
     lineageCursor = answer.body.next_cursor || null;
     answer.body.items.forEach(function (item) {
-      if (lines[item.lineage]) return;
+      // A lineage being deleted is going away (its records answer 404): not offered. An archived one is, marked.
+      if (lines[item.lineage] || item.state === "deleting") return;
       lines[item.lineage] = item.line;
-      picker.appendChild(h("option", { value: item.lineage, text: item.lineage }));
+      states[item.lineage] = item.state || "live";
+      const label = states[item.lineage] === "live" ? item.lineage : item.lineage + " (" + states[item.lineage] + ")";
+      picker.appendChild(h("option", { value: item.lineage, text: label, "data-state": states[item.lineage] }));
     });
     morePicker.hidden = !lineageCursor;
   }
@@ -598,8 +602,10 @@
       view.setAttribute("aria-busy", "true");
       delete view.dataset.route;
       const scope = SCOPES[kind || page] || "lineage";
+      const archived = states[lineage] === "archived" ? ", archived: no new Tasks or Training Runs until restored" : "";
       document.getElementById("scope").textContent = scope === "lineage"
-        ? "This view: lineage " + lineage + " (" + lineOf(lineage) + ")." : "This view is not per lineage: " + scope + ".";
+        ? "This view: lineage " + lineage + " (" + lineOf(lineage) + ")" + archived + "."
+        : "This view is not per lineage: " + scope + ".";
       try {
         await render(m);
       } catch (err) {

@@ -351,7 +351,9 @@ class RolloutController:
 
     async def arms(self, record: Rollout) -> tuple[Arm, Arm]:
         """The Tasks created in the canary window, by the version they were pinned to. Read from the Task records
-        and their reward states (durable): a restart loses nothing, and older history never counts."""
+        and their reward states (durable): a restart loses nothing, and older history never counts. Only the line's
+        own Tasks are read, from its lineage's creation index (`rl:v1:tasks:by_lineage:{L}`, written in the Task
+        start's EXEC), so a decision round costs O(the line's Tasks in the window), never every lineage's."""
         candidate = Arm(record.candidate.lora_name)
         active = Arm(record.baseline.lora_name)
         by_name = {candidate.lora_name: candidate, active.lora_name: active}
@@ -359,7 +361,7 @@ class RolloutController:
         lineage = record.lineage
         start = parse_iso_epoch(record.window_started_at)
         end = parse_iso_epoch(record.ended_at) if record.ended_at else "+inf"
-        ids = [text(t) for t in await self._redis.zrangebyscore(keys.TASKS_BY_CREATION, start, end)]
+        ids = [text(t) for t in await self._redis.zrangebyscore(keys.tasks_by_lineage(lineage), start, end)]
         for offset in range(0, len(ids), _SCAN_BATCH):
             chunk = ids[offset:offset + _SCAN_BATCH]
             raws = await self._redis.mget([keys.task(t) for t in chunk])
@@ -367,7 +369,7 @@ class RolloutController:
             for t, raw in zip(chunk, raws):
                 task = orjson.loads(raw) if raw is not None else None
                 arm = by_name.get(task.get("policy_lora_name")) if isinstance(task, dict) else None
-                if arm is None or (task.get("lineage") or DEFAULT_LINEAGE) != lineage:
+                if arm is None or (task.get("lineage") or DEFAULT_LINEAGE) != lineage:  # the index says so; kept
                     continue
                 arm.tasks += 1
                 if task.get("evaluation") is True:  # evaluation Tasks count too, and are shown apart

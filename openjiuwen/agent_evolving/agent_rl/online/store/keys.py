@@ -47,8 +47,22 @@ ELIGIBLE_SINCE = PREFIX + "training:eligible_since"
 TRAINING_LAST_END = PREFIX + "training:last_end"
 LINEAGES_PAUSED = PREFIX + "lineages:paused"
 # Lineages (docs/lineages.md): ZSET lineage → epoch of its first Task, every lineage but `default` (which always
-# exists); added in the EXEC that starts that first Task, never removed; bounded by `lineages.max_count`.
+# exists); added in the EXEC that starts that first Task, removed only by the last step of the lineage's deletion
+# (docs/lineages.md "Lifecycle"); bounded by `lineages.max_count`.
 LINEAGES = PREFIX + "lineages"
+# Lineage lifecycle (online/lineage_lifecycle.py): ZSET lineage → epoch of its latest Task start (ZADD GT in that
+# start's EXEC; a live lineage only: removed when archived, set again when restored), which the idle sweep reads
+# oldest first; ZSET lineage → epoch it was archived or marked for deletion, the lineages whose gateway unload or
+# deletion a leader must still finish (the marker a new leader resumes from: an archived lineage leaves it once the
+# gateway confirmed the unload, a deleted one in the deletion's last EXEC, with its registry entry).
+LINEAGES_LAST_TASK = PREFIX + "lineages:last_task"
+LINEAGES_RETIRING = PREFIX + "lineages:retiring"
+# The agent-key cap (`agentHmacKeys[i].maxLineages`, docs/security.md): HASH lineage → the agent key that registered
+# it, and HASH agent key → how many registered lineages it registered. Invariant: the count of a key equals its
+# fields in the first HASH; both change in the EXEC that registers a lineage (under WATCH of `LINEAGES`) and in the
+# one that removes it from the registry.
+LINEAGES_REGISTERED_BY = PREFIX + "lineages:registered_by"
+LINEAGES_COUNT_BY_KEY = PREFIX + "lineages:count_by_key"
 # Reward deadlines of lineages (docs/lineages.md): ZSET line → a lower bound of the earliest deadline in that line's
 # `reward_deadlines:{line}` (every line but the default one, which the sweeper always visits). Lowered (ZADD LT) in
 # the EXEC that adds a deadline; only the sweeper raises or removes an entry, from the line's set in one fenced
@@ -290,6 +304,12 @@ def _lineage_key(lineage: str, suffix: str) -> str:
     if not is_lineage(lineage) or lineage == DEFAULT_LINEAGE:
         raise InvalidIdentifier("invalid lineage for a per-lineage key")
     return f"{PREFIX}lineage:{lineage}:{suffix}"
+
+
+def lineage_state(lineage: str) -> str:
+    """A non-default lineage's lifecycle state (STRING, JSON `{"state": "archived" | "deleting", ...}`; absent =
+    live). The Task start and the Training Run claim WATCH it, so neither lands on a lineage archived meanwhile."""
+    return _lineage_key(lineage, "state")
 
 
 def rollout_current(lineage: str = DEFAULT_LINEAGE) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import math
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -83,6 +84,17 @@ def _source_field(source: str) -> str:
 
 def _pending_policy_field(policy_version: str) -> str:
     return f"pending_policy:{policy_version}"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSample:
+    """A sample as its deletion needs it (`TrajectoryStore.queue_delete`)."""
+
+    sample_id: str
+    status: str
+    source: str
+    blocks: bytes | None  # its packed prompt-block digests
+    policy_version: str
 
 
 class TrajectoryStore:
@@ -515,37 +527,57 @@ class TrajectoryStore:
             members = await self._redis.zrange(index, "-inf", f"({cutoff!r}", byscore=True, offset=0, num=limit)
             sample_ids = [text(m) or "" for m in members]
             if sample_ids:
-                removed += await self._delete_swept(status, sample_ids, fence)
+                removed += await self.delete_in_status(status, sample_ids, fence)
         return removed
 
-    async def _delete_swept(self, status: str, sample_ids: list[str], fence: Fence) -> int:
-        hash_keys = {sample_id: keys.traj(sample_id) for sample_id in sample_ids}
+    async def delete_in_status(self, status: str, sample_ids: list[str], fence: Fence) -> int:
+        """Delete samples of this line's `status` index (retention's old samples, or any status when a lineage is
+        deleted, docs/lineages.md "Lifecycle") in one EXEC through `fence`; a sample that moved meanwhile stays.
+        Their contribution to the per-version aggregates stays, as `sweep_expired` says."""
+        hash_keys = [keys.traj(sample_id) for sample_id in sample_ids]
         index = self.index_key(status)
 
         async def body(pipe: Pipeline) -> int:
-            rows = await self._hmget_many(hash_keys.values(), ("status", "source", "prompt_blocks"))
+            rows = dict(zip(sample_ids, await self.rows_to_delete(sample_ids)))
             pipe.multi()
             count = 0
-            released = []
-            for sample_id, (stored_status, source, blocks) in zip(hash_keys, rows):
-                stored = text(stored_status)
-                if stored is not None and stored != status:
+            for sample_id in sample_ids:
+                row = rows[sample_id]
+                if row is not None and row.status != status:
                     continue  # moved meanwhile (e.g. another sweeper): not ours to delete
-                # Invariant 5: hash, index membership and counters go together. A member without a hash (never
-                # expected) still left its index, so only its status counter follows it.
-                pipe.zrem(index, sample_id)
-                pipe.hincrby(self._stats_key, _status_field(status), -1)
-                if stored is not None:
-                    pipe.delete(hash_keys[sample_id])
-                    pipe.hincrby(self._stats_key, _source_field(text(source) or ""), -1)
-                    released.append(blocks)
+                if row is None:
+                    # A member without a hash (never expected) still leaves its index, and its status counter
+                    # follows it (invariant 5).
+                    pipe.zrem(index, sample_id)
+                    pipe.hincrby(self._stats_key, _status_field(status), -1)
+                    if status == SampleStatus.AWAITING_REWARDS:
+                        pipe.zrem(self._deadlines_key, sample_id)
                 count += 1
-            # Invariant P: the deleted samples' prompt-block references go in the same EXEC.
-            prompt_blocks.queue_release(pipe, prompt_blocks.release_counts(released))
+            self.queue_delete(pipe, [row for row in rows.values() if row is not None and row.status == status])
             await pipe.execute()
             return count
 
-        return await fence.transact(self._redis, body, index, *hash_keys.values())
+        return await fence.transact(self._redis, body, index, *hash_keys)
+
+    async def rows_to_delete(self, sample_ids: Sequence[str]) -> list["StoredSample | None"]:
+        """What `queue_delete` needs of each sample (None: no hash). Read inside the caller's transaction, which
+        WATCHes the hashes."""
+        rows = await self._hmget_many([keys.traj(s) for s in sample_ids],
+                                      ("status", "source", "prompt_blocks", "policy_version"))
+        return [None if text(status) is None else StoredSample(sample_id, text(status) or "", text(source) or "",
+                                                                blocks, text(policy) or BASE_POLICY)
+                for sample_id, (status, source, blocks, policy) in zip(sample_ids, rows)]
+
+    def queue_delete(self, pipe: Pipeline, samples: Sequence["StoredSample"]) -> None:
+        """Queue, in the caller's MULTI, the removal of samples of this line: invariant 5 (hash, index membership,
+        a deadline entry and the counters together) and invariant P (their prompt-block references)."""
+        for sample in samples:
+            pipe.delete(keys.traj(sample.sample_id))
+            pipe.zrem(self.index_key(sample.status), sample.sample_id)
+            if sample.status == SampleStatus.AWAITING_REWARDS:
+                pipe.zrem(self._deadlines_key, sample.sample_id)
+            self.queue_counters(pipe, sample.status, sample.source, sample.policy_version, -1)
+        prompt_blocks.queue_release(pipe, prompt_blocks.release_counts(s.blocks for s in samples))
 
     # ------------------------------------------------------------------ reads
 

@@ -27,6 +27,7 @@ from ...common.lineage import DEFAULT_LINEAGE
 from ...common.policy_names import BASE_POLICY
 from .. import events
 from ..errors import NotFound
+from ..lineage_state import require_live
 from ...common.ids import epoch_iso, is_token_id, now_iso, parse_iso_epoch, policy_lag_version
 from ..store import keys
 from ..store.codec import text
@@ -184,6 +185,9 @@ class RunStore:
         run_key = keys.training_run(draft.training_run_id)
 
         async def body(pipe: Pipeline) -> ClaimResult:
+            # No run claims on a lineage archived or being deleted: its state is WATCHed, so an archive that lands
+            # before this EXEC fails it (the archive in turn WATCHes the lineage's run index this EXEC writes).
+            await require_live(pipe, draft.lineage)
             live, default_id, others = await self._live(pipe)
             mine = next((run for run in live if run.lineage == draft.lineage), None)
             if mine is not None:

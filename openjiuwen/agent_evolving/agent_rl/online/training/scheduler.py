@@ -126,6 +126,7 @@ class TrainingScheduler:
         quotas = {lineage: self._policy.for_lineage(lineage).max_runs_per_hour for _, lineage in lines}
         names = [line for line, _ in lines]
         lineages = [lineage for _, lineage in lines]
+        others = [lineage for lineage in lineages if lineage != DEFAULT_LINEAGE]
         async with self._redis.pipeline(transaction=False) as reads:
             for line, lineage in lines:
                 store = self._store.for_line(line)  # the line's own pending index and counters
@@ -144,7 +145,13 @@ class TrainingScheduler:
             reads.get(keys.POLICY_OBSERVED)
             reads.hmget(keys.ELIGIBLE_SINCE, names)
             reads.hmget(keys.FAIR_SHARE, [keys.FAIR_SHARE_CLOCK, *lineages])
-            *rows, last_ends, paused, observed_lines, observed_default, since, shares = await reads.execute()
+            # A lineage archived or being deleted (lineage_state.py) is never trained: judged as paused. Its claim
+            # refuses it anyway; this keeps the scheduler from trying every tick. (The default lineage has no state.)
+            if others:
+                reads.mget([keys.lineage_state(lineage) for lineage in others])
+            results = await reads.execute()
+        retired = {lineage for lineage, state in zip(others, results.pop() if others else []) if state is not None}
+        *rows, last_ends, paused, observed_lines, observed_default, since, shares = results
         clock = stored_float(shares[0])
         states, at = [], 0
         for i, (line, lineage) in enumerate(lines):
@@ -171,7 +178,7 @@ class TrainingScheduler:
                 active_run=active.get(lineage),
                 # Every line rolls out its own versions (docs/lineages.md): only its own live rollout holds it.
                 rollout_deciding=line in rollout_live,
-                paused=paused[i] is not None,
+                paused=paused[i] is not None or lineage in retired,
                 share_tag=max(stored_float(shares[i + 1]), clock),
                 recent_starts=recent,
                 eligible_since=stored_float(since[i], None),
