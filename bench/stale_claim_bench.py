@@ -10,7 +10,9 @@ A private redis-server on a free port in a temp dir. One lineage's line gets `--
 oldest) and `--batch` samples of its current version v5; the claim runs with parent version 5 and `max_policy_lag`
 1, so every `base` sample is stale. Measured per claim: wall time, Redis commands (INFO commandstats delta, INFO and
 CLIENT left out), HGETs, and transaction attempts; then the same claim while a flooder publishes one more sample to
-the line every `--flood-ms`, with the EXECs that WATCH aborted. Prints a table, writes JSON. No target.
+the line every `--flood-ms`, with the EXECs that WATCH aborted. Then both again as a run start makes them since issue
+36 item 3 (`retired` in the JSON): `RunStore.retire_outdated` first (the line's lagging samples become `outdated`),
+then the claim; the time and commands count both. Prints a table, writes JSON. No target.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ async def hgets(redis) -> int:
     return int(stats.get("cmdstat_hget", {}).get("calls", 0))
 
 
-async def one_claim(redis, runs, batch: int, attempts: list[int]) -> dict[str, Any]:
+async def one_claim(redis, runs, batch: int, attempts: list[int], *, retire: bool = False) -> dict[str, Any]:
     from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
     from openjiuwen.agent_evolving.agent_rl.online.store.tx import RedisContention
     from openjiuwen.agent_evolving.agent_rl.online.training.run_records import (
@@ -73,6 +75,8 @@ async def one_claim(redis, runs, batch: int, attempts: list[int]) -> dict[str, A
     before, hget_before = await commands(redis), await hgets(redis)
     t0 = time.perf_counter()
     try:
+        if retire:  # what `TrainingRunner.start` does before its claim since issue 36
+            await runs.retire_outdated(LINE, current_version=CURRENT, max_policy_lag=LAG)
         result = await runs.claim(draft, parent_version=CURRENT, max_policy_lag=LAG, min_samples=batch,
                                   max_samples=batch)
     except RedisContention:  # every attempt lost its WATCH: the run would not start (503 at the route)
@@ -122,25 +126,35 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
             await publish(store, 0, stale, "base")
             await publish(store, stale, args.batch, f"{LINE}:v{CURRENT}")
             await one_claim(redis, runs, args.batch, attempts)  # warm: pooled connections open
-            quiet = [await one_claim(redis, runs, args.batch, attempts) for _ in range(args.reps)]
-            stop = asyncio.Event()
-            flooder = asyncio.create_task(flood(store, 10_000_000, args.flood_ms / 1000, stop))
-            exec_before = int((await redis.info("commandstats")).get("cmdstat_exec", {}).get("calls", 0))
-            flooded = [await one_claim(redis, runs, args.batch, attempts) for _ in range(args.reps)]
-            stop.set()
-            published = await flooder
-            execs = int((await redis.info("commandstats")).get("cmdstat_exec", {}).get("calls", 0)) - exec_before
-            row = {"stale": stale, "batch": args.batch,
-                   "quiet": summary(quiet), "flooded": summary(flooded), "flood_samples": published,
-                   "flood_execs": execs}
+            row: dict[str, Any] = {"stale": stale, "batch": args.batch}
+            for retire in (False, True):
+                part = await measure(redis, runs, store, args, attempts, retire=retire)
+                if retire:
+                    row["retired"] = part
+                else:
+                    row.update(part)
+                q, f = part["quiet"], part["flooded"]
+                print(f"  {stale:>7} {'yes' if retire else 'no':>7} {q['wall_ms']:>9.1f} {q['commands']:>8} "
+                      f"{q['hgets']:>7} {f['wall_ms']:>10.1f} {f['attempts']:>9.1f} {f['hgets']:>8} "
+                      f"{f['claimed']:>4}/{f['tries']}", flush=True)
             rows.append(row)
-            q, f = row["quiet"], row["flooded"]
-            print(f"  {stale:>7} {q['wall_ms']:>9.1f} {q['commands']:>8} {q['hgets']:>7} "
-                  f"{f['wall_ms']:>10.1f} {f['attempts']:>9.1f} {f['hgets']:>8} {f['claimed']:>4}/{f['tries']}",
-                  flush=True)
     finally:
         await redis.aclose()
     return {"rows": rows}
+
+
+async def measure(redis, runs, store, args: argparse.Namespace, attempts: list[int], *,
+                  retire: bool) -> dict[str, Any]:
+    """The claims quiet, then under the flooder (`retire`: each after `retire_outdated`, as a run start does)."""
+    quiet = [await one_claim(redis, runs, args.batch, attempts, retire=retire) for _ in range(args.reps)]
+    stop = asyncio.Event()
+    flooder = asyncio.create_task(flood(store, 10_000_000 * (1 + retire), args.flood_ms / 1000, stop))
+    exec_before = int((await redis.info("commandstats")).get("cmdstat_exec", {}).get("calls", 0))
+    flooded = [await one_claim(redis, runs, args.batch, attempts, retire=retire) for _ in range(args.reps)]
+    stop.set()
+    published = await flooder
+    execs = int((await redis.info("commandstats")).get("cmdstat_exec", {}).get("calls", 0)) - exec_before
+    return {"quiet": summary(quiet), "flooded": summary(flooded), "flood_samples": published, "flood_execs": execs}
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -166,8 +180,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rl-stale-claim-bench-") as tmp, \
             RedisServer(Path(tmp) / "redis") as redis_server:
         print(f"claim of {args.batch} behind stale samples (max_policy_lag {LAG}); flooder every {args.flood_ms} ms")
-        print(f"  {'stale':>7} {'quiet ms':>9} {'commands':>8} {'hgets':>7} {'flooded ms':>10} {'attempts':>9} "
-              f"{'hgets':>8} {'claimed':>7}", flush=True)
+        print(f"  {'stale':>7} {'retire':>7} {'quiet ms':>9} {'commands':>8} {'hgets':>7} {'flooded ms':>10} "
+              f"{'attempts':>9} {'hgets':>8} {'claimed':>7}", flush=True)
         result = asyncio.run(run(redis_server.url, args))
     result.update({"machine": machine_facts(), "batch": args.batch, "reps": args.reps, "flood_ms": args.flood_ms,
                    "max_policy_lag": LAG})

@@ -351,7 +351,8 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         body = text()
         for word in ("succeeded", "tiny:v1", "queued", "training", "activating", "activation_succeeded",
                      "loss per step", "T 1×4, 0.7×2 · truncated 2 · |captured − recomputed| mean 0.0125, max 0.1050 · "
-                     "ratios clipped 4.2% (ppo_clip)"):
+                     "ratios clipped 4.2% (ppo_clip)", "sample → policy p50 / p95", "by activation)",
+                     "eligible → run wait"):
             assert word in body, word
         assert page.locator("svg.chart circle.dot").count() == 4 * 5  # loss, kl, grad_norm, samples × 5 steps
 
@@ -406,6 +407,7 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         assert "lineage\nsupport" in text()
         show("/runs")
         assert run.support_run_id in text() and run.run_id not in text()
+        assert "sample → policy p50 / p95" in text()  # each run's freshness, this lineage's runs only
         page.reload()  # the tab keeps its choice
         page.wait_for_selector('#view[data-route="/runs"][data-lineage="support"]', state="attached")
         show("/policies")

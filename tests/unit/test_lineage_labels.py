@@ -1,11 +1,11 @@
-"""The bounded `lineage` metric label (gateway/lineage_labels.py) and the gateway families that use it."""
+"""The bounded `lineage` metric label (common/lineage_labels.py) and the gateway families that use it."""
 
 from __future__ import annotations
 
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.gateway.config import MetricsSection
-from openjiuwen.agent_evolving.agent_rl.gateway.lineage_labels import OTHER, LineageLabels
+from openjiuwen.agent_evolving.agent_rl.common.lineage_labels import OTHER, LineageLabels
 from openjiuwen.agent_evolving.agent_rl.gateway.metrics import GatewayMetrics, lineage_of_name
 
 

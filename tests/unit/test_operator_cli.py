@@ -450,9 +450,9 @@ def test_train_stop_and_get(gw: FakeGateway, capsys) -> None:
     gw.on("POST", "/v1/rl/training/runs/run-0123456789ab/stop", ok(run_record("canceled", "training")))
     gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(run_record("canceled", "training")))
     assert run_cli(gw, "train", "stop", "run-0123456789ab") == 0
-    assert "status    canceled (stage training)\n" in capsys.readouterr().out
+    assert "status     canceled (stage training)\n" in capsys.readouterr().out
     assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
-    assert "samples   2 (base=2)\n" in capsys.readouterr().out
+    assert "samples    2 (base=2)\n" in capsys.readouterr().out
     report = {"tokens": 40, "temperatures": {"0.7": 1, "1.3": 1}, "truncated_samples": 1,
               "logprob_mismatch_mean": 0.0123, "logprob_mismatch_max": 0.25, "untruncated_mismatch_max": 2e-6,
               "ratio_clipped_share": 0.025, "correction": "ppo_clip"}
@@ -460,7 +460,7 @@ def test_train_stop_and_get(gw: FakeGateway, capsys) -> None:
     trained["metrics"]["sampling"] = report
     gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(trained))
     assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
-    assert ("sampling  T 0.7×1, 1.3×1; truncated 1; |captured − recomputed| mean 0.012, max 0.25; ratios clipped "
+    assert ("sampling   T 0.7×1, 1.3×1; truncated 1; |captured − recomputed| mean 0.012, max 0.25; ratios clipped "
             "2.5% (ppo_clip)\n") in capsys.readouterr().out
 
 
@@ -534,6 +534,16 @@ def test_train_get_shows_why_the_run_started(gw: FakeGateway, capsys) -> None:
     gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(run_record("running", "training", trigger=trigger)))
     assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
     assert "auto (max_wait_seconds: 4 eligible of 5 pending, oldest waited 61.2 s)" in capsys.readouterr().out
+
+
+def test_train_get_shows_the_runs_freshness(gw: FakeGateway, capsys) -> None:
+    fresh = {"eligible_at": "2025-01-01T00:00:00+00:00", "eligible_wait_seconds": 2.5, "policy_via": "promotion",
+             "policy_at": "2025-01-01T00:05:00+00:00",
+             "sample_to_policy_seconds": {"count": 2, "p50": 40.0, "p95": 71.5, "max": 71.5}}
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(run_record("succeeded", "activating", freshness=fresh)))
+    assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
+    assert ("eligible → run 2.5 s, sample → policy p50 40.0 s / p95 71.5 s (promotion)"
+            in capsys.readouterr().out)
 
 
 def test_traj_exclude_posts_the_instance_and_says_what_moved(gw: FakeGateway, capsys) -> None:

@@ -238,7 +238,10 @@ def _show_lineage(data: dict[str, Any]) -> None:
         ("active run", view.get("active_run")),
         ("last run end", view.get("last_run_ended_at")),
         ("scheduler", f"{state} ({view.get('reason')})"),
+        ("eligible from", view.get("eligible_since")),
         ("next eligible", view.get("next_eligible_at")),
+        ("fair share", f"weight {policy.get('weight')}, tag {view.get('fair_share_tag')}"
+         if policy.get("weight") is not None else None),
     ])
 
 
@@ -253,6 +256,20 @@ def _lifecycle(data: dict[str, Any]) -> str:
     return state
 
 
+def _freshness_text(fresh: Any) -> str | None:
+    """`eligible → run 2.1 s, sample → policy p50 40 s / p95 71 s (activation)` (docs/training.md "Freshness")."""
+    if not isinstance(fresh, dict):
+        return None
+    parts = []
+    if fresh.get("eligible_wait_seconds") is not None:
+        parts.append(f"eligible → run {fresh['eligible_wait_seconds']} s")
+    latency = fresh.get("sample_to_policy_seconds")
+    if isinstance(latency, dict):
+        parts.append(f"sample → policy p50 {latency.get('p50')} s / p95 {latency.get('p95')} s "
+                     f"({fresh.get('policy_via')})")
+    return ", ".join(parts) or None
+
+
 def _show_run(run: dict[str, Any]) -> None:
     metrics = run.get("metrics") or {}
     versions = ", ".join(f"{k}={v}" for k, v in (run.get("policy_versions") or {}).items())
@@ -263,6 +280,7 @@ def _show_run(run: dict[str, Any]) -> None:
         ("lora", " ".join(x for x in (run.get("lora_name"), run.get("lora_path")) if x)),
         ("failure", run.get("failure_reason")),
         ("trigger", _trigger_text(run.get("trigger"))),
+        ("freshness", _freshness_text(run.get("freshness"))),
         ("steps", metrics.get("steps")),
         ("sampling", _run_sampling_text(metrics.get("sampling"))),
         ("created", run.get("created_at")),

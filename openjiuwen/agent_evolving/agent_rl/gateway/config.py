@@ -356,7 +356,8 @@ class RegistrationSection(_Model):
 
 
 class MetricsSection(_Model):
-    """Project gateway: the bounded `lineage` label of per-request metrics (lineage_labels.py, docs/lineages.md)."""
+    """Project gateway: the bounded `lineage` label of per-request metrics (common/lineage_labels.py,
+    docs/lineages.md)."""
 
     # Lineages with their own label beside `default`; every other lineage is `other` (0: all of them).
     lineage_label_top_k: Annotated[StrictInt, Field(ge=0, le=1000)] = Field(default=20, alias="lineageLabelTopK")

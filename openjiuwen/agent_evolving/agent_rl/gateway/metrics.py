@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from ..common.http_metrics import FAST_BUCKETS_S
 from ..common.lineage import DEFAULT_LINEAGE, parse_version_name, split_line
 from .instances import InstanceRegistry
-from .lineage_labels import DEFAULT_IDLE_S, OTHER, LineageLabels
+from ..common.lineage_labels import DEFAULT_IDLE_S, OTHER, LineageLabels
 from .lora_manager import LoraManager
 from .lora_types import LoraStatus
 from .sessions import SessionMap
@@ -33,7 +33,7 @@ class GatewayMetrics:
                  lineage_label_idle_s: float = DEFAULT_IDLE_S) -> None:
         """`lineage_top_k`: lineages with their own `lineage` label beside `default`; `lineage_label_idle_s`: how
         long a label's lineage may go without traffic before another lineage may take its slot
-        (lineage_labels.py)."""
+        (common/lineage_labels.py)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.http_requests = Counter("gw_http_requests_total", "Answers by route template and status",
@@ -73,7 +73,7 @@ class GatewayMetrics:
         self.adapter_load_seconds = Histogram("gw_lora_adapter_load_duration_seconds",
                                               "Time of one LoRA load call that loaded the adapter",
                                               buckets=UPSTREAM_BUCKETS_S, registry=r)
-        # Per lineage, through ONE bounded mapper (lineage_labels.py): at most top_k + 2 values per family.
+        # Per lineage, through ONE bounded mapper (common/lineage_labels.py): at most top_k + 2 values per family.
         self.lineages = LineageLabels(lineage_top_k, idle_s=lineage_label_idle_s, released=self._drop_lineage)
         self.lineage_requests = Counter("gw_lineage_requests_total",
                                         "Inference requests by lineage (bounded label: top lineages, default, other) "

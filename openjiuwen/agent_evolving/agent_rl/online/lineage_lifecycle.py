@@ -143,8 +143,8 @@ class LineageLifecycle:
                     raise Conflict(f"lineage {lineage!r} changed meanwhile; retry", code="lineage_not_archived")
                 pipe.multi()
                 # Live again in one step: the state goes, the unload marker with it, the idle clock restarts, and
-                # the line is due for the scheduler's judgement again (keys.TRAINING_WAITING: an entry may only
-                # be lowered here, so the bound on its oldest pending sample still holds).
+                # the line is due for the scheduler's judgement again (keys.TRAINING_WAITING: an archived line is
+                # judged as paused and dropped from the due index, so its restore must make it due, as a resume does).
                 pipe.delete(state_key)
                 pipe.zrem(keys.LINEAGES_RETIRING, lineage)
                 pipe.zadd(keys.LINEAGES_LAST_TASK, {lineage: now})

@@ -201,6 +201,8 @@ class LineagePurge:
             for shared in (keys.REWARD_DUE_LINES, keys.TRAINING_WAITING):
                 pipe.zrem(shared, line.owner)
             pipe.hdel(keys.TRAINING_LAST_END, line.owner)
+            pipe.hdel(keys.ELIGIBLE_SINCE, line.owner)
+            pipe.hdel(keys.FAIR_SHARE, lineage)
             pipe.hdel(keys.POLICY_OBSERVED_LINES, line.owner)
             pipe.hdel(keys.LINEAGES_PAUSED, lineage)
             pipe.srem(keys.ROLLOUT_LIVE_LINEAGES, lineage)

@@ -3,17 +3,17 @@ line's pending count and active run (`GET /v1/rl/lineages`).
 
 `default` always exists and is never in the ZSET; every other lineage is added by the start EXEC of its first Task
 (tasks/registry.py) and removed only by the last step of its deletion (lineage_purge.py). A page costs one ZRANGE,
-one GET of the active run and pipelined reads per item (first use, pending count, lifecycle state): never a read of
-every lineage.
+one read of the live runs (the pointers and at most `max_concurrent_runs` records) and pipelined reads per item
+(first use, pending count, lifecycle state): never a read of every lineage.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 from redis.asyncio import Redis
 
+from ..common.ids import epoch_iso
 from ..common.lineage import DEFAULT_LINEAGE, is_lineage, line_of
 from .errors import InvalidInput
 from .lineage_state import LineageStatus, parse_state
@@ -60,7 +60,7 @@ class LineageRegistry:
                 reads.hget(keys.traj_stats(line), f"status:{SampleStatus.PENDING}")
                 reads.get(keys.lineage_state(name))
             raw = await reads.execute()
-        active = await self._runs.active()
+        active = {run.lineage: run.training_run_id for run in await self._runs.active_runs()}
         items = []
         for i, (name, line) in enumerate(zip(names, lines)):
             first_used, pending, state = raw[3 * i:3 * i + 3]
@@ -68,9 +68,9 @@ class LineageRegistry:
             items.append({
                 "lineage": name,
                 "line": line,
-                "first_used_at": None if first_used is None else datetime.fromtimestamp(first_used, UTC).isoformat(),
+                "first_used_at": None if first_used is None else epoch_iso(first_used),
                 "pending_samples": max(0, int(text(pending) or 0)),
-                "active_run": active.training_run_id if active is not None and active.lineage == name else None,
+                "active_run": active.get(name),
                 "state": (lifecycle.status if lifecycle is not None else LineageStatus.LIVE).value,
             })
         return {"items": items, "next_cursor": next_cursor}

@@ -37,6 +37,7 @@ from .store.trajectories import TrajectoryStore
 from .tasks.registry import TaskRegistry
 from .tasks.signals import TaskSignals
 from .training.backends import TrainerBackend
+from .training.freshness import Freshness
 from .training.pauses import LineagePauses
 from .training.runner import TrainingRunner
 from .training.runs import RunStore
@@ -106,7 +107,8 @@ class ServiceDeps:
         membership = Membership(redis, boot=placement.boot, slot=placement.index, solo=placement.solo)
         fence = make_fence(placement)
         judge = judge if judge is not None else make_judge(config)
-        metrics = ServiceMetrics(config.model_id)  # per app: its own CollectorRegistry
+        # Per app: its own CollectorRegistry.
+        metrics = ServiceMetrics(config.model_id, lineage_top_k=config.lineages.metrics_label_top_k)
         metered_judge = MeteredJudge(judge, metrics) if judge is not None else None
         registry = TaskRegistry(redis, signals=TaskSignals(), metrics=metrics, max_lineages=config.lineages.max_count)
         reward_policy = RewardPolicy(config.reward_policy)  # empty (unconfigured) when the section is absent
@@ -143,8 +145,9 @@ class ServiceDeps:
             rollout=rollout,
             membership=membership,
             scheduler=TrainingScheduler(
-                redis, runs=runs, runner=runner, store=store, rollout=rollout, pauses=LineagePauses(redis), fence=fence,
-                policy=config.training_policy, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
+                redis, runs=runs, runner=runner, store=store, rollout=rollout,
+                pauses=LineagePauses(redis, model_id=config.model_id), fence=fence, policy=config.training_policy,
+                model_id=config.model_id, max_policy_lag=config.max_policy_lag,
             ),
             fence=fence,
             lineages=LineageRegistry(redis, model_id=config.model_id, runs=runs),
@@ -237,10 +240,11 @@ def _make_training(
         redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds, fence=fence,
         metrics=metrics,
     )
+    freshness = Freshness(redis, runs, metrics)
     rollout = RolloutController(
         redis, RolloutStore(redis, fence=fence), gateway, repository, config=config.rollout, model_id=config.model_id,
-        base_model_path=config.base_model_path, observe_policy=runs.observe_policy, active_run=runs.active,
-        metrics=metrics,
+        base_model_path=config.base_model_path, observe_policy=runs.observe_policy, active_run=runs.active_of,
+        metrics=metrics, on_promoted=freshness.promoted,
     )
     runner = TrainingRunner(
         runs,
@@ -256,6 +260,8 @@ def _make_training(
         tmp_root=config.training_tmp_root,
         metrics=metrics,
         rollout=rollout,
+        policy=config.training_policy,
+        freshness=freshness,
     )
     return rollout, runner, runs
 

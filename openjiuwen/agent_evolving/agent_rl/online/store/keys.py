@@ -26,7 +26,21 @@ POLICY_OBSERVED = PREFIX + "policy:observed"
 # marker so that a deposed leader stops before the file write (docs/lineages.md).
 POLICY_OBSERVED_LINES = PREFIX + "policy:observed_lines"
 RAIL_INFLIGHT_SESSIONS = PREFIX + "rail:inflight_sessions"  # sessions with popped rail samples not yet stored
+# Active Training Runs (training/runs.py, invariant 6 per line): the default lineage's run in `training_run:active`
+# (STRING, the AIGW key, unchanged), every other lineage's in `training_runs:active_lineages` (HASH lineage → run id).
+# A pointer is set in the claim's EXEC and deleted in the run's terminal EXEC; together they name every live run, at
+# most `training_policy.max_concurrent_runs`, one per lineage. A `training_run:active` written before runs were
+# concurrent may name a run of another lineage: it is read as that run's pointer and settled like any other.
 ACTIVE_RUN = PREFIX + "training_run:active"
+ACTIVE_LINEAGE_RUNS = PREFIX + "training_runs:active_lineages"
+# Fair share of automatic training (training/scheduler.py): HASH lineage → the virtual finish tag of its last run
+# (start-time fair queuing: each run of a lineage adds 1 / its weight), and `FAIR_SHARE_CLOCK` → the start tag of
+# the last run started. Written in the claim's EXEC with the run it charges.
+FAIR_SHARE = PREFIX + "training:fair_share"
+FAIR_SHARE_CLOCK = "@clock"  # no lineage name has an `@`
+# HASH line → epoch the scheduler first found the line eligible (fenced scheduler write, removed when the line is
+# found not eligible); the claim's EXEC takes the field into the run's `freshness.eligible_wait_seconds`.
+ELIGIBLE_SINCE = PREFIX + "training:eligible_since"
 # Automatic training (training/scheduler.py): HASH line → epoch its previous Training Run ended (written in the
 # run's terminal EXEC), and HASH lineage → JSON {"paused_at"} of the lineages whose automatic training an operator
 # paused (kept until resumed: it survives restarts and leader changes).
@@ -55,13 +69,15 @@ LINEAGES_COUNT_BY_KEY = PREFIX + "lineages:count_by_key"
 # transaction WATCHing that set.
 # So the sweeper reads the lines due now, never every registered lineage.
 REWARD_DUE_LINES = PREFIX + "rewards:due_lines"
-# Automatic training over lineages (training/scheduler.py): ZSET line → a lower bound of the creation epoch of that
-# line's oldest pending sample (every line but the default one, which the scheduler always reads). Invariant: a line
-# with pending samples always has an entry at or before its oldest. Lowered (ZADD LT) in every EXEC that puts a
-# sample into a non-default line's pending index (publication, reward arrival or fallback, a run giving samples
-# back); never raised there. Claims, exclusions and deletions leave it low (still a lower bound); the scheduler
-# corrects the entries it reads from the line's own pending index, WATCHing it (raise to the head, or remove when
-# empty). So choosing the next line reads the oldest entries, never every registered lineage.
+# Automatic training over lineages (training/scheduler.py): ZSET line → the epoch by which the scheduler must judge the
+# line again (every line but the default one, which it judges at every tick). Invariant: a non-default line that may
+# become eligible has an entry; a line has none only when the scheduler judged it, WATCHing its pending index, unable
+# to become eligible without another write that lowers its entry (nothing pending, below its floor, paused, automatic
+# training off for it). Lowered (ZADD LT) to a sample's creation epoch in every EXEC that puts a sample into a
+# non-default line's pending index (publication, reward arrival or fallback, a run giving samples back) and by a
+# resume; the leader's start lowers every registered line once (a changed config is judged anew). The scheduler reads
+# the entries due now, never the lines waiting below their threshold, and raises each to its line's next due time
+# (the max_wait, interval or quota end; the next tick while a run or rollout holds the line) or removes it.
 TRAINING_WAITING = PREFIX + "training:waiting"
 # Listing indexes (newest first): ZSETs of ids scored by creation epoch. Tasks are indexed once overall and once
 # under their current status. When a record gets its TTL, its id joins a listing-expiry ZSET scored by the epoch

@@ -40,11 +40,13 @@ if TYPE_CHECKING:
 # Statuses a failed publication may have left its samples in (`delete_pending` rolls them back).
 _UNCLAIMED = (SampleStatus.PENDING, SampleStatus.AWAITING_REWARDS, SampleStatus.EVALUATION, SampleStatus.EXCLUDED)
 # Statuses retention sweeps: samples no Training Run will ever read again.
-_SWEPT = (SampleStatus.TRAINED, SampleStatus.FAILED, SampleStatus.EVALUATION, SampleStatus.EXCLUDED)
+_SWEPT = (SampleStatus.TRAINED, SampleStatus.FAILED, SampleStatus.EVALUATION, SampleStatus.EXCLUDED,
+          SampleStatus.OUTDATED)
 # Statuses an exclusion takes samples out of: published, not yet claimed by a Training Run.
 _EXCLUDABLE = (SampleStatus.AWAITING_REWARDS, SampleStatus.PENDING)
 _LINE_PAGE = 500  # registered lineages read at once when every line is visited
 _EXCLUDE_CHUNK = 256  # samples moved per transaction by an exclusion
+_OUTDATED_CHUNK = 256  # pending samples read (and at most moved) per transaction by `retire_outdated`
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
 _SUMMARY_FIELDS = (
     "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at",
@@ -171,8 +173,8 @@ class TrajectoryStore:
 
     def queue_waiting(self, pipe: Pipeline, created_at: float) -> None:
         """Queue, in the caller's MULTI that puts a sample of creation epoch `created_at` into this line's pending
-        index, the lowering of the line's `TRAINING_WAITING` entry to it (non-default lines only), so the entry
-        stays at or before the line's oldest pending sample (the invariant in keys.py)."""
+        index, the lowering of the line's `TRAINING_WAITING` entry to it (non-default lines only): the line is due
+        for the scheduler's judgement now, whatever it was judged before (the invariant in keys.py)."""
         if self.lineage != DEFAULT_LINEAGE:
             pipe.zadd(keys.TRAINING_WAITING, {self._owner: created_at}, lt=True)
 
@@ -353,6 +355,63 @@ class TrajectoryStore:
             training += len(await line._served_by(instance, SampleStatus.TRAINING))
         excluded = sorted(text(m) or "" for m in await self._redis.smembers(keys.EXCLUDED_INSTANCES))
         return {"instance": instance, "excluded": moved, "training": training, "excluded_instances": excluded}
+
+    async def retire_outdated(
+        self, *, current_version: int, max_policy_lag: int | None, fence: Fence, budget: int = 4096
+    ) -> int:
+        """Move this line's pending samples whose policy lags `current_version` (the line's active version) by more
+        than `max_policy_lag` to `outdated`: no run would claim them, and left pending they would keep the line
+        waiting (docs/training.md). The per-version pending counters say how many there are; the pending index is
+        read from its head (old policies serve old samples) a chunk at a time until that many moved or `budget`
+        members were read. Returns the number moved. `fence`: the leader's (its scheduler and its runs)."""
+        if max_policy_lag is None:
+            return 0
+        counters = {text(k) or "": int(v) for k, v in (await self._redis.hgetall(self._stats_key)).items()}
+        expected = stale_pending(counters, model_id=self._owner, current_version=current_version,
+                                 max_policy_lag=max_policy_lag)
+        index = self.index_key(SampleStatus.PENDING)
+        moved = offset = read = 0
+        while moved < expected and read < budget:
+            members = [text(m) or "" for m in await self._redis.zrange(index, offset, offset + _OUTDATED_CHUNK - 1)]
+            if not members:
+                break
+            read += len(members)
+            rows = await self._hmget_many([keys.traj(m) for m in members], ("policy_version",))
+            lagging = [m for m, (policy,) in zip(members, rows)
+                       if self._lags(text(policy) or BASE_POLICY, current_version, max_policy_lag)]
+            done = await self._retire(lagging, current_version, max_policy_lag, fence) if lagging else 0
+            moved += done
+            offset += len(members) - done  # the moved members left the ranks before `offset`
+        if moved and self._metrics is not None:
+            self._metrics.outdated(moved)
+        return moved
+
+    def _lags(self, policy_version: str, current_version: int, max_policy_lag: int) -> bool:
+        return current_version - ids.policy_lag_version(policy_version, self._owner) > max_policy_lag
+
+    async def _retire(self, sample_ids: list[str], current_version: int, max_policy_lag: int, fence: Fence) -> int:
+        hash_keys = {sample_id: keys.traj(sample_id) for sample_id in sample_ids}
+
+        async def body(pipe: Pipeline) -> int:
+            rows = await self._hmget_many(hash_keys.values(), ("status", "policy_version"))
+            moves = [(sample_id, text(policy) or BASE_POLICY) for sample_id, (status, policy) in zip(hash_keys, rows)
+                     if text(status) == SampleStatus.PENDING
+                     and self._lags(text(policy) or BASE_POLICY, current_version, max_policy_lag)]
+            if not moves:
+                return 0
+            at = ids.now_iso()
+            score = ids.parse_iso_epoch(at)
+            # Invariant 5 through `queue_move` (hash, indexes, the `status:*` and `pending_policy:*` counters in one
+            # EXEC). The hashes are WATCHed: a claim (which WATCHes the hashes it chose) landing first makes this
+            # read again, so a sample is claimed or outdated, never both.
+            pipe.multi()
+            for sample_id, policy in moves:
+                self.queue_move(pipe, sample_id, old=SampleStatus.PENDING, new=SampleStatus.OUTDATED, score=score,
+                                policy_version=policy, at=at)
+            await pipe.execute()
+            return len(moves)
+
+        return await fence.transact(self._redis, body, *hash_keys.values())
 
     async def _every_line(self) -> AsyncIterator["TrajectoryStore"]:
         """This store's line, then every registered lineage's (docs/lineages.md), read from the registry a page at a
@@ -535,7 +594,7 @@ class TrajectoryStore:
         waiting = counters.get(_status_field(SampleStatus.AWAITING_REWARDS), 0) > 0
         shown = [*((SampleStatus.AWAITING_REWARDS,) if self._reward_policy is not None or waiting else ()),
                  *SAMPLE_STATUSES]
-        for optional in (SampleStatus.EVALUATION, SampleStatus.EXCLUDED):
+        for optional in (SampleStatus.EVALUATION, SampleStatus.EXCLUDED, SampleStatus.OUTDATED):
             if counters.get(_status_field(optional), 0) > 0:
                 shown.append(optional)
         by_status = {status.value: counters.get(_status_field(status), 0) for status in shown}

@@ -1,4 +1,5 @@
-"""The bounded `lineage` label of the gateway's per-request metrics (docs/lineages.md "## Gateway", wire 9).
+"""The bounded `lineage` metric label: the gateway's per-request metrics (docs/lineages.md "## Gateway", wire 9)
+and the RL Service's freshness histograms (docs/observability.md) both map lineages through it.
 
 Thousands of lineages must not become thousands of Prometheus series. The rule:
 
@@ -10,7 +11,7 @@ Thousands of lineages must not become thousands of Prometheus series. The rule:
 - a granted label is kept while its lineage has traffic, so series do not flap; once every slot is taken, a label
   whose lineage saw no counted request for `idle_s` (`metrics.lineageLabelIdle`) is released for the next lineage
   that needs a slot (`released` is told, so its series leave the page), so lineages that stopped, or made-up ones
-  that one key took slots with, never hold them for the gateway's lifetime (issue 37 item 7); the ranking starts
+  that one key took slots with, never hold them for the process's lifetime (issue 37 item 7); the ranking starts
   afresh at restart;
 - every other lineage is `other`.
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..common.lineage import DEFAULT_LINEAGE
+from .lineage import DEFAULT_LINEAGE
 
 OTHER = "other"
 SKETCH_PER_SLOT = 8  # sketch entries per label slot: enough for the heavy hitters to stand out
