@@ -36,8 +36,23 @@ def test_the_batch_carries_each_samples_temperature_and_truncation() -> None:
     assert batch.temperatures.tolist() == pytest.approx([0.7, 1.0, 1.3, 1.0])
     assert batch.truncated.tolist() == [True, False, False, True]
     with pytest.raises(ValueError, match="sampling record"):
-        convert_samples([sample(0, {"temperature": 0}, [8])], pad_token_id=0, max_prompt_length=8,
+        convert_samples([sample(0, {"temperature": -1}, [8])], pad_token_id=0, max_prompt_length=8,
                         max_response_length=8)
+
+
+def test_constrained_rows_are_marked_greedy_rows_trained_at_one_and_choices_grouped() -> None:
+    """Issue 35: a row whose `sampling.constraints` names a kind is `corrected`; a greedy row's behaviour logprob is
+    0 (μ is a point mass) and it is trained at temperature 1; the choices of one `n` > 1 request share a GRPO uid."""
+    greedy = sample(0, {"temperature": 0, "constraints": {"greedy": {}}}, [8, 9])
+    schema = sample(1, {"temperature": 0.7, "constraints": {"json_schema": {"digest": "ab", "bytes": 9}}}, [10])
+    old = sample(2, {"temperature": 0.7}, [11])  # stored before issue 35: no `constraints`
+    choices = [dict(sample(3 + i, None, [12 + i]), rl_task_id="t9", group_uid="t9:c1") for i in range(2)]
+    batch = convert_samples([greedy, schema, old, *choices], pad_token_id=0, max_prompt_length=8,
+                            max_response_length=8, advantage_estimator="grpo")
+    assert batch.corrected.tolist() == [True, True, False, False, False]
+    assert batch.temperatures.tolist() == pytest.approx([1.0, 0.7, 0.7, 1.0, 1.0])
+    assert batch.old_log_probs[0].tolist() == [0.0, 0.0] and batch.old_log_probs[1, 0] == -1.0
+    assert batch.uid == ["t0", "t1", "t2", "t9:c1", "t9:c1"] and batch.meta["constrained_samples"] == 2
 
 
 @pytest.fixture(scope="module")
