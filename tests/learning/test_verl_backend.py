@@ -265,6 +265,37 @@ async def test_each_row_is_trained_at_its_samples_temperature(tmp_path, tiny_mod
     assert artifact.metadata["ppo_step_metrics"][0]["ppo_kl"] == pytest.approx(0.0, abs=1e-4)
 
 
+async def test_constrained_rows_are_trained_against_pi_old_in_a_bypass_run(tmp_path, tiny_model, local_ray):
+    """Issue 35: in a bypass-mode run (no `tis_cap`), rows whose sampling was constrained are decoupled: their old
+    logprobs are π_old of the parent and each token is weighted min(π_old / μ, 2). Here the constrained rows' captured
+    logprobs sit 1 nat above the policy's (as a grammar's mask raises them): bypass mode would start their ratio at
+    e^-1 (ppo_kl 0.5 over the batch), decoupled the first ratio is exactly 1 (ppo_kl 0), and verl's vanilla loss
+    takes the run's own weights."""
+    from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+
+    prompt = L.prompt_ids(tiny_model)
+    base = L.load_model(tiny_model)
+    docs = []
+    for i in range(4):
+        response = [10 + i, 200 + i, 30 + i, 90 + i]
+        constrained = i % 2 == 0
+        lps = [lp + (1.0 if constrained else 0.0) for lp in L.sequence_logprobs(base, prompt, response)]
+        sampling = {"temperature": 1.0, "constraints": {"json_schema": {"digest": "ab", "bytes": 9}} if constrained
+                    else {}}
+        [doc] = L.documents(prompt, [response], [lps], [float(i // 2)], "tiny", sampling=sampling)
+        docs.append(dict(doc, sample_id=f"c-{i}", trajectory_id=f"c-{i}", rl_task_id=f"t{i}"))
+    backend = make_backend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), tmp_path,
+                           "actor_rollout_ref: {actor: {optim: {lr: 0.0}}}\n")
+    artifact = await backend.train(TrainingJob(
+        training_run_id="run-constrained", model_id="tiny", base_model_path=str(tiny_model), samples=docs,
+        init_lora_name="base", init_lora_path=""), on_progress=_noop)
+    report = artifact.metadata["sampling"]
+    assert (report["correction"], report["constrained_samples"]) == ("ppo_clip+constrained_tis", 2), report
+    assert report["untruncated_mismatch_max"] < 1e-4  # the unconstrained rows are exact
+    assert artifact.metadata["constraints"] == {"json_schema": 2}
+    assert artifact.metadata["ppo_step_metrics"][0]["ppo_kl"] == pytest.approx(0.0, abs=1e-4)
+
+
 async def test_two_ranks_shard_the_batch_and_export_one_adapter(tmp_path, tiny_model, local_ray):
     """nproc_per_node 2 on CPU: two actors, a gloo process group with the rendezvous at rank 0, FSDP2 sharding the
     model over both, 5 samples (mini-batches of 4 and 1: the second is padded for rank 1), one adapter from rank 0."""
