@@ -62,6 +62,8 @@ SEPARATE: dict[str, list[str]] = {
     # issue 27 item 6: the RL Service under many lineages; 8 lines with samples at 10 and 40 registered lineages.
     "bench/lineage_scale_bench.py": ["--sizes", "10", "40", "--pending-lines", "8", "--samples", "8", "--batches",
                                      "8", "--reps", "2"],
+    # issue 35: greedy samples trained with `correct` vs sampled ones vs excluded, one seed on a few prompts.
+    "bench/greedy_bench.py": ["--seeds", "0", "--prompts", "4", "--held-out", "2", "--length", "4"],
 }
 
 
