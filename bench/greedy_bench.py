@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/greedy_bench.py [--seeds 0 1 2] [--prompts 32] [--held-out 16] [--length 12]
 
-A tiny random model answers `--prompts` prompts; the half of the answers richest in even token ids gets reward 1
-(the rule of the learning tests), and one local-backend Training Run trains on them (lr 2e-3, 4 PPO epochs, the
-learning tests' settings), under each condition:
+A tiny random model answers `--prompts` prompts (random token ids, so that their greedy answers differ); the half of
+the answers richest in even token ids gets reward 1 (the rule of the learning tests), and one local-backend Training
+Run trains on them (lr 2e-3, 4 PPO epochs, the learning tests' settings), under each condition:
 
 - `greedy+correct`: the answers are greedy (argmax) and carry the `greedy` constraint, trained as `correct` does it
   (behaviour logprob 0, temperature 1, decoupled with truncated weights min(π_old, 2));
@@ -12,15 +12,18 @@ learning tests' settings), under each condition:
   the same rule and the same number of samples;
 - `exclude`: no run (the policy stays the parent).
 
-Measured on `--held-out` other prompts, parent → trained: the even-token share of greedy answers and of answers
-sampled at temperature 1 (8 per prompt), and the mean entropy (nats) of the next-token distribution along the greedy
-answers. Prints a table and writes bench/results/greedy.json.
+Measured, parent → trained: `margin`, the mean per-token logprob of the condition's rewarded training answers minus
+its unrewarded ones (does the update follow the reward?); on `--held-out` other prompts, `even_mass`, the policy's
+mean probability of an even token along answers sampled at temperature 1 (does it learn the rewarded behaviour?),
+and `entropy` (nats) along them; and `weight`, the mean truncated importance weight of the greedy rows
+(π_old(argmax), what `correct` scales them by). Prints a table and writes bench/results/greedy.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -41,21 +44,16 @@ from bench.machine import write_result  # noqa: E402
 from tests.support import learning as L  # noqa: E402
 
 SETTINGS = dict(learning_rate=2e-3, ppo_epochs=4, max_prompt_length=64, max_response_length=64)
-SAMPLED_PER_PROMPT = 8
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
           "frequency_penalty": 0.0, "repetition_penalty": 1.0, "constraints": {"greedy": {}}}
 
 
 @torch.no_grad()
-def greedy(model: Any, prompt: list[int], length: int) -> tuple[list[int], float]:
-    """The argmax answer and the mean entropy (temperature 1) of the distributions it was picked from."""
-    ids, entropies = list(prompt), []
+def greedy(model: Any, prompt: list[int], length: int) -> list[int]:
+    ids = list(prompt)
     for _ in range(length):
-        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-        logp = F.log_softmax(logits, -1)
-        entropies.append(float(-(logp.exp() * logp).sum()))
-        ids.append(int(logits.argmax()))
-    return ids[len(prompt):], sum(entropies) / len(entropies)
+        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
 
 
 def half_rewards(answers: list[list[int]]) -> list[float]:
@@ -75,17 +73,26 @@ def documents(prompts: list[list[int]], answers: list[list[int]], logprobs: list
     return docs
 
 
-def measure(model: Any, prompts: list[list[int]], length: int, seed: int) -> dict[str, float]:
-    greedy_share, entropy, sampled_share = [], [], []
+def margin(model: Any, docs: list[dict[str, Any]]) -> float:
+    good, bad = [], []
+    for doc in docs:
+        traj = doc["trajectory"]
+        lps = L.sequence_logprobs(model, traj["prompt_ids"], traj["response_ids"])
+        (good if doc["judge"]["score"] > 0.5 else bad).extend(lps)
+    return sum(good) / len(good) - sum(bad) / len(bad)
+
+
+@torch.no_grad()
+def behaviour(model: Any, prompts: list[list[int]], length: int, seed: int) -> dict[str, float]:
+    """`even_mass` and `entropy` along answers sampled at temperature 1 (4 per prompt, seeded)."""
+    even, entropy = [], []
     for n, prompt in enumerate(prompts):
-        answer, h = greedy(model, prompt, length)
-        greedy_share.append(L.target_share(answer))
-        entropy.append(h)
-        sampled_share += [L.target_share(a) for a in L.sample_responses_cached(
-            model, prompt, SAMPLED_PER_PROMPT, length, seed=seed * 1000 + n)]
-    return {"greedy_even_share": sum(greedy_share) / len(greedy_share),
-            "sampled_even_share": sum(sampled_share) / len(sampled_share),
-            "greedy_entropy": sum(entropy) / len(entropy)}
+        for answer in L.sample_responses_cached(model, prompt, 4, length, seed=seed * 1000 + n):
+            ids = torch.tensor([prompt + answer])
+            logp = F.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+            even.append(float(logp.exp()[:, 0::2].sum(-1).mean()))
+            entropy.append(float(-(logp.exp() * logp).sum(-1).mean()))
+    return {"even_mass": sum(even) / len(even), "entropy": sum(entropy) / len(entropy)}
 
 
 async def train(model_dir: Path, tmp: Path, docs: list[dict[str, Any]], seed: int, name: str) -> dict[str, Any]:
@@ -104,28 +111,37 @@ async def train(model_dir: Path, tmp: Path, docs: list[dict[str, Any]], seed: in
 async def one_seed(args: argparse.Namespace, tmp: Path, seed: int) -> dict[str, Any]:
     model_dir = make_tiny_model(tmp / f"model-{seed}", seed=seed)
     base = L.load_model(model_dir)
-    texts = [f"Say something about topic number {i}." for i in range(args.prompts + args.held_out)]
-    prompts = [L.prompt_ids(model_dir, t) for t in texts]
+    gen = torch.Generator().manual_seed(seed)
+    vocab = int(base.config.vocab_size)
+    prompts = [torch.randint(3, vocab, (8,), generator=gen).tolist() for _ in range(args.prompts + args.held_out)]
     train_prompts, held_out = prompts[: args.prompts], prompts[args.prompts:]
-    # Greedy answers: what vLLM reports for them is the temperature-1 logprob of the argmax (kept, as captured).
-    greedy_answers = [greedy(base, p, args.length)[0] for p in train_prompts]
-    greedy_docs = documents(train_prompts, greedy_answers,
-                            [L.sequence_logprobs(base, p, a) for p, a in zip(train_prompts, greedy_answers)],
-                            half_rewards(greedy_answers), GREEDY)
+    # Greedy answers: vLLM reports the temperature-1 logprob of the argmax for them (kept, as captured).
+    greedy_answers = [greedy(base, p, args.length) for p in train_prompts]
+    greedy_lps = [L.sequence_logprobs(base, p, a) for p, a in zip(train_prompts, greedy_answers)]
     sampled_answers = [L.sample_responses(base, p, 1, args.length, seed=seed * 1000 + n)[0]
                        for n, p in enumerate(train_prompts)]
-    sampled_docs = documents(train_prompts, sampled_answers,
+    docs = {
+        "greedy+correct": documents(train_prompts, greedy_answers, greedy_lps, half_rewards(greedy_answers), GREEDY),
+        "sampled": documents(train_prompts, sampled_answers,
                              [L.sequence_logprobs(base, p, a) for p, a in zip(train_prompts, sampled_answers)],
-                             half_rewards(sampled_answers), None)
-    out: dict[str, Any] = {"seed": seed, "parent": measure(base, held_out, args.length, seed)}
-    out["distinct_greedy_answers"] = len({tuple(a) for a in greedy_answers})
-    for name, docs in (("greedy+correct", greedy_docs), ("sampled", sampled_docs)):
-        trained = await train(model_dir, tmp, docs, seed, name)
+                             half_rewards(sampled_answers), None),
+    }
+    parent = behaviour(base, held_out, args.length, seed)
+    weights = [min(math.exp(lp), 2.0) for lps in greedy_lps for lp in lps]
+    out: dict[str, Any] = {"seed": seed, "distinct_greedy_answers": len({tuple(a) for a in greedy_answers}),
+                           "greedy_weight_mean": sum(weights) / len(weights),
+                           "exclude": {"margin_before": margin(base, docs["greedy+correct"]),
+                                       "margin_after": margin(base, docs["greedy+correct"]),
+                                       **{f"{k}_before": v for k, v in parent.items()},
+                                       **{f"{k}_after": v for k, v in parent.items()}}}
+    for name, condition_docs in docs.items():
+        trained = await train(model_dir, tmp, condition_docs, seed, name)
         model = L.load_model(model_dir, trained["adapter"])
-        out[name] = {**measure(model, held_out, args.length, seed),
+        after = behaviour(model, held_out, args.length, seed)
+        out[name] = {"margin_before": margin(base, condition_docs), "margin_after": margin(model, condition_docs),
+                     **{f"{k}_before": v for k, v in parent.items()}, **{f"{k}_after": v for k, v in after.items()},
                      "correction": trained["sampling"]["correction"],
                      "constrained_samples": trained["sampling"]["constrained_samples"]}
-    out["exclude"] = dict(out["parent"])  # nothing is trained: the policy is the parent
     return out
 
 
@@ -142,13 +158,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             results.append(asyncio.run(one_seed(args, Path(tmp), seed)))
-    keys = ("greedy_even_share", "sampled_even_share", "greedy_entropy")
+    keys = ("margin", "even_mass", "entropy")
     print(f"{'seed':>4} {'condition':>15} " + " ".join(f"{k:>22}" for k in keys))
     for r in results:
         for name in ("exclude", "greedy+correct", "sampled"):
-            cells = [f"{r['parent'][k]:.3f} -> {r[name][k]:.3f}".rjust(22) for k in keys]
+            cells = [f"{r[name][k + '_before']:.4f} -> {r[name][k + '_after']:.4f}".rjust(22) for k in keys]
             print(f"{r['seed']:>4} {name:>15} " + " ".join(cells))
-    print("distinct greedy answers per seed:", [r["distinct_greedy_answers"] for r in results])
+    print("distinct greedy answers per seed:", [r["distinct_greedy_answers"] for r in results],
+          "; mean weight of a greedy token (π_old of the argmax, capped at 2):",
+          [round(r["greedy_weight_mean"], 4) for r in results])
     write_result({"settings": SETTINGS, "args": vars(args), "results": results}, args.out)
     print(f"written to {args.out}")
 

@@ -30,15 +30,14 @@ class FieldInvalid(ValueError):
         self.field = field
 
 
-def check_request(request: dict[str, Any], *, names: dict[str, str] | None = None) -> None:
-    """Raise FieldInvalid for the first field of a captured `request` vLLM would refuse (`names` maps a field to
-    the name the client used, e.g. for a converted Anthropic request)."""
-    names = names or {}
+def check_request(request: dict[str, Any]) -> None:
+    """Raise FieldInvalid for the first field of a captured `request` vLLM would refuse (a converted Anthropic
+    request names the fields checked here as its client did: `temperature`, `top_p`, `top_k`)."""
     for field in sampling.FIELDS:
         try:
             sampling.check_field(field, request.get(field))
         except InvalidSampling as exc:
-            raise FieldInvalid(names.get(field, field), exc.reason) from None
+            raise FieldInvalid(field, exc.reason) from None
     n = request.get("n")
     if n is not None:
         if type(n) is not int or n < 1:

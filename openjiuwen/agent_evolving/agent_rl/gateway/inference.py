@@ -64,8 +64,6 @@ log = logging.getLogger("openjiuwen.agent_rl.gateway.inference")
 
 UPSTREAM_READ_TIMEOUT_S = 600.0  # one read; a long generation streams or answers within it
 CHAT_PATH = "/v1/chat/completions"
-# Converted Anthropic fields → the names the client used, for the messages of refused values.
-ANTHROPIC_NAMES = {"parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 
 
 class InferenceProxy:
@@ -114,8 +112,7 @@ class InferenceProxy:
             converted = anthropic_to_openai_request(body)
         except ValueError as exc:
             return envelope(400, "invalid_request", str(exc))
-        return await self._serve(request, converted, flavor="anthropic", client_model=body.get("model"),
-                                 names=ANTHROPIC_NAMES)
+        return await self._serve(request, converted, flavor="anthropic", client_model=body.get("model"))
 
     @staticmethod
     async def _json_body(request: Request) -> dict[str, Any] | Response:
@@ -131,7 +128,6 @@ class InferenceProxy:
 
     async def _serve(
         self, request: Request, body: dict[str, Any], *, flavor: str, client_model: str | None = None,
-        names: dict[str, str] | None = None,
     ) -> Response:
         wants = client_wants(body)
         if client_model is not None:
@@ -147,11 +143,10 @@ class InferenceProxy:
                 return await self._bypass(body, wants, flavor, session_id, call)
         if self._metrics is not None:
             self._metrics.lineage_request(binding.lineage, captured=True)
-        return await self._serve_captured(request, body, wants, flavor, binding, names)
+        return await self._serve_captured(request, body, wants, flavor, binding)
 
     async def _serve_captured(
         self, request: Request, body: dict[str, Any], wants: ClientWants, flavor: str, binding: Binding,
-        names: dict[str, str] | None,
     ) -> Response:
         if binding.secret_digest is not None:
             presented = request.headers.get(capture_secret.HEADER)
@@ -161,7 +156,7 @@ class InferenceProxy:
             if not capture_secret.matches(presented, binding.secret_digest):
                 return envelope(403, "invalid_capture_secret", "wrong capture secret for this session's RL Task")
         try:
-            check_request(body, names=names)
+            check_request(body)
         except FieldInvalid as exc:
             return envelope(400, "invalid_request", str(exc))
         # Counted among the Task's captures in flight from here until the call's capture ends (captured_call.py).
