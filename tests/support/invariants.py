@@ -18,8 +18,9 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
 - Tasks (inv. 1–3): the active index, the session pointers and the records agree; `captures` = open ∪ committed
   and the two are disjoint, each member has its metadata with the matching status; a terminal Task has no open
   capture; a staged sample exists only for a committed capture whose Task still may publish it;
-- samples of Tasks (inv. 4): every committed capture of a published turn or of a rewarded Task is exactly one
-  sample of that Task, and every Task sample comes from such a capture (nothing published from nowhere);
+- samples of Tasks (inv. 4): every committed capture of a published turn or of a rewarded Task is exactly its
+  samples of that Task (one; one per choice of an `n` > 1 answer: the capture id, then `<id>.1` …, as many as its
+  metadata's `samples`), and every Task sample comes from such a capture (nothing published from nowhere);
 - evaluation Tasks: a sample is `evaluation` exactly when its Task is an evaluation Task, and an `evaluation` sample
   was never claimed (no `run_id`): evaluation traffic is never trained on;
 - automatic training (keys.TRAINING_WAITING, the due index): entries name registered lineages' lines only; with a
@@ -27,14 +28,15 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
   could become eligible by time alone (automatic training on for it, not paused, at its threshold, or at its floor
   with a `max_wait_seconds`, live) has an entry; fair-share tags and `eligible_since` name lineages / lines only;
 - excluded instances (inv. 11): no sample an excluded instance served is `pending` or `awaiting_rewards`, and every
-  `excluded` sample was served by an excluded instance;
+  `excluded` sample was served by an excluded instance or carries a constraint `exclusion` (issue 35), which only
+  `excluded` samples carry;
 - prompt blocks (invariant P, `store/prompt_blocks.py`): a block exists iff some sample references it, its `refs`
   equals the number of referencing samples, it holds exactly one block of ids, the chained digests of each sample
   match the contents, and no block has a TTL;
 - TTLs (inv. 8): none on active Tasks, pending/claimed samples, staged samples awaiting a reward, the live runs;
 - the client's view (`ClientRecord`, optional): every capture the client saw committed (204) in a Task whose
   reward (200) or turn publication it saw acknowledged is exactly one sample with that reward / a Judge score, and
-  the acknowledged `sample_count` equals the Task's committed captures.
+  the acknowledged `sample_count` equals the samples of the Task's committed captures.
 
     report = await check_invariants(redis, model_id="tiny", sent=record)   # raises InvariantViolation
     report = await check_invariants(redis, model_id="tiny", raise_on_violation=False)
@@ -310,6 +312,21 @@ class _TaskState:
     reward: dict[str, Any] | None = None
     ttl: int = -1
 
+    def sample_ids(self, c: str) -> list[str]:
+        """The samples committed capture `c` makes: itself, and `<c>.1` … for each further choice of an `n` > 1
+        answer (its metadata's `samples`, issue 35)."""
+        meta = self.metas.get(c)
+        count = meta.get("samples") if isinstance(meta, dict) else None
+        return [c, *(f"{c}.{i}" for i in range(1, count if type(count) is int else 1))]
+
+    def sample_count(self, captures: Iterable[str]) -> int:
+        return sum(len(self.sample_ids(c)) for c in captures)
+
+    def describe_committed(self) -> str:
+        count = self.sample_count(self.committed)
+        more = f" making {count} samples" if count != len(self.committed) else ""
+        return f"{len(self.committed)} committed captures{more}"
+
 
 async def check_invariants(
     redis: Redis,
@@ -422,6 +439,7 @@ class _Sample:
     run_id: str
     instance: str = ""  # the vLLM instance that served it ("" when unknown)
     line: str = ""  # the line it belongs to (docs/lineages.md): the model id for the default lineage
+    constraint_excluded: bool = False  # it carries an `exclusion` of the training policy (issue 35)
     judge: Any = None  # loaded only for the samples a ClientRecord vouches for (`_load_judges`)
     indexes: list[str] = field(default_factory=list)
 
@@ -433,11 +451,12 @@ async def _check_samples(
     """Invariant 5, per line: one index per sample, its own line's, matching its status; each line's counters
     equal what is stored."""
     # Index fields only: the documents (`sample_json`) are large, and read only where a ClientRecord needs them.
-    fields = ("status", "source", "policy_version", "rl_task_id", "run_id", "user_id", "instance", "lineage")
+    fields = ("status", "source", "policy_version", "rl_task_id", "run_id", "user_id", "instance", "lineage",
+              "exclusion")
     rows = await _pipelined(redis, sample_ids, lambda p, s: p.hmget(keys.traj(s), fields))
     samples: dict[str, _Sample] = {}
     for sample_id, row in zip(sample_ids, rows):
-        status, source, policy, task, run_id, user, instance, lineage = (_s(v) for v in row)
+        status, source, policy, task, run_id, user, instance, lineage, exclusion = (_s(v) for v in row)
         line = line_of(model_id, lineage or DEFAULT_LINEAGE)
         if lineage == DEFAULT_LINEAGE:
             report.add(f"sample {sample_id}: hash field lineage 'default' (the default lineage is never stored)")
@@ -446,7 +465,7 @@ async def _check_samples(
         if user is not None and user != model_id:
             report.add(f"sample {sample_id}: user_id {user!r} is not the service owner {model_id!r}")
         samples[sample_id] = _Sample(sample_id, status, source or "", policy or "base", task or "", run_id or "",
-                                     instance or "", line=line)
+                                     instance or "", line=line, constraint_excluded=exclusion is not None)
         if status is None:
             report.add(f"sample {sample_id}: hash without a status field")
         elif status not in statuses:
@@ -518,13 +537,16 @@ async def _check_run_lines(
 
 
 async def _check_excluded(redis: Redis, report: InvariantReport, samples: dict[str, _Sample]) -> None:
-    """Invariant 11: what an excluded instance served is never trainable, and only that is `excluded`."""
+    """Invariant 11: what an excluded instance served is never trainable, and only that, or a sample whose constraint
+    the training policy excludes (its `exclusion`), is `excluded`."""
     excluded = {_s(m) or "" for m in await redis.smembers(keys.EXCLUDED_INSTANCES)}
     for sample in samples.values():
         if sample.instance in excluded and sample.status in (SampleStatus.PENDING, SampleStatus.AWAITING_REWARDS):
             report.add(f"sample {sample.sample_id} of excluded instance {sample.instance!r} is {sample.status}")
-        if sample.status == SampleStatus.EXCLUDED and sample.instance not in excluded:
+        if sample.status == SampleStatus.EXCLUDED and sample.instance not in excluded and not sample.constraint_excluded:
             report.add(f"sample {sample.sample_id} is excluded, but its instance {sample.instance!r} is not")
+        if sample.constraint_excluded and sample.status not in (SampleStatus.EXCLUDED, None):
+            report.add(f"sample {sample.sample_id} carries a constraint exclusion but is {sample.status}")
 
 
 async def _check_prompt_blocks(
@@ -956,9 +978,9 @@ def _check_task_samples(report: InvariantReport, tasks: dict[str, _TaskState], s
         reward = state.reward or {}
         if reward.get("status") == "published":
             must |= state.committed
-            if reward.get("sample_count") != len(state.committed):
+            if reward.get("sample_count") != state.sample_count(state.committed):
                 report.add(f"task {t}: reward published with sample_count {reward.get('sample_count')} but "
-                           f"{len(state.committed)} committed captures")
+                           f"{state.describe_committed()}")
         elif reward.get("status") == "projecting":
             report.add(f"task {t}: reward projection left `projecting` (interrupted and never repaired)")
         for u, published in state.turn_publish.items():
@@ -969,6 +991,7 @@ def _check_task_samples(report: InvariantReport, tasks: dict[str, _TaskState], s
         for u in sorted(state.turn_publishers):
             if state.turn_publish.get(u) != "publishing":
                 report.add(f"task {t}: turn {u} names a publication holder but is {state.turn_publish.get(u)!r}")
+        must = {sample_id for c in must for sample_id in state.sample_ids(c)}
         for c in sorted(must):
             sample = samples.get(c)
             if sample is None:
@@ -1029,9 +1052,8 @@ def _check_client(
         if state is None or state.record is None:
             report.add(f"client: rewarded task {t} has no record")
             continue
-        if count != len(state.committed):
-            report.add(f"client: reward of {t} acknowledged {count} samples, the Task has "
-                       f"{len(state.committed)} committed captures")
+        if count != state.sample_count(state.committed):
+            report.add(f"client: reward of {t} acknowledged {count} samples, the Task has {state.describe_committed()}")
         missing = sorted(set(committed) - state.committed)
         if missing:
             report.add(f"client: captures {missing[:5]} of rewarded task {t} were acknowledged but are not committed")

@@ -78,8 +78,9 @@ def stop(gw: GatewayProcess, rl_task_id: str) -> None:
 def rewarded_task(gw: GatewayProcess, client: openai.OpenAI, session: str, reward: float, chats: int = 1,
                   lineage: str | None = None) -> str:
     t = start(gw, session, lineage=lineage)
-    for n in range(chats):
-        chat(client, session, **({"temperature": 0.7, "top_p": 0.9} if n == 1 else {}))  # the agent's own sampling
+    for n in range(chats):  # the agent's own sampling; a third chat asks for JSON (issue 35: served, recorded)
+        chat(client, session, **({"temperature": 0.7, "top_p": 0.9} if n == 1 else
+                                 {"response_format": {"type": "json_object"}} if n == 2 else {}))
     stop(gw, t)
     r = gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": reward})
     assert r.status_code == 200, r.text
@@ -338,7 +339,7 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         shot("task")
         body = text()
         assert "capture_committed" in body and "reward_recorded" in body and "after finalize" in body
-        assert "T 1 · T 0.7 top_p 0.9" in body  # the sampling of each capture, as the agent asked
+        assert "T 1 · T 0.7 top_p 0.9 · T 1 [json_object]" in body  # each capture's sampling, as the agent asked
         assert page.locator("svg.chart rect").count() >= 6  # created, 3 × reserved + committed, finalized, reward
 
         show(f"/tasks/{run.delayed_task}")
@@ -352,7 +353,7 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         for word in ("succeeded", "tiny:v1", "queued", "training", "activating", "activation_succeeded",
                      "loss per step", "T 1×4, 0.7×2 · truncated 2 · |captured − recomputed| mean 0.0125, max 0.1050 · "
                      "ratios clipped 4.2% (ppo_clip)", "sample → policy p50 / p95", "by activation)",
-                     "eligible → run wait"):
+                     "eligible → run wait", "constrained samples by kind", "json_object×1"):
             assert word in body, word
         assert page.locator("svg.chart circle.dot").count() == 4 * 5  # loss, kl, grad_norm, samples × 5 steps
 

@@ -19,6 +19,8 @@ from openjiuwen.agent_evolving.agent_rl.online.config import (
     load_config,
 )
 from openjiuwen.agent_evolving.agent_rl.online.rollout.config import RolloutConfig
+from openjiuwen.agent_evolving.agent_rl.common.constraints import GRAMMAR_KINDS, KINDS, POLICY_DEFAULTS, policy_key
+from openjiuwen.agent_evolving.agent_rl.online.training.constrained import ConstrainedSamplesConfig
 from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
 from openjiuwen.agent_evolving.agent_rl.online.wiring import make_judge
 
@@ -130,6 +132,7 @@ def test_defaults_match_the_contract() -> None:
         "rollout": RolloutConfig(),
         "training_policy": TrainingPolicyConfig(),
         "lineages": LineagesConfig(),
+        "constrained_samples": ConstrainedSamplesConfig(),
         "workers": "auto",
     }
     assert {name: getattr(config, name) for name in expected} == expected
@@ -605,6 +608,18 @@ def test_documentation_lists_every_field() -> None:
     doc = DOC.read_text(encoding="utf-8")
     missing = [name for name in RLServiceConfig.model_fields if f"| `{name}` |" not in doc]
     assert missing == []
+
+
+def test_constrained_samples_defaults_and_values() -> None:
+    """Issue 35: one key per constraint kind (the grammar kinds share `grammar`), defaults as documented; a value
+    other than correct/exclude, an unknown key, or `correct` for beam search is refused."""
+    assert ConstrainedSamplesConfig().policy() == POLICY_DEFAULTS
+    assert {policy_key(kind) for kind in KINDS} == set(POLICY_DEFAULTS)
+    assert {policy_key(kind) for kind in GRAMMAR_KINDS} == {"grammar"}
+    assert make(constrained_samples={"greedy": "correct"}).constrained_samples.greedy == "correct"
+    for bad in ({"greedy": "train"}, {"json_schema": "exclude"}, {"beam_search": "correct"}):
+        with pytest.raises(ConfigError, match="constrained_samples"):
+            make(constrained_samples=bad)
 
 
 def test_training_policy_is_off_by_default_and_validated() -> None:

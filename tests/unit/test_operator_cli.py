@@ -462,6 +462,14 @@ def test_train_stop_and_get(gw: FakeGateway, capsys) -> None:
     assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
     assert ("sampling   T 0.7×1, 1.3×1; truncated 1; |captured − recomputed| mean 0.012, max 0.25; ratios clipped "
             "2.5% (ppo_clip)\n") in capsys.readouterr().out
+    # Issue 35: a run with constrained samples says how many it corrected and of which kinds.
+    trained["metrics"]["sampling"] = dict(report, correction="ppo_clip+constrained_tis", constrained_samples=2)
+    trained["metrics"]["constraints"] = {"json_schema": 2, "penalties": 1}
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(trained))
+    assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
+    out = capsys.readouterr().out
+    assert "2.5% (ppo_clip+constrained_tis); constrained 2\n" in out
+    assert "shaped    json_schema×2, penalties×1\n" in out
 
 
 # ---------------------------------------------------------------------------------------------- help and dispatch
@@ -566,6 +574,26 @@ def test_traj_get_and_list_show_the_serving_instance(gw: FakeGateway, capsys) ->
     assert "served    vllm-x\n" in capsys.readouterr().out
     assert run_cli(gw, "traj", "list") == 0
     assert capsys.readouterr().out.splitlines()[1].split()[5] == "vllm-x"
+
+
+def test_traj_get_and_list_show_the_constraints_the_exclusion_and_the_choice(gw: FakeGateway, capsys) -> None:
+    """Issue 35: what constrained a sample, why it is kept out of training, which choice of a group it is."""
+    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.5,
+                "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                "constraints": {"json_schema": {"name": "Answer", "bytes": 81}, "greedy": {}}}
+    sample = {"sample_id": "c1.1", "status": "excluded", "source": "rl_task", "session_id": "s", "rl_task_id": "t",
+              "policy_version": "base", "created_at": "2025-01-01T00:00:00+00:00", "sampling": sampling,
+              "exclusion": {"reason": "constraint", "kinds": ["greedy"]}, "group_uid": "t:c1", "choice_index": 1,
+              "trajectory": {"prompt_ids": [1], "response_ids": [2], "response_text": "hi"}}
+    gw.on("GET", "/v1/rl/trajectories/c1.1", ok(sample))
+    gw.on("GET", "/v1/rl/trajectories", ok({"items": [sample], "next_cursor": None}))
+    assert run_cli(gw, "traj", "get", "c1.1") == 0
+    out = capsys.readouterr().out
+    assert "sampling  T 0 [json_schema, greedy]\n" in out
+    assert "shaped    json_schema (name Answer, bytes 81); greedy\n" in out
+    assert "training  excluded: constraint greedy\n" in out and "choice    1 of group t:c1\n" in out
+    assert run_cli(gw, "traj", "list") == 0
+    assert "T 0 [json_schema, greedy]" in capsys.readouterr().out
 
 
 def test_lineage_options_and_lineage_list(gw: FakeGateway, capsys) -> None:

@@ -283,6 +283,7 @@ def _show_run(run: dict[str, Any]) -> None:
         ("freshness", _freshness_text(run.get("freshness"))),
         ("steps", metrics.get("steps")),
         ("sampling", _run_sampling_text(metrics.get("sampling"))),
+        ("shaped", _counts_text(metrics.get("constraints"))),  # the run's samples per constraint kind
         ("created", run.get("created_at")),
         ("started", run.get("started_at")),
         ("finished", run.get("finished_at")),
@@ -338,7 +339,8 @@ _SAMPLING_SHOWN = (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))
 
 
 def _sampling_text(sampling: Any) -> str:
-    """`T 0.7 top_p 0.9`; "-" for a sample without a record (a rail upload: drawn at the neutral defaults)."""
+    """`T 0.7 top_p 0.9 [json_schema, penalties]` (the kinds of its constraints last); "-" for a sample without a
+    record (a rail upload: drawn at the neutral defaults)."""
     if not isinstance(sampling, dict):
         return "-"
     parts = [f"T {sampling.get('temperature'):g}"] if isinstance(sampling.get("temperature"), (int, float)) else []
@@ -346,7 +348,36 @@ def _sampling_text(sampling: Any) -> str:
         value = sampling.get(key)
         if isinstance(value, (int, float)) and value != neutral and not (key == "top_k" and value == -1):
             parts.append(f"{key} {value:g}")
+    constraints = sampling.get("constraints")
+    if isinstance(constraints, dict) and constraints:
+        parts.append("[" + ", ".join(str(kind) for kind in constraints) + "]")
     return " ".join(parts) or "-"
+
+
+def _constraints_text(sampling: Any) -> str | None:
+    """Each constraint of a sample with its recorded details: `json_schema (name Answer, bytes 81, …); greedy`."""
+    constraints = sampling.get("constraints") if isinstance(sampling, dict) else None
+    if not isinstance(constraints, dict) or not constraints:
+        return None
+    parts = []
+    for kind, details in constraints.items():
+        shown = ", ".join(f"{k} {v}" for k, v in details.items()) if isinstance(details, dict) else ""
+        parts.append(f"{kind} ({shown})" if shown else str(kind))
+    return "; ".join(parts)
+
+
+def _exclusion_text(exclusion: Any) -> str | None:
+    """Why a sample is kept out of training: `excluded: constraint greedy` or `excluded: instance`."""
+    if not isinstance(exclusion, dict):
+        return None
+    kinds = ", ".join(str(k) for k in exclusion.get("kinds") or [])
+    return f"excluded: {exclusion.get('reason')}" + (f" {kinds}" if kinds else "")
+
+
+def _counts_text(counts: Any) -> str | None:
+    if not isinstance(counts, dict) or not counts:
+        return None
+    return ", ".join(f"{kind}×{n}" for kind, n in counts.items())
 
 
 def _run_sampling_text(report: Any) -> str | None:
@@ -357,7 +388,8 @@ def _run_sampling_text(report: Any) -> str | None:
     return (f"T {temps or '-'}; truncated {report.get('truncated_samples')}; "
             f"|captured − recomputed| mean {_num(report.get('logprob_mismatch_mean'), '.2g')}, "
             f"max {_num(report.get('logprob_mismatch_max'), '.2g')}; "
-            f"ratios clipped {_num(report.get('ratio_clipped_share'), '.1%')} ({report.get('correction')})")
+            f"ratios clipped {_num(report.get('ratio_clipped_share'), '.1%')} ({report.get('correction')})"
+            + (f"; constrained {report['constrained_samples']}" if report.get("constrained_samples") else ""))
 
 
 def _show_items(items: list[dict[str, Any]]) -> None:
@@ -441,6 +473,10 @@ def _show_sample(sample: dict[str, Any]) -> None:
         ("policy", sample.get("policy_version")),
         ("served", sample.get("instance")),  # by which vLLM instance
         ("sampling", _sampling_text(sample.get("sampling"))),
+        ("shaped", _constraints_text(sample.get("sampling"))),  # by its constraints
+        ("training", _exclusion_text(sample.get("exclusion"))),
+        ("choice", f"{sample['choice_index']} of group {sample.get('group_uid')}"
+                   if sample.get("choice_index") is not None else None),
         ("created", sample.get("created_at")),
         ("judge", f"score {judge.get('score')} ({judge.get('source')}"
                   + (f", tag {judge['tag']})" if judge.get("tag") else ")") if judge else None),

@@ -11,11 +11,11 @@ routing) and, when captured, its Task's captures in flight (a Task stop drains t
 returns or, for a stream, when the relay it was handed over to ends; a capture still pending then is discarded, and
 the Task's count ends when the hook that ends the capture (`:after` or `:discard`) returns.
 
-Inside a Task the request is screened first (capture_fields.py: honoured, refused and dropped fields), and a Task
-started with a capture secret needs it on every call (capture_secret.py). Outside a Task the body goes upstream as
-the client sent it, but may name only the base model or the active version of a line, and a version of a lineage's
-line only when the caller may (lineage_access.py, issue 37 item 1): else the answer of an unknown model. A vLLM error
-answer reaches the client as JSON only (responses.upstream_error).
+Inside a Task the request goes upstream as sent, only the values vLLM itself would refuse answered first
+(capture_fields.py), and a Task started with a capture secret needs it on every call (capture_secret.py). Outside a
+Task the body goes upstream as the client sent it, but may name only the base model or the active version of a line,
+and a version of a lineage's line only when the caller may (lineage_access.py, issue 37 item 1): else the answer of
+an unknown model. A vLLM error answer reaches the client as JSON only (responses.upstream_error).
 
 A request counts in flight on its instance from the routing pick, before any page-in, and a page-in that failed is
 tried once more on another instance (`_route`, issue 37 items 3 and 4).
@@ -44,7 +44,7 @@ from ..common import json_nesting
 from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
 from .capture_hooks import CaptureHooks
 from .captured_call import CapturedCall, ProxiedCall
-from .capture_fields import IGNORED_FIELDS_HEADER, FieldRefused, ignored_header, screen
+from .capture_fields import FieldInvalid, check_request
 from .http11 import AnswerTooLarge, HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
 from .lora_manager import LoraManager
@@ -70,8 +70,6 @@ log = logging.getLogger("openjiuwen.agent_rl.gateway.inference")
 
 UPSTREAM_READ_TIMEOUT_S = 600.0  # one read; a long generation streams or answers within it
 CHAT_PATH = "/v1/chat/completions"
-# Converted Anthropic fields → the names the client used, for refusal messages and the ignored-fields header.
-ANTHROPIC_NAMES = {"parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 
 
 class InferenceProxy:
@@ -123,8 +121,7 @@ class InferenceProxy:
             converted = anthropic_to_openai_request(body)
         except ValueError as exc:
             return envelope(400, "invalid_request", str(exc))
-        return await self._serve(request, converted, flavor="anthropic", client_model=body.get("model"),
-                                 names=ANTHROPIC_NAMES)
+        return await self._serve(request, converted, flavor="anthropic", client_model=body.get("model"))
 
     @staticmethod
     async def _json_body(request: Request) -> dict[str, Any] | Response:
@@ -140,7 +137,6 @@ class InferenceProxy:
 
     async def _serve(
         self, request: Request, body: dict[str, Any], *, flavor: str, client_model: str | None = None,
-        names: dict[str, str] | None = None,
     ) -> Response:
         wants = client_wants(body)
         if client_model is not None:
@@ -154,11 +150,10 @@ class InferenceProxy:
             # The call's counts: closed here when the answer is returned, or by the stream's relay it is handed to.
             with ProxiedCall() as call:
                 return await self._bypass(request, body, wants, flavor, session_id, call)
-        return await self._serve_captured(request, body, wants, flavor, binding, names)
+        return await self._serve_captured(request, body, wants, flavor, binding)
 
     async def _serve_captured(
         self, request: Request, body: dict[str, Any], wants: ClientWants, flavor: str, binding: Binding,
-        names: dict[str, str] | None,
     ) -> Response:
         if binding.secret_digest is not None:
             presented = request.headers.get(capture_secret.HEADER)
@@ -170,15 +165,12 @@ class InferenceProxy:
         if self._metrics is not None:  # ranks lineages for a label: only a request its Task's secret admits
             self._metrics.lineage_request(binding.lineage, captured=True)
         try:
-            screened = screen(dict(body, model=binding.policy_model), names=names)
-        except FieldRefused as exc:
-            return envelope(400, "invalid_request" if exc.invalid else "capture_field_refused", str(exc))
+            check_request(body)
+        except FieldInvalid as exc:
+            return envelope(400, "invalid_request", str(exc))
         # Counted among the Task's captures in flight from here until the call's capture ends (captured_call.py).
         with CapturedCall(self._sessions, self._hooks, binding, request.headers.get("x-agent-turn-id")) as call:
-            response = await self._captured(screened.request, wants, flavor, call)
-        if screened.ignored:
-            response.headers[IGNORED_FIELDS_HEADER] = ignored_header(screened.ignored)
-        return response
+            return await self._captured(dict(body, model=binding.policy_model), wants, flavor, call)
 
     # ---------------------------------------------------------------- bypass
 
@@ -209,7 +201,7 @@ class InferenceProxy:
     # -------------------------------------------------------------- captured
 
     async def _captured(self, body: dict[str, Any], wants: ClientWants, flavor: str, call: CapturedCall) -> Response:
-        """`body`: screened, `model` already the pinned policy model."""
+        """`body`: checked, `model` already the pinned policy model."""
         binding = call.binding
         try:
             injected = await self._hooks.before(call, body)
@@ -352,7 +344,8 @@ class InferenceProxy:
         """The client's stream. It took the `call` over: closed when it ends, a broken stream or a client disconnect
         included. Only a captured stream is aggregated (for `:after`), and bounded in all."""
         captured = call if isinstance(call, CapturedCall) else None
-        aggregator = StreamAggregator() if captured is not None else None
+        # One aggregation per choice of the request (`n`: validated, absent, null or a positive integer).
+        aggregator = None if captured is None else StreamAggregator((captured.request or {}).get("n") or 1)
         chunks = resp.aiter_raw() if aggregator is None else resp.aiter_bounded(self._max_upstream_bytes)
         writer = AnthropicStreamWriter() if flavor == "anthropic" else None
         finish_reason: str | None = None

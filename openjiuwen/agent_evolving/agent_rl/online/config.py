@@ -31,6 +31,7 @@ from ..common import loopback
 from ..common.validation import ModelId, config_invalid, validation_problems
 from .rewards.config import RewardPolicyConfig
 from .rollout.config import RolloutConfig
+from .training.constrained import ConstrainedSamplesConfig
 from .training.policy import TrainingPolicyConfig
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -204,6 +205,10 @@ class RLServiceConfig(BaseModel):
 
     # Lineages besides `default` (docs/lineages.md).
     lineages: LineagesConfig = LineagesConfig()
+
+    # How samples whose sampling was constrained are trained, per kind: correct (off-policy) or exclude
+    # (docs/training.md "Constrained samples").
+    constrained_samples: ConstrainedSamplesConfig = ConstrainedSamplesConfig()
 
     # HTTP and logging.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432

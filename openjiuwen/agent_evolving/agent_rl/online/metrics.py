@@ -72,6 +72,11 @@ class ServiceMetrics:
                                    registry=r)
         self.samples_published = Counter("rl_samples_published_total", "Samples inserted into the trajectory store",
                                          m + ("source",), registry=r)
+        # Published samples per constraint kind (common/constraints.py: a bounded set) and what the
+        # `constrained_samples` setting made of them (correct | exclude).
+        self.constrained_samples = Counter("rl_constrained_samples_total",
+                                           "Published samples carrying a constraint, by kind and training policy",
+                                           m + ("kind", "training"), registry=r)
         self.trajectories = Gauge("rl_trajectories", "Samples by status (from the O(1) counters)",
                                   m + ("status",), registry=r, multiprocess_mode=LAST)
         self.training_runs = Counter("rl_training_runs_total", "Training Runs that reached a terminal status",
@@ -182,6 +187,9 @@ class ServiceMetrics:
 
     def published(self, source: str, n: int = 1) -> None:
         self.samples_published.labels(self.model_id, source or "unknown").inc(n)
+
+    def constrained(self, kind: str, training: str) -> None:
+        self.constrained_samples.labels(self.model_id, kind, training).inc()
 
     def run_finished(self, status: str) -> None:
         self.training_runs.labels(self.model_id, status).inc()

@@ -114,7 +114,7 @@ class ServiceDeps:
         reward_policy = RewardPolicy(config.reward_policy)  # empty (unconfigured) when the section is absent
         store = TrajectoryStore(
             redis, owner=config.model_id, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
-            reward_policy=reward_policy, metrics=metrics,
+            reward_policy=reward_policy, metrics=metrics, constrained=config.constrained_samples.policy(),
         )
         reward_ledger = RewardLedger(redis, store, reward_policy, owner=config.model_id)
         publisher = TurnPublisher(registry, store, metered_judge, metrics=metrics, membership=membership)

@@ -71,21 +71,29 @@
       return kv[0] + "=" + (v !== null && typeof v === "object" ? JSON.stringify(v) : String(v));
     }).join("  ");
   }
-  // A capture's sampling (common/sampling.py): the temperature, then what differs from vLLM's neutral values.
+  // A capture's sampling (common/sampling.py): the temperature, then what differs from vLLM's neutral values, then
+  // the kinds of what constrained it (common/constraints.py).
   function samplingText(sp) {
     if (!sp || typeof sp !== "object") return "-";
     const parts = ["T " + sp.temperature];
     if (sp.top_p !== 1) parts.push("top_p " + sp.top_p);
     if (sp.top_k > 0) parts.push("top_k " + sp.top_k);
     if (sp.min_p > 0) parts.push("min_p " + sp.min_p);
+    const kinds = Object.keys(sp.constraints || {});
+    if (kinds.length) parts.push("[" + kinds.join(", ") + "]");
     return parts.join(" ");
+  }
+  function countsText(counts) {
+    const entries = Object.entries(counts || {});
+    return entries.length ? entries.map(function (kv) { return kv[0] + "×" + kv[1]; }).join(", ") : "-";
   }
   function runSamplingText(rep) {
     if (!rep || typeof rep !== "object") return "-";
     const temps = Object.entries(rep.temperatures || {}).map(function (kv) { return kv[0] + "×" + kv[1]; }).join(", ");
     return "T " + (temps || "-") + " · truncated " + num(rep.truncated_samples) + " · |captured − recomputed| mean "
       + num(rep.logprob_mismatch_mean, 4) + ", max " + num(rep.logprob_mismatch_max, 4) + " · ratios clipped "
-      + num(100 * rep.ratio_clipped_share, 1) + "% (" + rep.correction + ")";
+      + num(100 * rep.ratio_clipped_share, 1) + "% (" + rep.correction + ")"
+      + (rep.constrained_samples ? " · constrained " + num(rep.constrained_samples) : "");
   }
   function link(href, text, cls) { return h("a", { href: href, text: text, class: cls }); }
   function fields(rows) {
@@ -438,7 +446,8 @@
         ["finished", when(r.finished_at)], ["failure", r.failure_reason],
         ["steps", num(m.steps)], ["dropped / truncated", num(m.dropped_samples) + " / " + num(m.prompt_truncated_samples) + " prompt, "
           + num(m.response_truncated_samples) + " response"], ["stale excluded", num(m.stale_excluded)],
-        ["sampling", runSamplingText(m.sampling)], ["eligible → run wait", waitText(r.freshness)],
+        ["sampling", runSamplingText(m.sampling)], ["constrained samples by kind", countsText(m.constraints)],
+        ["eligible → run wait", waitText(r.freshness)],
         ["sample → policy p50 / p95", latencyText(r.freshness, true)],
         ["policy since", r.freshness && r.freshness.policy_at ? when(r.freshness.policy_at) : "-"]])),
       h("h2", { text: "Stage timeline" }), stageChart(r, events),

@@ -20,7 +20,8 @@ import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from ...common import ids
+from ...common import constraints, ids
+from ...common.constraints import CORRECT, EXCLUDE, POLICY_DEFAULTS
 from ...common.lineage import DEFAULT_LINEAGE, is_lineage, line_of, split_line
 from ...common.policy_names import BASE_POLICY
 from ..errors import InvalidInput
@@ -50,8 +51,10 @@ _OUTDATED_CHUNK = 256  # pending samples read (and at most moved) per transactio
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
 _SUMMARY_FIELDS = (
     "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at",
-    "status", "instance", "sampling",
+    "status", "instance", "sampling", "exclusion",
 )
+# The `exclusion` shown for an `excluded` sample stored without one: its instance was excluded (issue 28 item 2).
+_INSTANCE_EXCLUSION = {"reason": "instance"}
 _DOC_FIELDS = (
     "sample_json", "prompt_ids", "response_ids", "response_logprobs", "rewards", "prompt_blocks", "status",
 )
@@ -111,9 +114,13 @@ class TrajectoryStore:
         max_policy_lag: int | None = None,
         reward_policy: RewardPolicy | None = None,
         metrics: "ServiceMetrics | None" = None,
+        constrained: Mapping[str, str] | None = None,
     ) -> None:
         self._redis = redis
         self._metrics = metrics
+        # The `constrained_samples` setting (common/constraints.py): a sample carrying a kind it excludes is
+        # published `excluded`, with its `exclusion`.
+        self._constrained: Mapping[str, str] = constrained if constrained is not None else POLICY_DEFAULTS
         self._owner = owner
         self._model_id = model_id
         self._max_policy_lag = max_policy_lag
@@ -137,7 +144,7 @@ class TrajectoryStore:
             split_line(line)  # refuses a malformed line before it names keys
             store = TrajectoryStore(self._redis, owner=line, model_id=self._model_id,
                                     max_policy_lag=self._max_policy_lag, reward_policy=self._root_policy,
-                                    metrics=self._metrics)
+                                    metrics=self._metrics, constrained=self._constrained)
             self._lines[line] = store
         return store
 
@@ -183,8 +190,8 @@ class TrajectoryStore:
     async def insert_if_absent(self, samples: Sequence[PackedSample]) -> list[str]:
         """Insert every sample whose hash has no `status` yet, as `pending` (or, under a reward policy with
         external sources, `awaiting_rewards`; a sample of an evaluation Task as `evaluation`, whatever the policy:
-        it never waits to become trainable; a sample served by an excluded instance as `excluded`); returns the
-        inserted ids in input order.
+        it never waits to become trainable; a sample served by an excluded instance, or carrying a constraint the
+        `constrained_samples` setting excludes, as `excluded`); returns the inserted ids in input order.
 
         An existing sample is never re-inserted or reset (invariant 4): publication may be repeated safely."""
         by_lineage: dict[str, list[PackedSample]] = {}
@@ -241,8 +248,20 @@ class TrajectoryStore:
         fresh = await transact(self._redis, body, *hash_keys.values(), keys.EXCLUDED_INSTANCES)
         if self._metrics is not None:
             for sample_id in fresh:
-                self._metrics.published(str(by_id[sample_id].meta.get("source") or ""))
+                meta = by_id[sample_id].meta
+                self._metrics.published(str(meta.get("source") or ""))
+                excluded_kinds = set((meta.get("exclusion") or {}).get("kinds") or ())
+                for kind in constraints.kinds_of(meta.get("sampling")):
+                    self._metrics.constrained(kind, EXCLUDE if kind in excluded_kinds else CORRECT)
         return fresh
+
+    def exclusion(self, meta: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Why the `constrained_samples` setting keeps a sample out of training, or None (evaluation samples are
+        never trained anyway: they keep their own status)."""
+        if meta.get("evaluation") is True:
+            return None
+        kinds = constraints.excluded_kinds(constraints.kinds_of(meta.get("sampling")), self._constrained)
+        return {"reason": "constraint", "kinds": list(kinds)} if kinds else None
 
     def _queue_insert(
         self, pipe: Pipeline, sample: PackedSample, split: tuple[list[tuple[bytes, bytes]], bytes], *,
@@ -256,8 +275,11 @@ class TrajectoryStore:
         policy_version = str(meta.get("policy_version") or BASE_POLICY)
         created_at = str(meta["created_at"])
         instance = meta.get("instance")
+        exclusion = self.exclusion(meta)
+        if exclusion is not None:
+            meta["exclusion"] = exclusion  # in the document (written below) and in its own field for listings
         final = (SampleStatus.EVALUATION if meta.get("evaluation") is True
-                 else SampleStatus.EXCLUDED if instance in excluded else None)
+                 else SampleStatus.EXCLUDED if instance in excluded or exclusion is not None else None)
         status, extra = final or SampleStatus.PENDING, {}
         if self._reward_policy is not None:
             # An evaluation or excluded sample keeps a reward state (external sources may still post to an
@@ -290,6 +312,7 @@ class TrajectoryStore:
                 **extra,
                 **({"prompt_blocks": prompt_blocks.pack_digests(d for d, _ in blocks)} if blocks else {}),
                 **({"sampling": orjson.dumps(meta["sampling"])} if meta.get("sampling") else {}),
+                **({"exclusion": orjson.dumps(exclusion)} if exclusion is not None else {}),
                 # The line's owner of a non-default sample (its indexes and counters); absent for default.
                 **({"lineage": self.lineage} if self.lineage != DEFAULT_LINEAGE else {}),
             },
@@ -684,6 +707,8 @@ class TrajectoryStore:
         doc["response"] = response
         doc["trajectory_id"] = doc.get("trajectory_id") or sample_id
         doc.setdefault("instance", None)  # the serving instance, when the gateway said (ext)
+        if status == SampleStatus.EXCLUDED:
+            doc.setdefault("exclusion", _INSTANCE_EXCLUSION)  # a constraint's exclusion is in the document itself
         doc["status"] = status
         doc["_store_status"] = status
         return doc
@@ -771,6 +796,8 @@ class TrajectoryStore:
                     "task_id": values["rl_task_id"] or None,
                     "policy_version": values["policy_version"],
                     "sampling": orjson.loads(values["sampling"]) if values["sampling"] else None,
+                    "exclusion": orjson.loads(values["exclusion"]) if values["exclusion"] else (
+                        _INSTANCE_EXCLUSION if values["status"] == SampleStatus.EXCLUDED else None),
                     "created_at": values["created_at"],
                     "updated_at": values["updated_at"],
                     "instance": values["instance"] or None,

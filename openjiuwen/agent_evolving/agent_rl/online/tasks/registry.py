@@ -8,7 +8,7 @@ never decide HTTP statuses.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -454,12 +454,13 @@ class TaskRegistry:
         turn_id: str | None,
         request_fingerprint: str,
         response_fingerprint: str,
-        sample: PackedSample | None,
+        samples: Sequence[PackedSample] | None,
     ) -> bool:
-        """open → committed with its staged sample; returns False for an idempotent repeat.
+        """open → committed with its staged samples (one, or one per choice of an `n` > 1 answer); returns False for
+        an idempotent repeat.
 
-        `sample` may be None only when the caller knows the capture is already committed. Invariants 2 and 3:
-        the capture leaves the open set, joins the committed (and turn) set and gains its staged sample at once.
+        `samples` may be None only when the caller knows the capture is already committed. Invariants 2 and 3:
+        the capture leaves the open set, joins the committed (and turn) set and gains its staged samples at once.
 
         The staged sample carries `completion_latency_ms` (this commit's time minus the reservation's `created_at`),
         so it is encoded here from the capture metadata the decision is based on, and the script
@@ -473,28 +474,30 @@ class TaskRegistry:
                        keys.committed_captures(t), keys.task_events(t)]
         if turn_id is not None:
             script_keys.append(keys.turn_captures(t, turn_id))
-        event = {"capture_id": capture_id, "agent_turn_id": turn_id}
-        if sample is not None and sample.meta.get("sampling"):
-            event["sampling"] = sample.meta["sampling"]  # the Task's timeline shows what each capture sampled at
+        event: dict[str, Any] = {"capture_id": capture_id, "agent_turn_id": turn_id}
+        if samples and samples[0].meta.get("sampling"):
+            event["sampling"] = samples[0].meta["sampling"]  # the Task's timeline shows what each capture sampled at
+        if samples and len(samples) > 1:
+            event["samples"] = len(samples)
         event_data = events.encode_data(event)
         expected = self._open_hints.get((t, capture_id))
         for _ in range(MAX_WATCH_RETRIES):
             args: list[Any] = [task.created_at, b"", b"", b"", capture_id, b"", b""]
-            if expected is not None and sample is not None:
+            if expected is not None and samples:
                 meta = CaptureMeta.from_json(expected)
                 if (meta.status == CaptureStatus.OPEN and meta.agent_turn_id == turn_id
                         and meta.request_fingerprint == request_fingerprint):
                     now = now_iso()
                     # Completion latency: from the reservation at `:before` to this commit (per-version evaluation).
-                    sample.meta["completion_latency_ms"] = round(
-                        max(0.0, (parse_iso_epoch(now) - parse_iso_epoch(meta.created_at)) * 1000.0), 3
-                    )
+                    latency = round(max(0.0, (parse_iso_epoch(now) - parse_iso_epoch(meta.created_at)) * 1000.0), 3)
+                    for sample in samples:
+                        sample.meta["completion_latency_ms"] = latency
                     committed = CaptureMeta(
                         meta.capture_id, meta.agent_turn_id, meta.request_fingerprint, response_fingerprint,
-                        CaptureStatus.COMMITTED, meta.created_at,
+                        CaptureStatus.COMMITTED, meta.created_at, len(samples) if len(samples) > 1 else None,
                     )
-                    args = [task.created_at, expected, committed.to_json(), sample.encode_staged(), capture_id, now,
-                            event_data]
+                    args = [task.created_at, expected, committed.to_json(), PackedSample.encode_staged_all(samples),
+                            capture_id, now, event_data]
             reply = await self._scripts.commit(keys=script_keys, args=args)
             code = reply[0]
             if code == scripts.DONE:
@@ -521,7 +524,7 @@ class TaskRegistry:
                 raise Conflict("capture already committed with a different response")
             if not active:
                 raise Conflict("RL Task is not active")
-            if sample is None:
+            if not samples:
                 raise Conflict("capture is not committed")
             expected = raw  # open, same input, Task active: commit it if it is still exactly this record
         raise RedisContention("commit kept finding its capture changed")
@@ -630,11 +633,13 @@ class TaskRegistry:
         return [(c, b) for c, b in zip(ids, blobs) if b is not None]
 
     async def complete_publish(
-        self, rl_task_id: str, turn_id: str, capture_ids: list[str], *, reward: float | None = None, owner: str = ""
+        self, rl_task_id: str, turn_id: str, capture_ids: list[str], *, reward: float | None = None, owner: str = "",
+        sample_count: int | None = None,
     ) -> None:
         """publishing → published: the turn joins the closed set and its staged samples go, atomically, only while
         the Task is active and this publication (`owner`) still holds the claim. Invariants 3 and 7. `reward` (the
-        turn's mean Judge score) goes into the `turn_published` event so a timeline shows what the turn earned."""
+        turn's mean Judge score) goes into the `turn_published` event so a timeline shows what the turn earned, with
+        `sample_count` (the turn's samples; its captures when not given)."""
         t = rl_task_id
         task_key, publish_key = keys.task(t), keys.turn_publish(t, turn_id)
         turn_set, publisher_key = keys.turn_captures(t, turn_id), keys.turn_publisher(t, turn_id)
@@ -655,7 +660,8 @@ class TaskRegistry:
             pipe.sadd(keys.turns_closed(t), turn_id)
             if capture_ids:
                 pipe.delete(*(keys.staged(t, c) for c in capture_ids))
-            data: dict[str, Any] = {"agent_turn_id": turn_id, "samples": len(capture_ids)}
+            data: dict[str, Any] = {"agent_turn_id": turn_id,
+                                    "samples": len(capture_ids) if sample_count is None else sample_count}
             if reward is not None:
                 data["reward"] = reward
             events.queue(pipe, keys.task_events(t), "turn_published", data)
