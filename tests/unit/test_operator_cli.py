@@ -469,7 +469,7 @@ def test_train_stop_and_get(gw: FakeGateway, capsys) -> None:
     assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
     out = capsys.readouterr().out
     assert "2.5% (ppo_clip+constrained_tis); constrained 2\n" in out
-    assert "shaped    json_schema×2, penalties×1\n" in out
+    assert "shaped     json_schema×2, penalties×1\n" in out
 
 
 # ---------------------------------------------------------------------------------------------- help and dispatch
