@@ -62,8 +62,13 @@ def line_state(gw: GatewayProcess, lineage: str) -> dict[str, Any]:
 
 
 def wait_candidate(gw: GatewayProcess, lineage: str, lora_name: str) -> None:
-    wait_for(lambda: line_state(gw, lineage)["candidate"] == lora_name, timeout_s=60.0,
-             what=f"{lora_name} as the candidate of tiny:{lineage}")
+    # Both sides: the gateway holds the candidate before the RL Service's rollout record says so (a promote in
+    # between is 409 no_rollout), and with concurrent runs the two lines' canaries start at once.
+    def both() -> bool:
+        state = line_state(gw, lineage)
+        return state["candidate"] == lora_name and state["rollout"] is not None and state["rollout"][2] == lora_name
+
+    wait_for(both, timeout_s=60.0, what=f"{lora_name} as the candidate of tiny:{lineage}")
 
 
 def promote(gw: GatewayProcess, lineage: str, lora_name: str) -> None:
