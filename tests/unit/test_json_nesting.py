@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from openjiuwen.agent_evolving.agent_rl.common import json_nesting
-from openjiuwen.agent_evolving.agent_rl.common.json_nesting import MAX_DEPTH, TooDeep, loads, nesting_exceeds
+from openjiuwen.agent_evolving.agent_rl.common.json_nesting import (
+    MAX_DEPTH, TooDeep, loads, nesting_exceeds, text_exceeds,
+)
 
 
 def lists(depth: int, leaf: bytes = b"1") -> bytes:
@@ -60,3 +66,81 @@ def test_a_custom_bound_and_text_as_str() -> None:
     assert json_nesting.loads("[[1]]", max_depth=2) == [[1]]
     with pytest.raises(TooDeep):
         json_nesting.loads("[[[1]]]", max_depth=2)
+
+
+# ------------------------------------------------------------------ the text scan agrees with the walk (issue 38)
+# `loads` checks the text it parsed (`text_exceeds`) instead of walking the value (`nesting_exceeds`); the two must
+# answer alike on every document, above all where strings hold brackets, quotes and backslashes.
+
+# Characters that could confuse a scan of the text: brackets, quotes, backslashes (escaped alone, in runs, before a
+# quote), and a few that JSON writes as escapes or as multi-byte UTF-8.
+TRICKY = st.text(alphabet=st.sampled_from(list('[]{}"\\\\/x \n\t\u00e9\u4e2d\U0001f600')), max_size=12)
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=False), TRICKY)
+JSON_VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TRICKY, inner, max_size=4)),
+    max_leaves=40,
+)
+
+
+def depth_of(value) -> int:
+    """The reference depth, recursively (small values only)."""
+    if isinstance(value, dict):
+        return 1 + max(map(depth_of, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(depth_of, value), default=0)
+    return 0
+
+
+def texts_of(value) -> list[bytes | str]:
+    """The same document written several ways: orjson's bytes, the stdlib's ASCII escapes, indented, as str."""
+    return [orjson.dumps(value), json.dumps(value).encode(), json.dumps(value, ensure_ascii=False, indent=1),
+            json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()]
+
+
+@settings(max_examples=400, deadline=None)
+@given(JSON_VALUES)
+def test_the_text_scan_agrees_with_the_walk(value) -> None:
+    depth = depth_of(value)
+    for text in texts_of(value):
+        for bound in {max(0, depth - 1), depth, depth + 1}:
+            assert text_exceeds(text, bound) is (depth > bound) is nesting_exceeds(value, bound), (text, bound)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(TRICKY, min_size=1, max_size=6), st.integers(min_value=0, max_value=6),
+       st.integers(min_value=0, max_value=3))
+def test_strings_around_a_chain_never_move_the_bound(strings, chain, slack) -> None:
+    """A chain `chain` deep between strings made of brackets, quotes and backslashes: the text's own bracket count
+    is far above the depth, and only the chain counts."""
+    value: object = "leaf"
+    for _ in range(chain):
+        value = [strings[0], value, *strings[1:]]
+    document = {s: s for s in strings} | {"chain": value}
+    for text in texts_of(document):
+        assert text_exceeds(text, chain + 1 + slack) is False
+        assert text_exceeds(text, chain) is True
+
+
+@pytest.mark.parametrize("escaped", ['\\', '\\"', '\\\\"', '"', '\\\\', '\\u005b', '["', '"]'])
+def test_escapes_at_the_edge_of_a_string(escaped) -> None:
+    """A string ending in an escaped backslash closes there; an escaped quote does not close it."""
+    for inner in ([escaped], {escaped: [escaped]}, [escaped + "[", "]" + escaped]):
+        text = json.dumps([inner, inner])
+        assert text_exceeds(text, depth_of([inner])) is False and text_exceeds(text, depth_of([inner]) - 1) is True
+
+
+def test_written_escapes_the_encoders_never_use() -> None:
+    """`\\u005b` is `[`, `\\/` is `/`: neither is a bracket of the text, however it was written."""
+    text = b'{"a\\u005b\\u005b":["\\/[\\"", "\\u0022[["], "b": [[["\\\\"]]]}'
+    assert orjson.loads(text) == {"a[[": ['/["', '"[['], "b": [[["\\"]]]}
+    assert text_exceeds(text, 4) is False and text_exceeds(text, 3) is True
+
+
+def test_a_wide_logprobs_body_is_scanned_not_walked() -> None:
+    """The shape that made the walk slow (issue 38): thousands of containers, 8 levels."""
+    entries = [{"token": "[x", "logprob": -0.5, "bytes": [91, 120], "top_logprobs": []} for _ in range(3_000)]
+    body = orjson.dumps({"response": {"choices": [{"logprobs": {"content": entries}}]}})
+    assert text_exceeds(body, 8) is False and text_exceeds(body, 7) is True
+    assert not nesting_exceeds(orjson.loads(body), 8) and nesting_exceeds(orjson.loads(body), 7)
+    assert loads(body, max_depth=8) is not None

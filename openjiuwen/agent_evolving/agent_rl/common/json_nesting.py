@@ -12,6 +12,7 @@ Depth counts containers: `1` and `"x"` are 0 levels, `[]` and `{}` 1, `{"a": [1]
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -48,18 +49,51 @@ def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
 
 def check_depth(value: Any, *, max_depth: int = MAX_DEPTH, text: bytes | str | None = None) -> None:
     """Raise TooDeep when `value` (parsed JSON: dicts, lists, scalars) nests deeper than `max_depth` levels.
-    `text`, the JSON it was parsed from, lets a document with few brackets skip the walk: it cannot nest deeper than
-    the number of containers it opens."""
-    if text is not None:
-        opens = text.count(b"[") + text.count(b"{") if isinstance(text, bytes) else text.count("[") + text.count("{")
-        if opens <= max_depth:
-            return
-    if nesting_exceeds(value, max_depth):
+    `text`, the JSON it was parsed from (valid JSON, as UTF-8 bytes or str), is scanned instead of walking `value`:
+    the same answer (`text_exceeds`) at a fraction of the cost."""
+    if nesting_exceeds(value, max_depth) if text is None else text_exceeds(text, max_depth):
         raise TooDeep(max_depth)
 
 
+# A backslash and the character it escapes: in valid JSON it occurs only inside strings, left to right.
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+# What the scan keeps of the text: quotes, and the brackets as one kind (in valid JSON every closer matches its
+# opener, so `[` and `]` stand for both kinds).
+_AS_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_MARKS = bytes(set(range(256)) - set(b'"[]{}'))
+
+
+def text_exceeds(text: bytes | str, max_depth: int) -> bool:
+    """Whether valid JSON `text` nests deeper than `max_depth` levels; exact, in a few C-level passes over the bytes.
+
+    The walk over a parsed value (`nesting_exceeds`) visited every container in Python: 2 ms for a 2,048-token
+    logprobs body, whose thousands of small lists are never deep (issue 38). Here: escapes are dropped (so every
+    quote left delimits a string), the text is reduced to its quotes and brackets, the brackets inside strings are
+    dropped, and then each `replace("[]", "")` removes exactly the innermost containers, one level a pass, until
+    fewer containers are left than levels still allowed. UTF-8 never puts an ASCII byte inside a multi-byte
+    character, so the bytes can be read one at a time."""
+    if isinstance(text, str):
+        text = text.encode("utf-8", "surrogatepass")
+    if b"\\" in text:
+        text = _ESCAPE.sub(b"", text)
+    marks = text.translate(_AS_BRACKETS, _NOT_MARKS)
+    # Two neighbouring quotes enclose no bracket or merge two strings with nothing between them: dropping them keeps
+    # every bracket inside or outside a string as it was, and every other quote an opener or a closer as it was.
+    marks = marks.replace(b'""', b"")
+    if b'"' in marks:  # strings holding brackets: keep what lies outside quote pairs
+        marks = b"".join(marks.split(b'"')[::2])
+    levels = 0
+    while len(marks) // 2 > max_depth - levels:  # more containers left than levels allowed: could be too deep
+        if levels == max_depth:
+            return True  # a container remains below the deepest allowed level
+        marks = marks.replace(b"[]", b"")
+        levels += 1
+    return False
+
+
 def nesting_exceeds(value: Any, max_depth: int) -> bool:
-    """Whether `value` nests deeper than `max_depth` levels; one breadth-first pass, no recursion."""
+    """Whether `value` nests deeper than `max_depth` levels; one breadth-first pass, no recursion. For values
+    without their text (and the reference `text_exceeds` is tested against)."""
     level = [value] if type(value) is dict or type(value) is list else []
     depth = 0
     while level:
