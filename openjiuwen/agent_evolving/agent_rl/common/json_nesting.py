@@ -61,6 +61,7 @@ _ESCAPE = re.compile(rb"\\.", re.DOTALL)
 # opener, so `[` and `]` stand for both kinds).
 _AS_BRACKETS = bytes.maketrans(b"{}", b"[]")
 _NOT_MARKS = bytes(set(range(256)) - set(b'"[]{}'))
+_COUNT_FIRST_UP_TO = 16 * 1024  # bytes
 
 
 def text_exceeds(text: bytes | str, max_depth: int) -> bool:
@@ -74,6 +75,11 @@ def text_exceeds(text: bytes | str, max_depth: int) -> bool:
     character, so the bytes can be read one at a time."""
     if isinstance(text, str):
         text = text.encode("utf-8", "surrogatepass")
+    # A document cannot nest deeper than the containers it opens. Two counts settle a short one (a stream's chunk)
+    # for less than the passes below cost; a long one goes to them at once (its bracket count is usually above
+    # the bound, and the counts would add a third to the scan).
+    if len(text) <= _COUNT_FIRST_UP_TO and text.count(b"[") + text.count(b"{") <= max_depth:
+        return False
     if b"\\" in text:
         text = _ESCAPE.sub(b"", text)
     marks = text.translate(_AS_BRACKETS, _NOT_MARKS)
