@@ -75,7 +75,7 @@ def test_a_custom_bound_and_text_as_str() -> None:
 # Characters that could confuse a scan of the text: brackets, quotes, backslashes (escaped alone, in runs, before a
 # quote), and a few that JSON writes as escapes or as multi-byte UTF-8.
 TRICKY = st.text(alphabet=st.sampled_from(list('[]{}"\\\\/x \n\t\u00e9\u4e2d\U0001f600')), max_size=12)
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=False), TRICKY)
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=False, allow_infinity=False), TRICKY)
 JSON_VALUES = st.recursive(
     SCALARS,
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TRICKY, inner, max_size=4)),
@@ -144,3 +144,83 @@ def test_a_wide_logprobs_body_is_scanned_not_walked() -> None:
     assert text_exceeds(body, 8) is False and text_exceeds(body, 7) is True
     assert not nesting_exceeds(orjson.loads(body), 8) and nesting_exceeds(orjson.loads(body), 7)
     assert loads(body, max_depth=8) is not None
+
+
+# ------------------------------------------------------------- the wrapped parse of long documents (issue 38)
+# `loads` parses a long document inside wrapper lists that leave orjson's reader exactly the bound: the same answers
+# as parsing it alone and walking it, for valid documents and for every kind of invalid one.
+
+def test_the_pinned_orjson_reads_1024_levels_so_long_documents_are_parsed_wrapped() -> None:
+    assert json_nesting._READER_DEPTH == 1024
+
+
+def padded(core: bytes) -> bytes:
+    """`core` beside enough shallow bulk to take the wrapped path."""
+    bulk = b"[" + b",".join([b'{"t":"[x","b":[1,2]}'] * 4_000) + b"]"
+    assert len(bulk) > json_nesting._WRAP_FROM
+    return b'{"bulk":' + bulk + b',"core":' + core + b"}"
+
+
+@pytest.mark.parametrize("build", [lists, objects])
+def test_the_bound_is_exact_in_a_long_document(build) -> None:
+    assert loads(padded(build(MAX_DEPTH - 1)))["core"] is not None  # 1 level for the outer object
+    with pytest.raises(TooDeep, match=f"JSON nested deeper than {MAX_DEPTH} levels"):
+        loads(padded(build(MAX_DEPTH)))
+    assert loads(padded(build(MAX_DEPTH)).decode(), max_depth=MAX_DEPTH + 1)["core"] is not None  # str, other bound
+
+
+def outcome(parse, text, bound):
+    try:
+        return ("ok", parse(text, bound))
+    except TooDeep:
+        return ("too deep",)
+    except orjson.JSONDecodeError:
+        return ("invalid",)
+
+
+def alone(text, bound):
+    """The reference: orjson alone, then the walk."""
+    value = orjson.loads(text)
+    if nesting_exceeds(value, bound):
+        raise TooDeep(bound)
+    return value
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON_VALUES)
+def test_the_wrapped_parse_agrees_with_parsing_alone(value) -> None:
+    depth = depth_of(value)
+    for text in texts_of(value):
+        for bound in {max(0, depth - 1), depth, depth + 1}:
+            assert outcome(json_nesting._loads_wrapped, text, bound) == outcome(alone, text, bound), (text, bound)
+
+
+def agrees(text, bound) -> bool:
+    """The wrapped parse answers as parsing alone does, except that a text both invalid and deeper than the bound
+    may be refused as too deep (the reader meets the depth before the syntax error): refused either way."""
+    wrapped, reference = outcome(json_nesting._loads_wrapped, text, bound), outcome(alone, text, bound)
+    if wrapped == reference:
+        return True
+    opens = text.count("[") + text.count("{") if isinstance(text, str) else text.count(b"[") + text.count(b"{")
+    return reference == ("invalid",) and wrapped == ("too deep",) and opens > bound
+
+
+# Texts that are not one JSON value, many of them valid once put between brackets: they must not pass as the wrapped
+# parse's single element.
+BREAKOUTS = ["1],[2", "]", "1]", "[1]]", "", " ", "1,2", "[1,]", '{"a":1}}', '1},{"a":2', "[]][", '"a"]["b"',
+             "1]]]]]]]],[[[[[[[[2", "[[1]", "\ufeff1", "1 2", "nan", '{"a":1},', ",1"]
+
+
+@pytest.mark.parametrize("text", BREAKOUTS)
+def test_a_text_that_closes_the_wrappers_itself_is_refused_as_alone(text) -> None:
+    for data in (text, text.encode()):
+        assert outcome(alone, data, 3) == ("invalid",) and outcome(json_nesting._loads_wrapped, data, 3)[0] != "ok"
+        assert agrees(data, 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["[", "]", "{", "}", ",", ":", "1", '"a"', " ", "null"]), max_size=12))
+def test_any_bracket_soup_parses_wrapped_exactly_as_alone(pieces) -> None:
+    text = "".join(pieces)
+    for bound in (0, 1, 2, 5):
+        assert agrees(text, bound), (text, bound)

@@ -8,6 +8,11 @@ request (tool schemas, content parts and metadata nest a few dozen levels at mos
 wrapping reaches.
 
 Depth counts containers: `1` and `"x"` are 0 levels, `[]` and `{}` 1, `{"a": [1]}` 2.
+
+The check sits on every captured completion's path (a 2,048-token logprobs body opens thousands of containers, never
+deep), so it must cost next to nothing (issue 38): a long document is parsed inside wrappers that make orjson's own
+depth limit the bound (`_loads_wrapped`), a short one is settled by counting its brackets or scanning its text
+(`text_exceeds`). The walk over a parsed value (`nesting_exceeds`) is the reference both are tested against.
 """
 
 from __future__ import annotations
@@ -36,15 +41,73 @@ class TooDeep(orjson.JSONDecodeError):
 
 
 def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
-    """`orjson.loads` that also raises TooDeep past `max_depth` levels (orjson's own bound of 1024 included)."""
+    """`orjson.loads` that also raises TooDeep past `max_depth` levels (orjson's own bound of 1024 included).
+
+    A long document is parsed inside wrapper lists that leave orjson's reader exactly `max_depth` levels to go
+    (`_loads_wrapped`): the parser itself enforces the bound, for a fixed cost. A short one is parsed as it is and
+    then checked (`check_depth`: two counts, or the scan of its text)."""
+    if len(data) > _WRAP_FROM and _READER_DEPTH is not None and max_depth < _READER_DEPTH:
+        return _loads_wrapped(data, max_depth)
+    value = _loads_plain(data, max_depth)
+    check_depth(value, max_depth=max_depth, text=data)
+    return value
+
+
+def _loads_plain(data: bytes | str, max_depth: int) -> Any:
     try:
-        value = orjson.loads(data)
+        return orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         if "depth" in exc.msg:  # orjson's "depth limit exceeded": the same refusal, with our wording
             raise TooDeep(max_depth) from None
         raise
-    check_depth(value, max_depth=max_depth, text=data)
-    return value
+
+
+def _reader_depth() -> int | None:
+    """The deepest document orjson reads (1024 since orjson 3.9.15), checked on this orjson; None when it is not
+    exactly that, and the wrapped parse is then never used."""
+    limit = 1024
+    try:
+        orjson.loads(b"[" * limit + b"]" * limit)
+    except orjson.JSONDecodeError:
+        return None
+    try:
+        orjson.loads(b"[" * (limit + 1) + b"]" * (limit + 1))
+    except orjson.JSONDecodeError as exc:
+        return limit if "depth" in exc.msg else None
+    return None
+
+
+_READER_DEPTH = _reader_depth()
+# From this length on the wrapped parse (a fixed ~0.1 ms: the wrapper levels built, checked and freed) costs less
+# than scanning the text (about 1.5-3 us per KiB, the more the more escapes).
+_WRAP_FROM = 48 * 1024
+
+
+def _loads_wrapped(data: bytes | str, max_depth: int) -> Any:
+    """Parse `data` as the only element of `_READER_DEPTH - max_depth` nested lists: orjson refuses the whole past
+    its reader's depth exactly when the document nests deeper than `max_depth`. When every wrapper holds exactly one
+    element, the document between them is one valid JSON value (its own closing brackets cannot stand for the
+    wrappers': those are the text's last characters); anything else is parsed again alone, to fail as it does."""
+    assert _READER_DEPTH is not None
+    wrappers = _READER_DEPTH - max_depth
+    if isinstance(data, bytes):
+        wrapped = b"".join((b"[" * wrappers, data, b"]" * wrappers))
+    else:
+        wrapped = "".join(("[" * wrappers, data, "]" * wrappers))
+    try:
+        value = orjson.loads(wrapped)
+    except orjson.JSONDecodeError as exc:
+        if "depth" in exc.msg:
+            raise TooDeep(max_depth) from None
+    else:
+        for _ in range(wrappers):
+            if len(value) != 1:
+                break
+            value = value[0]
+        else:
+            return value
+    _loads_plain(data, max_depth)  # raises: the document is not valid JSON on its own
+    raise orjson.JSONDecodeError("JSON document did not parse inside its wrapper", "", 0)  # never reached: fail closed
 
 
 def check_depth(value: Any, *, max_depth: int = MAX_DEPTH, text: bytes | str | None = None) -> None:
