@@ -98,13 +98,19 @@ def texts_of(value) -> list[bytes | str]:
             json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()]
 
 
-@settings(max_examples=400, deadline=None)
-@given(JSON_VALUES)
-def test_the_text_scan_agrees_with_the_walk(value) -> None:
+def around_its_depth(value):
+    """(text, bound, depth) for each way of writing `value` and each bound just below, at and above its depth."""
     depth = depth_of(value)
     for text in texts_of(value):
         for bound in {max(0, depth - 1), depth, depth + 1}:
-            assert text_exceeds(text, bound) is (depth > bound) is nesting_exceeds(value, bound), (text, bound)
+            yield text, bound, depth
+
+
+@settings(max_examples=400, deadline=None)
+@given(JSON_VALUES)
+def test_the_text_scan_agrees_with_the_walk(value) -> None:
+    for text, bound, depth in around_its_depth(value):
+        assert text_exceeds(text, bound) is (depth > bound) is nesting_exceeds(value, bound), (text, bound)
 
 
 @settings(max_examples=200, deadline=None)
@@ -189,10 +195,8 @@ def alone(text, bound):
 @settings(max_examples=300, deadline=None)
 @given(JSON_VALUES)
 def test_the_wrapped_parse_agrees_with_parsing_alone(value) -> None:
-    depth = depth_of(value)
-    for text in texts_of(value):
-        for bound in {max(0, depth - 1), depth, depth + 1}:
-            assert outcome(json_nesting._loads_wrapped, text, bound) == outcome(alone, text, bound), (text, bound)
+    for text, bound, _ in around_its_depth(value):
+        assert outcome(json_nesting._loads_wrapped, text, bound) == outcome(alone, text, bound), (text, bound)
 
 
 def agrees(text, bound) -> bool:
