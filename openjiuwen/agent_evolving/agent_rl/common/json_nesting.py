@@ -90,10 +90,10 @@ def _loads_wrapped(data: bytes | str, max_depth: int) -> Any:
     wrappers': those are the text's last characters); anything else is parsed again alone, to fail as it does."""
     assert _READER_DEPTH is not None
     wrappers = _READER_DEPTH - max_depth
-    if isinstance(data, bytes):
-        wrapped = b"".join((b"[" * wrappers, data, b"]" * wrappers))
+    if isinstance(data, str):
+        wrapped: bytes | str = "".join(("[" * wrappers, data, "]" * wrappers))
     else:
-        wrapped = "".join(("[" * wrappers, data, "]" * wrappers))
+        wrapped = b"".join((b"[" * wrappers, data, b"]" * wrappers))
     try:
         value = orjson.loads(wrapped)
     except orjson.JSONDecodeError as exc:
