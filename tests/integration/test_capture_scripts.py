@@ -325,7 +325,7 @@ async def _differential(redis: Redis, mode: RewardMode, rng: random.Random, seen
             elif op == "commit":
                 sample = _sample(sample_i) if with_sample else None
                 call = (oracle_commit(redis, t, c, turn, fp, rfp, sample) if side == "oracle"
-                        else registry.commit(task, c, turn, fp, rfp, sample))
+                        else registry.commit(task, c, turn, fp, rfp, None if sample is None else [sample]))
             else:
                 call = (oracle_discard(redis, t, c, turn) if side == "oracle" else registry.discard(t, c, turn))
             try:
@@ -342,7 +342,7 @@ async def _differential(redis: Redis, mode: RewardMode, rng: random.Random, seen
 async def test_unknown_task_and_events_trimmed(redis):
     registry = TaskRegistry(redis)
     ghost = Task("tghost", "s", "tiny", "base", "terminal", TaskStatus.ACTIVE, now_iso())
-    for call in (registry.reserve(ghost, "c1", None, "fp"), registry.commit(ghost, "c1", None, "fp", "r", _sample(1)),
+    for call in (registry.reserve(ghost, "c1", None, "fp"), registry.commit(ghost, "c1", None, "fp", "r", [_sample(1)]),
                  registry.discard("tghost", "c1", None)):
         with pytest.raises(NotFound, match="RL Task not found"):
             await call

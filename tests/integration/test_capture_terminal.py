@@ -81,7 +81,8 @@ async def test_a_recorded_answer_at_the_clients_sampling_commits_it_with_its_rec
     expected = [e["logprob"] for e in response["choices"][0]["logprobs"]["content"]]
     assert sample["trajectory"]["response_logprobs"] == pytest.approx(expected, rel=1e-6)
     assert sample["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
-                                  "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+                                  "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                                  "constraints": {}}
 
 
 async def test_capture_reward_and_sample_fields(client, redis):
@@ -149,6 +150,7 @@ async def test_each_sample_records_its_effective_sampling(client, redis):
     assert (await client.post("/v1/rl/tasks/t1/stop")).json()["status"] == "finalized"
     assert (await client.post("/v1/rl/tasks/t1/reward", json={"reward": 1.0})).json() == {"sample_count": 2}
 
+    expected["constraints"] = {}  # issue 35: nothing constrained these two samples
     neutral = dict(expected, temperature=1.0, top_p=1.0)
     for capture_id, sampling in (("c1", expected), ("c2", neutral)):
         sample = (await client.get(f"/v1/rl/trajectories/{capture_id}")).json()
@@ -161,14 +163,20 @@ async def test_each_sample_records_its_effective_sampling(client, redis):
     assert [(e["capture_id"], e["sampling"]) for e in committed] == [("c1", expected), ("c2", neutral)]
 
 
-async def test_before_refuses_sampling_the_trainers_cannot_reproduce_and_the_task_stays_active(client):
+async def test_before_refuses_only_what_vllm_would_refuse_and_the_task_stays_active(client):
+    """Issue 35: greedy decoding and penalties are captured (they were 400 `invalid_completion`, which an AIGW saw
+    too); a value vLLM itself refuses still is."""
     await start_task(client, "s1", "t1")
     request = load_fixture("chat_request.json")
-    for extra in ({"temperature": 0}, {"repetition_penalty": 1.1}, {"temperature": 2.5}, {"top_k": 2.5}):
+    for extra in ({"temperature": 2.5}, {"top_k": 2.5}, {"repetition_penalty": 0}, {"n": 0}):
         r = await client.post("/internal/v1/completions:before",
                               json={"rl_task_id": "t1", "capture_id": "c1", "request": {**request, **extra}})
         assert code(r) == (400, "invalid_completion"), (extra, r.text)
         assert r.json()["error"]["message"].startswith("request." + next(iter(extra)))
+    for i, extra in enumerate(({"temperature": 0}, {"repetition_penalty": 1.1}, {"n": 2})):
+        r = await client.post("/internal/v1/completions:before",
+                              json={"rl_task_id": "t1", "capture_id": f"c{i}", "request": {**request, **extra}})
+        assert r.status_code == 200 and {k: r.json()["request"][k] for k in extra} == extra
     assert await task_status(client) == ("active", None)
 
 
@@ -295,7 +303,7 @@ async def test_after_without_before_and_non_finite_logprob(client):
         ({"rl_task_id": "t1", "capture_id": "c1", "agent_turn_id": 3, "request": {}}, None),
         ({"rl_task_id": "t1", "capture_id": "c1", "request": []}, None),
         ({"rl_task_id": "t1", "capture_id": "c1", "request": {"model": "tiny"}}, None),
-        ({"rl_task_id": "t1", "capture_id": "c1", "request": {"model": "tiny", "messages": [], "n": 2}}, None),
+        ({"rl_task_id": "t1", "capture_id": "c1", "request": {"model": "tiny", "messages": [], "n": 0}}, None),
     ],
 )
 async def test_before_input_errors_leave_the_task_active(client, body, message):

@@ -335,9 +335,10 @@ async def test_paging_2500_samples_with_equal_scores(redis: Redis, store: Trajec
     item = listed[0]
     assert set(item) == {
         "trajectory_id", "sample_id", "model_id", "source", "status", "user_id", "session_id", "task_id",
-        "policy_version", "sampling", "created_at", "updated_at", "instance",
+        "policy_version", "sampling", "created_at", "updated_at", "instance", "exclusion",
     }
     assert item["sampling"] is None  # these documents carry no sampling record (rail-like)
+    assert item["exclusion"] is None  # nothing keeps them out of training
     assert (item["model_id"], item["status"]) == (MODEL, "pending")
     assert (item["task_id"], item["session_id"]) == ("task1", "sess-1")
     assert item["created_at"] == iso_at(created[item["sample_id"]])

@@ -237,31 +237,55 @@ async def test_tis_cap_trains_against_pi_old_of_the_parent(tmp_path, tiny_model,
     assert step["clip_fraction"] == 0.0
 
 
-async def test_each_row_is_trained_at_its_samples_temperature(tmp_path, tiny_model, local_ray):
-    """Issue 29: one batch mixing temperatures 0.7 and 1.3, each sample's captured logprobs the base model's own at
-    its temperature (as vLLM reports them). verl's engine divides each row's logits by its row's temperature, so the
-    run's sampling report finds no gap, and bypass mode's first ppo_kl (captured − recomputed) is 0; at temperature
-    1 for every row the gap would be ~0.5 nats per token."""
+async def frozen_run(tmp_path, tiny_model, run_id: str, rows: list[tuple[float, dict, float, float]]):
+    """A run at learning rate 0 over one sample per row (temperature, sampling record, logprob shift, reward): a
+    fixed response with the base model's logprobs at that temperature, plus the shift (a constraint's doing)."""
     from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 
     prompt = L.prompt_ids(tiny_model)
     base = L.load_model(tiny_model)
     docs = []
-    for i, temperature in enumerate((0.7, 1.3, 0.7, 1.3)):
+    for i, (temperature, sampling, shift, reward) in enumerate(rows):
         response = [10 + i, 200 + i, 30 + i, 90 + i]
-        lps = L.sequence_logprobs(base, prompt, response, temperature)
-        [doc] = L.documents(prompt, [response], [lps], [float(i % 2)], "tiny",
-                            sampling={"temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0})
-        docs.append(dict(doc, sample_id=f"temp-{i}", trajectory_id=f"temp-{i}", rl_task_id=f"t{i}"))
+        lps = [lp + shift for lp in L.sequence_logprobs(base, prompt, response, temperature)]
+        [doc] = L.documents(prompt, [response], [lps], [reward], "tiny", sampling=sampling)
+        docs.append(dict(doc, sample_id=f"{run_id}-{i}", trajectory_id=f"{run_id}-{i}", rl_task_id=f"t{i}"))
     backend = make_backend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), tmp_path,
                            "actor_rollout_ref: {actor: {optim: {lr: 0.0}}}\n")
-    artifact = await backend.train(TrainingJob(
-        training_run_id="run-temps", model_id="tiny", base_model_path=str(tiny_model), samples=docs,
+    return await backend.train(TrainingJob(
+        training_run_id=run_id, model_id="tiny", base_model_path=str(tiny_model), samples=docs,
         init_lora_name="base", init_lora_path=""), on_progress=_noop)
+
+
+async def test_each_row_is_trained_at_its_samples_temperature(tmp_path, tiny_model, local_ray):
+    """Issue 29: one batch mixing temperatures 0.7 and 1.3, each sample's captured logprobs the base model's own at
+    its temperature (as vLLM reports them). verl's engine divides each row's logits by its row's temperature, so the
+    run's sampling report finds no gap, and bypass mode's first ppo_kl (captured − recomputed) is 0; at temperature
+    1 for every row the gap would be ~0.5 nats per token."""
+    artifact = await frozen_run(tmp_path, tiny_model, "run-temps", [
+        (temperature, {"temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0}, 0.0, float(i % 2))
+        for i, temperature in enumerate((0.7, 1.3, 0.7, 1.3))])
     report = artifact.metadata["sampling"]
     assert report["temperatures"] == {"0.7": 2, "1.3": 2} and report["truncated_samples"] == 0
     assert report["tokens"] == 16 and report["logprob_mismatch_max"] < 1e-4, report
     assert report["ratio_clipped_share"] == 0.0
+    assert artifact.metadata["ppo_step_metrics"][0]["ppo_kl"] == pytest.approx(0.0, abs=1e-4)
+
+
+async def test_constrained_rows_are_trained_against_pi_old_in_a_bypass_run(tmp_path, tiny_model, local_ray):
+    """Issue 35: in a bypass-mode run (no `tis_cap`), rows whose sampling was constrained are decoupled: their old
+    logprobs are π_old of the parent and each token is weighted min(π_old / μ, 2). Here the constrained rows' captured
+    logprobs sit 1 nat above the policy's (as a grammar's mask raises them): bypass mode would start their ratio at
+    e^-1 (ppo_kl 0.5 over the batch), decoupled the first ratio is exactly 1 (ppo_kl 0), and verl's vanilla loss
+    takes the run's own weights."""
+    schema = {"temperature": 1.0, "constraints": {"json_schema": {"digest": "ab", "bytes": 9}}}
+    artifact = await frozen_run(tmp_path, tiny_model, "run-constrained", [
+        (1.0, schema if i % 2 == 0 else {"temperature": 1.0, "constraints": {}}, 1.0 if i % 2 == 0 else 0.0,
+         float(i // 2)) for i in range(4)])
+    report = artifact.metadata["sampling"]
+    assert (report["correction"], report["constrained_samples"]) == ("ppo_clip+constrained_tis", 2), report
+    assert report["untruncated_mismatch_max"] < 1e-4  # the unconstrained rows are exact
+    assert artifact.metadata["constraints"] == {"json_schema": 2}
     assert artifact.metadata["ppo_step_metrics"][0]["ppo_kl"] == pytest.approx(0.0, abs=1e-4)
 
 

@@ -31,6 +31,9 @@ a CRC of the piece; at most `max_tokens` (or `max_completion_tokens`) tokens are
 "length". The injected flags are honoured like vLLM: without `return_token_ids` the fields `prompt_token_ids` and
 `choices[].token_ids` are null, without `logprobs: true` `choices[].logprobs` is null (vLLM serializes these unset
 optional fields as null, it does not drop the keys); the usage chunk is sent only with `stream_options.include_usage`.
+`n` > 1 answers `n` choices, each drawing the next reply (queued ones first), in vLLM's layout (`_Choices`): every
+choice in the JSON, interleaved choice chunks in SSE; `n` > 1 with temperature 0, and `top_logprobs` without
+`logprobs: true`, are refused as vLLM refuses them.
 
 Every request is recorded (also failed ones). Thread-safe: one lock guards the records, the scripted controls and the
 adapters; `stop()` ends every pending delay at once.
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import hashlib
 import json
@@ -213,9 +217,10 @@ class _Generation:
     logprobs: bool
     top_logprobs: int
     token_ids: bool
+    index: int = 0  # the choice's index among a request's `n`
 
     def tool_call_id(self, index: int) -> str:
-        return "chatcmpl-tool-" + hashlib.sha256(f"{self.request_id}:{index}".encode()).hexdigest()[:16]
+        return "chatcmpl-tool-" + hashlib.sha256(f"{self.request_id}:{self.index}:{index}".encode()).hexdigest()[:16]
 
     def logprob_entry(self, token: _Token) -> dict[str, Any]:
         entry = {"token": token.text, "logprob": token.logprob, "bytes": list(token.text.encode())}
@@ -254,6 +259,7 @@ class _Generation:
         body["id"] = self.request_id
         body["created"] = self.created
         body["model"] = self.model
+        choice["index"] = self.index
         choice["message"] = self.message()
         choice["logprobs"] = ({"content": [self.logprob_entry(t) for t in self.tokens]} if self.logprobs else None)
         choice["finish_reason"] = self.finish_reason
@@ -279,7 +285,7 @@ class _Generation:
         head = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
         chunks: list[dict[str, Any] | str] = [{
             **head,
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "choices": [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}],
             "prompt_token_ids": self.prompt_ids if self.token_ids else None,
             "prompt_text": None,
@@ -287,7 +293,7 @@ class _Generation:
         last = len(self.tokens) - 1
         for n, token in enumerate(self.tokens):
             choice: dict[str, Any] = {
-                "index": 0, "delta": self._delta(token),
+                "index": self.index, "delta": self._delta(token),
                 "logprobs": {"content": [self.logprob_entry(token)]} if self.logprobs else None,
                 "finish_reason": self.finish_reason if n == last else None,
             }
@@ -297,6 +303,41 @@ class _Generation:
             chunks.append({**head, "choices": [choice]})
         if include_usage:
             chunks.append({**head, "choices": [], "usage": self.usage(),
+                           "system_fingerprint": _fixture_json_cached("chat_response.json")["system_fingerprint"]})
+        chunks.append("[DONE]")
+        return chunks
+
+
+@dataclass(frozen=True)
+class _Choices:
+    """The `n` > 1 choices of one request, laid out as vLLM 0.32 answers them: JSON with every choice (index 0 … n-1)
+    and usage summed over them; SSE with one role chunk per choice (each carrying `prompt_token_ids`), then the
+    choices' token chunks interleaved step by step (one choice per chunk, naming its index), each finishing once,
+    then one usage chunk for all (chat_completion/serving.py `chat_completion_stream_generator`)."""
+
+    generations: list[_Generation]
+
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.generations[0].prompt_ids)
+        completion = sum(len(g.tokens) for g in self.generations)
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+    def json_body(self) -> dict[str, Any]:
+        bodies = [g.json_body() for g in self.generations]
+        body = bodies[0]
+        body["choices"] = [b["choices"][0] for b in bodies]
+        body["usage"] = {**self.usage(), "prompt_tokens_details": None, "completion_tokens_details": None}
+        return body
+
+    def sse_chunks(self, include_usage: bool) -> list[dict[str, Any] | str]:
+        streams = [g.sse_chunks(False)[:-1] for g in self.generations]  # each without [DONE]
+        chunks: list[dict[str, Any] | str] = [stream[0] for stream in streams]  # the role chunks first
+        for step in range(1, max(len(stream) for stream in streams)):
+            chunks += [stream[step] for stream in streams if step < len(stream)]
+        if include_usage:
+            first = self.generations[0]
+            chunks.append({"id": first.request_id, "object": "chat.completion.chunk", "created": first.created,
+                           "model": first.model, "choices": [], "usage": self.usage(),
                            "system_fingerprint": _fixture_json_cached("chat_response.json")["system_fingerprint"]})
         chunks.append("[DONE]")
         return chunks
@@ -442,17 +483,21 @@ class FakeVLLM:
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
-    def start(self) -> FakeVLLM:
-        self._closing = Gate()
-        app = Starlette(routes=[
+    def app(self) -> Starlette:
+        """The fake's routes as an ASGI app: `start` serves it on a socket; a test that needs no socket (thousands
+        of calls in process) reaches it through `httpx.ASGITransport`."""
+        return Starlette(routes=[
             Route(CHAT_PATH, self._chat, methods=["POST"]),
             Route(LOAD_PATH, self._load, methods=["POST"]),
             Route(UNLOAD_PATH, self._unload, methods=["POST"]),
             Route(MODELS_PATH, self._models, methods=["GET"]),
             Route(HEALTH_PATH, self._health, methods=["GET"]),
         ])
+
+    def start(self) -> FakeVLLM:
+        self._closing = Gate()
         name = f"fake-vllm-{self._name or self.served_model}"
-        self._server = ThreadedServer(app, name=name, port=self.port).start()
+        self._server = ThreadedServer(self.app(), name=name, port=self.port).start()
         self.port = self._server.port
         if self._name is None:
             self._name = f"vllm-{self.served_model}-{self.port}"
@@ -786,11 +831,26 @@ class FakeVLLM:
                 f"max_tokens={max_tokens} cannot be greater than max_model_len={MAX_MODEL_LEN}. Please request "
                 f"fewer output tokens. (parameter=max_tokens, value={max_tokens})")
             return _json_response(error, status)
+        top = body.get("top_logprobs")
+        if isinstance(top, int) and (top == -1 or top > 0) and not body.get("logprobs"):  # check_logprobs
+            return _json_response(_error_body(400, "when using `top_logprobs`, `logprobs` must be set to true.",
+                                              param="top_logprobs"), 400)
+        n = body.get("n")
+        n = 1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            return _json_response(_error_body(400, f"n must be at least 1, got {n}."), 400)
+        if n > 1 and body.get("temperature") == 0:  # SamplingParams._verify_greedy_sampling
+            return _json_response(_error_body(400, f"n must be 1 when using greedy sampling, got {n}."), 400)
         generation = self._generate(body, model, prompt_ids, max_tokens)
+        if n > 1:  # each further choice draws the next reply, as the first did
+            generation = _Choices([generation] + [
+                dataclasses.replace(self._generate(body, model, prompt_ids, max_tokens),
+                                    request_id=generation.request_id, created=generation.created, index=i)
+                for i in range(1, n)])
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         with self._lock:
-            bloat = self._bloats.popleft() if self._bloats else None
+            bloat = self._bloats.popleft() if self._bloats and isinstance(generation, _Generation) else None
         if bloat is not None:
             total, status = bloat
             bloated = _Bloat(generation, total, status, include_usage, self._bloat_ended)

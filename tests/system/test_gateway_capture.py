@@ -494,9 +494,10 @@ def test_before_other_4xx_passes_through_and_keeps_the_task(redis, redis_url, tm
     with running_gateway(tmp_path, redis_url, vllm) as gw:
         t = start_task(gw, "s-n2")
         client = openai_client(gw)
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
-                                           max_tokens=4, extra_headers={SESSION: "s-n2"})
+        with pytest.raises(openai.BadRequestError) as refused:  # a `top_logprobs` the RL Service cannot read
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                           max_tokens=4, extra_body={"top_logprobs": "2"},
+                                           extra_headers={SESSION: "s-n2"})
         assert error_of(refused.value.response) == (400, "invalid_completion")
         assert chat_bodies(vllm) == []
         assert task_record(gw, t)["status"] == "active"
@@ -747,8 +748,15 @@ def test_a_client_asking_for_top_logprobs_inside_a_task_gets_them_json_and_strea
                 streamed.extend((choice.logprobs.content or []) if choice.logprobs else [])
         assert streamed and all(len(e.top_logprobs) == 2 for e in streamed)
         plain = client.chat.completions.create(model="agent-model", messages=[{"role": "user", "content": "p"}],
-                                               max_tokens=64, top_logprobs=5, extra_headers=headers)
+                                               max_tokens=64, extra_headers=headers)
         assert plain.choices[0].logprobs is None and chat_bodies(vllm)[-1]["top_logprobs"] == 0
+        # `top_logprobs` without `logprobs`: vLLM refuses it outside a Task, so inside one it is refused too (issue
+        # 35), where the injected `logprobs` would otherwise have served it.
+        for model, inside in (("agent-model", headers), ("tiny", {})):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model=model, messages=[{"role": "user", "content": "p"}],
+                                               max_tokens=64, top_logprobs=5, extra_headers=inside)
+            assert refused.value.status_code == 400 and "top_logprobs" in str(refused.value)
         assert gw.signed("POST", f"/v1/rl/tasks/{t}/stop").json()["status"] == "finalized"
         assert gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0}).json() == {"sample_count": 3}
         tokens = completion_tokens(vllm.reply)

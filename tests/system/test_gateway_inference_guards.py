@@ -6,8 +6,8 @@ loopback socket and performs the attack as a client, a rogue instance or a brows
 - a rogue instance answers 418 `text/html` with a script: the client gets the gateway's JSON envelope, with
   `nosniff` and a deny-all CSP, and headless Chromium runs no script on the gateway's origin;
 - every gateway answer carries `nosniff` and a CSP;
-- spoiling request fields inside a Task are refused or dropped before anything is captured, while the client's
-  own sampling is honoured and recorded (issue 29);
+- inside a Task every request vLLM serves is served as sent and captured, its constraints recorded (issue 35); only
+  a value vLLM itself refuses is refused;
 - a Task's capture secret: the right one captures, a missing or wrong one is refused and writes nothing;
 - traffic outside a Task cannot name a version that only pinned Tasks hold.
 """
@@ -202,142 +202,140 @@ def test_rogue_html_error_runs_no_script_on_the_gateway_origin_in_chromium(redis
             context.close()
 
 
-# --------------------------------------------------------------------------------- item 6: spoiling fields
+# ------------------------------------------------------------- issue 35: every field served, its constraint recorded
 
 
-REFUSED: list[tuple[str, Any]] = [
-    ("logit_bias", {"42": 100}),
-    ("allowed_token_ids", [5, 6]),
-    ("bad_words", ["no"]),
-    ("min_tokens", 3),
-    ("ignore_eos", True),
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-    ("structured_outputs", {"choice": ["yes", "no"]}),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "[a-z]+"),
-    ("guided_choice", ["a", "b"]),
-    ("chat_template", "{{ 'hidden system prompt' }}"),
-    ("chat_template_kwargs", {"chat_template": "{{ 'hidden' }}"}),
-    ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "get_weather"}}),
-    ("parallel_tool_calls", False),
-    ("thinking_token_budget", 8),
-    ("watermarking", True),
-    ("vllm_xargs", {"bias": 1}),
-    ("logprob_token_ids", [5]),
-    ("echo", True),
-    ("add_generation_prompt", False),
-    ("continue_final_message", True),
-    ("use_beam_search", True),
-    ("best_of", 4),
-    ("temperature", 0),  # greedy: no policy-gradient signal
-    ("temperature", 0.005),  # vLLM would raise it to 0.01
-    ("presence_penalty", 1.5),  # penalties: the trainers cannot reproduce them
-    ("frequency_penalty", 1.5),
-    ("repetition_penalty", 1.3),
+# (extra request fields, the constraint kinds the sample records): everything issue 19 refused inside a Task.
+SERVED: list[tuple[dict[str, Any], set[str]]] = [
+    ({"logit_bias": {"42": 100}}, {"logit_bias"}),
+    ({"allowed_token_ids": [5, 6]}, {"allowed_tokens"}),
+    ({"bad_words": ["no"]}, {"banned_tokens"}),
+    ({"min_tokens": 3}, {"min_tokens"}),
+    ({"ignore_eos": True}, {"ignore_eos"}),
+    ({"response_format": {"type": "json_object"}}, {"json_object"}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     {"json_schema"}),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice"}),
+    ({"guided_json": {"type": "object"}}, {"json_schema"}),
+    ({"guided_regex": "[a-z]+"}, {"regex"}),
+    ({"chat_template": "{{ 'hidden system prompt' }}"}, {"chat_template"}),
+    ({"chat_template_kwargs": {"chat_template": "{{ 'hidden' }}"}}, {"chat_template"}),
+    ({"tool_choice": "required"}, {"tool_required"}),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, {"tool_named"}),
+    ({"parallel_tool_calls": False}, {"single_tool_call"}),
+    ({"tools": [{"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}]}, {"strict_tools"}),
+    ({"thinking_token_budget": 8}, {"thinking_budget"}),
+    ({"watermarking": True}, {"watermarking"}),
+    ({"vllm_xargs": {"bias": 1}}, {"logits_processors"}),
+    ({"logprobs": True, "logprob_token_ids": [5]}, set()),
+    ({"echo": True}, {"echo"}),
+    ({"add_generation_prompt": False}, {"no_generation_prompt"}),
+    ({"continue_final_message": True}, {"continue_final_message"}),
+    ({"use_beam_search": True}, {"beam_search"}),
+    ({"best_of": 4}, {"beam_search"}),
+    ({"temperature": 0}, {"greedy"}),
+    ({"temperature": 0.005}, set()),  # vLLM raises it to 0.01: the record says 0.01
+    ({"presence_penalty": 1.5, "frequency_penalty": -0.5, "repetition_penalty": 1.3}, {"penalties"}),
+    ({"metadata": {"who": "x"}, "prompt_logprobs": 2, "some_future_field": True}, set()),
 ]
-HONOURED_SENT = {"temperature": 0.3, "top_p": 0.9, "top_k": 5, "min_p": 0.05}
-NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-DROPPED_SENT = {"metadata": {"who": "x"}, "prompt_logprobs": 5, "kv_transfer_params": {"remote": "h"},
-                "routed_experts_prompt_start": 0, "some_future_field": True}
+# What the RL Service adds to a captured request: the capture flags and every sampling field named.
+INJECTED = {"logprobs", "top_logprobs", "return_token_ids", "stream_options", "temperature", "top_p", "top_k",
+            "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 
 
-def test_spoiling_fields_inside_a_task_are_refused_or_dropped_and_sampling_is_honoured(redis, redis_url, tmp_path,
-                                                                                       vllm):
+def test_every_field_vllm_serves_is_served_inside_a_task_as_outside_and_recorded(redis, redis_url, tmp_path, vllm):
+    """Issue 35: nothing is refused or dropped for capture's sake. Inside a Task each request reaches vLLM as the
+    client sent it (only the capture flags and explicit sampling defaults added), it is captured, and its sample
+    records what constrained its sampling; the training policy excludes the kinds it excludes. A value vLLM itself
+    refuses is 400 `invalid_request`, sent nowhere. Outside a Task the same requests are forwarded exactly."""
     vllm.reply = Reply(content="Sure.", tool_calls=[ToolCall("get_weather", {"city": "Paris"})])
     with GatewayProcess(tmp_path, redis_url, instances=[vllm]) as gw:
         gw.start_service()
         t = start_task(gw, "s-fields").json()["rl_task_id"]
         inside = {SESSION: "s-fields"}
-        ask = {**ASK, "tools": [WEATHER_TOOL]}
-
-        # Refused: 400 naming the field, nothing sent upstream, nothing captured, the Task stays active.
-        for field, value in REFUSED:
-            r = gw.http.post(CHAT, json={**ask, field: value}, headers=inside)
-            assert error_of(r) == (400, "capture_field_refused"), (field, r.text)
-            assert r.json()["error"]["message"].startswith(field.split(".")[0]), (field, r.text)
-        assert chat_bodies(vllm) == []
-        assert capture_sets(redis_url, t) == {"all": 0, "open": 0, "committed": 0}
-
-        # Their neutral values are harmless and pass.
-        neutral = {"logit_bias": {}, "min_tokens": 0, "ignore_eos": False, "response_format": {"type": "text"},
-                   "tool_choice": "auto", "parallel_tool_calls": True, "echo": False, "add_generation_prompt": True,
-                   "chat_template_kwargs": {"enable_thinking": False}}
-        r = gw.http.post(CHAT, json={**ask, **neutral, "guided_json": None}, headers=inside)
-        assert r.status_code == 200, r.text
-        assert IGNORED not in r.headers
-        sent = chat_bodies(vllm)[-1]
-        assert {k: sent[k] for k in neutral} == neutral and sent["return_token_ids"] is True
-        assert "guided_json" not in sent
-
-        # Honoured and dropped: the client's own sampling goes upstream as sent (the rest explicit) and into the
-        # sample; dropped fields are named in the header, honoured ones never.
-        strict_tool = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}
-        r = gw.http.post(CHAT, json={**ASK, **HONOURED_SENT, **DROPPED_SENT, "tools": [strict_tool]},
+        sent_bodies = []
+        for row, (extra, _) in enumerate(SERVED):
+            body = {**ASK, "messages": [{"role": "user", "content": f"row {row}"}], "tools": [WEATHER_TOOL], **extra}
+            r = gw.http.post(CHAT, json=body, headers=inside)
+            assert r.status_code == 200, (extra, r.text)
+            assert IGNORED not in r.headers
+            upstream = chat_bodies(vllm)[-1]
+            assert {k: v for k, v in upstream.items() if k not in INJECTED} == {
+                k: v for k, v in body.items() if k not in INJECTED}, extra
+            assert {k: upstream[k] for k in extra if k in INJECTED and k != "logprobs"} == {
+                k: v for k, v in extra.items() if k in INJECTED and k != "logprobs"}
+            assert upstream["return_token_ids"] is True and upstream["logprobs"] is True
+            sent_bodies.append(body)
+        # Several choices: each is a sample of the same prompt, JSON and SSE (vLLM interleaves the choices' chunks).
+        r = gw.http.post(CHAT, json={**ASK, "messages": [{"role": "user", "content": "three"}], "n": 3},
                          headers=inside)
-        assert r.status_code == 200, r.text
-        assert r.headers[IGNORED].split(", ") == [*DROPPED_SENT, "tools[0].function.strict"]
-        sent = chat_bodies(vllm)[-1]
-        assert {k: sent[k] for k in NEUTRAL_SAMPLING} == {**NEUTRAL_SAMPLING, **HONOURED_SENT}
-        assert not set(DROPPED_SENT) & set(sent) and sent["tools"] == [WEATHER_TOOL]
-        # A value vLLM itself would refuse is the client's mistake: 400 invalid_request, nothing captured.
-        r = gw.http.post(CHAT, json={**ASK, "top_p": 1.5}, headers=inside)
-        assert error_of(r) == (400, "invalid_request") and r.json()["error"]["message"] == "top_p must be in (0, 1]"
-        # Hostile key names never break the header: control characters are escaped, the list is bounded.
-        r = gw.http.post(CHAT, json={**ASK, "\u001f\r\n": 1, **{f"k{i}": i for i in range(40)}}, headers=inside)
-        assert r.status_code == 200, r.text
-        assert r.headers[IGNORED].startswith("%1F%0D%0A, k0, k1") and r.headers[IGNORED].endswith(", +9 more")
-        # Streams too, and a request that names no sampling field gets vLLM's neutral values, explicitly (vLLM
-        # would otherwise apply the model's generation_config, which the sample could not record).
-        with gw.http.stream("POST", CHAT, json={**ASK, "stream": True, "temperature": 0.5}, headers=inside) as s:
-            assert s.status_code == 200 and IGNORED not in s.headers
-            s.read()
-        assert gw.http.post(CHAT, json=ASK, headers=inside).status_code == 200
-        streamed, plain = chat_bodies(vllm)[-2:]
-        assert {k: streamed[k] for k in NEUTRAL_SAMPLING} == {**NEUTRAL_SAMPLING, "temperature": 0.5}
-        assert {k: plain[k] for k in NEUTRAL_SAMPLING} == NEUTRAL_SAMPLING
+        assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+        with gw.http.stream("POST", CHAT, json={**ASK, "messages": [{"role": "user", "content": "two"}], "n": 2,
+                                                "stream": True}, headers=inside) as stream:
+            assert stream.status_code == 200
+            chunks = [orjson.loads(line[6:]) for line in stream.iter_lines()
+                      if line.startswith("data: {")]
+        assert {c["choices"][0]["index"] for c in chunks if c.get("choices")} == {0, 1}
+        # A value vLLM itself would refuse: the client's mistake, answered before anything is sent or captured.
+        upstream_calls = len(chat_bodies(vllm))
+        for bad, message in (({"top_p": 1.5}, "top_p must be in (0, 1]"), ({"n": 0}, "n must be a positive integer"),
+                             ({"temperature": 0, "n": 2}, "n must be 1 under greedy decoding"),
+                             ({"top_logprobs": 2}, "top_logprobs must be absent or 0 unless logprobs is true")):
+            r = gw.http.post(CHAT, json={**ASK, **bad}, headers=inside)
+            assert error_of(r) == (400, "invalid_request") and r.json()["error"]["message"].startswith(message), bad
+        assert len(chat_bodies(vllm)) == upstream_calls
 
-        # Anthropic: the converted request gets the same rules, named as the client named them.
+        # Anthropic: forced tools, no parallel calls, a strict tool, structured output and greedy decoding are
+        # served too, converted as vLLM converts them.
         client = anthropic.Anthropic(base_url=gw.url, api_key="x", max_retries=0)
-        tool = {"name": "get_weather", "input_schema": {"type": "object"}}
-        for choice, field in (({"type": "any"}, "tool_choice"), ({"type": "tool", "name": "get_weather"},
-                                                                  "tool_choice"),
-                              ({"type": "auto", "disable_parallel_tool_use": True},
-                               "tool_choice.disable_parallel_tool_use")):
-            with pytest.raises(anthropic.BadRequestError) as refused:
-                client.messages.create(model="tiny", max_tokens=4, tools=[tool], tool_choice=choice,
-                                       messages=[{"role": "user", "content": "hi"}], extra_headers=inside)
-            assert refused.value.body["error"]["code"] == "capture_field_refused"
-            assert refused.value.body["error"]["message"].startswith(field + " is not allowed")
-        with pytest.raises(anthropic.BadRequestError) as refused:
-            client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
-                                   extra_body={"temperature": 0.0}, extra_headers=inside)
-        assert refused.value.body["error"]["code"] == "capture_field_refused"
-        assert "greedy decoding" in refused.value.body["error"]["message"]
-        raw = client.messages.with_raw_response.create(model="tiny", max_tokens=4,
-                                                       messages=[{"role": "user", "content": "hi"}],
-                                                       extra_body={"temperature": 0.4, "top_k": 3},
-                                                       extra_headers=inside)
-        assert IGNORED not in raw.headers
-        sent = chat_bodies(vllm)[-1]
-        assert {k: sent[k] for k in NEUTRAL_SAMPLING} == {**NEUTRAL_SAMPLING, "temperature": 0.4, "top_k": 3}
+        tool = {"name": "get_weather", "input_schema": {"type": "object"}, "strict": True}
+        for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"},
+                       {"type": "auto", "disable_parallel_tool_use": True}):
+            message = client.messages.create(model="tiny", max_tokens=4, tools=[tool], tool_choice=choice,
+                                             messages=[{"role": "user", "content": "hi"}], extra_headers=inside)
+            assert message.content
+        converted = chat_bodies(vllm)[-3:]
+        assert [b["tool_choice"] for b in converted] == [
+            "required", {"type": "function", "function": {"name": "get_weather"}}, "auto"]
+        assert converted[-1]["parallel_tool_calls"] is False
+        assert all(b["tools"][0]["function"]["strict"] is True for b in converted)
+        client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                               extra_body={"temperature": 0.0, "output_config": {"format": {
+                                   "type": "json_schema", "schema": {"type": "object"}}}}, extra_headers=inside)
+        greedy_schema = chat_bodies(vllm)[-1]
+        assert greedy_schema["temperature"] == 0 and greedy_schema["response_format"]["type"] == "json_schema"
 
-        # The samples hold the sampling each call was made with, in the request and in their `sampling` record.
+        # Each sample records its constraints; the default policy excludes greedy decoding, the prompt reshapers,
+        # the unjudged processors and beam search, and trains the rest with the correction.
         assert gw.signed("POST", f"/v1/rl/tasks/{t}/stop").json()["status"] == "finalized"
-        assert gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0}).json() == {"sample_count": 6}
+        expected_samples = len(SERVED) + 3 + 2 + 4
+        assert gw.signed("POST", f"/v1/rl/tasks/{t}/reward", json={"reward": 1.0}).json() == {
+            "sample_count": expected_samples}
         listing = gw.signed("GET", "/v1/rl/trajectories", params={"limit": 100}).json()["items"]
-        recorded = []
+        assert len(listing) == expected_samples
+        by_row = {}
         for item in listing:
             sample = gw.signed("GET", f"/v1/rl/trajectories/{item['trajectory_id']}").json()
-            request = sample["request"]
-            assert item["sampling"] == sample["sampling"] == {k: request[k] for k in NEUTRAL_SAMPLING}
-            recorded.append(sample["sampling"])
-            assert all(request.get(field) != value for field, value in REFUSED), request
-            assert not set(DROPPED_SENT) & set(request)
-        assert {**NEUTRAL_SAMPLING, **HONOURED_SENT} in recorded
-        assert {**NEUTRAL_SAMPLING, "temperature": 0.4, "top_k": 3} in recorded
+            assert item["sampling"] == sample["sampling"] and item["exclusion"] == sample.get("exclusion")
+            by_row.setdefault(sample["request"]["messages"][-1]["content"], []).append(sample)
+        excluded_by_default = {"greedy", "echo", "no_generation_prompt", "continue_final_message", "chat_template",
+                               "watermarking", "logits_processors", "beam_search"}
+        for row, (extra, kinds) in enumerate(SERVED):
+            (sample,) = by_row[f"row {row}"]
+            assert set(sample["sampling"]["constraints"]) == kinds, (extra, sample["sampling"])
+            assert {k: v for k, v in sample["request"].items() if k not in INJECTED} == {
+                k: v for k, v in sent_bodies[row].items() if k not in INJECTED}
+            excluded = kinds & excluded_by_default
+            assert sample["status"] == ("excluded" if excluded else "pending"), extra
+            assert sample.get("exclusion") == ({"reason": "constraint", "kinds": sorted(
+                excluded, key=list(sample["sampling"]["constraints"]).index)} if excluded else None)
+        assert by_row["row 26"][0]["sampling"]["temperature"] == 0.01  # what vLLM applied to 0.005
+        assert by_row["row 25"][0]["sampling"]["top_p"] == 1.0
+        three, two = by_row["three"], by_row["two"]
+        assert sorted(s["choice_index"] for s in three) == [0, 1, 2] and {s["group_uid"] for s in three} == {
+            f"{t}:{three[0]['sample_id'].split('.')[0]}"}
+        assert sorted(s["choice_index"] for s in two) == [0, 1]
+        assert all(s["trajectory"]["response_ids"] for s in three + two)
 
         # Outside a Task the same fields are forwarded exactly as sent.
         spoiling = {**ASK, "logit_bias": {"42": 100}, "temperature": 0.01, "min_tokens": 2, "metadata": {"a": 1}}

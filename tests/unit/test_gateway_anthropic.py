@@ -182,6 +182,29 @@ def test_every_block_type_and_parameter_is_converted() -> None:
     }  # fmt: skip
 
 
+def test_what_shapes_generation_is_carried_over_as_vllm_does() -> None:
+    """Issue 35: a strict tool keeps its strictness, structured output becomes `response_format`, enabled thinking's
+    budget `thinking_token_budget` and the effort `reasoning_effort` (vLLM's Anthropic endpoint maps them so)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "f", "input_schema": {"type": "object"}, "strict": True}],
+            "output_config": {"format": {"type": "json_schema", "schema": schema}, "effort": "low"},
+            "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    request = anthropic_to_openai_request(body)
+    assert request["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
+                                                                  "strict": True}}]
+    assert request["response_format"] == {"type": "json_schema", "json_schema": {"name": "json_schema",
+                                                                                 "schema": schema}}
+    assert (request["reasoning_effort"], request["thinking_token_budget"]) == ("low", 1024)
+    disabled = anthropic_to_openai_request(dict(body, thinking={"type": "disabled"}, output_config={}))
+    assert not {"thinking_token_budget", "response_format", "reasoning_effort"} & set(disabled)
+    for bad, message in (({"output_config": {"format": {"type": "text"}}}, "output_config.format"),
+                         ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "thinking.budget_tokens"),
+                         ({"tools": [{"name": "f", "input_schema": {}, "strict": "yes"}]}, r"tools\[0\]\.strict")):
+        with pytest.raises(ValueError, match=message):
+            anthropic_to_openai_request(dict(body, **bad))
+
+
 def test_tool_only_assistant_message_has_null_content_and_tool_results_only_user_has_no_user_message() -> None:
     body = {"model": "m", "messages": [
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"a": [1]}}]},

@@ -434,3 +434,46 @@ def test_token_bytes_inside_a_string_are_text_and_stay() -> None:
     assert parsed["choices"][0]["logprobs"]["content"] == [{"token": "a", "logprob": -1.0, "top_logprobs": []}]
     with pytest.raises(ValueError):
         parse_completion(b'{"choices": [', keep_token_bytes=False)
+
+
+def test_several_choices_interleaved_as_vllm_streams_them_aggregate_per_choice() -> None:
+    """Issue 35: a stream of `n` = 2 choices in vLLM 0.32's layout (a role chunk per choice, then each step's chunks
+    one choice each, naming its index, then one usage chunk for all) aggregates into both choices, each exactly what
+    its own stream alone aggregates to, and the RL Service's `:after` accepts it as two samples."""
+    recorded = recorded_chunks("chat_stream_response_top0.sse")
+    *tokens, usage_chunk = recorded[1:]
+    assert usage_chunk["choices"] == [] and all(c["choices"] for c in tokens)
+
+    def renumbered(chunk: dict[str, Any], variant: int, index: int | None = None) -> dict[str, Any]:
+        out = copy.deepcopy(chunk)
+        for choice in out["choices"]:
+            choice["index"] = variant if index is None else index
+            if variant and isinstance(choice.get("token_ids"), list):  # the second choice drew other tokens
+                choice["token_ids"] = [t + 1 for t in choice["token_ids"]]
+                if choice["delta"].get("content"):
+                    choice["delta"]["content"] = choice["delta"]["content"].upper()
+        return out
+
+    streams = [[renumbered(c, i) for c in [recorded[0], *tokens]] for i in range(2)]
+    interleaved = [streams[0][0], streams[1][0]]
+    for step in range(1, len(streams[0])):
+        interleaved += [streams[0][step], streams[1][step]]
+    usage = dict(usage_chunk["usage"])
+    usage["completion_tokens"] *= 2
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    interleaved.append(dict(usage_chunk, usage=usage))
+    interleaved.append(renumbered(tokens[0], 7))  # an index past `n` (a malformed upstream): left out
+
+    aggregator = StreamAggregator(2)
+    for chunk in interleaved:
+        aggregator.feed(chunk)
+    result = aggregator.result()
+    assert [c["index"] for c in result["choices"]] == [0, 1]
+    for i in range(2):
+        alone = aggregate([renumbered(c, i, index=0) for c in [recorded[0], *tokens]] + [usage_chunk])["choices"][0]
+        assert {k: v for k, v in result["choices"][i].items() if k != "index"} == {
+            k: v for k, v in alone.items() if k != "index"}
+    assert result["choices"][1]["message"]["content"] == result["choices"][0]["message"]["content"].upper()
+    validated = validate_response(result, policy_model=result["model"], n=2)
+    assert unpack_ids(validated.others[0].response_ids) == [t + 1 for t in unpack_ids(validated.response_ids)]
+    assert StreamAggregator().result()["choices"][0]["index"] == 0  # one choice by default, as before

@@ -36,8 +36,23 @@ def test_the_batch_carries_each_samples_temperature_and_truncation() -> None:
     assert batch.temperatures.tolist() == pytest.approx([0.7, 1.0, 1.3, 1.0])
     assert batch.truncated.tolist() == [True, False, False, True]
     with pytest.raises(ValueError, match="sampling record"):
-        convert_samples([sample(0, {"temperature": 0}, [8])], pad_token_id=0, max_prompt_length=8,
+        convert_samples([sample(0, {"temperature": -1}, [8])], pad_token_id=0, max_prompt_length=8,
                         max_response_length=8)
+
+
+def test_constrained_rows_are_marked_greedy_rows_trained_at_one_and_choices_grouped() -> None:
+    """Issue 35: a row whose `sampling.constraints` names a kind is `corrected`; a greedy row's behaviour logprob is
+    0 (μ is a point mass) and it is trained at temperature 1; the choices of one `n` > 1 request share a GRPO uid."""
+    greedy = sample(0, {"temperature": 0, "constraints": {"greedy": {}}}, [8, 9])
+    schema = sample(1, {"temperature": 0.7, "constraints": {"json_schema": {"digest": "ab", "bytes": 9}}}, [10])
+    old = sample(2, {"temperature": 0.7}, [11])  # stored before issue 35: no `constraints`
+    choices = [dict(sample(3 + i, None, [12 + i]), rl_task_id="t9", group_uid="t9:c1") for i in range(2)]
+    batch = convert_samples([greedy, schema, old, *choices], pad_token_id=0, max_prompt_length=8,
+                            max_response_length=8, advantage_estimator="grpo")
+    assert batch.corrected.tolist() == [True, True, False, False, False]
+    assert batch.temperatures.tolist() == pytest.approx([1.0, 0.7, 0.7, 1.0, 1.0])
+    assert batch.old_log_probs[0].tolist() == [0.0, 0.0] and batch.old_log_probs[1, 0] == -1.0
+    assert batch.uid == ["t0", "t1", "t2", "t9:c1", "t9:c1"] and batch.meta["constrained_samples"] == 2
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +102,61 @@ def test_the_report_measures_the_gap_and_the_clipped_ratios() -> None:
     tis = sampling_report(captured=captured, recomputed=recomputed, response_mask=mask, temperatures=temps,
                           truncated=truncated, settings=PPOSettings(tis_cap=2.0))
     assert tis["correction"] == "tis" and tis["ratio_clipped_share"] == pytest.approx(1 / 8)
+
+
+def test_constrained_rows_are_decoupled_with_truncated_weights_and_the_others_stay_in_bypass() -> None:
+    """Issue 35 (`ppo_math.behaviour_correction`): without `tis_cap` only the constrained rows use π_old as the old
+    logprobs, weighted min(π_old / μ, 2); with `tis_cap` every row is decoupled at that cap; with neither nothing."""
+    from openjiuwen.agent_evolving.agent_rl.online.training.ppo_math import CONSTRAINED_TIS_CAP, behaviour_correction
+
+    mu = torch.tensor([[-0.2, -2.0], [-2.0, -0.5]])
+    pi_old = torch.tensor([[-1.2, -0.5], [-1.0, -0.6]])
+    old, weights = behaviour_correction(mu, pi_old, torch.tensor([True, False]), PPOSettings())
+    assert torch.equal(old, torch.tensor([[-1.2, -0.5], [-2.0, -0.5]]))
+    expected = torch.tensor([[torch.exp(torch.tensor(-1.0)).item(), CONSTRAINED_TIS_CAP], [1.0, 1.0]])
+    assert torch.allclose(weights, expected) and CONSTRAINED_TIS_CAP == 2.0
+    old, weights = behaviour_correction(mu, pi_old, torch.tensor([True, False]), PPOSettings(tis_cap=1.5))
+    assert torch.equal(old, pi_old) and torch.allclose(weights[1], torch.tensor([1.5, torch.exp(torch.tensor(-0.1))]))
+    old, weights = behaviour_correction(mu, None, torch.tensor([False, False]), PPOSettings())
+    assert old is mu and weights is None
+
+
+def test_the_local_trainer_trains_constrained_rows_against_pi_old(model) -> None:
+    """The local trainer's PPO step takes its old logprobs and weights from `behaviour_correction`: flagging a row
+    as constrained changes the loss it reports to exactly the rule's, and the sampling report says so."""
+    from openjiuwen.agent_evolving.agent_rl.online.training import ppo_math
+    from openjiuwen.agent_evolving.agent_rl.online.training.local_worker import _PPOUpdate
+    from peft import LoraConfig, get_peft_model
+
+    settings = PPOSettings(use_kl_in_reward=False, entropy_coeff=0.0, ppo_mini_batch_size=4, ppo_micro_batch_size=4,
+                           learning_rate=0.0)
+    torch.manual_seed(0)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+
+    def batch(constrained: bool):
+        docs = [sample(i, {"temperature": 1.0, "constraints": {"json_schema": {"bytes": 1}} if constrained and i == 0
+                           else {}}, [20 + i, 30 + i, 40 + i]) for i in range(2)]
+        # The constrained row has the negative advantage: in bypass mode its ratio π/μ (μ far above the policy, as a
+        # grammar makes it) is clipped at 0.8 and it gets no gradient; decoupled, it is weighted min(π_old/μ, 2).
+        docs[0]["judge"], docs[1]["judge"] = {"score": 0.0}, {"score": 1.0}
+        return convert_samples(docs, pad_token_id=0, max_prompt_length=8, max_response_length=8)
+
+    losses = []
+    for constrained in (False, True):
+        b = batch(constrained)
+        update = _PPOUpdate(peft, b, settings)
+        assert update.sampling["constrained_samples"] == int(constrained)
+        assert update.sampling["correction"] == ("ppo_clip+constrained_tis" if constrained else "ppo_clip")
+        step = update.step(1, [0, 1])
+        pi_old = update._forward_all()  # lr 0: the weights did not move
+        old, weights = ppo_math.behaviour_correction(b.old_log_probs, pi_old, b.corrected, settings)
+        rewards, _ = ppo_math.token_level_rewards(b.token_level_scores, b.response_mask,
+                                                  behaviour_log_probs=b.old_log_probs, ref_log_probs=None,
+                                                  settings=settings)
+        adv = ppo_math.advantages(rewards, b.response_mask, b.uid, settings)
+        expected, _ = ppo_math.policy_loss(old_log_probs=old, log_probs=pi_old, adv=adv, response_mask=b.response_mask,
+                                           entropy=None, is_weights=weights, actor=ppo_math.actor_config(settings),
+                                           settings=settings)
+        assert step["pg_loss"] == pytest.approx(float(expected), abs=1e-5)
+        losses.append(step["pg_loss"])
+    assert losses[0] != pytest.approx(losses[1], abs=1e-4)  # the flag changed the update

@@ -48,7 +48,8 @@ def test_conversion_matches_hand_computed_tensors() -> None:
     # the score on the LAST position whose mask is 1 (b: position 1, its position 2 is masked out)
     assert b.token_level_scores.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.5, 0.0], [0.0, 0.0, 0.0]]
     assert b.meta == {"num_samples": 3, "pad_token_id": PAD, "dropped_samples": 2, "prompt_truncated_samples": 1,
-                      "response_truncated_samples": 1, "max_prompt_length": 3, "max_response_length": 3}
+                      "response_truncated_samples": 1, "max_prompt_length": 3, "max_response_length": 3,
+                      "constrained_samples": 0}
     assert b.dropped_sample_ids == ["d", "e"]
     assert b.uid == ["a", "b", "c"]
     grpo = convert_samples(SAMPLES, pad_token_id=PAD, max_prompt_length=3, max_response_length=3,

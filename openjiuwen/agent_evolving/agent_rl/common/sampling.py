@@ -1,14 +1,15 @@
-"""The sampling of a captured completion (issue 29): the client's own sampling fields, which of their values the
-trainers reproduce, and their explicit record. Used by the gateway (screening inside a Task), the RL Service (the
-injected request and the sample's `sampling` record) and the trainers (the temperature each row is trained at).
+"""The sampling of a captured completion (issues 29 and 35): the client's own sampling fields, the values vLLM itself
+would refuse, and the effective sampling recorded in each sample. Used by the gateway (the checks inside a Task), the
+RL Service (the injected request and the sample's `sampling` record) and the trainers (the temperature each row is
+trained at).
 
-A sample is trained as drawn from the policy at its temperature: the trainers compute log softmax(logits / T) over
-the whole vocabulary, row by row. Truncation (`top_p` < 1, `top_k` ≥ 1, `min_p` > 0) is forwarded too: vLLM, run
-with `--logprobs-mode processed_logprobs`, reports the truncated distribution's logprobs, the trainers measure the
-gap to the untruncated policy and correct it by importance sampling (docs/training.md). What the trainers cannot
-reproduce is refused: greedy decoding (`temperature` 0), a temperature vLLM would raise to 0.01, and penalties
-(verl's engine computes logprobs from the logits and the temperature alone). Values vLLM itself would refuse are
-refused as invalid, with vLLM 0.32's ranges.
+Inside a Task every value vLLM serves is served as sent; only a value vLLM would refuse is refused (with vLLM 0.32's
+ranges). The record is the sampling vLLM really applied (`SamplingParams.__post_init__`): a temperature in
+(0, 0.01) is raised to 0.01, and temperature 0 is greedy decoding, under which vLLM ignores `top_p`, `top_k` and
+`min_p`. A sample is trained as drawn from the policy at its temperature: the trainers compute log softmax(logits / T)
+over the whole vocabulary, row by row; truncation, penalties, grammars and the other constraints (common/constraints.py)
+are corrected by importance sampling against the captured processed logprobs, or the sample is kept out of training
+(docs/training.md).
 """
 
 from __future__ import annotations
@@ -26,27 +27,19 @@ DEFAULTS: dict[str, float | int] = {
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
 }
 FIELDS = tuple(DEFAULTS)
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 MIN_TEMPERATURE = 0.01  # vLLM raises any temperature in (0, 0.01) to 0.01 (SamplingParams.__post_init__)
 MAX_TEMPERATURE = 2.0
-
-GREEDY_REASON = ("temperature 0 is greedy decoding: every token is the argmax, so the sample has no exploration and "
-                 "no policy-gradient signal (send a temperature of at least 0.01)")
-LOW_TEMPERATURE_REASON = ("vLLM raises a temperature below 0.01 to 0.01, so the sample would not record the sampling "
-                          "used (send 0.01 or more)")
-PENALTY_REASON = ("the trainers compute the policy's logprobs without penalties (verl's engine has no place for "
-                  "them), so a penalized sample would be trained as drawn from another policy")
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2]
 
 
-class SamplingRefused(ValueError):
-    """A sampling field a captured request cannot carry. `invalid`: vLLM itself would refuse the value (a client
-    mistake anywhere); otherwise the value is valid but its sample could not be trained correctly."""
+class InvalidSampling(ValueError):
+    """A sampling value vLLM itself would refuse (a client mistake, inside a Task or not)."""
 
-    def __init__(self, field: str, reason: str, *, invalid: bool) -> None:
-        message = f"{field} must be {reason}" if invalid else f"{field} is not allowed in a captured request: {reason}"
-        super().__init__(message)
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field} must be {reason}")
         self.field = field
         self.reason = reason
-        self.invalid = invalid
 
 
 def _number(value: Any) -> bool:
@@ -54,34 +47,33 @@ def _number(value: Any) -> bool:
 
 
 def check_field(field: str, value: Any) -> None:
-    """Raise SamplingRefused when `value` (None = not sent) of the sampling `field` cannot be captured."""
+    """Raise InvalidSampling when vLLM would refuse `value` (None = not sent) for the sampling `field`."""
     if value is None:
         return
     if field == "top_k":
         if type(value) is not int or value < -1:
-            raise SamplingRefused(field, "an integer, -1 or 0 (no limit) or at least 1", invalid=True)
+            raise InvalidSampling(field, "an integer, -1 or 0 (no limit) or at least 1")
         return
     if not _number(value):
-        raise SamplingRefused(field, "a finite JSON number", invalid=True)
+        raise InvalidSampling(field, "a finite JSON number")
     if field == "temperature":
         if not 0 <= value <= MAX_TEMPERATURE:
-            raise SamplingRefused(field, "in [0, 2]", invalid=True)
-        if value == 0:
-            raise SamplingRefused(field, GREEDY_REASON, invalid=False)
-        if value < MIN_TEMPERATURE:
-            raise SamplingRefused(field, LOW_TEMPERATURE_REASON, invalid=False)
+            raise InvalidSampling(field, "in [0, 2]")
     elif field == "top_p":
         if not 0 < value <= 1:
-            raise SamplingRefused(field, "in (0, 1]", invalid=True)
+            raise InvalidSampling(field, "in (0, 1]")
     elif field == "min_p":
         if not 0 <= value <= 1:
-            raise SamplingRefused(field, "in [0, 1]", invalid=True)
-    elif value != DEFAULTS[field]:  # the three penalties
-        raise SamplingRefused(field, PENALTY_REASON, invalid=False)
+            raise InvalidSampling(field, "in [0, 1]")
+    elif field == "repetition_penalty":
+        if value <= 0:
+            raise InvalidSampling(field, "greater than 0")
+    elif not -MAX_PENALTY <= value <= MAX_PENALTY:  # presence and frequency penalties
+        raise InvalidSampling(field, "in [-2, 2]")
 
 
 def check(request: Mapping[str, Any]) -> None:
-    """Raise SamplingRefused for the first sampling field of `request` that cannot be captured."""
+    """Raise InvalidSampling for the first sampling field of `request` vLLM would refuse."""
     for field in FIELDS:
         check_field(field, request.get(field))
 
@@ -109,10 +101,17 @@ class Sampling:
 
     @classmethod
     def of_request(cls, request: Mapping[str, Any]) -> "Sampling":
-        """The sampling of a checked request (`check`), defaults filled in."""
+        """The sampling vLLM applies to a checked request (`check`): defaults filled in, a temperature below 0.01
+        raised to 0.01, and under greedy decoding (temperature 0) no truncation, as vLLM resets it."""
         values = resolved(request)
+        temperature = float(values["temperature"])
+        if temperature == 0:
+            return cls(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                       presence_penalty=float(values["presence_penalty"]),
+                       frequency_penalty=float(values["frequency_penalty"]),
+                       repetition_penalty=float(values["repetition_penalty"]))
         return cls(
-            temperature=float(values["temperature"]), top_p=float(values["top_p"]), top_k=int(values["top_k"]),
+            temperature=max(temperature, MIN_TEMPERATURE), top_p=float(values["top_p"]), top_k=int(values["top_k"]),
             min_p=float(values["min_p"]), presence_penalty=float(values["presence_penalty"]),
             frequency_penalty=float(values["frequency_penalty"]),
             repetition_penalty=float(values["repetition_penalty"]),
@@ -121,16 +120,32 @@ class Sampling:
     @classmethod
     def of_record(cls, record: Any) -> "Sampling":
         """A sample's recorded sampling; a sample without one (a rail upload, or one captured while the gateway
-        pinned the sampling) was drawn at the neutral defaults. Raises ValueError for a record no capture wrote."""
+        pinned the sampling) was drawn at the neutral defaults. Raises ValueError for a record no capture wrote.
+        The record's `constraints` (common/constraints.py) are not part of it."""
         if record is None:
             return cls.of_request({})
         if not isinstance(record, Mapping):
             raise ValueError("a sample's sampling record must be an object")
         try:
             check(record)
-        except SamplingRefused as exc:
+        except InvalidSampling as exc:
             raise ValueError(f"sample sampling record: {exc}") from None
         return cls.of_request(record)
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy decoding: every token is the argmax, the behaviour distribution a point mass."""
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return any(getattr(self, name) != DEFAULTS[name] for name in PENALTIES)
+
+    @property
+    def train_temperature(self) -> float:
+        """The temperature the trainers compute the policy at: the sample's own, 1 for greedy decoding (the policy
+        itself; its behaviour probability is 1 for every chosen token, batch.py)."""
+        return 1.0 if self.greedy else self.temperature
 
     @property
     def truncates(self) -> bool:

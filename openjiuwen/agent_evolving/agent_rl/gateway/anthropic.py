@@ -2,9 +2,12 @@
 
 Requests are converted strictly: anything this module cannot express in OpenAI chat (an unknown content block, a
 server tool, a document) raises `ValueError` with the path of the offending item, so the gateway answers 400 rather
-than silently dropping content the model should have seen. Two deliberate exceptions: `thinking` and
-`redacted_thinking` blocks in assistant history are dropped (earlier reasoning is not replayed to the model, as chat
-templates do), and unknown top-level request keys (`metadata`, `service_tier`, …) are ignored.
+than silently dropping content the model should have seen. What shapes generation is carried over as vLLM's own
+Anthropic endpoint does (issue 35): a tool's `strict`, `output_config.format` (structured output, as
+`response_format` `json_schema`), `output_config.effort` (`reasoning_effort`) and `thinking.budget_tokens` of enabled
+thinking (`thinking_token_budget`). Two deliberate exceptions: `thinking` and `redacted_thinking` blocks in assistant
+history are dropped (earlier reasoning is not replayed to the model, as chat templates do), and top-level keys with no
+OpenAI counterpart (`metadata`, `service_tier`, `thinking` other than enabled, …) are ignored.
 """
 
 from __future__ import annotations
@@ -77,7 +80,47 @@ def anthropic_to_openai_request(body: dict[str, Any]) -> dict[str, Any]:
         request["tool_choice"] = choice
         if parallel is not None:
             request["parallel_tool_calls"] = parallel
+    request.update(_output_config(body.get("output_config")))
+    budget = _thinking_budget(body.get("thinking"))
+    if budget is not None:
+        request["thinking_token_budget"] = budget
     return request
+
+
+def _output_config(config: Any) -> dict[str, Any]:
+    """`output_config`: its JSON schema `format` as `response_format` (named as vLLM names it), its `effort` as
+    `reasoning_effort`."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise ValueError("output_config must be an object")
+    out: dict[str, Any] = {}
+    form = config.get("format")
+    if form is not None:
+        if not isinstance(form, dict) or form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict):
+            raise ValueError("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}")
+        out["response_format"] = {"type": "json_schema",
+                                  "json_schema": {"name": "json_schema", "schema": form["schema"]}}
+    effort = config.get("effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise ValueError("output_config.effort must be a string")
+        out["reasoning_effort"] = effort
+    return out
+
+
+def _thinking_budget(thinking: Any) -> int | None:
+    """The `budget_tokens` of `thinking: {type: enabled}`; other thinking settings pin nothing."""
+    if thinking is None:
+        return None
+    if not isinstance(thinking, dict):
+        raise ValueError("thinking must be an object")
+    if thinking.get("type") != "enabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    if type(budget) is not int or budget < 1:
+        raise ValueError("thinking.budget_tokens must be a positive integer")
+    return budget
 
 
 def _system_text(system: Any) -> str:
@@ -256,6 +299,11 @@ def _convert_tools(tools: Any) -> list[dict[str, Any]]:
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         function["parameters"] = schema
+        strict = tool.get("strict")
+        if strict is not None:
+            if not isinstance(strict, bool):
+                raise ValueError(f"{where}.strict must be a boolean")
+            function["strict"] = strict  # kept: vLLM enforces a strict tool's arguments (a recorded constraint)
         out.append({"type": "function", "function": function})
     return out
 

@@ -11,10 +11,14 @@ routing) and, when captured, its Task's captures in flight (a Task stop drains t
 returns or, for a stream, when the relay it was handed over to ends; a capture still pending then is discarded, and
 the Task's count ends when the hook that ends the capture (`:after` or `:discard`) returns.
 
-Inside a Task the request is screened first (capture_fields.py: honoured, refused and dropped fields), and a Task
-started with a capture secret needs it on every call (capture_secret.py). Outside a Task the body goes upstream as
-the client sent it, but may name only the base model or the active version. A vLLM error answer reaches the client
-as JSON only (responses.upstream_error).
+Inside a Task the request goes upstream as sent, only the values vLLM itself would refuse answered first
+(capture_fields.py), and a Task started with a capture secret needs it on every call (capture_secret.py). Outside a
+Task the body goes upstream as the client sent it, but may name only the base model or the active version of a line,
+and a version of a lineage's line only when the caller may (lineage_access.py, issue 37 item 1): else the answer of
+an unknown model. A vLLM error answer reaches the client as JSON only (responses.upstream_error).
+
+A request counts in flight on its instance from the routing pick, before any page-in, and a page-in that failed is
+tried once more on another instance (`_route`, issue 37 items 3 and 4).
 
 What an instance answers is held to `max_upstream_bytes` (issue 28 item 4): a JSON or error answer past it is read
 no further and is 502 `upstream_too_large`; in a stream, one event past it, or a captured stream past it in all (the
@@ -24,6 +28,7 @@ outside a Task is relayed event by event and never aggregated, so only its event
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,11 +44,12 @@ from ..common import json_nesting
 from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
 from .capture_hooks import CaptureHooks
 from .captured_call import CapturedCall, ProxiedCall
-from .capture_fields import IGNORED_FIELDS_HEADER, FieldRefused, ignored_header, screen
+from .capture_fields import FieldInvalid, check_request
 from .http11 import AnswerTooLarge, HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
 from .lora_manager import LoraManager
-from ..common.lineage import DEFAULT_LINEAGE, lineage_of_version
+from ..common.lineage import DEFAULT_LINEAGE, lineage_of_version, split_line
+from .lineage_access import LineageAccess
 from .domain_errors import error_answer
 from .lora_types import LoraError
 from .policy_lines import line_of_version, model_of_line
@@ -64,8 +70,6 @@ log = logging.getLogger("openjiuwen.agent_rl.gateway.inference")
 
 UPSTREAM_READ_TIMEOUT_S = 600.0  # one read; a long generation streams or answers within it
 CHAT_PATH = "/v1/chat/completions"
-# Converted Anthropic fields → the names the client used, for refusal messages and the ignored-fields header.
-ANTHROPIC_NAMES = {"parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 
 
 class InferenceProxy:
@@ -81,9 +85,11 @@ class InferenceProxy:
         max_upstream_bytes: int,
         metrics: "GatewayMetrics | None" = None,
         recheck: Callable[[], Awaitable[None]] | None = None,
+        access: LineageAccess | None = None,
     ) -> None:
         """`recheck`: an immediate health check of every instance (health.py), awaited once by a request that finds
-        no healthy instance before it gets 503 `no_healthy_instances` (issue 28 item 12)."""
+        no healthy instance before it gets 503 `no_healthy_instances` (issue 28 item 12). `access`: who may name a
+        lineage's versions outside a Task (None: nobody but for the default line)."""
         self._metrics = metrics
         self._max_upstream_bytes = max_upstream_bytes
         self._recheck = recheck
@@ -94,6 +100,7 @@ class InferenceProxy:
         self._hooks = CaptureHooks(rl, tracker, metrics)
         self._rl_running = rl_running
         self._upstream = upstream
+        self._access = access
 
     # ---------------------------------------------------------------- routes
 
@@ -114,8 +121,7 @@ class InferenceProxy:
             converted = anthropic_to_openai_request(body)
         except ValueError as exc:
             return envelope(400, "invalid_request", str(exc))
-        return await self._serve(request, converted, flavor="anthropic", client_model=body.get("model"),
-                                 names=ANTHROPIC_NAMES)
+        return await self._serve(request, converted, flavor="anthropic", client_model=body.get("model"))
 
     @staticmethod
     async def _json_body(request: Request) -> dict[str, Any] | Response:
@@ -131,7 +137,6 @@ class InferenceProxy:
 
     async def _serve(
         self, request: Request, body: dict[str, Any], *, flavor: str, client_model: str | None = None,
-        names: dict[str, str] | None = None,
     ) -> Response:
         wants = client_wants(body)
         if client_model is not None:
@@ -144,14 +149,11 @@ class InferenceProxy:
                     lineage_of_version(body.get("model"), self._model_id) or DEFAULT_LINEAGE, captured=False)
             # The call's counts: closed here when the answer is returned, or by the stream's relay it is handed to.
             with ProxiedCall() as call:
-                return await self._bypass(body, wants, flavor, session_id, call)
-        if self._metrics is not None:
-            self._metrics.lineage_request(binding.lineage, captured=True)
-        return await self._serve_captured(request, body, wants, flavor, binding, names)
+                return await self._bypass(request, body, wants, flavor, session_id, call)
+        return await self._serve_captured(request, body, wants, flavor, binding)
 
     async def _serve_captured(
         self, request: Request, body: dict[str, Any], wants: ClientWants, flavor: str, binding: Binding,
-        names: dict[str, str] | None,
     ) -> Response:
         if binding.secret_digest is not None:
             presented = request.headers.get(capture_secret.HEADER)
@@ -160,35 +162,38 @@ class InferenceProxy:
                                 "this session's RL Task requires its capture secret in X-Agent-Capture-Secret")
             if not capture_secret.matches(presented, binding.secret_digest):
                 return envelope(403, "invalid_capture_secret", "wrong capture secret for this session's RL Task")
+        if self._metrics is not None:  # ranks lineages for a label: only a request its Task's secret admits
+            self._metrics.lineage_request(binding.lineage, captured=True)
         try:
-            screened = screen(dict(body, model=binding.policy_model), names=names)
-        except FieldRefused as exc:
-            return envelope(400, "invalid_request" if exc.invalid else "capture_field_refused", str(exc))
+            check_request(body)
+        except FieldInvalid as exc:
+            return envelope(400, "invalid_request", str(exc))
         # Counted among the Task's captures in flight from here until the call's capture ends (captured_call.py).
         with CapturedCall(self._sessions, self._hooks, binding, request.headers.get("x-agent-turn-id")) as call:
-            response = await self._captured(screened.request, wants, flavor, call)
-        if screened.ignored:
-            response.headers[IGNORED_FIELDS_HEADER] = ignored_header(screened.ignored)
-        return response
+            return await self._captured(dict(body, model=binding.policy_model), wants, flavor, call)
 
     # ---------------------------------------------------------------- bypass
 
     async def _bypass(
-        self, body: dict[str, Any], wants: ClientWants, flavor: str, session_id: str | None, call: ProxiedCall,
+        self, request: Request, body: dict[str, Any], wants: ClientWants, flavor: str, session_id: str | None,
+        call: ProxiedCall,
     ) -> Response:
         model = body.get("model")
         line = line_of_version(model)
-        if line is not None and model_of_line(line) == self._model_id and model != self._loras.snapshot(line)[1]:
+        if line is not None and model_of_line(line) == self._model_id:
             # Older versions stay loaded only for the Tasks pinned to them (a rolled-back version included): traffic
-            # outside a Task gets the base model or the active version of a line, never those.
-            return envelope(404, "model_not_found",
-                            f"{model} is not the active policy of its line; without an RL Task name "
-                            f"{self._model_id} or an active version")
+            # outside a Task gets the base model or the active version of a line, never those; and a lineage's
+            # versions only when the caller may, decided first so that a refusal reads as an unknown model.
+            allowed = line == self._model_id or (
+                self._access is not None and await self._access.allows(request, split_line(line)[1]))
+            if not allowed or model != self._loras.snapshot(line)[1]:
+                return envelope(404, "model_not_found",
+                                f"the model {model} is not served outside an RL Task; name {self._model_id} or "
+                                "an active version you may use")
         try:
             # Base traffic of one session sticks to one instance (prefix-cache reuse); LoRA traffic never does.
             policy_model = model if isinstance(model, str) else self._model_id
-            instance = await self._pick(self._model_id, policy_model, affinity_key=session_id)
-            await self._loras.page_in(instance, policy_model, call)  # on a paging instance: loaded on demand
+            instance = await self._route(policy_model, call, task=False, affinity_key=session_id)
         except LoraError as exc:
             return error_answer(exc)
         return await self._upstream_answer(instance, body, wants, flavor, call)
@@ -196,7 +201,7 @@ class InferenceProxy:
     # -------------------------------------------------------------- captured
 
     async def _captured(self, body: dict[str, Any], wants: ClientWants, flavor: str, call: CapturedCall) -> Response:
-        """`body`: screened, `model` already the pinned policy model."""
+        """`body`: checked, `model` already the pinned policy model."""
         binding = call.binding
         try:
             injected = await self._hooks.before(call, body)
@@ -204,14 +209,35 @@ class InferenceProxy:
             return error_answer(exc)
         call.captured(injected)  # from here it ends by `:after` or `:discard`
         try:
-            instance = await self._pick(self._model_id, binding.policy_model, affinity_key=binding.session_id,
-                                        captured=True)
             # The pinned version itself, loaded on demand where it was paged out: never another adapter or base.
-            await self._loras.page_in(instance, binding.policy_model, call)
+            instance = await self._route(binding.policy_model, call, task=True, affinity_key=binding.session_id,
+                                         captured=True)
         except LoraError as exc:
             return error_answer(exc)
         call.instance = instance.name
         return await self._upstream_answer(instance, injected, wants, flavor, call)
+
+    async def _route(self, policy_model: str, call: ProxiedCall, *, task: bool, **how: Any) -> Instance:
+        """The instance that serves the call, its count in flight held by the call from before the page-in (so
+        concurrent first loads see each other) and, on a paging instance, the version loaded there. A page-in that
+        failed is tried once on another instance: the one that failed is in backoff, last in line."""
+        instance = await self._pick(self._model_id, policy_model, **how)
+        try:
+            return await self._paged_in(instance, policy_model, call, task=task)
+        except LoraError as exc:
+            if exc.code != "lora_load_failed":
+                raise
+            again = await self._pick(self._model_id, policy_model, **how)
+            if again.name == instance.name:  # no other instance can load it
+                raise
+            return await self._paged_in(again, policy_model, call, task=task)
+
+    async def _paged_in(self, instance: Instance, policy_model: str, call: ProxiedCall, *, task: bool) -> Instance:
+        with contextlib.ExitStack() as counts:  # released at once when the page-in fails
+            counts.enter_context(self._routing.in_flight(instance))
+            await self._loras.page_in(instance, policy_model, counts, task=task)
+            call.enter_context(counts.pop_all())
+        return instance
 
     async def _pick(self, model: str, policy_model: str, **how: Any) -> Instance:
         """The routing pick; when every instance is out of routing, once more after an immediate health check (a
@@ -229,9 +255,8 @@ class InferenceProxy:
     async def _upstream_answer(
         self, instance: Instance, body: dict[str, Any], wants: ClientWants, flavor: str, call: ProxiedCall,
     ) -> Response:
-        """Send to `instance`, counted in flight there until the answer (or the stream) ends. An error answer leaves
-        the capture pending: the call discards it when it closes."""
-        call.enter_context(self._routing.in_flight(instance))
+        """Send to `instance` (the call counts it in flight there since `_route`, until the answer or the stream
+        ends). An error answer leaves the capture pending: the call discards it when it closes."""
         stream = body.get("stream") is True
         call.request_json = request_json = orjson.dumps(body)  # once: `:after` carries these bytes
         started = time.perf_counter()
@@ -319,7 +344,8 @@ class InferenceProxy:
         """The client's stream. It took the `call` over: closed when it ends, a broken stream or a client disconnect
         included. Only a captured stream is aggregated (for `:after`), and bounded in all."""
         captured = call if isinstance(call, CapturedCall) else None
-        aggregator = StreamAggregator() if captured is not None else None
+        # One aggregation per choice of the request (`n`: validated, absent, null or a positive integer).
+        aggregator = None if captured is None else StreamAggregator((captured.request or {}).get("n") or 1)
         chunks = resp.aiter_raw() if aggregator is None else resp.aiter_bounded(self._max_upstream_bytes)
         writer = AnthropicStreamWriter() if flavor == "anthropic" else None
         finish_reason: str | None = None

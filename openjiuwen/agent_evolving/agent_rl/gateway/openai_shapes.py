@@ -130,35 +130,124 @@ class _ToolCallParts:
         }
 
 
+class _ChoiceParts:
+    """The pieces of one choice of a stream, joined once in `result()`."""
+
+    __slots__ = ("content", "content_seen", "reasoning", "reasoning_seen", "token_ids", "logprobs", "tool_calls",
+                 "finish_reason", "routed_experts", "routing_metadata")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.content_seen = False
+        self.reasoning: list[str] = []
+        self.reasoning_seen = False
+        self.token_ids: list[Any] = []
+        self.logprobs: list[Any] = []
+        self.tool_calls: dict[Any, _ToolCallParts] = {}
+        self.finish_reason: Any = None
+        self.routed_experts: Any = None
+        self.routing_metadata: Any = None
+
+    def feed(self, choice: dict[str, Any]) -> None:
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            content = delta.get("content")
+            if isinstance(content, str):
+                self.content_seen = True
+                self.content.append(content)
+            # vLLM renamed `reasoning_content` to `reasoning`; some versions send both with the same text.
+            reasoning = delta.get("reasoning_content")
+            if not isinstance(reasoning, str):
+                reasoning = delta.get("reasoning")
+            if isinstance(reasoning, str):
+                self.reasoning_seen = True
+                self.reasoning.append(reasoning)
+            tool_calls = delta.get("tool_calls")
+            if isinstance(tool_calls, list):
+                for call in tool_calls:
+                    if isinstance(call, dict):
+                        self._merge_tool_call(call)
+        token_ids = choice.get("token_ids")
+        if isinstance(token_ids, list):
+            self.token_ids.extend(token_ids)
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+            self.logprobs.extend(logprobs["content"])
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+        self.routing(choice)
+
+    def _merge_tool_call(self, call: dict[str, Any]) -> None:
+        index = call.get("index", 0)
+        parts = self.tool_calls.get(index)
+        if parts is None:
+            parts = self.tool_calls[index] = _ToolCallParts()
+        # Overwrite only with a value: later deltas of a call usually repeat `id`/`name` as null or leave them out.
+        if call.get("id"):
+            parts.id = call["id"]
+        if call.get("type"):
+            parts.type = call["type"]
+        function = call.get("function")
+        if isinstance(function, dict):
+            if function.get("name"):
+                parts.name = function["name"]
+            arguments = function.get("arguments")
+            if isinstance(arguments, str) and arguments:
+                parts.arguments.append(arguments)
+
+    def routing(self, holder: dict[str, Any]) -> None:
+        # MoE routing travels per chunk (per-token lists, concatenated) or once (any other value, last one wins).
+        routed = holder.get("routed_experts")
+        if routed is not None:
+            if isinstance(routed, list) and isinstance(self.routed_experts, list):
+                self.routed_experts.extend(routed)
+            else:
+                self.routed_experts = list(routed) if isinstance(routed, list) else routed
+        if holder.get("routing_metadata") is not None:
+            self.routing_metadata = holder["routing_metadata"]
+
+    def result(self, index: int) -> dict[str, Any]:
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self.content) if self.content_seen else None,
+        }
+        if self.reasoning_seen:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i].result() for i in sorted(self.tool_calls, key=_index_key)]
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": message,
+            "finish_reason": self.finish_reason,
+            "token_ids": list(self.token_ids),
+            "logprobs": {"content": list(self.logprobs)},
+        }
+        if self.routed_experts is not None:
+            choice["routed_experts"] = (
+                list(self.routed_experts) if isinstance(self.routed_experts, list) else self.routed_experts
+            )
+        if self.routing_metadata is not None:
+            choice["routing_metadata"] = self.routing_metadata
+        return choice
+
+
 class StreamAggregator:
     """Builds the one `chat.completion` that `:after` receives from the OpenAI chunks of a stream (§3.6).
 
-    Linear in the stream: pieces go to lists and are joined once in `result()`. Only choice index 0 is kept (a
-    captured request has `n` = 1). Chunks are read, never mutated.
+    Linear in the stream: pieces go to lists and are joined once in `result()`. The chunks of the `n` choices of a
+    request (vLLM interleaves them, each chunk naming its choice's `index`) are aggregated per choice; a chunk naming
+    any other index is left out. Chunks are read, never mutated.
     """
 
-    __slots__ = (
-        "_id", "_model", "_prompt_token_ids", "_final_usage", "_last_usage", "_content", "_content_seen",
-        "_reasoning", "_reasoning_seen", "_token_ids", "_logprobs", "_tool_calls", "_finish_reason",
-        "_routed_experts", "_routing_metadata",
-    )
+    __slots__ = ("_id", "_model", "_prompt_token_ids", "_final_usage", "_last_usage", "_choices")
 
-    def __init__(self) -> None:
+    def __init__(self, n: int = 1) -> None:
         self._id = ""
         self._model = ""
         self._prompt_token_ids: Any = None
         self._final_usage: dict[str, Any] | None = None  # from the usage-only chunk (`choices: []`)
         self._last_usage: dict[str, Any] | None = None  # continuous usage on ordinary chunks, a fallback
-        self._content: list[str] = []
-        self._content_seen = False
-        self._reasoning: list[str] = []
-        self._reasoning_seen = False
-        self._token_ids: list[Any] = []
-        self._logprobs: list[Any] = []
-        self._tool_calls: dict[Any, _ToolCallParts] = {}
-        self._finish_reason: Any = None
-        self._routed_experts: Any = None
-        self._routing_metadata: Any = None
+        self._choices = [_ChoiceParts() for _ in range(max(1, n))]
 
     def feed(self, chunk: dict[str, Any]) -> None:
         if not isinstance(chunk, dict):
@@ -178,98 +267,24 @@ class StreamAggregator:
                 self._final_usage = usage
             else:
                 self._last_usage = usage
-        self._routing(chunk)
+        first = self._choices[0]
+        first.routing(chunk)  # routing on the chunk itself belongs to the first choice, as with one
         if isinstance(choices, list):
             for choice in choices:
-                if isinstance(choice, dict) and choice.get("index", 0) == 0:
-                    self._feed_choice(choice)
-
-    def _feed_choice(self, choice: dict[str, Any]) -> None:
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            content = delta.get("content")
-            if isinstance(content, str):
-                self._content_seen = True
-                self._content.append(content)
-            # vLLM renamed `reasoning_content` to `reasoning`; some versions send both with the same text.
-            reasoning = delta.get("reasoning_content")
-            if not isinstance(reasoning, str):
-                reasoning = delta.get("reasoning")
-            if isinstance(reasoning, str):
-                self._reasoning_seen = True
-                self._reasoning.append(reasoning)
-            tool_calls = delta.get("tool_calls")
-            if isinstance(tool_calls, list):
-                for call in tool_calls:
-                    if isinstance(call, dict):
-                        self._merge_tool_call(call)
-        token_ids = choice.get("token_ids")
-        if isinstance(token_ids, list):
-            self._token_ids.extend(token_ids)
-        logprobs = choice.get("logprobs")
-        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
-            self._logprobs.extend(logprobs["content"])
-        if choice.get("finish_reason") is not None:
-            self._finish_reason = choice["finish_reason"]
-        self._routing(choice)
-
-    def _merge_tool_call(self, call: dict[str, Any]) -> None:
-        index = call.get("index", 0)
-        parts = self._tool_calls.get(index)
-        if parts is None:
-            parts = self._tool_calls[index] = _ToolCallParts()
-        # Overwrite only with a value: later deltas of a call usually repeat `id`/`name` as null or leave them out.
-        if call.get("id"):
-            parts.id = call["id"]
-        if call.get("type"):
-            parts.type = call["type"]
-        function = call.get("function")
-        if isinstance(function, dict):
-            if function.get("name"):
-                parts.name = function["name"]
-            arguments = function.get("arguments")
-            if isinstance(arguments, str) and arguments:
-                parts.arguments.append(arguments)
-
-    def _routing(self, holder: dict[str, Any]) -> None:
-        # MoE routing travels per chunk (per-token lists, concatenated) or once (any other value, last one wins).
-        routed = holder.get("routed_experts")
-        if routed is not None:
-            if isinstance(routed, list) and isinstance(self._routed_experts, list):
-                self._routed_experts.extend(routed)
-            else:
-                self._routed_experts = list(routed) if isinstance(routed, list) else routed
-        if holder.get("routing_metadata") is not None:
-            self._routing_metadata = holder["routing_metadata"]
+                if isinstance(choice, dict):
+                    index = choice.get("index", 0)
+                    if index == 0:
+                        first.feed(choice)
+                    elif type(index) is int and 0 < index < len(self._choices):
+                        self._choices[index].feed(choice)
 
     def result(self) -> dict[str, Any]:
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": "".join(self._content) if self._content_seen else None,
-        }
-        if self._reasoning_seen:
-            message["reasoning_content"] = "".join(self._reasoning)
-        if self._tool_calls:
-            message["tool_calls"] = [self._tool_calls[i].result() for i in sorted(self._tool_calls, key=_index_key)]
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": message,
-            "finish_reason": self._finish_reason,
-            "token_ids": list(self._token_ids),
-            "logprobs": {"content": list(self._logprobs)},
-        }
-        if self._routed_experts is not None:
-            choice["routed_experts"] = (
-                list(self._routed_experts) if isinstance(self._routed_experts, list) else self._routed_experts
-            )
-        if self._routing_metadata is not None:
-            choice["routing_metadata"] = self._routing_metadata
         return {
             "id": self._id,
             "object": "chat.completion",
             "model": self._model,
             "prompt_token_ids": self._prompt_token_ids,
-            "choices": [choice],
+            "choices": [parts.result(index) for index, parts in enumerate(self._choices)],
             "usage": self._final_usage if self._final_usage is not None else self._last_usage,
         }
 

@@ -17,7 +17,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from ...common.packed_hook import PackedArrays
-from ..errors import Conflict, InvalidInput
+from ..errors import Conflict, InvalidInput, invalid_completion
 from .. import faults
 from ..judge import feedback_from_request
 from ...common.wire.task_states import FinishReason
@@ -33,7 +33,7 @@ from .request import (
     validate_request,
 )
 from .response import ResponseModelMismatch, validate_packed_response, validate_response
-from .sample import build_sample
+from .sample import build_samples
 from .turns import TurnPublisher
 
 
@@ -112,8 +112,11 @@ class CapturePipeline:
                             hook.request, policy_model=task.policy_model, delayed=task.delayed,
                             agent_turn_id=hook.agent_turn_id,
                         )
+                    n = hook.request.get("n") or 1  # validated: absent, null or a positive integer
                     if arrays is None:
-                        validated = validate_response(hook.response, policy_model=task.policy_model)
+                        validated = validate_response(hook.response, policy_model=task.policy_model, n=n)
+                    elif n > 1:
+                        raise invalid_completion("a packed body carries one choice; send request.n > 1 as JSON")
                     else:
                         validated = validate_packed_response(hook.response, arrays, policy_model=task.policy_model)
                 except (RequestModelMismatch, ResponseModelMismatch) as exc:
@@ -121,7 +124,7 @@ class CapturePipeline:
                 if injected is None:
                     injected = normalize_request(hook.request)
                     request_fp = request_fingerprint(injected)
-                sample = build_sample(
+                samples = build_samples(
                     task, capture_id=hook.capture_id, agent_turn_id=hook.agent_turn_id, request=injected,
                     response=hook.response, validated=validated, instance=hook.instance,
                 )
@@ -138,7 +141,7 @@ class CapturePipeline:
             hook = HookBody(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)
             del validated, arrays
             committed = await self._registry.commit(
-                task, hook.capture_id, hook.agent_turn_id, *fingerprints, sample,
+                task, hook.capture_id, hook.agent_turn_id, *fingerprints, samples,
             )
             faults.reached("capture.committed")
             return committed

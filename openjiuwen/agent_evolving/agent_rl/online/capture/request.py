@@ -22,14 +22,16 @@ def validate_request(request: Any, *, policy_model: str, delayed: bool, agent_tu
     if not isinstance(request.get("messages"), list):
         raise invalid_completion("request.messages must be a list")
     n = request.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise invalid_completion("request.n must be absent or 1")
+    if n is not None and (type(n) is not int or n < 1):
+        raise invalid_completion("request.n must be absent or a positive integer")
     if not isinstance(request.get("model"), str):
         raise invalid_completion("request.model must be a string")
     try:
         sampling.check(request)
-    except sampling.SamplingRefused as exc:
+    except sampling.InvalidSampling as exc:
         raise invalid_completion(f"request.{exc}") from None
+    if n is not None and n > 1 and request.get("temperature") == 0:
+        raise invalid_completion("request.n must be 1 under greedy decoding (temperature 0), as vLLM requires")
     top = request.get("top_logprobs")
     if top is not None and (type(top) is not int or top < -1):
         raise invalid_completion("request.top_logprobs must be absent, null or an integer of at least -1")

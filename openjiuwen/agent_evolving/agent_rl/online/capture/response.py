@@ -17,6 +17,17 @@ class ResponseModelMismatch(ValueError):
 
 
 @dataclass(slots=True)
+class ValidatedChoice:
+    """One further choice of an `n` > 1 answer: its arrays in their stored form and its own fields."""
+
+    response_ids: bytes
+    logprobs: bytes
+    choice: dict[str, Any]
+    routed_experts: Any
+    routing_metadata: Any
+
+
+@dataclass(slots=True)
 class ValidatedResponse:
     # The three arrays in their stored form (store/codec.py): token ids uint32 LE, logprobs float32 LE.
     prompt_ids: bytes
@@ -25,6 +36,8 @@ class ValidatedResponse:
     choice: dict[str, Any]
     routed_experts: Any
     routing_metadata: Any
+    # The choices after the first of an `n` > 1 answer (issue 35), in index order: each is a sample of the same prompt.
+    others: tuple[ValidatedChoice, ...] = ()
 
 
 
@@ -97,28 +110,48 @@ def _usage_int(usage: dict[str, Any], name: str) -> int:
     return value
 
 
-def _checked_choice(response: Any) -> dict[str, Any]:
-    """The response's one choice, after the checks that do not involve the token arrays."""
+def _choices(response: Any) -> Any:
     if not isinstance(response, dict):
         raise invalid_completion("response must be an object")
     if response.get("object") != "chat.completion":
         raise invalid_completion("response.object must be chat.completion")
-    choices = response.get("choices")
+    return response.get("choices")
+
+
+def _checked_choice(response: Any) -> dict[str, Any]:
+    """The response's one choice, after the checks that do not involve the token arrays."""
+    choices = _choices(response)
     if not isinstance(choices, list) or len(choices) != 1:
         raise invalid_completion("response must have exactly one choice")
-    choice = choices[0]
+    return _checked_fields(choices[0], 0)
+
+
+def _checked_fields(choice: Any, position: int) -> dict[str, Any]:
     if not isinstance(choice, dict) or not isinstance(choice.get("message"), dict):
-        raise invalid_completion("choices[0].message must be an object")
+        raise invalid_completion(f"choices[{position}].message must be an object")
     finish = choice.get("finish_reason")
     if not isinstance(finish, str) or not finish:
-        raise invalid_completion("choices[0].finish_reason must be a non-empty string")
+        raise invalid_completion(f"choices[{position}].finish_reason must be a non-empty string")
     return choice
+
+
+def _checked_choices(response: Any, n: int) -> list[dict[str, Any]]:
+    """The `n` choices of an `n` > 1 answer in index order (vLLM numbers them 0 … n-1), each checked as one."""
+    choices = _choices(response)
+    if not isinstance(choices, list) or len(choices) != n:
+        raise invalid_completion(f"response must have exactly {n} choices (request.n)")
+    checked = [_checked_fields(choice, i) for i, choice in enumerate(choices)]
+    indexes = [choice.get("index") for choice in checked]
+    if sorted(i if type(i) is int else -1 for i in indexes) != list(range(n)):
+        raise invalid_completion(f"the choices' index values must be 0 … {n - 1}, each once")
+    return sorted(checked, key=lambda choice: choice["index"])
 
 
 def _validated(
     response: dict[str, Any], choice: dict[str, Any], *, prompt_count: int, response_count: int, policy_model: str,
 ) -> tuple[Any, Any]:
-    """Usage against the token counts, the model, and the routing fields: (routed_experts, routing_metadata)."""
+    """Usage against the token counts (`response_count`: of every choice), the model, and the routing fields of
+    `choice`: (routed_experts, routing_metadata)."""
     usage = response.get("usage")
     if not isinstance(usage, dict):
         raise invalid_completion("usage must be an object")
@@ -131,6 +164,10 @@ def _validated(
         raise invalid_completion("usage.total_tokens is not the sum of prompt and completion tokens")
     if response.get("model") != policy_model:
         raise ResponseModelMismatch("response model does not match Task policy")
+    return _routing(response, choice)
+
+
+def _routing(response: dict[str, Any], choice: dict[str, Any]) -> tuple[Any, Any]:
     routed = choice.get("routed_experts")
     if routed is None:
         routed = response.get("routed_experts")
@@ -140,7 +177,10 @@ def _validated(
     return routed, routing
 
 
-def validate_response(response: Any, *, policy_model: str) -> ValidatedResponse:
+def validate_response(response: Any, *, policy_model: str, n: int = 1) -> ValidatedResponse:
+    """`n`: the request's number of choices; each further choice is one more sample of the same prompt."""
+    if n > 1:
+        return _validate_choices(response, policy_model=policy_model, n=n)
     choice = _checked_choice(response)
     prompt_ids = _packed_token_ids(response.get("prompt_token_ids"), "prompt_token_ids")
     response_ids = _packed_token_ids(choice.get("token_ids"), "choices[0].token_ids")
@@ -149,6 +189,23 @@ def validate_response(response: Any, *, policy_model: str) -> ValidatedResponse:
     routed, routing = _validated(response, choice, prompt_count=len(prompt_ids) // 4, response_count=response_count,
                                  policy_model=policy_model)
     return ValidatedResponse(prompt_ids, response_ids, pack_logprobs(logprobs), choice, routed, routing)
+
+
+def _validate_choices(response: Any, *, policy_model: str, n: int) -> ValidatedResponse:
+    choices = _checked_choices(response, n)
+    prompt_ids = _token_ids(response.get("prompt_token_ids"), "prompt_token_ids")
+    arrays = []
+    for i, choice in enumerate(choices):
+        ids = _token_ids(choice.get("token_ids"), f"choices[{i}].token_ids")
+        arrays.append((ids, _logprobs(choice.get("logprobs"), len(ids))))
+    total = sum(len(ids) for ids, _ in arrays)
+    routed, routing = _validated(response, choices[0], prompt_count=len(prompt_ids), response_count=total,
+                                 policy_model=policy_model)
+    others = tuple(ValidatedChoice(pack_ids(ids), pack_logprobs(logprobs), choice, *_routing(response, choice))
+                   for (ids, logprobs), choice in zip(arrays[1:], choices[1:]))
+    first_ids, first_logprobs = arrays[0]
+    return ValidatedResponse(pack_ids(prompt_ids), pack_ids(first_ids), pack_logprobs(first_logprobs), choices[0],
+                             routed, routing, others)
 
 
 def validate_packed_response(response: Any, arrays: PackedArrays, *, policy_model: str) -> ValidatedResponse:

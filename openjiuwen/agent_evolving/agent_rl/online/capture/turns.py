@@ -104,7 +104,7 @@ class TurnPublisher:
         started = time.perf_counter()
         try:
             staged = await self._registry.turn_staged(t, turn_id)
-            samples = [PackedSample.decode_staged(blob) for _, blob in staged]
+            samples = [sample for _, blob in staged for sample in PackedSample.decode_staged_all(blob)]
             if samples:
                 if self._judge is None:
                     raise JudgeFailed("no Judge is configured")
@@ -118,7 +118,7 @@ class TurnPublisher:
                 faults.reached("turn.inserted")
             reward = sum(r.score for r in results) / len(results) if samples else None
             await self._registry.complete_publish(t, turn_id, [c for c, _ in staged], reward=reward,
-                                                  owner=self._membership.member)
+                                                  owner=self._membership.member, sample_count=len(samples))
             if self._metrics is not None:
                 self._metrics.turn_published(time.perf_counter() - started)
         except BaseException as exc:

@@ -112,13 +112,17 @@ class RewardProjector:
         for blob in blobs:
             if blob is None:
                 continue  # already projected and deleted by a concurrent completion
-            sample = PackedSample.decode_staged(blob)
-            sample.meta["judge"] = {"score": value, "source": "terminal"}
-            samples.append(sample)
+            for sample in PackedSample.decode_staged_all(blob):  # one per choice of an `n` > 1 capture
+                sample.meta["judge"] = {"score": value, "source": "terminal"}
+                samples.append(sample)
         if samples:
             await self._store.insert_if_absent(samples)
             faults.reached("reward.inserted")
         reward_key = keys.reward(t)
+
+        # Every blob is still there while the projection is not published (they go only with the completion below,
+        # which answers from the state when a concurrent one got there first): this is the Task's sample count.
+        sample_count = len(samples)
 
         # Invariants 3 and 4: the staged copies disappear in the same step that marks the reward published, and
         # the Task leaves the awaiting-reward index for the gc index.
@@ -138,15 +142,15 @@ class RewardProjector:
                 pipe.sadd(keys.POLICY_VERSIONS, policy)
             pipe.set(
                 reward_key,
-                orjson.dumps({"reward": value, "status": TerminalReward.PUBLISHED, "sample_count": len(committed)}),
+                orjson.dumps({"reward": value, "status": TerminalReward.PUBLISHED, "sample_count": sample_count}),
             )
             if committed:
                 pipe.delete(*(keys.staged(t, c) for c in committed))
             pipe.zrem(keys.TASKS_AWAITING_REWARD, t)
             pipe.zadd(keys.TASKS_GC, {t: parse_iso_epoch(now_iso())})
             events.queue(pipe, keys.task_events(t), "reward_recorded",
-                         {"reward": value, "sample_count": len(committed)})
+                         {"reward": value, "sample_count": sample_count})
             await pipe.execute()
-            return len(committed)
+            return sample_count
 
         return await transact(self._redis, complete, reward_key)

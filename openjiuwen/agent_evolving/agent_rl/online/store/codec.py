@@ -5,7 +5,8 @@ A logical sample document carries `trajectory.prompt_ids`, `trajectory.response_
 the document is one JSON blob, zlib-compressed when that makes it smaller (it is mostly the request's messages and
 the response text: prose compresses several times; `encode_meta`/`decode_meta`, which also read the plain JSON
 written before compression existed). A staged sample (one STRING) is the same parts framed in one value, so
-publication can move the packed arrays and the meta blob into the trajectory hash without ever decoding them.
+publication can move the packed arrays and the meta blob into the trajectory hash without ever decoding them; the
+samples of one capture of several choices are their frames back to back in that value.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import struct
 import sys
 import zlib
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,10 +148,29 @@ class PackedSample:
 
     @classmethod
     def decode_staged(cls, blob: bytes) -> "PackedSample":
-        magic, n_json, n_prompt, n_resp, n_lp = _HEADER.unpack_from(blob)
+        return cls._frame(blob, 0)[0]
+
+    @classmethod
+    def decode_staged_all(cls, blob: bytes) -> list["PackedSample"]:
+        """Every sample of a staged value: one, or the frames of a capture of several choices one after another
+        (`encode_staged_all`)."""
+        samples, pos = [], 0
+        while pos < len(blob):
+            sample, pos = cls._frame(blob, pos)
+            samples.append(sample)
+        return samples
+
+    @staticmethod
+    def encode_staged_all(samples: "Sequence[PackedSample]") -> bytes:
+        """The staged value of a capture's samples: their frames back to back (one frame for one sample, as ever)."""
+        return b"".join(sample.encode_staged() for sample in samples)
+
+    @classmethod
+    def _frame(cls, blob: bytes, pos: int) -> tuple["PackedSample", int]:
+        magic, n_json, n_prompt, n_resp, n_lp = _HEADER.unpack_from(blob, pos)
         if magic not in (_STAGED_MAGIC, _STAGED_MAGIC_Z):
             raise ValueError("not a staged sample")
-        pos = _HEADER.size
+        pos += _HEADER.size
         meta = decode_meta(blob[pos : pos + n_json])
         pos += n_json
         prompt = blob[pos : pos + n_prompt]
@@ -157,4 +178,4 @@ class PackedSample:
         resp = blob[pos : pos + n_resp]
         pos += n_resp
         lp = blob[pos : pos + n_lp]
-        return cls(meta, prompt, resp, lp)
+        return cls(meta, prompt, resp, lp), pos + n_lp

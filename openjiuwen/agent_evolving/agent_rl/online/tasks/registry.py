@@ -8,7 +8,7 @@ never decide HTTP statuses.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -19,6 +19,7 @@ from redis.asyncio.client import Pipeline
 from .. import events
 from . import capture_scripts as scripts
 from ..errors import Conflict, NotFound
+from ..lineage_state import require_live
 from ...common.ids import is_token_id, now_iso, parse_iso_epoch
 from ...common.lineage import DEFAULT_LINEAGE
 from ..store import keys
@@ -94,13 +95,15 @@ class TaskRegistry:
             raise NotFound("RL Task not found")
         return task
 
-    async def start(self, requested: Task) -> tuple[Task, bool]:
+    async def start(self, requested: Task, *, lineage_cap: int | None = None) -> tuple[Task, bool]:
         """Create or reuse a Task; returns (record, created).
 
         Invariant 1: at most one active Task per session; the pointer, the record and the active index move
         together, and concurrent starts on one session (from any number of processes) converge on one Task.
         The session's active Task is answered only to the operator (no agent key) or to the agent key that started
-        it: for another agent key it is a Conflict (it cannot start a second Task there, nor see the first)."""
+        it: for another agent key it is a Conflict (it cannot start a second Task there, nor see the first).
+        A new Task needs a live lineage (Conflict `lineage_archived` / `lineage_deleting`); `lineage_cap`: the
+        agent key's cap on the lineages it registers (`agentHmacKeys[i].maxLineages`, sent by the gateway)."""
         t, s = requested.rl_task_id, requested.agent_session_id
         task_key, pointer_key = keys.task(t), keys.active_session(s)
 
@@ -127,12 +130,21 @@ class TaskRegistry:
                                            f"before starting one of lineage {requested.lineage!r}")
                         return other, False
             created = parse_iso_epoch(requested.created_at)
-            register = await self._lineage_to_register(pipe, requested.lineage)
+            # WATCHed: an archive or deletion that lands before this EXEC fails it, and the retry refuses.
+            await require_live(pipe, requested.lineage)
+            register = await self._lineage_to_register(pipe, requested.lineage, requested.agent_key_id, lineage_cap)
             pipe.multi()
             if register:
                 # A lineage exists once a Task of it exists: registered in the Task's own EXEC, so neither is seen
-                # without the other, and the count check above (under WATCH of the ZSET) holds at EXEC.
+                # without the other, and the count checks above (under WATCH of the ZSET) hold at EXEC. The key
+                # that registered it is counted in the same EXEC (the invariant of keys.LINEAGES_COUNT_BY_KEY).
                 pipe.zadd(keys.LINEAGES, {requested.lineage: created}, nx=True)
+                if requested.agent_key_id is not None:
+                    pipe.hset(keys.LINEAGES_REGISTERED_BY, requested.lineage, requested.agent_key_id)
+                    pipe.hincrby(keys.LINEAGES_COUNT_BY_KEY, requested.agent_key_id, 1)
+            if requested.lineage != DEFAULT_LINEAGE:
+                # The idle sweep's clock (keys.LINEAGES_LAST_TASK): a live lineage's latest Task start.
+                pipe.zadd(keys.LINEAGES_LAST_TASK, {requested.lineage: created}, gt=True)
             pipe.set(task_key, requested.to_json())
             pipe.set(pointer_key, t)
             pipe.sadd(keys.ACTIVE_TASKS, t)
@@ -165,10 +177,13 @@ class TaskRegistry:
                 self._metrics.task_created(task.reward_mode)
         return task, created
 
-    async def _lineage_to_register(self, pipe: Pipeline, lineage: str) -> bool:
+    async def _lineage_to_register(self, pipe: Pipeline, lineage: str, agent_key: str | None,
+                                   cap: int | None) -> bool:
         """Whether starting a Task of `lineage` registers it (a lineage not yet in `rl:v1:lineages`); Conflict
-        `lineage_limit_reached` when that would pass `lineages.max_count`. `default` is never registered: it always
-        exists. A known lineage is never unregistered, so only a new one WATCHes the ZSET (its count)."""
+        `lineage_limit_reached` when that would pass `lineages.max_count`, `agent_lineage_limit_reached` when the
+        agent key already registered `cap` lineages. `default` is never registered: it always exists. A registered
+        lineage leaves the registry only through its deletion, whose first step marks its state (WATCHed by the
+        caller), so only a new one WATCHes the ZSET (its count, and with it every key's count)."""
         if lineage == DEFAULT_LINEAGE or await pipe.zscore(keys.LINEAGES, lineage) is not None:
             return False
         await pipe.watch(keys.LINEAGES)
@@ -177,6 +192,12 @@ class TaskRegistry:
         if await pipe.zcard(keys.LINEAGES) >= self._max_lineages:
             raise Conflict(f"lineage {lineage!r} would pass lineages.max_count ({self._max_lineages} lineages)",
                            code="lineage_limit_reached")
+        if cap is not None and agent_key is not None:
+            registered = int(await pipe.hget(keys.LINEAGES_COUNT_BY_KEY, agent_key) or 0)
+            if registered >= cap:
+                raise Conflict(f"the agent key {agent_key!r} registered {registered} lineage(s), its cap "
+                               f"(maxLineages {cap}); lineage {lineage!r} is not registered",
+                               code="agent_lineage_limit_reached")
         return True
 
     async def finalize(self, rl_task_id: str, reason: FinishReason) -> Task:
@@ -433,12 +454,13 @@ class TaskRegistry:
         turn_id: str | None,
         request_fingerprint: str,
         response_fingerprint: str,
-        sample: PackedSample | None,
+        samples: Sequence[PackedSample] | None,
     ) -> bool:
-        """open → committed with its staged sample; returns False for an idempotent repeat.
+        """open → committed with its staged samples (one, or one per choice of an `n` > 1 answer); returns False for
+        an idempotent repeat.
 
-        `sample` may be None only when the caller knows the capture is already committed. Invariants 2 and 3:
-        the capture leaves the open set, joins the committed (and turn) set and gains its staged sample at once.
+        `samples` may be None only when the caller knows the capture is already committed. Invariants 2 and 3:
+        the capture leaves the open set, joins the committed (and turn) set and gains its staged samples at once.
 
         The staged sample carries `completion_latency_ms` (this commit's time minus the reservation's `created_at`),
         so it is encoded here from the capture metadata the decision is based on, and the script
@@ -452,28 +474,30 @@ class TaskRegistry:
                        keys.committed_captures(t), keys.task_events(t)]
         if turn_id is not None:
             script_keys.append(keys.turn_captures(t, turn_id))
-        event = {"capture_id": capture_id, "agent_turn_id": turn_id}
-        if sample is not None and sample.meta.get("sampling"):
-            event["sampling"] = sample.meta["sampling"]  # the Task's timeline shows what each capture sampled at
+        event: dict[str, Any] = {"capture_id": capture_id, "agent_turn_id": turn_id}
+        if samples and samples[0].meta.get("sampling"):
+            event["sampling"] = samples[0].meta["sampling"]  # the Task's timeline shows what each capture sampled at
+        if samples and len(samples) > 1:
+            event["samples"] = len(samples)
         event_data = events.encode_data(event)
         expected = self._open_hints.get((t, capture_id))
         for _ in range(MAX_WATCH_RETRIES):
             args: list[Any] = [task.created_at, b"", b"", b"", capture_id, b"", b""]
-            if expected is not None and sample is not None:
+            if expected is not None and samples:
                 meta = CaptureMeta.from_json(expected)
                 if (meta.status == CaptureStatus.OPEN and meta.agent_turn_id == turn_id
                         and meta.request_fingerprint == request_fingerprint):
                     now = now_iso()
                     # Completion latency: from the reservation at `:before` to this commit (per-version evaluation).
-                    sample.meta["completion_latency_ms"] = round(
-                        max(0.0, (parse_iso_epoch(now) - parse_iso_epoch(meta.created_at)) * 1000.0), 3
-                    )
+                    latency = round(max(0.0, (parse_iso_epoch(now) - parse_iso_epoch(meta.created_at)) * 1000.0), 3)
+                    for sample in samples:
+                        sample.meta["completion_latency_ms"] = latency
                     committed = CaptureMeta(
                         meta.capture_id, meta.agent_turn_id, meta.request_fingerprint, response_fingerprint,
-                        CaptureStatus.COMMITTED, meta.created_at,
+                        CaptureStatus.COMMITTED, meta.created_at, len(samples) if len(samples) > 1 else None,
                     )
-                    args = [task.created_at, expected, committed.to_json(), sample.encode_staged(), capture_id, now,
-                            event_data]
+                    args = [task.created_at, expected, committed.to_json(), PackedSample.encode_staged_all(samples),
+                            capture_id, now, event_data]
             reply = await self._scripts.commit(keys=script_keys, args=args)
             code = reply[0]
             if code == scripts.DONE:
@@ -500,7 +524,7 @@ class TaskRegistry:
                 raise Conflict("capture already committed with a different response")
             if not active:
                 raise Conflict("RL Task is not active")
-            if sample is None:
+            if not samples:
                 raise Conflict("capture is not committed")
             expected = raw  # open, same input, Task active: commit it if it is still exactly this record
         raise RedisContention("commit kept finding its capture changed")
@@ -609,11 +633,13 @@ class TaskRegistry:
         return [(c, b) for c, b in zip(ids, blobs) if b is not None]
 
     async def complete_publish(
-        self, rl_task_id: str, turn_id: str, capture_ids: list[str], *, reward: float | None = None, owner: str = ""
+        self, rl_task_id: str, turn_id: str, capture_ids: list[str], *, reward: float | None = None, owner: str = "",
+        sample_count: int | None = None,
     ) -> None:
         """publishing → published: the turn joins the closed set and its staged samples go, atomically, only while
         the Task is active and this publication (`owner`) still holds the claim. Invariants 3 and 7. `reward` (the
-        turn's mean Judge score) goes into the `turn_published` event so a timeline shows what the turn earned."""
+        turn's mean Judge score) goes into the `turn_published` event so a timeline shows what the turn earned, with
+        `sample_count` (the turn's samples; its captures when not given)."""
         t = rl_task_id
         task_key, publish_key = keys.task(t), keys.turn_publish(t, turn_id)
         turn_set, publisher_key = keys.turn_captures(t, turn_id), keys.turn_publisher(t, turn_id)
@@ -634,7 +660,8 @@ class TaskRegistry:
             pipe.sadd(keys.turns_closed(t), turn_id)
             if capture_ids:
                 pipe.delete(*(keys.staged(t, c) for c in capture_ids))
-            data: dict[str, Any] = {"agent_turn_id": turn_id, "samples": len(capture_ids)}
+            data: dict[str, Any] = {"agent_turn_id": turn_id,
+                                    "samples": len(capture_ids) if sample_count is None else sample_count}
             if reward is not None:
                 data["reward"] = reward
             events.queue(pipe, keys.task_events(t), "turn_published", data)

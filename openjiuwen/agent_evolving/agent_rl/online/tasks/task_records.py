@@ -135,11 +135,18 @@ class CaptureMeta:
     response_fingerprint: str | None
     status: str
     created_at: str
+    # The samples a committed capture made when it made more than one (one per choice of an `n` > 1 answer: the
+    # capture id, then `<capture id>.1` …); absent from the JSON otherwise, so a capture of one choice keeps the
+    # encoding it always had.
+    samples: int | None = None
 
     def to_json(self) -> bytes:
-        # What `asdict` gives, without its per-field deep copies (every field is a str or None): written on every
-        # hook.
-        return orjson.dumps({name: getattr(self, name) for name in _CAPTURE_FIELDS}, option=orjson.OPT_SORT_KEYS)
+        # What `asdict` gives, without its per-field deep copies (every field is a str, an int or None): written on
+        # every hook.
+        fields = {name: getattr(self, name) for name in _CAPTURE_FIELDS}
+        if self.samples is None:
+            del fields["samples"]
+        return orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "CaptureMeta":

@@ -2,7 +2,11 @@
 
 The captured token ids are used as they are (never re-tokenized), the captured logprobs become the behaviour
 ("old") log-probabilities, the scalar score sits on the last valid response token, and each row carries the
-temperature its sample was drawn at (and whether its sampling truncated the distribution: common/sampling.py).
+temperature its sample was drawn at (and whether its sampling truncated the distribution: common/sampling.py) and
+whether its sampling was constrained (`corrected`: common/constraints.py; such a row is always trained with truncated
+importance weights against its behaviour logprobs, training/ppo_math.py `behaviour_correction`). A greedy row's
+behaviour probability is 1 for every chosen token (logprob 0; vLLM reports the temperature-1 logprobs, which are not
+what the token was drawn with) and it is trained at temperature 1.
 The local backend trains on these tensors; the verl backend wraps the same tensors in a DataProto. torch is
 imported by the trainer processes only.
 """
@@ -16,6 +20,7 @@ from typing import Any
 import torch
 
 from ...common.policy_names import BASE_POLICY
+from ...common import constraints
 from ...common.sampling import Sampling
 from .backends.common import sample_score
 
@@ -34,8 +39,9 @@ class ConvertedBatch:
     response_mask: torch.Tensor  # [B, R] float, 1 on trained response tokens
     old_log_probs: torch.Tensor  # [B, R] captured behaviour logprobs, 0 on pads
     token_level_scores: torch.Tensor  # [B, R] the score on the last valid response token
-    temperatures: torch.Tensor  # [B] float32, the temperature each sample was drawn at
+    temperatures: torch.Tensor  # [B] float32, the temperature each sample is trained at (drawn at; 1 if greedy)
     truncated: torch.Tensor  # [B] bool, its sampling cut the distribution (top_p / top_k / min_p)
+    corrected: torch.Tensor  # [B] bool, its sampling was constrained: always trained with truncated IS weights
     uid: list[str]
     sample_ids: list[str]
     rl_task_ids: list[str | None]
@@ -52,6 +58,8 @@ class ConvertedBatch:
 
 def _uid(sample: dict[str, Any], advantage_estimator: str) -> str:
     if advantage_estimator == "grpo":
+        if sample.get("group_uid"):  # the choices of one `n` > 1 request: one prompt, one group
+            return str(sample["group_uid"])
         if sample.get("rl_task_id"):
             return str(sample["rl_task_id"])
         if sample.get("source") == "rail" and sample.get("session_id"):
@@ -69,7 +77,7 @@ def convert_samples(
     advantage_estimator: str = "reinforce_plus_plus",
 ) -> ConvertedBatch:
     pad = 0 if pad_token_id is None else int(pad_token_id)
-    rows: list[tuple[dict[str, Any], list[int], list[int], list[float], list[int], Sampling]] = []
+    rows: list[tuple[dict[str, Any], list[int], list[int], list[float], list[int], Sampling, bool]] = []
     dropped: list[str] = []
     prompt_truncated = response_truncated = 0
     for sample in samples:
@@ -91,10 +99,13 @@ def convert_samples(
             response, mask = response[:max_response_length], mask[:max_response_length]
             response_truncated += 1
         logprobs = (logprobs + [0.0] * len(response))[: len(response)]
+        if sampling.greedy:
+            logprobs = [0.0] * len(response)  # μ is a point mass on each chosen token
         if not response or not any(mask) or not prompt:
             dropped.append(str(sample["sample_id"]))
             continue
-        rows.append((sample, prompt, response, logprobs, mask, sampling))
+        rows.append((sample, prompt, response, logprobs, mask, sampling,
+                     bool(constraints.kinds_of(sample.get("sampling")))))
     if not rows:
         raise EmptyBatch("every sample of the batch was dropped")
 
@@ -108,7 +119,7 @@ def convert_samples(
     response_mask = torch.zeros((batch, r_len), dtype=torch.float32)
     old_log_probs = torch.zeros((batch, r_len), dtype=torch.float32)
     scores = torch.zeros((batch, r_len), dtype=torch.float32)
-    for i, (sample, prompt, response, logprobs, mask, _) in enumerate(rows):
+    for i, (sample, prompt, response, logprobs, mask, _, _) in enumerate(rows):
         prompts[i, p_len - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
         prompt_attn[i, p_len - len(prompt):] = 1
         responses[i, : len(response)] = torch.tensor(response, dtype=torch.long)
@@ -130,8 +141,9 @@ def convert_samples(
         response_mask=response_mask,
         old_log_probs=old_log_probs,
         token_level_scores=scores,
-        temperatures=torch.tensor([r[5].temperature for r in rows], dtype=torch.float32),
+        temperatures=torch.tensor([r[5].train_temperature for r in rows], dtype=torch.float32),
         truncated=torch.tensor([r[5].truncates for r in rows], dtype=torch.bool),
+        corrected=torch.tensor([r[6] for r in rows], dtype=torch.bool),
         uid=[_uid(s, advantage_estimator) for s in picked],
         sample_ids=[str(s["sample_id"]) for s in picked],
         rl_task_ids=[s.get("rl_task_id") for s in picked],
@@ -147,6 +159,7 @@ def convert_samples(
             "response_truncated_samples": response_truncated,
             "max_prompt_length": max_prompt_length,
             "max_response_length": max_response_length,
+            "constrained_samples": sum(1 for r in rows if r[6]),
         },
         dropped_sample_ids=dropped,
     )

@@ -98,7 +98,8 @@ def _load_batch(spec: dict[str, Any], settings: PPOSettings, tokenizer: Any) -> 
 class _PPOUpdate:
     """One run's PPO state: the policy and its optimizer, the converted batch, and the log-probs fixed before any
     update, each row at its sample's temperature: the frozen base model as KL reference, and π_old with the parent
-    weights (the sampling report's recomputed logprobs; the PPO "old" logprobs too under TIS)."""
+    weights (the sampling report's recomputed logprobs; the PPO "old" logprobs too under TIS, and for the rows of
+    constrained samples, which are always decoupled: ppo_math.behaviour_correction)."""
 
     def __init__(self, model: Any, batch: ConvertedBatch, settings: PPOSettings) -> None:
         import torch
@@ -112,10 +113,11 @@ class _PPOUpdate:
         want_kl = settings.use_kl_in_reward and settings.kl_coef > 0
         self._ref_log_probs = self._forward_all(disable_adapter=True) if want_kl else None
         pi_old = self._forward_all()
-        self._pi_old = pi_old if settings.tis_cap else None
+        # Kept for decoupled rows: every row under `tis_cap`, the constrained rows otherwise (`behaviour_correction`).
+        self._pi_old = pi_old if settings.tis_cap or bool(batch.corrected.any()) else None
         self.sampling = ppo_math.sampling_report(
             captured=batch.old_log_probs, recomputed=pi_old, response_mask=batch.response_mask,
-            temperatures=batch.temperatures, truncated=batch.truncated, settings=settings,
+            temperatures=batch.temperatures, truncated=batch.truncated, settings=settings, corrected=batch.corrected,
         )
         self._optimizer = torch.optim.AdamW(self._trainable(), lr=settings.learning_rate, weight_decay=0.01)
 
@@ -179,9 +181,8 @@ class _PPOUpdate:
             settings=settings,
         )
         adv = ppo_math.advantages(rewards, slice_mask, [batch.uid[i] for i in rows], settings)
-        pi_old = self._pi_old
-        old = behaviour if pi_old is None else pi_old[idx]
-        weights = None if pi_old is None else ppo_math.truncated_is_weights(pi_old[idx], behaviour, settings.tis_cap)
+        old, weights = ppo_math.behaviour_correction(
+            behaviour, None if self._pi_old is None else self._pi_old[idx], batch.corrected[idx], settings)
         totals = self._update(rows, old=old, adv=adv, mask=slice_mask, weights=weights)
         elapsed = time.perf_counter() - started
         return ppo_math.step_record(

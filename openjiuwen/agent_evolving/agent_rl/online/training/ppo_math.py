@@ -198,6 +198,32 @@ def truncated_is_weights(pi_old: torch.Tensor, behaviour: torch.Tensor, cap: flo
     return torch.clamp(torch.exp(torch.clamp(pi_old - behaviour, max=20.0)), max=cap).detach()
 
 
+# The cap of the truncated importance weights of constrained rows when the run has no `tis_cap` (docs/training.md
+# "Constrained samples"): verl's default `rollout_is_threshold`.
+CONSTRAINED_TIS_CAP = 2.0
+
+
+def behaviour_correction(
+    behaviour: torch.Tensor, pi_old: torch.Tensor | None, corrected: torch.Tensor, settings: PPOSettings,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the PPO "old" log-probabilities, the truncated importance weights or None) of a slice of rows.
+
+    With `tis_cap` every row is decoupled: old = π_old (parent weights), weights min(π_old / μ, tis_cap) against the
+    captured behaviour logprobs μ. Without it, rows whose sampling was constrained (`corrected` [B], issue 35: a
+    grammar, penalties, a bias … make μ another distribution than the policy's) are decoupled the same way with cap
+    `CONSTRAINED_TIS_CAP`, and the other rows keep bypass mode (old = μ, weight 1: PPO's ratio π / μ is the
+    correction). `pi_old` is needed whenever a row is decoupled."""
+    if not settings.tis_cap and not bool(corrected.any()):
+        return behaviour, None
+    assert pi_old is not None, "decoupled rows need π_old"
+    if settings.tis_cap:
+        return pi_old, truncated_is_weights(pi_old, behaviour, settings.tis_cap)
+    rows = corrected.view(-1, 1)
+    old = torch.where(rows, pi_old, behaviour)
+    weights = torch.where(rows, truncated_is_weights(pi_old, behaviour, CONSTRAINED_TIS_CAP), torch.ones_like(pi_old))
+    return old, weights
+
+
 def sampling_report(
     *,
     captured: torch.Tensor,
@@ -206,6 +232,7 @@ def sampling_report(
     temperatures: torch.Tensor,
     truncated: torch.Tensor,
     settings: PPOSettings,
+    corrected: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """How far the captured (behaviour) logprobs are from the ones the trainer computes with the parent weights
     before the first update, over the trained tokens (`metrics.sampling` of the run record).
@@ -214,21 +241,29 @@ def sampling_report(
     at the sample's temperature, or higher by −log(kept mass) where truncation cut the distribution. A gap on
     untruncated rows means another policy version drew the sample (policy lag) or vLLM returned raw logprobs.
     `ratio_clipped_share`: the tokens whose importance ratio exp(recomputed − captured) the run's correction clips,
-    above `tis_cap` with TIS, else outside PPO's clip range (bypass mode: the first update's ratio)."""
+    above `tis_cap` with TIS, else outside PPO's clip range (bypass mode: the first update's ratio).
+    `constrained_samples`: the rows trained with the constrained correction (`behaviour_correction`); they are left
+    out of `untruncated_mismatch_max`, whose gap they have by design."""
     mask = response_mask > 0
     gap = (captured - recomputed).abs()[mask]
-    ratio = torch.exp(torch.clamp(recomputed - captured, max=20.0))[mask]
+    corrected = torch.zeros_like(truncated) if corrected is None else corrected
+    ratio = torch.exp(torch.clamp(recomputed - captured, max=20.0))
     if settings.tis_cap:
         clipped = ratio > settings.tis_cap
     else:
-        clipped = (ratio < 1.0 - settings.clip_ratio_low) | (ratio > 1.0 + settings.clip_ratio_high)
-    untruncated = mask & ~truncated.view(-1, 1)
+        clipped = torch.where(corrected.view(-1, 1), ratio > CONSTRAINED_TIS_CAP,
+                              (ratio < 1.0 - settings.clip_ratio_low) | (ratio > 1.0 + settings.clip_ratio_high))
+    clipped = clipped[mask]
+    # Constrained rows differ by design (a grammar's mask, a penalty …): the lag signal is the unconstrained ones.
+    untruncated = mask & ~truncated.view(-1, 1) & ~corrected.view(-1, 1)
     untruncated_gap = (captured - recomputed).abs()[untruncated]
     temps: dict[str, int] = {}
     for t in temperatures.tolist():
         key = f"{t:g}"
         temps[key] = temps.get(key, 0) + 1
     tokens = int(mask.sum().item())
+    constrained = int(corrected.sum().item())
+    correction = "tis" if settings.tis_cap else "ppo_clip+constrained_tis" if constrained else "ppo_clip"
     return {
         "tokens": tokens,
         "temperatures": temps,
@@ -237,7 +272,8 @@ def sampling_report(
         "logprob_mismatch_max": float(gap.max().item()) if tokens else 0.0,
         "untruncated_mismatch_max": float(untruncated_gap.max().item()) if untruncated_gap.numel() else None,
         "ratio_clipped_share": float(clipped.float().mean().item()) if tokens else 0.0,
-        "correction": "tis" if settings.tis_cap else "ppo_clip",
+        "correction": correction,
+        "constrained_samples": constrained,
     }
 
 

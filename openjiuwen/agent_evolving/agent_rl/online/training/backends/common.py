@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+from ....common import constraints
 from ....common.ids import lora_version, now_iso
 from ....common.policy_names import BASE_POLICY
 from ..ppo_settings import PPOSettings
@@ -50,7 +52,18 @@ def artifact_metadata(
         "prompt_truncated_samples": metrics.get("prompt_truncated_samples", 0),
         "response_truncated_samples": metrics.get("response_truncated_samples", 0),
         "sampling": metrics.get("sampling"),
+        "constraints": constraint_counts(job.samples),
     }
+
+
+def constraint_counts(samples: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """The run's samples per constraint kind (common/constraints.py), in the kinds' order: what the run trained
+    with the correction for constrained sampling (excluded kinds never reach a run)."""
+    counts: dict[str, int] = {}
+    for sample in samples:
+        for kind in constraints.kinds_of(sample.get("sampling")):
+            counts[kind] = counts.get(kind, 0) + 1
+    return {kind: counts[kind] for kind in constraints.KINDS if kind in counts}
 
 
 def trained_metadata(

@@ -54,6 +54,7 @@ class PPOSteps:
         self.rank, self.world_size, self.record = rank, world_size, record
         self.data = to_data_proto(batch)
         self.loss_ready = False
+        self.mixed = False  # a bypass-mode run with constrained rows (set by `run`)
         self.sampling: dict[str, Any] = {}
 
     def run(self) -> list[dict[str, Any]]:
@@ -68,8 +69,12 @@ class PPOSteps:
         self.sampling = ppo_math.sampling_report(
             captured=self.batch.old_log_probs, recomputed=recomputed, response_mask=self.batch.response_mask,
             temperatures=self.batch.temperatures, truncated=self.batch.truncated, settings=s,
+            corrected=self.batch.corrected,
         )
-        pi_old = None if bypass else recomputed
+        # Constrained rows are always decoupled (ppo_math.behaviour_correction): in bypass mode the run then sets its
+        # own old logprobs and weights row by row, under verl's vanilla loss.
+        self.mixed = bypass and bool(self.batch.corrected.any())
+        pi_old = None if bypass and not self.mixed else recomputed
         grpo = s.advantage_estimator == "grpo"
         slices = chunk_rows(len(self.batch), s.ppo_samples_per_step, uids=self.batch.uid if grpo else None,
                             created_at=self.batch.created_at if grpo else None)
@@ -84,7 +89,7 @@ class PPOSteps:
             )
             part.batch["token_level_rewards"] = rewards
             part.batch["advantages"] = ppo_math.advantages(rewards, mask, [self.batch.uid[i] for i in rows], s)
-            part = self._old_log_probs(part, None if pi_old is None else pi_old[rows])
+            part = self._old_log_probs(part, None if pi_old is None else pi_old[rows], self.batch.corrected[rows])
             totals = self._update(part)
             metrics = ppo_math.step_record(
                 totals, step=number, samples=len(rows), response_mask=mask, kl=kl,
@@ -95,15 +100,24 @@ class PPOSteps:
             self.record(metrics)
         return steps
 
-    def _old_log_probs(self, part: Any, pi_old: Any) -> Any:
+    def _old_log_probs(self, part: Any, pi_old: Any, corrected: Any) -> Any:
         """verl's own mechanisms: bypass mode sets old = rollout (captured) logprobs; decoupled mode keeps π_old
-        and adds token-level truncated IS weights against the captured behaviour logprobs."""
+        and adds token-level truncated IS weights against the captured behaviour logprobs. A bypass run with
+        constrained rows (`mixed`) decouples those rows only, with the local trainer's rule."""
         from verl.trainer.config import RolloutCorrectionConfig
         from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode, compute_rollout_correction_and_add_to_batch
+
+        from .. import ppo_math
 
         rc = self.cfg.algorithm.rollout_correction
         if pi_old is None:
             apply_bypass_mode(part, rollout_corr_config=rc, policy_loss_config=self.cfg.actor_rollout_ref.actor.policy_loss)
+        elif self.mixed:
+            old, weights = ppo_math.behaviour_correction(part.batch["rollout_log_probs"], pi_old, corrected,
+                                                         self.settings)
+            part.batch["old_log_probs"] = old
+            if weights is not None:  # None: no constrained row in this slice, which trains as in bypass mode
+                part.batch["rollout_is_weights"] = weights
         else:
             part.batch["old_log_probs"] = pi_old
             from omegaconf import OmegaConf
