@@ -193,19 +193,19 @@ def validate_response(response: Any, *, policy_model: str, n: int = 1) -> Valida
 
 def _validate_choices(response: Any, *, policy_model: str, n: int) -> ValidatedResponse:
     choices = _checked_choices(response, n)
-    prompt_ids = _token_ids(response.get("prompt_token_ids"), "prompt_token_ids")
+    prompt_ids = _packed_token_ids(response.get("prompt_token_ids"), "prompt_token_ids")
     arrays = []
     for i, choice in enumerate(choices):
-        ids = _token_ids(choice.get("token_ids"), f"choices[{i}].token_ids")
-        arrays.append((ids, _logprobs(choice.get("logprobs"), len(ids))))
-    total = sum(len(ids) for ids, _ in arrays)
-    routed, routing = _validated(response, choices[0], prompt_count=len(prompt_ids), response_count=total,
+        ids = _packed_token_ids(choice.get("token_ids"), f"choices[{i}].token_ids")
+        arrays.append((ids, _logprobs(choice.get("logprobs"), len(ids) // 4)))
+    total = sum(len(ids) for ids, _ in arrays) // 4
+    routed, routing = _validated(response, choices[0], prompt_count=len(prompt_ids) // 4, response_count=total,
                                  policy_model=policy_model)
-    others = tuple(ValidatedChoice(pack_ids(ids), pack_logprobs(logprobs), choice, *_routing(response, choice))
+    others = tuple(ValidatedChoice(ids, pack_logprobs(logprobs), choice, *_routing(response, choice))
                    for (ids, logprobs), choice in zip(arrays[1:], choices[1:]))
     first_ids, first_logprobs = arrays[0]
-    return ValidatedResponse(pack_ids(prompt_ids), pack_ids(first_ids), pack_logprobs(first_logprobs), choices[0],
-                             routed, routing, others)
+    return ValidatedResponse(prompt_ids, first_ids, pack_logprobs(first_logprobs), choices[0], routed, routing,
+                             others)
 
 
 def validate_packed_response(response: Any, arrays: PackedArrays, *, policy_model: str) -> ValidatedResponse:
