@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from openjiuwen.agent_evolving.agent_rl.online.capture import response as R
 from openjiuwen.agent_evolving.agent_rl.online.errors import InvalidInput, invalid_completion
-from openjiuwen.agent_evolving.agent_rl.online.store.codec import MAX_TOKEN_ID
+from openjiuwen.agent_evolving.agent_rl.online.store.codec import MAX_TOKEN_ID, unpack_ids
 
 
 def _reference_logprobs(value: Any, expected: int) -> list[float]:
@@ -38,6 +38,11 @@ def _reference_ids(value: Any, name: str) -> list[int]:
         if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
             raise invalid_completion(f"{name} must be a non-empty list of integers in 0..{MAX_TOKEN_ID}")
     return value
+
+
+def _packed_ids(value: Any, name: str) -> list[int]:
+    """`_packed_token_ids` read back: the ids it stored."""
+    return unpack_ids(R._packed_token_ids(value, name))
 
 
 def _outcome(fn, *args):
@@ -95,4 +100,4 @@ _ID = st.one_of(st.integers(0, MAX_TOKEN_ID), st.integers(-3, MAX_TOKEN_ID + 3),
 @settings(max_examples=600, deadline=None)
 @given(ids=st.one_of(st.lists(_ID, max_size=12), st.none(), st.just({})))
 def test_token_ids_same_outcome_as_the_loop(ids: Any) -> None:
-    assert _outcome(R._token_ids, ids, "x") == _outcome(_reference_ids, ids, "x")
+    assert _outcome(_packed_ids, ids, "x") == _outcome(_reference_ids, ids, "x")

@@ -64,11 +64,14 @@ def _lenient_loads(raw: bytes, max_depth: int) -> Any:
     import json
 
     try:
-        value = json.loads(raw)
+        # Decoded as `json.loads(bytes)` does (UTF-8, -16 or -32 by the first bytes), so that the nesting check
+        # scans the text the value was read from.
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        value = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, "invalid_request", "request body is not valid JSON") from exc
     try:
-        json_nesting.check_depth(value, max_depth=max_depth, text=raw)
+        json_nesting.check_depth(value, max_depth=max_depth, text=text)
     except json_nesting.TooDeep as exc:
         raise _too_deep(exc) from None
     return value

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from typing import Any
 
 from ...common.packed_hook import PackedArrays
@@ -88,18 +89,17 @@ class CapturePipeline:
             faults.reached("turn.published")
             await self._registry.advance_turn(task.rl_task_id, current, hook.agent_turn_id)
 
-    async def after(self, body: dict[str, Any]) -> bool:
+    def after(self, body: dict[str, Any]) -> Awaitable[bool]:
         """Commit a capture; True when this call committed it (False for an idempotent repeat). May raise
-        StaleTask (nothing written): call again with the body parsed anew (this call drops the parsed one)."""
-        hook = parse_hook(body, with_request=True, with_response=True)
-        del body  # from here `hook` holds the only reference; it gives the large response up before the commit
-        return await self._commit(hook, None)
+        StaleTask (nothing written): call again with the body parsed anew (this call drops the parsed one).
 
-    async def after_packed(self, head: dict[str, Any], arrays: PackedArrays) -> bool:
+        A plain function that hands `_commit` the only reference to the parsed body: an `async def` here would
+        keep its own frame's reference to the response alive until the commit's Redis round trip returned."""
+        return self._commit(parse_hook(body, with_request=True, with_response=True), None)
+
+    def after_packed(self, head: dict[str, Any], arrays: PackedArrays) -> Awaitable[bool]:
         """`after` for a packed body (common/packed_hook.py): the JSON part, and the arrays as they came."""
-        hook = parse_hook(head, with_request=True, with_response=True)
-        del head
-        return await self._commit(hook, arrays)
+        return self._commit(parse_hook(head, with_request=True, with_response=True), arrays)
 
     async def _commit(self, hook: HookBody, arrays: PackedArrays | None) -> bool:
         task, cached = await self._registry.task_facts(hook.rl_task_id)

@@ -41,19 +41,23 @@ class ValidatedResponse:
 
 
 
-def _token_ids(value: Any, name: str) -> list[int]:
+def _packed_token_ids(value: Any, name: str) -> bytes:
+    """The ids in their stored form (uint32 LE). The common valid list takes C loops only: a type set, then the
+    packing itself, which refuses an id outside uint32 (OverflowError). Anything else takes the loop below, which
+    alone decides the error."""
     if not isinstance(value, list) or not value:
         raise invalid_completion(f"{name} must be a non-empty list of non-negative integers")
-    # Fast path in C (type set, min, max) for the common valid list; anything else takes the loop below, which
-    # alone decides the error.
-    if set(map(type, value)) == {int} and min(value) >= 0 and max(value) <= MAX_TOKEN_ID:
-        return value
+    if set(map(type, value)) == {int}:
+        try:
+            return pack_ids(value)
+        except OverflowError:
+            pass
     for x in value:
         # `type(x) is int` rejects bool (a subclass of int) in the same check; the upper bound is the packed
         # storage's (uint32), far above any vocabulary, and a larger id would otherwise fail only when stored.
         if type(x) is not int or not 0 <= x <= MAX_TOKEN_ID:
             raise invalid_completion(f"{name} must be a non-empty list of integers in 0..{MAX_TOKEN_ID}")
-    return value
+    return pack_ids(value)
 
 
 def _logprobs(value: Any, expected: int) -> list[float]:
@@ -178,30 +182,30 @@ def validate_response(response: Any, *, policy_model: str, n: int = 1) -> Valida
     if n > 1:
         return _validate_choices(response, policy_model=policy_model, n=n)
     choice = _checked_choice(response)
-    prompt_ids = _token_ids(response.get("prompt_token_ids"), "prompt_token_ids")
-    response_ids = _token_ids(choice.get("token_ids"), "choices[0].token_ids")
-    logprobs = _logprobs(choice.get("logprobs"), len(response_ids))
-    routed, routing = _validated(response, choice, prompt_count=len(prompt_ids), response_count=len(response_ids),
+    prompt_ids = _packed_token_ids(response.get("prompt_token_ids"), "prompt_token_ids")
+    response_ids = _packed_token_ids(choice.get("token_ids"), "choices[0].token_ids")
+    response_count = len(response_ids) // 4
+    logprobs = _logprobs(choice.get("logprobs"), response_count)
+    routed, routing = _validated(response, choice, prompt_count=len(prompt_ids) // 4, response_count=response_count,
                                  policy_model=policy_model)
-    return ValidatedResponse(pack_ids(prompt_ids), pack_ids(response_ids), pack_logprobs(logprobs), choice, routed,
-                             routing)
+    return ValidatedResponse(prompt_ids, response_ids, pack_logprobs(logprobs), choice, routed, routing)
 
 
 def _validate_choices(response: Any, *, policy_model: str, n: int) -> ValidatedResponse:
     choices = _checked_choices(response, n)
-    prompt_ids = _token_ids(response.get("prompt_token_ids"), "prompt_token_ids")
+    prompt_ids = _packed_token_ids(response.get("prompt_token_ids"), "prompt_token_ids")
     arrays = []
     for i, choice in enumerate(choices):
-        ids = _token_ids(choice.get("token_ids"), f"choices[{i}].token_ids")
-        arrays.append((ids, _logprobs(choice.get("logprobs"), len(ids))))
-    total = sum(len(ids) for ids, _ in arrays)
-    routed, routing = _validated(response, choices[0], prompt_count=len(prompt_ids), response_count=total,
+        ids = _packed_token_ids(choice.get("token_ids"), f"choices[{i}].token_ids")
+        arrays.append((ids, _logprobs(choice.get("logprobs"), len(ids) // 4)))
+    total = sum(len(ids) for ids, _ in arrays) // 4
+    routed, routing = _validated(response, choices[0], prompt_count=len(prompt_ids) // 4, response_count=total,
                                  policy_model=policy_model)
-    others = tuple(ValidatedChoice(pack_ids(ids), pack_logprobs(logprobs), choice, *_routing(response, choice))
+    others = tuple(ValidatedChoice(ids, pack_logprobs(logprobs), choice, *_routing(response, choice))
                    for (ids, logprobs), choice in zip(arrays[1:], choices[1:]))
     first_ids, first_logprobs = arrays[0]
-    return ValidatedResponse(pack_ids(prompt_ids), pack_ids(first_ids), pack_logprobs(first_logprobs), choices[0],
-                             routed, routing, others)
+    return ValidatedResponse(prompt_ids, first_ids, pack_logprobs(first_logprobs), choices[0], routed, routing,
+                             others)
 
 
 def validate_packed_response(response: Any, arrays: PackedArrays, *, policy_model: str) -> ValidatedResponse:
