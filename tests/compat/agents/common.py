@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel
 
 QUESTION = "What is the weather in Paris? Use the tool."
@@ -24,3 +26,10 @@ def get_weather(city: str) -> str:
 WEATHER_PARAMETERS = {
     "type": "object", "properties": {"city": {"type": "string", "description": "the city"}}, "required": ["city"],
 }
+
+
+class Forecast(BaseModel):
+    """A structured answer a small model can finish under a grammar: an enum and a boolean (the real-vLLM run)."""
+
+    city: Literal["Paris", "Rome", "Hangzhou"]
+    sunny: bool

@@ -3,8 +3,8 @@ completions API, tracing off): a function tool (strict by default), `Agent(outpu
 
 from __future__ import annotations
 
-from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-from common import QUESTION, SYSTEM, Weather
+from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from common import QUESTION, SYSTEM, Forecast, Weather
 from common import get_weather as _get_weather
 from openai import AsyncOpenAI
 
@@ -41,4 +41,12 @@ async def stream_tools(t):
     return result.final_output
 
 
-PATTERNS = {"tools": tools, "output_type": output_type, "stream_tools": stream_tools}
+async def output_type_seeded(t):
+    """`output_type` with a seed (so a real sampler draws the same tokens outside and inside a Task) and a budget."""
+    settings = ModelSettings(max_tokens=400, extra_args={"seed": 11})
+    agent = Agent(name="weather", instructions=SYSTEM, model=_model(t), output_type=Forecast, model_settings=settings)
+    return (await Runner.run(agent, QUESTION)).final_output.model_dump()
+
+
+PATTERNS = {"tools": tools, "output_type": output_type, "stream_tools": stream_tools,
+            "output_type_seeded": output_type_seeded}
