@@ -33,8 +33,9 @@ pytestmark = [
 ]
 
 # What capture may add to a request the agent sent (docs/gateway.md "Request fields inside a Task"): the capture
-# flags, and the sampling fields a client left out, named with vLLM's neutral values.
-CAPTURE_FIELDS = {"logprobs", "top_logprobs", "return_token_ids"}
+# flags (`stream_options.include_usage` on a stream: the gateway forwards the usage chunk only to a client that asked
+# for it), and the sampling fields a client left out, named with vLLM's neutral values.
+CAPTURE_FIELDS = {"logprobs", "top_logprobs", "return_token_ids", "stream_options"}
 NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 RESULTS: dict[str, dict[str, Any]] = {}  # run id → its page row, filled by test_agent_runs_the_same_inside_a_task
@@ -84,13 +85,32 @@ def _run(agent: AgentProcess, run: Run, gw: GatewayProcess, vllm: FakeVLLM, sess
     return answer["output"], _chat_bodies(vllm, since)
 
 
+def _call_ids_numbered(value: Any, seen: dict[str, str]) -> Any:
+    """`value` with every tool call id the model minted (a fresh one per completion) replaced by its order of
+    appearance, so two conversations that differ only in those ids compare equal."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if key in ("tool_call_id", "id", "tool_use_id") and isinstance(item, str) and "tool" in item:
+                item = seen.setdefault(item, f"call-{len(seen)}")
+            out[key] = _call_ids_numbered(item, seen)
+        return out
+    if isinstance(value, list):
+        return [_call_ids_numbered(item, seen) for item in value]
+    return value
+
+
 def _only_capture_added(outside: dict[str, Any], inside: dict[str, Any]) -> list[str]:
-    """What differs between a request sent outside a Task and the same request sent inside one, beyond `model` and
-    what capture may add."""
+    """What differs between a request sent outside a Task and the same request sent inside one, beyond `model`, the
+    tool call ids of earlier completions, and what capture may add."""
+    outside, inside = _call_ids_numbered(outside, {}), _call_ids_numbered(inside, {})
     problems = []
     for key, value in outside.items():
-        if key not in ("model", "logprobs", "top_logprobs") and inside.get(key) != value:
+        if key not in ("model", "logprobs", "top_logprobs", "stream_options") and inside.get(key) != value:
             problems.append(f"{key}: {value!r} outside, {inside.get(key)!r} inside")
+    kept = (inside.get("stream_options") or {}).items()
+    if "stream_options" in outside and not outside["stream_options"].items() <= kept:
+        problems.append(f"stream_options: {outside['stream_options']!r} outside, {inside.get('stream_options')!r}")
     for key, value in inside.items():
         if key in outside or key in CAPTURE_FIELDS:
             continue
@@ -137,8 +157,11 @@ def test_agent_runs_the_same_inside_a_task(stack, agents, run: Run):
     for n, (out_body, in_body) in enumerate(zip(outside_calls, inside_calls)):
         assert not _only_capture_added(out_body, in_body), (n, _only_capture_added(out_body, in_body))
 
+    rewarded = gw.signed("POST", f"/v1/rl/tasks/{task_id}/reward", json={"reward": 1.0})  # publishes the samples
+    assert rewarded.status_code == 200, rewarded.text
+    assert rewarded.json()["sample_count"] == len(inside_calls), f"{len(inside_calls)} completions: {rewarded.text}"
     samples = _task_samples(gw, task_id)
-    assert len(samples) == len(inside_calls), f"{len(inside_calls)} completions, {len(samples)} captured"
+    assert len(samples) == len(inside_calls), f"{len(inside_calls)} completions, {len(samples)} listed"
     recorded = set()
     for sample in samples:
         recorded |= set((sample.get("sampling") or {}).get("constraints") or {})

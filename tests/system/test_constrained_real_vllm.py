@@ -112,7 +112,8 @@ def _gap(model: Any, samples: list[Sample], temperature: float, transform: Trans
     return worst
 
 
-def grammar_masks(model_dir: Path, responses: list[list[int]], schema: dict[str, Any] = SCHEMA) -> list[list[list[int]]]:
+def grammar_masks(model_dir: Path, responses: list[list[int]],
+                  schema: dict[str, Any] = SCHEMA) -> list[list[list[int]]]:
     """The tokens `schema`'s grammar allowed at each step of each response (xgrammar, in vLLM's environment)."""
     job = {"model_dir": str(model_dir), "schema": schema, "responses": responses}
     done = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "support" / "grammar_masks.py")],

@@ -3,10 +3,10 @@ nothing here imports the project or its tests).
 
     .venv-compat/bin/python tests/compat/agents/run.py openai_agents
 
-Loads `tests/compat/agents/<framework>_agents.py` (never named like the framework's own package, which it imports; its `PACKAGES` and its `PATTERNS`: name → async function of a `Target`),
-prints one JSON line `{"versions": {package: version}}`, then answers each JSON line read on stdin,
-`{"pattern", "base_url", "session"}`, with one JSON line: `{"output": …}` (what the agent finished with) or
-`{"error": "Type: message"}`. One process serves every run of its framework, so each framework is imported once.
+Loads `tests/compat/agents/<framework>_agents.py` (never named like the framework's own package, which it imports):
+its `PACKAGES` and its `PATTERNS` (name → async function of a `Target`). Prints one JSON line `{"versions":
+{package: version}}`, then answers each JSON line read on stdin, `{"pattern", "base_url", "session"}`, with one line:
+`{"output": …}` (what the agent finished with) or `{"error": "Type: message"}`. One process serves every run of its framework, so each framework is imported once.
 """
 
 from __future__ import annotations
