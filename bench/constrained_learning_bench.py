@@ -184,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                                        parse(d["response"]["choices"][0]["message"]["content"]) is not None
                                        for d in docs)}
             for arm in args.arms:
-                artifact = asyncio.run(train(model_dir, docs, work, f"{arm}{seed}", TIS_CAP if arm == "correct"
+                # naive: the same samples as if unconstrained (no `constraints`, so no trainer corrects them)
+                arm_docs = docs if arm == "correct" else [
+                    {**d, "sampling": {k: v for k, v in d["sampling"].items() if k != "constraints"}} for d in docs]
+                artifact = asyncio.run(train(model_dir, arm_docs, work, f"{arm}{seed}", TIS_CAP if arm == "correct"
                                              else None, seed))
                 name = f"{arm}-s{seed}"
                 r = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": artifact.lora_path})

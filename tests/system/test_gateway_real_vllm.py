@@ -17,7 +17,6 @@ skipped, never as passed. One vLLM serves the module (its start-up takes about a
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,11 +100,7 @@ def test_real_vllm_train_activate_and_serve_the_new_adapter(redis, redis_url, tm
         started = gw.signed("POST", "/v1/rl/training/runs")
         assert started.status_code == 201, started.text
         run_id = started.json()["training_run_id"]
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while (run := gw.signed("GET", f"/v1/rl/training/runs/{run_id}").json())["status"] not in (
-                "succeeded", "failed", "canceled"):
-            assert time.monotonic() < deadline, f"run not terminal in {RUN_TIMEOUT_S} s: {run}"
-            time.sleep(0.5)
+        run = gw.wait_run(run_id, RUN_TIMEOUT_S)
 
         assert run["status"] == "succeeded", (run, (gw.dir / "rl-service.log").read_text()[-3000:])
         assert (run["lora_name"], run["sample_count"]) == ("tiny:v1", 4)
@@ -209,11 +204,7 @@ def test_captured_logprobs_are_the_trainers_at_each_samples_own_sampling(redis, 
         started = gw.signed("POST", "/v1/rl/training/runs")
         assert started.status_code == 201, started.text
         run_id = started.json()["training_run_id"]
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while (run := gw.signed("GET", f"/v1/rl/training/runs/{run_id}").json())["status"] not in (
-                "succeeded", "failed", "canceled"):
-            assert time.monotonic() < deadline, f"run not terminal in {RUN_TIMEOUT_S} s: {run}"
-            time.sleep(0.5)
+        run = gw.wait_run(run_id, RUN_TIMEOUT_S)
         assert run["status"] == "succeeded", (run, (gw.dir / "rl-service.log").read_text()[-3000:])
         # The run's report is what the truncation explains: no gap on the untruncated rows, -log(kept) on the rest.
         report = run["metrics"]["sampling"]
