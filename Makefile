@@ -1,7 +1,7 @@
 # `make test` works on a fresh machine: it creates .venv (and .venv-vllm, the CPU build of vLLM, for the tests that
-# load a trained adapter into a real vLLM server), installs the pinned dependencies, makes sure a redis-server binary
-# exists (installing it with apt when it can), as does a Chromium for the web console's browser test, and runs the
-# whole CPU suite.
+# load a trained adapter into a real vLLM server; and .venv-compat, the agent frameworks of tests/compat), installs
+# the pinned dependencies, makes sure a redis-server binary exists (installing it with apt when it can), as does a
+# Chromium for the web console's browser test, and runs the whole CPU suite.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -27,7 +27,9 @@ MAKE_STARTED := $(shell date +%s)
 DEMO := $(PY) -m openjiuwen.agent_evolving.agent_rl.demo --vllm-python $(VLLM_PY) --preparation-started $(MAKE_STARTED)
 
 help:
-	@echo "make test    - create .venv and .venv-vllm, install pinned deps, ensure redis-server and chromium, run the CPU suite"
+	@echo "make test    - create .venv, .venv-vllm and .venv-compat, install pinned deps, ensure redis-server and chromium,"
+	@echo "               run the CPU suite"
+	@echo "make venv-compat - the agent frameworks of the compatibility suite (requirements-compat.lock; docs/compatibility.md)"
 	@echo "make bench   - run the bench suite (bench/run_all.py, 45-80 min) and rewrite docs/benchmarks.md"
 	@echo "make bench-quick - the same, shorter runs (~15 min)"
 	@echo "make demo    - SmolLM2-135M-Instruct learning a calculator-tool task on a real vLLM (CPU): held-out success"

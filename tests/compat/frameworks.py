@@ -149,6 +149,21 @@ inside one (its session mapped to an active Task).
   of training (`exclude`; docs/training.md).
 
 One structured-output agent also runs against a real vLLM (CPU build): `tests/system/test_constrained_real_vllm.py`.
+
+Found while writing the agents:
+
+- The current `llama-index-llms-openai` (0.8.3) caps `openai<3`, while the current OpenAI Agents SDK and pydantic-ai
+  need `openai>=3`: no resolver installs all the current releases together. The lock holds the resolved set with
+  openai 3 and is installed with `--no-deps`; LlamaIndex's three agents run on it.
+- The `anthropic` SDK's `messages.create` (2.x) takes no `temperature`, so greedy decoding is tried on the OpenAI route.
+- `langchain-anthropic` (max_tokens 4096) and pydantic-ai's `AnthropicModel` (16384) ask for more tokens than a
+  1024-token model holds by default; vLLM's 400 reaches the agent unchanged inside a Task as outside. The agents set
+  256, as one does for a small model.
+- The tool-choice and strictness each framework sends by default: the Agents SDK marks function tools `strict`;
+  pydantic-ai marks its tools `strict` when their schema allows it on the OpenAI route (not on the Anthropic one) and
+  forces its output tool (`tool_choice: required`); LangChain's and the Agents SDK's structured output use
+  `response_format` json_schema, `ChatAnthropic.with_structured_output` a named tool; LlamaIndex's structured
+  prediction forces one call (`required` with `parallel_tool_calls: false`) and samples at temperature 0.1.
 """
 
 
