@@ -21,7 +21,9 @@ and each trained version; per seed, then the mean and a 95% t-interval over seed
 
     .venv/bin/python bench/constrained_learning_bench.py --seeds 0 1 2 [--json out.json]
 
-Needs `.venv-vllm` and the provisioned SmolLM2 (`make model`). Takes about 3-5 min per seed on 2 cores.
+Needs `.venv-vllm` and the provisioned SmolLM2 (`make model`). Took 12-16 min per seed on 2 busy cores (64 samples,
+two Training Runs of one PPO step, 3 x 32 held-out answers). `run()` is what tests/system/test_constrained_real_vllm.py
+runs once, tiny, on its own vLLM (the tiny model), so the command keeps working.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import argparse
 import asyncio
 import json
 import math
+import shutil
 import statistics
 import sys
 import tempfile
@@ -63,6 +66,7 @@ TIS_CAP = 2.0
 PPO = {"actor_rollout_ref": {"actor": {"optim": {"lr": 5.0e-4}, "ppo_epochs": 2, "ppo_mini_batch_size": 16,
                                        "ppo_micro_batch_size_per_gpu": 8}},
        "data": {"max_prompt_length": 128, "max_response_length": MAX_TOKENS}}
+LORA_ARGS = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "4"]
 SAMPLING = {"temperature": TEMPERATURE, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
             "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
@@ -97,10 +101,11 @@ def complete(client: httpx.Client, model: str, city: str, question: str, seed: i
     return r.json()
 
 
-def constrained_samples(client: httpx.Client, seed: int, per_prompt: int) -> list[dict[str, Any]]:
+def constrained_samples(client: httpx.Client, seed: int, per_prompt: int,
+                        cities: tuple[str, ...] = TRAIN_CITIES) -> list[dict[str, Any]]:
     """Samples in the captured shape (what a capture inside a Task stores), rewarded by the task rule."""
     docs = []
-    for c, city in enumerate(TRAIN_CITIES):
+    for c, city in enumerate(cities):
         for q, question in enumerate(QUESTIONS):
             for k in range(per_prompt):
                 answer = complete(client, "tiny", city, question, seed * 100003 + c * 101 + q * 11 + k, True)
@@ -121,9 +126,10 @@ def constrained_samples(client: httpx.Client, seed: int, per_prompt: int) -> lis
     return docs
 
 
-def evaluate(client: httpx.Client, model: str, seed: int, per_prompt: int) -> dict[str, float]:
+def evaluate(client: httpx.Client, model: str, seed: int, per_prompt: int,
+             cities: tuple[str, ...] = HELD_OUT_CITIES) -> dict[str, float]:
     valid = success = total = 0
-    for c, city in enumerate(HELD_OUT_CITIES):
+    for c, city in enumerate(cities):
         for q, question in enumerate(QUESTIONS):
             for k in range(per_prompt):
                 answer = complete(client, model, city, question, 7 + seed * 7919 + c * 97 + q * 13 + k, False)
@@ -157,60 +163,69 @@ def t_interval(values: list[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+def run(client: httpx.Client, model_dir: Path, work: Path, *, seeds: list[int], per_prompt: int,
+        eval_per_prompt: int, arms: list[str], train_cities: tuple[str, ...] = TRAIN_CITIES,
+        held_out_cities: tuple[str, ...] = HELD_OUT_CITIES) -> dict[str, Any]:
+    """The experiment against a running vLLM (`client`, serving `model_dir` as `tiny`, LoRA enabled): per seed, the
+    base rates, the constrained samples, one trained version per arm and its rates; then the summary."""
+    results: dict[str, Any] = {"seeds": {}, "config": {"per_prompt": per_prompt, "tis_cap": TIS_CAP,
+                                                       "eval_per_prompt": eval_per_prompt, "ppo": PPO}}
+    base = {seed: evaluate(client, "tiny", seed, eval_per_prompt, held_out_cities) for seed in seeds}
+    for seed in seeds:
+        t0 = time.monotonic()
+        docs = constrained_samples(client, seed, per_prompt, train_cities)
+        row: dict[str, Any] = {
+            "base": base[seed], "samples": len(docs),
+            "sample_reward": statistics.fmean(d["judge"]["score"] for d in docs),
+            "sample_valid": statistics.fmean(parse(d["response"]["choices"][0]["message"]["content"]) is not None
+                                             for d in docs)}
+        for arm in arms:
+            # naive: the same samples as if unconstrained (no `constraints`, so no trainer corrects them)
+            arm_docs = docs if arm == "correct" else [
+                {**d, "sampling": {k: v for k, v in d["sampling"].items() if k != "constraints"}} for d in docs]
+            artifact = asyncio.run(train(model_dir, arm_docs, work, f"{arm}{seed}",
+                                         TIS_CAP if arm == "correct" else None, seed))
+            name = f"{arm}-s{seed}"
+            r = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": artifact.lora_path})
+            r.raise_for_status()
+            row[arm] = {**evaluate(client, name, seed, eval_per_prompt, held_out_cities),
+                        "sampling": artifact.metadata.get("sampling"), "ppo": artifact.metadata.get("ppo_metrics")}
+            client.post("/v1/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
+        row["seconds"] = round(time.monotonic() - t0, 1)
+        results["seeds"][str(seed)] = row
+        print(json.dumps({"seed": seed, **row}), flush=True)
+    summary = {}
+    for arm in ["base", *arms]:
+        for metric in ("valid", "success"):
+            summary[f"{arm}.{metric}"] = t_interval([results["seeds"][str(s)][arm][metric] for s in seeds])
+            if arm != "base":
+                summary[f"{arm}.{metric}.delta"] = t_interval(
+                    [results["seeds"][str(s)][arm][metric] - results["seeds"][str(s)]["base"][metric] for s in seeds])
+    results["summary"] = summary
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--per-prompt", type=int, default=2, help="constrained samples per training prompt")
-    parser.add_argument("--eval-per-prompt", type=int, default=4, help="unconstrained answers per held-out prompt")
+    parser.add_argument("--eval-per-prompt", type=int, default=2, help="unconstrained answers per held-out prompt")
     parser.add_argument("--arms", nargs="+", default=["correct", "naive"], choices=["correct", "naive"])
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
 
     model_dir, _ = smollm2.provision(smollm2.default_cache_dir())
     work = Path(tempfile.mkdtemp(prefix="constrained-bench-"))
-    results: dict[str, Any] = {"seeds": {}, "config": {"per_prompt": args.per_prompt, "tis_cap": TIS_CAP,
-                                                       "eval_per_prompt": args.eval_per_prompt, "ppo": PPO}}
     started = time.monotonic()
-    with RealVLLM.start(model_dir, work, extra_args=["--enable-lora", "--max-lora-rank", "16", "--max-loras", "4",
-                                                     "--max-num-seqs", "8"]) as vllm:
-        client = httpx.Client(base_url=vllm.url, timeout=300)
-        base = {seed: evaluate(client, "tiny", seed, args.eval_per_prompt) for seed in args.seeds}
-        for seed in args.seeds:
-            t0 = time.monotonic()
-            docs = constrained_samples(client, seed, args.per_prompt)
-            row: dict[str, Any] = {"base": base[seed], "samples": len(docs),
-                                   "sample_reward": statistics.fmean(d["judge"]["score"] for d in docs),
-                                   "sample_valid": statistics.fmean(
-                                       parse(d["response"]["choices"][0]["message"]["content"]) is not None
-                                       for d in docs)}
-            for arm in args.arms:
-                # naive: the same samples as if unconstrained (no `constraints`, so no trainer corrects them)
-                arm_docs = docs if arm == "correct" else [
-                    {**d, "sampling": {k: v for k, v in d["sampling"].items() if k != "constraints"}} for d in docs]
-                artifact = asyncio.run(train(model_dir, arm_docs, work, f"{arm}{seed}", TIS_CAP if arm == "correct"
-                                             else None, seed))
-                name = f"{arm}-s{seed}"
-                r = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": artifact.lora_path})
-                r.raise_for_status()
-                row[arm] = evaluate(client, name, seed, args.eval_per_prompt)
-                metrics = artifact.metadata.get("metrics") or {}
-                row[arm]["sampling"] = metrics.get("sampling")
-                client.post("/v1/unload_lora_adapter", json={"lora_name": name})
-            row["seconds"] = round(time.monotonic() - t0, 1)
-            results["seeds"][str(seed)] = row
-            print(json.dumps({"seed": seed, **row}), flush=True)
-    summary = {}
-    for arm in ["base", *args.arms]:
-        for metric in ("valid", "success"):
-            values = [results["seeds"][str(s)][arm][metric] for s in args.seeds]
-            summary[f"{arm}.{metric}"] = t_interval(values)
-            if arm != "base":
-                deltas = [results["seeds"][str(s)][arm][metric] - results["seeds"][str(s)]["base"][metric]
-                          for s in args.seeds]
-                summary[f"{arm}.{metric}.delta"] = t_interval(deltas)
-    results["summary"] = summary
+    try:
+        with RealVLLM.start(model_dir, work, extra_args=LORA_ARGS) as vllm, \
+                httpx.Client(base_url=vllm.url, timeout=300) as client:
+            results = run(client, model_dir, work, seeds=args.seeds, per_prompt=args.per_prompt,
+                          eval_per_prompt=args.eval_per_prompt, arms=args.arms)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     results["seconds"] = round(time.monotonic() - started, 1)
-    for key, (mean, low, high) in summary.items():
+    for key, (mean, low, high) in results["summary"].items():
         print(f"{key:24s} {mean:+.3f}  95% CI [{low:+.3f}, {high:+.3f}]")
     print(f"total {results['seconds']} s")
     if args.json:

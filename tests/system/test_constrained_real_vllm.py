@@ -11,9 +11,10 @@ model as instances serving captured traffic run (`--logprobs-mode processed_logp
 - greedy decoding (`temperature: 0`) returns the temperature-1 log-softmax of the processed logits: not the point
   mass the token was drawn from (why greedy samples are excluded by default, docs/training.md);
 - one structured-output agent (the OpenAI Agents SDK, `output_type`, seeded) runs outside and inside a Task through
-  the gateway and finishes the same way; its captured logprobs are the masked log-softmax too.
+  the gateway and finishes the same way; its captured logprobs are the masked log-softmax too;
+- bench/constrained_learning_bench.py's experiment runs once, tiny, on this vLLM (its command keeps working).
 
-`make test` runs it (about 1.5 min: most of it vLLM's start-up). Needs `.venv-vllm` (and `.venv-compat` for the
+`make test` runs it (about 2 min: most of it vLLM's start-up). Needs `.venv-vllm` (and `.venv-compat` for the
 agent); without them the tests are reported as skipped, never as passed. `-s` prints the measured gaps.
 """
 
@@ -31,6 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench import constrained_learning_bench as bench
 from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import make_tiny_model
 from tests.compat.frameworks import COMPAT_PYTHON, AgentProcess
 from tests.support import learning as L
@@ -67,7 +69,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[RealVLLM]:
     with RealVLLM.start(model_dir, tmp_path_factory.mktemp("vllm"),
-                        extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as server:
+                        extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                    *bench.LORA_ARGS]) as server:
         yield server
 
 
@@ -213,3 +216,17 @@ def test_structured_agent_on_real_vllm_runs_the_same_inside_a_task(redis_url, tm
     gap = _gap(model, [sample], temperature, _masked(masks))
     print(f"captured json_schema sample of the Agents SDK: masked gap {gap:.2e}")
     assert gap < EXACT_ATOL
+
+
+def test_the_constrained_learning_bench_runs(vllm, model_dir, tmp_path):
+    """bench/constrained_learning_bench.py's experiment, once and tiny on this vLLM (its real run is on SmolLM2,
+    docs/learning.md), so the documented command keeps working: constrained samples, a corrected Training Run, the
+    trained adapter loaded in vLLM and evaluated without the grammar."""
+    with httpx.Client(base_url=vllm.url, timeout=300) as client:
+        results = bench.run(client, model_dir, tmp_path, seeds=[0], per_prompt=1, eval_per_prompt=1, arms=["correct"],
+                            train_cities=bench.TRAIN_CITIES[:4], held_out_cities=bench.HELD_OUT_CITIES[:2])
+    row = results["seeds"]["0"]
+    assert row["samples"] == 4 * len(bench.QUESTIONS)
+    assert row["correct"]["n"] == row["base"]["n"] == 2 * len(bench.QUESTIONS)
+    assert row["correct"]["sampling"]["constrained_samples"] == row["samples"]  # every row corrected
+    assert 0.0 <= row["correct"]["valid"] <= 1.0 and set(results["summary"]) >= {"correct.valid.delta"}
