@@ -16,8 +16,9 @@ on the same samples:
 (tests/learning/test_constrained_learning.py checks it through the service).
 
 Measured on held-out cities (never in a training prompt), with NO grammar: the rate of answers that are one JSON
-object valid for the schema (`valid`), and of valid answers naming the right city (`success`), for the base model
-and each trained version; per seed, then the mean and a 95% t-interval over seeds.
+object valid for the schema (`valid`), and of valid answers naming the right city (`success`); and under the grammar,
+as the agent runs: the rate of answers naming the right city (`constrained_success`). For the base model and each
+trained version; per seed, then the mean and a 95% t-interval over seeds.
 
     .venv/bin/python bench/constrained_learning_bench.py --seeds 0 1 2 [--json out.json]
 
@@ -128,16 +129,21 @@ def constrained_samples(client: httpx.Client, seed: int, per_prompt: int,
 
 def evaluate(client: httpx.Client, model: str, seed: int, per_prompt: int,
              cities: tuple[str, ...] = HELD_OUT_CITIES) -> dict[str, float]:
-    valid = success = total = 0
+    """Rates on the held-out prompts: without the grammar (`valid`, `success`: does the policy produce the structure
+    itself?) and with it (`constrained_success`: the task as the agent runs it, under structured output)."""
+    valid = success = constrained = total = 0
     for c, city in enumerate(cities):
         for q, question in enumerate(QUESTIONS):
             for k in range(per_prompt):
-                answer = complete(client, model, city, question, 7 + seed * 7919 + c * 97 + q * 13 + k, False)
-                text = answer["choices"][0]["message"]["content"] or ""
+                seed_k = 7 + seed * 7919 + c * 97 + q * 13 + k
+                text = complete(client, model, city, question, seed_k, False)["choices"][0]["message"]["content"]
                 total += 1
-                valid += parse(text) is not None
-                success += reward(city, text) > 0
-    return {"valid": valid / total, "success": success / total, "n": total}
+                valid += parse(text or "") is not None
+                success += reward(city, text or "") > 0
+                answer = complete(client, model, city, question, seed_k, True)
+                constrained += reward(city, answer["choices"][0]["message"]["content"] or "") > 0
+    return {"valid": valid / total, "success": success / total, "constrained_success": constrained / total,
+            "n": total}
 
 
 async def train(model_dir: Path, docs: list[dict[str, Any]], work: Path, name: str, tis_cap: float | None,
@@ -196,7 +202,7 @@ def run(client: httpx.Client, model_dir: Path, work: Path, *, seeds: list[int], 
         print(json.dumps({"seed": seed, **row}), flush=True)
     summary = {}
     for arm in ["base", *arms]:
-        for metric in ("valid", "success"):
+        for metric in ("valid", "success", "constrained_success"):
             summary[f"{arm}.{metric}"] = t_interval([results["seeds"][str(s)][arm][metric] for s in seeds])
             if arm != "base":
                 summary[f"{arm}.{metric}.delta"] = t_interval(
