@@ -201,6 +201,8 @@ def test_structured_agent_on_real_vllm_runs_the_same_inside_a_task(redis_url, tm
             inside = agent.run("output_type_seeded", gw.url, "real-inside")
             assert "error" not in inside, (inside, agent.stderr()[-3000:])
             assert gw.signed("POST", f"/v1/rl/tasks/{task_id}/stop").json()["status"] == "finalized"
+            rewarded = gw.signed("POST", f"/v1/rl/tasks/{task_id}/reward", json={"reward": 1.0})
+            assert rewarded.json() == {"sample_count": 1}, rewarded.text  # one completion, captured and published
             assert inside == outside  # same seed, same sampling: the same tokens
             items = gw.signed("GET", "/v1/rl/trajectories", params={"limit": 100}).json()["items"]
             [summary] = [s for s in items if s["task_id"] == task_id]
