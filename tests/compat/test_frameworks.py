@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis import Redis as SyncRedis
 
 from tests.compat.frameworks import COMPAT_PYTHON, PAGE, RUNS, AgentProcess, Run, render
 from tests.support import agent_model
@@ -42,13 +43,23 @@ RESULTS: dict[str, dict[str, Any]] = {}  # run id → its page row, filled by te
 VERSIONS: dict[str, str] = {}
 
 
+def _delete_owned_keys(redis_url: str) -> None:
+    """The service's key space emptied, as the function-scoped `redis` fixture does for one test (tests/conftest.py):
+    this stack serves the whole module."""
+    with SyncRedis.from_url(redis_url) as client:
+        for key in client.scan_iter(match="rl:v1:*", count=1000):
+            client.delete(key)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[tuple[GatewayProcess, FakeVLLM]]:
+    _delete_owned_keys(redis_url)
     with FakeVLLM(served_model="tiny", name="vllm-compat") as vllm:
         vllm.responder = agent_model.answer
         with GatewayProcess(tmp_path_factory.mktemp("compat"), redis_url, instances=[vllm]) as gw:
             gw.start_service()
             yield gw, vllm
+    _delete_owned_keys(redis_url)
 
 
 class _Agents(dict):

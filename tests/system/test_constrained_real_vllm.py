@@ -187,7 +187,8 @@ def test_greedy_logprobs_are_temperature_one_not_the_point_mass(vllm, model):
 
 
 @pytest.mark.skipif(not COMPAT_PYTHON.exists(), reason=f"no framework environment at {COMPAT_PYTHON}")
-def test_structured_agent_on_real_vllm_runs_the_same_inside_a_task(redis_url, tmp_path, vllm, model, model_dir):
+def test_structured_agent_on_real_vllm_runs_the_same_inside_a_task(redis, redis_url, tmp_path, vllm, model,
+                                                                    model_dir):
     online = {"hookTimeout": "30s", "controlTimeout": "60s"}
     agent = AgentProcess("openai_agents", tmp_path)
     try:
