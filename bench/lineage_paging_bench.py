@@ -93,9 +93,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, object]:
             version = f"{line}:v1"
             for _ in range(per_worker):
                 with contextlib.ExitStack() as counts:
-                    instance = loras.routing.pick(MODEL, version)
+                    instance = loras.routing.pick(MODEL, version, captured=True)
+                    counts.enter_context(loras.routing.in_flight(instance))  # as the gateway: before the page-in
                     await loras.page_in(instance, version, counts)
-                    counts.enter_context(loras.routing.in_flight(instance))
                     r = await client.post(instance.base_url + CHAT_PATH, content=orjson.dumps(
                         {"model": version, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
                         headers={"content-type": "application/json"})

@@ -6,16 +6,18 @@ lineage, the automatic-training scheduler's tick, and the claim of a batch on th
 
 A private redis-server on a free port in a temp dir; nothing else runs. Lineages are registered as the start EXEC of
 their first Task registers them (`ZADD rl:v1:lineages NX`); samples go in through `TrajectoryStore.insert_if_absent`
-(the publication path: hash, the line's pending index and counters, the waiting hint), each a small sample (3 prompt
+(the publication path: hash, the line's pending index and counters, its due-index entry), each a small sample (3 prompt
 and 2 response tokens). Measured:
 
 - bytes: `MEMORY USAGE` of the per-line keys (the line's pending index and counters, its `rl:v1:lineages` member and
-  waiting-hint entry as a share of those ZSETs) and the `INFO used_memory` delta per registered lineage without
+  due-index entry as a share of those ZSETs) and the `INFO used_memory` delta per registered lineage without
   samples, and per line that got `--samples` samples (which includes those samples' hashes);
 - the scheduler's tick (`TrainingScheduler.tick`, automatic training on, a runner that starts nothing) at each of
   `--sizes` registered lineages, `min(--pending-lines, size)` of them with samples: wall time and the Redis commands
-  it issued (INFO commandstats delta), once with every line eligible and once with none (each line one sample short
-  of `min_pending_samples`: the tick reads hint pages until the hint ends);
+  it issued (INFO commandstats delta), once with none eligible (each line one sample short of
+  `min_pending_samples`: after the warm-up tick judged them, a tick reads no line but the default one) and once with
+  every line eligible (an eligible line stays due: each tick judges them all). The warm-up tick of each new scheduler
+  judges every registered line once (what a leader's first tick does) and is not counted;
 - the claim (`RunStore.claim`, the transaction behind `POST /v1/rl/training/runs`) of `--batches` samples from the
   default line and from a lineage's line, each followed by `finish(..., restore_samples=True)` (not counted).
 
@@ -107,12 +109,12 @@ async def line_key_bytes(redis, line: str, lineage: str) -> dict[str, int]:
         total, members = int(await redis.memory_usage(key, samples=0) or 0), await redis.zcard(key)
         out[name] = total // max(1, members)
     out["total"] = sum(out.values())
-    assert await redis.zscore(keys.TRAINING_WAITING, line) is not None, "a line with samples has a hint entry"
+    assert await redis.zscore(keys.TRAINING_WAITING, line) is not None, "an eligible line has a due entry"
     return out
 
 
 async def measure_tick(redis, scheduler, runner, reps: int) -> dict[str, Any]:
-    await scheduler.tick()  # warm: pooled connections opened, hint entries already exact
+    await scheduler.tick()  # warm: pooled connections opened, every registered line judged once
     wall_ms, cmds = [], []
     for _ in range(reps):
         runner.chosen.clear()
@@ -171,7 +173,8 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
     def scheduler(min_pending: int) -> TrainingScheduler:
         policy = TrainingPolicyConfig(auto=True, min_pending_samples=min_pending)
         return TrainingScheduler(redis, runs=runs, runner=runner, store=store, rollout=None,  # type: ignore[arg-type]
-                                 pauses=LineagePauses(redis), fence=UNFENCED, policy=policy, model_id=MODEL,
+                                 pauses=LineagePauses(redis, model_id=MODEL), fence=UNFENCED, policy=policy,
+                                 model_id=MODEL,
                                  max_policy_lag=None, clock=lambda: float(T0 + 10 * args.samples))
 
     try:
@@ -193,7 +196,8 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
             sample_bytes += await used_memory(redis) - before
             with_samples = target
             row: dict[str, Any] = {"registered": size, "lines_with_samples": target}
-            for case, min_pending in (("eligible", args.samples), ("none_eligible", args.samples + 1)):
+            # None eligible first: then the eligible lines stay due for the byte count below.
+            for case, min_pending in (("none_eligible", args.samples + 1), ("eligible", args.samples)):
                 row[case] = await measure_tick(redis, scheduler(min_pending), runner, args.reps)
             assert row["eligible"]["chosen"] and not row["none_eligible"]["chosen"], row
             ticks.append(row)

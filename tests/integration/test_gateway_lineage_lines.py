@@ -13,7 +13,7 @@ import pytest
 from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
 from openjiuwen.agent_evolving.agent_rl.gateway.policy_lines import PolicyLines
 from openjiuwen.agent_evolving.agent_rl.gateway.lora_state_file import LoraStateFile
-from tests.integration.test_gateway_lora_manager import make_manager
+from tests.integration.test_gateway_lora_manager import managed
 from tests.support.fake_vllm import FakeVLLM
 
 MODEL = "tiny"
@@ -52,9 +52,7 @@ async def test_lines_switch_apart_and_default_line_is_unchanged(
     fakes: list[FakeVLLM], lora_root: Path, tmp_path: Path
 ) -> None:
     state = tmp_path / "state.json"
-    loras = make_manager(fakes, lora_root, state)
-    await loras.restore()
-    try:
+    async with managed(fakes, lora_root, state) as loras:
         await activate(loras, lora_root, MODEL, 1, "base")
         await activate(loras, lora_root, LINE, 1, "base")
         await activate(loras, lora_root, LINE, 2, f"{LINE}:v1")
@@ -78,34 +76,24 @@ async def test_lines_switch_apart_and_default_line_is_unchanged(
         await loras.deactivate(LINE)
         assert loras.snapshot(LINE) == ("base", MODEL)
         assert loras.snapshot(MODEL) == (f"{MODEL}:v1", f"{MODEL}:v1")
-    finally:
-        await loras.close()
 
 
 async def test_every_lines_active_and_candidate_survive_a_restart(
     fakes: list[FakeVLLM], lora_root: Path, tmp_path: Path
 ) -> None:
     state = tmp_path / "state.json"
-    loras = make_manager(fakes, lora_root, state)
-    await loras.restore()
-    try:
+    async with managed(fakes, lora_root, state) as loras:
         await activate(loras, lora_root, LINE, 1, "base")
         await loras.start_canary(base_model="/models/tiny", lora_name=f"{LINE}:v2", lora_path=path(lora_root, LINE, 2),
                                  expected_lora_name=f"{LINE}:v1", share=0.5)
         await activate(loras, lora_root, MODEL, 1, "base")
-    finally:
-        await loras.close()
 
-    restarted = make_manager(fakes, lora_root, state)
-    await restarted.restore()
-    try:
+    async with managed(fakes, lora_root, state) as restarted:
         status = restarted.canary_status(LINE)
         assert status["active_lora"]["lora_name"] == f"{LINE}:v1"
         assert status["candidate"]["lora_name"] == f"{LINE}:v2"
         assert restarted.status(MODEL)["active_lora"]["lora_name"] == f"{MODEL}:v1"
         assert "candidate" not in restarted.status(MODEL)
-    finally:
-        await restarted.close()
 
 
 async def test_a_state_file_of_another_line_key_is_refused(tmp_path: Path) -> None:
@@ -125,3 +113,30 @@ def test_policy_lines_are_keyed_by_line() -> None:
     assert lines.of_version(f"{LINE}:v3") is support
     assert lines.of_version(f"{MODEL}:v3") is None  # the default line was never used
     assert lines.of(MODEL).model == MODEL
+
+
+async def test_retiring_a_line_drops_its_active_version_and_candidate_and_unloads_them(
+    fakes: list[FakeVLLM], lora_root: Path, tmp_path: Path
+) -> None:
+    """A lineage archived or deleted (docs/lineages.md "Lifecycle"): one switch takes the line's active version and
+    candidate out of serving, out of the state file and off the instances; the default line is untouched; a repeat
+    is a no-op; a restart serves nothing of the line."""
+    state = tmp_path / "state.json"
+    async with managed(fakes, lora_root, state) as loras:
+        await activate(loras, lora_root, MODEL, 1, "base")
+        await activate(loras, lora_root, LINE, 1, "base")
+        await loras.start_canary(base_model="/models/tiny", lora_name=f"{LINE}:v2", lora_path=path(lora_root, LINE, 2),
+                                 expected_lora_name=f"{LINE}:v1", share=0.5)
+        assert await loras.retire(LINE) == {"status": "retired", "line": LINE, "versions": [f"{LINE}:v1", f"{LINE}:v2"]}
+        assert loras.snapshot(LINE) == ("base", MODEL)
+        assert loras.canary_status(LINE)["candidate"] is None
+        for fake in fakes:
+            assert set(fake.loaded_paths) == {f"{MODEL}:v1"}
+        document = json.loads(state.read_text())
+        assert set(document["models"]) == {MODEL} and LINE not in document.get("candidates", {})
+        assert await loras.retire(LINE) == {"status": "retired", "line": LINE, "versions": []}
+        assert await loras.retire("tiny:never-used") == {"status": "retired", "line": "tiny:never-used",
+                                                          "versions": []}
+        assert loras.snapshot(MODEL) == (f"{MODEL}:v1", f"{MODEL}:v1")
+    async with managed(fakes, lora_root, state) as restarted:
+        assert restarted.snapshot(LINE) == ("base", MODEL)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import shutil
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from ipaddress import ip_network
 from pathlib import Path
 
@@ -58,14 +59,21 @@ def make_manager(fakes: list[FakeVLLM], root: Path, state_path: Path, timeout_s:
                        addresses=LOOPBACK_ALLOWED)
 
 
-@pytest.fixture
-async def manager(fakes: list[FakeVLLM], lora_root: Path, state_path: Path) -> AsyncIterator[LoraManager]:
-    loras = make_manager(fakes, lora_root, state_path)
+@asynccontextmanager
+async def managed(fakes: list[FakeVLLM], root: Path, state_path: Path) -> AsyncIterator[LoraManager]:
+    """A LoRA manager restored from `state_path`, closed at the end (a gateway's lifetime)."""
+    loras = make_manager(fakes, root, state_path)
     await loras.restore()
     try:
         yield loras
     finally:
         await loras.close()
+
+
+@pytest.fixture
+async def manager(fakes: list[FakeVLLM], lora_root: Path, state_path: Path) -> AsyncIterator[LoraManager]:
+    async with managed(fakes, lora_root, state_path) as loras:
+        yield loras
 
 
 async def activate(loras: LoraManager, root: Path, n: int, expected: str, *, path: str | None = None) -> dict:

@@ -88,7 +88,8 @@ async def test_a_state_built_by_the_service_holds_every_invariant(service, redis
     assert report.ok
     # 8 rewarded + 1 published turn; 3 of them claimed by the blocked run.
     assert report.samples == 9 and report.samples_by_status == {
-        "awaiting_rewards": 0, "pending": 6, "training": 3, "trained": 0, "failed": 0, "evaluation": 0, "excluded": 0}
+        "awaiting_rewards": 0, "pending": 6, "training": 3, "trained": 0, "failed": 0, "evaluation": 0, "excluded": 0,
+        "outdated": 0}
     assert report.client_samples_checked == 9 == record.expected_samples
     assert report.runs == 1 and report.tasks == 8
 
@@ -131,10 +132,17 @@ async def _sample_without_reward(redis) -> None:
 
 
 async def _second_active_run(redis) -> None:
+    # A second live run of the same (default) lineage: its lineage's pointer names the other one.
     active = (await redis.get(keys.ACTIVE_RUN)).decode()
     record = orjson.loads(await redis.get(keys.training_run(active)))
     record.update(training_run_id="run-0123456789ab", sample_ids=[], sample_count=0)
     await redis.set(keys.training_run("run-0123456789ab"), orjson.dumps(record))
+
+
+async def _pointer_of_another_lineage(redis) -> None:
+    # A lineage's field naming a run of another lineage (the default one's live run).
+    active = (await redis.get(keys.ACTIVE_RUN)).decode()
+    await redis.hset(keys.ACTIVE_LINEAGE_RUNS, "up", active)
 
 
 async def _active_task_with_ttl(redis) -> None:
@@ -168,10 +176,12 @@ CORRUPTIONS: dict[str, tuple[Callable[[Any], Awaitable[None]], str]] = {
     "two indexes": (_move_to_two_indexes, "is in 2 status indexes"),
     "counter": (lambda r: r.hincrby(keys.traj_stats(MODEL_ID), "status:pending", 1), "counter status:pending = "),
     "lost sample": (_drop_a_sample, "capture tr1-c0 of rewarded task tr1 has no sample (lost)"),
-    "claim without run": (_claimed_without_run, "not in the batch of the active run"),
+    "claim without run": (_claimed_without_run, "for run 'run-000000000000', which is not live"),
     "open in terminal": (_open_capture_in_aborted_task, "task tab is aborted with open captures ['ghost']"),
     "sample from nowhere": (_sample_without_reward, "sample twait-c0 comes from no published turn"),
-    "two runs": (_second_active_run, "more than one non-terminal run"),
+    "two runs": (_second_active_run, "run run-0123456789ab of lineage 'default' is running but its lineage's "
+                                     "pointer names"),
+    "foreign pointer": (_pointer_of_another_lineage, "the active run pointer of lineage 'up' names"),
     "ttl": (_active_task_with_ttl, "task topen is active but its record has a TTL"),
     "pointer": (_session_pointer_lost, "task topen is active but session s-open points to None"),
     "foreign key": (lambda r: r.set("not-ours", "x"), "key outside the service prefix"),

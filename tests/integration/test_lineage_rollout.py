@@ -213,3 +213,29 @@ async def test_rollout_gauges_carry_the_lineage_of_each_live_canary_only(service
     series = await rollout_series(client)
     assert {dict(labels)["lineage"] for _, labels in series} == {"default", "a"}
     assert val("rl_rollout_arm_tasks", lineage="a", arm="candidate", outcome="started") == 1
+
+
+async def test_a_lines_arms_read_only_that_lines_tasks(service, redis, monkeypatch):
+    """Suspected in issue 37: each decision round read every lineage's Tasks created in the window (the overall
+    creation index), for every live line. It reads the line's own index: 200 Tasks of other lineages in the window
+    cost it nothing."""
+    deps, client, _ = service
+    await canary_of(deps, client, "a")
+    await rewarded_task(client, "ta-c0", "a", f"{A}:v1", 0.9)
+    await rewarded_task(client, "ta-a0", "a", "base", 0.4)
+    for n in range(200):  # other lineages' Tasks in the same window, pinned to `base` like a's baseline
+        headers = start_headers(f"s-other-{n}", f"tother{n}", policy="base")
+        headers["x-aigw-rl-lineage"] = "default"
+        assert (await client.post("/v1/rl/tasks/start", json={"reward_mode": "terminal"},
+                                  headers=headers)).status_code == 201
+    read: list[str] = []
+    real_mget = deps.rollout._redis.mget
+
+    async def counting_mget(names, *args):  # forwards to the real Redis; counts the Task records read
+        read.extend(n for n in names if n.startswith(keys.PREFIX + "task:") and not n.endswith(":reward"))
+        return await real_mget(names, *args)
+
+    monkeypatch.setattr(deps.rollout._redis, "mget", counting_mget)
+    candidate, active = await deps.rollout.arms(await deps.rollout.in_progress(A))
+    assert (candidate.tasks, active.tasks, candidate.ended, active.ended) == (1, 1, 1, 1)
+    assert sorted(read) == sorted(keys.task(t) for t in ("ta-c0", "ta-a0"))  # was 202 records

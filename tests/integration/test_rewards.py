@@ -123,7 +123,7 @@ async def test_terminal_sample_waits_then_becomes_pending_with_the_aggregate(ser
     assert stats["rewards"]["sources"]["business"]["arrived"] == 1
     assert stats["rewards"]["sources"]["business"]["late_p50_seconds"] >= 0
     assert await consistent(redis) == {"awaiting_rewards": 0, "pending": 1, "training": 0, "trained": 0, "failed": 0,
-                                           "evaluation": 0, "excluded": 0}
+                                           "evaluation": 0, "excluded": 0, "outdated": 0}
 
 
 async def test_route_errors_idempotency_and_conflicts(service, redis):
@@ -257,7 +257,7 @@ async def test_deadlines_apply_each_fallback_and_drop(redis):
     assert {n: s["fallback"] for n, s in stats["sources"].items()} == {"business": 2, "human": 1, "audit": 1}
     assert (await store.stats())["by_source"] == {"rl_task": 1}
     assert await consistent(redis) == {"awaiting_rewards": 0, "pending": 1, "training": 0, "trained": 0, "failed": 0,
-                                           "evaluation": 0, "excluded": 0}
+                                           "evaluation": 0, "excluded": 0, "outdated": 0}
 
 
 async def test_a_late_score_replaces_the_fallback_while_pending(redis):
@@ -353,7 +353,7 @@ async def test_restart_in_the_middle_of_a_deadline_sweep(redis, redis_url, tmp_p
         await crashing.aclose()
     # Every move so far was whole: 6 even samples pending, 5 odd ones dropped, 19 still waiting.
     assert await consistent(redis) == {"awaiting_rewards": 19, "pending": 6, "training": 0, "trained": 0, "failed": 0,
-                                           "evaluation": 0, "excluded": 0}
+                                           "evaluation": 0, "excluded": 0, "outdated": 0}
     assert int(await redis.hget(keys.traj_stats(MODEL_ID), "reward_dropped")) == 5
     # Restart: the service's startup sweep finishes the job once the deadlines have passed in real time.
     while (next_at := await ledger.next_deadline()) is not None and next_at > time.time():

@@ -18,6 +18,7 @@ from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from tests.conftest import load_fixture
 from tests.support.fake_gateway import Fail, FakeGateway, Hang
+from tests.support.invariants import check_invariants
 from tests.support.service_app import MODEL_ID, make_config, running_app
 from tests.support.runs import wait_for_run
 
@@ -362,15 +363,20 @@ async def test_stale_samples_are_excluded_under_max_policy_lag(make_service, gat
         old = await publish(app.state.deps, 2, policy="base")
         v2 = await publish(app.state.deps, 1, policy=f"{MODEL_ID}:v2", start=2)
         assert code(await client.post("/v1/rl/training/runs")) == (409, "insufficient_samples")
-        # The run start recorded the observed policy (v3): the two base samples lag 3 > 1.
-        assert (await client.get("/v1/rl/trajectories/stats")).json()["stale"] == 2
+        # The run start read the active policy (v3): the two base samples lag 3 > 1 and leave `pending` as
+        # `outdated` (counted, never claimed); the v2 sample (lag 1) stays.
+        stats = (await client.get("/v1/rl/trajectories/stats")).json()
+        assert (stats["stale"], stats["by_status"]["outdated"], stats["by_status"]["pending"]) == (0, 2, 1)
+        assert await statuses(redis, old) == ["outdated", "outdated"]
         v3 = await publish(app.state.deps, 2, policy=f"{MODEL_ID}:v3", start=3)
         run = (await client.post("/v1/rl/training/runs")).json()
         assert run["policy_versions"] == {f"{MODEL_ID}:v2": 1, f"{MODEL_ID}:v3": 2}
-        assert run["metrics"]["stale_excluded"] == 2
+        assert run["metrics"]["stale_excluded"] == 0  # none left pending to exclude
         await wait_for_run(app.state.deps.runner, run["training_run_id"])
         assert backend.calls[0]["sample_ids"] == v2 + v3
-        assert await statuses(redis, old) == ["pending", "pending"]
+        assert await statuses(redis, old) == ["outdated", "outdated"]
+        report = await check_invariants(redis, model_id=MODEL_ID, raise_on_violation=False)
+        assert [v for v in report.violations if "which has no record" not in v] == []
 
 
 # A run record that vanishes under a running service (deleted by hand, lost with Redis data): the routes answer

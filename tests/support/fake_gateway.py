@@ -7,6 +7,7 @@
         gw.active                                         # (lora_name, lora_path) or None
         gw.activations                                    # bodies of every activation request
 
+`retire_plan` scripts `POST /internal/v1/rl/loras/retire` (lineage lifecycle), `retired` lists the lines retired.
 `Ok` applies the gateway's semantics: same name and path active → 200; current (name or `base`) ≠
 `expected_lora_name` → 409 `lora_cas_conflict`; else switch → 200. Plans are consumed in arrival order; when empty,
 `Ok` applies. Hangs end early when the fake stops.
@@ -69,11 +70,15 @@ class FakeGateway:
         self.line_candidates: dict[str, tuple[str, str]] = {}  # the candidate of each non-default line
         self.canary_plan: deque[Behaviour] = deque()
         self.canary_calls: list[tuple[str, dict[str, Any]]] = []
+        # Lineage lifecycle (docs/lineages.md "Lifecycle"): every retired line, and failures scripted per request.
+        self.retired: list[str] = []
+        self.retire_plan: deque[Behaviour] = deque()
         self._lock = threading.Lock()
         self._stopping = asyncio.Event()
         app = Starlette(routes=[
             Route("/internal/v1/rl/loras/{line}", self._policy, methods=["GET"]),
             Route("/internal/v1/rl/loras/activate", self._activate, methods=["POST"]),
+            Route("/internal/v1/rl/loras/retire", self._retire, methods=["POST"]),
         ] + ([
             Route("/internal/v1/rl/canary/{line}", self._canary_status, methods=["GET"]),
             Route("/internal/v1/rl/canary/start", self._canary_start, methods=["POST"]),
@@ -169,6 +174,24 @@ class FakeGateway:
             )
         self.active = (body["lora_name"], body["lora_path"])
         return JSONResponse({"status": "active", "active_lora": self._policy_body()["active_lora"]})
+
+    async def _retire(self, request: Request) -> Response:
+        """The gateway's semantics: a non-default line of this model stops serving its active version and its
+        candidate (400 `invalid_lineage` for the default line)."""
+        if not self._authorized(request):
+            return JSONResponse({"error": {"code": "unauthorized", "message": "x"}}, status_code=401)
+        line = (await request.json()).get("line")
+        with self._lock:
+            behaviour = self.retire_plan.popleft() if self.retire_plan else Ok()
+        if isinstance(behaviour, Fail):
+            return Response(behaviour.body, status_code=behaviour.status, media_type="application/json")
+        if not isinstance(line, str) or not line.startswith(f"{self.model_id}:"):
+            return JSONResponse({"error": {"code": "invalid_lineage", "message": str(line)}}, status_code=400)
+        with self._lock:
+            served = sorted(v[0] for v in (self.line_active.pop(line, None), self.line_candidates.pop(line, None))
+                            if v is not None)
+            self.retired.append(line)
+        return JSONResponse({"status": "retired", "line": line, "versions": served})
 
     def _line_of(self, lora_name: object) -> str:
         parsed = parse_version_name(lora_name)

@@ -6,7 +6,9 @@ gateway's internal routes as the RL Service would.
 Tasks live in $FAKE_CHILD_OUT + ".tasks" (so they outlive a gateway restart, as Redis does) and follow the RL Service's
 own-Task rule: a stop or reward naming an agent key answers another key's Task as unknown (404 `task_not_found`).
 `GET /v1/rl/tasks/{id}` (no agent key: the gateway's own read) answers the record, `lineage` only when not `default`.
-Standard library only: it runs as the gateway's child process."""
+The capture hooks answer as the RL Service does for an active Task: `:before` gives the request back (nothing
+injected), `:after` and `:discard` take the capture; a Task not active is 404. Standard library only: it runs as the
+gateway's child process."""
 
 import http.server
 import json
@@ -66,6 +68,9 @@ class Child(http.server.BaseHTTPRequestHandler):
         if self.path == "/v1/rl/tasks/start":
             self._start(headers)
             return
+        if self.path.startswith("/internal/v1/completions:"):
+            self._hook(self.path.rpartition(":")[2], json.loads(body or b"{}"))
+            return
         match = TASK_CALL.match(self.path)
         if not match or not match.group(2):
             self._answer(404, {"error": {"code": "not_found", "message": "fake child"}})
@@ -101,6 +106,15 @@ class Child(http.server.BaseHTTPRequestHandler):
         tasks[task["rl_task_id"]] = task
         save_tasks(tasks)
         self._answer(201, task)
+
+    def _hook(self, hook, body):
+        task = load_tasks().get(body.get("rl_task_id")) if isinstance(body, dict) else None
+        if task is None or task["status"] != "active":
+            self._answer(404, {"error": {"code": "task_not_active", "message": "fake child"}})
+        elif hook == "before":
+            self._answer(200, {"request": body["request"]})
+        else:
+            self._answer(200, {"status": "ok"})
 
     def log_message(self, *args):
         pass

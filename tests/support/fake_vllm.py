@@ -448,17 +448,21 @@ class FakeVLLM:
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
-    def start(self) -> FakeVLLM:
-        self._closing = Gate()
-        app = Starlette(routes=[
+    def app(self) -> Starlette:
+        """The fake's routes as an ASGI app: `start` serves it on a socket; a test that needs no socket (thousands
+        of calls in process) reaches it through `httpx.ASGITransport`."""
+        return Starlette(routes=[
             Route(CHAT_PATH, self._chat, methods=["POST"]),
             Route(LOAD_PATH, self._load, methods=["POST"]),
             Route(UNLOAD_PATH, self._unload, methods=["POST"]),
             Route(MODELS_PATH, self._models, methods=["GET"]),
             Route(HEALTH_PATH, self._health, methods=["GET"]),
         ])
+
+    def start(self) -> FakeVLLM:
+        self._closing = Gate()
         name = f"fake-vllm-{self._name or self.served_model}"
-        self._server = ThreadedServer(app, name=name, port=self.port).start()
+        self._server = ThreadedServer(self.app(), name=name, port=self.port).start()
         self.port = self._server.port
         if self._name is None:
             self._name = f"vllm-{self.served_model}-{self.port}"

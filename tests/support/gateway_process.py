@@ -70,6 +70,7 @@ class GatewayProcess:
         api_key: bytes = API_KEY,
         ins_key: bytes = INS_KEY,
         agent_keys: dict[str, bytes] | None = None,
+        agent_caps: dict[str, int] | None = None,
         nofile_soft: int | None = None,
         nofile_hard: int | None = None,
     ) -> None:
@@ -85,7 +86,9 @@ class GatewayProcess:
         assert all(len(key) == 32 for key in self.agent_keys.values())  # written as 64 hex digits
         write_key_file(self.key_file, {
             "apiHmacKey": api_key.decode(), "insHmacKey": ins_key.decode(),
-            "agentHmacKeys": [{"id": key_id, "key": key.hex()} for key_id, key in self.agent_keys.items()],
+            "agentHmacKeys": [{"id": key_id, "key": key.hex(),
+                               **({"maxLineages": (agent_caps or {})[key_id]} if key_id in (agent_caps or {}) else {})}
+                              for key_id, key in self.agent_keys.items()],
         })
         self.api_key = api_key
         self.log_level = log_level

@@ -8,9 +8,13 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
 - lineages (docs/lineages.md): status indexes and counters exist only for the default line (the model id) and the
   lines `<model_id>:<lineage>` of registered lineages; a sample sits in its own line's index only (its hash `lineage`,
   absent = default) and each line's counters equal what its indexes hold; a run's batch holds only samples of the
-  run's lineage;
-- runs (inv. 6): at most one non-terminal run, named by the active pointer; every claimed (`training`) sample
-  belongs to that run and is listed in its batch;
+  run's lineage; lifecycle (docs/lineages.md "Lifecycle"): states, the retiring marker and the idle clock name
+  registered lineages only, every deletion is marked, and each agent key's count equals the lineages it registered;
+- runs (inv. 6, per line): every non-terminal run is named by its lineage's pointer (`training_run:active` for
+  `default`, the lineage's field of `training_runs:active_lineages` else) and every pointer names a non-terminal run
+  of its lineage, so a lineage has at most one; at most `max_concurrent_runs` are live (with a `training_policy`);
+  every claimed (`training`) sample belongs to the live run of its own line and is listed in its batch; an
+  `outdated` sample was never claimed;
 - Tasks (inv. 1–3): the active index, the session pointers and the records agree; `captures` = open ∪ committed
   and the two are disjoint, each member has its metadata with the matching status; a terminal Task has no open
   capture; a staged sample exists only for a committed capture whose Task still may publish it;
@@ -18,14 +22,16 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
   sample of that Task, and every Task sample comes from such a capture (nothing published from nowhere);
 - evaluation Tasks: a sample is `evaluation` exactly when its Task is an evaluation Task, and an `evaluation` sample
   was never claimed (no `run_id`): evaluation traffic is never trained on;
-- automatic training (keys.TRAINING_WAITING): every non-default line with pending samples has a waiting-hint entry
-  at or before its oldest pending sample, and entries name registered lineages' lines only;
+- automatic training (keys.TRAINING_WAITING, the due index): entries name registered lineages' lines only; with a
+  `training_policy` (the service's `training_policy` section) every non-default line with pending samples that
+  could become eligible by time alone (automatic training on for it, not paused, at its threshold, or at its floor
+  with a `max_wait_seconds`, live) has an entry; fair-share tags and `eligible_since` name lineages / lines only;
 - excluded instances (inv. 11): no sample an excluded instance served is `pending` or `awaiting_rewards`, and every
   `excluded` sample was served by an excluded instance;
 - prompt blocks (invariant P, `store/prompt_blocks.py`): a block exists iff some sample references it, its `refs`
   equals the number of referencing samples, it holds exactly one block of ids, the chained digests of each sample
   match the contents, and no block has a TTL;
-- TTLs (inv. 8): none on active Tasks, pending/claimed samples, staged samples awaiting a reward, the active run;
+- TTLs (inv. 8): none on active Tasks, pending/claimed samples, staged samples awaiting a reward, the live runs;
 - the client's view (`ClientRecord`, optional): every capture the client saw committed (204) in a Task whose
   reward (200) or turn publication it saw acknowledged is exactly one sample with that reward / a Judge score, and
   the acknowledged `sample_count` equals the Task's committed captures.
@@ -35,7 +41,8 @@ After any scenario (faults, bad input, load) it reads the whole key space of one
     assert report.ok, report.describe()
 
 Sample statuses come from `ALL_SAMPLE_STATUSES` (`awaiting_rewards` included: its deadline index holds exactly
-those samples, each with its per-source state); listings hold each Task under its own status; `CLAIMED_STATUSES` names those that must belong to the active run.
+those samples, each with its per-source state); listings hold each Task under its own status; `CLAIMED_STATUSES`
+names those that must belong to a live run.
 Only reads: the checker never writes, deletes or flushes anything. Cost: one SCAN plus pipelined reads of index
 fields, about 1.6 s for 20 000 samples on the 2-core development machine (documents are read only for the samples
 a ClientRecord vouches for).
@@ -58,9 +65,10 @@ from openjiuwen.agent_evolving.agent_rl.common.lineage import DEFAULT_LINEAGE, l
 from openjiuwen.agent_evolving.agent_rl.online.store import keys, prompt_blocks
 from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import ALL_SAMPLE_STATUSES, SampleStatus
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
+from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
 
 PREFIX = keys.PREFIX
-CLAIMED_STATUSES = ("training",)  # statuses whose samples belong to the active run
+CLAIMED_STATUSES = ("training",)  # statuses whose samples belong to a live run of their line
 NO_TTL_STATUSES = (SampleStatus.AWAITING_REWARDS, "pending", "training")  # samples that must never expire
 TERMINAL_RUN_STATUSES = ("succeeded", "failed", "canceled")
 _READ_BATCH = 500
@@ -84,6 +92,7 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("policy_observed", "policy:observed"),
         ("policy_observed_lines", "policy:observed_lines"),
         ("active_run", "training_run:active"),
+        ("active_lineage_runs", "training_runs:active_lineages"),
         ("active_session", f"active_session:{_I}"),
         ("task", f"task:(?P<t>{_T})"),
         ("capture", f"task:(?P<t>{_T}):capture:(?P<c>{_I})"),
@@ -115,6 +124,13 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("lineages_paused", "lineages:paused"),
         # Lineages (docs/lineages.md): every registered lineage but `default`.
         ("lineages", "lineages"),
+        # Lineage lifecycle (docs/lineages.md "Lifecycle"): the idle clock, the unload / deletion marker, the
+        # agent-key cap's bookkeeping, and each archived or deleting lineage's state.
+        ("lineages_last_task", "lineages:last_task"),
+        ("lineages_retiring", "lineages:retiring"),
+        ("lineages_registered_by", "lineages:registered_by"),
+        ("lineages_count_by_key", "lineages:count_by_key"),
+        ("lineage_state", "lineage:(?P<lineage>[a-z0-9-]{1,63}):state"),
         # Listings (docs/observability.md): creation-ordered indexes and the expiry index that trims them.
         ("tasks_by_created", "tasks:by_created"),
         ("tasks_by_status", "tasks:by_created:(?P<ts>active|finalized|aborted)"),
@@ -140,6 +156,8 @@ KEY_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("rewards_due_lines", "rewards:due_lines"),
         # Lines of lineages with pending samples (training/scheduler.py): a lower bound of each one's oldest.
         ("training_waiting", "training:waiting"),
+        ("fair_share", "training:fair_share"),
+        ("eligible_since", "training:eligible_since"),
         # Rollouts (docs/rollout.md): the current pointer, the listing, records and their timelines.
         ("rollout_current", "rollout:current"),
         ("rollouts_by_created", "rollouts:by_created"),
@@ -301,12 +319,16 @@ async def check_invariants(
     raise_on_violation: bool = True,
     strict_active_index: bool = False,
     statuses: Sequence[str] = ALL_SAMPLE_STATUSES,
+    training_policy: TrainingPolicyConfig | dict[str, Any] | None = None,
 ) -> InvariantReport:
     """Check every invariant of one service database (owner `model_id`); see the module docstring.
 
     `strict_active_index`: also flag ids in `tasks:active` whose Task is no longer active (the contract allows
     their lazy removal; startup recovery drops them). Call it once the workload has settled: operations in flight
-    (a reward being projected, a turn being published) show up as violations."""
+    (a reward being projected, a turn being published) show up as violations. `training_policy`: the service's
+    `training_policy` (a dict as in its config, or the model): the due index and the run count are checked
+    against it."""
+    policy = TrainingPolicyConfig(**training_policy) if isinstance(training_policy, dict) else training_policy
     report = InvariantReport()
     all_keys = sorted({_s(k) or "" async for k in redis.scan_iter(match="*", count=1000)})
     report.keys = len(all_keys)
@@ -364,10 +386,11 @@ async def check_invariants(
     samples = await _check_samples(redis, report, model_id, sorted(lines), sample_ids, statuses)
     await _check_prompt_blocks(redis, report, sample_ids, [g["b"] for _, g in typed.get("prompt_block", [])])
     await _check_reward_deadlines(redis, report, model_id, sorted(lines), samples)
-    await _check_waiting_hint(redis, report, model_id, sorted(lines))
+    await _check_waiting_hint(redis, report, model_id, sorted(lines), policy)
+    await _check_lineage_lifecycle(redis, report, [g["lineage"] for _, g in typed.get("lineage_state", [])])
     await _check_excluded(redis, report, samples)
     await _check_task_listings(redis, report, typed)
-    active_run = await _check_runs(redis, report, run_ids, samples)
+    live_runs = await _check_runs(redis, report, run_ids, samples, model_id, policy)
     await _check_run_lines(redis, report, run_ids, samples)
     await _check_rollouts(redis, report, [g["ro"] for _, g in typed.get("rollout", [])],
                           [g["lineage"] for _, g in typed.get("lineage_rollout_current", [])])
@@ -377,7 +400,7 @@ async def check_invariants(
     if sent is not None:
         await _load_judges(redis, report, sent, samples)
         _check_client(report, sent, tasks, samples)
-    await _check_ttls(redis, report, tasks, samples, active_run)
+    await _check_ttls(redis, report, tasks, samples, live_runs)
 
     report.tasks = sum(1 for s in tasks.values() if s.record is not None)
     report.captures = sum(len(s.captures) for s in tasks.values())
@@ -574,20 +597,71 @@ async def _check_reward_deadlines(
             report.add(f"sample {sample_id} awaits rewards but has no per-source reward state")
 
 
-async def _check_waiting_hint(redis: Redis, report: InvariantReport, model_id: str, lines: list[str]) -> None:
-    """Automatic training over lineages (keys.TRAINING_WAITING): every non-default line with pending samples has a
-    waiting-hint entry at or before its oldest pending sample, so the scheduler's reading of the oldest entries
-    reaches it; an entry names only a registered lineage's line (never the default line, which is always read).
-    An entry of a line with nothing pending is allowed: the scheduler removes it when it reads it."""
+async def _check_waiting_hint(redis: Redis, report: InvariantReport, model_id: str, lines: list[str],
+                              policy: TrainingPolicyConfig | None) -> None:
+    """Automatic training over lineages (keys.TRAINING_WAITING, the due index): an entry names only a registered
+    lineage's line (never the default line, which is always judged). With the service's policy: a line with pending
+    samples may lack an entry only when nothing but a write could make it eligible (automatic training off for it,
+    paused, below its threshold and its floor-with-a-wait), so the scheduler, which reads only due entries, reaches
+    every line that may become eligible. An entry of a line with nothing pending is allowed: the scheduler removes
+    it when it judges it. The pending count stands for the eligible one (it bounds it from above)."""
     hints = {(_s(m) or ""): score for m, score in await redis.zrange(keys.TRAINING_WAITING, 0, -1, withscores=True)}
     others = [line for line in lines if line != model_id]
-    heads = await _pipelined(redis, others, lambda p, line: p.zrange(
-        keys.traj_index(line, SampleStatus.PENDING), 0, 0, withscores=True))
-    for line, head in zip(others, heads):
-        if head and not (line in hints and hints[line] <= float(head[0][1])):
-            report.add(f"line {line} has pending samples but no waiting-hint at or before its oldest one")
     for line in sorted(set(hints) - set(others)):
-        report.add(f"waiting-hint for {line!r}, which is not a registered lineage's line")
+        report.add(f"training due-index entry for {line!r}, which is not a registered lineage's line")
+    lineages = {split_line(line)[1] for line in lines}
+    for name in sorted({_s(f) or "" for f in await redis.hkeys(keys.FAIR_SHARE)} - lineages - {keys.FAIR_SHARE_CLOCK}):
+        report.add(f"fair-share tag for {name!r}, which is not a registered lineage")
+    for line in sorted({_s(f) or "" for f in await redis.hkeys(keys.ELIGIBLE_SINCE)} - set(lines)):
+        report.add(f"eligible_since for {line!r}, which is not a registered lineage's line")
+    if policy is None:
+        return
+    paused = {_s(f) or "" for f in await redis.hkeys(keys.LINEAGES_PAUSED)}
+    counts = await _pipelined(redis, others, lambda p, line: p.zcard(keys.traj_index(line, SampleStatus.PENDING)))
+    # An archived lineage, or one being deleted, is judged as paused (lineage_state.py).
+    retired = await _pipelined(redis, others, lambda p, line: p.exists(keys.lineage_state(split_line(line)[1])))
+    for line, pending, state in zip(others, counts, retired):
+        lineage = split_line(line)[1]
+        rule = policy.for_lineage(lineage)
+        could = rule.auto and lineage not in paused and not state and pending > 0 and (
+            pending >= rule.min_pending_samples
+            or (rule.max_wait_seconds is not None and pending >= rule.min_batch_on_wait))
+        if could and line not in hints:
+            report.add(f"line {line} has {pending} pending sample(s) and could become eligible, but is not due")
+
+
+async def _check_lineage_lifecycle(redis: Redis, report: InvariantReport, with_state: list[str]) -> None:
+    """Lineage lifecycle (docs/lineages.md "Lifecycle"): a state only for a registered lineage, and never `live`
+    (live is its absence); the marker lists only archived or deleting lineages, every deleting one included; the
+    idle clock only live registered lineages; the agent-key cap's counts equal the lineages each key registered,
+    and those are registered."""
+    registered = {_s(m) or "" for m in await redis.zrange(keys.LINEAGES, 0, -1)}
+    states: dict[str, str] = {}
+    for lineage in with_state:
+        record = _json(await redis.get(keys.lineage_state(lineage)))
+        state = record.get("state") if isinstance(record, dict) else None
+        states[lineage] = str(state)
+        if lineage not in registered:
+            report.add(f"lineage {lineage!r} has a lifecycle state but is not registered")
+        if state not in ("archived", "deleting"):
+            report.add(f"lineage {lineage!r}: lifecycle state {state!r} is neither archived nor deleting")
+    retiring = {_s(m) or "" for m in await redis.zrange(keys.LINEAGES_RETIRING, 0, -1)}
+    for lineage in sorted(retiring - set(states)):
+        report.add(f"lineage {lineage!r} is marked retiring but is neither archived nor being deleted")
+    for lineage in sorted(name for name, state in states.items() if state == "deleting" and name not in retiring):
+        report.add(f"lineage {lineage!r} is being deleted but no leader would finish it (not in lineages:retiring)")
+    for lineage in sorted({_s(m) or "" for m in await redis.zrange(keys.LINEAGES_LAST_TASK, 0, -1)}):
+        if lineage not in registered or lineage in states:
+            report.add(f"idle clock for {lineage!r}, which is not a live registered lineage")
+    registrars = {(_s(k) or ""): (_s(v) or "") for k, v in (await redis.hgetall(keys.LINEAGES_REGISTERED_BY)).items()}
+    for lineage in sorted(set(registrars) - registered):
+        report.add(f"lineage {lineage!r} has a registering agent key but is not registered")
+    counts = {(_s(k) or ""): int(v) for k, v in (await redis.hgetall(keys.LINEAGES_COUNT_BY_KEY)).items()}
+    per_key = Counter(registrars.values())
+    for key_id in sorted(set(counts) | set(per_key)):
+        if counts.get(key_id, 0) != per_key.get(key_id, 0):
+            report.add(f"agent key {key_id!r} counts {counts.get(key_id, 0)} registered lineage(s) but registered "
+                       f"{per_key.get(key_id, 0)}")
 
 
 async def _check_task_listings(
@@ -642,9 +716,11 @@ async def _check_task_listings(
 
 
 async def _check_runs(
-    redis: Redis, report: InvariantReport, run_ids: list[str], samples: dict[str, _Sample]
-) -> dict[str, Any] | None:
-    """Invariant 6: at most one non-terminal run, the one the pointer names; claimed samples belong to it."""
+    redis: Redis, report: InvariantReport, run_ids: list[str], samples: dict[str, _Sample], model_id: str,
+    policy: TrainingPolicyConfig | None,
+) -> list[dict[str, Any]]:
+    """Invariant 6 per line: each live run is named by its lineage's pointer and each pointer names a live run of
+    its lineage; at most `max_concurrent_runs` live; claimed samples belong to the live run of their line."""
     raws = await _pipelined(redis, run_ids, lambda p, r: p.get(keys.training_run(r)))
     runs: dict[str, dict[str, Any]] = {}
     for run_id, raw in zip(run_ids, raws):
@@ -654,37 +730,52 @@ async def _check_runs(
             continue
         runs[run_id] = record
     report.runs = len(runs)
-    pointer = _s(await redis.get(keys.ACTIVE_RUN))
-    live = sorted(r for r, rec in runs.items() if rec.get("status") not in TERMINAL_RUN_STATUSES)
-    if len(live) > 1:
-        report.add(f"more than one non-terminal run: {live}")
-    for run_id in live:
-        if run_id != pointer:
-            report.add(f"run {run_id} is {runs[run_id].get('status')} but the active pointer names {pointer}")
-    active = None
-    if pointer is not None:
-        active = runs.get(pointer)
-        if active is None:
-            report.add(f"the active run pointer names {pointer}, which has no record")
-        elif active.get("status") in TERMINAL_RUN_STATUSES:
-            report.add(f"the active run pointer names {pointer}, which is {active.get('status')}")
-            active = None
-    batch = set(active.get("sample_ids") or []) if active else set()
+    # lineage → the run id its pointer names
+    pointers = {(_s(k) or ""): (_s(v) or "") for k, v in (await redis.hgetall(keys.ACTIVE_LINEAGE_RUNS)).items()}
+    if DEFAULT_LINEAGE in pointers:
+        report.add("training_runs:active_lineages has a field for the default lineage (its pointer is "
+                   "training_run:active)")
+    default_pointer = _s(await redis.get(keys.ACTIVE_RUN))
+    if default_pointer is not None:
+        pointers[DEFAULT_LINEAGE] = default_pointer
+    live = {r: rec for r, rec in runs.items() if rec.get("status") not in TERMINAL_RUN_STATUSES}
+    for run_id, record in sorted(live.items()):
+        lineage = record.get("lineage", DEFAULT_LINEAGE)
+        if pointers.get(lineage) != run_id:
+            report.add(f"run {run_id} of lineage {lineage!r} is {record.get('status')} but its lineage's pointer "
+                       f"names {pointers.get(lineage)}")
+    for lineage, run_id in sorted(pointers.items()):
+        record = runs.get(run_id)
+        if record is None:
+            report.add(f"the active run pointer of lineage {lineage!r} names {run_id}, which has no record")
+        elif record.get("status") in TERMINAL_RUN_STATUSES:
+            report.add(f"the active run pointer of lineage {lineage!r} names {run_id}, which is {record.get('status')}")
+        elif record.get("lineage", DEFAULT_LINEAGE) != lineage:
+            report.add(f"the active run pointer of lineage {lineage!r} names {run_id} of lineage "
+                       f"{record.get('lineage', DEFAULT_LINEAGE)!r}")
+    if policy is not None and len(live) > policy.max_concurrent_runs:
+        report.add(f"{len(live)} runs live, more than max_concurrent_runs {policy.max_concurrent_runs}: {sorted(live)}")
+    batches = {r: set(rec.get("sample_ids") or []) for r, rec in live.items()}
     for sample in samples.values():
+        if sample.status == SampleStatus.OUTDATED and sample.run_id:
+            report.add(f"sample {sample.sample_id} is outdated but was claimed by run {sample.run_id!r}")
         if sample.status not in CLAIMED_STATUSES:
             continue
-        if active is None:
-            report.add(f"sample {sample.sample_id} is {sample.status} but no run is active")
-        elif sample.run_id != pointer or sample.sample_id not in batch:
-            report.add(f"sample {sample.sample_id} is {sample.status} for run {sample.run_id!r}, "
-                       f"not in the batch of the active run {pointer}")
+        record = live.get(sample.run_id)
+        if record is None:
+            report.add(f"sample {sample.sample_id} is {sample.status} for run {sample.run_id!r}, which is not live")
+        elif sample.sample_id not in batches[sample.run_id]:
+            report.add(f"sample {sample.sample_id} is {sample.status} for run {sample.run_id}, not in its batch")
+        elif line_of(model_id, record.get("lineage", DEFAULT_LINEAGE)) != sample.line:
+            report.add(f"sample {sample.sample_id} of line {sample.line!r} is claimed by run {sample.run_id} of "
+                       f"lineage {record.get('lineage', DEFAULT_LINEAGE)!r}")
     for run_id, record in runs.items():
         ids = record.get("sample_ids") or []
         if len(ids) != len(set(ids)):
             report.add(f"run {run_id}: a sample id appears twice in its batch")
         if record.get("sample_count") != len(ids):
             report.add(f"run {run_id}: sample_count {record.get('sample_count')} != batch size {len(ids)}")
-    return active
+    return list(live.values())
 
 
 ROLLOUT_LIVE_STATUSES = frozenset({"running", "paused", "promoting", "rolling_back", "activating"})
@@ -970,7 +1061,7 @@ async def _check_ttls(
     report: InvariantReport,
     tasks: dict[str, _TaskState],
     samples: dict[str, _Sample],
-    active_run: dict[str, Any] | None,
+    live_runs: list[dict[str, Any]],
 ) -> None:
     """Invariant 8: nothing that is still needed can expire."""
     for t, state in sorted(tasks.items()):
@@ -985,7 +1076,7 @@ async def _check_ttls(
     for (t, c), ttl in zip(awaiting, await _pipelined(redis, awaiting, lambda p, tc: p.ttl(keys.staged(*tc)))):
         if ttl != -1:
             report.add(f"task {t}: staged sample {c} awaiting its reward has a TTL ({ttl} s)")
-    if active_run is not None:
-        ttl = await redis.ttl(keys.training_run(active_run["training_run_id"]))
+    for run in live_runs:
+        ttl = await redis.ttl(keys.training_run(run["training_run_id"]))
         if ttl != -1:
-            report.add(f"the active run {active_run['training_run_id']} has a TTL ({ttl} s)")
+            report.add(f"the live run {run['training_run_id']} has a TTL ({ttl} s)")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -19,3 +20,15 @@ def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, what: str = "c
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.05)
+
+
+async def wait_for_async(predicate: Callable[[], Awaitable[T]], timeout_s: float = 10.0, what: str = "condition") -> T:
+    """`wait_for` for a coroutine predicate inside an event loop (the code under test runs in the same loop)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.02)

@@ -64,6 +64,8 @@ SEPARATE: dict[str, list[str]] = {
     # issue 27 item 6: the RL Service under many lineages; 8 lines with samples at 10 and 40 registered lineages.
     "bench/lineage_scale_bench.py": ["--sizes", "10", "40", "--pending-lines", "8", "--samples", "8", "--batches",
                                      "8", "--reps", "2"],
+    # issue 37: a claim behind stale samples, quiet and under a flooder; 0 and 100 stale samples, one claim each.
+    "bench/stale_claim_bench.py": ["--stale", "0", "100", "--reps", "1"],
 }
 
 
@@ -148,7 +150,7 @@ def test_each_separate_bench_runs_at_its_smallest_size(script: str, tmp_path: Pa
 def test_lineage_scale_bench_shows_costs_independent_of_registered_lineages(tmp_path: Path) -> None:
     """What docs/lineages.md "Capacity planning" states from this bench, on its smallest run: a tick issues the same
     Redis commands at 10 and 40 registered lineages (the same 8 with samples), and a lineage's claim the same as the
-    default line's. Command counts, not times: they do not depend on the machine's load."""
+    default line's plus its lifecycle state. Command counts, not times: they do not depend on the machine's load."""
     out = tmp_path / "lineage_scale.json"
     run(["bench/lineage_scale_bench.py", *SEPARATE["bench/lineage_scale_bench.py"], "--out", str(out)], tmp_path)
     result = load(out)
@@ -161,7 +163,9 @@ def test_lineage_scale_bench_shows_costs_independent_of_registered_lineages(tmp_
     assert small["eligible"]["chosen"] and not small["none_eligible"]["chosen"]
     default, lineage = result["claims"]
     assert (default["lineage"], lineage["lineage"], default["batch"]) == ("default", "user-000000", 8)
-    assert default["commands"] == lineage["commands"]
+    # The same but for the lineage's lifecycle state, WATCHed and read once (lineage_state.require_live): O(1).
+    assert lineage["commands"]["max"] - default["commands"]["max"] == 2
+    assert lineage["commands"]["min"] - default["commands"]["min"] == 2
     memory = result["memory"]
     assert memory["registered"] == 40 and memory["lines_with_samples"] == 8
     assert memory["line_keys_bytes"]["total"] > 0 and memory["used_memory_per_line_with_samples"] > 0

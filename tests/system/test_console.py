@@ -126,6 +126,9 @@ def run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Co
         record = wait_run(gw, r.json()["training_run_id"])
         assert (record["status"], record["lora_name"]) == ("succeeded", "tiny:support:v1"), record
         out.support_run_id = record["training_run_id"]
+        # An archived lineage (docs/lineages.md "Lifecycle"): the selector marks it.
+        stop(gw, start(gw, "old-0", lineage="old"))
+        assert gw.signed("POST", "/v1/rl/lineages/old/archive").status_code == 200
         out.delayed_task = start(gw, "delayed", "delayed_feedback")
         chat(client, "delayed", "u1")
         chat(client, "delayed", "u2")  # a new turn: the Judge scores u1
@@ -249,10 +252,11 @@ def test_the_lineage_selector_api_lists_default_first_and_shows_each_line(run: C
         listed = client.get("/console/api/lineages")
         assert listed.status_code == 200 and listed.headers["cache-control"] == "no-store"
         body = listed.json()
-        assert [(i["lineage"], i["line"]) for i in body["items"]] == [("default", "tiny"), ("support", "tiny:support")]
+        assert [(i["lineage"], i["line"], i.get("state")) for i in body["items"]] == [
+            ("default", "tiny", None), ("old", "tiny:old", "archived"), ("support", "tiny:support", "live")]
         assert body["lineages_supported"] is True and body["next_cursor"] is None
         first = client.get("/console/api/lineages", params={"limit": 1}).json()  # `limit` is the RL Service's
-        assert [i["lineage"] for i in first["items"]] == ["default", "support"]
+        assert [i["lineage"] for i in first["items"]] == ["default", "old"]
         default = client.get("/console/api/loras/tiny").json()
         assert default["active_lora"]["lora_name"] == "tiny:v1"
         support = client.get("/console/api/loras/tiny:support").json()
@@ -347,7 +351,8 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         body = text()
         for word in ("succeeded", "tiny:v1", "queued", "training", "activating", "activation_succeeded",
                      "loss per step", "T 1×4, 0.7×2 · truncated 2 · |captured − recomputed| mean 0.0125, max 0.1050 · "
-                     "ratios clipped 4.2% (ppo_clip)"):
+                     "ratios clipped 4.2% (ppo_clip)", "sample → policy p50 / p95", "by activation)",
+                     "eligible → run wait"):
             assert word in body, word
         assert page.locator("svg.chart circle.dot").count() == 4 * 5  # loss, kl, grad_norm, samples × 5 steps
 
@@ -378,8 +383,10 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
             return page.inner_text("#scope")
 
         show("/policies")
-        assert page.locator("#lineage option").all_inner_texts() == ["default", "support"]
+        assert page.locator("#lineage option").all_inner_texts() == ["default", "old (archived)", "support"]
         assert page.input_value("#lineage") == "default" and "lineage default (tiny)" in scope()
+        pick("old", "/policies")
+        assert "lineage old (tiny:old), archived: no new Tasks or Training Runs until restored" in scope()
         pick("support", "/policies")
         shot("policies-lineage")
         body = text()
@@ -400,6 +407,7 @@ def test_console_pages_in_headless_chromium(run: ConsoleRun, browser: Any) -> No
         assert "lineage\nsupport" in text()
         show("/runs")
         assert run.support_run_id in text() and run.run_id not in text()
+        assert "sample → policy p50 / p95" in text()  # each run's freshness, this lineage's runs only
         page.reload()  # the tab keeps its choice
         page.wait_for_selector('#view[data-route="/runs"][data-lineage="support"]', state="attached")
         show("/policies")

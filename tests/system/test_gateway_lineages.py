@@ -32,8 +32,11 @@ def vllm() -> Iterator[FakeVLLM]:
 
 
 def gateway(tmp_path: Path, redis_url: str, vllm: FakeVLLM) -> GatewayProcess:
+    # The lines are open (`openLineages`): anyone may name their active versions outside a Task, as the default
+    # line's (docs/lineages.md "Private lines"); one slot of the two stays reserved for Tasks.
     gw = GatewayProcess(tmp_path, redis_url, instances=[vllm], lora_overrides={"maxLorasPerInstance": 2,
-                                                                               "pageTimeout": "10s"},
+                                                                               "pageTimeout": "10s",
+                                                                               "openLineages": LINEAGES},
                         online_overrides={"command": [sys.executable, str(CHILD)]})
     gw.env.update(FAKE_CHILD_PORT=str(gw.rl_port), FAKE_CHILD_OUT=str(tmp_path / "starts.jsonl"),
                   FAKE_CHILD_TOKEN=str(tmp_path / "token"))
@@ -105,7 +108,7 @@ def test_task_start_sends_its_lineage_and_takes_the_policy_of_its_line(tmp_path,
     write_key_file(gw.key_file, {  # agent-a may use `support` only; agent-b every lineage
         "apiHmacKey": API_KEY.decode(), "insHmacKey": INS_KEY.decode(),
         "agentHmacKeys": [{"id": "agent-a", "key": gw.agent_keys["agent-a"].hex(), "lineages": ["support"]},
-                          {"id": "agent-b", "key": gw.agent_keys["agent-b"].hex()}]})
+                          {"id": "agent-b", "key": gw.agent_keys["agent-b"].hex(), "maxLineages": 7}]})
     with gw:
         gw.start_service()
         r = internal(gw, tmp_path, "POST", "/loras/activate", {
@@ -145,6 +148,18 @@ def test_task_start_sends_its_lineage_and_takes_the_policy_of_its_line(tmp_path,
         assert [s["headers"]["x-aigw-rl-lineage"] for s in starts] == ["support", "default"]
         assert [s["headers"]["x-aigw-rl-policy-name"] for s in starts] == ["tiny:support:v1", "base"]
         assert json.loads(starts[0]["body"])["lineage"] == "support"  # forwarded as it came
+        # The registration cap of agent-b's key travels with its starts only (docs/lineages.md "Lifecycle").
+        assert [s["headers"].get("x-aigw-rl-max-lineages") for s in starts] == [None, "7"]
+
+        # The internal retire route (the RL Service's archive / delete): the default line never, a line of
+        # another model never; a line of this model serves nothing afterwards.
+        for line, expected in (("tiny", (400, "invalid_lineage")), ("tiny:v2", (400, "invalid_lineage")),
+                               ("other:support", (404, "model_not_found"))):
+            r = internal(gw, tmp_path, "POST", "/loras/retire", {"line": line})
+            assert (r.status_code, r.json()["error"]["code"]) == expected, line
+        r = internal(gw, tmp_path, "POST", "/loras/retire", {"line": "tiny:support"})
+        assert r.json() == {"status": "retired", "line": "tiny:support", "versions": ["tiny:support:v1"]}
+        assert gw.signed("GET", "/v1/loras/tiny:support").json()["active_lora"] is None
 
 
 def test_agent_key_lineage_limit_applies_to_stop_and_reward_and_reveals_no_other_keys_task(

@@ -81,6 +81,11 @@ OPERATIONS = [
     "GET /v1/rl/lineages/{lineage}",
     "POST /v1/rl/lineages/{lineage}/pause",
     "POST /v1/rl/lineages/{lineage}/resume",
+    # The lifecycle (docs/lineages.md "Lifecycle"): no lineage is registered here, so `default` answers 400
+    # `lineage_protected` and every other name 404.
+    "POST /v1/rl/lineages/{lineage}/archive",
+    "POST /v1/rl/lineages/{lineage}/restore",
+    "POST /v1/rl/lineages/{lineage}/delete",
     # Exclusion of a vLLM instance's samples (docs/security.md row 17).
     "POST /v1/rl/trajectories/exclude",
 ]

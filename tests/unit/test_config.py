@@ -619,8 +619,11 @@ def test_training_policy_is_off_by_default_and_validated() -> None:
     ({"min_batch_on_wait": 40}, "training_policy: min_batch_on_wait must be <= min_pending_samples"),
     ({"min_pending_samples": 0}, "training_policy.min_pending_samples"),
     ({"max_concurrent_runs": 0}, "training_policy.max_concurrent_runs"),
-    # One Training Run at a time today: more is refused, not accepted and left unhonoured.
-    ({"max_concurrent_runs": 2}, "training_policy.max_concurrent_runs"),
+    ({"max_concurrent_runs": 65}, "training_policy.max_concurrent_runs"),
+    ({"weight": 0}, "training_policy.weight"),
+    ({"max_runs_per_hour": 0}, "training_policy.max_runs_per_hour"),
+    ({"max_wait_seconds": 60, "min_batch_on_wait": 4, "max_samples_per_run": 3},
+     "training_policy: max_samples_per_run must be >= min_batch_on_wait"),
     ({"max_wait_seconds": 0}, "training_policy.max_wait_seconds"),
     ({"min_interval_seconds": -1}, "training_policy.min_interval_seconds"),
     ({"auto": "yes"}, "training_policy.auto"),
@@ -631,9 +634,29 @@ def test_training_policy_is_off_by_default_and_validated() -> None:
     ({"lineages": {"up": {"min_pending_samples": 0}}}, "training_policy.lineages.up.min_pending_samples"),
     ({"min_pending_samples": 8, "lineages": {"up": {"min_batch_on_wait": 9}}},
      "lineages.up: min_batch_on_wait must be <= min_pending_samples"),
+    ({"lineages": {"up": {"weight": -1.0}}}, "training_policy.lineages.up.weight"),
 ])
 def test_bad_training_policies_are_refused_by_name(policy: dict, message: str) -> None:
     assert message in error_of(training_policy=policy)
+
+
+def test_concurrent_runs_are_accepted_but_not_with_the_verl_backend() -> None:
+    """Up to 64 runs at once (training/runs.py); verl names its Ray actors per model, so it keeps one at a time."""
+    assert make(training_policy={"max_concurrent_runs": 4}).training_policy.max_concurrent_runs == 4
+    assert "max_concurrent_runs must be 1 with trainer_backend verl" in error_of(
+        trainer_backend="verl", training_policy={"max_concurrent_runs": 2})
+
+
+def test_fair_share_and_quotas_are_per_lineage_fields() -> None:
+    policy = make(training_policy={"auto": True, "max_runs_per_hour": 10,
+                                   "lineages": {"meek": {"weight": 2.5},
+                                                "flood": {"max_runs_per_hour": 2, "max_samples_per_run": 4},
+                                                "free": {"max_runs_per_hour": None}}}).training_policy
+    meek, flood, free = (policy.for_lineage(name) for name in ("meek", "flood", "free"))
+    assert (policy.weight, policy.max_samples_per_run) == (1.0, None)
+    assert (meek.weight, meek.max_runs_per_hour) == (2.5, 10)  # the top-level quota inherited
+    assert (flood.weight, flood.max_runs_per_hour, flood.max_samples_per_run) == (1.0, 2, 4)
+    assert free.max_runs_per_hour is None  # an explicit null lifts the top-level quota
 
 
 def test_training_policy_lineage_override_is_merged_field_by_field() -> None:

@@ -422,6 +422,11 @@ async def test_agent_keys_from_file_and_socket(tmp_path: Path):
         ([{"id": "a", "key": AGENT_KEY_HEX, "lineages": "support"}], "agentHmacKeys[0].lineages: must be a list"),
         ([{"id": "a", "key": AGENT_KEY_HEX, "lineages": ["Support"]}], "agentHmacKeys[0].lineages: must be a list"),
         ([{"id": "a", "key": AGENT_KEY_HEX, "lineages": ["v2"]}], "agentHmacKeys[0].lineages: must be a list"),
+        # A registration cap that is no count is refused, never read as "no cap".
+        ([{"id": "a", "key": AGENT_KEY_HEX, "maxLineages": -1}], "agentHmacKeys[0].maxLineages: must be an integer"),
+        ([{"id": "a", "key": AGENT_KEY_HEX, "maxLineages": "5"}], "agentHmacKeys[0].maxLineages: must be an integer"),
+        ([{"id": "a", "key": AGENT_KEY_HEX, "maxLineages": True}], "agentHmacKeys[0].maxLineages: must be an integer"),
+        ([{"id": "a", "key": AGENT_KEY_HEX, "maxLineages": None}], "agentHmacKeys[0].maxLineages: must be an integer"),
         ([{"id": "a", "key": AGENT_KEY_HEX, "role": "operator"}], "agentHmacKeys[0]: must be an object with exactly"),
         ([{"id": "bad id", "key": AGENT_KEY_HEX}], "agentHmacKeys[0].id: must match"),
         ([{"id": "", "key": AGENT_KEY_HEX}], "agentHmacKeys[0].id: must match"),
@@ -575,3 +580,14 @@ def test_an_agent_keys_lineage_limit_is_read_and_absent_means_every_lineage() ->
     ]}, source="test")
     assert keys.agent_lineages == {"a": frozenset({"support", "default"}), "c": frozenset()}
     assert set(keys.agents) == {"a", "b", "c"}
+    assert keys.agent_lineage_caps == {}
+
+
+def test_an_agent_keys_registration_cap_is_read_and_absent_means_none_of_its_own() -> None:
+    keys = keys_from_document({"apiHmacKey": API_KEY, "agentHmacKeys": [
+        {"id": "a", "key": AGENT_KEY_HEX, "maxLineages": 3, "lineages": ["x", "y"]},
+        {"id": "b", "key": OTHER_AGENT_KEY},
+        {"id": "c", "key": "c" * 64, "maxLineages": 0},
+    ]}, source="test")
+    assert keys.agent_lineage_caps == {"a": 3, "c": 0}
+    assert keys.agent_lineages == {"a": frozenset({"x", "y"})}

@@ -68,6 +68,7 @@ def test_add_agent_writes_the_agents_own_file_and_the_gateways_entry(tmp_path: P
     [
         (["support-bot"], "already has an agent key 'support-bot'"),
         (["bad id"], "an agent key id must match"),
+        (["new-bot", "--max-lineages", "-1"], "maxLineages: must be an integer in 0..1000000"),
         (["new-bot", "--out", "EXISTING"], "already exists"),
     ],
 )
@@ -86,6 +87,17 @@ def test_add_agent_refusals_change_nothing(tmp_path: Path, capsys, argv: list[st
     assert message in capsys.readouterr().err
     assert (gateway.read_bytes(), existing.read_bytes()) == before
     assert not Path(out).exists()
+
+
+def test_add_agent_with_a_lineage_cap_writes_max_lineages_the_gateway_loads(tmp_path: Path) -> None:
+    gateway = tmp_path / "gateway-keys.json"
+    assert main(["keys", "init", str(gateway)]) == 0
+    assert main(["keys", "add-agent", "tenant-7", "--max-lineages", "50", "--key-file", str(gateway),
+                 "--out", str(tmp_path / "t7.json")]) == 0
+    assert main(["keys", "add-agent", "other", "--key-file", str(gateway), "--out", str(tmp_path / "o.json")]) == 0
+    entries = orjson.loads(gateway.read_bytes())["agentHmacKeys"]
+    assert [e.get("maxLineages") for e in entries] == [50, None]
+    assert gateway_keys_as_loaded(gateway).agent_lineage_caps == {"tenant-7": 50}  # "other" has no cap of its own
 
 
 def test_add_agent_needs_the_gateways_key_file(tmp_path: Path, capsys) -> None:

@@ -1,11 +1,11 @@
-"""The bounded `lineage` metric label (gateway/lineage_labels.py) and the gateway families that use it."""
+"""The bounded `lineage` metric label (common/lineage_labels.py) and the gateway families that use it."""
 
 from __future__ import annotations
 
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.gateway.config import MetricsSection
-from openjiuwen.agent_evolving.agent_rl.gateway.lineage_labels import OTHER, LineageLabels
+from openjiuwen.agent_evolving.agent_rl.common.lineage_labels import OTHER, LineageLabels
 from openjiuwen.agent_evolving.agent_rl.gateway.metrics import GatewayMetrics, lineage_of_name
 
 
@@ -109,3 +109,43 @@ def test_lease_series_stay_bounded_with_many_lineages() -> None:
     metrics.set_leases(counts)
     samples = [s for f in metrics.registry.collect() if f.name == "gw_lora_leases" for s in f.samples]
     assert {s.labels["lora_name"]: s.value for s in samples} == {"tiny:v3": 2, "tiny:support:v1": 1, OTHER: 1000}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_label_idle_past_its_period_frees_its_slot_for_a_busy_lineage() -> None:
+    """Issue 37 item 7: lineages that took every slot (made up by one key, or stopped) once held them for the
+    gateway's lifetime; a label idle for `idle_s` now goes to the next lineage that needs a slot."""
+    clock, released = Clock(), []
+    labels = LineageLabels(2, grant_after=2, idle_s=60.0, released=released.append, clock=clock)
+    for name in ("junk-1", "junk-2"):
+        assert [labels.label(name) for _ in range(2)] == [OTHER, name]
+    clock.now = 30.0
+    assert labels.label("junk-2") == "junk-2"  # junk-2 is still used; junk-1 idles from t=0
+    assert [labels.label("real") for _ in range(3)] == [OTHER] * 3  # nobody idle past 60 s: no slot
+    clock.now = 61.0
+    assert [labels.label("real") for _ in range(2)] == [OTHER, "real"]  # junk-1 released, `real` counted in
+    assert released == ["junk-1"] and labels.granted() == {"junk-2", "real"}
+    clock.now = 89.0
+    assert labels.label("junk-1") == OTHER  # it lost its slot; junk-2 (idle 59 s) keeps its own
+    assert labels.granted() == {"junk-2", "real"}
+
+
+def test_a_released_label_leaves_the_metrics_page() -> None:
+    metrics = GatewayMetrics(lineage_top_k=1, lineage_label_idle_s=1e-9)
+    for _ in range(10):
+        metrics.lineage_request("junk", captured=True)
+    metrics.lineage_capture("junk", "committed")
+    metrics.adapter_loaded("vllm-a", 0.1, "tiny:junk:v1")
+    assert 'lineage="junk"' in metrics.render().decode()
+    for _ in range(10):  # `junk` has been idle past the (tiny) period: `real` takes the slot
+        metrics.lineage_request("real", captured=True)
+    text = metrics.render().decode()
+    assert 'lineage="junk"' not in text and 'lineage="real"' in text
+    assert metrics.lineages.granted() == {"real"}

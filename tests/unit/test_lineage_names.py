@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from openjiuwen.agent_evolving.agent_rl.common.lineage import (
-    DEFAULT_LINEAGE, InvalidLineage, is_lineage, line_of, lineage_of_version, lora_name, parse_version_name,
+    DEFAULT_LINEAGE, LINEAGE_RE, InvalidLineage, is_lineage, line_of, lineage_of_version, lora_name, parse_version_name,
     require_lineage, split_line, version_of,
 )
 
@@ -59,3 +61,20 @@ def test_version_numbers_are_positive_integers() -> None:
     for bad in (0, -1, True, 1.0):
         with pytest.raises(InvalidLineage):
             lora_name("tiny", bad)  # type: ignore[arg-type]
+
+
+# Issue 37 item 6: the name grammar and the version parser agree on every name the grammar accepts.
+MODEL_IDS = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,20}", fullmatch=True)
+
+
+@given(model=MODEL_IDS, lineage=st.from_regex(LINEAGE_RE, fullmatch=True).filter(is_lineage),
+       version=st.integers(min_value=1, max_value=10**6))
+@example(model="tiny", lineage="v1-x", version=1)  # `v1` inside the line: the parser read it as the version
+@example(model="tiny", lineage="v2v", version=3)
+def test_every_accepted_lineage_names_versions_the_parser_reads_back(model: str, lineage: str, version: int) -> None:
+    line = line_of(model, lineage)
+    name = lora_name(line, version)
+    assert split_line(line) == (model, lineage)
+    assert parse_version_name(name) == (line, version)
+    assert version_of(name, line) == version
+    assert lineage_of_version(name, model) == lineage

@@ -103,3 +103,29 @@ def test_publish_refuses_foreign_directories(tmp_path):
     foreign.mkdir()
     with pytest.raises(ValueError):
         repo.publish_sync(foreign, {})
+
+
+def publish(repo: LoraRepository, run: str) -> Artifact:
+    tmp = repo.create_temp_sync(run)
+    write_adapter(tmp)
+    return repo.publish_sync(tmp, {})
+
+
+def test_a_retired_line_keeps_only_its_last_version_number_and_never_reuses_a_name(tmp_path):
+    """A deleted lineage's files (docs/lineages.md "Lifecycle"): every version goes, the number of the last stays,
+    so a lineage of the same name publishes v3 after v2, never a second v1 that a vLLM might still hold."""
+    line = LoraRepository(tmp_path, model_id="m").for_line("m:a")
+    for run in ("run-000000000001", "run-000000000002"):
+        publish(line, run)
+    line.create_temp_sync("run-000000000003")  # an interrupted run's temporary
+    line.write_active_sync("m:a:v2", str(line.version_path(2)), "run-000000000002")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (line.model_dir / "planted").symlink_to(outside)  # a link in the directory: removed, never followed
+    assert line.retire_sync() == 2
+    assert [p.name for p in line.model_dir.iterdir()] == ["retired.json"] and outside.is_dir()
+    assert line.complete_versions() == [] and line.retire_sync() == 2  # idempotent
+    assert publish(line, "run-000000000004").lora_name == "m:a:v3"
+    with pytest.raises(ValueError, match="default line"):
+        LoraRepository(tmp_path, model_id="m").retire_sync()
+    assert LoraRepository(tmp_path, model_id="m").for_line("m:never").retire_sync() == 0

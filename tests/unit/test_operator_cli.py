@@ -450,9 +450,9 @@ def test_train_stop_and_get(gw: FakeGateway, capsys) -> None:
     gw.on("POST", "/v1/rl/training/runs/run-0123456789ab/stop", ok(run_record("canceled", "training")))
     gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(run_record("canceled", "training")))
     assert run_cli(gw, "train", "stop", "run-0123456789ab") == 0
-    assert "status    canceled (stage training)\n" in capsys.readouterr().out
+    assert "status     canceled (stage training)\n" in capsys.readouterr().out
     assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
-    assert "samples   2 (base=2)\n" in capsys.readouterr().out
+    assert "samples    2 (base=2)\n" in capsys.readouterr().out
     report = {"tokens": 40, "temperatures": {"0.7": 1, "1.3": 1}, "truncated_samples": 1,
               "logprob_mismatch_mean": 0.0123, "logprob_mismatch_max": 0.25, "untruncated_mismatch_max": 2e-6,
               "ratio_clipped_share": 0.025, "correction": "ppo_clip"}
@@ -460,7 +460,7 @@ def test_train_stop_and_get(gw: FakeGateway, capsys) -> None:
     trained["metrics"]["sampling"] = report
     gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(trained))
     assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
-    assert ("sampling  T 0.7×1, 1.3×1; truncated 1; |captured − recomputed| mean 0.012, max 0.25; ratios clipped "
+    assert ("sampling   T 0.7×1, 1.3×1; truncated 1; |captured − recomputed| mean 0.012, max 0.25; ratios clipped "
             "2.5% (ppo_clip)\n") in capsys.readouterr().out
 
 
@@ -536,6 +536,16 @@ def test_train_get_shows_why_the_run_started(gw: FakeGateway, capsys) -> None:
     assert "auto (max_wait_seconds: 4 eligible of 5 pending, oldest waited 61.2 s)" in capsys.readouterr().out
 
 
+def test_train_get_shows_the_runs_freshness(gw: FakeGateway, capsys) -> None:
+    fresh = {"eligible_at": "2025-01-01T00:00:00+00:00", "eligible_wait_seconds": 2.5, "policy_via": "promotion",
+             "policy_at": "2025-01-01T00:05:00+00:00",
+             "sample_to_policy_seconds": {"count": 2, "p50": 40.0, "p95": 71.5, "max": 71.5}}
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(run_record("succeeded", "activating", freshness=fresh)))
+    assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
+    assert ("eligible → run 2.5 s, sample → policy p50 40.0 s / p95 71.5 s (promotion)"
+            in capsys.readouterr().out)
+
+
 def test_traj_exclude_posts_the_instance_and_says_what_moved(gw: FakeGateway, capsys) -> None:
     gw.on("POST", "/v1/rl/trajectories/exclude", ok(
         {"instance": "vllm-x", "excluded": 3, "training": 1, "excluded_instances": ["vllm-w", "vllm-x"]}))
@@ -574,8 +584,36 @@ def test_lineage_options_and_lineage_list(gw: FakeGateway, capsys) -> None:
     assert run_cli(gw, "lineage", "list", "--limit", "5") == 0
     assert gw.requests[-1].url.params["limit"] == "5"
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["LINEAGE", "LINE", "PENDING", "ACTIVE_RUN", "FIRST_USED_AT"]
-    assert lines[1].split() == ["a", "tiny:a", "4", "-", "2026-01-01T00:00:00+00:00"]
+    assert lines[0].split() == ["LINEAGE", "LINE", "STATE", "PENDING", "ACTIVE_RUN", "FIRST_USED_AT"]
+    assert lines[1].split() == ["a", "tiny:a", "live", "4", "-", "2026-01-01T00:00:00+00:00"]  # no state: live
+
+
+def test_lineage_archive_restore_and_delete_call_their_routes(gw: FakeGateway, capsys) -> None:
+    archived = lineage_view(lineage="a", line="tiny:a", state="archived", archived_at="2026-01-01T00:00:00Z",
+                            archived_by="idle", restores_to="tiny:a:v3")
+    gw.on("POST", "/v1/rl/lineages/a/archive", ok(archived))
+    gw.on("POST", "/v1/rl/lineages/a/restore", ok(lineage_view(lineage="a", line="tiny:a", state="live")))
+    assert run_cli(gw, "lineage", "archive", "a") == 0
+    assert "archived since 2026-01-01T00:00:00Z (by idle; a restore serves tiny:a:v3 again)" in capsys.readouterr().out
+    assert run_cli(gw, "lineage", "restore", "a") == 0
+    assert "state          live" in capsys.readouterr().out
+    deleting = lineage_view(lineage="a", line="tiny:a", state="deleting", deletion_started_at="2026-01-02T00:00:00Z",
+                            remove_files=True)
+    gw.on("POST", "/v1/rl/lineages/a/delete", ok(deleting, 202))
+    gw.on("GET", "/v1/rl/lineages/a", ok(deleting), ok(deleting),
+          error(404, "lineage_not_found", "lineage 'a' does not exist"))
+    naps: list[float] = []
+    assert run_cli(gw, "lineage", "delete", "a", "--remove-files", "--wait", "--interval", "0.5",
+                   sleep=naps.append) == 0
+    out = capsys.readouterr().out
+    assert "being deleted since 2026-01-02T00:00:00Z (repository files removed)" in out
+    assert out.rstrip().endswith("lineage a deleted") and naps == [0.5, 0.5, 0.5]
+    assert [r.read() for r in gw.requests if r.url.path.endswith("/delete")] == [b'{"remove_files":true}']
+    assert run_cli(gw, "lineage", "delete", "a") == 0  # no --wait: the request only
+    assert gw.requests[-1].read() == b'{"remove_files":false}'
+    gw.on("POST", "/v1/rl/lineages/default/archive", error(400, "lineage_protected", "never"))
+    assert run_cli(gw, "lineage", "archive", "default") == 1
+    assert "400 lineage_protected" in capsys.readouterr().err
 
 
 def test_rollout_commands_name_a_lineage(gw: FakeGateway, capsys) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.online.training import eligibility as el
-from openjiuwen.agent_evolving.agent_rl.online.training.eligibility import LineState, choose, judge_line
+from openjiuwen.agent_evolving.agent_rl.online.training.eligibility import LineState, choose, judge_line, rank
 from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
 
 NOW = 10_000.0
@@ -67,11 +67,9 @@ def test_no_pending_sample_is_not_eligible_even_with_a_floor_of_one():
     assert (verdict.eligible, verdict.reason) == (False, el.NO_SAMPLES)
 
 
-def test_longest_waiting_line_first_and_at_most_max_concurrent():
+def test_equal_shares_go_longest_waiting_first_and_at_most_max_concurrent():
     lines = [line("a", waited=5), line("b", waited=50), line("c", waited=20), line("d", eligible=1, waited=99)]
-    # The choice is written for any slot count; the config holds it at 1 today (one Training Run at a time), so a
-    # policy with two slots is built here without the config's validation.
-    two = policy().model_copy(update={"max_concurrent_runs": 2})
+    two = policy(max_concurrent_runs=2)
     picked = choose(lines, two, NOW, active_runs=0)
     assert [v.line for v in picked] == ["b", "c"]
     assert [v.line for v in choose(lines, two, NOW, active_runs=1)] == ["b"]
@@ -113,3 +111,27 @@ def test_choose_picks_the_longest_waiting_under_each_lines_own_policy():
                         last_end_at=None),  # waited longer, but below its (top-level) threshold
               line(eligible=8, waited=20)]
     assert [v.line for v in choose(states, p, NOW, active_runs=0)] == ["tiny:up"]
+
+
+def test_the_smallest_fair_share_tag_goes_first_whatever_the_backlog():
+    """Fair by policy, not by backlog: `flood` waited longest and holds the most, but its tag is past the clock."""
+    flood = line("tiny:flood", pending=30, eligible=30, waited=600, share_tag=7.0)
+    meek = line("tiny:meek", eligible=8, waited=1, share_tag=6.0)
+    also = line("tiny:also", eligible=8, waited=2, share_tag=6.0)
+    assert [v.line for v in rank([flood, meek, also], policy(), NOW)] == ["tiny:also", "tiny:meek", "tiny:flood"]
+    assert [v.share_tag for v in rank([flood, meek], policy(), NOW)] == [6.0, 7.0]
+
+
+def test_the_runs_per_hour_quota_holds_a_line_until_its_oldest_counted_start_leaves_the_hour():
+    p = policy(lineages={"busy": {"max_runs_per_hour": 2}})
+
+    def busy(*starts: float) -> LineState:
+        return LineState(line="tiny:busy", lineage="busy", pending=9, eligible=9, oldest_at=NOW - 10,
+                         last_end_at=None, recent_starts=starts)
+
+    held = judge_line(busy(NOW - 100, NOW - 3000), p, NOW)  # newest first: two within the hour
+    assert (held.eligible, held.reason, held.next_eligible_at) == (False, el.QUOTA, NOW - 3000 + 3600)
+    assert judge_line(busy(NOW - 100), p, NOW).eligible  # one run left in the quota
+    assert judge_line(busy(NOW - 100, NOW - 3000), p, NOW + 601).eligible  # the older start left the hour
+    assert judge_line(busy(NOW - 100, NOW - 3000), policy(), NOW).eligible  # no quota at the top level
+    assert el.quota_free_at((NOW - 1, NOW - 2), None, NOW) is None

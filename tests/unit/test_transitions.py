@@ -107,7 +107,7 @@ def test_turn_publication_and_terminal_reward_tables():
 
 def test_status_values_stay_those_of_redis_and_the_wire():
     assert [s.value for s in SampleStatus] == [
-        "awaiting_rewards", "pending", "training", "trained", "failed", "evaluation", "excluded"]
+        "awaiting_rewards", "pending", "training", "trained", "failed", "evaluation", "excluded", "outdated"]
     assert [s.value for s in TurnPublication][:3] == ["publishing", "published", "failed"]
     assert [s.value for s in TerminalReward] == ["projecting", "published", "expired"]
 

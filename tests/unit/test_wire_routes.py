@@ -113,15 +113,17 @@ def test_the_retry_rule_is_that_of_the_flags(method: str, path: str, expected: b
     assert idempotent(method, path) is expected
 
 
-def test_the_leader_routes_are_the_runner_and_the_rollout_controller() -> None:
+def test_the_leader_routes_are_the_runner_the_rollout_controller_and_the_lineage_lifecycle() -> None:
     flagged = {(r.method, r.path) for r in rl_routes.LEADER_ROUTES}
     assert flagged == {
         ("POST", "/v1/rl/training/runs"), ("POST", "/v1/rl/training/runs/{training_run_id}/stop"),
         ("POST", "/v1/rl/rollout/promote"), ("POST", "/v1/rl/rollout/rollback"), ("POST", "/v1/rl/rollout/pause"),
         ("POST", "/v1/rl/rollout/resume"), ("POST", "/v1/rl/loras/activate"),
+        ("POST", "/v1/rl/lineages/{lineage}/archive"), ("POST", "/v1/rl/lineages/{lineage}/restore"),
+        ("POST", "/v1/rl/lineages/{lineage}/delete"),
     }
     assert leader_only("POST", "/v1/rl/rollout/pause") and not leader_only("POST", "/v1/rl/rollout/status")
-    assert not leader_only("POST", "/v1/rl/lineages/x/pause")
+    assert not leader_only("POST", "/v1/rl/lineages/x/pause") and leader_only("POST", "/v1/rl/lineages/x/delete")
 
 
 def test_fill_keeps_each_value_one_segment() -> None:

@@ -2,11 +2,14 @@
 
     openjiuwen-rl keys init /etc/openjiuwen/gateway-keys.json
     openjiuwen-rl keys add-agent support-bot --key-file /etc/openjiuwen/gateway-keys.json --out support-bot.key.json
+    openjiuwen-rl keys add-agent tenant-7 --max-lineages 50 --key-file ... --out tenant-7.key.json
 
 `init` writes a new gateway key file with a fresh operator key (`apiHmacKey`) and instance key (`insHmacKey`).
 `add-agent` adds a fresh agent key to the gateway's key file (`agentHmacKeys`) and writes the agent's own key file
 `{"agentKeyId", "agentHmacKey"}`, the only file the agent gets: with it the agent may start, stop and reward its own
-Tasks and upload rail batches, nothing else. The gateway reads its key file at start: restart it to load a new key.
+Tasks and upload rail batches, nothing else. `--max-lineages N` caps the lineages the key may register (its first
+Task in a lineage new to the RL Service; docs/lineages.md "Lifecycle"), so one key cannot fill `lineages.max_count`.
+The gateway reads its key file at start: restart it to load a new key.
 Keys are 32 random bytes, written as 64 hex digits; they are never printed.
 """
 
@@ -24,7 +27,7 @@ import orjson
 
 from ..common.private_files import write_private
 from ..common.signing_keys import KeyFileError, is_agent_key_id, read_key_document
-from ..gateway.config import GatewayConfigError, keys_from_document
+from ..gateway.config import AGENT_KEY_MAX_LINEAGES, GatewayConfigError, keys_from_document
 
 
 class KeysError(Exception):
@@ -68,7 +71,7 @@ def init(path: Path) -> str:
     return f"wrote {path} (mode 0600): apiHmacKey (operator) and insHmacKey (vLLM instance registration)"
 
 
-def add_agent(key_id: str, gateway_keys: Path, out: Path) -> str:
+def add_agent(key_id: str, gateway_keys: Path, out: Path, *, max_lineages: int | None = None) -> str:
     if not is_agent_key_id(key_id):
         raise KeysError("an agent key id must match [A-Za-z0-9][A-Za-z0-9._-]{0,63}")
     try:
@@ -83,7 +86,10 @@ def add_agent(key_id: str, gateway_keys: Path, out: Path) -> str:
     if any(isinstance(entry, dict) and entry.get("id") == key_id for entry in entries):
         raise KeysError(f"{gateway_keys} already has an agent key {key_id!r}")
     key = _fresh_key()
-    updated = {**document, "agentHmacKeys": [*entries, {"id": key_id, "key": key}]}
+    entry: dict[str, Any] = {"id": key_id, "key": key}
+    if max_lineages is not None:
+        entry[AGENT_KEY_MAX_LINEAGES] = max_lineages
+    updated = {**document, "agentHmacKeys": [*entries, entry]}
     try:
         keys_from_document(updated, source=str(gateway_keys))  # what the gateway will check at its next start
     except GatewayConfigError as exc:
@@ -111,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", help="the agent key's id, e.g. support-bot ([A-Za-z0-9][A-Za-z0-9._-]{0,63})")
     p.add_argument("--key-file", type=Path, required=True, help="the gateway's key file (global.hmacKeyFile)")
     p.add_argument("--out", type=Path, required=True, help="the agent's key file to create")
+    p.add_argument("--max-lineages", type=int, metavar="N",
+                   help="the most lineages this key may register (maxLineages; 0: none; default: no cap of its own)")
     return parser
 
 
@@ -120,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "init":
             message = init(args.file)
         else:
-            message = add_agent(args.id, args.key_file, args.out)
+            message = add_agent(args.id, args.key_file, args.out, max_lineages=args.max_lineages)
     except KeysError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,8 @@
     openjiuwen-rl rl train watch|stop|get RUN_ID
     openjiuwen-rl rl lineage get|pause|resume [LINEAGE]
     openjiuwen-rl rl lineage list [--limit N] [--all]
+    openjiuwen-rl rl lineage archive|restore LINEAGE
+    openjiuwen-rl rl lineage delete LINEAGE [--remove-files] [--wait]
     openjiuwen-rl rl policy report [--lineage L]
     openjiuwen-rl rl rollout status|promote|rollback|pause|resume [--lineage L]
     openjiuwen-rl rl rollout events ROLLOUT_ID
@@ -228,6 +230,7 @@ def _show_lineage(data: dict[str, Any]) -> None:
     state = "eligible now" if view.get("eligible") else "not eligible"
     _fields([
         ("lineage", f"{data.get('lineage')} (line {data.get('line')})"),
+        ("state", _lifecycle(data)),
         ("automatic", "on" if policy.get("auto") else "off (manual runs only)"),
         ("paused", f"yes, since {data.get('paused_at')}" if data.get("paused") else "no"),
         ("pending", f"{view.get('pending_samples')} ({view.get('eligible_samples')} eligible)"),
@@ -235,8 +238,36 @@ def _show_lineage(data: dict[str, Any]) -> None:
         ("active run", view.get("active_run")),
         ("last run end", view.get("last_run_ended_at")),
         ("scheduler", f"{state} ({view.get('reason')})"),
+        ("eligible from", view.get("eligible_since")),
         ("next eligible", view.get("next_eligible_at")),
+        ("fair share", f"weight {policy.get('weight')}, tag {view.get('fair_share_tag')}"
+         if policy.get("weight") is not None else None),
     ])
+
+
+def _lifecycle(data: dict[str, Any]) -> str:
+    state = str(data.get("state") or "live")
+    if state == "archived":
+        return (f"archived since {data.get('archived_at')} (by {data.get('archived_by')}; a restore serves "
+                f"{data.get('restores_to')} again)")
+    if state == "deleting":
+        files = "removed" if data.get("remove_files") else "kept"
+        return f"being deleted since {data.get('deletion_started_at')} (repository files {files})"
+    return state
+
+
+def _freshness_text(fresh: Any) -> str | None:
+    """`eligible → run 2.1 s, sample → policy p50 40 s / p95 71 s (activation)` (docs/training.md "Freshness")."""
+    if not isinstance(fresh, dict):
+        return None
+    parts = []
+    if fresh.get("eligible_wait_seconds") is not None:
+        parts.append(f"eligible → run {fresh['eligible_wait_seconds']} s")
+    latency = fresh.get("sample_to_policy_seconds")
+    if isinstance(latency, dict):
+        parts.append(f"sample → policy p50 {latency.get('p50')} s / p95 {latency.get('p95')} s "
+                     f"({fresh.get('policy_via')})")
+    return ", ".join(parts) or None
 
 
 def _show_run(run: dict[str, Any]) -> None:
@@ -249,6 +280,7 @@ def _show_run(run: dict[str, Any]) -> None:
         ("lora", " ".join(x for x in (run.get("lora_name"), run.get("lora_path")) if x)),
         ("failure", run.get("failure_reason")),
         ("trigger", _trigger_text(run.get("trigger"))),
+        ("freshness", _freshness_text(run.get("freshness"))),
         ("steps", metrics.get("steps")),
         ("sampling", _run_sampling_text(metrics.get("sampling"))),
         ("created", run.get("created_at")),
@@ -348,9 +380,9 @@ def _show_task_rows(items: list[dict[str, Any]]) -> None:
 
 
 def _show_lineage_rows(items: list[dict[str, Any]]) -> None:
-    _table([[str(x.get("lineage")), str(x.get("line")), str(x.get("pending_samples")), str(x.get("active_run") or "-"),
-             str(x.get("first_used_at"))] for x in items],
-           ["LINEAGE", "LINE", "PENDING", "ACTIVE_RUN", "FIRST_USED_AT"])
+    _table([[str(x.get("lineage")), str(x.get("line")), str(x.get("state") or "live"), str(x.get("pending_samples")),
+             str(x.get("active_run") or "-"), str(x.get("first_used_at"))] for x in items],
+           ["LINEAGE", "LINE", "STATE", "PENDING", "ACTIVE_RUN", "FIRST_USED_AT"])
 
 
 def _show_run_rows(items: list[dict[str, Any]]) -> None:
@@ -705,6 +737,29 @@ def _lineage(action: str) -> Callable[[Context], int]:
     return handler
 
 
+def _lineage_delete(ctx: Context) -> int:
+    """Ask for the deletion; with `--wait`, poll until the lineage is gone (404 `lineage_not_found`)."""
+    path = f"/v1/rl/lineages/{_q(ctx.args.lineage)}"
+    answer = ctx.client.request("POST", f"{path}/delete", body={"remove_files": ctx.args.remove_files})
+    ctx.show(answer, _show_lineage)
+    if not ctx.args.wait:
+        return 0
+    deadline = ctx.clock() + ctx.args.watch_timeout if ctx.args.watch_timeout > 0 else None
+    while True:
+        ctx.sleep(ctx.args.interval)
+        try:
+            ctx.client.request("GET", path)
+        except ErrorAnswer as exc:
+            if exc.status != 404:
+                raise
+            if not ctx.as_json:
+                _out(f"lineage {ctx.args.lineage} deleted")
+            return 0
+        if deadline is not None and ctx.clock() >= deadline:
+            raise CliError(f"lineage {ctx.args.lineage} not deleted after {ctx.args.watch_timeout:g} s (the "
+                           "deletion goes on)")
+
+
 def _lora_activate(ctx: Context) -> int:
     record = ctx.client.request("POST", "/v1/rl/loras/activate", body={"lora_name": ctx.args.lora_name})
     ctx.show(record, _show_rollout_record)
@@ -813,10 +868,10 @@ def _add_page_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all", action="store_true", help="follow next_cursor to the last page")
 
 
-def _add_watch_options(parser: argparse.ArgumentParser) -> None:
+def _add_watch_options(parser: argparse.ArgumentParser, until: str = "the run ends") -> None:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between polls (default 1)")
     parser.add_argument("--watch-timeout", type=float, default=0.0,
-                        help="give up watching after this many seconds (default 0: wait until the run ends)")
+                        help=f"give up watching after this many seconds (default 0: wait until {until})")
 
 
 class _Commands:
@@ -913,16 +968,27 @@ def _add_rollout_commands(c: _Commands) -> None:
 
 
 def _add_lineage_commands(c: _Commands) -> None:
-    lineage = c.group("lineage", "automatic training of a lineage: its scheduler view, pause, resume "
-                                 "(docs/training.md)")
+    lineage = c.group("lineage", "a lineage's automatic training (its scheduler view, pause, resume; "
+                                 "docs/training.md) and lifecycle (archive, restore, delete; docs/lineages.md)")
     for action, text in (("get", "paused or not, pending samples, oldest wait, and when the scheduler may start "
                                  "the next run"),
                          ("pause", "stop automatic Training Runs of the lineage (manual ones still start)"),
                          ("resume", "let the scheduler start the lineage's runs again")):
         c.leaf(lineage, action, text, _lineage(action)).add_argument(
             "lineage", nargs="?", default="default", help="the lineage (default: default)")
-    _add_page_options(c.leaf(lineage, "list", "registered lineages newest first, with their line, pending samples "
-                                              "and active run (docs/lineages.md)", _lineage_list))
+    _add_page_options(c.leaf(lineage, "list", "registered lineages newest first, with their line, state, pending "
+                                              "samples and active run (docs/lineages.md)", _lineage_list))
+    for action, text in (("archive", "no new Task or Training Run, its versions unloaded at the gateway; its data "
+                                     "kept (refused while it has an active Task, run or rollout)"),
+                         ("restore", "make an archived lineage live again, the version it served active again")):
+        c.leaf(lineage, action, text, _lineage(action)).add_argument("lineage", help="the lineage (never default)")
+    p = c.leaf(lineage, "delete", "unload its versions, remove its records in batches and leave the registry (the "
+                                  "leader finishes it, also after a crash)", _lineage_delete)
+    p.add_argument("lineage", help="the lineage (never default)")
+    p.add_argument("--remove-files", action="store_true",
+                   help="also remove its LoRA versions from the repository (default: kept)")
+    p.add_argument("--wait", action="store_true", help="poll until the lineage is gone")
+    _add_watch_options(p, "it is gone")
 
 
 def _add_lora_commands(c: _Commands) -> None:

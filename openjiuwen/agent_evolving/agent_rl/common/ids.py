@@ -127,6 +127,11 @@ def now_iso() -> str:
     return utcnow().isoformat()
 
 
+def epoch_iso(epoch: float) -> str:
+    """The ISO-8601 UTC timestamp of epoch seconds (the inverse of `parse_iso_epoch`)."""
+    return datetime.fromtimestamp(epoch, timezone.utc).isoformat()
+
+
 def parse_iso_epoch(text: str) -> float:
     """Epoch seconds of an ISO-8601 timestamp carrying an offset."""
     dt = datetime.fromisoformat(text)

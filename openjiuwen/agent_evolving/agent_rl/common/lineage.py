@@ -14,7 +14,9 @@ import re
 DEFAULT_LINEAGE = "default"
 LINEAGE_RE = re.compile(r"[a-z0-9-]{1,63}")
 _VERSION_LIKE = re.compile(r"v[0-9]+")
-_VERSION_SUFFIX = re.compile(r":v(?P<n>[1-9][0-9]*)")
+# The version suffix ends the name: a lineage may contain `v<digits>` before a `-` (`v1-x`), so the suffix is the
+# last `:v<N>`, never the first one a search meets (issue 37 item 6).
+_VERSION_SUFFIX = re.compile(r":v(?P<n>[1-9][0-9]*)\Z")
 
 
 class InvalidLineage(ValueError):
@@ -62,7 +64,7 @@ def parse_version_name(name: object) -> tuple[str, int] | None:
     if not isinstance(name, str):
         return None
     suffix = _VERSION_SUFFIX.search(name)
-    if suffix is None or suffix.end() != len(name):
+    if suffix is None:
         return None
     line = name[:suffix.start()]
     try:

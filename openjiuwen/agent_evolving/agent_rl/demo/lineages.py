@@ -9,7 +9,8 @@ opposite objectives learn at the same time on one base model, one gateway and on
   lineage. Each Task starts with `"lineage"` and must be pinned to its own line's active version.
 - No operator call in the loop: the RL Service runs with `training_policy.auto: true` and `min_pending_samples` =
   one round of a lineage's training samples (stack_config.py, `lineage_training_policy`), so its scheduler starts each
-  lineage's Training Run by itself once that lineage's training Tasks are rewarded (one run at a time, machine-wide).
+  lineage's Training Run by itself once that lineage's training Tasks are rewarded (one run at a time here:
+  `max_concurrent_runs` 1 on the demo's cores).
   The driver only finds each lineage's new run in the run listing, watches it to its end, checks that its trigger
   is `auto` and that its version is the line's active one on the gateway, then evaluates.
 
@@ -107,8 +108,8 @@ class TwoLineages:
                 self.batch(r, actives, evaluation=False)
             self.demo.report.timings["rounds"].append({"policy": "every lineage", "kind": "training",
                                                        "seconds": round(time.monotonic() - t, 2)})
-            # One shared deadline: the service runs one Training Run at a time, and its scheduler picks the line
-            # whose samples waited longest, so a lineage's run may wait for the other's.
+            # One shared deadline: the demo's service runs one Training Run at a time (`max_concurrent_runs` 1), so
+            # a lineage's run may wait for the other's.
             deadline = time.monotonic() + a.train_timeout * len(self.objectives)
             for o in self.objectives:
                 with self.demo.stage(f"automatic training run {r + 1}/{a.rounds} of lineage {o.lineage}",

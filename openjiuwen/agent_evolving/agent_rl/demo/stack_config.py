@@ -22,8 +22,8 @@ def lineage_training_policy(samples: int, per_lineage: dict[str, int] | None = N
     """The RL Service's `training_policy` under --lineages 2: the scheduler trains every lineage by itself, a line
     once one round of its training Tasks' samples (`samples`, or its own count in `per_lineage` when its Tasks have
     another number of completions) is pending, so the driver starts no run. Evaluation samples are never pending,
-    so only the training round fills a line. A tick a second: the demo waits little for each start (the service runs
-    one Training Run at a time, so the second lineage's run starts after the first)."""
+    so only the training round fills a line. A tick a second: the demo waits little for each start (one run at a time,
+    `max_concurrent_runs` 1 on the demo's 2 cores, so the second lineage's run starts after the first)."""
     policy: dict[str, Any] = {"auto": True, "min_pending_samples": samples, "poll_interval_seconds": 1.0}
     overrides = {name: {"min_pending_samples": n} for name, n in (per_lineage or {}).items() if n != samples}
     if overrides:

@@ -12,6 +12,11 @@ instance. Choosing and unloading a victim happens under the instance's lock; a u
 with no await between the routing pick and the count, so a version a request was routed to is never the victim.
 Requests for the same version on the same instance share one load (single flight).
 
+Tasks come first (issue 37 item 2): requests outside a Task may keep at most `capacity - task_reserved` adapters in
+use on an instance (`outside`), so at least `task_reserved` slots hold no adapter such a request uses and a Task's
+page-in never waits for traffic outside Tasks. An instance whose on-demand load failed is last in line for page-ins
+for a backoff that doubles while it keeps failing (`backed_off`, issue 37 item 4).
+
 A version is no victim while it has users (requests in flight, or a policy switch between its load and the recording
 of holdings: `using`) or loads in flight (`_loading` counts them, so two concurrent loads of one version never clear
 each other's mark). `unload` (collect, rollback) skips a version with users: the pager's LRU unloads it once idle. A
@@ -43,13 +48,20 @@ class PagingMetrics(Protocol):
     def adapter_evicted(self, instance: str) -> None: ...
 
 
+PAGE_IN_BACKOFF_S = (1.0, 60.0)  # after a failed on-demand load: first backoff, and the most it doubles to
+
+
 class AdapterPager:
     def __init__(self, vllm: AdapterClient, holdings: Holdings, *, capacity: Callable[[Instance], int],
-                 page_timeout_s: float, load_timeout_s: float, metrics: PagingMetrics | None = None) -> None:
+                 page_timeout_s: float, load_timeout_s: float, metrics: PagingMetrics | None = None,
+                 task_reserved: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         """`capacity(instance)`: adapters it may hold (0: unlimited). `page_timeout_s`: how long a load waits for a
-        slot; `load_timeout_s`: the bound of an on-demand load itself."""
+        slot; `load_timeout_s`: the bound of an on-demand load itself. `task_reserved`: slots per instance that no
+        request outside a Task may keep in use (`lora.taskReservedSlots`)."""
         if not page_timeout_s > 0 or not load_timeout_s > 0:
             raise ValueError("page_timeout_s and load_timeout_s must be positive")
+        if task_reserved < 0:
+            raise ValueError("task_reserved must not be negative")
         self._vllm = vllm
         self._holdings = holdings
         self._capacity = capacity
@@ -66,6 +78,11 @@ class AdapterPager:
         self._locks: dict[str, asyncio.Lock] = {}  # per instance: victim choice and slot reservation
         self._changed: dict[str, asyncio.Event] = {}  # per instance: set when a slot or a use went away
         self._on_demand: dict[tuple[str, str], asyncio.Future[tuple[Load, str]]] = {}
+        self._task_reserved = task_reserved
+        self._outside: Counter[tuple[str, str]] = Counter()  # (instance, version) → requests outside a Task on it
+        self._outside_slots: Counter[str] = Counter()  # instance → versions such requests use there now
+        self._clock = clock
+        self._backoff: dict[str, tuple[float, float]] = {}  # instance → (page-ins last until, current backoff)
 
     def pages(self, instance: Instance) -> bool:
         return self._capacity(instance) > 0
@@ -73,6 +90,23 @@ class AdapterPager:
     def resident(self, instance_name: str) -> list[str]:
         """What the instance holds or is loading, least recently used first."""
         return list(self._resident.get(instance_name, ()))
+
+    def free_slots(self, instance: Instance) -> int:
+        """Slots no adapter holds or is loading into (0 on an unlimited instance: it never needs one)."""
+        capacity = self._capacity(instance)
+        return max(0, capacity - len(self._resident.get(instance.name, ()))) if capacity > 0 else 0
+
+    def backed_off(self, instance: Instance) -> bool:
+        """An on-demand load failed there lately: routing sends page-ins elsewhere while it can."""
+        entry = self._backoff.get(instance.name)
+        return entry is not None and self._clock() < entry[0]
+
+    def forget(self, instance_name: str) -> None:
+        """The instance was removed: drop what is kept per instance name (requests still in flight there end as
+        usual; their counts are per request and go away with them)."""
+        for per_instance in (self._resident, self._locks, self._changed, self._touched, self._backoff,
+                             self._listings, self._outside_slots):
+            per_instance.pop(instance_name, None)
 
     def keeps(self, instance: Instance, name: str) -> bool:
         """False when a paging instance no longer holds `name` in its slots (evicted since its load): holdings must
@@ -170,23 +204,50 @@ class AdapterPager:
     # ------------------------------------------------------------------------------------------ on demand
 
     @contextlib.contextmanager
-    def using(self, instance: Instance, name: str) -> Iterator[None]:
+    def using(self, instance: Instance, name: str, *, outside: bool = False) -> Iterator[None]:
         """Count one request using `name` on `instance`: it is no victim while counted. Enter it right after the
-        routing pick, with no await in between."""
+        routing pick (or, `outside` a Task, right after `wait_outside_slot`), with no await in between."""
         key = (instance.name, name)
         self._users[key] += 1
+        if outside:
+            if self._outside[key] == 0:
+                self._outside_slots[instance.name] += 1
+            self._outside[key] += 1
         resident = self._resident.get(instance.name)
         if resident is not None and name in resident:
             resident.move_to_end(name)
         try:
             yield
         finally:
-            left = self._users[key] - 1
-            if left > 0:
-                self._users[key] = left
-            else:
-                del self._users[key]
+            if outside:
+                _drop(self._outside, key)
+                if key not in self._outside:
+                    _drop(self._outside_slots, instance.name)
+            if _drop(self._users, key) == 0:
                 self._wake(instance.name)
+
+    async def wait_outside_slot(self, instance: Instance, name: str) -> None:
+        """Before a request outside a Task uses `name` on a paging instance: wait (at most the page timeout) until
+        it may, that is while such requests use fewer than `capacity - task_reserved` versions there or already use
+        this one. LoraError 503 `lora_capacity_exhausted` otherwise (at once when no slot is theirs at all)."""
+        budget = self._capacity(instance) - self._task_reserved
+        if budget <= 0:
+            raise LoraError("lora_capacity_exhausted",
+                            f"{instance.name}: all its LoRA slots are reserved for RL Tasks (lora.taskReservedSlots)")
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._page_timeout_s
+        changed = self._changed.setdefault(instance.name, asyncio.Event())
+        while True:
+            changed.clear()  # before looking: a release from here on wakes the wait below
+            if self._outside[(instance.name, name)] > 0 or self._outside_slots[instance.name] < budget:
+                return
+            remaining = give_up - loop.time()
+            if remaining <= 0:
+                raise LoraError("lora_capacity_exhausted",
+                                f"{instance.name}: requests outside RL Tasks keep {budget} LoRA slot(s) in use, the "
+                                f"most they may (waited {self._page_timeout_s:g}s)")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
 
     async def ensure(self, instance: Instance, lora: ActiveLora) -> None:
         """Have `lora` loaded on `instance` for a request counted by `using`; one load per (instance, version) at a
@@ -214,6 +275,12 @@ class AdapterPager:
             self._holdings.loaded(instance.name, lora.lora_name)
         elif outcome is Load.UNKNOWN:
             self._holdings.uncertain(instance.name, lora.lora_name)  # a late load is swept or confirmed later
+        if outcome.held:
+            self._backoff.pop(instance.name, None)
+        elif outcome is not Load.NO_ROOM:  # it answered with an error, or not at all: others load it for a while
+            _, last = self._backoff.get(instance.name, (0.0, 0.0))
+            delay = min(PAGE_IN_BACKOFF_S[1], last * 2) if last else PAGE_IN_BACKOFF_S[0]
+            self._backoff[instance.name] = (self._clock() + delay, delay)
         if not outcome.held:
             log.warning("on-demand load of %s on %s failed: %s", lora.lora_name, instance.name, detail)
         return outcome, detail
@@ -289,3 +356,13 @@ class AdapterPager:
         changed = self._changed.get(instance_name)
         if changed is not None:
             changed.set()
+
+
+def _drop(counts: Counter, key: object) -> int:
+    """Count one less of `key`, removing it at zero (the maps stay as small as what is in flight); what is left."""
+    left = counts[key] - 1
+    if left > 0:
+        counts[key] = left
+        return left
+    counts.pop(key, None)
+    return 0

@@ -17,7 +17,7 @@ from pathlib import Path
 from .holdings import Holdings
 from .instances import Instance, InstanceRegistry
 from .leases import Leases
-from .lora_locks import VersionLocks, holding
+from .lora_locks import VersionLocks
 from .lora_types import ActiveLora
 from .policy_lines import PolicyLine, PolicyLines, model_of_version
 from .vllm_adapters import AdapterClient, Load
@@ -66,7 +66,7 @@ class Placement:
             return
         name = wanted.lora_name
         only_set = set(only) if only is not None else None
-        async with holding(self.locks.of(name), deadline) as held:
+        async with self.locks.holding(name, deadline) as held:
             if not held or line.active != wanted:
                 return
             # `only` may name an instance being admitted (not serving yet); otherwise the serving ones.
@@ -115,7 +115,7 @@ class Placement:
             path = self.paths.get(name)
             if path is None or model_of_version(name) != instance.model or self._holdings.holds(instance.name, name):
                 continue
-            async with holding(self.locks.of(name), deadline) as held:
+            async with self.locks.holding(name, deadline) as held:
                 if not held or not self.in_use(name) or self._holdings.holds(instance.name, name):
                     continue
                 outcome, detail = await self._vllm.load(instance, ActiveLora(name, path), deadline)
@@ -146,7 +146,7 @@ class Placement:
     async def collect_version(self, name: str, deadline: float, *, also: Instance | None = None) -> None:
         """Unload a version that is neither served nor leased from every serving instance that may hold it (and
         from `also`, an instance being admitted)."""
-        async with holding(self.locks.of(name), deadline) as held:
+        async with self.locks.holding(name, deadline) as held:
             if not held:
                 log.warning("unload of %s postponed: another operation on it is still running", name)
                 return

@@ -52,6 +52,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
             retry.cancel()
             checks.cancel()
             await asyncio.gather(retry, checks, return_exceptions=True)
+            await gw.control.close()
             await gw.supervisor.close()
             await gw.inference.close()
             await gw.loras.close()
@@ -87,6 +88,7 @@ async def _retry_failed_forever(gw: Gateway) -> None:
         await asyncio.sleep(RETRY_FAILED_INSTANCES_S)
         try:
             await gw.loras.retry_failed()
+            await gw.control.bound_leases()  # lines no Task start checked since their last switch
         except asyncio.CancelledError:
             raise
         except Exception:

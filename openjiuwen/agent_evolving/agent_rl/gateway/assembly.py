@@ -21,6 +21,7 @@ from .http11 import Http11Client
 from .inference import InferenceProxy
 from .instance_addresses import AddressPolicy
 from .instances import Instance, InstanceRegistry
+from .lineage_access import LineageAccess
 from .lora_manager import LoraManager
 from .metrics import GatewayMetrics
 from .rl_client import RLClient
@@ -51,11 +52,14 @@ class Gateway:
 def build_gateway(
     config: GatewayConfig, *, verifier: HmacVerifier, console_auth: ConsoleAuth, env: dict[str, str],
     agent_lineages: Mapping[str, frozenset[str]] | None = None,
+    agent_lineage_caps: Mapping[str, int] | None = None,
 ) -> Gateway:
-    """`agent_lineages`: the lineage limit of each agent key that has one (config.HmacKeys)."""
+    """`agent_lineages`, `agent_lineage_caps`: the lineage limit and the registration cap of each agent key that has
+    one (config.HmacKeys)."""
     online = config.online_rl
     model_id = online.model_id  # the gateway's own setting, checked against the child's /health
-    metrics = GatewayMetrics(lineage_top_k=config.metrics.lineage_label_top_k)  # per app: its own CollectorRegistry
+    metrics = GatewayMetrics(lineage_top_k=config.metrics.lineage_label_top_k,  # per app: its own CollectorRegistry
+                             lineage_label_idle_s=config.metrics.lineage_label_idle_s)
     registry = InstanceRegistry(
         [Instance(i.name, i.model, i.instance_ip, int(i.port)) for i in config.instances],
         max_registered=config.registration.max_instances,
@@ -75,7 +79,8 @@ def build_gateway(
         capture_registered=config.registration.capture_traffic, probe=probe,
         max_loras={i.name: i.max_loras for i in config.instances if i.max_loras is not None},
         max_loras_default=config.lora.max_loras_per_instance, page_timeout_s=config.lora.page_timeout_s,
-        paging_metrics=metrics,
+        paging_metrics=metrics, task_reserved_slots=config.lora.task_reserved_slots,
+        max_leased_versions=config.lora.max_leased_versions,
     )
     health = HealthMonitor(
         registry, readmit=loras.readmit, interval_s=checks.interval_s, timeout_s=checks.timeout_s,
@@ -96,10 +101,13 @@ def build_gateway(
     control = RLControl(
         model_id=model_id, supervisor=supervisor, rl=rl, tracker=tracker, loras=loras,
         drain_timeout_s=online.drain_timeout_s, agent_lineages=agent_lineages or {},
+        agent_lineage_caps=agent_lineage_caps or {},
     )
     inference = InferenceProxy(
         model_id=model_id, tracker=tracker, loras=loras, rl=rl, rl_running=control.running, upstream=upstream,
         max_upstream_bytes=config.global_.max_upstream_body_bytes, metrics=metrics, recheck=health.recheck,
+        access=LineageAccess(verifier, agent_lineages=agent_lineages or {},
+                             open_lineages=frozenset(config.lora.open_lineages)),
     )
     console = Console(auth=console_auth, control=control, loras=loras, supervisor=supervisor, model_id=model_id)
     return Gateway(

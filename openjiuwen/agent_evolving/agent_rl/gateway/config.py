@@ -47,6 +47,9 @@ MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
 MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is a few short strings per key
 KEY_SOCKET_TIMEOUT_S = 5.0
 AGENT_KEY_LINEAGES = "lineages"  # an agent key entry's lineage limit (docs/gateway.md, docs/lineages.md)
+# an agent key entry's cap on the lineages it may register (docs/lineages.md "Lifecycle", docs/security.md)
+AGENT_KEY_MAX_LINEAGES = "maxLineages"
+MAX_LINEAGES_CAP = 1_000_000
 _OPEN_TO_OTHERS = stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH
 
 _DURATION_UNITS_S = {
@@ -191,6 +194,13 @@ def _check_listen(value: str) -> str:
     return value
 
 
+def _check_lineage(value: str) -> str:
+    if not is_lineage(value) or value == "default":
+        raise config_invalid("must be a lineage name other than default (lower-case letters, digits and '-', "
+                             "1-63 characters, not 'v' followed by digits)")
+    return value
+
+
 def _check_network(value: str) -> str:
     try:
         ip_network(value)
@@ -306,6 +316,17 @@ class LoraSection(_Model):
     max_loras_per_instance: Annotated[StrictInt, Field(ge=0, le=100_000)] = Field(
         default=0, alias="maxLorasPerInstance")
     page_timeout_s: Duration = Field(default=30.0, alias="pageTimeout")
+    # Project gateway (issue 37 item 2): slots of each paging instance that requests outside a Task never keep in
+    # use, so that traffic outside Tasks cannot starve Tasks of slots (docs/lineages.md "Tasks first").
+    task_reserved_slots: Annotated[StrictInt, Field(ge=0, le=100_000)] = Field(default=1, alias="taskReservedSlots")
+    # Project gateway (issue 37): versions of a line that running Tasks may keep loaded besides the line's active
+    # version and canary candidate; the Tasks pinned to older ones are stopped (docs/lineages.md "Leases").
+    max_leased_versions: Annotated[StrictInt, Field(ge=0, le=10_000)] = Field(
+        default=4, alias="maxLeasedVersionsPerLine")
+    # Project gateway (issue 37 item 1): lineages whose active version anyone may name outside a Task, as the
+    # default line's; any other lineage's versions take a signed request (docs/lineages.md "Private lines").
+    open_lineages: list[Annotated[StrictStr, AfterValidator(_check_lineage)]] = Field(
+        default_factory=list, alias="openLineages")
 
 
 class InstanceHealthSection(_Model):
@@ -335,10 +356,13 @@ class RegistrationSection(_Model):
 
 
 class MetricsSection(_Model):
-    """Project gateway: the bounded `lineage` label of per-request metrics (lineage_labels.py, docs/lineages.md)."""
+    """Project gateway: the bounded `lineage` label of per-request metrics (common/lineage_labels.py,
+    docs/lineages.md)."""
 
     # Lineages with their own label beside `default`; every other lineage is `other` (0: all of them).
     lineage_label_top_k: Annotated[StrictInt, Field(ge=0, le=1000)] = Field(default=20, alias="lineageLabelTopK")
+    # How long a labelled lineage may go without captured traffic before another lineage may take its slot.
+    lineage_label_idle_s: Duration = Field(default=3600.0, alias="lineageLabelIdle")
 
 
 class OnlineRLSection(_Model):
@@ -448,6 +472,9 @@ class HmacKeys:
     agents: Mapping[str, bytes] = field(default_factory=dict, repr=False)
     # agent key id → the lineages it may start Tasks in; a key absent here may use every lineage
     agent_lineages: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # agent key id → how many lineages it may register (its first Task in a lineage new to the RL Service); absent:
+    # no cap of its own (`lineages.max_count` still bounds the registry)
+    agent_lineage_caps: Mapping[str, int] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         ins = "none" if self.ins is None else f"<{len(self.ins)} bytes>"
@@ -472,10 +499,11 @@ def keys_from_document(data: Any, *, source: str) -> HmacKeys:
     named = {"apiHmacKey": _decoded(api, "apiHmacKey", source)}
     if ins:
         named["insHmacKey"] = _decoded(ins, "insHmacKey", source)
-    agents, limits = _agent_keys(data.get("agentHmacKeys"), source)
+    agents, limits, caps = _agent_keys(data.get("agentHmacKeys"), source)
     named.update({f"agentHmacKeys[{i}] (id {key_id!r})": key for i, (key_id, key) in enumerate(agents.items())})
     _refuse_equal_keys(named, source)
-    return HmacKeys(api=named["apiHmacKey"], ins=named.get("insHmacKey"), agents=agents, agent_lineages=limits)
+    return HmacKeys(api=named["apiHmacKey"], ins=named.get("insHmacKey"), agents=agents, agent_lineages=limits,
+                    agent_lineage_caps=caps)
 
 
 def _decoded(text: str, member: str, source: str) -> bytes:
@@ -485,22 +513,26 @@ def _decoded(text: str, member: str, source: str) -> bytes:
         raise GatewayConfigError(f"{source}: {member}: {exc}") from None
 
 
-def _agent_keys(entries: Any, source: str) -> tuple[dict[str, bytes], dict[str, frozenset[str]]]:
-    """(key by id, lineage limit by id for the keys that have one)."""
+def _agent_keys(entries: Any, source: str) -> tuple[dict[str, bytes], dict[str, frozenset[str]], dict[str, int]]:
+    """(key by id, lineage limit by id, registration cap by id, for the keys that have them)."""
     if entries is None:
-        return {}, {}
+        return {}, {}, {}
     if not isinstance(entries, list):
         raise GatewayConfigError(f"{source}: agentHmacKeys: must be a list of {{\"id\", \"key\"}} objects")
     agents: dict[str, bytes] = {}
     limits: dict[str, frozenset[str]] = {}
+    caps: dict[str, int] = {}
+    optional = {AGENT_KEY_LINEAGES, AGENT_KEY_MAX_LINEAGES}
     for i, entry in enumerate(entries):
         where = f"agentHmacKeys[{i}]"
         # A member this gateway does not know may be a restriction it would not apply: refused (fail closed).
-        if not isinstance(entry, Mapping) or not {"id", "key"} <= set(entry) <= {"id", "key", AGENT_KEY_LINEAGES}:
+        if not isinstance(entry, Mapping) or not {"id", "key"} <= set(entry) <= {"id", "key", *optional}:
             raise GatewayConfigError(f"{source}: {where}: must be an object with exactly the members id and key "
-                                     f"(and optionally {AGENT_KEY_LINEAGES})")
+                                     f"(and optionally {AGENT_KEY_LINEAGES}, {AGENT_KEY_MAX_LINEAGES})")
         if AGENT_KEY_LINEAGES in entry:
             limits[str(entry["id"])] = _lineage_limit(entry[AGENT_KEY_LINEAGES], f"{source}: {where}")
+        if AGENT_KEY_MAX_LINEAGES in entry:
+            caps[str(entry["id"])] = _lineage_cap(entry[AGENT_KEY_MAX_LINEAGES], f"{source}: {where}")
         key_id, text = entry["id"], entry["key"]
         if not is_agent_key_id(key_id):
             raise GatewayConfigError(f"{source}: {where}.id: must match [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
@@ -509,7 +541,15 @@ def _agent_keys(entries: Any, source: str) -> tuple[dict[str, bytes], dict[str, 
         if not isinstance(text, str) or not text:
             raise GatewayConfigError(f"{source}: {where}.key: required, a non-empty string")
         agents[key_id] = _decoded(text, f"{where}.key", source)
-    return agents, limits
+    return agents, limits, caps
+
+
+def _lineage_cap(value: Any, where: str) -> int:
+    """How many lineages an agent key may register: an integer in 0..1,000,000 (0: none)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LINEAGES_CAP:
+        raise GatewayConfigError(f"{where}.{AGENT_KEY_MAX_LINEAGES}: must be an integer in 0..{MAX_LINEAGES_CAP} "
+                                 "(0: the key registers no lineage)")
+    return value
 
 
 def _lineage_limit(value: Any, where: str) -> frozenset[str]:

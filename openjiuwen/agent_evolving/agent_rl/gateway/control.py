@@ -8,6 +8,7 @@ wait for, or time out on, its in-flight captures."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Mapping
@@ -47,15 +48,23 @@ class RLControl:
         loras: LoraManager,
         drain_timeout_s: float,
         agent_lineages: Mapping[str, frozenset[str]] | None = None,
+        agent_lineage_caps: Mapping[str, int] | None = None,
     ) -> None:
         """`agent_lineages`: agent key id → the lineages whose Tasks it may start, stop and reward (a key absent
-        here: every one)."""
+        here: every one). `agent_lineage_caps`: agent key id → how many lineages it may register, sent to the RL
+        Service with each of its Task starts (`X-AIGW-RL-Max-Lineages`), which counts them atomically."""
         self._model_id = model_id
         self._supervisor, self._rl, self._loras = supervisor, rl, loras
         self._tracker, self._sessions = tracker, tracker.sessions
         self._drain_timeout_s = drain_timeout_s
         self._agent_lineages = dict(agent_lineages or {})
+        self._agent_lineage_caps = dict(agent_lineage_caps or {})
         self._lineage_guard = LineageGuard(self._agent_lineages, self._sessions, rl)
+        self._background: set[asyncio.Task[None]] = set()  # stops of Tasks past the lease cap
+
+    def _cap_header(self, agent_key: str | None) -> dict[str, str]:
+        cap = self._agent_lineage_caps.get(agent_key) if agent_key is not None else None
+        return {} if cap is None else {wire_headers.MAX_LINEAGES: str(cap)}
 
     def running(self) -> bool:
         return self._supervisor.status()["status"] == ServiceStatus.RUNNING
@@ -110,6 +119,7 @@ class RLControl:
             wire_headers.POLICY_MODEL: policy_model,
             wire_headers.LINEAGE: lineage,  # always, `default` included: the RL Service knows the gateway pins by lineage
             **_agent_header(agent_key),
+            **self._cap_header(agent_key),
         }
         try:
             answer = await self._rl.forward("POST", rl_routes.TASK_START.path, body=body, headers=headers)
@@ -142,6 +152,7 @@ class RLControl:
             lineage=lineage,  # the record's, checked above
         )
         await self._tracker.adopt(binding, leased_policy=policy_name)
+        self._bound_leases_soon(line_of(self._model_id, lineage))
         if wants_secret and secret is None:
             return envelope(409, "capture_secret_unavailable",
                             f"the session already has the active Task {record['rl_task_id']}; a capture secret is "
@@ -173,6 +184,34 @@ class RLControl:
             return envelope(504, "task_drain_timeout", "captures of the Task were still in flight")
         return await self.forward("POST", rl_routes.TASK_STOP.fill(rl_task_id), body=body, task_id=rl_task_id,
                                   agent_key=agent_key)
+
+    async def bound_leases(self, line: str | None = None) -> None:
+        """Stop the Tasks pinned to versions past the lease cap (`LoraManager.leased_past_cap`: of `line`, or of
+        every line), as an operator's stop does: drained, finalized by the RL Service (their samples kept, their
+        rewards still taken), their leases released, so that those versions are unloaded."""
+        past = set(self._loras.leased_past_cap(line))
+        if not past:
+            return
+        pinned = [b for b in map(self._sessions.for_task, self._sessions.all_tasks())
+                  if b is not None and b.policy_name in past]
+        for binding in pinned:
+            log.warning("stopping task %s: its version %s is older than the newest lora.maxLeasedVersionsPerLine "
+                        "versions its line's Tasks hold", binding.rl_task_id, binding.policy_name)
+        await asyncio.gather(*(self.task_stop(b.rl_task_id, b"", agent_key=None) for b in pinned))
+
+    def _bound_leases_soon(self, line: str) -> None:
+        """After a Task start: the line's Tasks may hold more versions than the cap since its last switch."""
+        if not self._loras.leased_past_cap(line):
+            return
+        task = asyncio.create_task(self.bound_leases(line), name=f"lease-cap:{line}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Cancel the lease-cap stops still running (gateway shutdown)."""
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     async def task_reward(self, rl_task_id: str, path: str, body: bytes, *, query: str,
                           agent_key: str | None) -> Response:

@@ -32,6 +32,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from ..common.hmac_signing import (
     CURRENT_VERSION,
@@ -44,6 +45,9 @@ from ..common.hmac_signing import (
     v3_message,
 )
 from ..common.signing_keys import is_agent_key_id
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.hmac")
 
@@ -262,6 +266,14 @@ class HmacVerifier:
         if not cache.first(timestamp, signature, expires_ms=ts + self._skew_ms, now_ms=now_ms):
             return None
         return caller
+
+
+def request_target(request: Request) -> bytes:
+    """The request target as it arrived (percent-encoded path, then `?query` when there is one): what a signature
+    covers."""
+    raw = request.scope.get("raw_path") or request.url.path.encode()
+    query = request.scope.get("query_string") or b""
+    return raw + b"?" + query if query else raw
 
 
 def _header_values(headers: Mapping[str, str], name: str) -> list[str]:

@@ -13,8 +13,12 @@ the Task's count ends when the hook that ends the capture (`:after` or `:discard
 
 Inside a Task the request is screened first (capture_fields.py: honoured, refused and dropped fields), and a Task
 started with a capture secret needs it on every call (capture_secret.py). Outside a Task the body goes upstream as
-the client sent it, but may name only the base model or the active version. A vLLM error answer reaches the client
-as JSON only (responses.upstream_error).
+the client sent it, but may name only the base model or the active version of a line, and a version of a lineage's
+line only when the caller may (lineage_access.py, issue 37 item 1): else the answer of an unknown model. A vLLM error
+answer reaches the client as JSON only (responses.upstream_error).
+
+A request counts in flight on its instance from the routing pick, before any page-in, and a page-in that failed is
+tried once more on another instance (`_route`, issue 37 items 3 and 4).
 
 What an instance answers is held to `max_upstream_bytes` (issue 28 item 4): a JSON or error answer past it is read
 no further and is 502 `upstream_too_large`; in a stream, one event past it, or a captured stream past it in all (the
@@ -24,6 +28,7 @@ outside a Task is relayed event by event and never aggregated, so only its event
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,7 +48,8 @@ from .capture_fields import IGNORED_FIELDS_HEADER, FieldRefused, ignored_header,
 from .http11 import AnswerTooLarge, HttpError, Http11Client, StreamedAnswer
 from .instances import Instance
 from .lora_manager import LoraManager
-from ..common.lineage import DEFAULT_LINEAGE, lineage_of_version
+from ..common.lineage import DEFAULT_LINEAGE, lineage_of_version, split_line
+from .lineage_access import LineageAccess
 from .domain_errors import error_answer
 from .lora_types import LoraError
 from .policy_lines import line_of_version, model_of_line
@@ -81,9 +87,11 @@ class InferenceProxy:
         max_upstream_bytes: int,
         metrics: "GatewayMetrics | None" = None,
         recheck: Callable[[], Awaitable[None]] | None = None,
+        access: LineageAccess | None = None,
     ) -> None:
         """`recheck`: an immediate health check of every instance (health.py), awaited once by a request that finds
-        no healthy instance before it gets 503 `no_healthy_instances` (issue 28 item 12)."""
+        no healthy instance before it gets 503 `no_healthy_instances` (issue 28 item 12). `access`: who may name a
+        lineage's versions outside a Task (None: nobody but for the default line)."""
         self._metrics = metrics
         self._max_upstream_bytes = max_upstream_bytes
         self._recheck = recheck
@@ -94,6 +102,7 @@ class InferenceProxy:
         self._hooks = CaptureHooks(rl, tracker, metrics)
         self._rl_running = rl_running
         self._upstream = upstream
+        self._access = access
 
     # ---------------------------------------------------------------- routes
 
@@ -144,9 +153,7 @@ class InferenceProxy:
                     lineage_of_version(body.get("model"), self._model_id) or DEFAULT_LINEAGE, captured=False)
             # The call's counts: closed here when the answer is returned, or by the stream's relay it is handed to.
             with ProxiedCall() as call:
-                return await self._bypass(body, wants, flavor, session_id, call)
-        if self._metrics is not None:
-            self._metrics.lineage_request(binding.lineage, captured=True)
+                return await self._bypass(request, body, wants, flavor, session_id, call)
         return await self._serve_captured(request, body, wants, flavor, binding, names)
 
     async def _serve_captured(
@@ -160,6 +167,8 @@ class InferenceProxy:
                                 "this session's RL Task requires its capture secret in X-Agent-Capture-Secret")
             if not capture_secret.matches(presented, binding.secret_digest):
                 return envelope(403, "invalid_capture_secret", "wrong capture secret for this session's RL Task")
+        if self._metrics is not None:  # ranks lineages for a label: only a request its Task's secret admits
+            self._metrics.lineage_request(binding.lineage, captured=True)
         try:
             screened = screen(dict(body, model=binding.policy_model), names=names)
         except FieldRefused as exc:
@@ -174,21 +183,25 @@ class InferenceProxy:
     # ---------------------------------------------------------------- bypass
 
     async def _bypass(
-        self, body: dict[str, Any], wants: ClientWants, flavor: str, session_id: str | None, call: ProxiedCall,
+        self, request: Request, body: dict[str, Any], wants: ClientWants, flavor: str, session_id: str | None,
+        call: ProxiedCall,
     ) -> Response:
         model = body.get("model")
         line = line_of_version(model)
-        if line is not None and model_of_line(line) == self._model_id and model != self._loras.snapshot(line)[1]:
+        if line is not None and model_of_line(line) == self._model_id:
             # Older versions stay loaded only for the Tasks pinned to them (a rolled-back version included): traffic
-            # outside a Task gets the base model or the active version of a line, never those.
-            return envelope(404, "model_not_found",
-                            f"{model} is not the active policy of its line; without an RL Task name "
-                            f"{self._model_id} or an active version")
+            # outside a Task gets the base model or the active version of a line, never those; and a lineage's
+            # versions only when the caller may, decided first so that a refusal reads as an unknown model.
+            allowed = line == self._model_id or (
+                self._access is not None and await self._access.allows(request, split_line(line)[1]))
+            if not allowed or model != self._loras.snapshot(line)[1]:
+                return envelope(404, "model_not_found",
+                                f"the model {model} is not served outside an RL Task; name {self._model_id} or "
+                                "an active version you may use")
         try:
             # Base traffic of one session sticks to one instance (prefix-cache reuse); LoRA traffic never does.
             policy_model = model if isinstance(model, str) else self._model_id
-            instance = await self._pick(self._model_id, policy_model, affinity_key=session_id)
-            await self._loras.page_in(instance, policy_model, call)  # on a paging instance: loaded on demand
+            instance = await self._route(policy_model, call, task=False, affinity_key=session_id)
         except LoraError as exc:
             return error_answer(exc)
         return await self._upstream_answer(instance, body, wants, flavor, call)
@@ -204,14 +217,35 @@ class InferenceProxy:
             return error_answer(exc)
         call.captured(injected)  # from here it ends by `:after` or `:discard`
         try:
-            instance = await self._pick(self._model_id, binding.policy_model, affinity_key=binding.session_id,
-                                        captured=True)
             # The pinned version itself, loaded on demand where it was paged out: never another adapter or base.
-            await self._loras.page_in(instance, binding.policy_model, call)
+            instance = await self._route(binding.policy_model, call, task=True, affinity_key=binding.session_id,
+                                         captured=True)
         except LoraError as exc:
             return error_answer(exc)
         call.instance = instance.name
         return await self._upstream_answer(instance, injected, wants, flavor, call)
+
+    async def _route(self, policy_model: str, call: ProxiedCall, *, task: bool, **how: Any) -> Instance:
+        """The instance that serves the call, its count in flight held by the call from before the page-in (so
+        concurrent first loads see each other) and, on a paging instance, the version loaded there. A page-in that
+        failed is tried once on another instance: the one that failed is in backoff, last in line."""
+        instance = await self._pick(self._model_id, policy_model, **how)
+        try:
+            return await self._paged_in(instance, policy_model, call, task=task)
+        except LoraError as exc:
+            if exc.code != "lora_load_failed":
+                raise
+            again = await self._pick(self._model_id, policy_model, **how)
+            if again.name == instance.name:  # no other instance can load it
+                raise
+            return await self._paged_in(again, policy_model, call, task=task)
+
+    async def _paged_in(self, instance: Instance, policy_model: str, call: ProxiedCall, *, task: bool) -> Instance:
+        with contextlib.ExitStack() as counts:  # released at once when the page-in fails
+            counts.enter_context(self._routing.in_flight(instance))
+            await self._loras.page_in(instance, policy_model, counts, task=task)
+            call.enter_context(counts.pop_all())
+        return instance
 
     async def _pick(self, model: str, policy_model: str, **how: Any) -> Instance:
         """The routing pick; when every instance is out of routing, once more after an immediate health check (a
@@ -229,9 +263,8 @@ class InferenceProxy:
     async def _upstream_answer(
         self, instance: Instance, body: dict[str, Any], wants: ClientWants, flavor: str, call: ProxiedCall,
     ) -> Response:
-        """Send to `instance`, counted in flight there until the answer (or the stream) ends. An error answer leaves
-        the capture pending: the call discards it when it closes."""
-        call.enter_context(self._routing.in_flight(instance))
+        """Send to `instance` (the call counts it in flight there since `_route`, until the answer or the stream
+        ends). An error answer leaves the capture pending: the call discards it when it closes."""
         stream = body.get("stream") is True
         call.request_json = request_json = orjson.dumps(body)  # once: `:after` carries these bytes
         started = time.perf_counter()

@@ -34,13 +34,15 @@ class Admission:
         self._probe = probe
         self._admitting: set[str] = set()  # instances being admitted (a probe round must not start a second one)
 
-    async def register(self, name: str, model: str, host: str, port: int | str) -> bool:
+    async def register(self, name: str, model: str, host: str, port: int | str, *,
+                       accepted: Callable[[Instance, bool], None] | None = None) -> bool:
         """Register an instance, or accept its identical repeat; returns whether it serves now. Its address must
         pass the address policy (resolved once: the instance is kept at the address checked); it must pass the
         health probe, then gets the model's active adapter and the versions still leased before it enters routing; a
         failed load leaves the model `degraded` with this instance serving base only, until a retry succeeds.
         Raises LoraError 400 on bad input or a refused address, 409 when the name belongs to another instance or
-        the cap is reached."""
+        the cap is reached. `accepted(instance, new)` runs once the registry took the registration (a new name, or
+        the identical repeat), before any load: never for a refused one."""
         try:
             if self._registry.is_static(name):  # the config's: a repeat of itself or 409, never the policy
                 instance, new = self._registry.register(name, model, host, _port(port))
@@ -52,6 +54,8 @@ class Admission:
             raise LoraError(exc.code, exc.message) from exc
         except (TypeError, ValueError) as exc:
             raise LoraError("invalid_request", f"invalid instance: {exc}") from exc
+        if accepted is not None:
+            accepted(instance, new)
         if new:
             shown = "" if instance.host == host else f" (resolved from {host})"
             log.info("instance %s registered for %s at %s%s", name, model, instance.base_url, shown)

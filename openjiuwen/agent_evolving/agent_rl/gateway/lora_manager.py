@@ -73,11 +73,16 @@ class LoraManager:
         max_loras_default: int = 0,
         page_timeout_s: float = 30.0,
         paging_metrics: PagingMetrics | None = None,
+        task_reserved_slots: int = 1,
+        max_leased_versions: int = 4,
     ) -> None:
         """`addresses`: what a registration may name (instance_addresses.py). `capture_registered`: registered
         instances serve captured traffic too (routing.py). `probe`: the health check a registration must pass before
         the instance serves (None: admit at once). `max_loras`: LoRA capacity per instance name (static instances'
-        `maxLoras`), else `max_loras_default`; 0 is unlimited (adapter_pager.py)."""
+        `maxLoras`), else `max_loras_default`; 0 is unlimited (adapter_pager.py). `task_reserved_slots`: slots of a
+        paging instance that requests outside a Task never keep in use (`lora.taskReservedSlots`).
+        `max_leased_versions`: versions of a line that Tasks may keep loaded besides what the line serves
+        (`lora.maxLeasedVersionsPerLine`, `leased_past_cap`)."""
         if not operation_timeout_s > 0:
             raise ValueError("operation_timeout_s must be positive")
         self._registry = registry
@@ -87,12 +92,12 @@ class LoraManager:
         self._max_loras_default = max_loras_default
         self.pager = AdapterPager(AdapterClient(client), self.holdings, capacity=self._capacity,
                                   page_timeout_s=page_timeout_s, load_timeout_s=self._timeout_s,
-                                  metrics=paging_metrics)
+                                  metrics=paging_metrics, task_reserved=task_reserved_slots)
         self._vllm = self.pager  # every load counts against capacity
         # The inference proxy picks instances and counts requests.
-        self.routing = Router(registry, self.holdings, capture_registered=capture_registered,
-                              can_page=self._can_page)
+        self.routing = Router(registry, self.holdings, capture_registered=capture_registered, paging=self)
         self.leases = Leases()
+        self._max_leased_versions = max_leased_versions
         self._lines = PolicyLines()
         self._state_file = LoraStateFile(state_path)
         self._tasks = OwnedTasks()
@@ -156,6 +161,25 @@ class LoraManager:
                 return None
             return Switch(Serving(None, line.candidate), f"deactivated {line.active.lora_name}; {model} serves base",
                           active_entry=None)
+
+        await self._switcher.switch(model, decide, deadline=None, wait_until=None)  # every holder is bounded
+
+    async def retire(self, line_name: str) -> dict[str, Any]:
+        """A lineage archived or deleted (docs/lineages.md "Lifecycle"): its line stops serving its candidate and its
+        active version in one switch (one state-file write: the line's entries go), and each is unloaded where no
+        Task holds it (a leased one once its last Task ends). Idempotent: a line that serves nothing answers the
+        same. New Tasks of the line are pinned to base; outside a Task its versions are no longer accepted."""
+        line = self._lines.get(line_name)
+        before = sorted(Serving(line.active, line.candidate).versions()) if line is not None else []
+        if before:
+            await self._tasks.run(self._retire(line_name), f"lora-retire:{line_name}")
+        return {"status": "retired", "line": line_name, "versions": before}
+
+    async def _retire(self, model: str) -> None:
+        def decide(line: PolicyLine) -> Switch | None:
+            if line.active is None and line.candidate is None:
+                return None
+            return Switch(Serving(None, None), f"retired {model}: it serves nothing now", active_entry=None)
 
         await self._switcher.switch(model, decide, deadline=None, wait_until=None)  # every holder is bounded
 
@@ -315,13 +339,17 @@ class LoraManager:
             return BASE_POLICY, model
         return line.active.lora_name, line.active.lora_name
 
-    async def page_in(self, instance: Instance, policy_model: str, counts: UseHolder) -> None:
+    async def page_in(self, instance: Instance, policy_model: str, counts: UseHolder, *, task: bool = True) -> None:
         """Before a request for `policy_model` goes to `instance` (the routing pick, no await since): on a paging
         instance, count the use in `counts` (the request's call, captured_call.py; so the adapter is no victim until
-        the request ends) and load the version on demand. LoraError 503 `lora_capacity_exhausted` / 502 `lora_load_failed` / 503 `lora_unavailable`."""
+        the request ends) and load the version on demand. A request outside a Task (`task` False) first waits for
+        a slot of those not reserved for Tasks (adapter_pager.py). LoraError 503 `lora_capacity_exhausted` / 502
+        `lora_load_failed` / 503 `lora_unavailable`."""
         if not self.pager.pages(instance) or line_of_version(policy_model) is None:
             return
-        counts.enter_context(self.pager.using(instance, policy_model))  # first: nothing awaits before it
+        if not task:
+            await self.pager.wait_outside_slot(instance, policy_model)
+        counts.enter_context(self.pager.using(instance, policy_model, outside=not task))  # no await before it
         if self.holdings.holds(instance.name, policy_model):
             return
         path = self._placement.paths.get(policy_model)
@@ -332,8 +360,35 @@ class LoraManager:
     def _capacity(self, instance: Instance) -> int:
         return self._max_loras.get(instance.name, self._max_loras_default)
 
-    def _can_page(self, instance: Instance, policy_model: str) -> bool:
-        return self._capacity(instance) > 0 and policy_model in self._placement.paths
+    # Paging, as routing asks it (routing.Paging).
+
+    def can_page(self, instance: Instance, version: str) -> bool:
+        return self._capacity(instance) > 0 and version in self._placement.paths
+
+    def free_slots(self, instance: Instance) -> int:
+        return self.pager.free_slots(instance)
+
+    def backed_off(self, instance: Instance) -> bool:
+        return self.pager.backed_off(instance)
+
+    def leased_past_cap(self, line_name: str | None = None) -> list[str]:
+        """The versions whose Tasks should end, oldest first: of each line (or of `line_name`), every version Tasks
+        hold that the line no longer serves, but its newest `max_leased_versions`. A static instance keeps every
+        leased version loaded, so without a cap one key holding a Task per version would fill vLLM's slots and
+        fail other lines' activations (issue 37, "leases on non-paging instances")."""
+        by_line: dict[str, list[tuple[int, str]]] = {}
+        for name in self.leases.names():
+            parsed = parse_version_name(name)
+            if parsed is None or (line_name is not None and parsed[0] != line_name):
+                continue
+            line = self._lines.get(parsed[0])
+            if line is None or not line.serves(name):
+                by_line.setdefault(parsed[0], []).append((parsed[1], name))
+        past: list[str] = []
+        for versions in by_line.values():
+            versions.sort()
+            past += [name for _, name in versions[:max(0, len(versions) - self._max_leased_versions)]]
+        return past
 
     def acquire(self, lora_name: str) -> None:
         """Lease a version so it stays loaded (a Task pinned to it); base is never leased."""
@@ -351,24 +406,36 @@ class LoraManager:
     async def register_instance(self, name: str, model: str, host: str, port: int | str, *,
                                 max_loras: int | None = None) -> bool:
         """See `Admission.register`: whether the instance serves now. `max_loras`: its LoRA capacity (None: the
-        gateway default; a static instance keeps its configured one). Raises LoraError 400 / 409."""
-        known = name in self._max_loras
-        if max_loras is not None and not self._registry.is_static(name):
-            self._max_loras[name] = max_loras  # before admission: its loads count against it
-        try:
-            return await self._admission.register(name, model, host, port)
-        except LoraError:
-            if not known:
-                self._max_loras.pop(name, None)
-            raise
+        gateway default; a static instance keeps its configured one). Raises LoraError 400 / 409.
+
+        The capacity is stored only when the registry admits a new name, before its loads (they count against it):
+        a refused registration (another address: 409 `instance_conflict`) never touches the capacity of the
+        instance it named, and a repeat keeps the capacity its name was admitted with (issue 37 item 5; an
+        operator removes the instance to change it)."""
+
+        def accepted(instance: Instance, new: bool) -> None:
+            if max_loras is None or self._registry.is_static(instance.name):
+                return
+            if new:
+                self._max_loras[instance.name] = max_loras
+            elif self._capacity(instance) != max_loras:
+                log.warning("instance %s repeated its registration with maxLoras %d: it keeps %d (remove it to "
+                            "change its capacity)", instance.name, max_loras, self._capacity(instance))
+
+        return await self._admission.register(name, model, host, port, accepted=accepted)
 
     async def readmit(self, instance: Instance) -> None:
         """An instance that answers its health probe again: adapters first, then routing (health monitor)."""
         await self._admission.readmit(instance)
 
     def remove_instance(self, name: str) -> Instance:
-        """Drop a registered instance (operator). Raises LoraError 404 / 409 (static)."""
-        return self._admission.remove(name)
+        """Drop a registered instance (operator), and everything kept per instance name. Raises LoraError 404 / 409
+        (static)."""
+        instance = self._admission.remove(name)
+        self._max_loras.pop(name, None)  # a later registration under the name states its own
+        self.pager.forget(name)
+        self.routing.forget(name)
+        return instance
 
     # ------------------------------------------------------------------------------------------------ restart
 

@@ -41,7 +41,7 @@ async def _serve(config_path: str) -> int:
         logging.getLogger("openjiuwen.agent_rl.gateway").warning(
             "global.acceptLegacySignatures is on: AIGW-form signatures (method, path and query unsigned) are accepted")
     gateway = build_gateway(config, verifier=verifier, console_auth=ConsoleAuth(keys.api), env=dict(os.environ),
-                            agent_lineages=keys.agent_lineages)
+                            agent_lineages=keys.agent_lineages, agent_lineage_caps=keys.agent_lineage_caps)
     app = create_gateway_app(gateway)
     tune_gc()
     host, _, port = config.global_.listen.rpartition(":")

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from ..common.http_metrics import FAST_BUCKETS_S
 from ..common.lineage import DEFAULT_LINEAGE, parse_version_name, split_line
 from .instances import InstanceRegistry
-from .lineage_labels import OTHER, LineageLabels
+from ..common.lineage_labels import DEFAULT_IDLE_S, OTHER, LineageLabels
 from .lora_manager import LoraManager
 from .lora_types import LoraStatus
 from .sessions import SessionMap
@@ -25,11 +25,15 @@ LORA_STATES = tuple(LoraStatus)
 
 
 DEFAULT_LINEAGE_TOP_K = 20  # config `metrics.lineageLabelTopK`
+CAPTURE_OUTCOMES = ("committed", "refused", "discarded")  # gw_lineage_captures_total{outcome}
 
 
 class GatewayMetrics:
-    def __init__(self, *, lineage_top_k: int = DEFAULT_LINEAGE_TOP_K) -> None:
-        """`lineage_top_k`: lineages with their own `lineage` label beside `default` (lineage_labels.py)."""
+    def __init__(self, *, lineage_top_k: int = DEFAULT_LINEAGE_TOP_K,
+                 lineage_label_idle_s: float = DEFAULT_IDLE_S) -> None:
+        """`lineage_top_k`: lineages with their own `lineage` label beside `default`; `lineage_label_idle_s`: how
+        long a label's lineage may go without traffic before another lineage may take its slot
+        (common/lineage_labels.py)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.http_requests = Counter("gw_http_requests_total", "Answers by route template and status",
@@ -69,8 +73,8 @@ class GatewayMetrics:
         self.adapter_load_seconds = Histogram("gw_lora_adapter_load_duration_seconds",
                                               "Time of one LoRA load call that loaded the adapter",
                                               buckets=UPSTREAM_BUCKETS_S, registry=r)
-        # Per lineage, through ONE bounded mapper (lineage_labels.py): at most top_k + 2 values per family.
-        self.lineages = LineageLabels(lineage_top_k)
+        # Per lineage, through ONE bounded mapper (common/lineage_labels.py): at most top_k + 2 values per family.
+        self.lineages = LineageLabels(lineage_top_k, idle_s=lineage_label_idle_s, released=self._drop_lineage)
         self.lineage_requests = Counter("gw_lineage_requests_total",
                                         "Inference requests by lineage (bounded label: top lineages, default, other) "
                                         "and whether captured", ("lineage", "captured"), registry=r)
@@ -100,6 +104,15 @@ class GatewayMetrics:
         names must not take the label slots from real lineages."""
         label = self.lineages.label(lineage) if captured else self.lineages.known(lineage)
         self.lineage_requests.labels(label, "true" if captured else "false").inc()
+
+    def _drop_lineage(self, lineage: str) -> None:
+        """A label was released: its series leave the page (the lineage counts under `other` from now on)."""
+        series = [(self.lineage_requests, (lineage, captured)) for captured in ("true", "false")]
+        series += [(self.lineage_captures, (lineage, outcome)) for outcome in CAPTURE_OUTCOMES]
+        series.append((self.lineage_adapter_loads, (lineage,)))
+        for family, labels in series:
+            with suppress(KeyError):  # a series it never had
+                family.remove(*labels)
 
     def lineage_capture(self, lineage: str, outcome: str) -> None:
         self.lineage_captures.labels(self.lineages.known(lineage), outcome).inc()

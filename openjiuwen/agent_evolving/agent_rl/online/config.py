@@ -134,6 +134,13 @@ class LineagesConfig(BaseModel):
 
     # Registered lineages besides `default`; a Task start that would register one more is refused (409).
     max_count: PositiveInt = 1000
+    # Archive a lineage with no Task started for this long (docs/lineages.md "Lifecycle"); None: never.
+    idle_archive_seconds: PositiveInt | None = None
+    # How often the leader's lineage loop runs: the idle sweep, and unloads or deletions still to finish.
+    lifecycle_interval_seconds: PositiveInt = 60
+    # Lineages with their own `lineage` label on the RL Service's freshness histograms beside `default` (the rest
+    # are `other`; common/lineage_labels.py), so thousands of lineages stay a bounded set of series.
+    metrics_label_top_k: Annotated[StrictInt, Field(ge=0, le=1000)] = 20
 
 
 class RLServiceConfig(BaseModel):
@@ -238,6 +245,17 @@ class RLServiceConfig(BaseModel):
         minimum = info.data.get("min_samples_for_training")
         if minimum is not None and value < minimum:
             raise config_invalid("must be >= min_samples_for_training")
+        return value
+
+    @field_validator("training_policy")
+    @classmethod
+    def _concurrent_runs_need_a_placing_backend(cls, value: TrainingPolicyConfig,
+                                                info: ValidationInfo) -> TrainingPolicyConfig:
+        # The verl backend names its Ray actors per model and kills a leftover of the same name before a run starts:
+        # a second live run would kill the first one's actors. Refused until it places runs apart.
+        if value.max_concurrent_runs > 1 and info.data.get("trainer_backend") == "verl":
+            raise config_invalid("max_concurrent_runs must be 1 with trainer_backend verl (its Ray actors are "
+                                 "named per model, one run at a time)")
         return value
 
     @field_validator("ppo_config_path")

@@ -42,6 +42,7 @@ POINTS: dict[str, str] = {
     "run.activated": "the gateway switched to the new version, before the run is recorded succeeded",
     "rollout.intent": "a promotion or rollback is recorded as intent, before the gateway call",
     "rollout.switched": "the gateway promoted or dropped the candidate, before the rollout is recorded ended",
+    "lineage.purge_batch": "a lineage's deletion removed one batch of its records, before the next one",
 }
 
 FaultHook = Callable[[str], None]

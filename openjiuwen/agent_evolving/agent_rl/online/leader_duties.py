@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 
 from ..common.private_files import UnsafeDirectoryError, ensure_private_root
 from .capture.lifecycle import TaskLifecycle
+from .lineage_lifecycle import LineageLifecycle
 from .rewards.projector import RewardProjector
 from .rail_ingest.ingest import RailIngestor
 from .retention import RetentionSweeper
@@ -56,6 +57,7 @@ class LeaderDuties:
         reward_ledger: RewardLedger,
         reward_sweeper: RewardDeadlineSweeper,
         scheduler: TrainingScheduler,
+        lineages: LineageLifecycle,
         training_tmp_root: str,
         wait_alone: Callable[[float], Awaitable[int]],
     ) -> None:
@@ -70,6 +72,7 @@ class LeaderDuties:
         self._reward_ledger = reward_ledger
         self._reward_sweeper = reward_sweeper
         self._scheduler = scheduler
+        self._lineages = lineages
         self._training_tmp_root = training_tmp_root
         self._wait_alone = wait_alone
         self.run_reward_sweeper = False
@@ -98,11 +101,14 @@ class LeaderDuties:
         if self.run_reward_sweeper:
             self._reward_sweeper.start()
         self._scheduler.start()  # automatic training (a no-op unless `training_policy.auto`)
+        # Archive unloads and deletions a previous leader left unfinished, then the idle sweep (docs/lineages.md).
+        self._lineages.start()
 
     async def leave_office(self, *, shutdown: bool) -> None:
         """Stop the singleton loops. At shutdown the active run is stopped and, once the other workers left, every
         active Task is finished; a leader that lost its lease only drops its executions (the next one settles)."""
         await self._scheduler.stop()  # first: no run may start while the others are being stopped
+        await self._lineages.stop()
         await self._reward_sweeper.stop()
         await self._sweeper.stop()
         await self._rollout.stop()

@@ -2,19 +2,21 @@
 line's pending count and active run (`GET /v1/rl/lineages`).
 
 `default` always exists and is never in the ZSET; every other lineage is added by the start EXEC of its first Task
-(tasks/registry.py) and never removed. A page costs one ZRANGE, one GET of the active run and one pipelined HGET per
-item: never a read of every lineage.
+(tasks/registry.py) and removed only by the last step of its deletion (lineage_purge.py). A page costs one ZRANGE,
+one read of the live runs (the pointers and at most `max_concurrent_runs` records) and pipelined reads per item
+(first use, pending count, lifecycle state): never a read of every lineage.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 from redis.asyncio import Redis
 
+from ..common.ids import epoch_iso
 from ..common.lineage import DEFAULT_LINEAGE, is_lineage, line_of
 from .errors import InvalidInput
+from .lineage_state import LineageStatus, parse_state
 from .store import keys
 from .store.codec import text
 from .store.listing import newest_first
@@ -36,6 +38,15 @@ class LineageRegistry:
             return False
         return lineage == DEFAULT_LINEAGE or await self._redis.zscore(keys.LINEAGES, lineage) is not None
 
+    async def status(self, lineage: str) -> LineageStatus | None:
+        """The lifecycle state of `default` (live) or a registered lineage; None when it does not exist."""
+        if not await self.exists(lineage):
+            return None
+        if lineage == DEFAULT_LINEAGE:
+            return LineageStatus.LIVE
+        state = parse_state(await self._redis.get(keys.lineage_state(lineage)))
+        return LineageStatus.LIVE if state is None else state.status
+
     async def page(self, *, limit: int, cursor: str | None) -> dict[str, Any]:
         """Registered lineages newest first (by first use), with their line, pending samples and active run."""
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
@@ -47,16 +58,19 @@ class LineageRegistry:
             for name, line in zip(names, lines):
                 reads.zscore(keys.LINEAGES, name)
                 reads.hget(keys.traj_stats(line), f"status:{SampleStatus.PENDING}")
+                reads.get(keys.lineage_state(name))
             raw = await reads.execute()
-        active = await self._runs.active()
+        active = {run.lineage: run.training_run_id for run in await self._runs.active_runs()}
         items = []
         for i, (name, line) in enumerate(zip(names, lines)):
-            first_used, pending = raw[2 * i], raw[2 * i + 1]
+            first_used, pending, state = raw[3 * i:3 * i + 3]
+            lifecycle = parse_state(state)
             items.append({
                 "lineage": name,
                 "line": line,
-                "first_used_at": None if first_used is None else datetime.fromtimestamp(first_used, UTC).isoformat(),
+                "first_used_at": None if first_used is None else epoch_iso(first_used),
                 "pending_samples": max(0, int(text(pending) or 0)),
-                "active_run": active.training_run_id if active is not None and active.lineage == name else None,
+                "active_run": active.get(name),
+                "state": (lifecycle.status if lifecycle is not None else LineageStatus.LIVE).value,
             })
         return {"items": items, "next_cursor": next_cursor}

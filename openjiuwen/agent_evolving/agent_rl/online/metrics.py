@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from ..common.http_metrics import FAST_BUCKETS_S
 from ..common.ids import lora_version
+from ..common.lineage_labels import LineageLabels
 from ..common.wire.task_states import TaskStatus
 from .store import keys
 
@@ -37,10 +38,15 @@ if TYPE_CHECKING:
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LAST = "mostrecent"  # a gauge of a worker group: the value last set by any worker
 SLOW_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)
+# A sample may wait hours for its line's threshold or a canary's verdict: up to two days.
+FRESHNESS_BUCKETS_S = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0,
+                       172800.0)
+LINEAGE_GRANT_AFTER = 3  # runs a lineage needs before it takes a free label slot of the freshness histograms
+LINEAGE_IDLE_S = 86400.0  # a lineage without a run for this long may lose its label to one that earns it
 
 
 class ServiceMetrics:
-    def __init__(self, model_id: str) -> None:
+    def __init__(self, model_id: str, *, lineage_top_k: int = 20) -> None:
         self.model_id = model_id
         self.registry = CollectorRegistry(auto_describe=True)
         r, m = self.registry, ("model_id",)
@@ -76,6 +82,25 @@ class ServiceMetrics:
         self.stage_duration = Histogram("rl_training_stage_duration_seconds",
                                         "Time a Training Run spent in a stage, by how the stage ended",
                                         m + ("stage", "outcome"), buckets=SLOW_BUCKETS_S, registry=r)
+        # Freshness per lineage (docs/training.md "Freshness"). The `lineage` label is bounded like the gateway's
+        # (common/lineage_labels.py): `default`, at most `lineages.metrics_label_top_k` lineages that keep training
+        # (granted once they ran LINEAGE_GRANT_AFTER runs while a slot was free; a label idle LINEAGE_IDLE_S goes to
+        # the next lineage that earns one, its series removed), every other lineage `other`.
+        self.eligible_wait = Histogram("rl_training_eligible_wait_seconds",
+                                       "Time a line waited from eligible (automatic training) to its run's start, "
+                                       "by lineage (bounded label)", m + ("lineage",), buckets=FRESHNESS_BUCKETS_S,
+                                       registry=r)
+        self.sample_to_policy = Histogram("rl_sample_to_policy_seconds",
+                                          "Per trained sample: its creation to the activation or promotion of the "
+                                          "first version trained on it, by lineage (bounded label)",
+                                          m + ("lineage",), buckets=FRESHNESS_BUCKETS_S, registry=r)
+        self.training_lineages = LineageLabels(lineage_top_k, grant_after=LINEAGE_GRANT_AFTER, idle_s=LINEAGE_IDLE_S,
+                                               released=self._drop_training_lineage)
+        self.runs_active = Gauge("rl_training_runs_active", "Training Runs live now (every lineage)", m,
+                                 registry=r, multiprocess_mode=LAST)
+        self.samples_outdated = Counter("rl_samples_outdated_total",
+                                        "Pending samples that became `outdated` (policy lag past max_policy_lag)",
+                                        m, registry=r)
         self.activation_attempts = Counter("rl_lora_activation_attempts_total",
                                            "Activation requests to the gateway by result", m + ("result",),
                                            registry=r)
@@ -164,6 +189,26 @@ class ServiceMetrics:
     def run_started(self, trigger: str) -> None:
         self.runs_started.labels(self.model_id, trigger).inc()
 
+    def run_claimed(self, lineage: str, eligible_wait_s: float | None) -> None:
+        """A run started: counts towards its lineage's label slot; its line's eligible-to-run wait when it had one."""
+        label = self.training_lineages.label(lineage)
+        if eligible_wait_s is not None:
+            self.eligible_wait.labels(self.model_id, label).observe(max(0.0, eligible_wait_s))
+
+    def _drop_training_lineage(self, lineage: str) -> None:
+        for family in (self.eligible_wait, self.sample_to_policy):
+            with suppress(KeyError):  # a label granted but never observed has no series
+                family.remove(self.model_id, lineage)
+
+    def policy_live(self, lineage: str, latencies_s: list[float]) -> None:
+        """A version became its line's policy: each trained sample's creation-to-policy latency."""
+        child = self.sample_to_policy.labels(self.model_id, self.training_lineages.known(lineage))
+        for seconds in latencies_s:
+            child.observe(max(0.0, seconds))
+
+    def outdated(self, n: int) -> None:
+        self.samples_outdated.labels(self.model_id).inc(n)
+
     def run_sampling(self, report: dict[str, Any]) -> None:
         self.logprob_mismatch.labels(self.model_id, "mean").set(report["logprob_mismatch_mean"])
         self.logprob_mismatch.labels(self.model_id, "max").set(report["logprob_mismatch_max"])
@@ -230,12 +275,15 @@ class ServiceMetrics:
                 pipe.zcard(keys.tasks_by_status(TaskStatus.FINALIZED))
                 pipe.zcard(keys.tasks_by_status(TaskStatus.ABORTED))
                 pipe.get(keys.POLICY_OBSERVED)
-                active, finalized, aborted, observed = await pipe.execute()
+                pipe.exists(keys.ACTIVE_RUN)
+                pipe.hlen(keys.ACTIVE_LINEAGE_RUNS)
+                active, finalized, aborted, observed, default_run, lineage_runs = await pipe.execute()
         except RedisError:
             self.redis_error()
             return
         for status, n in counts["by_status"].items():
             self.trajectories.labels(self.model_id, status).set(n)
+        self.runs_active.labels(self.model_id).set(default_run + lineage_runs)
         S = TaskStatus
         for status, n in ((S.ACTIVE, active), (S.FINALIZED, finalized), (S.ABORTED, aborted)):
             self.tasks.labels(self.model_id, status).set(n)

@@ -30,6 +30,7 @@ from .store.codec import text
 from .store.lineage_listing import RUN_LISTING, TASK_LISTING
 from .store.trajectories import TrajectoryStore
 from ..common.wire.task_states import TASK_STATUSES
+from .tasks.task_keys import keys_of_task
 from .tasks.task_records import Task, TerminalReward
 from .workers.fence import Fence, LeaseLost
 
@@ -77,7 +78,8 @@ class RetentionSweeper:
 
     async def _sweep_lineage_lines(self, now: float) -> int:
         """Old samples of the next `_LINES_PER_TICK` registered lineages' lines; the cursor wraps at the end.
-        Lineages are never unregistered and new ones mostly rank last, so a rank cursor misses none for long."""
+        New lineages mostly rank last and a deleted one only shifts the ranks after it by one, so a rank cursor
+        misses none for long."""
         start = self._line_cursor
         lineages = [text(m) or "" for m in await self._redis.zrange(keys.LINEAGES, start, start + _LINES_PER_TICK - 1)]
         self._line_cursor = start + len(lineages) if len(lineages) == _LINES_PER_TICK else 0
@@ -124,7 +126,7 @@ class RetentionSweeper:
     async def _ttl_terminal_tasks(self) -> int:
         ids = [text(t) for t in await self._redis.zrange(keys.TASKS_GC, 0, BATCH - 1)]
         for t in ids:
-            task_keys = await self._task_keys(t)
+            task_keys = await keys_of_task(self._redis, t)
             lineage = _lineage_of_record(await self._redis.get(keys.task(t)))
 
             def queue(pipe: Pipeline) -> None:  # awaited below, within this iteration
@@ -137,21 +139,6 @@ class RetentionSweeper:
 
             await self._fence.write(self._redis, queue)
         return len(ids)
-
-    async def _task_keys(self, t: str) -> list[str]:
-        """Every key a Task may own, enumerated from its sets and turn pointers."""
-        captures = [text(c) for c in await self._redis.smembers(keys.captures(t))]
-        closed = [text(u) for u in await self._redis.smembers(keys.turns_closed(t))]
-        current, transition = await self._redis.mget(keys.turn_current(t), keys.turn_transition(t))
-        turns = set(closed) | {text(u) for u in (current, transition) if u is not None}
-        out = [
-            keys.task(t), keys.captures(t), keys.open_captures(t), keys.committed_captures(t),
-            keys.turn_current(t), keys.turn_transition(t), keys.turns_closed(t), keys.reward(t), keys.task_events(t),
-        ]
-        out += [keys.capture(t, c) for c in captures]
-        for u in turns:
-            out += [keys.turn_captures(t, u), keys.turn_publish(t, u), keys.turn_publisher(t, u)]
-        return out
 
     async def _expire_unrewarded(self, now: float) -> int:
         cutoff = now - self._reward_timeout_s

@@ -132,7 +132,7 @@ def create_app(
     app.include_router(build_training_router(deps.runner, deps.lineages))
     app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id), deps.lineages))
     app.include_router(build_rollout_router(deps.rollout, deps.lineages))
-    app.include_router(build_lineages_router(deps.scheduler, deps.lineages))
+    app.include_router(build_lineages_router(deps.scheduler, deps.lineages, deps.lineage_lifecycle))
     # Inside the guards (bearer 401 and size 413 first): a non-JSON body is 415 (a browser's cross-site simple POST).
     app.add_middleware(JsonBodyMiddleware, binary_routes=HOOK_BINARY_ROUTES)
     if not deps.coordinator.placement.solo:  # inside the guards: only an authorised request is relayed

@@ -18,6 +18,8 @@ from .rewards.projector import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig
 from .leader_duties import LeaderDuties
+from .lineage_lifecycle import LineageLifecycle
+from .lineage_purge import LineagePurge
 from .lineages import LineageRegistry
 from .lora.gateway_client import GatewayLoraClient
 from .lora.repository import LoraRepository
@@ -35,6 +37,7 @@ from .store.trajectories import TrajectoryStore
 from .tasks.registry import TaskRegistry
 from .tasks.signals import TaskSignals
 from .training.backends import TrainerBackend
+from .training.freshness import Freshness
 from .training.pauses import LineagePauses
 from .training.runner import TrainingRunner
 from .training.runs import RunStore
@@ -84,6 +87,7 @@ class ServiceDeps:
     scheduler: TrainingScheduler
     fence: Fence  # every leader-only write goes through it (workers/fence.py)
     lineages: LineageRegistry
+    lineage_lifecycle: LineageLifecycle
     duties: LeaderDuties = field(init=False)
     coordinator: WorkerCoordinator = field(init=False)
 
@@ -103,7 +107,8 @@ class ServiceDeps:
         membership = Membership(redis, boot=placement.boot, slot=placement.index, solo=placement.solo)
         fence = make_fence(placement)
         judge = judge if judge is not None else make_judge(config)
-        metrics = ServiceMetrics(config.model_id)  # per app: its own CollectorRegistry
+        # Per app: its own CollectorRegistry.
+        metrics = ServiceMetrics(config.model_id, lineage_top_k=config.lineages.metrics_label_top_k)
         metered_judge = MeteredJudge(judge, metrics) if judge is not None else None
         registry = TaskRegistry(redis, signals=TaskSignals(), metrics=metrics, max_lineages=config.lineages.max_count)
         reward_policy = RewardPolicy(config.reward_policy)  # empty (unconfigured) when the section is absent
@@ -140,11 +145,18 @@ class ServiceDeps:
             rollout=rollout,
             membership=membership,
             scheduler=TrainingScheduler(
-                redis, runs=runs, runner=runner, store=store, rollout=rollout, pauses=LineagePauses(redis), fence=fence,
-                policy=config.training_policy, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
+                redis, runs=runs, runner=runner, store=store, rollout=rollout,
+                pauses=LineagePauses(redis, model_id=config.model_id), fence=fence, policy=config.training_policy,
+                model_id=config.model_id, max_policy_lag=config.max_policy_lag,
             ),
             fence=fence,
             lineages=LineageRegistry(redis, model_id=config.model_id, runs=runs),
+            lineage_lifecycle=LineageLifecycle(
+                redis, gateway=gateway, fence=fence, model_id=config.model_id,
+                purge=LineagePurge(redis, store, repository, model_id=config.model_id, fence=fence),
+                base_model_path=config.base_model_path, idle_archive_s=config.lineages.idle_archive_seconds,
+                interval_s=config.lineages.lifecycle_interval_seconds,
+            ),
         )
         deps.duties = _make_duties(deps)
         deps.coordinator = WorkerCoordinator(redis, placement, membership, deps.duties, fence,
@@ -170,7 +182,8 @@ def _make_duties(deps: ServiceDeps) -> LeaderDuties:
     return LeaderDuties(
         deps.redis, fence=deps.fence, lifecycle=deps.lifecycle, rewards=deps.rewards, rail=deps.rail,
         rollout=deps.rollout, runner=deps.runner, sweeper=deps.sweeper, reward_ledger=deps.reward_ledger,
-        reward_sweeper=deps.reward_sweeper, scheduler=deps.scheduler, training_tmp_root=deps.config.training_tmp_root,
+        reward_sweeper=deps.reward_sweeper, scheduler=deps.scheduler, lineages=deps.lineage_lifecycle,
+        training_tmp_root=deps.config.training_tmp_root,
         # The coordinator is built after the duties it runs: the call finds it then, at shutdown.
         wait_alone=lambda timeout_s: deps.coordinator.wait_alone(timeout_s),
     )
@@ -227,10 +240,11 @@ def _make_training(
         redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds, fence=fence,
         metrics=metrics,
     )
+    freshness = Freshness(redis, runs, metrics)
     rollout = RolloutController(
         redis, RolloutStore(redis, fence=fence), gateway, repository, config=config.rollout, model_id=config.model_id,
-        base_model_path=config.base_model_path, observe_policy=runs.observe_policy, active_run=runs.active,
-        metrics=metrics,
+        base_model_path=config.base_model_path, observe_policy=runs.observe_policy, active_run=runs.active_of,
+        metrics=metrics, on_promoted=freshness.promoted,
     )
     runner = TrainingRunner(
         runs,
@@ -246,6 +260,8 @@ def _make_training(
         tmp_root=config.training_tmp_root,
         metrics=metrics,
         rollout=rollout,
+        policy=config.training_policy,
+        freshness=freshness,
     )
     return rollout, runner, runs
 

@@ -15,6 +15,9 @@ AGENT_KEY = "x-aigw-rl-agent-key"
 # ext (docs/lineages.md wire 1, 2): the Task's lineage, always sent (`default` included) by a gateway that pins
 # Tasks per lineage; its absence means a gateway without lineages (an AIGW).
 LINEAGE = "x-aigw-rl-lineage"
+# ext (docs/lineages.md "Lifecycle"): on a Task start with an agent key that has a cap, the number of lineages that
+# key may register (`agentHmacKeys[i].maxLineages`); absent = no cap.
+MAX_LINEAGES = "x-aigw-rl-max-lineages"
 
 
 def display(name: str) -> str:

@@ -100,6 +100,10 @@ LINEAGE_LIST = Route("GET", "/v1/rl/lineages", O)
 LINEAGE = Route("GET", "/v1/rl/lineages/{lineage}", O)
 LINEAGE_PAUSE = Route("POST", "/v1/rl/lineages/{lineage}/pause", O)
 LINEAGE_RESUME = Route("POST", "/v1/rl/lineages/{lineage}/resume", O)
+# The lifecycle (docs/lineages.md "Lifecycle"): the leader serializes them with runs and rollouts and finishes them.
+LINEAGE_ARCHIVE = Route("POST", "/v1/rl/lineages/{lineage}/archive", O, leader_only=True)
+LINEAGE_RESTORE = Route("POST", "/v1/rl/lineages/{lineage}/restore", O, leader_only=True)
+LINEAGE_DELETE = Route("POST", "/v1/rl/lineages/{lineage}/delete", O, leader_only=True)
 
 RAIL_BATCH = Route("POST", "/v1/gateway/upload/batch", A)
 
@@ -117,7 +121,7 @@ RL_API: tuple[Route, ...] = (
     TRAJECTORY_STATS, TRAJECTORY_LIST, TRAJECTORY_EXCLUDE, TRAJECTORY_REWARDS, TRAJECTORY, TRAJECTORY_REWARD,
     POLICIES, ROLLOUT, ROLLOUT_PROMOTE, ROLLOUT_ROLLBACK, ROLLOUT_PAUSE, ROLLOUT_RESUME, ROLLOUT_EVENTS,
     LORA_ACTIVATE,
-    LINEAGE_LIST, LINEAGE, LINEAGE_PAUSE, LINEAGE_RESUME,
+    LINEAGE_LIST, LINEAGE, LINEAGE_PAUSE, LINEAGE_RESUME, LINEAGE_ARCHIVE, LINEAGE_RESTORE, LINEAGE_DELETE,
     RAIL_BATCH,
     HOOK_BEFORE, HOOK_AFTER, HOOK_DISCARD, TASK_FINISH, TASK_ABORT,
 )

@@ -150,6 +150,7 @@
   const picker = document.getElementById("lineage");
   const morePicker = document.getElementById("lineage-more");
   const lines = {};  // lineage -> its line, as listed
+  const states = {};  // lineage -> its lifecycle state as listed (docs/lineages.md "Lifecycle"); absent: live
   let lineagesSupported = false, lineageCursor = null;
   let lineage = sessionStorage.getItem("console.lineage") || DEFAULT_LINEAGE;  // kept across reloads of the tab
 
@@ -167,9 +168,12 @@
     lineagesSupported = answer.body.lineages_supported !== false;
     lineageCursor = answer.body.next_cursor || null;
     answer.body.items.forEach(function (item) {
-      if (lines[item.lineage]) return;
+      // A lineage being deleted is going away (its records answer 404): not offered. An archived one is, marked.
+      if (lines[item.lineage] || item.state === "deleting") return;
       lines[item.lineage] = item.line;
-      picker.appendChild(h("option", { value: item.lineage, text: item.lineage }));
+      states[item.lineage] = item.state || "live";
+      const label = states[item.lineage] === "live" ? item.lineage : item.lineage + " (" + states[item.lineage] + ")";
+      picker.appendChild(h("option", { value: item.lineage, text: label, "data-state": states[item.lineage] }));
     });
     morePicker.hidden = !lineageCursor;
   }
@@ -285,11 +289,21 @@
     }), "No Tasks yet.");
   }
 
+  // Freshness of a run (docs/training.md "Freshness"): its line's eligible-to-run wait, and each trained sample's
+  // creation to the moment the version trained on it became the line's policy (activation or promotion).
+  function waitText(f) { return f && typeof f.eligible_wait_seconds === "number" ? secs(f.eligible_wait_seconds * 1000) : "-"; }
+  function latencyText(f, full) {
+    const l = f && f.sample_to_policy_seconds;
+    if (!l) return "-";
+    const text = secs(l.p50 * 1000) + " / " + secs(l.p95 * 1000);
+    return full ? text + " (max " + secs(l.max * 1000) + ", " + l.count + " samples, by " + f.policy_via + ")" : text;
+  }
   function runTable(items) {
-    return table(["Run", "status", "lineage", "stage", "samples#", "LoRA", "created (UTC)", "finished"], items.map(function (r) {
+    return table(["Run", "status", "lineage", "stage", "samples#", "LoRA", "created (UTC)", "finished", "eligible → run",
+      "sample → policy p50 / p95"], items.map(function (r) {
       return [link("#/runs/" + encodeURIComponent(r.training_run_id), r.training_run_id, "mono"), pill(r.status),
         lineageCell(r), r.stage, num(r.sample_count), h("span", { class: "mono", text: r.lora_name || "-" }), short(r.created_at),
-        short(r.finished_at)];
+        short(r.finished_at), waitText(r.freshness), latencyText(r.freshness, false)];
     }), "No Training Runs yet.");
   }
 
@@ -424,7 +438,9 @@
         ["finished", when(r.finished_at)], ["failure", r.failure_reason],
         ["steps", num(m.steps)], ["dropped / truncated", num(m.dropped_samples) + " / " + num(m.prompt_truncated_samples) + " prompt, "
           + num(m.response_truncated_samples) + " response"], ["stale excluded", num(m.stale_excluded)],
-        ["sampling", runSamplingText(m.sampling)]])),
+        ["sampling", runSamplingText(m.sampling)], ["eligible → run wait", waitText(r.freshness)],
+        ["sample → policy p50 / p95", latencyText(r.freshness, true)],
+        ["policy since", r.freshness && r.freshness.policy_at ? when(r.freshness.policy_at) : "-"]])),
       h("h2", { text: "Stage timeline" }), stageChart(r, events),
       h("h2", { text: "Training metrics" }), stepCharts(r, events),
       h("h2", { text: "Events" }),
@@ -586,8 +602,10 @@
       view.setAttribute("aria-busy", "true");
       delete view.dataset.route;
       const scope = SCOPES[kind || page] || "lineage";
+      const archived = states[lineage] === "archived" ? ", archived: no new Tasks or Training Runs until restored" : "";
       document.getElementById("scope").textContent = scope === "lineage"
-        ? "This view: lineage " + lineage + " (" + lineOf(lineage) + ")." : "This view is not per lineage: " + scope + ".";
+        ? "This view: lineage " + lineage + " (" + lineOf(lineage) + ")" + archived + "."
+        : "This view is not per lineage: " + scope + ".";
       try {
         await render(m);
       } catch (err) {

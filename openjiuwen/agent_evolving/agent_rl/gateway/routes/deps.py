@@ -19,7 +19,7 @@ from ...common import loopback
 from ...common.lineage import InvalidLineage, split_line
 from ...common.errors import ApiError
 from ..assembly import Gateway
-from ..hmac_auth import Caller, KeyRole
+from ..hmac_auth import Caller, KeyRole, request_target
 
 
 async def gateway_of(request: Request) -> Gateway:
@@ -29,14 +29,6 @@ async def gateway_of(request: Request) -> Gateway:
 
 
 GatewayDep = Annotated[Gateway, Depends(gateway_of)]
-
-
-def request_target(request: Request) -> bytes:
-    """The request target as it arrived (percent-encoded path, then `?query` when there is one): what a signature
-    covers."""
-    raw = request.scope.get("raw_path") or request.url.path.encode()
-    query = request.scope.get("query_string") or b""
-    return raw + b"?" + query if query else raw
 
 
 @dataclass(frozen=True, slots=True)

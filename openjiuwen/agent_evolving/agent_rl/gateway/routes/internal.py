@@ -52,6 +52,16 @@ async def activate(request: Request, gw: GatewayDep) -> Response:
     return json_response(await gw.loras.activate(**_of_served_model(args, gw)))
 
 
+@router.post("/loras/retire")
+async def retire(request: Request, gw: GatewayDep) -> Response:
+    """A lineage archived or deleted at the RL Service (docs/lineages.md "Lifecycle"): `{"line"}` serves nothing
+    more. The default line (the model id) is never retired: 400 `invalid_lineage`."""
+    line = checked_line((await _string_fields(request, ("line",), "retire"))["line"], gw)
+    if line == gw.model_id:
+        raise ApiError(400, "invalid_lineage", "the default lineage's line is never retired")
+    return json_response(await gw.loras.retire(line))
+
+
 # Canary: a candidate beside the active version, switched with CAS like activation.
 
 @router.get("/canary/{model}")

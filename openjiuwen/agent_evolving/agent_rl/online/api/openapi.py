@@ -127,7 +127,10 @@ TRAINING_START = json_body({"anyOf": [{"type": "null"}, _object([], {}, closed=T
 # promote / rollback / pause / resume: absent, null, {} (the default line) or {"lineage": L} (L's line)
 ROLLOUT_ACTION = json_body({"anyOf": [{"type": "null"}, _object([], {
     "lineage": {"type": "string", "pattern": "^[a-z0-9-]{1,63}$"}}, closed=True)]}, required=False)
-LINEAGE_ACTION = TRAINING_START  # lineage pause / resume: no body
+LINEAGE_ACTION = TRAINING_START  # lineage pause / resume / archive / restore: no body
+# lineage delete: absent, null, {} (files kept) or {"remove_files": true|false}
+LINEAGE_DELETE = json_body({"anyOf": [{"type": "null"}, _object([], {"remove_files": {"type": "boolean"}},
+                                                              closed=True)]}, required=False)
 LORA_ACTIVATE = json_body(_object(["lora_name"], {"lora_name": {"type": "string", "minLength": 1}}, closed=True))
 _LIMIT = query("limit", {"type": "integer", "minimum": 1, "maximum": 1000})
 _CURSOR = query("cursor", {"type": "string"})

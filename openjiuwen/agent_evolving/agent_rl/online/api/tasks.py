@@ -41,9 +41,11 @@ def build_tasks_router(registry: TaskRegistry, lifecycle: TaskLifecycle, rewards
         headers = StartHeaders(
             h.get(wire_headers.SESSION_ID), h.get(wire_headers.TASK_ID), h.get(wire_headers.POLICY_NAME),
             h.get(wire_headers.POLICY_MODEL), h.get(wire_headers.AGENT_KEY), h.get(wire_headers.LINEAGE),
+            h.get(wire_headers.MAX_LINEAGES),
         )
         with domain_errors(not_found="task_not_found", conflict="task_conflict"):
-            task, created = await registry.start(lifecycle.parse_start(headers, body))
+            requested = lifecycle.parse_start(headers, body)
+            task, created = await registry.start(requested, lineage_cap=lifecycle.lineage_cap(headers))
         if created and on_created is not None:
             await on_created(task)
         return JSONBody(task.public(), status_code=201 if created else 200)

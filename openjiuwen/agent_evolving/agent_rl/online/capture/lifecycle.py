@@ -33,6 +33,8 @@ class StartHeaders:
     agent_key: str | None = None  # X-AIGW-RL-Agent-Key (ext): the agent key starting the Task, absent for operators
     # X-AIGW-RL-Lineage (ext): sent (always, `default` included) only by a gateway that pins Tasks per lineage.
     lineage: str | None = None
+    # X-AIGW-RL-Max-Lineages (ext): the agent key's cap on the lineages it registers, sent only with a cap.
+    max_lineages: str | None = None
 
 
 def _blank(value: str | None) -> bool:
@@ -93,6 +95,18 @@ class TaskLifecycle:
             agent_key_id=headers.agent_key,
             lineage=lineage,
         )
+
+    @staticmethod
+    def lineage_cap(headers: StartHeaders) -> int | None:
+        """The agent key's cap on the lineages it registers, None without one. A malformed value, or one without an
+        agent key, is refused (400 `invalid_gateway_task`): never read as "no cap"."""
+        raw = headers.max_lineages
+        if raw is None:
+            return None
+        if headers.agent_key is None or not raw.isascii() or not raw.isdigit() or len(raw) > 9:
+            raise InvalidInput("invalid_gateway_task",
+                               "X-AIGW-RL-Max-Lineages must be a non-negative integer sent with X-AIGW-RL-Agent-Key")
+        return int(raw)
 
     def _check_lineage(self, lineage: str, headers: StartHeaders) -> None:
         """Wire 2 of docs/lineages.md: a non-default lineage needs a gateway that pinned the Task on that lineage's

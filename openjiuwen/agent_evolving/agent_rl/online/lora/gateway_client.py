@@ -162,6 +162,26 @@ class GatewayLoraClient:
             return
         raise GatewayError(failure)
 
+    async def retire_line(self, line: str) -> None:
+        """`POST /internal/v1/rl/loras/retire {"line"}` (docs/lineages.md "Lifecycle"): the line serves nothing more at
+        the gateway and its versions are unloaded. Retried like activation; a failure that may hide a success is
+        reconciled with a read of the line (base, no candidate: done). Raises GatewayError otherwise."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        url = f"{self._endpoint}/internal/v1/rl/loras/retire"
+        answered, failure = await self._post_retrying(url, {"line": line}, deadline, request="line retirement",
+                                                      status="retirement")
+        if answered is not None:
+            return
+        try:
+            policy = await self._read_once(max(deadline - loop.time(), 1.0), line)
+            candidate = (await self.canary_status(line)).get("candidate")
+        except GatewayError:
+            raise GatewayError(failure) from None
+        if policy.lora_name == BASE_POLICY and not candidate:
+            return
+        raise GatewayError(failure)
+
     async def _post_retrying(self, url: str, body: dict[str, Any], deadline: float, *, request: str, status: str,
                              on_attempt: Callable[[str], None] = lambda result: None,
                              ) -> tuple[httpx.Response | None, str]:
@@ -190,7 +210,8 @@ class GatewayLoraClient:
                     raise GatewayRejected(text)
                 result, failure = "server_error", text
             on_attempt(result)
-            log.warning("%s of %s attempt %d failed: %s", request, body.get("lora_name"), attempt, failure)
+            log.warning("%s of %s attempt %d failed: %s", request, body.get("lora_name") or body.get("line"), attempt,
+                        failure)
             if delay == 0 or deadline - loop.time() <= delay:
                 break
             await asyncio.sleep(delay)

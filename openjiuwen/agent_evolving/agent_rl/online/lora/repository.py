@@ -35,6 +35,9 @@ _VERSION_DIR = re.compile(r"v([1-9][0-9]*)")
 _RENAME_NOREPLACE = 1
 TMP_PREFIX = ".tmp-"
 METADATA = "metadata.json"
+# What a deleted lineage leaves of its line when its files are removed (docs/lineages.md "Lifecycle"): the number of
+# its last version, so a lineage of the same name never publishes a version name vLLM may still hold with other weights.
+RETIRED = "retired.json"
 MODEL_DIR_MODE = 0o750
 VERSION_DIR_MODE = 0o750
 ADAPTER_FILE_MODE = 0o640
@@ -175,7 +178,7 @@ class LoraRepository:
         for _ in range(100):
             # 1 + the largest complete version; past any name that was taken on a previous try (a concurrent
             # publisher, or an incomplete directory that must not be replaced).
-            version = max((self.complete_versions() or [0])[-1] + 1, floor + 1)
+            version = max((self.complete_versions() or [0])[-1] + 1, self._retired_last() + 1, floor + 1)
             floor = version
             meta = dict(metadata, version=version, lora_name=self.lora_name(version), model_id=self._model_id,
                         user_id=self._model_id)
@@ -193,6 +196,35 @@ class LoraRepository:
             _fsync_dir(self.model_dir)
             return Artifact(self.lora_name(version), str(target.resolve()), meta)
         raise RuntimeError("could not find a free version directory")
+
+    def _retired_last(self) -> int:
+        """The last version number of a deleted lineage of this line, 0 when none was removed."""
+        try:
+            last = orjson.loads((self.model_dir / RETIRED).read_bytes()).get("last_version")
+        except (OSError, orjson.JSONDecodeError, AttributeError):
+            return 0
+        return last if isinstance(last, int) and not isinstance(last, bool) and last > 0 else 0
+
+    def retire_sync(self) -> int:
+        """Remove every version (and temporary directory) of this non-default line, keeping only the number of its
+        last version (`RETIRED`); returns that number. Idempotent; links are removed, never followed."""
+        if split_line(self._line)[1] == DEFAULT_LINEAGE:
+            raise ValueError("the default line's versions are never retired")
+        if self.model_dir.is_symlink():
+            self.model_dir.unlink()
+        if not self.model_dir.is_dir():
+            return 0
+        last = max([self._retired_last(), *self.complete_versions()])
+        _write_json_atomic(self.model_dir / RETIRED, {"last_version": last})
+        for entry in self.model_dir.iterdir():
+            if entry.name == RETIRED:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        _fsync_dir(self.model_dir)
+        return last
 
     def remove_temp_sync(self, run_id: str) -> int:
         """Remove every temporary directory of a run (failed, canceled or interrupted)."""

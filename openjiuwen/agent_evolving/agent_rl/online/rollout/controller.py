@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from ..background import stop_loop
 from ..errors import Conflict, InvalidInput, NotFound
@@ -66,8 +68,9 @@ class RolloutController:
         model_id: str,
         base_model_path: str,
         observe_policy: Callable[..., Awaitable[None]],  # (lora_name, lora_path, *, line)
-        active_run: Callable[[], Awaitable[Any]],
+        active_run: Callable[[str], Awaitable[Any]],  # (lineage) → its live Training Run or None
         metrics: "ServiceMetrics | None" = None,
+        on_promoted: Callable[[str, float], Awaitable[None]] | None = None,  # (run id, epoch): freshness
     ) -> None:
         self._redis = redis
         self.store = store
@@ -79,6 +82,7 @@ class RolloutController:
         self._observe_policy = observe_policy
         self._active_run = active_run
         self._metrics = metrics
+        self._on_promoted = on_promoted
         # One change of rollout state at a time per line in this process; lines never wait for each other.
         self._locks: dict[str, asyncio.Lock] = {}
         self._loop: asyncio.Task[None] | None = None
@@ -347,7 +351,9 @@ class RolloutController:
 
     async def arms(self, record: Rollout) -> tuple[Arm, Arm]:
         """The Tasks created in the canary window, by the version they were pinned to. Read from the Task records
-        and their reward states (durable): a restart loses nothing, and older history never counts."""
+        and their reward states (durable): a restart loses nothing, and older history never counts. Only the line's
+        own Tasks are read, from its lineage's creation index (`rl:v1:tasks:by_lineage:{L}`, written in the Task
+        start's EXEC), so a decision round costs O(the line's Tasks in the window), never every lineage's."""
         candidate = Arm(record.candidate.lora_name)
         active = Arm(record.baseline.lora_name)
         by_name = {candidate.lora_name: candidate, active.lora_name: active}
@@ -355,7 +361,7 @@ class RolloutController:
         lineage = record.lineage
         start = parse_iso_epoch(record.window_started_at)
         end = parse_iso_epoch(record.ended_at) if record.ended_at else "+inf"
-        ids = [text(t) for t in await self._redis.zrangebyscore(keys.TASKS_BY_CREATION, start, end)]
+        ids = [text(t) for t in await self._redis.zrangebyscore(keys.tasks_by_lineage(lineage), start, end)]
         for offset in range(0, len(ids), _SCAN_BATCH):
             chunk = ids[offset:offset + _SCAN_BATCH]
             raws = await self._redis.mget([keys.task(t) for t in chunk])
@@ -363,7 +369,7 @@ class RolloutController:
             for t, raw in zip(chunk, raws):
                 task = orjson.loads(raw) if raw is not None else None
                 arm = by_name.get(task.get("policy_lora_name")) if isinstance(task, dict) else None
-                if arm is None or (task.get("lineage") or DEFAULT_LINEAGE) != lineage:
+                if arm is None or (task.get("lineage") or DEFAULT_LINEAGE) != lineage:  # the index says so; kept
                     continue
                 arm.tasks += 1
                 if task.get("evaluation") is True:  # evaluation Tasks count too, and are shown apart
@@ -418,8 +424,10 @@ class RolloutController:
                                                    expected=baseline.lora_name)
                 await self._now_active(record.lineage, candidate, record.training_run_id or "")
                 faults.reached("rollout.switched")
-                return await self._update(rollout_id, lambda r: r.evolve(status=RolloutStatus.PROMOTED),
-                                          "canary_promoted", {"lora_name": candidate.lora_name})
+                promoted = await self._update(rollout_id, lambda r: r.evolve(status=RolloutStatus.PROMOTED),
+                                              "canary_promoted", {"lora_name": candidate.lora_name})
+                await self._measure_promotion(promoted)
+                return promoted
             if status == RolloutStatus.ROLLING_BACK:
                 await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=candidate.lora_name)
                 faults.reached("rollout.switched")
@@ -449,6 +457,17 @@ class RolloutController:
                                           "failed", {"error": str(exc)[:500]})
             raise
         return record
+
+    async def _measure_promotion(self, record: Rollout) -> None:
+        """The candidate is its line's policy now: its run's sample-to-policy latency (training/freshness.py). A
+        measurement: a Redis failure loses it, never the promotion."""
+        if self._on_promoted is None or not record.training_run_id:
+            return
+        try:
+            await self._on_promoted(record.training_run_id, time.time())
+        except RedisError as exc:
+            log.warning("rollout %s: freshness of run %s not recorded (%s)", record.rollout_id,
+                        record.training_run_id, exc)
 
     async def _create(self, record: Rollout, event: str, data: dict[str, Any]) -> Rollout:
         return self._remember(await self.store.create(record, event, data)) or record
@@ -549,8 +568,8 @@ class RolloutController:
             if current is not None:
                 raise Conflict(f"rollout {current.rollout_id} is in progress: promote or roll it back first",
                                code="rollout_in_progress")
-            if await self._active_run() is not None:
-                raise Conflict("a Training Run is in progress: its activation would race this one",
+            if await self._active_run(lineage) is not None:
+                raise Conflict("a Training Run of this lineage is in progress: its activation would race this one",
                                code="training_in_progress")
             try:
                 policy = await self._gateway.read_policy_retrying(line=None if lineage == DEFAULT_LINEAGE else line)

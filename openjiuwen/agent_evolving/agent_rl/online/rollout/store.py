@@ -26,6 +26,7 @@ from .. import events
 from ..errors import Conflict, NotFound
 from ...common.lineage import DEFAULT_LINEAGE
 from ...common.ids import is_run_id, now_iso, parse_iso_epoch
+from ..lineage_state import require_live
 from ..store import keys
 from ..store.codec import text
 from ..workers.fence import Fence
@@ -90,6 +91,9 @@ class RolloutStore:
             pointer = await pipe.get(current_key)
             if pointer is not None:
                 raise Conflict(f"rollout {text(pointer)} is in progress", code="rollout_in_progress")
+            # No version of an archived lineage (or one being deleted) goes live: its state is WATCHed, and the
+            # archive WATCHes this line's pointer in turn.
+            await require_live(pipe, lineage)
             pipe.multi()
             # Invariant 10 (per line): the record, the line's pointer, the live-line set, the listing and the
             # timelines in one step.

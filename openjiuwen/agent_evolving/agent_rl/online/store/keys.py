@@ -26,28 +26,58 @@ POLICY_OBSERVED = PREFIX + "policy:observed"
 # marker so that a deposed leader stops before the file write (docs/lineages.md).
 POLICY_OBSERVED_LINES = PREFIX + "policy:observed_lines"
 RAIL_INFLIGHT_SESSIONS = PREFIX + "rail:inflight_sessions"  # sessions with popped rail samples not yet stored
+# Active Training Runs (training/runs.py, invariant 6 per line): the default lineage's run in `training_run:active`
+# (STRING, the AIGW key, unchanged), every other lineage's in `training_runs:active_lineages` (HASH lineage → run id).
+# A pointer is set in the claim's EXEC and deleted in the run's terminal EXEC; together they name every live run, at
+# most `training_policy.max_concurrent_runs`, one per lineage. A `training_run:active` written before runs were
+# concurrent may name a run of another lineage: it is read as that run's pointer and settled like any other.
 ACTIVE_RUN = PREFIX + "training_run:active"
+ACTIVE_LINEAGE_RUNS = PREFIX + "training_runs:active_lineages"
+# Fair share of automatic training (training/scheduler.py): HASH lineage → the virtual finish tag of its last run
+# (start-time fair queuing: each run of a lineage adds 1 / its weight), and `FAIR_SHARE_CLOCK` → the start tag of
+# the last run started. Written in the claim's EXEC with the run it charges.
+FAIR_SHARE = PREFIX + "training:fair_share"
+FAIR_SHARE_CLOCK = "@clock"  # no lineage name has an `@`
+# HASH line → epoch the scheduler first found the line eligible (fenced scheduler write, removed when the line is
+# found not eligible); the claim's EXEC takes the field into the run's `freshness.eligible_wait_seconds`.
+ELIGIBLE_SINCE = PREFIX + "training:eligible_since"
 # Automatic training (training/scheduler.py): HASH line → epoch its previous Training Run ended (written in the
 # run's terminal EXEC), and HASH lineage → JSON {"paused_at"} of the lineages whose automatic training an operator
 # paused (kept until resumed: it survives restarts and leader changes).
 TRAINING_LAST_END = PREFIX + "training:last_end"
 LINEAGES_PAUSED = PREFIX + "lineages:paused"
 # Lineages (docs/lineages.md): ZSET lineage → epoch of its first Task, every lineage but `default` (which always
-# exists); added in the EXEC that starts that first Task, never removed; bounded by `lineages.max_count`.
+# exists); added in the EXEC that starts that first Task, removed only by the last step of the lineage's deletion
+# (docs/lineages.md "Lifecycle"); bounded by `lineages.max_count`.
 LINEAGES = PREFIX + "lineages"
+# Lineage lifecycle (online/lineage_lifecycle.py): ZSET lineage → epoch of its latest Task start (ZADD GT in that
+# start's EXEC; a live lineage only: removed when archived, set again when restored), which the idle sweep reads
+# oldest first; ZSET lineage → epoch it was archived or marked for deletion, the lineages whose gateway unload or
+# deletion a leader must still finish (the marker a new leader resumes from: an archived lineage leaves it once the
+# gateway confirmed the unload, a deleted one in the deletion's last EXEC, with its registry entry).
+LINEAGES_LAST_TASK = PREFIX + "lineages:last_task"
+LINEAGES_RETIRING = PREFIX + "lineages:retiring"
+# The agent-key cap (`agentHmacKeys[i].maxLineages`, docs/security.md): HASH lineage → the agent key that registered
+# it, and HASH agent key → how many registered lineages it registered. Invariant: the count of a key equals its
+# fields in the first HASH; both change in the EXEC that registers a lineage (under WATCH of `LINEAGES`) and in the
+# one that removes it from the registry.
+LINEAGES_REGISTERED_BY = PREFIX + "lineages:registered_by"
+LINEAGES_COUNT_BY_KEY = PREFIX + "lineages:count_by_key"
 # Reward deadlines of lineages (docs/lineages.md): ZSET line → a lower bound of the earliest deadline in that line's
 # `reward_deadlines:{line}` (every line but the default one, which the sweeper always visits). Lowered (ZADD LT) in
 # the EXEC that adds a deadline; only the sweeper raises or removes an entry, from the line's set in one fenced
 # transaction WATCHing that set.
 # So the sweeper reads the lines due now, never every registered lineage.
 REWARD_DUE_LINES = PREFIX + "rewards:due_lines"
-# Automatic training over lineages (training/scheduler.py): ZSET line → a lower bound of the creation epoch of that
-# line's oldest pending sample (every line but the default one, which the scheduler always reads). Invariant: a line
-# with pending samples always has an entry at or before its oldest. Lowered (ZADD LT) in every EXEC that puts a
-# sample into a non-default line's pending index (publication, reward arrival or fallback, a run giving samples
-# back); never raised there. Claims, exclusions and deletions leave it low (still a lower bound); the scheduler
-# corrects the entries it reads from the line's own pending index, WATCHing it (raise to the head, or remove when
-# empty). So choosing the next line reads the oldest entries, never every registered lineage.
+# Automatic training over lineages (training/scheduler.py): ZSET line → the epoch by which the scheduler must judge the
+# line again (every line but the default one, which it judges at every tick). Invariant: a non-default line that may
+# become eligible has an entry; a line has none only when the scheduler judged it, WATCHing its pending index, unable
+# to become eligible without another write that lowers its entry (nothing pending, below its floor, paused, automatic
+# training off for it). Lowered (ZADD LT) to a sample's creation epoch in every EXEC that puts a sample into a
+# non-default line's pending index (publication, reward arrival or fallback, a run giving samples back) and by a
+# resume; the leader's start lowers every registered line once (a changed config is judged anew). The scheduler reads
+# the entries due now, never the lines waiting below their threshold, and raises each to its line's next due time
+# (the max_wait, interval or quota end; the next tick while a run or rollout holds the line) or removes it.
 TRAINING_WAITING = PREFIX + "training:waiting"
 # Listing indexes (newest first): ZSETs of ids scored by creation epoch. Tasks are indexed once overall and once
 # under their current status. When a record gets its TTL, its id joins a listing-expiry ZSET scored by the epoch
@@ -274,6 +304,12 @@ def _lineage_key(lineage: str, suffix: str) -> str:
     if not is_lineage(lineage) or lineage == DEFAULT_LINEAGE:
         raise InvalidIdentifier("invalid lineage for a per-lineage key")
     return f"{PREFIX}lineage:{lineage}:{suffix}"
+
+
+def lineage_state(lineage: str) -> str:
+    """A non-default lineage's lifecycle state (STRING, JSON `{"state": "archived" | "deleting", ...}`; absent =
+    live). The Task start and the Training Run claim WATCH it, so neither lands on a lineage archived meanwhile."""
+    return _lineage_key(lineage, "state")
 
 
 def rollout_current(lineage: str = DEFAULT_LINEAGE) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import math
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -39,11 +40,13 @@ if TYPE_CHECKING:
 # Statuses a failed publication may have left its samples in (`delete_pending` rolls them back).
 _UNCLAIMED = (SampleStatus.PENDING, SampleStatus.AWAITING_REWARDS, SampleStatus.EVALUATION, SampleStatus.EXCLUDED)
 # Statuses retention sweeps: samples no Training Run will ever read again.
-_SWEPT = (SampleStatus.TRAINED, SampleStatus.FAILED, SampleStatus.EVALUATION, SampleStatus.EXCLUDED)
+_SWEPT = (SampleStatus.TRAINED, SampleStatus.FAILED, SampleStatus.EVALUATION, SampleStatus.EXCLUDED,
+          SampleStatus.OUTDATED)
 # Statuses an exclusion takes samples out of: published, not yet claimed by a Training Run.
 _EXCLUDABLE = (SampleStatus.AWAITING_REWARDS, SampleStatus.PENDING)
 _LINE_PAGE = 500  # registered lineages read at once when every line is visited
 _EXCLUDE_CHUNK = 256  # samples moved per transaction by an exclusion
+_OUTDATED_CHUNK = 256  # pending samples read (and at most moved) per transaction by `retire_outdated`
 # Index fields copied out of the document so that listings never decode `sample_json` or the packed arrays.
 _SUMMARY_FIELDS = (
     "sample_id", "user_id", "session_id", "rl_task_id", "source", "policy_version", "created_at", "updated_at",
@@ -81,6 +84,17 @@ def _source_field(source: str) -> str:
 
 def _pending_policy_field(policy_version: str) -> str:
     return f"pending_policy:{policy_version}"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSample:
+    """A sample as its deletion needs it (`TrajectoryStore.queue_delete`)."""
+
+    sample_id: str
+    status: str
+    source: str
+    blocks: bytes | None  # its packed prompt-block digests
+    policy_version: str
 
 
 class TrajectoryStore:
@@ -159,8 +173,8 @@ class TrajectoryStore:
 
     def queue_waiting(self, pipe: Pipeline, created_at: float) -> None:
         """Queue, in the caller's MULTI that puts a sample of creation epoch `created_at` into this line's pending
-        index, the lowering of the line's `TRAINING_WAITING` entry to it (non-default lines only), so the entry
-        stays at or before the line's oldest pending sample (the invariant in keys.py)."""
+        index, the lowering of the line's `TRAINING_WAITING` entry to it (non-default lines only): the line is due
+        for the scheduler's judgement now, whatever it was judged before (the invariant in keys.py)."""
         if self.lineage != DEFAULT_LINEAGE:
             pipe.zadd(keys.TRAINING_WAITING, {self._owner: created_at}, lt=True)
 
@@ -342,6 +356,63 @@ class TrajectoryStore:
         excluded = sorted(text(m) or "" for m in await self._redis.smembers(keys.EXCLUDED_INSTANCES))
         return {"instance": instance, "excluded": moved, "training": training, "excluded_instances": excluded}
 
+    async def retire_outdated(
+        self, *, current_version: int, max_policy_lag: int | None, fence: Fence, budget: int = 4096
+    ) -> int:
+        """Move this line's pending samples whose policy lags `current_version` (the line's active version) by more
+        than `max_policy_lag` to `outdated`: no run would claim them, and left pending they would keep the line
+        waiting (docs/training.md). The per-version pending counters say how many there are; the pending index is
+        read from its head (old policies serve old samples) a chunk at a time until that many moved or `budget`
+        members were read. Returns the number moved. `fence`: the leader's (its scheduler and its runs)."""
+        if max_policy_lag is None:
+            return 0
+        counters = {text(k) or "": int(v) for k, v in (await self._redis.hgetall(self._stats_key)).items()}
+        expected = stale_pending(counters, model_id=self._owner, current_version=current_version,
+                                 max_policy_lag=max_policy_lag)
+        index = self.index_key(SampleStatus.PENDING)
+        moved = offset = read = 0
+        while moved < expected and read < budget:
+            members = [text(m) or "" for m in await self._redis.zrange(index, offset, offset + _OUTDATED_CHUNK - 1)]
+            if not members:
+                break
+            read += len(members)
+            rows = await self._hmget_many([keys.traj(m) for m in members], ("policy_version",))
+            lagging = [m for m, (policy,) in zip(members, rows)
+                       if self._lags(text(policy) or BASE_POLICY, current_version, max_policy_lag)]
+            done = await self._retire(lagging, current_version, max_policy_lag, fence) if lagging else 0
+            moved += done
+            offset += len(members) - done  # the moved members left the ranks before `offset`
+        if moved and self._metrics is not None:
+            self._metrics.outdated(moved)
+        return moved
+
+    def _lags(self, policy_version: str, current_version: int, max_policy_lag: int) -> bool:
+        return current_version - ids.policy_lag_version(policy_version, self._owner) > max_policy_lag
+
+    async def _retire(self, sample_ids: list[str], current_version: int, max_policy_lag: int, fence: Fence) -> int:
+        hash_keys = {sample_id: keys.traj(sample_id) for sample_id in sample_ids}
+
+        async def body(pipe: Pipeline) -> int:
+            rows = await self._hmget_many(hash_keys.values(), ("status", "policy_version"))
+            moves = [(sample_id, text(policy) or BASE_POLICY) for sample_id, (status, policy) in zip(hash_keys, rows)
+                     if text(status) == SampleStatus.PENDING
+                     and self._lags(text(policy) or BASE_POLICY, current_version, max_policy_lag)]
+            if not moves:
+                return 0
+            at = ids.now_iso()
+            score = ids.parse_iso_epoch(at)
+            # Invariant 5 through `queue_move` (hash, indexes, the `status:*` and `pending_policy:*` counters in one
+            # EXEC). The hashes are WATCHed: a claim (which WATCHes the hashes it chose) landing first makes this
+            # read again, so a sample is claimed or outdated, never both.
+            pipe.multi()
+            for sample_id, policy in moves:
+                self.queue_move(pipe, sample_id, old=SampleStatus.PENDING, new=SampleStatus.OUTDATED, score=score,
+                                policy_version=policy, at=at)
+            await pipe.execute()
+            return len(moves)
+
+        return await fence.transact(self._redis, body, *hash_keys.values())
+
     async def _every_line(self) -> AsyncIterator["TrajectoryStore"]:
         """This store's line, then every registered lineage's (docs/lineages.md), read from the registry a page at a
         time. An exclusion is a rare operator action, so reading every line once is its price; nothing periodic
@@ -456,37 +527,57 @@ class TrajectoryStore:
             members = await self._redis.zrange(index, "-inf", f"({cutoff!r}", byscore=True, offset=0, num=limit)
             sample_ids = [text(m) or "" for m in members]
             if sample_ids:
-                removed += await self._delete_swept(status, sample_ids, fence)
+                removed += await self.delete_in_status(status, sample_ids, fence)
         return removed
 
-    async def _delete_swept(self, status: str, sample_ids: list[str], fence: Fence) -> int:
-        hash_keys = {sample_id: keys.traj(sample_id) for sample_id in sample_ids}
+    async def delete_in_status(self, status: str, sample_ids: list[str], fence: Fence) -> int:
+        """Delete samples of this line's `status` index (retention's old samples, or any status when a lineage is
+        deleted, docs/lineages.md "Lifecycle") in one EXEC through `fence`; a sample that moved meanwhile stays.
+        Their contribution to the per-version aggregates stays, as `sweep_expired` says."""
+        hash_keys = [keys.traj(sample_id) for sample_id in sample_ids]
         index = self.index_key(status)
 
         async def body(pipe: Pipeline) -> int:
-            rows = await self._hmget_many(hash_keys.values(), ("status", "source", "prompt_blocks"))
+            rows = dict(zip(sample_ids, await self.rows_to_delete(sample_ids)))
             pipe.multi()
             count = 0
-            released = []
-            for sample_id, (stored_status, source, blocks) in zip(hash_keys, rows):
-                stored = text(stored_status)
-                if stored is not None and stored != status:
+            for sample_id in sample_ids:
+                row = rows[sample_id]
+                if row is not None and row.status != status:
                     continue  # moved meanwhile (e.g. another sweeper): not ours to delete
-                # Invariant 5: hash, index membership and counters go together. A member without a hash (never
-                # expected) still left its index, so only its status counter follows it.
-                pipe.zrem(index, sample_id)
-                pipe.hincrby(self._stats_key, _status_field(status), -1)
-                if stored is not None:
-                    pipe.delete(hash_keys[sample_id])
-                    pipe.hincrby(self._stats_key, _source_field(text(source) or ""), -1)
-                    released.append(blocks)
+                if row is None:
+                    # A member without a hash (never expected) still leaves its index, and its status counter
+                    # follows it (invariant 5).
+                    pipe.zrem(index, sample_id)
+                    pipe.hincrby(self._stats_key, _status_field(status), -1)
+                    if status == SampleStatus.AWAITING_REWARDS:
+                        pipe.zrem(self._deadlines_key, sample_id)
                 count += 1
-            # Invariant P: the deleted samples' prompt-block references go in the same EXEC.
-            prompt_blocks.queue_release(pipe, prompt_blocks.release_counts(released))
+            self.queue_delete(pipe, [row for row in rows.values() if row is not None and row.status == status])
             await pipe.execute()
             return count
 
-        return await fence.transact(self._redis, body, index, *hash_keys.values())
+        return await fence.transact(self._redis, body, index, *hash_keys)
+
+    async def rows_to_delete(self, sample_ids: Sequence[str]) -> list["StoredSample | None"]:
+        """What `queue_delete` needs of each sample (None: no hash). Read inside the caller's transaction, which
+        WATCHes the hashes."""
+        rows = await self._hmget_many([keys.traj(s) for s in sample_ids],
+                                      ("status", "source", "prompt_blocks", "policy_version"))
+        return [None if text(status) is None else StoredSample(sample_id, text(status) or "", text(source) or "",
+                                                                blocks, text(policy) or BASE_POLICY)
+                for sample_id, (status, source, blocks, policy) in zip(sample_ids, rows)]
+
+    def queue_delete(self, pipe: Pipeline, samples: Sequence["StoredSample"]) -> None:
+        """Queue, in the caller's MULTI, the removal of samples of this line: invariant 5 (hash, index membership,
+        a deadline entry and the counters together) and invariant P (their prompt-block references)."""
+        for sample in samples:
+            pipe.delete(keys.traj(sample.sample_id))
+            pipe.zrem(self.index_key(sample.status), sample.sample_id)
+            if sample.status == SampleStatus.AWAITING_REWARDS:
+                pipe.zrem(self._deadlines_key, sample.sample_id)
+            self.queue_counters(pipe, sample.status, sample.source, sample.policy_version, -1)
+        prompt_blocks.queue_release(pipe, prompt_blocks.release_counts(s.blocks for s in samples))
 
     # ------------------------------------------------------------------ reads
 
@@ -503,7 +594,7 @@ class TrajectoryStore:
         waiting = counters.get(_status_field(SampleStatus.AWAITING_REWARDS), 0) > 0
         shown = [*((SampleStatus.AWAITING_REWARDS,) if self._reward_policy is not None or waiting else ()),
                  *SAMPLE_STATUSES]
-        for optional in (SampleStatus.EVALUATION, SampleStatus.EXCLUDED):
+        for optional in (SampleStatus.EVALUATION, SampleStatus.EXCLUDED, SampleStatus.OUTDATED):
             if counters.get(_status_field(optional), 0) > 0:
                 shown.append(optional)
         by_status = {status.value: counters.get(_status_field(status), 0) for status in shown}

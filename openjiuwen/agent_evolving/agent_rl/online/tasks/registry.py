@@ -19,6 +19,7 @@ from redis.asyncio.client import Pipeline
 from .. import events
 from . import capture_scripts as scripts
 from ..errors import Conflict, NotFound
+from ..lineage_state import require_live
 from ...common.ids import is_token_id, now_iso, parse_iso_epoch
 from ...common.lineage import DEFAULT_LINEAGE
 from ..store import keys
@@ -94,13 +95,15 @@ class TaskRegistry:
             raise NotFound("RL Task not found")
         return task
 
-    async def start(self, requested: Task) -> tuple[Task, bool]:
+    async def start(self, requested: Task, *, lineage_cap: int | None = None) -> tuple[Task, bool]:
         """Create or reuse a Task; returns (record, created).
 
         Invariant 1: at most one active Task per session; the pointer, the record and the active index move
         together, and concurrent starts on one session (from any number of processes) converge on one Task.
         The session's active Task is answered only to the operator (no agent key) or to the agent key that started
-        it: for another agent key it is a Conflict (it cannot start a second Task there, nor see the first)."""
+        it: for another agent key it is a Conflict (it cannot start a second Task there, nor see the first).
+        A new Task needs a live lineage (Conflict `lineage_archived` / `lineage_deleting`); `lineage_cap`: the
+        agent key's cap on the lineages it registers (`agentHmacKeys[i].maxLineages`, sent by the gateway)."""
         t, s = requested.rl_task_id, requested.agent_session_id
         task_key, pointer_key = keys.task(t), keys.active_session(s)
 
@@ -127,12 +130,21 @@ class TaskRegistry:
                                            f"before starting one of lineage {requested.lineage!r}")
                         return other, False
             created = parse_iso_epoch(requested.created_at)
-            register = await self._lineage_to_register(pipe, requested.lineage)
+            # WATCHed: an archive or deletion that lands before this EXEC fails it, and the retry refuses.
+            await require_live(pipe, requested.lineage)
+            register = await self._lineage_to_register(pipe, requested.lineage, requested.agent_key_id, lineage_cap)
             pipe.multi()
             if register:
                 # A lineage exists once a Task of it exists: registered in the Task's own EXEC, so neither is seen
-                # without the other, and the count check above (under WATCH of the ZSET) holds at EXEC.
+                # without the other, and the count checks above (under WATCH of the ZSET) hold at EXEC. The key
+                # that registered it is counted in the same EXEC (the invariant of keys.LINEAGES_COUNT_BY_KEY).
                 pipe.zadd(keys.LINEAGES, {requested.lineage: created}, nx=True)
+                if requested.agent_key_id is not None:
+                    pipe.hset(keys.LINEAGES_REGISTERED_BY, requested.lineage, requested.agent_key_id)
+                    pipe.hincrby(keys.LINEAGES_COUNT_BY_KEY, requested.agent_key_id, 1)
+            if requested.lineage != DEFAULT_LINEAGE:
+                # The idle sweep's clock (keys.LINEAGES_LAST_TASK): a live lineage's latest Task start.
+                pipe.zadd(keys.LINEAGES_LAST_TASK, {requested.lineage: created}, gt=True)
             pipe.set(task_key, requested.to_json())
             pipe.set(pointer_key, t)
             pipe.sadd(keys.ACTIVE_TASKS, t)
@@ -165,10 +177,13 @@ class TaskRegistry:
                 self._metrics.task_created(task.reward_mode)
         return task, created
 
-    async def _lineage_to_register(self, pipe: Pipeline, lineage: str) -> bool:
+    async def _lineage_to_register(self, pipe: Pipeline, lineage: str, agent_key: str | None,
+                                   cap: int | None) -> bool:
         """Whether starting a Task of `lineage` registers it (a lineage not yet in `rl:v1:lineages`); Conflict
-        `lineage_limit_reached` when that would pass `lineages.max_count`. `default` is never registered: it always
-        exists. A known lineage is never unregistered, so only a new one WATCHes the ZSET (its count)."""
+        `lineage_limit_reached` when that would pass `lineages.max_count`, `agent_lineage_limit_reached` when the
+        agent key already registered `cap` lineages. `default` is never registered: it always exists. A registered
+        lineage leaves the registry only through its deletion, whose first step marks its state (WATCHed by the
+        caller), so only a new one WATCHes the ZSET (its count, and with it every key's count)."""
         if lineage == DEFAULT_LINEAGE or await pipe.zscore(keys.LINEAGES, lineage) is not None:
             return False
         await pipe.watch(keys.LINEAGES)
@@ -177,6 +192,12 @@ class TaskRegistry:
         if await pipe.zcard(keys.LINEAGES) >= self._max_lineages:
             raise Conflict(f"lineage {lineage!r} would pass lineages.max_count ({self._max_lineages} lineages)",
                            code="lineage_limit_reached")
+        if cap is not None and agent_key is not None:
+            registered = int(await pipe.hget(keys.LINEAGES_COUNT_BY_KEY, agent_key) or 0)
+            if registered >= cap:
+                raise Conflict(f"the agent key {agent_key!r} registered {registered} lineage(s), its cap "
+                               f"(maxLineages {cap}); lineage {lineage!r} is not registered",
+                               code="agent_lineage_limit_reached")
         return True
 
     async def finalize(self, rl_task_id: str, reason: FinishReason) -> Task:

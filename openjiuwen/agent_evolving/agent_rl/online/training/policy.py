@@ -2,7 +2,8 @@
 
 Off by default: with `auto: false` Training Runs start only on `POST /v1/rl/training/runs`, as always.
 `training_policy.lineages.<name>` overrides the per-line fields for one lineage (docs/lineages.md): a partial
-policy merged over the top-level one, so a lineage states only what differs. The machine-wide fields
+policy merged over the top-level one, so a lineage states only what differs. The per-line fields include the fair
+share (`weight`) and the quotas (`max_runs_per_hour`, `max_samples_per_run`). The machine-wide fields
 (`max_concurrent_runs`, `poll_interval_seconds`) are not per lineage.
 """
 
@@ -18,7 +19,8 @@ from ...common.validation import config_invalid
 _Seconds = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
 _Positive = Annotated[StrictInt, Field(ge=1)]
 _Wait = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
-
+_Weight = Annotated[float, Field(gt=0, le=1000, strict=True, allow_inf_nan=False)]
+MAX_CONCURRENT_RUNS = 64
 
 
 class LineageTrainingOverride(BaseModel):
@@ -31,6 +33,9 @@ class LineageTrainingOverride(BaseModel):
     max_wait_seconds: _Wait | None = None  # an explicit null means "never a smaller batch" (see `fields_set`)
     min_batch_on_wait: _Positive | None = None
     min_interval_seconds: _Seconds | None = None
+    weight: _Weight | None = None
+    max_runs_per_hour: _Positive | None = None  # an explicit null means "no quota" (see `fields_set`)
+    max_samples_per_run: _Positive | None = None  # likewise
 
 
 class TrainingPolicyConfig(BaseModel):
@@ -47,9 +52,16 @@ class TrainingPolicyConfig(BaseModel):
     min_batch_on_wait: _Positive = 1
     # Between the end of a line's previous run and the start of its next one.
     min_interval_seconds: _Seconds = 0.0
-    # Runs active at once on this machine, every line together. The service runs one Training Run at a time
-    # (the single `training_run:active` pointer): a value above 1 is refused rather than accepted and not honoured.
-    max_concurrent_runs: Annotated[int, Field(ge=1, le=1, strict=True)] = 1
+    # Fair share among eligible lines (training/scheduler.py): a line with weight 2 gets two runs for each run of a
+    # line with weight 1 while both are eligible.
+    weight: _Weight = 1.0
+    # Quotas of automatic training: runs started per rolling hour (manual runs count, and are never refused), and the
+    # largest batch one run of the line claims (below the service's `max_samples_per_run`; manual runs too). Null: none.
+    max_runs_per_hour: _Positive | None = None
+    max_samples_per_run: _Positive | None = None
+    # Training Runs live at once on this service, every line together (manual runs included), at most one per
+    # lineage (training/runs.py). Size it against the trainer: docs/training.md "Concurrent runs".
+    max_concurrent_runs: Annotated[int, Field(ge=1, le=MAX_CONCURRENT_RUNS, strict=True)] = 1
     poll_interval_seconds: Annotated[float, Field(gt=0, le=3600, strict=True, allow_inf_nan=False)] = 5.0
     lineages: dict[str, LineageTrainingOverride] = Field(default_factory=dict)
 
@@ -60,6 +72,9 @@ class TrainingPolicyConfig(BaseModel):
         # A floor above the threshold would never apply: the threshold would always fire first.
         if self.min_batch_on_wait > self.min_pending_samples:
             raise config_invalid("min_batch_on_wait must be <= min_pending_samples")
+        # A cap below the smallest batch a start may claim would make every automatic start of the line fail.
+        if self.max_samples_per_run is not None and self.max_samples_per_run < self.min_batch_on_wait:
+            raise config_invalid("max_samples_per_run must be >= min_batch_on_wait")
         resolved = {}
         for name, override in self.lineages.items():
             # `default` is the top-level policy itself: an entry for it would be a second, conflicting one.

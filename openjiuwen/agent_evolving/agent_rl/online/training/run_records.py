@@ -92,6 +92,10 @@ class TrainingRun:
     # never stored: it is the service's own. `lineage` is stored and answered only when not `default`, so the
     # default line's records stay byte-for-byte as before lineages.
     lineage: str = DEFAULT_LINEAGE
+    # Freshness (docs/training.md "Freshness"): `eligible_at` / `eligible_wait_seconds` written by the claim, then
+    # `policy_at`, `policy_via` (activation | promotion) and `sample_to_policy_seconds` {count, p50, p95, max} once
+    # the version trained on the batch became its line's policy. Absent until the claim (records written before).
+    freshness: dict[str, Any] | None = None
 
     @property
     def terminal(self) -> bool:
@@ -113,6 +117,8 @@ class TrainingRun:
         data = asdict(self)
         if self.lineage == DEFAULT_LINEAGE:
             del data["lineage"]
+        if self.freshness is None:
+            del data["freshness"]
         return data
 
     def public(self) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The Training Runner: one active run per model, from claim to activation (CONTRACT §4.7, D2–D4, D11).
+"""The Training Runner: Training Runs from claim to activation (CONTRACT §4.7, D2–D4, D11), at most one live run per
+lineage and `training_policy.max_concurrent_runs` together (training/runs.py, invariant 6 per line).
 
 ```
  start ─▶ pending/queued ─▶ running/training ─▶ running/activating ─▶ succeeded
@@ -8,7 +9,9 @@
           canceled ◀──── stop ──┘  failed          stop: gateway switched? ─▶ succeeded | canceled
    (samples back to pending for canceled/failed before `activating`)
 ```
-Training runs in the backend (a child process or Ray), never on the event loop; this class only awaits it.
+Training runs in the backend (a child process or Ray), never on the event loop; this class only awaits it, one
+execution (an asyncio task) per live run, so up to `max_concurrent_runs` `backend.train` calls run at once, each for
+a different lineage.
 
 Only the leader runs this (workers/): every write of a run goes through its fence, and a write refused because its
 term is over (`LeaseLost`) ends the execution without settling anything — the next leader's `recover` does.
@@ -36,6 +39,8 @@ from ..lora.repository import Artifact, LoraRepository
 from ..store.trajectories import TrajectoryStore
 from ..workers.fence import LeaseLost
 from .backends import TrainerBackend, TrainingJob
+from .freshness import ACTIVATION, Freshness
+from .policy import TrainingPolicyConfig
 from .run_records import RunStage, RunStatus, TrainingRun, empty_metrics, manual_trigger, new_run_id
 from .runs import RunNotFound, RunStore
 
@@ -73,6 +78,8 @@ class TrainingRunner:
         metrics: "ServiceMetrics | None" = None,
         redis_outage_s: float = REDIS_OUTAGE_S,
         rollout: "RolloutController | None" = None,
+        policy: TrainingPolicyConfig | None = None,
+        freshness: Freshness | None = None,
     ) -> None:
         self._runs = runs
         self._store = store
@@ -93,6 +100,9 @@ class TrainingRunner:
         self._failure: str | None = None
         self._redis_outage_s = redis_outage_s
         self._rollout = rollout  # canary / manual: a new version becomes the candidate, not the active one
+        # The machine-wide room, and each lineage's fair-share weight and batch cap (training/policy.py).
+        self._policy = policy or TrainingPolicyConfig()
+        self._freshness = freshness
 
     # ------------------------------------------------------------------ API
 
@@ -115,24 +125,29 @@ class TrainingRunner:
         self, *, trigger: dict[str, Any] | None = None, min_samples: int | None = None,
         lineage: str = DEFAULT_LINEAGE,
     ) -> tuple[TrainingRun, bool]:
-        """Return the active run, or claim a fixed batch and launch a new one: (record, created). The manual route
-        and the automatic scheduler both come here; the scheduler passes its `trigger` (recorded on the run) and the
-        smallest batch its reason allows (`min_samples`, capped by `max_samples_per_run`). `lineage`: the line it
-        trains (docs/lineages.md): its own pending samples, from its active version, to its next `<line>:vN`.
+        """Return the lineage's live run, or claim a fixed batch and launch a new one: (record, created). The manual
+        route and the automatic scheduler both come here; the scheduler passes its `trigger` (recorded on the run)
+        and the smallest batch its reason allows (`min_samples`, capped by `max_samples_per_run` and the lineage's
+        own cap). `lineage`: the line it trains (docs/lineages.md): its own pending samples, from its active
+        version, to its next `<line>:vN`.
 
-        One run at a time machine-wide (the `training_run:active` pointer): a start of another lineage while one
-        is active is a Conflict `training_run_conflict`."""
+        At most one live run per lineage and `max_concurrent_runs` together (training/runs.py): a start of another
+        lineage while that many are live is a Conflict `training_run_conflict`."""
         trigger = trigger or manual_trigger()
         line = line_of(self._model_id, lineage)
-        minimum = self._min_samples if min_samples is None else min(min_samples, self._max_samples)
+        policy = self._policy.for_lineage(lineage)
+        cap = min(self._max_samples, policy.max_samples_per_run or self._max_samples)
+        minimum = min(self._min_samples if min_samples is None else min_samples, cap)
+        room = self._policy.max_concurrent_runs
         async with self._lock:
-            active = await self._runs.active()
-            if active is not None:
-                self._adopt(active)
-                if active.lineage != lineage:
-                    raise Conflict(f"training run {active.training_run_id} of lineage {active.lineage!r} is active: "
-                                   "one Training Run at a time on this service", code="training_run_conflict")
-                return active, False
+            live = await self._runs.active_runs()
+            for run in live:
+                self._adopt(run)
+            mine = next((run for run in live if run.lineage == lineage), None)
+            if mine is not None:
+                return mine, False
+            if len(live) >= room:
+                raise self._full(live)
             if self._rollout is not None and (current := await self._rollout.in_progress(line)) is not None:
                 # Never two candidates on a line, and a run trained while its line's candidate is judged would
                 # have an undecided parent. Other lines' rollouts do not hold this one.
@@ -145,6 +160,10 @@ class TrainingRunner:
             # Every line's observed policy (the default line's is the AIGW key `policy:observed`): the scheduler
             # judges the line's stale samples against it, as this claim does against `parent`.
             await self._runs.observe_policy(parent.lora_name, parent.lora_path, line=line)
+            parent_version = policy_lag_version(parent.lora_name, line)
+            # Samples lagging the parent past `max_policy_lag` would never be claimed: they leave `pending` first.
+            await self._runs.retire_outdated(line, current_version=parent_version,
+                                             max_policy_lag=self._max_policy_lag)
             draft = TrainingRun(
                 training_run_id=new_run_id(),
                 status=RunStatus.PENDING.value,
@@ -161,10 +180,12 @@ class TrainingRunner:
             try:
                 claim = await self._runs.claim(
                     draft,
-                    parent_version=policy_lag_version(parent.lora_name, line),
+                    parent_version=parent_version,
                     max_policy_lag=self._max_policy_lag,
                     min_samples=minimum,
-                    max_samples=self._max_samples,
+                    max_samples=cap,
+                    max_active=room,
+                    share_cost=1.0 / policy.weight,
                 )
             except _REDIS_DOWN:
                 # Redis may have applied the claim's EXEC and lost only its answer: the run would then sit queued
@@ -174,6 +195,8 @@ class TrainingRunner:
             if claim.existing:
                 assert claim.run is not None
                 return claim.run, False
+            if claim.busy:
+                raise self._full(list(claim.busy))
             if claim.run is None:
                 raise Conflict(
                     f"pending samples {claim.eligible} is below minimum {minimum}",
@@ -182,10 +205,22 @@ class TrainingRunner:
             faults.reached("run.claimed")
             if self._metrics is not None:
                 self._metrics.run_started(str(trigger.get("kind")))
+                self._metrics.run_claimed(lineage, (claim.run.freshness or {}).get("eligible_wait_seconds"))
             self._launch(claim.run)
-            log.info("training run %s claimed %d sample(s) on parent %s", claim.run.training_run_id,
-                     claim.run.sample_count, parent.lora_name, extra={"training_run_id": claim.run.training_run_id})
+            log.info("training run %s claimed %d sample(s) of %s on parent %s", claim.run.training_run_id,
+                     claim.run.sample_count, line, parent.lora_name,
+                     extra={"training_run_id": claim.run.training_run_id})
             return claim.run, True
+
+    def _full(self, live: list[TrainingRun]) -> Conflict:
+        names = ", ".join(f"{run.training_run_id} ({run.lineage})" for run in live)
+        if len(live) < self._policy.max_concurrent_runs:  # room, but the default pointer names another lineage's run
+            return Conflict(f"the default lineage's pointer names a live run of another lineage, written before runs "
+                            f"were concurrent ({names}): the default lineage starts once it ends",
+                            code="training_run_conflict")
+        return Conflict(f"{len(live)} Training Run(s) live ({names}): at most "
+                        f"{self._policy.max_concurrent_runs} at a time on this service (max_concurrent_runs)",
+                        code="training_run_conflict")
 
     async def stop(self, run_id: str) -> TrainingRun:
         """Cancel a run and return its record once settled; the record tells the truth (D4). A record that
@@ -219,11 +254,17 @@ class TrainingRunner:
             return await self._stop_activation(run_id, task)
         return run
 
-    async def recover(self) -> TrainingRun | None:
-        """Startup: settle the run named by the active pointer (CONTRACT §4.7 Recover)."""
-        run = await self._runs.active()
-        if run is None:
-            return None
+    async def recover(self) -> list[TrainingRun]:
+        """Startup or takeover: settle every live run (CONTRACT §4.7 Recover), each independently and at once (an
+        activation retried for one line does not hold the others' batches), and return them settled."""
+        outcomes = await asyncio.gather(*(self._recover_one(run) for run in await self._runs.active_runs()),
+                                        return_exceptions=True)
+        for outcome in outcomes:  # every recovery ran to its end; then the first failure (LeaseLost, Redis) is raised
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return [run for run in outcomes if isinstance(run, TrainingRun)]
+
+    async def _recover_one(self, run: TrainingRun) -> TrainingRun | None:
         try:
             return await self._recover(run)
         except RunNotFound:
@@ -523,9 +564,22 @@ class TrainingRunner:
         await self._repository.for_line(line).write_active(run.lora_name, run.lora_path, run_id)
         log.info("training run %s succeeded: %s active", run_id, run.lora_name,
                  extra={"training_run_id": run_id, "lora_name": run.lora_name})
+        fresh = await self._measure_freshness(run)
         return await self._durable(f"run {run_id} succeeded", lambda: self._runs.finish(
             run_id, RunStatus.SUCCEEDED, before=[("activation_succeeded", {"lora_name": run.lora_name})],
+            freshness=fresh,
         ))
+
+    async def _measure_freshness(self, run: TrainingRun) -> dict[str, Any] | None:
+        """The version is the line's policy from now: its samples' sample-to-policy latency (a measurement: a
+        Redis blip loses it, never the run's success)."""
+        if self._freshness is None:
+            return None
+        try:
+            return await self._freshness.measure(run, at=time.time(), via=ACTIVATION)
+        except _REDIS_DOWN as exc:
+            log.warning("run %s: freshness not measured (%s)", run.training_run_id, exc)
+            return None
 
     async def _stop_activation(self, run_id: str, task: asyncio.Task[None] | None) -> TrainingRun:
         if task is not None and not task.done():

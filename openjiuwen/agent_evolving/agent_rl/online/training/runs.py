@@ -1,7 +1,12 @@
 """Redis transactions of Training Runs (CONTRACT §5.3): claim, progress, PPO success, restore, terminal.
 
-Each moves the run record, the active pointer and the claimed samples (their hash status, status indexes and
-counters, through `TrajectoryStore.queue_move`) in one EXEC, and names the invariant of §5.4 it keeps. Only the
+Each moves the run record, its line's active pointer and the claimed samples (their hash status, status indexes and
+counters, through `TrajectoryStore.queue_move`) in one EXEC, and names the invariant of §5.4 it keeps.
+
+Invariant 6, per line (concurrent runs, docs/training.md): every live (non-terminal) run is named by its lineage's
+pointer (`training_run:active` for the default lineage, the lineage's field of `training_runs:active_lineages` for
+another; keys.py), a lineage has at most one live run, at most `max_concurrent_runs` are live together, and every
+`training` sample belongs to the live run of its own line and is in that run's batch. Only the
 leader writes runs: every write here goes through its fence (workers/fence.py) and raises LeaseLost once its term
 is over; reads, and the listing's removal of expired ids (any worker's `GET`), do not.
 """
@@ -18,10 +23,12 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
+from ...common.lineage import DEFAULT_LINEAGE
 from ...common.policy_names import BASE_POLICY
 from .. import events
 from ..errors import NotFound
-from ...common.ids import is_token_id, now_iso, parse_iso_epoch, policy_lag_version
+from ..lineage_state import require_live
+from ...common.ids import epoch_iso, is_token_id, now_iso, parse_iso_epoch, policy_lag_version
 from ..store import keys
 from ..store.codec import text
 from ..store.lineage_listing import RUN_LISTING
@@ -42,10 +49,11 @@ _SCAN_CHUNK = 512
 
 @dataclass(frozen=True, slots=True)
 class ClaimResult:
-    run: TrainingRun | None  # the new run, or the active one when `existing`
+    run: TrainingRun | None  # the new run, or the lineage's live one when `existing`
     existing: bool
     eligible: int
     stale: int
+    busy: tuple[TrainingRun, ...] = ()  # no run created: these live runs fill the room (`max_active`)
 
 
 class RunNotFound(NotFound):
@@ -55,6 +63,23 @@ class RunNotFound(NotFound):
     def __init__(self, run_id: str) -> None:
         super().__init__("training run not found")
         self.run_id = run_id
+
+
+def stored_float(raw: bytes | None, default: float | None = 0.0) -> Any:
+    """A float the service wrote into Redis (`repr`), `default` when absent or unreadable."""
+    try:
+        return default if raw is None else float(raw)
+    except ValueError:
+        return default
+
+
+def claim_freshness(eligible_since: float | None, claimed_at: float) -> dict[str, Any]:
+    """The part of a run's `freshness` known at its claim: when its line became eligible and how long it waited
+    for this run (None for a run started while its line was not eligible, e.g. a manual one)."""
+    return {
+        "eligible_at": None if eligible_since is None else epoch_iso(eligible_since),
+        "eligible_wait_seconds": None if eligible_since is None else round(max(0.0, claimed_at - eligible_since), 3),
+    }
 
 
 async def _read_run(pipe: Pipeline, run_key: str, run_id: str) -> TrainingRun:
@@ -81,12 +106,57 @@ class RunStore:
         raw = await self._redis.hget(keys.TRAINING_LAST_END, line)
         return None if raw is None else float(raw)
 
-    async def active(self) -> TrainingRun | None:
-        run_id = text(await self._redis.get(keys.ACTIVE_RUN))
-        if run_id is None:
-            return None
-        run = await self.get(run_id)
-        return None if run is None or run.terminal else run
+    async def active_runs(self) -> list[TrainingRun]:
+        """Every live run, named by the pointers (one consistent read of both, then their records)."""
+        async with self._redis.pipeline(transaction=True) as reads:
+            reads.get(keys.ACTIVE_RUN)
+            reads.hgetall(keys.ACTIVE_LINEAGE_RUNS)
+            default_id, others = await reads.execute()
+        run_ids = list(dict.fromkeys(r for r in (text(default_id), *(text(v) for v in others.values())) if r))
+        raws = await self._redis.mget([keys.training_run(r) for r in run_ids]) if run_ids else []
+        runs = (TrainingRun.from_json(raw) for raw in raws if raw is not None)
+        return [run for run in runs if not run.terminal]
+
+    async def active_of(self, lineage: str) -> TrainingRun | None:
+        """The live run of `lineage`, None when it has none."""
+        return next((run for run in await self.active_runs() if run.lineage == lineage), None)
+
+    @staticmethod
+    def _queue_pointer(pipe: Pipeline, run: TrainingRun) -> None:
+        if run.lineage == DEFAULT_LINEAGE:
+            pipe.set(keys.ACTIVE_RUN, run.training_run_id)
+        else:
+            pipe.hset(keys.ACTIVE_LINEAGE_RUNS, run.lineage, run.training_run_id)
+
+    @staticmethod
+    async def _pointers_of(pipe: Pipeline, run: TrainingRun) -> tuple[bool, bool]:
+        """Whether the default pointer and the lineage's field name `run` (the caller WATCHes both keys). The
+        default pointer may name a run of another lineage when it was written before runs were concurrent."""
+        default = text(await pipe.get(keys.ACTIVE_RUN)) == run.training_run_id
+        field = (run.lineage != DEFAULT_LINEAGE
+                 and text(await pipe.hget(keys.ACTIVE_LINEAGE_RUNS, run.lineage)) == run.training_run_id)
+        return default, field
+
+    @staticmethod
+    def _queue_unpoint(pipe: Pipeline, run: TrainingRun, pointers: tuple[bool, bool]) -> None:
+        default, field = pointers
+        if default:
+            pipe.delete(keys.ACTIVE_RUN)
+        if field:
+            pipe.hdel(keys.ACTIVE_LINEAGE_RUNS, run.lineage)
+
+    async def _live(self, pipe: Pipeline) -> tuple[list[TrainingRun], str | None, dict[str, str]]:
+        """(live runs, the default pointer, lineage → run id) read inside a claim (the pointers are WATCHed; each
+        pointed record is WATCHed here, so a run ending before the EXEC makes the claim read again)."""
+        default_id = text(await pipe.get(keys.ACTIVE_RUN))
+        others = {text(k) or "": text(v) or "" for k, v in (await pipe.hgetall(keys.ACTIVE_LINEAGE_RUNS)).items()}
+        run_ids = list(dict.fromkeys(r for r in (default_id, *others.values()) if r))
+        if not run_ids:
+            return [], default_id, others
+        await pipe.watch(*(keys.training_run(r) for r in run_ids))
+        raws = await pipe.mget([keys.training_run(r) for r in run_ids])
+        runs = (TrainingRun.from_json(raw) for raw in raws if raw is not None)
+        return [run for run in runs if not run.terminal], default_id, others
 
     async def claim(
         self,
@@ -96,11 +166,18 @@ class RunStore:
         max_policy_lag: int | None,
         min_samples: int,
         max_samples: int,
+        max_active: int = 1,
+        share_cost: float = 1.0,
     ) -> ClaimResult:
-        """Claim the oldest eligible pending samples for `draft`, or return the active run.
+        """Claim the oldest eligible pending samples of the draft's line for `draft`, or return its lineage's live
+        run (`existing`), or nothing when `max_active` runs are live (`busy`).
 
-        Invariant 6: at most one active run, and every `training` sample belongs to it: the pointer, the record and
-        the pending → training moves happen in one EXEC, under WATCH of the pointer and the pending index."""
+        Invariant 6 per line (module docstring): the pointers, the live records, the lineage's slot and the count
+        are read under WATCH, and the pointer, the record and the pending → training moves happen in one EXEC, so
+        two claims can never both see room for the same lineage or the last slot. The same EXEC charges the
+        lineage's fair share (`share_cost` = 1 / its weight, start-time fair queuing: its tag becomes
+        max(tag, clock) + cost and the clock that start tag) and takes the line's `eligible_since` into the record's
+        `freshness`, so a run is never charged or measured twice, nor started uncharged."""
         line = draft.line(self._model_id)
         store = self._store.for_line(line)  # the run claims its own line's samples only (per-line index: O(batch))
         pending_index = store.index_key(SampleStatus.PENDING)
@@ -108,14 +185,18 @@ class RunStore:
         run_key = keys.training_run(draft.training_run_id)
 
         async def body(pipe: Pipeline) -> ClaimResult:
-            active_id = text(await pipe.get(keys.ACTIVE_RUN))
-            if active_id is not None:
-                await pipe.watch(keys.training_run(active_id))
-                raw = await pipe.get(keys.training_run(active_id))
-                if raw is not None:
-                    active = TrainingRun.from_json(raw)
-                    if not active.terminal:
-                        return ClaimResult(active, True, 0, 0)
+            # No run claims on a lineage archived or being deleted: its state is WATCHed, so an archive that lands
+            # before this EXEC fails it (the archive in turn WATCHes the lineage's run index this EXEC writes).
+            await require_live(pipe, draft.lineage)
+            live, default_id, others = await self._live(pipe)
+            mine = next((run for run in live if run.lineage == draft.lineage), None)
+            if mine is not None:
+                return ClaimResult(mine, True, 0, 0)
+            slot = default_id if draft.lineage == DEFAULT_LINEAGE else others.get(draft.lineage)
+            # The default pointer written before concurrent runs may hold a live run of another lineage: never
+            # overwrite it (its run would lose its pointer); recovery settles that run, then the slot frees.
+            if len(live) >= max_active or any(run.training_run_id == slot for run in live):
+                return ClaimResult(None, False, 0, 0, busy=tuple(live))
             counters = {(text(k) or ""): int(v) for k, v in (await pipe.hgetall(stats_key)).items()}
             pending = max(0, counters.get(f"status:{SampleStatus.PENDING}", 0))
             stale = stale_pending(
@@ -128,17 +209,22 @@ class RunStore:
             if len(chosen) < min_samples:
                 return ClaimResult(None, False, len(chosen), stale)
             await pipe.watch(*(keys.traj(sample_id) for sample_id, _ in chosen))
+            shares = await pipe.hmget(keys.FAIR_SHARE, keys.FAIR_SHARE_CLOCK, draft.lineage)
+            clock, tag = (stored_float(v) for v in shares)
+            since = stored_float(await pipe.hget(keys.ELIGIBLE_SINCE, line), None)
             at = now_iso()
             score = parse_iso_epoch(at)
             versions: dict[str, int] = {}
             for _, version in chosen:
                 versions[version] = versions.get(version, 0) + 1
             metrics = dict(draft.metrics, stale_excluded=stale)
+            start_tag = max(tag, clock)
             run = draft.evolve(
                 sample_ids=[sample_id for sample_id, _ in chosen],
                 sample_count=len(chosen),
                 policy_versions=versions,
                 metrics=metrics,
+                freshness=claim_freshness(since, score),
             )
             pipe.multi()
             for sample_id, version in chosen:
@@ -148,7 +234,10 @@ class RunStore:
                     run_id=run.training_run_id,
                 )
             pipe.set(run_key, run.to_json())
-            pipe.set(keys.ACTIVE_RUN, run.training_run_id)
+            self._queue_pointer(pipe, run)
+            pipe.hset(keys.FAIR_SHARE, mapping={draft.lineage: repr(start_tag + share_cost),
+                                                keys.FAIR_SHARE_CLOCK: repr(start_tag)})
+            pipe.hdel(keys.ELIGIBLE_SINCE, line)
             # Invariant: a run is in its lineage's listing index exactly when it is in the overall one (same EXEC).
             pipe.zadd(keys.RUNS_BY_CREATION, {run.training_run_id: parse_iso_epoch(run.created_at)})
             pipe.zadd(RUN_LISTING.index(run.lineage), {run.training_run_id: parse_iso_epoch(run.created_at)})
@@ -159,7 +248,8 @@ class RunStore:
             await pipe.execute()
             return ClaimResult(run, False, eligible, stale)
 
-        return await self._fence.transact(self._redis, body, keys.ACTIVE_RUN, pending_index, stats_key)
+        return await self._fence.transact(self._redis, body, keys.ACTIVE_RUN, keys.ACTIVE_LINEAGE_RUNS, pending_index,
+                                          stats_key, keys.FAIR_SHARE, keys.ELIGIBLE_SINCE)
 
     async def _oldest_eligible(
         self, pending_index: str, line: str, parent_version: int, max_policy_lag: int | None, limit: int
@@ -246,7 +336,7 @@ class RunStore:
             await pipe.execute()
             return new
 
-        return await self._fence.transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+        return await self._fence.transact(self._redis, body, run_key)
 
     async def finish(
         self,
@@ -256,10 +346,12 @@ class RunStore:
         failure_reason: str | None = None,
         restore_samples: bool = False,
         before: Sequence[Event] = (),
+        freshness: dict[str, Any] | None = None,
     ) -> TrainingRun:
-        """Terminal transition: record + TTL, pointer deleted, the `before` events and the terminal event appended
-        (the timeline gets the record's TTL); with `restore_samples`, the batch's `training` samples go back to
-        `pending` at their original position in the same EXEC. Invariants 5, 6 and 8."""
+        """Terminal transition: record + TTL, its pointer deleted, the `before` events and the terminal event
+        appended (the timeline gets the record's TTL); with `restore_samples`, the batch's `training` samples go
+        back to `pending` at their original position in the same EXEC; `freshness` merged into the record's.
+        Invariants 5, 6 and 8."""
         run_key = keys.training_run(run_id)
 
         async def body(pipe: Pipeline) -> TrainingRun:
@@ -267,16 +359,17 @@ class RunStore:
             if run.terminal:
                 return run
             moves = await self._training_members(pipe, run) if restore_samples else []
-            pointer = text(await pipe.get(keys.ACTIVE_RUN))
+            pointers = await self._pointers_of(pipe, run)
             at = now_iso()
             done = run.evolve(status=status.value, finished_at=at, failure_reason=failure_reason)
+            if freshness:
+                done = done.evolve(freshness={**(run.freshness or {}), **freshness})
             pipe.multi()
             self._queue_restore(pipe, run, moves, at)
             pipe.set(run_key, done.to_json(), ex=self._run_retention_s)
             pipe.zadd(keys.RUNS_LISTING_EXPIRY, {run_id: parse_iso_epoch(at) + self._run_retention_s})
             RUN_LISTING.queue_expiring(pipe, run_id, run.lineage)  # which lineage index to trim then
-            if pointer == run_id:
-                pipe.delete(keys.ACTIVE_RUN)
+            self._queue_unpoint(pipe, run, pointers)
             # The line's last run end moves with the terminal record, so `min_interval_seconds` of automatic
             # training (training/scheduler.py) always counts from the end of the run that really ended last.
             pipe.hset(keys.TRAINING_LAST_END, run.line(self._model_id), parse_iso_epoch(at))
@@ -292,17 +385,17 @@ class RunStore:
             return done
 
         transitioned: list[bool] = []
-        done = await self._fence.transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+        done = await self._fence.transact(self._redis, body, run_key, keys.ACTIVE_RUN, keys.ACTIVE_LINEAGE_RUNS)
         if transitioned and self._metrics is not None:
             self._metrics.run_finished(done.status)
         return done
 
     async def abandon(self, run: TrainingRun) -> int:
         """Release a run whose record vanished, from the copy its execution holds: the samples still `training`
-        under it go back to `pending` at their original position and the active pointer is deleted if it names the
-        run, in one EXEC. Invariant 6 (every `training` sample belongs to the active run) holds again and the next
-        claim can proceed. A record that reappeared meanwhile is left to its own transitions. Returns the number
-        of samples restored."""
+        under it go back to `pending` at their original position and the pointer that names the run is deleted, in
+        one EXEC. Invariant 6 (every `training` sample belongs to the live run of its line) holds again and the
+        next claim of the lineage can proceed. A record that reappeared meanwhile is left to its own transitions.
+        Returns the number of samples restored."""
         run_id = run.training_run_id
         run_key = keys.training_run(run_id)
 
@@ -310,16 +403,15 @@ class RunStore:
             if await pipe.exists(run_key):
                 return 0
             moves = await self._training_members(pipe, run)
-            pointer = text(await pipe.get(keys.ACTIVE_RUN))
+            pointers = await self._pointers_of(pipe, run)
             at = now_iso()
             pipe.multi()
             self._queue_restore(pipe, run, moves, at)
-            if pointer == run_id:
-                pipe.delete(keys.ACTIVE_RUN)
+            self._queue_unpoint(pipe, run, pointers)
             await pipe.execute()
             return len(moves)
 
-        return await self._fence.transact(self._redis, body, run_key, keys.ACTIVE_RUN)
+        return await self._fence.transact(self._redis, body, run_key, keys.ACTIVE_RUN, keys.ACTIVE_LINEAGE_RUNS)
 
     def _queue_restore(self, pipe: Pipeline, run: TrainingRun, moves: list[tuple[str, str, str, bool]],
                        at: str) -> None:
@@ -352,6 +444,31 @@ class RunStore:
                 out.append((sample_id, text(version) or BASE_POLICY, text(created_at) or now_iso(),
                             bool(instance) and text(instance) in excluded))
         return out
+
+    async def record_freshness(self, run_id: str, freshness: dict[str, Any]) -> TrainingRun | None:
+        """Merge `freshness` into a run's record, terminal or not (a measurement, not a transition: a canary's version
+        becomes the line's policy at its promotion, long after its run ended), keeping the record's TTL. None when
+        the record is gone."""
+        run_key = keys.training_run(run_id)
+
+        async def body(pipe: Pipeline) -> TrainingRun | None:
+            raw = await pipe.get(run_key)
+            if raw is None:
+                return None
+            run = TrainingRun.from_json(raw)
+            new = run.evolve(freshness={**(run.freshness or {}), **freshness})
+            pipe.multi()
+            pipe.set(run_key, new.to_json(), keepttl=True)
+            await pipe.execute()
+            return new
+
+        return await self._fence.transact(self._redis, body, run_key)
+
+    async def retire_outdated(self, line: str, *, current_version: int, max_policy_lag: int | None) -> int:
+        """The line's pending samples lagging `current_version` past `max_policy_lag` become `outdated`
+        (`TrajectoryStore.retire_outdated`), through this leader's fence."""
+        return await self._store.for_line(line).retire_outdated(
+            current_version=current_version, max_policy_lag=max_policy_lag, fence=self._fence)
 
     async def list_page(self, limit: int, cursor: str | None, lineage: str | None = None) -> dict[str, Any]:
         """Public run records newest first (`GET /v1/rl/training/runs`); with `lineage`, from that lineage's own

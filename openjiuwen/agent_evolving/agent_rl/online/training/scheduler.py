@@ -1,18 +1,25 @@
 """Automatic training: the leader's duty that starts Training Runs by itself (docs/training.md, docs/lineages.md).
 
-Each tick reads a small snapshot of the candidate lines (pending and eligible counts from the O(1) stats hash, the
-eligible ones net of the samples lagging the line's observed policy as its claim counts them; the oldest pending
-sample from the head of the line's pending index, its previous run end, an operator pause; the active run and a live
-rollout once), lets `eligibility.rank` order the eligible lines (each judged under its lineage's policy) and starts
-them in that order through `TrainingRunner.start`, the very path of `POST /v1/rl/training/runs` (claims stay
-O(batch)), with the run's `trigger` naming its lineage; a start that fails falls through to the next line.
+Each tick judges the lines that are due, starts the eligible ones in fair-share order (training/eligibility.py)
+while there is room (`max_concurrent_runs` minus the live runs), through `TrainingRunner.start`, the very path of
+`POST /v1/rl/training/runs` (claims stay O(batch)), with the run's `trigger` naming its lineage; a start that fails
+falls through to the next line.
 
-Candidates: the default line, always, and the other lines in the order of the waiting hint `rl:v1:training:waiting`
-(keys.py: line → a lower bound of its oldest pending sample), read a page of `HINT_PAGE` entries at a time. Entries
-of a page are first corrected from their line's own pending index (raised to its head, or removed when it is empty),
-so a line whose samples were claimed, excluded or deleted drops back or out; reading stops once enough eligible
-lines were found (pages are oldest first: no later line waited longer) or after `HINT_LINES_PER_TICK` lines. So a
-tick never scans all lineages. A line is never chosen without a snapshot of its own keys.
+Which lines are due: the default line, always, and every line whose entry in the due index `rl:v1:training:waiting`
+(keys.py: line → the epoch by which it must be judged) has come. A publication, a reward arrival, a run giving its
+samples back, a resume and the leader's start lower a line's entry; a judgement raises it to the line's next due time
+(its `max_wait_seconds`, `min_interval_seconds` or `max_runs_per_hour` end), keeps it due while it is eligible or
+its run or rollout holds it (at most the live runs and rollouts), or removes the entry of a line that only another
+write could make eligible (nothing pending, below its floor, paused, automatic training off for it). So a lineage
+waiting below its threshold is read once per publication, never at every tick, and any number of them never hides
+an eligible line: every due line is judged in the tick (in chunks of `JUDGE_CHUNK`), and an eligible line is due.
+
+A chunk is judged in one fenced transaction that WATCHes the chunk's pending indexes: its snapshot (pending and
+eligible counts from the O(1) stats hash, net of the samples lagging the line's observed policy; the oldest pending
+sample; the previous run end; an operator pause; the fair-share tag; the recent starts of a lineage under a quota) is
+read after the WATCH, and the entries and the lines' `eligible_since` are written in its EXEC, so a sample that
+becomes pending meanwhile fails the EXEC rather than being judged away. Lines holding samples that lag their policy
+past `max_policy_lag` then have those samples moved to `outdated` (training/runs.py `retire_outdated`).
 """
 
 from __future__ import annotations
@@ -20,44 +27,48 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from ...common.ids import policy_lag_version
+from ...common.ids import epoch_iso, policy_lag_version
 from ...common.lineage import DEFAULT_LINEAGE, is_lineage, line_of, split_line
 from ...common.policy_names import BASE_POLICY
 from ..background import stop_loop
 from ..errors import DomainError, NotFound
 from ..store import keys
 from ..store.codec import text
+from ..store.lineage_listing import RUN_LISTING
 from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
+from ..store.tx import RedisContention
 from ..workers.fence import Fence
-from .eligibility import LineState, Verdict, judge_line, rank
-from .run_records import TrainingRun
+from .eligibility import (HOUR_S, INTERVAL, QUOTA, ROLLOUT_DECIDING, RUN_ACTIVE, WAITING, LineState, Verdict,
+                          judge_line, rank)
 from .pauses import LineagePauses
 from .policy import TrainingPolicyConfig
-from .runs import RunStore
+from .runs import RunStore, stored_float
 
 if TYPE_CHECKING:
     from ..rollout.controller import RolloutController
+    from .run_records import TrainingRun
     from .runner import TrainingRunner
 
 log = logging.getLogger("openjiuwen.agent_rl.online.training.scheduler")
 
-HINT_PAGE = 64  # hint entries read (and corrected) per round trip
-HINT_LINES_PER_TICK = 512  # non-default lines judged per tick at most
-_CORRECTION_ROUNDS = 3  # re-reads of a page whose entries moved when corrected
+DUE_PAGE = 500  # due-index entries (or registered lineages, at the leader's start) read per round trip
+JUDGE_CHUNK = 100  # lines judged (and their entries written) per fenced transaction
+# Entries kept due until the verdict's time; the rest of the not-eligible reasons drop the line's entry.
+_TIMED = (INTERVAL, QUOTA, WAITING)
+_HELD = (RUN_ACTIVE, ROLLOUT_DECIDING)  # judged again at every tick (at most the live runs and rollouts)
 
 
 def _iso(epoch: float | None) -> str | None:
-    return None if epoch is None else datetime.fromtimestamp(epoch, UTC).isoformat()
+    return None if epoch is None else epoch_iso(epoch)
 
 
 class UnknownLineage(NotFound):
@@ -82,11 +93,12 @@ class TrainingScheduler:
     ) -> None:
         self._redis, self._store, self._pauses = redis, store, pauses
         self._runs, self._runner, self._rollout = runs, runner, rollout
-        self._fence = fence  # the hint corrections are leader-only writes
+        self._fence = fence  # the due index, `eligible_since` and outdated samples are leader-only writes
         self._policy, self._model_id, self._max_policy_lag = policy, model_id, max_policy_lag
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+        self._all_due = False  # every registered line made due once in this term (`_make_every_line_due`)
 
     @property
     def policy(self) -> TrainingPolicyConfig:
@@ -102,36 +114,58 @@ class TrainingScheduler:
     # ------------------------------------------------------------------ snapshot
 
     async def snapshot(self, line: str, lineage: str) -> LineState:
-        active = await self._runs.active()
+        active = {run.lineage: run.training_run_id for run in await self._runs.active_runs()}
         live = await self._rollout.live_lines() if self._rollout is not None else set()
-        [state] = await self._snapshots([(line, lineage)], active=active, rollout_live=live)
+        [state] = await self._snapshots([(line, lineage)], active=active, rollout_live=live, now=self._clock())
         return state
 
     async def _snapshots(
-        self, lines: list[tuple[str, str]], *, active: TrainingRun | None, rollout_live: set[str]
+        self, lines: Sequence[tuple[str, str]], *, active: dict[str, str], rollout_live: set[str], now: float
     ) -> list[LineState]:
-        """One pipelined read of every given line's own keys; the active run and the rollout are the caller's."""
+        """One pipelined read of every given line's own keys; the live runs and rollouts are the caller's."""
+        quotas = {lineage: self._policy.for_lineage(lineage).max_runs_per_hour for _, lineage in lines}
+        names = [line for line, _ in lines]
+        lineages = [lineage for _, lineage in lines]
+        others = [lineage for lineage in lineages if lineage != DEFAULT_LINEAGE]
         async with self._redis.pipeline(transaction=False) as reads:
             for line, lineage in lines:
                 store = self._store.for_line(line)  # the line's own pending index and counters
                 reads.hgetall(store.stats_key)
                 reads.zrange(store.index_key(SampleStatus.PENDING), 0, 0, withscores=True)
-                reads.hget(keys.TRAINING_LAST_END, line)
-                reads.hexists(keys.LINEAGES_PAUSED, lineage)  # any field means paused: fails closed
-                # The line's active policy as last observed (the default line's is the AIGW key): the claim
-                # subtracts the samples lagging it, so the snapshot must too, or a line whose pending samples are
-                # all stale would be chosen every tick and its claim fail every time.
-                if lineage == DEFAULT_LINEAGE:
-                    reads.get(keys.POLICY_OBSERVED)
-                else:
-                    reads.hget(keys.POLICY_OBSERVED_LINES, line)
-            rows = await reads.execute()
-        states = []
+                if quotas[lineage] is not None:  # the lineage's newest starts within the hour, at most its quota
+                    reads.zrevrangebyscore(RUN_LISTING.index(lineage), "+inf", repr(now - HOUR_S), start=0,
+                                           num=quotas[lineage], withscores=True)
+            # One field per line of each shared hash: a read per chunk, not per line.
+            reads.hmget(keys.TRAINING_LAST_END, names)
+            reads.hmget(keys.LINEAGES_PAUSED, lineages)  # any field means paused: fails closed
+            # The line's active policy as last observed (the default line's is the AIGW key): the claim subtracts
+            # the samples lagging it, so the snapshot must too, or a line whose pending samples are all stale would
+            # be chosen every tick and its claim fail every time.
+            reads.hmget(keys.POLICY_OBSERVED_LINES, names)
+            reads.get(keys.POLICY_OBSERVED)
+            reads.hmget(keys.ELIGIBLE_SINCE, names)
+            reads.hmget(keys.FAIR_SHARE, [keys.FAIR_SHARE_CLOCK, *lineages])
+            # A lineage archived or being deleted (lineage_state.py) is never trained: judged as paused. Its claim
+            # refuses it anyway; this keeps the scheduler from trying every tick. (The default lineage has no state.)
+            if others:
+                reads.mget([keys.lineage_state(lineage) for lineage in others])
+            results = await reads.execute()
+        retired = {lineage for lineage, state in zip(others, results.pop() if others else []) if state is not None}
+        *rows, last_ends, paused, observed_lines, observed_default, since, shares = results
+        clock = stored_float(shares[0])
+        states, at = [], 0
         for i, (line, lineage) in enumerate(lines):
-            raw_stats, head, last_end, paused, observed = rows[5 * i:5 * i + 5]
+            raw_stats, head = rows[at:at + 2]
+            at += 2
+            recent: tuple[float, ...] = ()
+            if quotas[lineage] is not None:
+                recent = tuple(float(score) for _, score in rows[at])
+                at += 1
             counters = {(text(k) or ""): int(v) for k, v in raw_stats.items()}
             pending = max(0, counters.get(f"status:{SampleStatus.PENDING}", 0))
-            stale = stale_pending(counters, model_id=line, current_version=self._observed_version(observed, line),
+            observed = observed_default if lineage == DEFAULT_LINEAGE else observed_lines[i]
+            version = self._observed_version(observed, line)
+            stale = stale_pending(counters, model_id=line, current_version=version,
                                   max_policy_lag=self._max_policy_lag)
             states.append(LineState(
                 line=line,
@@ -139,12 +173,16 @@ class TrainingScheduler:
                 pending=pending,
                 eligible=max(0, pending - stale),
                 oldest_at=float(head[0][1]) if head else None,
-                last_end_at=None if last_end is None else float(last_end),
-                # One run at a time machine-wide (`training_run:active`): it blocks every line while it runs.
-                active_run=None if active is None else active.training_run_id,
+                last_end_at=stored_float(last_ends[i], None),
+                # The lineage's own live run holds its line; other lineages' runs hold only the shared room.
+                active_run=active.get(lineage),
                 # Every line rolls out its own versions (docs/lineages.md): only its own live rollout holds it.
                 rollout_deciding=line in rollout_live,
-                paused=bool(paused),
+                paused=paused[i] is not None or lineage in retired,
+                share_tag=max(stored_float(shares[i + 1]), clock),
+                recent_starts=recent,
+                eligible_since=stored_float(since[i], None),
+                policy_version=version,
             ))
         return states
 
@@ -158,34 +196,32 @@ class TrainingScheduler:
                 name = str(orjson.loads(observed).get("lora_name") or BASE_POLICY)
         return policy_lag_version(name, line)
 
-    # ------------------------------------------------------------------ the waiting hint
+    # ------------------------------------------------------------------ the due index
 
-    async def waiting_page(self, offset: int) -> list[tuple[str, str]]:
-        """(line, lineage) of the hint entries at ranks `offset`.. (at most HINT_PAGE), oldest first, each
-        corrected to its line's oldest pending sample; lines with none left are removed from the hint and not
-        returned."""
-        for _ in range(_CORRECTION_ROUNDS):
-            entries = await self._redis.zrange(keys.TRAINING_WAITING, offset, offset + HINT_PAGE - 1, withscores=True)
-            parsed = [(text(raw) or "", float(score), self._lineage_of(text(raw) or "")) for raw, score in entries]
-            async with self._redis.pipeline(transaction=False) as reads:
-                for line, _, lineage in parsed:
-                    if lineage is not None:
-                        reads.zrange(keys.traj_index(line, SampleStatus.PENDING), 0, 0, withscores=True)
-                heads = iter(await reads.execute())
-            exact, corrected = [], 0
-            for line, score, lineage in parsed:
-                head = None if lineage is None else next(heads)
-                if lineage is not None and head and float(head[0][1]) == score:
-                    exact.append((line, lineage))
-                    continue
-                await self._correct(line, valid=lineage is not None)
-                corrected += 1
-            if not corrected:
-                return exact
-        return exact  # still moving (publications meanwhile): judge what is exact now, the rest next tick
+    async def due_lines(self, now: float) -> list[tuple[str, str]]:
+        """(line, lineage) of every entry due by `now`, oldest first; entries that name no line of this model's
+        lineages are removed."""
+        due: list[tuple[str, str]] = []
+        foreign: list[str] = []
+        offset = 0
+        while True:
+            page = [text(m) or "" for m in await self._redis.zrangebyscore(
+                keys.TRAINING_WAITING, "-inf", repr(now), start=offset, num=DUE_PAGE)]
+            for line in page:
+                lineage = self._lineage_of(line)
+                if lineage is None:
+                    foreign.append(line)
+                else:
+                    due.append((line, lineage))
+            if len(page) < DUE_PAGE:
+                break
+            offset += DUE_PAGE
+        if foreign:
+            await self._fence.write(self._redis, lambda pipe: pipe.zrem(keys.TRAINING_WAITING, *foreign))
+        return due
 
     def _lineage_of(self, line: str) -> str | None:
-        """The lineage of a hint entry's line, None for an entry that is no non-default line of this model."""
+        """The lineage of an entry's line, None for an entry that is no non-default line of this model."""
         try:
             model, lineage = split_line(line)
             keys.traj_index(line, SampleStatus.PENDING)  # a line no key may carry is no line of ours either
@@ -193,54 +229,96 @@ class TrainingScheduler:
             return None
         return lineage if model == self._model_id and lineage != DEFAULT_LINEAGE else None
 
-    async def _correct(self, line: str, *, valid: bool) -> None:
-        """Set the line's hint entry to its oldest pending sample, or remove it (also an entry we never wrote)."""
-        index = keys.traj_index(line, SampleStatus.PENDING) if valid else None
+    async def _make_every_line_due(self) -> None:
+        """Once per term, before the first judgement: every registered lineage's line becomes due (ZADD LT: an
+        earlier entry stays), so a line dropped under another config (a lineage's `auto`, a threshold) or by an
+        earlier leader is judged anew. Costs one read of the registry at the leader's start, never at a tick."""
+        now = self._clock()
+        start = 0
+        while True:
+            page = [text(m) or "" for m in await self._redis.zrange(keys.LINEAGES, start, start + DUE_PAGE - 1)]
+            lines = {line_of(self._model_id, name): now for name in page
+                     if is_lineage(name) and name != DEFAULT_LINEAGE}
+            if lines:
+                await self._fence.write(self._redis, lambda pipe: pipe.zadd(keys.TRAINING_WAITING, lines, lt=True))
+            if len(page) < DUE_PAGE:
+                break
+            start += DUE_PAGE
 
-        async def body(pipe: Pipeline) -> None:
-            head = await pipe.zrange(index, 0, 0, withscores=True) if index is not None else []
-            # Invariant (keys.TRAINING_WAITING): the pending index is WATCHed, so a sample that becomes pending
-            # after this read fails the EXEC (and its own EXEC lowers the entry anyway): an entry is raised only
-            # to the true head, and removed only while the index is empty.
+    async def _judge(self, lines: Sequence[tuple[str, str]], *, active: dict[str, str], rollout_live: set[str],
+                     now: float) -> list[tuple[LineState, Verdict]]:
+        """Judge a chunk of lines and file each one's entry and `eligible_since` (module docstring)."""
+        watched = [keys.traj_index(line, SampleStatus.PENDING) for line, lineage in lines if lineage != DEFAULT_LINEAGE]
+
+        async def body(pipe: Pipeline) -> list[tuple[LineState, Verdict]]:
+            states = await self._snapshots(lines, active=active, rollout_live=rollout_live, now=now)
+            judged = [(state, judge_line(state, self._policy, now)) for state in states]
+            # Invariant (keys.TRAINING_WAITING): the lines' pending indexes are WATCHed and the snapshot was read
+            # after, so an entry is raised or removed only on a judgement of what is pending now; a sample made
+            # pending meanwhile fails this EXEC (and its own EXEC lowered the entry anyway).
             pipe.multi()
-            if head:
-                pipe.zadd(keys.TRAINING_WAITING, {line: head[0][1]})
-            else:
-                pipe.zrem(keys.TRAINING_WAITING, line)
+            for state, verdict in judged:
+                if state.lineage != DEFAULT_LINEAGE:
+                    self._queue_entry(pipe, state.line, verdict)
+                if verdict.eligible:
+                    pipe.hsetnx(keys.ELIGIBLE_SINCE, state.line, repr(now))  # the first tick that found it so
+                elif state.eligible_since is not None:
+                    pipe.hdel(keys.ELIGIBLE_SINCE, state.line)
             await pipe.execute()
+            return judged
 
-        await self._fence.transact(self._redis, body, *([index] if index is not None else [keys.TRAINING_WAITING]))
+        try:
+            return await self._fence.transact(self._redis, body, *watched)
+        except RedisContention:
+            # Publications keep landing on these lines: their entries stay due, so the next tick judges them.
+            log.warning("automatic training: %d line(s) kept changing while judged; judged again next tick",
+                        len(lines))
+            return []
+
+    @staticmethod
+    def _queue_entry(pipe: Pipeline, line: str, verdict: Verdict) -> None:
+        if verdict.eligible or verdict.reason in _HELD:
+            return  # stays due: judged at every tick until it starts, or its run or rollout ends
+        if verdict.reason in _TIMED and verdict.next_eligible_at is not None:
+            pipe.zadd(keys.TRAINING_WAITING, {line: verdict.next_eligible_at})
+        else:
+            pipe.zrem(keys.TRAINING_WAITING, line)
+
+    async def _retire_outdated(self, states: Sequence[LineState]) -> None:
+        """Lines holding samples that lag their observed policy past `max_policy_lag`: those become `outdated`."""
+        for state in states:
+            if state.pending > state.eligible:
+                moved = await self._runs.retire_outdated(state.line, current_version=state.policy_version,
+                                                         max_policy_lag=self._max_policy_lag)
+                if moved:
+                    log.info("%d sample(s) of %s are outdated (policy lag past %s)", moved, state.line,
+                             self._max_policy_lag)
 
     # ------------------------------------------------------------------ one tick
 
-    async def tick(self) -> list[TrainingRun]:
+    async def tick(self) -> list["TrainingRun"]:
         """Start what the policy says should start now; returns the runs created."""
         if not self._policy.any_auto:
             return []
-        active = await self._runs.active()
-        # Machine-wide: the one active run (whichever line it trains) takes the one slot.
-        room = self._policy.max_concurrent_runs - (active is not None)
-        if room <= 0:
-            return []
-        live = await self._rollout.live_lines() if self._rollout is not None else set()
+        if not self._all_due:
+            await self._make_every_line_due()
+            self._all_due = True
         now = self._clock()
-        states = await self._snapshots([(self._model_id, DEFAULT_LINEAGE)], active=active, rollout_live=live)
-        found, seen = 0, {self._model_id}
-        offset = 0
-        while found < room and offset < HINT_LINES_PER_TICK:
-            page = [(line, lineage) for line, lineage in await self.waiting_page(offset) if line not in seen]
-            if not page:
-                break
-            seen.update(line for line, _ in page)
-            more = await self._snapshots(page, active=active, rollout_live=live)
-            found += sum(1 for state in more if judge_line(state, self._policy, now).eligible)
-            states += more
-            offset += HINT_PAGE
-        by_line = {state.line: state for state in states}
-        started: list[TrainingRun] = []
-        # Every eligible line in order, not only the first `room`: a start that fails for one line (its claim
-        # found fewer samples, its rollout just began) must not keep every other line from training this tick.
-        for verdict in rank(states, self._policy, now):
+        live_runs = await self._runs.active_runs()
+        active = {run.lineage: run.training_run_id for run in live_runs}
+        live = await self._rollout.live_lines() if self._rollout is not None else set()
+        candidates = [(self._model_id, DEFAULT_LINEAGE), *await self.due_lines(now)]
+        judged: list[tuple[LineState, Verdict]] = []
+        for start in range(0, len(candidates), JUDGE_CHUNK):
+            judged += await self._judge(candidates[start:start + JUDGE_CHUNK], active=active, rollout_live=live,
+                                        now=now)
+        await self._retire_outdated([state for state, _ in judged])
+        room = self._policy.max_concurrent_runs - len(live_runs)
+        by_line = {state.line: state for state, _ in judged}
+        started: list["TrainingRun"] = []
+        # Every eligible line in fair-share order, not only the first `room`: a start that fails for one line (its
+        # claim found fewer samples, its rollout just began) must not keep every other line from training this tick.
+        for verdict in rank(by_line.values(), self._policy, now):
             if len(started) >= room:
                 break
             run = await self._start(by_line[verdict.line], verdict)
@@ -248,7 +326,7 @@ class TrainingScheduler:
                 started.append(run)
         return started
 
-    async def _start(self, state: LineState, verdict: Verdict) -> TrainingRun | None:
+    async def _start(self, state: LineState, verdict: Verdict) -> "TrainingRun | None":
         trigger: dict[str, Any] = {
             "kind": "auto",
             "reason": verdict.reason,
@@ -278,6 +356,7 @@ class TrainingScheduler:
         state = await self.snapshot(line, lineage)
         verdict = judge_line(state, self._policy, self._clock())
         pause = await self._pauses.get(lineage)
+        quota = self._policy.for_lineage(lineage).max_runs_per_hour
         return {
             "lineage": lineage,
             "line": line,
@@ -295,6 +374,9 @@ class TrainingScheduler:
                 "eligible": verdict.eligible,
                 "reason": verdict.reason,
                 "next_eligible_at": _iso(verdict.next_eligible_at),
+                "eligible_since": _iso(state.eligible_since),
+                "fair_share_tag": round(state.share_tag, 6),
+                "runs_last_hour": None if quota is None else len(state.recent_starts),
             },
         }
 
@@ -314,6 +396,7 @@ class TrainingScheduler:
         if not self._policy.any_auto:
             return
         self._stopping = asyncio.Event()
+        self._all_due = False  # a new term: its first tick makes every registered line due
         self._task = asyncio.create_task(self._run(), name="training-scheduler")
 
     async def _run(self) -> None:
