@@ -22,7 +22,7 @@ trained version; per seed, then the mean and a 95% t-interval over seeds.
 
     .venv/bin/python bench/constrained_learning_bench.py --seeds 0 1 2 [--json out.json]
 
-Needs `.venv-vllm` and the provisioned SmolLM2 (`make model`). Took 12-16 min per seed on 2 busy cores (64 samples,
+Needs `.venv-vllm` and the provisioned SmolLM2 (`make model`). Took 15-19 min per seed on 2 busy cores (64 samples,
 two Training Runs of one PPO step, 3 x 32 held-out answers). `run()` is what tests/system/test_constrained_real_vllm.py
 runs once, tiny, on its own vLLM (the tiny model), so the command keeps working.
 """
