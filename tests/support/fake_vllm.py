@@ -7,6 +7,7 @@
         vllm.reply = Reply(content="Hi there", reasoning="let me think",
                            tool_calls=[ToolCall("get_weather", {"city": "Paris"})])   # the default reply
         vllm.enqueue(Reply(content="only for the next chat request"))
+        vllm.responder = lambda body: Reply(...)                     # answer each request by its body (a "model")
         vllm.fail_next("/v1/load_lora_adapter", 500)                 # vLLM-style error envelope
         vllm.fail_next("/v1/chat/completions", 429, body={"error": {...}}, times=2)
         vllm.fail_next("/v1/chat/completions", 418, body="<script>…</script>", content_type="text/html")
@@ -34,6 +35,8 @@ optional fields as null, it does not drop the keys); the usage chunk is sent onl
 `n` > 1 answers `n` choices, each drawing the next reply (queued ones first), in vLLM's layout (`_Choices`): every
 choice in the JSON, interleaved choice chunks in SSE; `n` > 1 with temperature 0, and `top_logprobs` without
 `logprobs: true`, are refused as vLLM refuses them.
+A forced tool call (`tool_choice` "required" or a named function; chat_tool_required_*, chat_tool_named_*) answers
+`content: ""` beside the calls, and a named one finishes with "stop" (vLLM's "tool_calls" is for auto and required).
 
 Every request is recorded (also failed ones). Thread-safe: one lock guards the records, the scripted controls and the
 adapters; `stop()` ends every pending delay at once.
@@ -218,6 +221,7 @@ class _Generation:
     top_logprobs: int
     token_ids: bool
     index: int = 0  # the choice's index among a request's `n`
+    forced_tools: bool = False  # `tool_choice` required or named: vLLM answers content "" beside the calls
 
     def tool_call_id(self, index: int) -> str:
         return "chatcmpl-tool-" + hashlib.sha256(f"{self.request_id}:{self.index}:{index}".encode()).hexdigest()[:16]
@@ -241,7 +245,8 @@ class _Generation:
                               "function": {"name": name, "arguments": ""}})
             calls[-1]["function"]["arguments"] += token.text
         message: dict[str, Any] = {
-            "role": "assistant", "content": content if content or not calls else None, "refusal": None,
+            "role": "assistant", "content": content if content or not calls or self.forced_tools else None,
+            "refusal": None,
             "annotations": None, "audio": None, "function_call": None,
         }
         if calls:
@@ -474,6 +479,7 @@ class FakeVLLM:
         self._replies: deque[Reply] = deque()
         self._reply = Reply()
         self._model_replies: dict[str, Reply] = {}  # served model or LoRA name → its own reply
+        self._responder: Callable[[dict[str, Any]], Reply] | None = None
         self._fail_loads = False
         self._chunk_delay_s = 0.0
         self._counter = 0
@@ -555,6 +561,18 @@ class FakeVLLM:
     def reply(self, reply: Reply) -> None:
         with self._lock:
             self._reply = reply
+
+    @property
+    def responder(self) -> Callable[[dict[str, Any]], Reply] | None:
+        with self._lock:
+            return self._responder
+
+    @responder.setter
+    def responder(self, responder: Callable[[dict[str, Any]], Reply] | None) -> None:
+        """Answer each chat request with `responder(body)` instead of `reply` (queued replies still come first): a
+        fake model that follows the conversation, e.g. calls a tool, then answers from its result."""
+        with self._lock:
+            self._responder = responder
 
     def reply_for_model(self, model: str, reply: Reply) -> None:
         """Requests naming `model` (the base model or a LoRA name) get `reply` instead of `reply`, as a real adapter
@@ -866,9 +884,13 @@ class FakeVLLM:
 
     def _generate(self, body: dict[str, Any], model: str, prompt_ids: list[int], max_tokens: int) -> _Generation:
         with self._lock:
-            reply = self._replies.popleft() if self._replies else self._model_replies.get(model, self._reply)
+            queued = self._replies.popleft() if self._replies else None
+            reply = queued or self._model_replies.get(model, self._reply)
+            responder = self._responder if queued is None else None
             self._counter += 1
             counter = self._counter
+        if responder is not None:
+            reply = responder(body)
         tokens = _tokens(reply)
         cut = len(tokens) > max_tokens
         tokens = tokens[:max_tokens]
@@ -877,13 +899,15 @@ class FakeVLLM:
         elif reply.finish_reason is not None:
             finish = reply.finish_reason
         else:
-            finish = "tool_calls" if any(t.kind == "tool" for t in tokens) else "stop"
+            named = isinstance(body.get("tool_choice"), dict)  # a named tool choice ends with "stop" in vLLM 0.32
+            finish = "tool_calls" if any(t.kind == "tool" for t in tokens) and not named else "stop"
         top = body.get("top_logprobs")
+        forced = body.get("tool_choice") == "required" or isinstance(body.get("tool_choice"), dict)
         return _Generation(
             request_id="chatcmpl-" + hashlib.sha256(f"{self.name}:{counter}".encode()).hexdigest()[:16],
             created=int(time.time()), model=model, prompt_ids=prompt_ids, tokens=tokens, finish_reason=finish,
             reply=reply, logprobs=body.get("logprobs") is True,
             top_logprobs=top if isinstance(top, int) and not isinstance(top, bool) and top > 0 else 0,
-            token_ids=body.get("return_token_ids") is True,
+            token_ids=body.get("return_token_ids") is True, forced_tools=forced and bool(reply.tool_calls),
         )
 

@@ -3,6 +3,7 @@
     with GatewayProcess(tmp_path, redis_url, instances=[vllm_a, vllm_b], judge_url=judge.url) as gw:
         gw.signed("POST", "/v1/rl/service/start")               # HMAC-signed control call (httpx.Response)
         gw.signed("POST", "/v1/rl/tasks/start", agent="agent-a", ...)  # signed with an agent key instead
+        gw.wait_run(run_id)                                     # a Training Run's record once it is terminal
         openai.OpenAI(base_url=gw.url + "/v1", api_key="x")     # agents talk to gw.url, unsigned
 
 `nofile_soft=1024` starts the gateway with that soft open-files limit (systemd's default for a service), `nofile_hard`
@@ -250,6 +251,15 @@ class GatewayProcess:
     def start_task(self, session: str, mode: str = "terminal", *, agent: str | None = None) -> httpx.Response:
         return self.signed("POST", "/v1/rl/tasks/start", json={"reward_mode": mode},
                            headers={"X-Agent-Session-Id": session}, agent=agent)
+
+    def wait_run(self, run_id: str, timeout_s: float = 180.0) -> dict[str, Any]:
+        """The Training Run's record once it is terminal (succeeded, failed or canceled)."""
+        deadline = time.monotonic() + timeout_s
+        while (run := self.signed("GET", f"/v1/rl/training/runs/{run_id}").json())["status"] not in (
+                "succeeded", "failed", "canceled"):
+            assert time.monotonic() < deadline, f"run not terminal in {timeout_s} s: {run}"
+            time.sleep(0.5)
+        return run
 
     def set_plan(self, plan: dict[str, Any]) -> None:
         self.plan_path.write_bytes(orjson.dumps(plan))

@@ -10,19 +10,14 @@ traffic must be (`--logprobs-mode processed_logprobs`, docs/training.md "Samplin
   logprobs are that adapter's, not the other's (docs/lineages.md, issue 27 item 7).
 
 Needs the CPU build of vLLM in its own environment (`.venv-vllm` in the repository root, created by `make demo`, or
-the interpreter named by RL_TEST_VLLM_PYTHON). Without it the tests are reported as skipped, never as passed. One
-vLLM serves the module (its start-up takes about a minute on 2 cores); each test unloads the adapters it loaded.
+the interpreter named by RL_TEST_VLLM_PYTHON; tests/support/real_vllm.py). Without it the tests are reported as
+skipped, never as passed. One vLLM serves the module (its start-up takes about a minute on 2 cores); each test unloads the adapters it loaded.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,35 +32,11 @@ from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.training.batch import convert_samples
 from openjiuwen.agent_evolving.agent_rl.online.training.ppo_math import response_log_probs
 from tests.support.gateway_process import GatewayProcess
-from tests.support.redis_server import free_port
+from tests.support.real_vllm import MISSING, VLLM_PYTHON, RealVLLM
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("RL_TEST_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
-VLLM_START_TIMEOUT_S = 240.0
 RUN_TIMEOUT_S = 180.0
 
-pytestmark = [
-    pytest.mark.system,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                       reason=f"no vLLM environment at {VLLM_PYTHON} (run `make demo` or set RL_TEST_VLLM_PYTHON)"),
-]
-
-
-@dataclass(frozen=True)
-class RealVLLM:
-    """What GatewayProcess needs of an instance, plus the process and its log."""
-
-    name: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
+pytestmark = [pytest.mark.system, pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=MISSING)]
 
 
 @pytest.fixture(scope="module")
@@ -75,34 +46,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[RealVLLM]:
-    port = free_port()
-    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="true", VLLM_CPU_KVCACHE_SPACE="1",
-               HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
-    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-             "--served-model-name", "tiny", "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2",
-             "--dtype", "float32", "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs",
-             "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-    vllm = RealVLLM("vllm-real", port, proc, log_path)
-    try:
-        deadline = time.monotonic() + VLLM_START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"vLLM exited with {proc.returncode}:\n{vllm.log_tail()}"
-            try:
-                if httpx.get(vllm.url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"vLLM not healthy in {VLLM_START_TIMEOUT_S} s:\n{vllm.log_tail()}"
-            time.sleep(1)
+    with RealVLLM.start(model_dir, tmp_path_factory.mktemp("vllm"),
+                        extra_args=["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"]) as vllm:
         yield vllm
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # only the group this fixture created
-        proc.wait()
 
 
 @pytest.fixture
@@ -154,11 +100,7 @@ def test_real_vllm_train_activate_and_serve_the_new_adapter(redis, redis_url, tm
         started = gw.signed("POST", "/v1/rl/training/runs")
         assert started.status_code == 201, started.text
         run_id = started.json()["training_run_id"]
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while (run := gw.signed("GET", f"/v1/rl/training/runs/{run_id}").json())["status"] not in (
-                "succeeded", "failed", "canceled"):
-            assert time.monotonic() < deadline, f"run not terminal in {RUN_TIMEOUT_S} s: {run}"
-            time.sleep(0.5)
+        run = gw.wait_run(run_id, RUN_TIMEOUT_S)
 
         assert run["status"] == "succeeded", (run, (gw.dir / "rl-service.log").read_text()[-3000:])
         assert (run["lora_name"], run["sample_count"]) == ("tiny:v1", 4)
@@ -262,11 +204,7 @@ def test_captured_logprobs_are_the_trainers_at_each_samples_own_sampling(redis, 
         started = gw.signed("POST", "/v1/rl/training/runs")
         assert started.status_code == 201, started.text
         run_id = started.json()["training_run_id"]
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while (run := gw.signed("GET", f"/v1/rl/training/runs/{run_id}").json())["status"] not in (
-                "succeeded", "failed", "canceled"):
-            assert time.monotonic() < deadline, f"run not terminal in {RUN_TIMEOUT_S} s: {run}"
-            time.sleep(0.5)
+        run = gw.wait_run(run_id, RUN_TIMEOUT_S)
         assert run["status"] == "succeeded", (run, (gw.dir / "rl-service.log").read_text()[-3000:])
         # The run's report is what the truncation explains: no gap on the untruncated rows, -log(kept) on the rest.
         report = run["metrics"]["sampling"]
