@@ -12,13 +12,13 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Mapping
+from typing import Any
 
 import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..common import json_nesting
 from ..common.ids import is_task_id
 from ..common.lineage import DEFAULT_LINEAGE, InvalidLineage, line_of
 from ..common.wire import headers as wire_headers
@@ -31,7 +31,7 @@ from .rl_client import HookUnreachable, RLAnswer, RLClient
 from .sessions import Binding
 from .supervisor import RLSupervisor, ServiceStatus, SupervisorError
 from .task_access import LineageGuard
-from .task_lineage import requested_lineage
+from .task_lineage import decode_start_body, requested_lineage
 from .tasks import TaskTracker
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.control")
@@ -95,15 +95,16 @@ class RLControl:
     async def task_start(self, request: Request, body: bytes, *, agent_key: str | None) -> Response:
         if not self.running():
             return envelope(503, "rl_service_unavailable", "the RL Service is not running")
+        data = decode_start_body(body)  # once, for the lineage and the secret request
         try:
-            lineage = requested_lineage(body)
+            lineage = requested_lineage(data)
         except InvalidLineage as exc:
             return envelope(400, "invalid_lineage", f"lineage: {exc}")
         allowed = self._agent_lineages.get(agent_key) if agent_key is not None else None
         if allowed is not None and lineage not in allowed:  # fails closed: an empty limit allows nothing
             return envelope(403, "lineage_forbidden", f"this agent key may not start Tasks in the lineage {lineage}")
         try:
-            wants_secret, body = _take_secret_request(body)
+            wants_secret, body = _take_secret_request(data, body)
         except ValueError as exc:
             return envelope(400, "invalid_task_request", str(exc))
         rl_task_id = "t" + uuid.uuid4().hex
@@ -280,15 +281,13 @@ def _agent_header(agent_key: str | None) -> dict[str, str | bytes]:
     return {} if agent_key is None else {wire_headers.AGENT_KEY: agent_key}
 
 
-def _take_secret_request(body: bytes) -> tuple[bool, bytes]:
+def _take_secret_request(data: dict[str, Any] | None, body: bytes) -> tuple[bool, bytes]:
     """(whether the signed start body asks for a capture secret, the body to forward without that gateway field).
-    A body that is not a JSON object, or has no such field, is forwarded as it came (the RL Service judges it)."""
-    try:
-        data = json_nesting.loads(body)
-    except orjson.JSONDecodeError:  # too deep included: the RL Service refuses it with its own words
+    `data` is the body decoded (None: no JSON object). A body that is not a JSON object, or has no such field, is
+    forwarded as it came (the RL Service judges it)."""
+    if data is None or capture_secret.REQUEST_FIELD not in data:
         return False, body
-    if not isinstance(data, dict) or capture_secret.REQUEST_FIELD not in data:
-        return False, body
+    data = dict(data)  # the caller's decoded body stays as it came
     wants = data.pop(capture_secret.REQUEST_FIELD)
     if not isinstance(wants, bool):
         raise ValueError(f"{capture_secret.REQUEST_FIELD} must be true or false")
