@@ -26,18 +26,16 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..common.ids import parse_iso_epoch
 from ..common.lineage import line_of
 from ..common.policy_names import BASE_POLICY
 from . import report as rep
 from . import summary
+from .parts import DemoParts
 from .progress import Bar
 from .task_family import FOLLOW_UP, PROMPTS, other_char_share, word_char_share
-
-if TYPE_CHECKING:
-    from .run import Demo
 
 SUCCESS_SHARE = 0.5  # a Task succeeds when most of its answers' characters are what its lineage is rewarded for
 HELD_OUT_ROUND = 1_000  # the sampling-seed round of every held-out evaluation: the same seeds for every version
@@ -69,7 +67,7 @@ class TwoLineages:
 
     OBJECTIVES: tuple[Any, ...] = OBJECTIVES
 
-    def __init__(self, demo: "Demo") -> None:
+    def __init__(self, demo: DemoParts) -> None:
         self.demo = demo
         self.args = demo.args
         self.objectives: tuple[Any, ...] = self.OBJECTIVES[:self.args.lineages]

@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from .failures import DemoFailed
 from .processes import ManagedProcess, ancestors, children, free_port, pids_mentioning, wait_gone
 from .progress import Bar
+from .family_objectives import training_samples
 from .stack_config import gateway_config, ppo_config, rl_service_config
 
 DEMO_AGENT_KEY_ID = "demo-agent"  # the agents' own key in the gateway's key file (agentHmacKeys)
@@ -286,8 +287,6 @@ class Stack:
         ppo_path.write_text(yaml.safe_dump(self.ppo_yaml))
         per_lineage = None
         if a.lineages > 1 and a.family == "calculator":
-            from .family_lineages import training_samples  # here: the two-lineage modules import the demo's parts
-
             per_lineage = training_samples(a.tasks)
         rl_config = rl_service_config(a, run_dir=self.run_dir, rl_port=rl_port, gateway_port=port,
                                       redis_url=redis_url, model_dir=self.model_dir, ppo_path=ppo_path,
