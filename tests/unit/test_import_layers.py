@@ -67,3 +67,64 @@ def test_the_checker_sees_relative_and_absolute_imports(tmp_path: Path) -> None:
     probe.write_text("from ..online.ids import x\nimport openjiuwen.agent_evolving.agent_rl.rail.agent_rail\n"
                      "from .. import common\nfrom ..common.ids import y\n")
     assert _imported_packages(probe, tmp_path / "agent_rl") == {"online", "rail", "common"}
+
+
+def _module_graph(package: Path) -> dict[str, set[str]]:
+    """module -> the package's modules it imports, anywhere in it (TYPE_CHECKING blocks and function bodies too: a
+    deferred import is still an edge a reader has to follow)."""
+    names = {".".join(p.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in names}
+    for name, path in names.items():
+        own_package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = own_package.split(".")[: len(own_package.split(".")) - (node.level - 1)]
+                target = ".".join(base + (node.module.split(".") if node.module else []))
+                for alias in node.names:  # `from . import x` names a module; `from .m import f` names m
+                    graph[name].add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in names else target)
+    return {name: {t for t in targets if t in names and t != name} for name, targets in graph.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while (w := stack.pop()) != v:
+                part.append(w)
+            if part:
+                found.append(sorted([v, *part]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_import_circle() -> None:
+    # A circle makes a reader follow modules round and round (issue 39 item 7: the demo's lineage rounds named the
+    # driver that built them).
+    assert _circles(_module_graph(PACKAGE)) == []
+
+
+def test_the_circle_finder_sees_a_deferred_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "agent_rl"
+    (pkg / "demo").mkdir(parents=True)
+    (pkg / "demo" / "run.py").write_text("from .lineages import Two\n")
+    (pkg / "demo" / "lineages.py").write_text("def f():\n    from . import run\n")
+    (pkg / "demo" / "leaf.py").write_text("from .run import x\n")
+    assert _circles(_module_graph(pkg)) == [["agent_rl.demo.lineages", "agent_rl.demo.run"]]
