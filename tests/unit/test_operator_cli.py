@@ -134,7 +134,7 @@ def test_key_and_url_from_the_environment(tmp_path: Path, capsys) -> None:
     [
         ({}, [], "no HMAC key: pass --key-file FILE, or set OPENJIUWEN_RL_HMAC_KEY or OPENJIUWEN_RL_KEY_FILE"),
         ({KEY_ENV: "short"}, [], "OPENJIUWEN_RL_HMAC_KEY: must be 64 hex digits"),
-        ({}, ["--key-file", "/nonexistent/keys.json"], "cannot read key file /nonexistent/keys.json"),
+        ({}, ["--key-file", "/nonexistent/keys.json"], "key file /nonexistent/keys.json: does not exist or is not a regular file"),
     ],
 )
 def test_key_problems_are_usage_errors(gw: FakeGateway, capsys, env, argv, message) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import orjson
 
+from .bounded_files import FileReadError, read_bounded
+
 MIN_KEY_BYTES = 32  # CONTRACT §3.1: 32-byte keys
 MAX_KEY_BYTES = 1024
 MAX_KEY_FILE_BYTES = 64 * 1024  # a key file holds a few short strings
@@ -99,12 +101,9 @@ def _member_key(text: Any, member: str, source: str) -> bytes:
 def read_key_document(path: str) -> Any:
     """The parsed JSON of a key file (at most 64 KiB)."""
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_KEY_FILE_BYTES + 1)
-    except OSError as exc:
-        raise KeyFileError(f"cannot read key file {path}: {exc.strerror or type(exc).__name__}") from None
-    if len(raw) > MAX_KEY_FILE_BYTES:
-        raise KeyFileError(f"key file {path}: larger than {MAX_KEY_FILE_BYTES} bytes")
+        raw = read_bounded(path, f"key file {path}", MAX_KEY_FILE_BYTES)
+    except FileReadError as exc:
+        raise KeyFileError(str(exc)) from None
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -31,6 +32,19 @@ def config_invalid(message: str) -> PydanticCustomError:
     return PydanticCustomError("config_invalid", message)
 
 
+def check_non_blank(value: str) -> str:
+    if not value.strip():
+        raise config_invalid("must not be blank")
+    return value
+
+
+def check_absolute_path(value: str) -> str:
+    check_non_blank(value)
+    if "\x00" in value or not os.path.isabs(value):
+        raise config_invalid("must be an absolute path")
+    return value
+
+
 def check_model_id(value: str) -> str:
     if not value.strip():
         raise config_invalid("must not be blank")
@@ -44,6 +58,10 @@ def check_model_id(value: str) -> str:
         raise config_invalid("must not contain a '..' path segment")
     return value
 
+
+# Shared by both processes' configs (issue 39 item 5: each kept its own copy).
+NonBlank = Annotated[StrictStr, AfterValidator(check_non_blank)]
+AbsolutePath = Annotated[StrictStr, AfterValidator(check_absolute_path)]
 
 # The RL Service's `model_id` and the gateway's `onlineRL.modelId`: it names Redis ownership and LoRA directories.
 ModelId = Annotated[StrictStr, AfterValidator(check_model_id)]

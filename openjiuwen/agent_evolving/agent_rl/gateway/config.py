@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
@@ -39,7 +38,8 @@ from pydantic import (
 from ..common.lineage import is_lineage
 from ..common.signing_keys import decode_key, is_agent_key_id
 from ..common import loopback
-from ..common.validation import ModelId, config_invalid, validation_problems
+from ..common.bounded_files import FileReadError, read_bounded
+from ..common.validation import AbsolutePath, ModelId, NonBlank, config_invalid, validation_problems
 from .hmac_auth import REPLAY_CAPACITY
 from .instances import valid_host
 
@@ -50,7 +50,6 @@ AGENT_KEY_LINEAGES = "lineages"  # an agent key entry's lineage limit (docs/gate
 # an agent key entry's cap on the lineages it may register (docs/lineages.md "Lifecycle", docs/security.md)
 AGENT_KEY_MAX_LINEAGES = "maxLineages"
 MAX_LINEAGES_CAP = 1_000_000
-_OPEN_TO_OTHERS = stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH
 
 _DURATION_UNITS_S = {
     "ns": 1e-9,
@@ -139,12 +138,6 @@ Duration = Annotated[
 # --- field checks -----------------------------------------------------------------------------------------------
 
 
-def _non_blank(value: str) -> str:
-    if not value.strip():
-        raise config_invalid("must not be blank")
-    return value
-
-
 def _no_whitespace(value: str) -> str:
     if not value or any(c.isspace() for c in value):
         raise config_invalid("must be non-empty and contain no whitespace")
@@ -209,12 +202,6 @@ def _check_network(value: str) -> str:
     return value
 
 
-def _check_absolute(value: str) -> str:
-    if not value.strip() or "\x00" in value or not os.path.isabs(value):
-        raise config_invalid("must be an absolute path")
-    return value
-
-
 def _check_path(value: str) -> str:
     if not value.strip() or "\x00" in value:
         raise config_invalid("must be a non-empty path")
@@ -237,7 +224,6 @@ def _check_loopback_url(value: str) -> str:
     return value.rstrip("/")
 
 
-NonBlank = Annotated[StrictStr, AfterValidator(_non_blank)]
 Token = Annotated[StrictStr, AfterValidator(_no_whitespace)]
 
 
@@ -307,7 +293,7 @@ class InstanceConfig(_Model):
 
 
 class LoraSection(_Model):
-    root: Annotated[StrictStr, AfterValidator(_check_absolute)]
+    root: AbsolutePath
     state_path: Annotated[StrictStr, AfterValidator(_check_path)] = Field(alias="statePath")
     operation_timeout_s: Duration = Field(default=60.0, alias="operationTimeout")
     # Project gateway (adapter paging, docs/lineages.md): adapters an instance holds at once unless its own `maxLoras`
@@ -424,16 +410,12 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _read_json(path: Path, what: str, limit: int) -> Any:
+    where = f"{what} {path}"
     try:
-        if not path.is_file():
-            raise GatewayConfigError(f"{what} {path}: does not exist or is not a regular file")
-        with path.open("rb") as handle:
-            data = handle.read(limit + 1)
-    except OSError as exc:
-        raise GatewayConfigError(f"{what} {path}: cannot read ({exc.strerror or type(exc).__name__})") from None
-    if len(data) > limit:
-        raise GatewayConfigError(f"{what} {path}: larger than {limit} bytes")
-    return _parse_json(data, f"{what} {path}")
+        data = read_bounded(path, where, limit)
+    except FileReadError as exc:
+        raise GatewayConfigError(str(exc)) from None
+    return _parse_json(data, where)
 
 
 def _parse_json(data: bytes, where: str) -> Any:
@@ -574,21 +556,9 @@ def _read_key_file(path: Path) -> Any:
     """The key file's JSON, refused when group or others may read or write it (checked on the opened file)."""
     where = f"hmacKeyFile {path}"
     try:
-        if not path.is_file():  # before opening: a FIFO would block the open
-            raise GatewayConfigError(f"{where}: does not exist or is not a regular file")
-        with path.open("rb") as handle:
-            info = os.fstat(handle.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise GatewayConfigError(f"{where}: not a regular file")
-            if info.st_mode & _OPEN_TO_OTHERS:
-                raise GatewayConfigError(
-                    f"{where}: mode {stat.S_IMODE(info.st_mode):04o} lets group or others read or write the keys; "
-                    "make it private to the gateway's user (chmod 600)")
-            data = handle.read(MAX_KEY_DOCUMENT_BYTES + 1)
-    except OSError as exc:
-        raise GatewayConfigError(f"{where}: cannot read ({exc.strerror or type(exc).__name__})") from None
-    if len(data) > MAX_KEY_DOCUMENT_BYTES:
-        raise GatewayConfigError(f"{where}: larger than {MAX_KEY_DOCUMENT_BYTES} bytes")
+        data = read_bounded(path, where, MAX_KEY_DOCUMENT_BYTES, private_to="the gateway's user")
+    except FileReadError as exc:
+        raise GatewayConfigError(str(exc)) from None
     return _parse_json(data, where)
 
 

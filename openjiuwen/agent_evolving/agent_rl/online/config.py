@@ -28,7 +28,8 @@ from pydantic import (
 )
 
 from ..common import loopback
-from ..common.validation import ModelId, config_invalid, validation_problems
+from ..common.bounded_files import FileReadError, read_bounded
+from ..common.validation import AbsolutePath, ModelId, NonBlank, config_invalid, validation_problems
 from .rewards.config import RewardPolicyConfig
 from .rollout.config import RolloutConfig
 from .training.constrained import ConstrainedSamplesConfig
@@ -51,12 +52,6 @@ class ConfigError(ValueError):
 def _check_listen_host(value: str) -> str:
     if not loopback.is_loopback_ip(value):
         raise config_invalid(f"the service binds loopback only: {loopback.ALLOWED}, such as 127.0.0.1")
-    return value
-
-
-def _check_non_blank(value: str) -> str:
-    if not value.strip():
-        raise config_invalid("must not be blank")
     return value
 
 
@@ -92,14 +87,6 @@ def _check_redis_url(value: SecretStr) -> SecretStr:
     return value
 
 
-def _check_absolute_path(value: str) -> str:
-    if not value.strip():
-        raise config_invalid("must not be blank")
-    if not os.path.isabs(value):
-        raise config_invalid("must be an absolute path")
-    return value
-
-
 def _check_gpu_ids(value: str) -> str:
     if value.strip() == "":
         return ""
@@ -119,7 +106,6 @@ def _check_log_level(value: str) -> str:
     return level
 
 
-NonBlank = Annotated[StrictStr, AfterValidator(_check_non_blank)]
 HttpUrl = Annotated[StrictStr, AfterValidator(_check_http_url)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
@@ -185,7 +171,7 @@ class RLServiceConfig(BaseModel):
     nproc_per_node: PositiveInt = 1
     training_gpu_ids: Annotated[StrictStr, AfterValidator(_check_gpu_ids)] = ""
     training_tmp_root: NonBlank = "/tmp/agent_rl_online"
-    lora_repository_path: Annotated[StrictStr, AfterValidator(_check_absolute_path)]
+    lora_repository_path: AbsolutePath
 
     # Retention.
     trajectory_retention_seconds: PositiveInt = 604800
@@ -350,19 +336,15 @@ def _resolve_config_path(path: str | os.PathLike[str]) -> Path:
 
 
 def _read_config_text(path: Path) -> str:
+    where = f"config file {path}"
     try:
-        if not path.is_file():
-            raise ConfigError(f"config file {path}: does not exist or is not a regular file")
-        with path.open("rb") as handle:
-            data = handle.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: cannot read ({exc.strerror or type(exc).__name__})") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {path}: larger than {MAX_CONFIG_BYTES} bytes")
+        data = read_bounded(path, where, MAX_CONFIG_BYTES)
+    except FileReadError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"config file {path}: not valid UTF-8") from None
+        raise ConfigError(f"{where}: not valid UTF-8") from None
 
 
 def _parse_yaml(text: str, path: Path) -> Any:

@@ -1,0 +1,40 @@
+"""The one bounded reader of start-up files (common/bounded_files.py): regular files only, a byte limit, and the
+private-mode check for key files, on the opened file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from openjiuwen.agent_evolving.agent_rl.common.bounded_files import FileReadError, read_bounded
+
+
+def test_reads_a_file_up_to_its_limit(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_bytes(b"x" * 10)
+    assert read_bounded(path, "config", 10) == b"x" * 10
+    with pytest.raises(FileReadError, match=r"^config: larger than 9 bytes$"):
+        read_bounded(path, "config", 9)
+
+
+def test_a_fifo_or_a_missing_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(FileReadError, match="does not exist or is not a regular file"):
+        read_bounded(fifo, f"key file {fifo}", 100)
+    with pytest.raises(FileReadError, match="does not exist or is not a regular file"):
+        read_bounded(tmp_path / "nope", "config", 100)
+
+
+def test_a_private_file_must_be_private(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_bytes(b"{}")
+    path.chmod(0o640)
+    assert read_bounded(path, "keys", 100) == b"{}"  # no mode check unless asked
+    with pytest.raises(FileReadError, match="mode 0640 lets group or others read or write the keys; make it private "
+                                            "to the gateway's user"):
+        read_bounded(path, "keys", 100, private_to="the gateway's user")
+    path.chmod(0o700)  # execute bits leak nothing
+    assert read_bounded(path, "keys", 100, private_to="the gateway's user") == b"{}"
