@@ -163,7 +163,7 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
     from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
     from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
     from openjiuwen.agent_evolving.agent_rl.online.training.scheduler import TrainingScheduler
-    from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
+    from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 
     redis = Redis.from_url(redis_url)
     store = TrajectoryStore(redis, owner=MODEL, model_id=MODEL)

@@ -78,7 +78,7 @@ async def measure_store(redis_url: str, sizes: list[int], reps: int) -> list[dic
         RunStage, RunStatus, TrainingRun, new_run_id,
     )
     from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
-    from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
+    from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 
     redis = Redis.from_url(redis_url)
     store = TrajectoryStore(redis, owner=MODEL, model_id=MODEL)

@@ -105,7 +105,7 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
 
     from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
     from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
-    from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
+    from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 
     redis = Redis.from_url(redis_url)
     rows = []

@@ -12,7 +12,7 @@ from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraReposi
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import SampleStatus
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
-from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
+from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 from tests.conftest import load_fixture
 from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import check_invariants

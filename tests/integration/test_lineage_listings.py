@@ -11,9 +11,9 @@ import pytest
 
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
-from openjiuwen.agent_evolving.agent_rl.online.store.lineage_backfill import ListingBackfill
+from openjiuwen.agent_evolving.agent_rl.online.lineage_backfill import ListingBackfill
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
-from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
+from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 from tests.integration.test_lineage_training import publish
 from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import check_invariants

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
+from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 from openjiuwen.agent_evolving.agent_rl.online.config import ConfigError
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from tests.integration.test_lineage_training import publish

@@ -20,7 +20,7 @@ from openjiuwen.agent_evolving.agent_rl.online.store import keys, prompt_blocks
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample, pack_ids, pack_logprobs
 from openjiuwen.agent_evolving.agent_rl.online.store.prompt_blocks import BLOCK_IDS
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
-from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
+from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 from tests.conftest import load_fixture
 from tests.integration.test_trajectory_store import MODEL, T0, iso_at, make_doc, move
 from tests.support.invariants import ClientRecord, check_invariants

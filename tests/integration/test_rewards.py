@@ -21,7 +21,7 @@ from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import ALL_SA
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
 from openjiuwen.agent_evolving.agent_rl.online.training.run_records import TrainingRun, new_run_id
 from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
-from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
+from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 from tests.conftest import load_fixture
 from tests.integration.test_trajectory_store import make_doc, move, packed
 from tests.support.service_app import MODEL_ID, capture, make_config, running_app, start_task

@@ -10,7 +10,7 @@ import pytest
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 from openjiuwen.agent_evolving.agent_rl.online.rollout.controller import RolloutUnsupported
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.scripted import ScriptedBackend
-from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
+from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 from tests.integration.test_training_runs import publish
 from tests.support.fake_gateway import FakeGateway, Hang
 from tests.support.service_app import MODEL_ID, make_config, running_app

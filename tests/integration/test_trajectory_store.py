@@ -25,7 +25,7 @@ from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
 from openjiuwen.agent_evolving.agent_rl.online.store.tx import transact
-from openjiuwen.agent_evolving.agent_rl.online.workers.fence import UNFENCED
+from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 from tests.support.samples import sample_status
 
 MODEL = "qwen-test"

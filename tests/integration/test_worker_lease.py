@@ -33,7 +33,7 @@ from openjiuwen.agent_evolving.agent_rl.online.training.run_records import RunSt
 from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
 from openjiuwen.agent_evolving.agent_rl.online.training.scheduler import TrainingScheduler
 from openjiuwen.agent_evolving.agent_rl.online.workers.coordinator import Placement, WorkerCoordinator, make_fence
-from openjiuwen.agent_evolving.agent_rl.online.workers.fence import (
+from openjiuwen.agent_evolving.agent_rl.online.store.fence import (
     LUA_CHECK, UNFENCED, Fence, LeaseFence, LeaseLost, is_lease_lost,
 )
 from openjiuwen.agent_evolving.agent_rl.online.workers.lease import Holder, LeaderLease, bury

@@ -128,3 +128,16 @@ def test_the_circle_finder_sees_a_deferred_import(tmp_path: Path) -> None:
     (pkg / "demo" / "lineages.py").write_text("def f():\n    from . import run\n")
     (pkg / "demo" / "leaf.py").write_text("from .run import x\n")
     assert _circles(_module_graph(pkg)) == [["agent_rl.demo.lineages", "agent_rl.demo.run"]]
+
+
+def test_the_store_imports_no_package_above_it() -> None:
+    # online/store/ is the RL Service's ground floor (issue 39 item 3): what it needs of rewards and metrics is
+    # handed in (store/reward_view.py, store/sample_metrics.py), the fence lives beside tx.py, the listing backfill
+    # is a leader job beside leader_duties.py. Only the service-wide base modules (errors, transitions) are allowed.
+    online = PACKAGE / "online"
+    graph = _module_graph(PACKAGE)
+    store = {name for name in graph if name.startswith("agent_rl.online.store")}
+    allowed = {"agent_rl.online.errors", "agent_rl.online.transitions"}
+    upward = {name: sorted(t for t in graph[name] if t.startswith("agent_rl.online.") and t not in store
+                           and t not in allowed) for name in store}
+    assert online.is_dir() and {k: v for k, v in upward.items() if v} == {}

@@ -2,7 +2,7 @@
 
 The worker coordinator (workers/coordinator.py) calls these under the lease: `take_office` once it won it (startup
 or takeover recovery, then the singleton loops), `leave_office` when it loses it or the service stops, `follow` on
-a follower's beat. Every Redis write these duties make goes through the term's fence (workers/fence.py), so a
+a follower's beat. Every Redis write these duties make goes through the term's fence (store/fence.py), so a
 deposed leader's late write is refused. The parts are built by wiring.py; this class only runs them.
 """
 
@@ -23,10 +23,10 @@ from .retention import RetentionSweeper
 from .rewards.ledger import RewardLedger
 from .rewards.sweeper import RewardDeadlineSweeper
 from .rollout.controller import RolloutController
-from .store.lineage_backfill import ListingBackfill
+from .lineage_backfill import ListingBackfill
 from .training.runner import TrainingRunner
 from .training.scheduler import TrainingScheduler
-from .workers.fence import Fence
+from .store.fence import Fence
 
 log = logging.getLogger("openjiuwen.agent_rl.online.service")
 

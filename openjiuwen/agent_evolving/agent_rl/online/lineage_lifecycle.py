@@ -40,7 +40,7 @@ from .lora.gateway_client import GatewayError, GatewayLoraClient
 from .store import keys
 from .store.codec import text
 from .training.run_records import TrainingRun
-from .workers.fence import Fence, LeaseLost
+from .store.fence import Fence, LeaseLost
 
 log = logging.getLogger("openjiuwen.agent_rl.online.lineages")
 

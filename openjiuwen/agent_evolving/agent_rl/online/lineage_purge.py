@@ -43,7 +43,7 @@ from .store.lineage_listing import RUN_LISTING, TASK_LISTING
 from .store.sample_status import ALL_SAMPLE_STATUSES
 from .store.trajectories import TrajectoryStore
 from .tasks.task_keys import keys_of_tasks
-from .workers.fence import Fence
+from .store.fence import Fence
 
 log = logging.getLogger("openjiuwen.agent_rl.online.lineages")
 

@@ -1,6 +1,6 @@
 """The retention sweeper (CONTRACT §5.5): TTLs for terminal Tasks, expiry of unrewarded staged samples, removal of
 old trained/failed samples. Bounded work per category per tick; safe to run in several processes at once. A leader
-duty: its writes go through the leader's fence (workers/fence.py), and a refused one (LeaseLost) ends the loop.
+duty: its writes go through the leader's fence (store/fence.py), and a refused one (LeaseLost) ends the loop.
 Finishing an interrupted reward projection is not fenced: any worker does it (`RewardProjector.project`).
 
 Lines (docs/lineages.md): old samples are removed from the default line every tick and from `_LINES_PER_TICK` other
@@ -32,7 +32,7 @@ from .store.trajectories import TrajectoryStore
 from ..common.wire.task_states import TASK_STATUSES
 from .tasks.task_keys import keys_of_task
 from .tasks.task_records import Task, TerminalReward
-from .workers.fence import Fence, LeaseLost
+from .store.fence import Fence, LeaseLost
 
 log = logging.getLogger("openjiuwen.agent_rl.online.retention")
 

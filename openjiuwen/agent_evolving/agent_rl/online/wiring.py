@@ -43,7 +43,7 @@ from .training.runner import TrainingRunner
 from .training.runs import RunStore
 from .training.scheduler import TrainingScheduler
 from .workers.coordinator import Placement, WorkerCoordinator, make_fence
-from .workers.fence import Fence
+from .store.fence import Fence
 from .workers.membership import Membership
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class ServiceDeps:
     rollout: RolloutController
     membership: Membership
     scheduler: TrainingScheduler
-    fence: Fence  # every leader-only write goes through it (workers/fence.py)
+    fence: Fence  # every leader-only write goes through it (store/fence.py)
     lineages: LineageRegistry
     lineage_lifecycle: LineageLifecycle
     duties: LeaderDuties = field(init=False)

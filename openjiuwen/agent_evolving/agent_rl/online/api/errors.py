@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from ...common.errors import ApiError
 from ...common.ids import InvalidIdentifier
 from ..errors import Conflict, InvalidInput, JudgeFailed, NotFound
-from ..workers.fence import LeaseLost
+from ..store.fence import LeaseLost
 
 log = logging.getLogger("openjiuwen.agent_rl.online.api")
 

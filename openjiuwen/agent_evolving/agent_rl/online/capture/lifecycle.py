@@ -16,7 +16,7 @@ from ...common.signing_keys import is_agent_key_id
 from ...common.wire.task_states import FinishReason, RewardMode, TaskStatus
 from ..tasks.task_records import Task
 from ..tasks.registry import TaskRegistry
-from ..workers.fence import Fence
+from ..store.fence import Fence
 from .turns import TurnPublisher
 
 log = logging.getLogger("openjiuwen.agent_rl.online.lifecycle")

@@ -21,7 +21,7 @@ from ..store.trajectories import TrajectoryStore
 from ...common.wire.task_states import FinishReason
 from ..tasks.task_records import Task, TurnPublication
 from ..tasks.registry import TaskRegistry
-from ..workers.fence import UNFENCED, Fence
+from ..store.fence import UNFENCED, Fence
 from ..workers.membership import SOLO, Membership
 
 if TYPE_CHECKING:

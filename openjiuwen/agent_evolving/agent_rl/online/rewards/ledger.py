@@ -32,7 +32,7 @@ from ..store.codec import decode_meta, text
 from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
-from ..workers.fence import Fence
+from ..store.fence import Fence
 from .policy import RewardConflict, RewardPolicy, iso_at
 
 LATENCY_WINDOW = 1000  # lateness samples kept per source for the p50/p95 of the stats

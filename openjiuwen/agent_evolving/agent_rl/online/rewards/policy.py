@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..errors import Conflict
+from ..store.reward_view import breakdown
 from ..store.sample_status import SampleStatus
 from ...common.lineage import DEFAULT_LINEAGE
 from .config import BUILTIN_SOURCES, RewardPolicyConfig, RewardRulesConfig
@@ -149,19 +150,6 @@ class RewardPolicy:
             return float(latest["score"])
         total = sum(self.weight(name) for name, _ in scored)
         return sum(self.weight(name) * float(e["score"]) for name, e in scored) / total
-
-
-def breakdown(state: dict[str, Any], aggregation: str) -> dict[str, Any]:
-    """The public view of a state (sample detail `rewards`): the score, and each source with its lateness."""
-    published_at = float(state["published_at"])
-    return {
-        "score": state.get("score"),
-        "aggregation": aggregation,
-        "sources": {
-            name: {"score": e.get("score"), "kind": e["kind"], "late_seconds": round(float(e["at"]) - published_at, 3)}
-            for name, e in state["sources"].items()
-        },
-    }
 
 
 def iso_at(epoch: float) -> str:

@@ -5,7 +5,7 @@ own transaction (`RewardLedger.sweep_due`). Between ticks it sleeps until the ea
 longer than `interval_s` (deadlines of samples published by other processes) and never shorter than `_MIN_SLEEP_S`
 unless the last tick was full: no busy loop. Several processes may sweep at once; a crash between two moves leaves
 every sample either moved or still due, and the next sweep (at startup or on the next tick) finishes the work.
-A leader duty: every move goes through the leader's fence (workers/fence.py); a refused one (LeaseLost) ends the loop.
+A leader duty: every move goes through the leader's fence (store/fence.py); a refused one (LeaseLost) ends the loop.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from contextlib import suppress
 
 from ..background import stop_loop
-from ..workers.fence import Fence, LeaseLost
+from ..store.fence import Fence, LeaseLost
 from .ledger import RewardLedger, SweepResult
 
 log = logging.getLogger("openjiuwen.agent_rl.online.rewards")

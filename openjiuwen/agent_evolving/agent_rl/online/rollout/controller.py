@@ -34,7 +34,7 @@ from ..lora.gateway_client import GatewayError, GatewayLoraClient, GatewayReject
 from ..lora.repository import LoraRepository
 from ..store import keys
 from ..store.codec import text
-from ..workers.fence import LeaseLost
+from ..store.fence import LeaseLost
 from .config import CANARY, RolloutConfig
 from .decision import PROMOTE, ROLLBACK, WAIT, Arm, Decision, decide
 from .record import ACTIVATION_KIND, CANARY_KIND, LoraRef, Rollout

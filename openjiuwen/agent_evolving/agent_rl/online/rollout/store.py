@@ -10,7 +10,7 @@ records are unchanged), and each line has its own pointer (`keys.rollout_current
 default line). Invariant 10, per line: the line's pointer names exactly the one rollout of that line not ended; every
 transition in and out of the ended states changes the record, the pointer (and, for a non-default line, its
 membership of `rollouts:live_lineages`) and the timeline(s) in one MULTI. Only the leader changes rollouts: every
-write goes through its fence (workers/fence.py) and raises LeaseLost once its term is over.
+write goes through its fence (store/fence.py) and raises LeaseLost once its term is over.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ...common.ids import is_run_id, now_iso, parse_iso_epoch
 from ..lineage_state import require_live
 from ..store import keys
 from ..store.codec import text
-from ..workers.fence import Fence
+from ..store.fence import Fence
 from .record import Rollout
 from .status import ROLLOUT_TRANSITIONS
 

@@ -14,7 +14,7 @@ import base64
 import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from redis.asyncio import Redis
@@ -26,17 +26,15 @@ from ...common.lineage import DEFAULT_LINEAGE, is_lineage, line_of, split_line
 from ...common.policy_names import BASE_POLICY
 from ..errors import InvalidInput
 from ...common.ids import InvalidIdentifier
-from ..rewards.policy import RewardPolicy, breakdown
 from . import keys, prompt_blocks
 from .codec import PackedSample, decode_meta, text
 from .listing import cursor_fields, invalid_cursor
 from .policy_stats import queue_contribution
+from .reward_view import RewardRules, breakdown
+from .sample_metrics import SampleMetrics
 from .sample_status import ALL_SAMPLE_STATUSES, SAMPLE_STATUSES, SAMPLE_TRANSITIONS, SampleStatus
 from .tx import transact
-from ..workers.fence import UNFENCED, Fence
-
-if TYPE_CHECKING:
-    from ..metrics import ServiceMetrics
+from .fence import UNFENCED, Fence
 
 # Statuses a failed publication may have left its samples in (`delete_pending` rolls them back).
 _UNCLAIMED = (SampleStatus.PENDING, SampleStatus.AWAITING_REWARDS, SampleStatus.EVALUATION, SampleStatus.EXCLUDED)
@@ -112,8 +110,8 @@ class TrajectoryStore:
         owner: str,
         model_id: str,
         max_policy_lag: int | None = None,
-        reward_policy: RewardPolicy | None = None,
-        metrics: "ServiceMetrics | None" = None,
+        reward_policy: RewardRules | None = None,
+        metrics: SampleMetrics | None = None,
         constrained: Mapping[str, str] | None = None,
     ) -> None:
         self._redis = redis
@@ -156,7 +154,7 @@ class TrajectoryStore:
         return self._owner
 
     @property
-    def reward_policy(self) -> RewardPolicy | None:
+    def reward_policy(self) -> RewardRules | None:
         """The reward policy this line's samples follow (None without a configured policy)."""
         return self._reward_policy
 

@@ -27,7 +27,7 @@ from ..store.codec import PackedSample, text
 from ..store.lineage_listing import TASK_LISTING
 from ..store.listing import newest_first
 from ..store.tx import MAX_WATCH_RETRIES, RedisContention, transact
-from ..workers.fence import UNFENCED, Fence
+from ..store.fence import UNFENCED, Fence
 from ...common.wire.task_states import TASK_STATUSES, FinishReason, RewardMode, TaskStatus
 from .task_records import TURN_PUBLICATION_TRANSITIONS, CaptureMeta, CaptureStatus, Task, TurnPublication
 from .signals import TaskSignals

@@ -37,7 +37,7 @@ from ...common.lineage import DEFAULT_LINEAGE, line_of
 from ..lora.gateway_client import GatewayError, GatewayLoraClient
 from ..lora.repository import Artifact, LoraRepository
 from ..store.trajectories import TrajectoryStore
-from ..workers.fence import LeaseLost
+from ..store.fence import LeaseLost
 from .backends import TrainerBackend, TrainingJob
 from .freshness import ACTIVATION, Freshness
 from .policy import TrainingPolicyConfig

@@ -7,7 +7,7 @@ Invariant 6, per line (concurrent runs, docs/training.md): every live (non-termi
 pointer (`training_run:active` for the default lineage, the lineage's field of `training_runs:active_lineages` for
 another; keys.py), a lineage has at most one live run, at most `max_concurrent_runs` are live together, and every
 `training` sample belongs to the live run of its own line and is in that run's batch. Only the
-leader writes runs: every write here goes through its fence (workers/fence.py) and raises LeaseLost once its term
+leader writes runs: every write here goes through its fence (store/fence.py) and raises LeaseLost once its term
 is over; reads, and the listing's removal of expired ids (any worker's `GET`), do not.
 """
 
@@ -35,7 +35,7 @@ from ..store.lineage_listing import RUN_LISTING
 from ..store.listing import newest_first
 from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
-from ..workers.fence import Fence
+from ..store.fence import Fence
 from .run_records import RunStage, RunStatus, TrainingRun
 
 if TYPE_CHECKING:

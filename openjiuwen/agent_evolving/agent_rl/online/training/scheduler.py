@@ -46,7 +46,7 @@ from ..store.lineage_listing import RUN_LISTING
 from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore, stale_pending
 from ..store.tx import RedisContention
-from ..workers.fence import Fence
+from ..store.fence import Fence
 from .eligibility import (HOUR_S, INTERVAL, QUOTA, ROLLOUT_DECIDING, RUN_ACTIVE, WAITING, LineState, Verdict,
                           judge_line, rank)
 from .pauses import LineagePauses

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from redis.asyncio import Redis
 
 from ..store import keys
-from .fence import UNFENCED, Fence, LeaseFence, LeaseLost
+from ..store.fence import UNFENCED, Fence, LeaseFence, LeaseLost
 from .lease import Holder, LeaderLease
 from .membership import Membership
 

@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from ..store import keys
-from .fence import LUA_CHECK, LeaseFence, LeaseLost, is_lease_lost
+from ..store.fence import LUA_CHECK, LeaseFence, LeaseLost, is_lease_lost
 
 # KEYS: lease, epoch. ARGV: holder value, ttl ms, boot prefix (`<boot>:`), slot prefix (`<boot>:<worker>:`).
 # Returns the epoch of this holder's term (new or current), or 0 when another live holder has it.

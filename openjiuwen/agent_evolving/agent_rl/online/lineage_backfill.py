@@ -18,13 +18,13 @@ import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from ...common.ids import parse_iso_epoch
-from ..tasks.task_records import Task
-from ..training.run_records import TrainingRun
-from ..workers.fence import Fence
-from . import keys
-from .lineage_listing import RUN_LISTING, TASK_LISTING
-from .listing import newest_first
+from ..common.ids import parse_iso_epoch
+from .tasks.task_records import Task
+from .training.run_records import TrainingRun
+from .store.fence import Fence
+from .store import keys
+from .store.lineage_listing import RUN_LISTING, TASK_LISTING
+from .store.listing import newest_first
 
 log = logging.getLogger("openjiuwen.agent_rl.online.listings")
 

@@ -1,10 +1,10 @@
 """The fencing token of the leader's duties: every leader-only Redis write lands only while the term of office that
 made it is still the lease's current term.
 
-Fencing by time (coordinator.py) stops a leader's duties before its lease can expire, but only if its event loop
+Fencing by time (workers/coordinator.py) stops a leader's duties before its lease can expire, but only if its event loop
 runs: a process stopped for longer than the TTL (SIGSTOP, a VM pause, a swap storm) resumes with writes already
 queued, and they would run before its timer tells it that it was deposed. So each such write carries the token of
-its term — this worker's holder value and the epoch of the lease when it won it (lease.py) — and Redis checks it in
+its term — this worker's holder value and the epoch of the lease when it won it (workers/lease.py) — and Redis checks it in
 the same atomic step as the write:
 
 - a MULTI/EXEC transaction WATCHes the epoch counter, reads the lease and the epoch, and writes only if both are
@@ -32,8 +32,8 @@ from typing import Any, Protocol, TypeVar
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from ..store import keys
-from ..store.tx import transact
+from . import keys
+from .tx import transact
 
 T = TypeVar("T")
 
