@@ -174,3 +174,34 @@ def test_header_names_are_shown_as_the_contract_writes_them():
                                          headers.POLICY_MODEL, headers.AGENT_KEY, headers.LINEAGE)] == [
         "X-Agent-Session-Id", "X-AIGW-RL-Task-Id", "X-AIGW-RL-Policy-Name", "X-AIGW-RL-Policy-Model",
         "X-AIGW-RL-Agent-Key", "X-AIGW-RL-Lineage"]
+
+
+def _spelled_paths(path: Path) -> list[str]:
+    """The RL paths a module spells as string literals (an f-string's literal parts are string constants too)."""
+    import ast
+
+    return [f"{path.name}:{node.lineno}: {node.value}"
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and node.value.startswith(("/v1/rl", "/internal/"))]
+
+
+CLIENTS = ("cli", "demo")
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_no_client_spells_an_rl_path(client: str) -> None:
+    # Every client builds its calls from the table (Route.at / Route.fill; issue 39 item 4), so a route that moves
+    # moves for all of them; a spelled path fails here.
+    package = Path(rl_routes.__file__).resolve().parents[2] / client
+    assert [s for p in sorted(package.rglob("*.py")) for s in _spelled_paths(p)] == []
+
+
+def test_the_spelling_check_sees_plain_and_f_strings(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text('a = "/v1/rl/tasks"\nb = f"/v1/rl/tasks/{a}/stop"\nc = f"GET /v1/rl/tasks answered {a}"\n')
+    assert [s.split(": ", 1)[1] for s in _spelled_paths(probe)] == ["/v1/rl/tasks", "/v1/rl/tasks/"]
+
+
+def test_the_gateway_control_routes_are_served(gateway: Served) -> None:
+    assert [(r.method, r.path) for r in rl_routes.GATEWAY_CONTROL if (r.method, r.path) not in gateway] == []

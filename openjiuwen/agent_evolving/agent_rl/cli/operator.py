@@ -49,6 +49,7 @@ import httpx
 import orjson
 
 from ..common.control_chars import escape_controls
+from ..common.wire import routes
 from ..common.policy_names import BASE_POLICY
 from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS, login_token
 from ..common.hmac_signing import HmacAuth
@@ -490,8 +491,8 @@ def _show_sample(sample: dict[str, Any]) -> None:
 
 
 def _service(action: str) -> Callable[[Context], int]:
-    method, path = {"start": ("POST", "/v1/rl/service/start"), "stop": ("POST", "/v1/rl/service/stop"),
-                    "status": ("GET", "/v1/rl/service")}[action]
+    method, path = {"start": routes.SERVICE_START, "stop": routes.SERVICE_STOP,
+                    "status": routes.SERVICE_STATUS}[action].at()
 
     def handler(ctx: Context) -> int:
         ctx.show(ctx.client.request(method, path), _show_service)
@@ -506,7 +507,7 @@ def _task_start(ctx: Context) -> int:
         body["capture_secret"] = True
     if ctx.args.evaluation:
         body["evaluation"] = True
-    task = ctx.client.request("POST", "/v1/rl/tasks/start", body=body,
+    task = ctx.client.request(*routes.TASK_START.at(), body=body,
                               headers={"X-Agent-Session-Id": ctx.args.session})
     ctx.show(task, _show_task_started)
     return 0
@@ -521,17 +522,17 @@ def _show_task_started(task: dict[str, Any]) -> None:
 
 
 def _task_stop(ctx: Context) -> int:
-    ctx.show(ctx.client.request("POST", f"/v1/rl/tasks/{_q(ctx.args.id)}/stop"), _show_task)
+    ctx.show(ctx.client.request(*routes.TASK_STOP.at(ctx.args.id)), _show_task)
     return 0
 
 
 def _task_get(ctx: Context) -> int:
-    ctx.show(ctx.client.request("GET", f"/v1/rl/tasks/{_q(ctx.args.id)}"), _show_task)
+    ctx.show(ctx.client.request(*routes.TASK.at(ctx.args.id)), _show_task)
     return 0
 
 
 def _task_events(ctx: Context) -> int:
-    ctx.show(ctx.client.request("GET", f"/v1/rl/tasks/{_q(ctx.args.id)}/events"), _show_events)
+    ctx.show(ctx.client.request(*routes.TASK_EVENTS.at(ctx.args.id)), _show_events)
     return 0
 
 
@@ -561,36 +562,36 @@ def _page_params(ctx: Context) -> dict[str, Any]:
 
 
 def _task_list(ctx: Context) -> int:
-    result = _pages(ctx, "/v1/rl/tasks", _page_params(ctx))
+    result = _pages(ctx, routes.TASK_LIST.fill(), _page_params(ctx))
     ctx.show(result, lambda r: _show_task_rows(r["items"]))
     return 0
 
 
 def _train_list(ctx: Context) -> int:
-    result = _pages(ctx, "/v1/rl/training/runs", _page_params(ctx))
+    result = _pages(ctx, routes.RUN_LIST.fill(), _page_params(ctx))
     ctx.show(result, lambda r: _show_run_rows(r["items"]))
     return 0
 
 
 def _train_events(ctx: Context) -> int:
-    ctx.show(ctx.client.request("GET", f"/v1/rl/training/runs/{_q(ctx.args.run_id)}/events"), _show_events)
+    ctx.show(ctx.client.request(*routes.RUN_EVENTS.at(ctx.args.run_id)), _show_events)
     return 0
 
 
 def _policy_report(ctx: Context) -> int:
     params = {"lineage": ctx.args.lineage} if ctx.args.lineage else None
-    ctx.show(ctx.client.request("GET", "/v1/rl/policies", params=params), _show_policies)
+    ctx.show(ctx.client.request(*routes.POLICIES.at(), params=params), _show_policies)
     return 0
 
 
 def _lineage_list(ctx: Context) -> int:
-    result = _pages(ctx, "/v1/rl/lineages", _page_params(ctx))
+    result = _pages(ctx, routes.LINEAGE_LIST.fill(), _page_params(ctx))
     ctx.show(result, lambda r: _show_lineage_rows(r["items"]))
     return 0
 
 
 def _task_reward(ctx: Context) -> int:
-    answer = ctx.client.request("POST", f"/v1/rl/tasks/{_q(ctx.args.id)}/reward", body={"reward": ctx.args.value})
+    answer = ctx.client.request(*routes.TASK_REWARD.at(ctx.args.id), body={"reward": ctx.args.value})
     ctx.show(answer, lambda a: _out(f"task {ctx.args.id}: reward {ctx.args.value} recorded, "
                                     f"{a.get('sample_count')} sample(s) published"))
     return 0
@@ -598,7 +599,7 @@ def _task_reward(ctx: Context) -> int:
 
 def _train_start(ctx: Context) -> int:
     body = {"lineage": ctx.args.lineage} if ctx.args.lineage else None  # absent: the default lineage, as before
-    run = ctx.client.request("POST", "/v1/rl/training/runs", body=body)
+    run = ctx.client.request(*routes.RUN_START.at(), body=body)
     if ctx.args.watch:
         # The created run is the first state shown: a fast run may already have steps at the first poll.
         return _watch(ctx, run["training_run_id"], seen=run)
@@ -611,12 +612,12 @@ def _train_watch(ctx: Context) -> int:
 
 
 def _train_stop(ctx: Context) -> int:
-    ctx.show(ctx.client.request("POST", f"/v1/rl/training/runs/{_q(ctx.args.run_id)}/stop"), _show_run)
+    ctx.show(ctx.client.request(*routes.RUN_STOP.at(ctx.args.run_id)), _show_run)
     return 0
 
 
 def _train_get(ctx: Context) -> int:
-    ctx.show(ctx.client.request("GET", f"/v1/rl/training/runs/{_q(ctx.args.run_id)}"), _show_run)
+    ctx.show(ctx.client.request(*routes.RUN.at(ctx.args.run_id)), _show_run)
     return 0
 
 
@@ -652,7 +653,7 @@ def _watch(ctx: Context, run_id: str, *, seen: dict[str, Any] | None = None) -> 
     failures = 0
     while True:
         try:
-            run = ctx.client.request("GET", f"/v1/rl/training/runs/{_q(run_id)}")
+            run = ctx.client.request(*routes.RUN.at(run_id))
         except ErrorAnswer as exc:
             if exc.status < 500:  # unknown run, bad key: waiting does not help
                 raise
@@ -744,29 +745,33 @@ def _show_rollout(status: dict[str, Any]) -> None:
 
 def _rollout_status(ctx: Context) -> int:
     params = {"lineage": ctx.args.lineage} if ctx.args.lineage else None  # absent: the default line, as before
-    ctx.show(ctx.client.request("GET", "/v1/rl/rollout", params=params), _show_rollout)
+    ctx.show(ctx.client.request(*routes.ROLLOUT.at(), params=params), _show_rollout)
     return 0
+
+
+_ROLLOUT_ACTIONS = {"promote": routes.ROLLOUT_PROMOTE, "rollback": routes.ROLLOUT_ROLLBACK,
+                    "pause": routes.ROLLOUT_PAUSE, "resume": routes.ROLLOUT_RESUME}
+_LINEAGE_ACTIONS = {"get": routes.LINEAGE, "pause": routes.LINEAGE_PAUSE, "resume": routes.LINEAGE_RESUME,
+                    "archive": routes.LINEAGE_ARCHIVE, "restore": routes.LINEAGE_RESTORE}
 
 
 def _rollout(action: str) -> Callable[[Context], int]:
     def handler(ctx: Context) -> int:
         body = {"lineage": ctx.args.lineage} if ctx.args.lineage else None  # absent: the default line, as before
-        ctx.show(ctx.client.request("POST", f"/v1/rl/rollout/{action}", body=body), _show_rollout_record)
+        ctx.show(ctx.client.request(*_ROLLOUT_ACTIONS[action].at(), body=body), _show_rollout_record)
         return 0
 
     return handler
 
 
 def _rollout_events(ctx: Context) -> int:
-    ctx.show(ctx.client.request("GET", f"/v1/rl/rollout/{_q(ctx.args.rollout_id)}/events"), _show_events)
+    ctx.show(ctx.client.request(*routes.ROLLOUT_EVENTS.at(ctx.args.rollout_id)), _show_events)
     return 0
 
 
 def _lineage(action: str) -> Callable[[Context], int]:
     def handler(ctx: Context) -> int:
-        path = f"/v1/rl/lineages/{_q(ctx.args.lineage)}"
-        answer = (ctx.client.request("GET", path) if action == "get"
-                  else ctx.client.request("POST", f"{path}/{action}"))
+        answer = ctx.client.request(*_LINEAGE_ACTIONS[action].at(ctx.args.lineage))
         ctx.show(answer, _show_lineage)
         return 0
 
@@ -775,8 +780,7 @@ def _lineage(action: str) -> Callable[[Context], int]:
 
 def _lineage_delete(ctx: Context) -> int:
     """Ask for the deletion; with `--wait`, poll until the lineage is gone (404 `lineage_not_found`)."""
-    path = f"/v1/rl/lineages/{_q(ctx.args.lineage)}"
-    answer = ctx.client.request("POST", f"{path}/delete", body={"remove_files": ctx.args.remove_files})
+    answer = ctx.client.request(*routes.LINEAGE_DELETE.at(ctx.args.lineage), body={"remove_files": ctx.args.remove_files})
     ctx.show(answer, _show_lineage)
     if not ctx.args.wait:
         return 0
@@ -784,7 +788,7 @@ def _lineage_delete(ctx: Context) -> int:
     while True:
         ctx.sleep(ctx.args.interval)
         try:
-            ctx.client.request("GET", path)
+            ctx.client.request(*routes.LINEAGE.at(ctx.args.lineage))
         except ErrorAnswer as exc:
             if exc.status != 404:
                 raise
@@ -797,7 +801,7 @@ def _lineage_delete(ctx: Context) -> int:
 
 
 def _lora_activate(ctx: Context) -> int:
-    record = ctx.client.request("POST", "/v1/rl/loras/activate", body={"lora_name": ctx.args.lora_name})
+    record = ctx.client.request(*routes.LORA_ACTIVATE.at(), body={"lora_name": ctx.args.lora_name})
     ctx.show(record, _show_rollout_record)
     return 0 if record.get("status") == "activated" else 1
 
@@ -833,19 +837,19 @@ def _instance_remove(ctx: Context) -> int:
 
 def _traj_stats(ctx: Context) -> int:
     params = {"lineage": ctx.args.lineage} if ctx.args.lineage else None  # absent: the default line, as before
-    ctx.show(ctx.client.request("GET", "/v1/rl/trajectories/stats", params=params), _show_stats)
+    ctx.show(ctx.client.request(*routes.TRAJECTORY_STATS.at(), params=params), _show_stats)
     return 0
 
 
 def _traj_list(ctx: Context) -> int:
-    result = _pages(ctx, "/v1/rl/trajectories", _page_params(ctx))
+    result = _pages(ctx, routes.TRAJECTORY_LIST.fill(), _page_params(ctx))
     ctx.show(result, lambda r: _show_items(r["items"]))
     return 0
 
 
 def _traj_reward(ctx: Context) -> int:
     body = {"source": ctx.args.source, "score": ctx.args.score}
-    answer = ctx.client.request("POST", f"/v1/rl/trajectories/{_q(ctx.args.id)}/rewards", body=body)
+    answer = ctx.client.request(*routes.TRAJECTORY_REWARD.at(ctx.args.id), body=body)
     ctx.show(answer, lambda a: _out(
         f"sample {ctx.args.id}: {ctx.args.source} {ctx.args.score:g} "
         f"{'recorded' if a.get('recorded') else 'already recorded'}; status {a.get('status')}, "
@@ -854,7 +858,7 @@ def _traj_reward(ctx: Context) -> int:
 
 
 def _traj_exclude(ctx: Context) -> int:
-    answer = ctx.client.request("POST", "/v1/rl/trajectories/exclude", body={"instance": ctx.args.instance})
+    answer = ctx.client.request(*routes.TRAJECTORY_EXCLUDE.at(), body={"instance": ctx.args.instance})
     ctx.show(answer, lambda a: _out(
         f"instance {a.get('instance')} excluded: {a.get('excluded')} sample(s) moved to `excluded` now, later ones "
         f"are filed there too; {a.get('training')} already in the running Training Run stay with it (cancel the "
@@ -863,7 +867,7 @@ def _traj_exclude(ctx: Context) -> int:
 
 
 def _traj_get(ctx: Context) -> int:
-    ctx.show(ctx.client.request("GET", f"/v1/rl/trajectories/{_q(ctx.args.id)}"), _show_sample)
+    ctx.show(ctx.client.request(*routes.TRAJECTORY.at(ctx.args.id)), _show_sample)
     return 0
 
 

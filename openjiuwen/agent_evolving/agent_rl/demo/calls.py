@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..common.wire import routes
 from .failures import DemoFailed
 
 Signed = Callable[..., Any]  # Stack.signed
@@ -26,19 +27,19 @@ class ServiceCalls:
 
     def publish_reward(self, task_id: str, reward: float) -> dict[str, Any]:
         """The Task's terminal reward, signed with the agents' key (as the agent that ran it would)."""
-        rewarded = self.signed("POST", f"/v1/rl/tasks/{task_id}/reward", json_body={"reward": reward}, agent=True)
+        rewarded = self.signed(*routes.TASK_REWARD.at(task_id), json_body={"reward": reward}, agent=True)
         if rewarded.status_code != 200:
             raise DemoFailed(f"Task {task_id} reward answered {rewarded.status_code}: {rewarded.text[:300]}")
         return rewarded.json()
 
     def rollout_status(self) -> dict[str, Any]:
-        r = self.signed("GET", "/v1/rl/rollout")
+        r = self.signed(*routes.ROLLOUT.at())
         if r.status_code != 200:
             raise DemoFailed(f"GET /v1/rl/rollout answered {r.status_code}: {r.text[:300]}")
         return r.json()
 
     def pending_samples(self) -> int:
-        r = self.signed("GET", "/v1/rl/trajectories/stats")
+        r = self.signed(*routes.TRAJECTORY_STATS.at())
         if r.status_code != 200:
             raise DemoFailed(f"GET /v1/rl/trajectories/stats answered {r.status_code}: {r.text[:300]}")
         return int(r.json()["by_status"]["pending"])

@@ -31,6 +31,7 @@ from typing import Any
 from ..common.ids import parse_iso_epoch
 from ..common.lineage import line_of
 from ..common.policy_names import BASE_POLICY
+from ..common.wire import routes
 from . import report as rep
 from . import summary
 from .parts import DemoParts
@@ -185,7 +186,7 @@ class TwoLineages:
         body: dict[str, Any] = {"reward_mode": "terminal", "lineage": lineage}
         if evaluation:
             body["evaluation"] = True  # held out: counted per version, never claimed by a Training Run
-        started = self.demo.stack.signed("POST", "/v1/rl/tasks/start", json_body=body,
+        started = self.demo.stack.signed(*routes.TASK_START.at(), json_body=body,
                                          headers={"X-Agent-Session-Id": session}, agent=True)
         if started.status_code != 201:
             raise LineageDemoFailed(f"Task start ({lineage}) answered {started.status_code}: {started.text[:300]}")
@@ -198,7 +199,7 @@ class TwoLineages:
 
     def stop_and_reward(self, task_id: str, reward: float) -> dict[str, Any]:
         """Signed stop (the Task must finalize), then the signed terminal reward; the reward answer."""
-        stopped = self.demo.stack.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
+        stopped = self.demo.stack.signed(*routes.TASK_STOP.at(task_id), agent=True)
         if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
             raise LineageDemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
         return self.demo.calls.publish_reward(task_id, reward)
@@ -217,7 +218,7 @@ class TwoLineages:
         """The lineage's Training Run that this driver has not seen yet, from the lineage's newest runs
         (`?lineage=`), or None while the scheduler started none. A run that started and ended between two polls is
         still found."""
-        got = self.demo.stack.signed("GET", "/v1/rl/training/runs", params={"limit": 50, "lineage": lineage})
+        got = self.demo.stack.signed(*routes.RUN_LIST.at(), params={"limit": 50, "lineage": lineage})
         if got.status_code != 200:
             raise LineageDemoFailed(f"GET /v1/rl/training/runs answered {got.status_code}: {got.text[:300]}")
         fresh = [run for run in got.json()["items"] if run["training_run_id"] not in self.seen_runs]
@@ -275,7 +276,7 @@ class TwoLineages:
 
     def scheduler_view(self, lineage: str) -> str:
         """Why the scheduler has not trained the lineage (`GET /v1/rl/lineages/{lineage}`), for a failure message."""
-        got = self.demo.stack.signed("GET", f"/v1/rl/lineages/{lineage}")
+        got = self.demo.stack.signed(*routes.LINEAGE.at(lineage))
         if got.status_code != 200:
             return f"GET /v1/rl/lineages/{lineage} answered {got.status_code}"
         view = got.json().get("scheduler") or {}
@@ -283,7 +284,7 @@ class TwoLineages:
                 f"({view.get('eligible_samples')} eligible), active run {view.get('active_run')}")
 
     def get_run(self, run_id: str) -> dict[str, Any]:
-        got = self.demo.stack.signed("GET", f"/v1/rl/training/runs/{run_id}")
+        got = self.demo.stack.signed(*routes.RUN.at(run_id))
         if got.status_code != 200:
             raise LineageDemoFailed(f"GET run {run_id} answered {got.status_code}: {got.text[:300]}")
         return got.json()

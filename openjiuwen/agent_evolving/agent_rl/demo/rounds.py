@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common.policy_names import BASE_POLICY
+from ..common.wire import routes
 from . import calculator_family as calc
 from . import report as rep
 from .calls import ServiceCalls
@@ -215,7 +216,7 @@ class Rounds:
         """(Task id, pinned version) of a signed Task start with a terminal reward, its pin checked against `pins`.
         An evaluation Task's samples are counted per version and never trained on."""
         body: dict[str, Any] = {"reward_mode": "terminal", **({"evaluation": True} if evaluation else {})}
-        started = self.stack.signed("POST", "/v1/rl/tasks/start", json_body=body,
+        started = self.stack.signed(*routes.TASK_START.at(), json_body=body,
                                     headers={"X-Agent-Session-Id": session}, agent=True)
         if started.status_code != 201:
             raise DemoFailed(f"Task start answered {started.status_code}: {started.text[:300]}")
@@ -223,7 +224,7 @@ class Rounds:
         return task["rl_task_id"], self.check_pin(task, lora, pins)
 
     def stop_task(self, task_id: str) -> None:
-        stopped = self.stack.signed("POST", f"/v1/rl/tasks/{task_id}/stop", agent=True)
+        stopped = self.stack.signed(*routes.TASK_STOP.at(task_id), agent=True)
         if stopped.status_code != 200 or stopped.json().get("status") != "finalized":
             raise DemoFailed(f"Task {task_id} stop answered {stopped.status_code}: {stopped.text[:300]}")
 
@@ -276,7 +277,7 @@ class Rounds:
         bar = Bar(title or f"training run {r + 1}/{a.rounds}", total=3, unit="stages")
         t = time.monotonic()
         try:
-            started = self.stack.signed("POST", "/v1/rl/training/runs")
+            started = self.stack.signed(*routes.RUN_START.at())
             if started.status_code != 201:
                 raise DemoFailed(f"POST /v1/rl/training/runs answered {started.status_code}: {started.text[:300]}")
             run_id = started.json()["training_run_id"]
@@ -284,7 +285,7 @@ class Rounds:
             activating_at: float | None = None
             last_training_seen: float | None = None
             while True:
-                got = self.stack.signed("GET", f"/v1/rl/training/runs/{run_id}")
+                got = self.stack.signed(*routes.RUN.at(run_id))
                 if got.status_code != 200:
                     raise DemoFailed(f"GET run {run_id} answered {got.status_code}: {got.text[:300]}")
                 run = got.json()
@@ -324,7 +325,7 @@ class Rounds:
                 print(f"  {run['lora_name']} trained on {run['sample_count']} samples in {seconds:.1f} s: now the "
                       "canary's candidate", flush=True)
                 return record
-            promoted = self.stack.signed("POST", "/v1/rl/rollout/promote")
+            promoted = self.stack.signed(*routes.ROLLOUT_PROMOTE.at())
             if promoted.status_code != 200:
                 raise DemoFailed(f"POST /v1/rl/rollout/promote answered {promoted.status_code}: "
                                  f"{promoted.text[:300]}")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, ContextManager
 from urllib.parse import urlsplit
 
+from ..common.wire import routes
 from .failures import DemoFailed
 from .processes import ManagedProcess, ancestors, children, free_port, pids_mentioning, wait_gone
 from .progress import Bar
@@ -348,7 +349,7 @@ class Stack:
             time.sleep(0.1)
 
     def start_rl_service(self) -> None:
-        r = self.signed("POST", "/v1/rl/service/start")
+        r = self.signed(*routes.SERVICE_START.at())
         if r.status_code != 200 or r.json().get("status") != "running":
             raise DemoFailed(f"POST /v1/rl/service/start answered {r.status_code}: {r.text[:500]}")
         kids = children(self.pids["gateway"])

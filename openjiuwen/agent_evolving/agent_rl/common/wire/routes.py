@@ -53,6 +53,10 @@ class Route:
     def matches(self, method: str, path: str) -> bool:
         return method == self.method and self.pattern.match(path) is not None
 
+    def at(self, *values: str) -> tuple[str, str]:
+        """(method, path) of a call: what every client (the CLI, the demo) sends instead of spelling the path."""
+        return self.method, self.fill(*values)
+
     def fill(self, *values: str) -> str:
         """The path with its parameters in order, each kept one segment (`/`, `?`, `#`, spaces… escaped; the
         characters of ids, `:` included, as they are)."""
@@ -113,6 +117,12 @@ HOOK_AFTER = Route("POST", "/internal/v1/completions:after")
 HOOK_DISCARD = Route("POST", "/internal/v1/completions:discard")
 TASK_FINISH = Route("POST", "/internal/v1/rl/tasks/{rl_task_id}:finish")
 TASK_ABORT = Route("POST", "/internal/v1/rl/tasks/{rl_task_id}:abort")
+
+# The gateway's own control routes (served by the gateway itself, never by the RL Service; CONTRACT §3.3).
+SERVICE_START = Route("POST", "/v1/rl/service/start")
+SERVICE_STOP = Route("POST", "/v1/rl/service/stop")
+SERVICE_STATUS = Route("GET", "/v1/rl/service")
+GATEWAY_CONTROL: tuple[Route, ...] = (SERVICE_START, SERVICE_STOP, SERVICE_STATUS)
 
 RL_API: tuple[Route, ...] = (
     HEALTH, METRICS, OPENAPI,

@@ -24,17 +24,17 @@ PROXIED_ROUTES = tuple((r.method, r.path) for r in rl_routes.proxied(rl_routes.G
 AGENT_PROXIED_ROUTES = tuple((r.method, r.path) for r in rl_routes.proxied(rl_routes.Gateway.AGENT))
 
 
-@operator_router.post("/v1/rl/service/start")
+@operator_router.post(rl_routes.SERVICE_START.path)
 async def service_start(gw: GatewayDep) -> Response:
     return await gw.control.service_start()
 
 
-@operator_router.post("/v1/rl/service/stop")
+@operator_router.post(rl_routes.SERVICE_STOP.path)
 async def service_stop(gw: GatewayDep) -> Response:
     return await gw.control.service_stop()
 
 
-@operator_router.get("/v1/rl/service")
+@operator_router.get(rl_routes.SERVICE_STATUS.path)
 async def service_status(gw: GatewayDep) -> Response:
     return gw.control.service_status()
 
