@@ -368,7 +368,7 @@ _SAMPLE_ARGS: dict[str, Any] = {
     "t": "Tq7task", "s": "Sq7session", "c": "Cq7capture", "u": "Uq7turn", "r": "run-0123456789ab",
     "sample_id": "Xq7sample", "owner": "Oq7owner", "version": "Vq7version", "trajectory_id": "Jq7traj",
     "step": 987654321, "digest_hex": "0123456789abcdef0123456789abcdef", "source": "srcq7",
-    "ro": "ro-0123456789ab", "lineage": "lq7lineage",
+    "ro": "ro-0123456789ab", "lineage": "lq7lineage", "policy_version": "Pq7policy",
 }
 _STATUS_SAMPLES = ("active", "pending")  # `tasks_by_status` takes Task statuses, `traj_index` sample statuses
 

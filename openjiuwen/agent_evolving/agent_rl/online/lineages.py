@@ -57,7 +57,7 @@ class LineageRegistry:
         async with self._redis.pipeline(transaction=False) as reads:
             for name, line in zip(names, lines):
                 reads.zscore(keys.LINEAGES, name)
-                reads.hget(keys.traj_stats(line), f"status:{SampleStatus.PENDING}")
+                reads.hget(keys.traj_stats(line), keys.stats_status(SampleStatus.PENDING))
                 reads.get(keys.lineage_state(name))
             raw = await reads.execute()
         active = {run.lineage: run.training_run_id for run in await self._runs.active_runs()}

@@ -115,7 +115,7 @@ class RewardLedger:
             latency_key = keys.reward_latency(line.owner, source)
             pipe.lpush(latency_key, f"{max(0.0, now - float(new['published_at'])):.3f}")
             pipe.ltrim(latency_key, 0, LATENCY_WINDOW - 1)
-            pipe.hincrby(line.stats_key, f"reward_arrived:{source}", 1)
+            pipe.hincrby(line.stats_key, keys.stats_reward_arrived(source), 1)
             await pipe.execute()
             return self._answer(sample_id, source, score, policy, recorded=True, status=new_status, state=new)
 
@@ -261,7 +261,7 @@ class RewardLedger:
             blocks = await pipe.hget(key, "prompt_blocks") if expiry.drop else None
             pipe.multi()
             for name in expiry.fallbacks:
-                pipe.hincrby(line.stats_key, f"reward_fallback:{name}", 1)
+                pipe.hincrby(line.stats_key, keys.stats_reward_fallback(name), 1)
             if expiry.drop:
                 # Invariant 5: hash, index membership, deadline entry and counters leave together; the drop is
                 # counted in the same EXEC, so racing sweepers never count it twice. Invariant P
@@ -312,14 +312,14 @@ class RewardLedger:
         for name, raw in zip(names, latencies):
             late = sorted(float(v) for v in raw)
             sources[name] = {
-                "arrived": counters.get(f"reward_arrived:{name}", 0),
-                "fallback": counters.get(f"reward_fallback:{name}", 0),
+                "arrived": counters.get(keys.stats_reward_arrived(name), 0),
+                "fallback": counters.get(keys.stats_reward_fallback(name), 0),
                 "late_p50_seconds": percentile(late, 0.50),
                 "late_p95_seconds": percentile(late, 0.95),
             }
         return {
             "aggregation": self._policy.aggregation,
-            "waiting": counters.get(f"status:{SampleStatus.AWAITING_REWARDS}", 0),
+            "waiting": counters.get(keys.stats_status(SampleStatus.AWAITING_REWARDS), 0),
             "next_deadline_at": iso_at(float(first[0][1])) if first else None,
             "dropped": counters.get("reward_dropped", 0),
             "sources": sources,

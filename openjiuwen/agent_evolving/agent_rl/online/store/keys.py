@@ -247,6 +247,30 @@ def traj_stats(owner: str) -> str:
     return f"{PREFIX}traj_stats:{_owner(owner)}"
 
 
+# The fields of a `traj_stats` hash (and `source:` of a `policy_stats` hash), built here only.
+STATS_PENDING_POLICY_PREFIX = "pending_policy:"
+
+
+def stats_status(status: str) -> str:
+    return f"status:{status}"
+
+
+def stats_source(source: str) -> str:
+    return f"source:{source}"
+
+
+def stats_pending_policy(policy_version: str) -> str:
+    return f"{STATS_PENDING_POLICY_PREFIX}{policy_version}"
+
+
+def stats_reward_arrived(source: str) -> str:
+    return f"reward_arrived:{source}"
+
+
+def stats_reward_fallback(source: str) -> str:
+    return f"reward_fallback:{source}"
+
+
 def reward_deadlines(owner: str) -> str:
     """ZSET of `awaiting_rewards` sample ids; score = the earliest deadline (epoch) of a source still open."""
     return f"{PREFIX}reward_deadlines:{_owner(owner)}"

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from . import keys
+
 # Completion latency bucket upper bounds in milliseconds; the last bucket is `+Inf`.
 LATENCY_BOUNDS_MS = (50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
 INF = "+Inf"
@@ -49,7 +51,7 @@ def contribution(meta: dict[str, Any], response_tokens: int) -> tuple[dict[str, 
     score = _finite(judge.get("score")) if judge else None
     if judge is not None and score is not None:
         source = judge.get("source") or "unknown"
-        ints[f"source:{source}"] = 1
+        ints[keys.stats_source(source)] = 1
         if source != TERMINAL:  # a terminal reward counts once per Task, see `add_task_reward`
             for prefix in ("", "eval_") if evaluation else ("",):
                 ints[f"{prefix}reward_n"] = 1

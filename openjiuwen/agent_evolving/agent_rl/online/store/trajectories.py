@@ -67,24 +67,12 @@ def stale_pending(
     counted from the per-version pending counters in O(number of versions)."""
     if max_policy_lag is None:
         return 0
-    prefix = "pending_policy:"
+    prefix = keys.STATS_PENDING_POLICY_PREFIX
     return sum(
         n for name, n in counters.items()
         if name.startswith(prefix) and n > 0
         and current_version - ids.policy_lag_version(name[len(prefix):], model_id) > max_policy_lag
     )
-
-
-def _status_field(status: str) -> str:
-    return f"status:{status}"
-
-
-def _source_field(source: str) -> str:
-    return f"source:{source}"
-
-
-def _pending_policy_field(policy_version: str) -> str:
-    return f"pending_policy:{policy_version}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,12 +498,12 @@ class TrajectoryStore:
         pipe.hset(keys.traj(sample_id), mapping=mapping)
         pipe.zrem(self.index_key(old), sample_id)
         pipe.zadd(self.index_key(new), {sample_id: score})
-        pipe.hincrby(self._stats_key, _status_field(old), -1)
-        pipe.hincrby(self._stats_key, _status_field(new), +1)
+        pipe.hincrby(self._stats_key, keys.stats_status(old), -1)
+        pipe.hincrby(self._stats_key, keys.stats_status(new), +1)
         if old == SampleStatus.PENDING:
-            pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), -1)
+            pipe.hincrby(self._stats_key, keys.stats_pending_policy(policy_version), -1)
         if new == SampleStatus.PENDING:
-            pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), +1)
+            pipe.hincrby(self._stats_key, keys.stats_pending_policy(policy_version), +1)
             self.queue_waiting(pipe, score)  # `score` is the sample's creation epoch here
         # `source:<src>` counts samples of every status, so a move leaves it alone.
 
@@ -530,10 +518,10 @@ class TrajectoryStore:
 
     def queue_counters(self, pipe: Pipeline, status: str, source: str, policy_version: str, delta: int) -> None:
         """Queue the counter changes of a sample of `status` entering (+1) or leaving (-1) the store."""
-        pipe.hincrby(self._stats_key, _status_field(status), delta)
-        pipe.hincrby(self._stats_key, _source_field(source), delta)
+        pipe.hincrby(self._stats_key, keys.stats_status(status), delta)
+        pipe.hincrby(self._stats_key, keys.stats_source(source), delta)
         if status == SampleStatus.PENDING:
-            pipe.hincrby(self._stats_key, _pending_policy_field(policy_version), delta)
+            pipe.hincrby(self._stats_key, keys.stats_pending_policy(policy_version), delta)
 
     async def sweep_expired(self, *, retention_seconds: int, now: float, fence: Fence, limit: int = 1000) -> int:
         """CONTRACT §5.5(c): delete `trained`/`failed` samples whose index score is older than `now − retention`,
@@ -570,7 +558,7 @@ class TrajectoryStore:
                     # A member without a hash (never expected) still leaves its index, and its status counter
                     # follows it (invariant 5).
                     pipe.zrem(index, sample_id)
-                    pipe.hincrby(self._stats_key, _status_field(status), -1)
+                    pipe.hincrby(self._stats_key, keys.stats_status(status), -1)
                     if status == SampleStatus.AWAITING_REWARDS:
                         pipe.zrem(self._deadlines_key, sample_id)
                 count += 1
@@ -612,13 +600,13 @@ class TrajectoryStore:
         # `awaiting_rewards` is shown under a reward policy, or while samples still wait from one (else the shape
         # stays that of CONTRACT §2.7).
         # `evaluation` and `excluded` likewise appear once such samples are stored, so `total` counts them too.
-        waiting = counters.get(_status_field(SampleStatus.AWAITING_REWARDS), 0) > 0
+        waiting = counters.get(keys.stats_status(SampleStatus.AWAITING_REWARDS), 0) > 0
         shown = [*((SampleStatus.AWAITING_REWARDS,) if self._reward_policy is not None or waiting else ()),
                  *SAMPLE_STATUSES]
         for optional in (SampleStatus.EVALUATION, SampleStatus.EXCLUDED, SampleStatus.OUTDATED):
-            if counters.get(_status_field(optional), 0) > 0:
+            if counters.get(keys.stats_status(optional), 0) > 0:
                 shown.append(optional)
-        by_status = {status.value: counters.get(_status_field(status), 0) for status in shown}
+        by_status = {status.value: counters.get(keys.stats_status(status), 0) for status in shown}
         by_source = {
             name[len("source:"):]: n for name, n in sorted(counters.items()) if name.startswith("source:") and n > 0
         }

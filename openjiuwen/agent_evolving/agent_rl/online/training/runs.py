@@ -198,7 +198,7 @@ class RunStore:
             if len(live) >= max_active or any(run.training_run_id == slot for run in live):
                 return ClaimResult(None, False, 0, 0, busy=tuple(live))
             counters = {(text(k) or ""): int(v) for k, v in (await pipe.hgetall(stats_key)).items()}
-            pending = max(0, counters.get(f"status:{SampleStatus.PENDING}", 0))
+            pending = max(0, counters.get(keys.stats_status(SampleStatus.PENDING), 0))
             stale = stale_pending(
                 counters, model_id=line, current_version=parent_version, max_policy_lag=max_policy_lag
             )

@@ -162,7 +162,7 @@ class TrainingScheduler:
                 recent = tuple(float(score) for _, score in rows[at])
                 at += 1
             counters = {(text(k) or ""): int(v) for k, v in raw_stats.items()}
-            pending = max(0, counters.get(f"status:{SampleStatus.PENDING}", 0))
+            pending = max(0, counters.get(keys.stats_status(SampleStatus.PENDING), 0))
             observed = observed_default if lineage == DEFAULT_LINEAGE else observed_lines[i]
             version = self._observed_version(observed, line)
             stale = stale_pending(counters, model_id=line, current_version=version,
