@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from ..common import json_nesting
-from ..common.lineage import DEFAULT_LINEAGE, InvalidLineage, require_lineage
+from ..common.lineage import DEFAULT_LINEAGE, require_lineage
 
 LINEAGE_FIELD = "lineage"
 
