@@ -62,7 +62,7 @@ async def test_a_capture_reserved_by_another_process_takes_the_full_path(app_cli
     request, response = load_fixture("chat_request.json"), load_fixture("chat_response.json")
     before = await client.post("/internal/v1/completions:before",
                                json={"rl_task_id": "t1", "capture_id": "c1", "request": request})
-    app.state.deps.registry._open_hints.clear()  # what a worker that did not reserve it knows
+    app.state.deps.ledger._open_hints.clear()  # what a worker that did not reserve it knows
     after = await client.post("/internal/v1/completions:after", json={
         "rl_task_id": "t1", "capture_id": "c1", "request": before.json()["request"], "response": response})
     assert after.status_code == 204

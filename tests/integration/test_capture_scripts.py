@@ -1,4 +1,4 @@
-"""The capture hooks' Lua scripts (online/tasks/capture_scripts.py) against the WATCH/MULTI/EXEC transactions they
+"""The capture hooks' Lua scripts (online/capture/scripts.py) against the WATCH/MULTI/EXEC transactions they
 replaced, and the in-process memories they verify.
 
 - Differential: the transactions as they were (reserve, commit, discard; kept below as the oracle) and the scripts
@@ -34,9 +34,10 @@ from openjiuwen.agent_evolving.agent_rl.online.store.tx import transact
 from openjiuwen.agent_evolving.agent_rl.online.tasks.task_records import (
     CaptureMeta, CaptureStatus, FinishReason, RewardMode, Task, TaskStatus,
 )
-from openjiuwen.agent_evolving.agent_rl.online.tasks.registry import (
-    AbortingConflict, Reservation, ReserveOutcome, TaskRegistry,
+from openjiuwen.agent_evolving.agent_rl.online.capture.ledger import (
+    AbortingConflict, CaptureLedger, Reservation, ReserveOutcome,
 )
+from openjiuwen.agent_evolving.agent_rl.online.tasks.registry import TaskRegistry
 from tests.conftest import load_fixture
 from tests.support.redis_server import RedisServer
 from tests.support.service_app import make_config, running_app, start_task
@@ -270,10 +271,12 @@ async def _differential(redis: Redis, mode: RewardMode, rng: random.Random, seen
     """`end`: how the Task stops being active late in the sequence: `abort`, or `inactive` (its record rewritten as
     finalized while captures are open, which no real path does, to reach the commit's last check)."""
     delayed = mode == RewardMode.DELAYED_FEEDBACK
-    processes = [TaskRegistry(redis), TaskRegistry(redis)]  # two service processes on one database
+    registry = TaskRegistry(redis)
+    processes = [CaptureLedger(redis, signals=registry.signals),  # two service processes on one database
+                 CaptureLedger(redis, signals=registry.signals)]
     tasks = {}
     for side, t in zip(("oracle", "scripts"), ids):
-        task, created = await processes[0].start(Task(t, f"s-{t}", "tiny", "base", mode.value, TaskStatus.ACTIVE,
+        task, created = await registry.start(Task(t, f"s-{t}", "tiny", "base", mode.value, TaskStatus.ACTIVE,
                                                       now_iso()))
         assert created
         tasks[side] = task
@@ -311,9 +314,9 @@ async def _differential(redis: Redis, mode: RewardMode, rng: random.Random, seen
             continue
         if op == "abort":
             for task in tasks.values():
-                await processes[0].abort(task.rl_task_id, FinishReason.CAPTURE_FAILED)
+                await registry.abort(task.rl_task_id, FinishReason.CAPTURE_FAILED)
             continue
-        registry = rng.choice(processes)
+        ledger = rng.choice(processes)
         results = {}
         for side, task in tasks.items():
             t = task.rl_task_id
@@ -321,13 +324,13 @@ async def _differential(redis: Redis, mode: RewardMode, rng: random.Random, seen
                 if delayed and turn is None:
                     continue
                 call = (oracle_reserve(redis, task, c, turn, fp) if side == "oracle"
-                        else registry.reserve(task, c, turn, fp))
+                        else ledger.reserve(task, c, turn, fp))
             elif op == "commit":
                 sample = _sample(sample_i) if with_sample else None
                 call = (oracle_commit(redis, t, c, turn, fp, rfp, sample) if side == "oracle"
-                        else registry.commit(task, c, turn, fp, rfp, None if sample is None else [sample]))
+                        else ledger.commit(task, c, turn, fp, rfp, None if sample is None else [sample]))
             else:
-                call = (oracle_discard(redis, t, c, turn) if side == "oracle" else registry.discard(t, c, turn))
+                call = (oracle_discard(redis, t, c, turn) if side == "oracle" else ledger.discard(t, c, turn))
             try:
                 results[side] = await _outcome(call)
             except AbortingConflict as exc:
@@ -341,14 +344,15 @@ async def _differential(redis: Redis, mode: RewardMode, rng: random.Random, seen
 
 async def test_unknown_task_and_events_trimmed(redis):
     registry = TaskRegistry(redis)
+    ledger = CaptureLedger(redis, signals=registry.signals)
     ghost = Task("tghost", "s", "tiny", "base", "terminal", TaskStatus.ACTIVE, now_iso())
-    for call in (registry.reserve(ghost, "c1", None, "fp"), registry.commit(ghost, "c1", None, "fp", "r", [_sample(1)]),
-                 registry.discard("tghost", "c1", None)):
+    for call in (ledger.reserve(ghost, "c1", None, "fp"), ledger.commit(ghost, "c1", None, "fp", "r", [_sample(1)]),
+                 ledger.discard("tghost", "c1", None)):
         with pytest.raises(NotFound, match="RL Task not found"):
             await call
     task, _ = await registry.start(Task("t1", "s1", "tiny", "base", "terminal", TaskStatus.ACTIVE, now_iso()))
     for i in range(1100):  # XADD MAXLEN ~ 1000, as every transition event
-        await registry.reserve(task, f"c{i}", None, "fp")
+        await ledger.reserve(task, f"c{i}", None, "fp")
     length = await redis.xlen(keys.task_events("t1"))
     assert events.MAXLEN <= length < 1100
 
@@ -421,7 +425,7 @@ async def test_a_task_id_started_again_is_validated_as_the_new_task(redis, redis
         assert r.status_code == 204, r.text
         staged = PackedSample.decode_staged(await redis.get(keys.staged("t1", "c2")))
         assert staged.meta["session_id"] == "s2"  # built from the new Task, not the remembered one
-        assert app.state.deps.registry._facts["t1"].agent_session_id == "s2"
+        assert app.state.deps.ledger._facts["t1"].agent_session_id == "s2"
 
 
 async def test_a_remembered_task_that_is_gone_is_404_before_any_other_check(redis, redis_url, tmp_path):

@@ -37,8 +37,8 @@ async def commit_turn(client, t: str, c: str, turn: str) -> None:
 
 async def publication_cut_after_insert(deps, t: str, turn: str) -> str:
     """The state a publisher leaves when it dies between inserting the turn's judged samples and completing."""
-    assert await deps.registry.claim_publish(t, turn) == "claimed"
-    staged = await deps.registry.turn_staged(t, turn)
+    assert await deps.turns.claim_publish(t, turn) == "claimed"
+    staged = await deps.turns.turn_staged(t, turn)
     samples = [PackedSample.decode_staged(blob) for _, blob in staged]
     for sample in samples:
         sample.meta["judge"] = {"score": 0.8, "source": "judge", "tag": "feedback"}

@@ -295,7 +295,7 @@ async def test_unexpected_exception_is_exactly_the_500_envelope(redis, redis_url
     async with running_app(make_config(redis_url, tmp_path)) as (app, _), quiet_client(app) as client:
         deps = app.state.deps
         monkeypatch.setattr(deps.registry, "require", _boom)
-        monkeypatch.setattr(deps.registry, "discard", _boom)  # `:discard` reads no Task first (its script does)
+        monkeypatch.setattr(deps.ledger, "discard", _boom)  # `:discard` reads no Task first (its script does)
         monkeypatch.setattr(deps.store, "stats", _boom)
         for method, path, body in (
             ("GET", "/v1/rl/tasks/t1", None),

@@ -367,7 +367,7 @@ async def test_unhandled_errors_are_the_500_envelope(run, monkeypatch):
 
     async def patched(app: Any, client: Any, name: str, fn: Any) -> None:
         await active_task(app, client)
-        monkeypatch.setattr(app.state.deps.registry, name, fn)
+        monkeypatch.setattr(app.state.deps.ledger, name, fn)
 
     result = await run(lambda app, client: patched(app, client, "reserve", boom),
                        Exchange(BEFORE, [json_body(hook(request=REQUEST))]))

@@ -622,7 +622,7 @@ def test_every_leader_only_writer_goes_through_the_fence() -> None:
     import inspect
 
     from openjiuwen.agent_evolving.agent_rl.online import retention as retention_mod
-    from openjiuwen.agent_evolving.agent_rl.online.capture.lifecycle import TaskLifecycle
+    from openjiuwen.agent_evolving.agent_rl.online.tasks.lifecycle import TaskLifecycle
     from openjiuwen.agent_evolving.agent_rl.online.rewards.ledger import RewardLedger
     from openjiuwen.agent_evolving.agent_rl.online.rewards.sweeper import RewardDeadlineSweeper
     from openjiuwen.agent_evolving.agent_rl.online.tasks.registry import TaskRegistry

@@ -2,7 +2,7 @@
 §2.6, §5.1).
 
 An entry has the fields `type`, `at` (ISO-8601 UTC) and `data` (JSON). Events of a state transition are queued with
-`queue` inside that transition's MULTI (or appended by its Lua script, tasks/capture_scripts.py, with the same
+`queue` inside that transition's MULTI (or appended by its Lua script, capture/scripts.py, with the same
 fields and MAXLEN), so the timeline and the state never disagree; other events (an activation
 attempt, a stop request) go through `append`, best-effort: a failure is logged and never fails the caller.
 """
@@ -40,7 +40,7 @@ ROLLOUT_EVENT_TYPES = (
 
 
 def encode_data(data: dict[str, Any] | None) -> bytes:
-    """An entry's `data` field as stored (the capture scripts of tasks/capture_scripts.py take it ready-made)."""
+    """An entry's `data` field as stored (the capture scripts of capture/scripts.py take it ready-made)."""
     return orjson.dumps(data or {})
 
 

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from redis.asyncio import Redis
 
 from ..common.private_files import UnsafeDirectoryError, ensure_private_root
-from .capture.lifecycle import TaskLifecycle
+from .tasks.lifecycle import TaskLifecycle
 from .lineage_lifecycle import LineageLifecycle
 from .rewards.projector import RewardProjector
 from .rail_ingest.ingest import RailIngestor

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from .capture.lifecycle import TaskLifecycle
+from .tasks.lifecycle import TaskLifecycle
+from .capture.ledger import CaptureLedger
 from .capture.pipeline import CapturePipeline
+from .capture.turn_ledger import TurnLedger
 from .rewards.projector import RewardProjector
 from .capture.turns import TurnPublisher
 from .config import ConfigError, RLServiceConfig
@@ -67,6 +69,8 @@ class ServiceDeps:
     config: RLServiceConfig
     redis: Redis
     registry: TaskRegistry
+    ledger: CaptureLedger  # a Task's captures (the hooks' path)
+    turns: TurnLedger  # a Task's turn publication (delayed feedback)
     store: TrajectoryStore
     judge: "Judge | None"
     publisher: TurnPublisher
@@ -111,13 +115,15 @@ class ServiceDeps:
         metrics = ServiceMetrics(config.model_id, lineage_top_k=config.lineages.metrics_label_top_k)
         metered_judge = MeteredJudge(judge, metrics) if judge is not None else None
         registry = TaskRegistry(redis, signals=TaskSignals(), metrics=metrics, max_lineages=config.lineages.max_count)
+        ledger = CaptureLedger(redis, signals=registry.signals)
+        turns = TurnLedger(redis, signals=registry.signals)
         reward_policy = RewardPolicy(config.reward_policy)  # empty (unconfigured) when the section is absent
         store = TrajectoryStore(
             redis, owner=config.model_id, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
             reward_policy=reward_policy, metrics=metrics, constrained=config.constrained_samples.policy(),
         )
         reward_ledger = RewardLedger(redis, store, reward_policy, owner=config.model_id)
-        publisher = TurnPublisher(registry, store, metered_judge, metrics=metrics, membership=membership)
+        publisher = TurnPublisher(registry, turns, store, metered_judge, metrics=metrics, membership=membership)
         rewards = RewardProjector(redis, store)
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
         gateway = _make_gateway_client(config, token, metrics)
@@ -127,11 +133,15 @@ class ServiceDeps:
             config=config,
             redis=redis,
             registry=registry,
+            ledger=ledger,
+            turns=turns,
             store=store,
             judge=judge,
             publisher=publisher,
-            pipeline=CapturePipeline(registry, publisher, turn_publish_timeout_s=config.turn_publish_timeout_seconds),
-            lifecycle=TaskLifecycle(registry, publisher, model_id=config.model_id, judge_configured=judge is not None),
+            pipeline=CapturePipeline(registry, ledger, turns, publisher,
+                                     turn_publish_timeout_s=config.turn_publish_timeout_seconds),
+            lifecycle=TaskLifecycle(registry, turns, publisher, model_id=config.model_id,
+                                    judge_configured=judge is not None),
             rewards=rewards,
             sweeper=_make_retention_sweeper(config, redis, store, rewards, metrics, fence),
             reward_ledger=reward_ledger,

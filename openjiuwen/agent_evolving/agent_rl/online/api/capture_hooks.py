@@ -11,11 +11,12 @@ from ...common.wire import routes as rl_routes
 from ...common import json_nesting, packed_hook
 from ...common.content_type import media_type
 from ...common.errors import ApiError, JSONBody
-from ..capture.lifecycle import TaskLifecycle
+from ..tasks.lifecycle import TaskLifecycle
 from ..capture.pipeline import CapturePipeline
 from ..metrics import ServiceMetrics
 from ...common.wire.task_states import FinishReason
-from ..tasks.registry import StaleTask, TaskRegistry
+from ..capture.ledger import StaleTask
+from ..tasks.registry import TaskRegistry
 from . import openapi
 from .body import json_object, parse_json_object
 from .errors import domain_errors

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...common.wire import routes as rl_routes
-from ..capture.lifecycle import StartHeaders, TaskLifecycle
+from ..tasks.lifecycle import StartHeaders, TaskLifecycle
 from ..rewards.projector import RewardProjector, parse_reward_body
 from ...common.wire.task_states import FinishReason
 from ..tasks.task_records import Task

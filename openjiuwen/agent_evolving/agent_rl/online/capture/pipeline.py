@@ -1,7 +1,7 @@
 """The capture hooks `:before`, `:after` and `:discard` (CONTRACT §2.8, §4.2, §4.3).
 
 Each hook parses its body once, validates against the Task's immutable facts (remembered per process,
-`TaskRegistry.task_facts`), and touches Redis in one script round trip (two for a commit whose reservation another
+`CaptureLedger.task_facts`), and touches Redis in one script round trip (two for a commit whose reservation another
 process made); the scripts check the Task's existence, identity and live status. Abort rules: at `:before` input
 errors, model mismatch, capture-id reuse and "another turn waiting" leave the Task active, while a closed or closing
 turn and a failed or timed-out publication abort it; at `:after` every rejection past the body shape aborts it.
@@ -22,8 +22,9 @@ from .. import faults
 from ..judge import feedback_from_request
 from ...common.wire.task_states import FinishReason
 from ..tasks.task_records import Task
-from ..tasks.registry import AbortingConflict, ReserveOutcome, TaskRegistry
+from ..tasks.registry import TaskRegistry
 from .hook_body import HookBody, parse_hook
+from .ledger import AbortingConflict, CaptureLedger, ReserveOutcome
 from .request import (
     RequestModelMismatch,
     normalize_request,
@@ -34,6 +35,7 @@ from .request import (
 )
 from .response import ResponseModelMismatch, validate_packed_response, validate_response
 from .sample import build_samples
+from .turn_ledger import TurnLedger
 from .turns import TurnPublisher
 
 
@@ -44,18 +46,22 @@ class CapturePipeline:
     def __init__(
         self,
         registry: TaskRegistry,
+        ledger: CaptureLedger,
+        turns: TurnLedger,
         publisher: TurnPublisher,
         *,
         turn_publish_timeout_s: float,
     ) -> None:
-        self._registry = registry
+        self._registry = registry  # a Task's abort only
+        self._ledger = ledger
+        self._turns = turns
         self._publisher = publisher
         self._turn_publish_timeout_s = turn_publish_timeout_s
 
     async def before(self, body: dict[str, Any]) -> dict[str, Any]:
         """Reserve a capture; the injected request. May raise StaleTask (nothing written): call again."""
         hook = parse_hook(body, with_request=True, with_response=False)
-        task, cached = await self._registry.task_facts(hook.rl_task_id)
+        task, cached = await self._ledger.task_facts(hook.rl_task_id)
         try:
             try:
                 validate_request(
@@ -68,12 +74,12 @@ class CapturePipeline:
             fp = request_fingerprint(injected)
         except (InvalidInput, Conflict):
             if cached:  # what the Task read the facts replaced would have answered first
-                await self._registry.confirm(task)
+                await self._ledger.confirm(task)
             raise
         deadline = asyncio.get_running_loop().time() + self._turn_publish_timeout_s
         while True:
             try:
-                reservation = await self._registry.reserve(task, hook.capture_id, hook.agent_turn_id, fp)
+                reservation = await self._ledger.reserve(task, hook.capture_id, hook.agent_turn_id, fp)
             except AbortingConflict:
                 await self._registry.abort(task.rl_task_id, FinishReason.CAPTURE_FAILED)
                 raise
@@ -87,7 +93,7 @@ class CapturePipeline:
                 task, current, feedback=feedback_from_request(injected), tag="feedback", deadline=deadline
             )
             faults.reached("turn.published")
-            await self._registry.advance_turn(task.rl_task_id, current, hook.agent_turn_id)
+            await self._turns.advance_turn(task.rl_task_id, current, hook.agent_turn_id)
 
     def after(self, body: dict[str, Any]) -> Awaitable[bool]:
         """Commit a capture; True when this call committed it (False for an idempotent repeat). May raise
@@ -102,7 +108,7 @@ class CapturePipeline:
         return self._commit(parse_hook(head, with_request=True, with_response=True), arrays)
 
     async def _commit(self, hook: HookBody, arrays: PackedArrays | None) -> bool:
-        task, cached = await self._registry.task_facts(hook.rl_task_id)
+        task, cached = await self._ledger.task_facts(hook.rl_task_id)
         try:
             try:
                 injected, request_fp = self._as_reserved(task, hook)
@@ -134,13 +140,13 @@ class CapturePipeline:
                 )
             except (InvalidInput, Conflict):
                 if cached:  # what the Task read the facts replaced would have answered first
-                    await self._registry.confirm(task)
+                    await self._ledger.confirm(task)
                 raise
             # The parsed response (~20k objects for 2,048 tokens, logprob entries included) is not needed past
             # this point: dropped here, the collector never walks it while the commit waits on Redis.
             hook = HookBody(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)
             del validated, arrays
-            committed = await self._registry.commit(
+            committed = await self._ledger.commit(
                 task, hook.capture_id, hook.agent_turn_id, *fingerprints, samples,
             )
             faults.reached("capture.committed")
@@ -161,7 +167,7 @@ class CapturePipeline:
         the full path, and the commit script still compares the stored fingerprint."""
         if hook.request.get("model") != task.policy_model or (task.delayed and hook.agent_turn_id is None):
             return None, None
-        reserved = self._registry.reserved_fingerprint(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)
+        reserved = self._ledger.reserved_fingerprint(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)
         if reserved is None:
             return None, None
         try:
@@ -173,4 +179,4 @@ class CapturePipeline:
     async def discard(self, body: dict[str, Any]) -> bool:
         """Drop an open capture; True when this call dropped one. The script checks the Task exists (404)."""
         hook = parse_hook(body, with_request=False, with_response=False)
-        return await self._registry.discard(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)
+        return await self._ledger.discard(hook.rl_task_id, hook.capture_id, hook.agent_turn_id)

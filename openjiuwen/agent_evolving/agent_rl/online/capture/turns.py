@@ -21,6 +21,7 @@ from ..store.trajectories import TrajectoryStore
 from ...common.wire.task_states import FinishReason
 from ..tasks.task_records import Task, TurnPublication
 from ..tasks.registry import TaskRegistry
+from .turn_ledger import TurnLedger
 from ..store.fence import UNFENCED, Fence
 from ..workers.membership import SOLO, Membership
 
@@ -37,10 +38,11 @@ class PublicationTimeout(Conflict):
 
 class TurnPublisher:
     def __init__(
-        self, registry: TaskRegistry, store: TrajectoryStore, judge: "Judge | None", *,
+        self, registry: TaskRegistry, turns: TurnLedger, store: TrajectoryStore, judge: "Judge | None", *,
         metrics: "ServiceMetrics | None" = None, membership: Membership = SOLO,
     ) -> None:
-        self._registry = registry
+        self._registry = registry  # a Task's abort and its change signals
+        self._turns = turns
         self._membership = membership
         self._store = store
         self._judge = judge
@@ -65,13 +67,13 @@ class TurnPublisher:
             else:
                 try:
                     me = self._membership.member
-                    state = await self._registry.claim_publish(t, turn_id, owner=me)
+                    state = await self._turns.claim_publish(t, turn_id, owner=me)
                     if state == TurnPublication.PUBLISHING:
                         # No publisher of this process holds the turn (we hold its lock). A claim of another live
                         # worker is waited for; one of a dead process (a crash, or this process failing even to
                         # roll back during a Redis outage) is taken over instead of leaving the turn stuck.
-                        holder = await self._registry.publisher(t, turn_id)
-                        if not await self._membership.alive(holder) and await self._registry.take_over_publish(
+                        holder = await self._turns.publisher(t, turn_id)
+                        if not await self._membership.alive(holder) and await self._turns.take_over_publish(
                                 t, turn_id, dead=holder, owner=me):
                             await self._take_over(t, turn_id)
                             state = TurnPublication.CLAIMED
@@ -103,7 +105,7 @@ class TurnPublisher:
         inserted: list[str] = []
         started = time.perf_counter()
         try:
-            staged = await self._registry.turn_staged(t, turn_id)
+            staged = await self._turns.turn_staged(t, turn_id)
             samples = [sample for _, blob in staged for sample in PackedSample.decode_staged_all(blob)]
             if samples:
                 if self._judge is None:
@@ -117,7 +119,7 @@ class TurnPublisher:
                 inserted = await self._store.insert_if_absent(samples)
                 faults.reached("turn.inserted")
             reward = sum(r.score for r in results) / len(results) if samples else None
-            await self._registry.complete_publish(t, turn_id, [c for c, _ in staged], reward=reward,
+            await self._turns.complete_publish(t, turn_id, [c for c, _ in staged], reward=reward,
                                                   owner=self._membership.member, sample_count=len(samples))
             if self._metrics is not None:
                 self._metrics.turn_published(time.perf_counter() - started)
@@ -128,7 +130,7 @@ class TurnPublisher:
 
     async def _take_over(self, t: str, turn_id: str) -> None:
         """Remove what a failed publisher inserted (still pending) before publishing the turn again."""
-        ids = await self._registry.turn_capture_ids(t, turn_id)
+        ids = await self._turns.turn_capture_ids(t, turn_id)
         removed = await self._store.delete_pending(ids) if ids else 0
         log.warning("taking over the publication of turn %s of task %s (%d stale sample(s) removed)",
                     turn_id, t, removed)
@@ -140,12 +142,12 @@ class TurnPublisher:
         the deleted sample ids.
 
         Invariant 4 read both ways: a turn's samples exist only once it is `published`."""
-        current, _ = await self._registry.turn_state(rl_task_id)
-        if current is None or await self._registry.publish_state(rl_task_id, current) != TurnPublication.PUBLISHING:
+        current, _ = await self._turns.turn_state(rl_task_id)
+        if current is None or await self._turns.publish_state(rl_task_id, current) != TurnPublication.PUBLISHING:
             return []
-        ids = await self._registry.turn_capture_ids(rl_task_id, current)
+        ids = await self._turns.turn_capture_ids(rl_task_id, current)
         deleted = await self._store.delete_pending(ids, fence=fence) if ids else 0
-        await self._registry.fail_publish(rl_task_id, current, fence=fence)
+        await self._turns.fail_publish(rl_task_id, current, fence=fence)
         log.warning("abandoned the publication of turn %s of task %s (%d sample(s) rolled back)",
                     current, rl_task_id, deleted)
         return ids
@@ -153,12 +155,12 @@ class TurnPublisher:
     async def _roll_back(self, t: str, turn_id: str, inserted: list[str], exc: BaseException) -> None:
         log.warning("publication of turn %s of task %s failed: %s", turn_id, t, exc,
                     extra={"rl_task_id": t, "agent_turn_id": turn_id})
-        holder = await self._registry.publisher(t, turn_id)
+        holder = await self._turns.publisher(t, turn_id)
         if holder is not None and holder != self._membership.member:
             # Taken over by another worker while this one was thought dead: the turn and what is inserted are its.
             log.warning("publication of turn %s of task %s was taken over by %s", turn_id, t, holder)
             return
         if inserted:
             await self._store.delete_pending(inserted)
-        await self._registry.fail_publish(t, turn_id)
+        await self._turns.fail_publish(t, turn_id)
         await self._registry.abort(t, FinishReason.CAPTURE_FAILED)

@@ -11,6 +11,7 @@ import orjson
 
 from ...common.lineage import DEFAULT_LINEAGE, line_of
 from ...common.wire.task_states import FinishReason, RewardMode, TaskStatus
+from ..errors import NotFound
 from ..transitions import Transitions
 
 
@@ -155,3 +156,11 @@ class CaptureMeta:
 
 
 _CAPTURE_FIELDS = tuple(CaptureMeta.__dataclass_fields__)
+
+
+async def read_task(pipe: Any, task_key: str) -> Task:
+    """The Task record read inside an optimistic transaction (a WATCHing pipeline); NotFound when it is gone."""
+    raw = await pipe.get(task_key)
+    if raw is None:
+        raise NotFound("RL Task not found")
+    return Task.from_json(raw)

@@ -14,10 +14,11 @@ from ...common.lineage import DEFAULT_LINEAGE, is_lineage, line_of, version_of
 from ...common.policy_names import BASE_POLICY
 from ...common.signing_keys import is_agent_key_id
 from ...common.wire.task_states import FinishReason, RewardMode, TaskStatus
-from ..tasks.task_records import Task
-from ..tasks.registry import TaskRegistry
+from .task_records import Task
+from .registry import TaskRegistry
 from ..store.fence import Fence
-from .turns import TurnPublisher
+from ..capture.turn_ledger import TurnLedger
+from ..capture.turns import TurnPublisher
 
 log = logging.getLogger("openjiuwen.agent_rl.online.lifecycle")
 
@@ -45,12 +46,14 @@ class TaskLifecycle:
     def __init__(
         self,
         registry: TaskRegistry,
+        turns: TurnLedger,
         publisher: TurnPublisher,
         *,
         model_id: str,
         judge_configured: bool,
     ) -> None:
         self._registry = registry
+        self._turns = turns
         self._publisher = publisher
         self._model_id = model_id
         self._judge_configured = judge_configured
@@ -138,7 +141,7 @@ class TaskLifecycle:
         if not task.active:
             return task
         if task.delayed:
-            current, _ = await self._registry.turn_state(rl_task_id)
+            current, _ = await self._turns.turn_state(rl_task_id)
             if current is not None:
                 await self._publisher.publish(task, current, feedback="", tag="session_done", deadline=None)
         done = await self._registry.finalize(rl_task_id, reason)

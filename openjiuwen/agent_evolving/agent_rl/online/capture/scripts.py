@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 
 from ...common.wire.task_states import TaskStatus
 from .. import events
-from .task_records import CaptureStatus
+from ..tasks.task_records import CaptureStatus
 
 # Reply codes (first element of every reply). The scripts take them, and the status values they compare, by
 # substitution, so that a value is spelled once (here, or in the status enums).
