@@ -153,6 +153,7 @@ async def run(size_name: str, workdir: Path, *, model_name: str = "generated", r
     response_tokens = sum(len(r) for r in responses)
     sequence_tokens = size.samples * len(prompt) + response_tokens
     result = {
+        "training_run_id": record.training_run_id,
         "size": size_name, "model": model_name, "model_id": model_id, "device": device, "parameters": params, "samples": size.samples,
         "prompt_tokens": len(prompt), "response_tokens": size.response_tokens, "lr": size.lr,
         "ppo_epochs": size.epochs, "status": record.status, "lora_name": record.lora_name,

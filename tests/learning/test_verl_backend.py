@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import make_tiny_model
-from openjiuwen.agent_evolving.agent_rl.online.training.backends import TrainingCanceled, TrainingJob
+from openjiuwen.agent_evolving.agent_rl.online.training.backends import PLACEMENT, TrainingCanceled, TrainingJob
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.verl import VerlBackend, actor_name, ray_namespace
 from openjiuwen.agent_evolving.agent_rl.online.training.verl.compose import compose_ppo_config, settings_from_config
 from tests.support import learning as L
@@ -70,9 +70,10 @@ async def test_a_run_through_the_service_trains_publishes_and_learns(redis, redi
     meta = json.loads((adapter / "metadata.json").read_text())
     assert (meta["trainer_backend"], meta["training_source"], meta["ppo_steps"]) == ("verl", "base_model", 1)
     assert meta["ray"]["namespace"] == ray_namespace("tiny")
+    assert meta["ray"]["actor"] == actor_name("tiny", result["training_run_id"])
+    assert meta["ray"]["bundle"] == {"CPU": 1.0} and meta["ray"]["waited_seconds"] >= 0
     assert result["leftover_tmp"] == []  # the actor's run directory is gone
-    with pytest.raises(ValueError):
-        ray.get_actor(actor_name("tiny"), namespace=ray_namespace("tiny"))  # killed after the run
+    assert named_actors() == []  # killed after the run
 
 
 async def test_a_run_on_smollm2_trains_publishes_and_learns(redis, redis_url, tmp_path, local_ray, smollm2_dir):
@@ -105,6 +106,16 @@ async def _noop(_: dict) -> None:
     return None
 
 
+def steps_of(seen: list[dict]) -> list[dict]:
+    """The PPO steps among what `on_progress` got (the rest: the run's placement notes)."""
+    return [m for m in seen if PLACEMENT not in m]
+
+
+def named_actors(model_id: str = "tiny") -> list[str]:
+    return sorted(e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                  if e["namespace"] == ray_namespace(model_id))
+
+
 async def _wait_for_own_actor(backend: VerlBackend, run_id: str) -> None:
     for _ in range(600):  # the run's actors exist once `_start_actors` returned
         run = backend._runs.get(run_id)
@@ -114,28 +125,29 @@ async def _wait_for_own_actor(backend: VerlBackend, run_id: str) -> None:
     raise AssertionError("the run's actors never started")
 
 
-async def test_cancel_kills_the_actor_and_a_leftover_of_the_same_name_is_replaced(tmp_path, tiny_model, local_ray):
+async def test_cancel_kills_the_actor_and_a_leftover_of_the_model_is_swept(tmp_path, tiny_model, local_ray):
     from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
     from openjiuwen.agent_evolving.agent_rl.online.training.verl.actor import PPORunner
 
     repository = LoraRepository(str(tmp_path / "loras"), model_id="tiny")
     backend = make_backend(repository, tmp_path)
-    # What a crashed service leaves behind: a detached actor holding the rank-0 name.
-    leftover = ray.remote(PPORunner).options(
-        name=actor_name("tiny"), namespace=backend.namespace, lifetime="detached", num_cpus=0,
+    # What a crashed service leaves behind: a detached actor of one of its runs (it may hold a GPU), and one named
+    # as before runs were concurrent (the bare prefix).
+    leftovers = [ray.remote(PPORunner).options(
+        name=name, namespace=backend.namespace, lifetime="detached", num_cpus=0,
     ).remote(rank=0, world_size=1, tmp_root=str(tmp_path / "train-tmp"))
-    await asyncio.wrap_future(leftover.progress.remote(0).future())
+        for name in (actor_name("tiny", "run-crashed"), actor_name("tiny", "run-crashed").rsplit("-run-", 1)[0])]
+    for leftover in leftovers:
+        await asyncio.wrap_future(leftover.progress.remote(0).future())
     task = asyncio.create_task(backend.train(TrainingJob(
         training_run_id="run-cancel", model_id="tiny", base_model_path=str(tiny_model),
         samples=few_samples(tiny_model), init_lora_name="base", init_lora_path=""), on_progress=_noop))
     await _wait_for_own_actor(backend, "run-cancel")
-    own = ray.get_actor(actor_name("tiny"), namespace=backend.namespace)
-    assert own._actor_id != leftover._actor_id  # the leftover was killed and its name taken over
+    assert named_actors() == [actor_name("tiny", "run-cancel")]  # the leftovers were swept before it was placed
     assert await backend.cancel("run-cancel") is True
     with pytest.raises(TrainingCanceled):
         await task
-    with pytest.raises(ValueError):
-        ray.get_actor(actor_name("tiny"), namespace=backend.namespace)
+    assert named_actors() == []
     backend.check_health()  # a cancel is not a failure
     assert await backend.cancel("run-cancel") is False  # nothing left to stop
     assert not (tmp_path / "loras" / "tiny").exists() or list((tmp_path / "loras" / "tiny").iterdir()) == []
@@ -154,8 +166,7 @@ async def test_canceling_the_train_call_while_actors_start_leaves_no_actor(tmp_p
     task.cancel()
     with pytest.raises((asyncio.CancelledError, TrainingCanceled)):
         await task
-    with pytest.raises(ValueError):
-        ray.get_actor(actor_name("tiny"), namespace=backend.namespace)
+    assert named_actors() == []
 
 
 async def test_an_actor_dying_on_its_own_fails_the_run_and_the_health(tmp_path, tiny_model, local_ray):
@@ -166,7 +177,7 @@ async def test_an_actor_dying_on_its_own_fails_the_run_and_the_health(tmp_path, 
         training_run_id="run-dies", model_id="tiny", base_model_path=str(tiny_model),
         samples=few_samples(tiny_model), init_lora_name="base", init_lora_path=""), on_progress=_noop))
     await _wait_for_own_actor(backend, "run-dies")
-    ray.kill(ray.get_actor(actor_name("tiny"), namespace=backend.namespace))  # e.g. the node's OOM killer
+    ray.kill(ray.get_actor(actor_name("tiny", "run-dies"), namespace=backend.namespace))  # e.g. the OOM killer
     with pytest.raises(RuntimeError, match="verl trainer actor died"):
         await task
     with pytest.raises(RuntimeError, match="actor died"):
@@ -201,7 +212,8 @@ async def test_a_run_starts_from_the_parent_adapter_and_steps_by_ppo_samples_per
         training_run_id="run-parent", model_id="tiny", base_model_path=str(tiny_model),
         samples=few_samples(tiny_model, 5), init_lora_name="tiny:v7", init_lora_path=str(parent)),
         on_progress=on_progress)
-    assert [(m["step"], m["samples"]) for m in seen] == [(1, 3), (2, 2)]
+    assert [(m["step"], m["samples"]) for m in steps_of(seen)] == [(1, 3), (2, 2)]
+    assert [m[PLACEMENT]["state"] for m in seen if PLACEMENT in m] == ["placed"]  # nothing else ran: no wait
     assert (artifact.metadata["training_source"], artifact.metadata["parent_lora_id"]) == ("active_lora", "tiny:v7")
     assert artifact.metadata["ppo_steps"] == 2 and artifact.metadata["ppo_samples_per_step"] == 3
     # Bypass mode: the ratio's "old" side is the captured logprobs, so the first step's ppo_kl (mean of old − new
@@ -212,7 +224,7 @@ async def test_a_run_starts_from_the_parent_adapter_and_steps_by_ppo_samples_per
             for c, p in zip(d["trajectory"]["response_logprobs"],
                             L.sequence_logprobs(parent_model, d["trajectory"]["prompt_ids"],
                                                 d["trajectory"]["response_ids"]))]
-    assert seen[0]["ppo_kl"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-3)
+    assert steps_of(seen)[0]["ppo_kl"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-3)
     before = st.load_file(parent / "adapter_model.safetensors")
     after = st.load_file(Path(artifact.lora_path) / "adapter_model.safetensors")
     assert sorted(before) == sorted(after)
@@ -303,13 +315,11 @@ async def test_two_ranks_shard_the_batch_and_export_one_adapter(tmp_path, tiny_m
     artifact = await backend.train(TrainingJob(
         training_run_id="run-two", model_id="tiny", base_model_path=str(tiny_model),
         samples=few_samples(tiny_model, 5), init_lora_name="base", init_lora_path=""), on_progress=on_progress)
-    assert [(m["step"], m["samples"]) for m in seen] == [(1, 5)]
+    assert [(m["step"], m["samples"]) for m in steps_of(seen)] == [(1, 5)]
     assert sorted(p.name for p in Path(artifact.lora_path).iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors", "metadata.json"]
     assert artifact.metadata["ray"]["nproc"] == 2
-    for rank in (0, 1):
-        with pytest.raises(ValueError):
-            ray.get_actor(actor_name("tiny", rank), namespace=backend.namespace)
+    assert named_actors() == []  # both ranks
 
 
 async def test_stop_through_the_service_kills_the_actor_and_restores_the_samples(redis, redis_url, tmp_path,
@@ -332,6 +342,94 @@ async def test_stop_through_the_service_kills_the_actor_and_restores_the_samples
             assert (stopped.json()["status"], stopped.json()["stage"]) == ("canceled", "training")
             stats = (await client.get("/v1/rl/trajectories/stats")).json()
     assert stats["by_status"]["pending"] == 4 and stats["by_status"].get("training", 0) == 0, stats
-    with pytest.raises(ValueError):
-        ray.get_actor(actor_name("tiny"), namespace=backend.namespace)
+    assert named_actors() == []
     assert gateway.activations == []
+
+
+async def _record(client, run_id: str) -> dict:
+    return (await client.get(f"/v1/rl/training/runs/{run_id}")).json()
+
+
+async def _until(check, what: str, timeout_s: float = 120.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (value := await check()) is None:
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+    return value
+
+
+async def test_concurrent_lineages_train_apart_and_a_stop_ends_only_its_own_run(redis, redis_url, tmp_path,
+                                                                                tiny_model, local_ray):
+    """Issue 36 item 1 on verl: `max_concurrent_runs` 3 on a Ray of 2 CPUs, one CPU per run. Lineages a and b train
+    at once (both actors alive together); c's resources are taken, so it waits and its record says so. a is stopped
+    while b trains: only a's actor dies and a's batch is back on a's line. c is then placed, b and c both finish
+    (their trainings overlap), and each activates its own line's version trained on its own batch."""
+    from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+    from openjiuwen.agent_evolving.agent_rl.online.store import keys
+    from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
+    from tests.support.fake_gateway import FakeGateway
+    from tests.support.service_app import make_config, running_app
+
+    async with FakeGateway(model_id="tiny") as gateway:
+        config = make_config(redis_url, tmp_path, aigw_endpoint=gateway.url, trainer_backend="scripted",
+                             base_model_path=str(tiny_model), min_samples_for_training=4, max_samples_per_run=4,
+                             training_policy={"max_concurrent_runs": 3})
+        backend = make_backend(LoraRepository(config.lora_repository_path, model_id="tiny"), tmp_path)
+        async with running_app(config, backend=backend) as (app, client):
+            deps = app.state.deps
+            await deps.redis.zadd(keys.LINEAGES, {"a": 0, "b": 1, "c": 2})
+            batches: dict[str, list[str]] = {}
+            for n, name in enumerate("abc"):
+                docs = [dict(d, sample_id=f"{name}-{i}", trajectory_id=f"{name}-{i}", rl_task_id=f"{name}{i}",
+                             lineage=name, judge={"score": float((i + n) % 2), "source": "terminal"})
+                        for i, d in enumerate(few_samples(tiny_model))]  # c's rewards are b's, flipped
+                await deps.store.insert_if_absent([PackedSample.from_document(d) for d in docs])
+                batches[name] = [d["sample_id"] for d in docs]
+
+            async def start(name: str) -> str:
+                answer = await client.post("/v1/rl/training/runs", json={"lineage": name})
+                assert answer.status_code == 201, answer.text
+                return answer.json()["training_run_id"]
+
+            runs = {name: await start(name) for name in "ab"}
+            both = sorted(actor_name("tiny", runs[n]) for n in "ab")
+
+            async def both_alive():
+                return True if named_actors() == both else None
+
+            await _until(both_alive, "a's and b's actors alive together")
+            runs["c"] = await start("c")
+
+            async def c_waiting():
+                placement = (await _record(client, runs["c"]))["metrics"].get(PLACEMENT) or {}
+                return placement if placement.get("state") == "waiting" else None
+
+            waiting = await _until(c_waiting, "c's record to show it waits")
+            assert (waiting["waiting_for"], waiting["bundle"]) == ("Ray resources", {"CPU": 1.0})
+            stopped = (await client.post(f"/v1/rl/training/runs/{runs['a']}/stop")).json()
+            assert stopped["status"] == "canceled"
+            assert actor_name("tiny", runs["a"]) not in named_actors()
+            assert actor_name("tiny", runs["b"]) in named_actors()  # b's run goes on
+            assert (await _record(client, runs["b"]))["status"] == "running"
+            pending_a = {m.decode() for m in await deps.redis.zrange(keys.traj_index("tiny:a", "pending"), 0, -1)}
+            assert pending_a == set(batches["a"])
+            ended = {n: await wait_for_run(deps.runner, runs[n]) for n in "bc"}
+            events_c = await client.get(f"/v1/rl/training/runs/{runs['c']}/events")
+    for name, run in ended.items():
+        assert (run.status, run.lora_name, run.sample_count) == ("succeeded", f"tiny:{name}:v1", 4), run
+        assert sorted(run.sample_ids) == sorted(batches[name])
+        assert gateway.line_active[f"tiny:{name}"] == (run.lora_name, run.lora_path)
+        assert Path(run.lora_path).parent.name == name  # its own line's repository directory
+        assert run.metrics[PLACEMENT]["state"] == "placed"
+    assert "tiny:a" not in gateway.line_active  # the stopped run activated nothing
+    kinds = [e["type"] for e in events_c.json()["items"]]
+    assert kinds.index("waiting_for_resources") < kinds.index("resources_placed") < kinds.index("ppo_step")
+    placed_c = next(e for e in events_c.json()["items"] if e["type"] == "resources_placed")
+    assert placed_c["data"]["waited_seconds"] > 0
+    assert placed_c["at"] < ended["b"].finished_at  # c trained while b still ran
+    import safetensors.torch as st
+
+    weights = [st.load_file(Path(ended[n].lora_path) / "adapter_model.safetensors") for n in "bc"]
+    assert any(not (weights[0][k] == weights[1][k]).all() for k in weights[0])  # each from its own batch
+    assert named_actors() == []
