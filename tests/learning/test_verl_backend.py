@@ -18,6 +18,7 @@ from openjiuwen.agent_evolving.agent_rl.online.training.backends import PLACEMEN
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.verl import VerlBackend, actor_name, ray_namespace
 from openjiuwen.agent_evolving.agent_rl.online.training.verl.compose import compose_ppo_config, settings_from_config
 from tests.support import learning as L
+from tests.support.runs import wait_for_run
 
 
 SAMPLES, LENGTH = 32, 12  # bench/gpu/verl_run.py's "cpu" size
