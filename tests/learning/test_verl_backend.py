@@ -42,11 +42,12 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
-def make_backend(repository, tmp_path: Path, ppo_yaml: str = PPO_YAML, **kwargs) -> VerlBackend:
+def make_backend(repository, tmp_path: Path, ppo_yaml: str = PPO_YAML, model_id: str = "tiny",
+                 **kwargs) -> VerlBackend:
     (tmp_path / "ppo.yaml").write_text(ppo_yaml)
     tree = compose_ppo_config(advantage_estimator="reinforce_plus_plus", tis_cap=None,
                               ppo_config_path=str(tmp_path / "ppo.yaml"), env={})
-    return VerlBackend(repository, model_id="tiny", ppo_config=tree,
+    return VerlBackend(repository, model_id=model_id, ppo_config=tree,
                        settings=settings_from_config(tree, tis_cap=None, ppo_samples_per_step=0),
                        tmp_root=tmp_path / "train-tmp", progress_interval_s=0.2, **kwargs)
 
@@ -75,6 +76,24 @@ async def test_a_run_through_the_service_trains_publishes_and_learns(redis, redi
     assert meta["ray"]["bundle"] == {"CPU": 1.0} and meta["ray"]["waited_seconds"] >= 0
     assert result["leftover_tmp"] == []  # the actor's run directory is gone
     assert named_actors() == []  # killed after the run
+
+
+async def test_the_gpu_check_trains_two_lineages_at_once(redis, redis_url, tmp_path, local_ray):
+    """bench/gpu/verl_run.py `--lineages 2`, CPU-sized: two lineages' runs at once on the same samples with opposite
+    reward rules; each learns its own rule (a cross-talk between the adapters would cancel the gains) and activates
+    its own line's version."""
+    from bench.gpu import verl_run
+
+    lines: list[str] = []
+    result = await verl_run.run("cpu", tmp_path, redis_url=redis_url, device="cpu", log=lines.append, lineages=2)
+    runs = {r["lineage"]: r for r in result["runs"]}
+    assert sorted(runs) == ["l0", "l1"] and result["leftover_tmp"] == []
+    for name, r in runs.items():
+        assert (r["status"], r["lora_name"], r["activated"]) == ("succeeded", f"tiny:{name}:v1", True), r
+        assert r["margin_gain"] > 0.4, r  # alone: 0.002 -> 0.884 (the test above)
+    assert runs["l0"]["margin_before"] == pytest.approx(-runs["l1"]["margin_before"])  # opposite rules
+    assert any("concurrent runs: total wall" in line for line in lines)
+    assert result["total_wall_seconds"] < result["sum_run_wall_seconds"]  # they overlapped
 
 
 async def test_a_run_on_smollm2_trains_publishes_and_learns(redis, redis_url, tmp_path, local_ray, smollm2_dir):
@@ -434,3 +453,67 @@ async def test_concurrent_lineages_train_apart_and_a_stop_ends_only_its_own_run(
     weights = [st.load_file(Path(ended[n].lora_path) / "adapter_model.safetensors") for n in "bc"]
     assert any(not (weights[0][k] == weights[1][k]).all() for k in weights[0])  # each from its own batch
     assert named_actors() == []
+
+
+def _job(tiny_model: Path, run_id: str, model_id: str = "tiny") -> TrainingJob:
+    return TrainingJob(training_run_id=run_id, model_id=model_id, base_model_path=str(tiny_model),
+                       samples=few_samples(tiny_model), init_lora_name="base", init_lora_path="")
+
+
+async def test_pinned_gpus_are_cut_into_slots_and_a_run_waits_for_a_free_one(tmp_path, tiny_model, local_ray):
+    """`training_gpu_ids: "0"` with one rank per run: one slot. A second run waits for it (and says so), gets it
+    when the first is stopped, and its actor sees that GPU id; the stop touched only the first run."""
+    from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+
+    backend = make_backend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), tmp_path, training_gpu_ids="0")
+    notes: dict[str, list[dict]] = {"one": [], "two": []}
+
+    def recorder(name: str):
+        async def record(metrics: dict) -> None:
+            notes[name].append(metrics)
+        return record
+
+    one = asyncio.create_task(backend.train(_job(tiny_model, "run-one"), on_progress=recorder("one")))
+    await _wait_for_own_actor(backend, "run-one")
+    two = asyncio.create_task(backend.train(_job(tiny_model, "run-two"), on_progress=recorder("two")))
+
+    async def two_waits():
+        return next((m[PLACEMENT] for m in notes["two"] if PLACEMENT in m), None)
+
+    waiting = await _until(two_waits, "the second run to wait for the slot", 30)
+    assert (waiting["state"], waiting["waiting_for"]) == ("waiting", "slot of training_gpu_ids")
+    assert await backend.cancel("run-one") is True
+    with pytest.raises(TrainingCanceled):
+        await one
+    await _wait_for_own_actor(backend, "run-two")
+    placed = [m[PLACEMENT] for m in notes["two"] if PLACEMENT in m][-1]
+    assert (placed["state"], placed["gpu_ids"], placed["bundle"]) == ("placed", ["0"], {"CPU": 1.0})
+    assert placed["waited_seconds"] > 0
+    assert named_actors() == [actor_name("tiny", "run-two")]
+    assert await backend.cancel("run-two") is True
+    with pytest.raises(TrainingCanceled):
+        await two
+    assert backend._free_slots == [0]
+
+
+async def test_a_run_no_node_can_hold_fails_at_once_and_a_wait_past_its_limit_fails(tmp_path, tiny_model, local_ray):
+    """Three CPUs per rank on a 2-CPU Ray: the run could never be placed, so it fails at once instead of waiting
+    forever. A run of another service (another model id) whose CPU is taken fails after
+    `ray_placement_timeout_seconds`; the run holding the CPUs is untouched."""
+    from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
+    from openjiuwen.agent_evolving.agent_rl.online.training.backends.verl import PlacementError
+
+    big = make_backend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), tmp_path, cpus_per_rank=3)
+    with pytest.raises(PlacementError, match="no Ray placement can ever hold this run"):
+        await big.train(_job(tiny_model, "run-big"), on_progress=_noop)
+    holder = make_backend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), tmp_path, cpus_per_rank=2)
+    held = asyncio.create_task(holder.train(_job(tiny_model, "run-holds"), on_progress=_noop))
+    await _wait_for_own_actor(holder, "run-holds")
+    other = make_backend(LoraRepository(str(tmp_path / "other"), model_id="other"), tmp_path, model_id="other",
+                         placement_timeout_s=1.5)
+    with pytest.raises(PlacementError, match=r"within ray_placement_timeout_seconds \(1.5 s\)"):
+        await other.train(_job(tiny_model, "run-late", "other"), on_progress=_noop)
+    assert named_actors() == [actor_name("tiny", "run-holds")] and named_actors("other") == []
+    assert await holder.cancel("run-holds") is True
+    with pytest.raises(TrainingCanceled):
+        await held

@@ -341,20 +341,23 @@ class VerlBackend:
 
     async def _place(self, run_id: str, run: _Run, on_progress: OnProgress) -> None:
         """Get the run's resources: a slot of the pinned GPUs (if any), then its placement group. While they are
-        taken by other runs the run waits, and says so once (`waiting`); `placed` follows with the wait."""
+        taken by other runs the run waits, and says so once (`waiting`); `placed` follows with the wait (the time
+        spent waiting for a slot and for the group, not Ray's start-up)."""
         started = time.monotonic()
+        waited = 0.0
         waiting = False
 
         async def still_waiting(what: str) -> None:
             nonlocal waiting
             if run.canceled:
                 raise TrainingCanceled(f"run {run_id} canceled")
-            waited = time.monotonic() - started
-            if self._placement_timeout_s is not None and waited > self._placement_timeout_s:
+            so_far = waited + time.monotonic() - started
+            if self._placement_timeout_s is not None and so_far > self._placement_timeout_s:
                 raise PlacementError(f"no {what} for this run within ray_placement_timeout_seconds "
                                      f"({self._placement_timeout_s:g} s)")
             if not waiting:
                 waiting = True
+                log.info("training run %s waits for %s", run_id, what, extra={"training_run_id": run_id})
                 note = {"state": "waiting", "waiting_for": what, "nproc": self._nproc, "live_runs": len(self._runs)}
                 await on_progress({PLACEMENT: {**note, **({"bundle": run.bundle} if run.bundle else {})}})
 
@@ -365,11 +368,13 @@ class VerlBackend:
                 with suppress(TimeoutError):
                     await asyncio.wait_for(self._slot_freed.wait(), self._progress_interval_s)
             run.slot = self._free_slots.pop(0)
+        waited = time.monotonic() - started
         group = asyncio.ensure_future(asyncio.to_thread(self._create_group, run_id, run))
         try:
             await asyncio.shield(group)  # the group it may create must reach `run.group`, whatever happens here
         finally:
             await asyncio.wait({group})
+        started = time.monotonic()  # the group is asked for now: the wait for it starts here
         ready = asyncio.ensure_future(self._get(run.group.ready()))
         try:
             while not (await asyncio.wait({ready}, timeout=self._progress_interval_s))[0]:
@@ -377,7 +382,7 @@ class VerlBackend:
             ready.result()
         finally:
             ready.cancel()
-        run.waited_s = time.monotonic() - started
+        run.waited_s = waited + time.monotonic() - started
         note: dict[str, Any] = {"state": "placed", "waited_seconds": round(run.waited_s, 3), "bundle": run.bundle,
                                 "nproc": self._nproc}
         if run.slot is not None:
