@@ -4,11 +4,14 @@ their PPO steps taking turns). Prints per-lineage and total times and checks tha
 the one trained alone (no lineage's update touches another's adapter).
 
     python bench/gpu/local_multi.py MODEL_DIR --device cuda              # on the GPU machine
+    python bench/gpu/local_multi.py --random-model 0.4b --device cuda    # a generated 0.4 B Qwen2 model instead
     python bench/gpu/local_multi.py MODEL_DIR --device cpu --quick       # here (tests/unit/test_local_multi_bench.py)
 
 MODEL_DIR: a Hugging Face causal-LM directory: the tiny model (`openjiuwen-rl tiny-model --out DIR`) or a converted
-SmolLM2 (`openjiuwen-rl model smollm2`). Results go to stdout and, as JSON, to `--out` and to `$OUT/local_multi.json`
-when `OUT` is set.
+SmolLM2 (`openjiuwen-rl model smollm2`). `--random-model`: a randomly initialised Qwen2-architecture model written
+to a temporary directory first (no download, no tokenizer needed: the samples are random token ids); `0.4b` is the
+GPU check's generated size (24 layers, hidden 1024). Results go to stdout and, as JSON, to `--out` and to
+`$OUT/local_multi.json` when `OUT` is set.
 
 Self-contained on purpose: it imports torch, transformers and peft only (no verl, no Ray, nothing of this project),
 so it runs on a GPU machine that has just those. The PPO step restates the local trainer's
@@ -288,9 +291,30 @@ def run(model_dir: Path, spec: Spec, device: str, log: Any = print) -> dict[str,
     return result
 
 
+# Qwen2 shapes of the generated models: the GPU check's 0.37 B model (bench/gpu/verl_run.py) and a tiny one.
+RANDOM_MODELS = {
+    "0.4b": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 4,
+             "intermediate_size": 4096, "vocab_size": 32000},
+    "tiny": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+             "intermediate_size": 256, "vocab_size": 384},
+}
+
+
+def random_model(name: str, out: Path) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**RANDOM_MODELS[name], tie_word_embeddings=True, max_position_embeddings=512)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model_dir", type=Path, help="a Hugging Face causal-LM directory (tiny model or SmolLM2)")
+    parser.add_argument("model_dir", type=Path, nargs="?", default=None,
+                        help="a Hugging Face causal-LM directory (tiny model or SmolLM2)")
+    parser.add_argument("--random-model", choices=sorted(RANDOM_MODELS), default=None,
+                        help="generate a random Qwen2 model of this size instead of MODEL_DIR")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--lineages", type=int, default=Spec.lineages)
     parser.add_argument("--samples", type=int, default=Spec.samples)
@@ -300,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a seconds-long size (the CPU smoke test)")
     parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = parser.parse_args(argv)
-    if not (args.model_dir / "config.json").is_file():
+    if (args.model_dir is None) == (args.random_model is None):
+        parser.error("name either MODEL_DIR or --random-model")
+    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
         parser.error(f"{args.model_dir} holds no config.json (a Hugging Face model directory)")
     if args.lineages < 1:
         parser.error("--lineages must be at least 1")
@@ -309,7 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = Spec(**{**fields, **(QUICK if args.quick else {})})
     if spec.samples % spec.mini_batch:
         parser.error(f"--samples must be a multiple of the mini-batch ({spec.mini_batch})")
-    result = run(args.model_dir.resolve(), spec, args.device)
+    with tempfile.TemporaryDirectory(prefix="local-multi-model-") as tmp:
+        model_dir = random_model(args.random_model, Path(tmp)) if args.random_model else args.model_dir.resolve()
+        result = run(model_dir, spec, args.device)
+        if args.random_model:
+            result["model_dir"] = f"random {args.random_model}"
     text = json.dumps(result, indent=2)
     targets = [args.out] if args.out else []
     if os.environ.get("OUT"):

@@ -40,7 +40,9 @@ def test_the_cpu_size_runs_without_verl_ray_or_the_project(tmp_path: Path) -> No
     assert result["max_abs_diff_between_lineages"] > 1e-3  # and the two lineages did train apart
 
 
-def test_it_refuses_a_directory_without_a_model(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--device", "cpu"], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 2 and "holds no config.json" in out.stderr
+def test_it_refuses_a_directory_without_a_model_and_wants_one_source(tmp_path: Path) -> None:
+    for argv, message in (([str(tmp_path)], "holds no config.json"), ([], "name either MODEL_DIR or --random-model"),
+                          ([str(tmp_path), "--random-model", "tiny"], "name either")):
+        out = subprocess.run([sys.executable, str(SCRIPT), *argv, "--device", "cpu"], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, argv
