@@ -11,7 +11,7 @@ MODEL_DIR: a Hugging Face causal-LM directory: the tiny model (`openjiuwen-rl ti
 SmolLM2 (`openjiuwen-rl model smollm2`). `--random-model`: a randomly initialised Qwen2-architecture model written
 to a temporary directory first (no download, no tokenizer needed: the samples are random token ids); `0.4b` is the
 GPU check's generated size (24 layers, hidden 1024). Results go to stdout and, as JSON, to `--out` and to
-`$OUT/local_multi.json` when `OUT` is set.
+`$OUT/local_multi_k<K>.json` when `OUT` is set.
 
 Self-contained on purpose: it imports torch, transformers and peft only (no verl, no Ray, nothing of this project),
 so it runs on a GPU machine that has just those. The PPO step restates the local trainer's
@@ -24,19 +24,22 @@ turns changes.
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import os
-import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
 
-import torch
-import torch.nn.functional as F
+_STARTED = time.perf_counter()  # before the heavy imports: their cost is what a separate run process pays each time
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -253,7 +256,10 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def run(model_dir: Path, spec: Spec, device: str, log: Any = print) -> dict[str, Any]:
+    import peft  # noqa: F401  (imported here so that the import time below holds it)
     from transformers import AutoConfig
+
+    imports = time.perf_counter() - _STARTED
 
     torch.manual_seed(spec.seed)
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
@@ -272,7 +278,8 @@ def run(model_dir: Path, spec: Spec, device: str, log: Any = print) -> dict[str,
     result = {
         "model_dir": str(model_dir), "parameters": params, "device": device,
         "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
-        "torch": torch.__version__, "spec": asdict(spec), "sequential": seq, "interleaved": inter,
+        "torch": torch.__version__, "spec": asdict(spec), "import_seconds": imports,
+        "sequential": seq, "interleaved": inter,
         "speedup": seq["total_seconds"] / inter["total_seconds"] if inter["total_seconds"] else None,
         "max_abs_diff_interleaved_vs_alone": same, "max_abs_diff_between_lineages": apart,
     }
@@ -282,7 +289,8 @@ def run(model_dir: Path, spec: Spec, device: str, log: Any = print) -> dict[str,
     for r in seq["runs"]:
         log(f"  one after another: lineage {r['lineage']}: load {r['load_seconds']:.2f} s, "
             f"train {r['train_seconds']:.2f} s, run {r['run_seconds']:.2f} s")
-    log(f"  one after another: total {seq['total_seconds']:.2f} s")
+    log(f"  one after another: total {seq['total_seconds']:.2f} s (separate run processes would also pay the "
+        f"imports each: {imports:.2f} s here, x{spec.lineages} = {imports * spec.lineages:.2f} s)")
     log(f"  interleaved: load once {inter['load_seconds']:.2f} s; " + ", ".join(
         f"lineage {r['lineage']} train {r['train_seconds']:.2f} s" for r in inter["runs"]))
     log(f"  interleaved: total {inter['total_seconds']:.2f} s (speed-up x{result['speedup']:.2f})")
@@ -343,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result, indent=2)
     targets = [args.out] if args.out else []
     if os.environ.get("OUT"):
-        targets.append(Path(os.environ["OUT"]) / "local_multi.json")
+        targets.append(Path(os.environ["OUT"]) / f"local_multi_k{spec.lineages}.json")
     for target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
