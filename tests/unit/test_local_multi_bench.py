@@ -46,3 +46,19 @@ def test_it_refuses_a_directory_without_a_model_and_wants_one_source(tmp_path: P
         out = subprocess.run([sys.executable, str(SCRIPT), *argv, "--device", "cpu"], capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 2 and message in out.stderr, argv
+
+
+def test_the_random_models_have_their_sizes(tmp_path: Path) -> None:
+    """`--random-model`: what the GPU machine trains when no model directory is carried to it. The tiny one is
+    generated here; the 0.4 B one is counted on the meta device (the GPU check's 0.37 B shape, a 32k vocabulary)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from bench.gpu import local_multi
+
+    tiny = local_multi.random_model("tiny", tmp_path / "tiny")
+    assert AutoConfig.from_pretrained(tiny).vocab_size == 384
+    assert sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny).parameters()) < 1e6
+    with torch.device("meta"):
+        big = Qwen2ForCausalLM(Qwen2Config(**local_multi.RANDOM_MODELS["0.4b"], tie_word_embeddings=True))
+    assert 3e8 < sum(p.numel() for p in big.parameters()) < 5e8
