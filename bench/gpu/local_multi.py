@@ -11,7 +11,8 @@ MODEL_DIR: a Hugging Face causal-LM directory: the tiny model (`openjiuwen-rl ti
 SmolLM2 (`openjiuwen-rl model smollm2`). `--random-model`: a randomly initialised Qwen2-architecture model written
 to a temporary directory first (no download, no tokenizer needed: the samples are random token ids); `0.4b` is the
 GPU check's generated size (24 layers, hidden 1024). Results go to stdout and, as JSON, to `--out` and to
-`$OUT/local_multi_k<K>.json` when `OUT` is set.
+`$OUT/local_multi_<model>_k<K>.json` when `OUT` is set (`<model>`: the `--random-model` size or the directory's
+name).
 
 Self-contained on purpose: it imports torch, transformers and peft only (no verl, no Ray, nothing of this project),
 so it runs on a GPU machine that has just those. The PPO step restates the local trainer's
@@ -351,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result, indent=2)
     targets = [args.out] if args.out else []
     if os.environ.get("OUT"):
-        targets.append(Path(os.environ["OUT"]) / f"local_multi_k{spec.lineages}.json")
+        model = args.random_model or args.model_dir.resolve().name
+        targets.append(Path(os.environ["OUT"]) / f"local_multi_{model}_k{spec.lineages}.json")
     for target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)

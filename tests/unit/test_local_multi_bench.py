@@ -31,7 +31,7 @@ def test_the_cpu_size_runs_without_verl_ray_or_the_project(tmp_path: Path) -> No
                              "PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "one after another: total" in out.stdout and "interleaved: total" in out.stdout
-    result = json.loads((tmp_path / "out" / "local_multi_k2.json").read_text())
+    result = json.loads((tmp_path / "out" / "local_multi_tiny_k2.json").read_text())
     assert [r["lineage"] for r in result["sequential"]["runs"]] == [0, 1]
     assert [r["lineage"] for r in result["interleaved"]["runs"]] == [0, 1]
     assert result["sequential"]["total_seconds"] > 0 and result["interleaved"]["total_seconds"] > 0
