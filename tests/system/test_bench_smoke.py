@@ -52,6 +52,8 @@ NOT_BENCHES = {
     "bench/peers.py": "installs the third-party peers from PyPI: never in tests",
     "bench/peer_agentlightning.py": "launches a third-party peer: never in tests",
     "bench/gpu/verl_run.py": "GPU check: tests/unit/test_verl_gpu_script.py runs its checks",
+    "bench/gpu/local_multi.py": "GPU check taking a model directory: tests/unit/test_local_multi_bench.py runs its CPU "
+                                "size with verl, Ray and the project hidden",
     "bench/constrained_learning_bench.py": "needs a real vLLM and SmolLM2: tests/system/test_constrained_real_vllm.py "
                                            "runs its run() once, tiny, on that module's vLLM",
 }

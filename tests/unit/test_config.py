@@ -109,6 +109,9 @@ def test_defaults_match_the_contract() -> None:
         "ray_address": "",
         "nproc_per_node": 1,
         "training_gpu_ids": "",
+        "ray_gpus_per_rank": None,
+        "ray_cpus_per_rank": 1.0,
+        "ray_placement_timeout_seconds": None,
         "training_tmp_root": "/tmp/agent_rl_online",
         "lora_repository_path": "/var/lib/openjiuwen-rl/loras",
         "trajectory_retention_seconds": 604800,
@@ -655,11 +658,27 @@ def test_bad_training_policies_are_refused_by_name(policy: dict, message: str) -
     assert message in error_of(training_policy=policy)
 
 
-def test_concurrent_runs_are_accepted_but_not_with_the_verl_backend() -> None:
-    """Up to 64 runs at once (training/runs.py); verl names its Ray actors per model, so it keeps one at a time."""
+def test_concurrent_runs_are_accepted_with_every_backend() -> None:
+    """Up to 64 runs at once (training/runs.py); verl places each run on its own Ray resources (docs/training.md
+    "Concurrent verl runs")."""
     assert make(training_policy={"max_concurrent_runs": 4}).training_policy.max_concurrent_runs == 4
-    assert "max_concurrent_runs must be 1 with trainer_backend verl" in error_of(
-        trainer_backend="verl", training_policy={"max_concurrent_runs": 2})
+    verl = make(trainer_backend="verl", training_policy={"max_concurrent_runs": 8}, ray_gpus_per_rank=0.5,
+                ray_cpus_per_rank=2, ray_placement_timeout_seconds=600)
+    assert (verl.training_policy.max_concurrent_runs, verl.ray_gpus_per_rank, verl.ray_cpus_per_rank,
+            verl.ray_placement_timeout_seconds) == (8, 0.5, 2.0, 600.0)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"ray_gpus_per_rank": 1.5}, "ray_gpus_per_rank: must be a fraction up to 1 or a whole number"),
+    ({"ray_gpus_per_rank": 0}, "ray_gpus_per_rank"),
+    ({"ray_gpus_per_rank": "1"}, "ray_gpus_per_rank"),
+    ({"ray_cpus_per_rank": 2.5}, "ray_cpus_per_rank: must be a fraction up to 1 or a whole number"),
+    ({"ray_cpus_per_rank": -1}, "ray_cpus_per_rank"),
+    ({"ray_placement_timeout_seconds": 0}, "ray_placement_timeout_seconds"),
+    ({"training_gpu_ids": "0,1", "ray_gpus_per_rank": 1}, "ray_gpus_per_rank: must be null when training_gpu_ids"),
+])
+def test_bad_ray_resources_are_refused_by_name(overrides: dict, message: str) -> None:
+    assert message in error_of(trainer_backend="verl", **overrides)
 
 
 def test_fair_share_and_quotas_are_per_lineage_fields() -> None:

@@ -14,6 +14,7 @@ from openjiuwen.agent_evolving.agent_rl.online.wiring import make_backend
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.verl import (
     VerlBackend,
     actor_name,
+    fits,
     ray_key,
     ray_namespace,
 )
@@ -104,8 +105,11 @@ def test_ray_names_carry_the_model_id() -> None:
     assert ray_key("qwen3-8b-agent") == "qwen3-8b-agent-" + __import__("hashlib").sha256(
         b"qwen3-8b-agent").hexdigest()[:8]
     assert ray_namespace("org/model") .startswith("online-rl-org_model-")
-    assert actor_name("org/model").startswith("online_ppo_runner-org_model-")
-    assert actor_name("org/model", 1).endswith("-rank1")
+    # One name per run and rank: concurrent runs of one model never share (or sweep) each other's actors.
+    assert actor_name("org/model", "run-1").startswith("online_ppo_runner-org_model-")
+    assert actor_name("org/model", "run-1").endswith("-run-1")
+    assert actor_name("org/model", "run-1", 1).endswith("-run-1-rank1")
+    assert actor_name("org/model", "run-1") != actor_name("org/model", "run-2")
     # Two models whose sanitized ids collide still get different names (the hash of the raw id).
     assert ray_key("a/b") != ray_key("a_b") and ray_namespace("a/b") != ray_namespace("a_b")
 
@@ -123,18 +127,40 @@ def test_the_service_builds_the_verl_backend(tmp_path: Path, monkeypatch: pytest
     assert (backend._ray_address, backend._nproc, backend._gpu_ids, backend._visible_env) == (
         "ray://head:10001", 2, ["2", "3"], "MY_DEVICES")
     backend.check_health()  # nothing connected yet: healthy
-    # training_gpu_ids: rank i sees exactly GPU ids[i], in the variable ONLINE_RL_VISIBLE_DEVICES_ENV names.
-    rank1 = backend.actor_options(1, cluster_has_gpus=True)
-    assert (rank1["name"], rank1["namespace"], rank1["lifetime"]) == (actor_name("m1", 1), ray_namespace("m1"),
-                                                                       "detached")
+    # training_gpu_ids: rank i sees exactly GPU ids[i] of its run's slot, in the variable ONLINE_RL_VISIBLE_DEVICES_ENV
+    # names, and asks Ray for no GPU.
+    bundle = backend.bundle(cluster_has_gpus=True)
+    assert bundle == {"CPU": 1.0}
+    rank1 = backend.actor_options("run-1", 1, group=None, bundle=bundle, slot=0)
+    assert (rank1["name"], rank1["namespace"], rank1["lifetime"]) == (actor_name("m1", "run-1", 1),
+                                                                       ray_namespace("m1"), "detached")
     assert rank1["runtime_env"] == {"env_vars": {"MY_DEVICES": "3"}} and "num_gpus" not in rank1
+    four = make_backend(config(training_gpu_ids="4,5,6,7"), LoraRepository(str(tmp_path), model_id="m1"))
+    assert four._free_slots == [0, 1, 2, 3]  # one rank per run: four runs at once, each on its own GPU
+    assert four.actor_options("run-9", 0, group=None, bundle={"CPU": 1.0}, slot=2)["runtime_env"] == {
+        "env_vars": {"MY_DEVICES": "6"}}
     plain = make_backend(config(nproc_per_node=2), LoraRepository(str(tmp_path), model_id="m1"))
-    assert plain.actor_options(0, cluster_has_gpus=True)["num_gpus"] == 1  # Ray picks the GPU
-    assert "num_gpus" not in plain.actor_options(0, cluster_has_gpus=False) and "runtime_env" not in plain.actor_options(
-        0, cluster_has_gpus=False)
+    assert plain.bundle(cluster_has_gpus=True) == {"CPU": 1.0, "GPU": 1.0}  # Ray picks the GPU
+    assert plain.bundle(cluster_has_gpus=False) == {"CPU": 1.0}
+    options = plain.actor_options("run-1", 0, group=None, bundle=plain.bundle(cluster_has_gpus=True))
+    assert (options["num_gpus"], options["num_cpus"]) == (1.0, 1.0) and "runtime_env" not in options
+    shared = make_backend(config(ray_gpus_per_rank=0.5, ray_cpus_per_rank=2), LoraRepository(str(tmp_path),
+                                                                                               model_id="m1"))
+    assert shared.bundle(cluster_has_gpus=True) == {"CPU": 2.0, "GPU": 0.5}  # two runs per GPU
     with pytest.raises(ConfigError, match="training_gpu_ids: names 1 GPU"):
         make_backend(config(nproc_per_node=2, training_gpu_ids="0"), LoraRepository(str(tmp_path), model_id="m1"))
     bad = tmp_path / "bad.yaml"
     bad.write_text("actor_rollout_ref: [unclosed\n")
     with pytest.raises(ConfigError, match="ppo_config_path"):
         make_backend(config(ppo_config_path=str(bad)), LoraRepository(str(tmp_path), model_id="m1"))
+
+
+def test_a_run_that_no_node_could_ever_hold_is_told_apart_from_a_busy_one() -> None:
+    """`fits` judges the nodes' total resources (busy or not): False means the run would wait forever, so it fails at
+    once; True with the resources taken by other runs means it waits (docs/training.md "Concurrent verl runs")."""
+    gpu_node, cpu_node = {"CPU": 16.0, "GPU": 8.0}, {"CPU": 2.0}
+    assert fits({"CPU": 1.0, "GPU": 1.0}, 8, [gpu_node]) and not fits({"CPU": 1.0, "GPU": 1.0}, 9, [gpu_node])
+    assert fits({"CPU": 1.0, "GPU": 0.5}, 16, [gpu_node])
+    assert not fits({"CPU": 1.0, "GPU": 1.0}, 1, [cpu_node])  # a GPU asked of a CPU-only Ray
+    assert fits({"CPU": 1.0}, 2, [cpu_node]) and not fits({"CPU": 2.0}, 2, [cpu_node])
+    assert fits({"CPU": 2.0}, 2, [cpu_node, cpu_node])  # each bundle on one node, the run across two

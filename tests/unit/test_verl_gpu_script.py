@@ -19,8 +19,9 @@ def test_the_shell_script_parses_and_explains_itself() -> None:
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
     out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30, check=True)
     assert "Python 3.12" in out.stdout and "redis-server" in out.stdout and "WHEELS" in out.stdout
-    assert "--model smollm2" in out.stdout
-    for wrong in (["--bogus"], ["--model", "gpt2"], ["--dry-run", "--model"]):
+    assert "--model smollm2" in out.stdout and "--lineages K" in out.stdout and "verl_gpu_k2.json" in out.stdout
+    for wrong in (["--bogus"], ["--model", "gpt2"], ["--dry-run", "--model"], ["--lineages", "0"],
+                  ["--lineages", "two"], ["--dry-run", "--lineages"]):
         bad = subprocess.run(["bash", str(SCRIPT), *wrong], capture_output=True, text=True, timeout=30)
         assert bad.returncode == 2 and "usage:" in bad.stderr, wrong
 
@@ -52,3 +53,17 @@ def test_the_gpu_model_has_a_few_hundred_million_parameters() -> None:
     with torch.device("meta"):
         count = sum(p.numel() for p in Qwen2ForCausalLM(config).parameters())
     assert 2e8 < count < 6e8, count
+
+
+def test_concurrent_lineages_share_one_gpu_unless_there_are_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--lineages K` on the GPU machine: one GPU per run with K GPUs, else 1/K of one each (Ray's fractions), so
+    the K runs are placed at once either way."""
+    import torch
+
+    assert verl_run.default_gpus_per_rank(2, "cpu") is None
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert verl_run.default_gpus_per_rank(2, "cuda") == 0.5
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert verl_run.default_gpus_per_rank(2, "cuda") is None
+    rewards = [verl_run.lineage_rewards([[2, 2], [1, 1], [2, 1], [1, 3]], k) for k in (0, 1)]
+    assert rewards[0] == [1.0 - r for r in rewards[1]] and sum(rewards[0]) == 2.0

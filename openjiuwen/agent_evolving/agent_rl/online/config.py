@@ -99,6 +99,13 @@ def _check_gpu_ids(value: str) -> str:
     return ",".join(ids)
 
 
+def _check_ray_quantity(value: float | None) -> float | None:
+    # Ray's own rule for a resource request: a fraction up to 1 (several actors share the unit), whole above it.
+    if value is not None and value > 1 and not float(value).is_integer():
+        raise config_invalid("must be a fraction up to 1 or a whole number (Ray's rule for resource requests)")
+    return value
+
+
 def _check_log_level(value: str) -> str:
     level = value.strip().upper()
     if level not in LOG_LEVELS:
@@ -170,6 +177,12 @@ class RLServiceConfig(BaseModel):
     ray_address: StrictStr = ""
     nproc_per_node: PositiveInt = 1
     training_gpu_ids: Annotated[StrictStr, AfterValidator(_check_gpu_ids)] = ""
+    # verl: what each rank of a run asks Ray for (its placement group's bundle; docs/training.md "Concurrent verl
+    # runs"). GPUs: null = one when the cluster has GPUs (none on a CPU-only Ray); a fraction lets runs share a GPU.
+    ray_gpus_per_rank: Annotated[PositiveFloat | None, AfterValidator(_check_ray_quantity)] = None
+    ray_cpus_per_rank: Annotated[PositiveFloat, AfterValidator(_check_ray_quantity)] = 1.0
+    # verl: how long a run may wait for its resources (shown as waiting meanwhile); null = until placed or stopped.
+    ray_placement_timeout_seconds: Seconds | None = None
     training_tmp_root: NonBlank = "/tmp/agent_rl_online"
     lora_repository_path: AbsolutePath
 
@@ -238,15 +251,12 @@ class RLServiceConfig(BaseModel):
             raise config_invalid("must be >= min_samples_for_training")
         return value
 
-    @field_validator("training_policy")
+    @field_validator("ray_gpus_per_rank")
     @classmethod
-    def _concurrent_runs_need_a_placing_backend(cls, value: TrainingPolicyConfig,
-                                                info: ValidationInfo) -> TrainingPolicyConfig:
-        # The verl backend names its Ray actors per model and kills a leftover of the same name before a run starts:
-        # a second live run would kill the first one's actors. Refused until it places runs apart.
-        if value.max_concurrent_runs > 1 and info.data.get("trainer_backend") == "verl":
-            raise config_invalid("max_concurrent_runs must be 1 with trainer_backend verl (its Ray actors are "
-                                 "named per model, one run at a time)")
+    def _gpus_either_pinned_or_requested(cls, value: float | None, info: ValidationInfo) -> float | None:
+        # Pinned GPUs (training_gpu_ids) are exported to the ranks, which ask Ray for none: the two cannot combine.
+        if value is not None and info.data.get("training_gpu_ids"):
+            raise config_invalid("must be null when training_gpu_ids pins the GPUs (its ranks ask Ray for no GPU)")
         return value
 
     @field_validator("ppo_config_path")

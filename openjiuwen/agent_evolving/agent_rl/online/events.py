@@ -29,7 +29,7 @@ TASK_EVENT_TYPES = (
     "turn_failed", "finalized", "aborted", "reward_recorded", "reward_expired", "rollout_arm",
 )
 RUN_EVENT_TYPES = (
-    "created", "training_started", "ppo_step", "artifact_published", "samples_trained", "activation_attempt",
+    "created", "training_started", "waiting_for_resources", "resources_placed", "ppo_step", "artifact_published", "samples_trained", "activation_attempt",
     "activation_succeeded", "activation_failed", "stop_requested", "canceled", "failed", "succeeded", "recovered",
     "candidate_loaded", "canary_started", "canary_promoted", "canary_rolled_back",
 )

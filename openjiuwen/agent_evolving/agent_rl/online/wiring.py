@@ -346,6 +346,9 @@ def make_backend(config: RLServiceConfig, repository: LoraRepository) -> Trainer
             nproc_per_node=config.nproc_per_node,
             training_gpu_ids=config.training_gpu_ids,
             visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV) or "CUDA_VISIBLE_DEVICES",
+            gpus_per_rank=config.ray_gpus_per_rank,
+            cpus_per_rank=config.ray_cpus_per_rank,
+            placement_timeout_s=config.ray_placement_timeout_seconds,
             tmp_root=config.training_tmp_root,
         )
     except ValueError as exc:

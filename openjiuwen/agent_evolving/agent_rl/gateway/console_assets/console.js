@@ -306,11 +306,23 @@
     const text = secs(l.p50 * 1000) + " / " + secs(l.p95 * 1000);
     return full ? text + " (max " + secs(l.max * 1000) + ", " + l.count + " samples, by " + f.policy_via + ")" : text;
   }
+  // A verl run whose Ray resources are taken by other runs waits in stage `training` (docs/training.md "Concurrent verl
+  // runs"): its record's metrics.placement says so.
+  function stageText(r) {
+    const p = (r.metrics || {}).placement;
+    return p && p.state === "waiting" && r.status === "running" ? r.stage + " (waiting for " + p.waiting_for + ")" : r.stage;
+  }
+  function placementText(p) {
+    if (!p) return "-";
+    if (p.state === "waiting") return "waiting for " + p.waiting_for;
+    return "placed after " + secs((p.waited_seconds || 0) * 1000) + " (" + (p.nproc || 1) + " × " + dataText(p.bundle)
+      + (p.gpu_ids ? ", GPUs " + p.gpu_ids.join(",") : "") + ")";
+  }
   function runTable(items) {
     return table(["Run", "status", "lineage", "stage", "samples#", "LoRA", "created (UTC)", "finished", "eligible → run",
       "sample → policy p50 / p95"], items.map(function (r) {
       return [link("#/runs/" + encodeURIComponent(r.training_run_id), r.training_run_id, "mono"), pill(r.status),
-        lineageCell(r), r.stage, num(r.sample_count), h("span", { class: "mono", text: r.lora_name || "-" }), short(r.created_at),
+        lineageCell(r), stageText(r), num(r.sample_count), h("span", { class: "mono", text: r.lora_name || "-" }), short(r.created_at),
         short(r.finished_at), waitText(r.freshness), latencyText(r.freshness, false)];
     }), "No Training Runs yet.");
   }
@@ -441,9 +453,9 @@
     setView(
       h("h1", {}, "Training Run ", h("span", { class: "mono", text: id }), " ", pill(r.status)),
       h("div", { class: "panel" }, fields([
-        ["lineage", r.lineage || DEFAULT_LINEAGE], ["stage", r.stage], ["samples", num(r.sample_count)], ["policy versions of the samples", dataText(r.policy_versions)],
+        ["lineage", r.lineage || DEFAULT_LINEAGE], ["stage", stageText(r)], ["samples", num(r.sample_count)], ["policy versions of the samples", dataText(r.policy_versions)],
         ["LoRA", r.lora_name], ["LoRA path", r.lora_path], ["created", when(r.created_at)], ["started", when(r.started_at)],
-        ["finished", when(r.finished_at)], ["failure", r.failure_reason],
+        ["finished", when(r.finished_at)], ["failure", r.failure_reason], ["Ray placement", placementText(m.placement)],
         ["steps", num(m.steps)], ["dropped / truncated", num(m.dropped_samples) + " / " + num(m.prompt_truncated_samples) + " prompt, "
           + num(m.response_truncated_samples) + " response"], ["stale excluded", num(m.stale_excluded)],
         ["sampling", runSamplingText(m.sampling)], ["constrained samples by kind", countsText(m.constraints)],

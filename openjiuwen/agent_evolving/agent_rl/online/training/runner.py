@@ -38,7 +38,7 @@ from ..lora.gateway_client import GatewayError, GatewayLoraClient
 from ..lora.repository import Artifact, LoraRepository
 from ..store.trajectories import TrajectoryStore
 from ..store.fence import LeaseLost
-from .backends import TrainerBackend, TrainingJob
+from .backends import PLACEMENT, TrainerBackend, TrainingJob
 from .freshness import ACTIVATION, Freshness
 from .policy import TrainingPolicyConfig
 from .run_records import RunStage, RunStatus, TrainingRun, empty_metrics, manual_trigger, new_run_id
@@ -457,19 +457,33 @@ class TrainingRunner:
             dropped_ids=list(meta.get("dropped_sample_ids") or []), metrics_patch=patch,
         )
 
+    @staticmethod
+    def _step_change(step: dict[str, Any]) -> Callable[[TrainingRun], TrainingRun]:
+        def change(run: TrainingRun) -> TrainingRun:
+            metrics = dict(run.metrics)
+            metrics["step_metrics"] = list(metrics.get("step_metrics", [])) + [step]
+            metrics["steps"] = len(metrics["step_metrics"])
+            for key in ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples"):
+                if key in step:
+                    metrics[key] = step[key]
+            return run.evolve(metrics=metrics)
+
+        return change
+
     def _progress_recorder(self, run_id: str) -> Callable[[dict[str, Any]], Any]:
         async def record(step: dict[str, Any]) -> None:
-            def change(run: TrainingRun) -> TrainingRun:
-                metrics = dict(run.metrics)
-                metrics["step_metrics"] = list(metrics.get("step_metrics", [])) + [step]
-                metrics["steps"] = len(metrics["step_metrics"])
-                for key in ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples"):
-                    if key in step:
-                        metrics[key] = step[key]
-                return run.evolve(metrics=metrics)
+            if PLACEMENT in step:  # where the run stands in getting its resources: no step (backends/__init__.py)
+                note = dict(step[PLACEMENT])
 
+                def place(run: TrainingRun) -> TrainingRun:
+                    return run.evolve(metrics={**run.metrics, PLACEMENT: note})
+
+                kind = "resources_placed" if note.get("state") == "placed" else "waiting_for_resources"
+                change, event = place, (kind, note)
+            else:
+                change, event = self._step_change(step), ("ppo_step", step)
             try:
-                await self._runs.update(run_id, change, event=("ppo_step", step))
+                await self._runs.update(run_id, change, event=event)
             except _REDIS_DOWN as exc:  # progress is informational: a lost step never fails the training
                 log.warning("run %s: progress step not recorded (%s)", run_id, exc)
             except LeaseLost as exc:

@@ -9,7 +9,11 @@ from typing import Any, Protocol
 from ....common.policy_names import BASE_POLICY
 from ...lora.repository import Artifact
 
+# Called with each finished PPO step's metrics, as the trainer reports them. A backend that places runs on shared
+# resources (verl on Ray) also calls it with `{PLACEMENT: {...}}`, no step: where the run stands in getting its
+# resources ("waiting", then "placed"); the runner records that apart from the steps (`metrics.placement`).
 OnProgress = Callable[[dict[str, Any]], Awaitable[None]]
+PLACEMENT = "placement"
 
 
 class TrainingCanceled(RuntimeError):

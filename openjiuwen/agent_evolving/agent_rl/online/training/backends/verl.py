@@ -1,15 +1,19 @@
 """The `verl` backend: PPO with verl's FSDP engine in Ray actors (CONTRACT §7, D21).
 
-Per run, `nproc_per_node` detached actors (`training/verl/actor.py`) start in namespace `online-rl-<key>`, rank 0
-named `online_ppo_runner-<key>` (others `...-rank<i>`), `<key>` derived from the model id, so services of
-different models share a cluster safely. They receive the claimed samples, the composed PPO config and the parent
-adapter's files; rank 0 returns the trained adapter's PEFT files, which this process publishes through the
-repository like the local backend does. The actors are killed after every run (GPU memory goes back), and a
-leftover actor of the same name (a crashed service) is killed before a new run starts.
+Each run gets its own placement group (one bundle per rank: `ray_cpus_per_rank` CPUs and `ray_gpus_per_rank` GPUs,
+or, with `training_gpu_ids`, a slot of those pinned GPUs) and its own `nproc_per_node` detached actors
+(`training/verl/actor.py`) in namespace `online-rl-<key>`, rank 0 named `online_ppo_runner-<key>-<run id>` (others
+`...-rank<i>`), `<key>` derived from the model id, so services of different models share a cluster safely and K
+concurrent runs (`max_concurrent_runs`) never touch each other's actors: K runs on K GPUs. A run whose resources
+are taken waits, and says so through `on_progress` (`{PLACEMENT: {"state": "waiting", ...}}`, then "placed").
+The actors receive the claimed samples, the composed PPO config and the parent adapter's files; rank 0 returns
+the trained adapter's PEFT files, which this process publishes through the repository like the local backend
+does. A run's actors and group go when it ends (GPU memory goes back); an actor of this model's prefix that no
+live run of this process owns (a crashed service's) is killed before a run is placed.
 
 Ray is imported only when the first run starts, and no Ray call runs on the event loop: object refs are awaited
-as futures, everything else in worker threads. Cancel kills the actors; an actor that dies on its own or a Ray
-connection that fails makes `check_health` raise until a later run starts its actors again.
+as futures, everything else in worker threads. Cancel kills that run's actors only; an actor that dies on its own
+or a Ray connection that fails makes `check_health` raise until a later run starts its actors again.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import hashlib
 import logging
 import re
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import suppress
@@ -28,7 +33,7 @@ from typing import Any
 from ...lora.repository import Artifact, LoraRepository
 from ..adapter_files import ADAPTER_FILES
 from ..ppo_settings import PPOSettings
-from . import OnProgress, TrainingCanceled, TrainingJob
+from . import PLACEMENT, OnProgress, TrainingCanceled, TrainingJob
 from .common import trained_metadata
 
 log = logging.getLogger("openjiuwen.agent_rl.online.training.verl")
@@ -46,14 +51,27 @@ def ray_namespace(model_id: str) -> str:
     return f"online-rl-{ray_key(model_id)}"
 
 
-def actor_name(model_id: str, rank: int = 0) -> str:
-    base = f"online_ppo_runner-{ray_key(model_id)}"
+def actor_prefix(model_id: str) -> str:
+    return f"online_ppo_runner-{ray_key(model_id)}"
+
+
+def actor_name(model_id: str, run_id: str, rank: int = 0) -> str:
+    base = f"{actor_prefix(model_id)}-{run_id}"
     return base if rank == 0 else f"{base}-rank{rank}"
+
+
+class PlacementError(RuntimeError):
+    """The run's resources cannot be had: no node could ever hold a rank, or the wait passed its limit."""
 
 
 @dataclass
 class _Run:
     actors: list[Any] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)  # the actor names this run reserved (never swept)
+    group: Any = None  # its placement group
+    slot: int | None = None  # its slot of `training_gpu_ids`
+    bundle: dict[str, float] = field(default_factory=dict)
+    waited_s: float = 0.0
     done: asyncio.Future[Any] | None = None
     canceled: bool = False
 
@@ -62,6 +80,19 @@ def _short(exc: BaseException) -> str:
     """The last meaningful line of a (Ray-wrapped) error: a traceback does not belong in `failure_reason`."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return (lines[-1] if lines else type(exc).__name__)[:500]
+
+
+def fits(bundle: dict[str, float], count: int, nodes: Sequence[dict[str, float]]) -> bool:
+    """Whether `count` bundles could ever be placed on `nodes` (their total resources, busy or not): each bundle on
+    one node, greedily packed. False means the run would wait forever."""
+    room = [dict(node) for node in nodes]
+    for _ in range(count):
+        node = next((n for n in room if all(n.get(k, 0.0) >= v for k, v in bundle.items())), None)
+        if node is None:
+            return False
+        for k, v in bundle.items():
+            node[k] -= v
+    return True
 
 
 class VerlBackend:
@@ -78,6 +109,9 @@ class VerlBackend:
         nproc_per_node: int = 1,
         training_gpu_ids: str = "",
         visible_devices_env: str = "CUDA_VISIBLE_DEVICES",
+        gpus_per_rank: float | None = None,
+        cpus_per_rank: float = 1.0,
+        placement_timeout_s: float | None = None,
         tmp_root: str | Path = "/tmp/agent_rl_online",
         ray_init_kwargs: dict[str, Any] | None = None,
         progress_interval_s: float = 1.0,
@@ -90,12 +124,21 @@ class VerlBackend:
             raise ValueError(
                 f"training_gpu_ids: names {len(self._gpu_ids)} GPU(s), nproc_per_node {nproc_per_node} needs one each"
             )
+        if self._gpu_ids and gpus_per_rank is not None:
+            raise ValueError("ray_gpus_per_rank: must be null when training_gpu_ids pins the GPUs")
+        # Pinned GPUs are cut into slots of `nproc_per_node` ids: one live run per slot, the others wait.
+        self._free_slots = list(range(len(self._gpu_ids) // nproc_per_node)) if self._gpu_ids else []
+        self._slot_freed = asyncio.Event()
         self._visible_env = visible_devices_env
+        self._gpus_per_rank, self._cpus_per_rank = gpus_per_rank, cpus_per_rank
+        self._placement_timeout_s = placement_timeout_s
         self._tmp_root = str(tmp_root)
         self._ray_init_kwargs = dict(ray_init_kwargs or {})
         self._progress_interval_s = progress_interval_s
         self.namespace = ray_namespace(model_id)
         self._runs: dict[str, _Run] = {}
+        self._ray_lock = threading.Lock()  # connect, sweep and name reservation: one worker thread at a time
+        self._reserved: set[str] = set()  # actor names of this process's live runs (under `_ray_lock`)
         self._owns_ray = False
         self._failure: str | None = None
 
@@ -112,58 +155,102 @@ class VerlBackend:
         )
         self._owns_ray = True
 
-    def _prepare(self, run: _Run) -> None:
-        """Connect, then start the run's actors, each recorded in `run.actors` as soon as it exists, so whatever
+    def bundle(self, *, cluster_has_gpus: bool) -> dict[str, float]:
+        """What one rank asks Ray for. Pinned GPUs are not Ray's to give: such a rank asks CPUs only."""
+        bundle = {"CPU": float(self._cpus_per_rank)}
+        gpus = self._gpus_per_rank if self._gpus_per_rank is not None else (1.0 if cluster_has_gpus else 0.0)
+        if gpus and not self._gpu_ids:
+            bundle["GPU"] = float(gpus)
+        return bundle
+
+    def _create_group(self, run_id: str, run: _Run) -> None:
+        """Connect, sweep leftovers, reserve the run's actor names and ask for its placement group (worker thread)."""
+        import ray
+        from ray.util import placement_group
+
+        with self._ray_lock:
+            self._connect()
+            self._sweep()
+            nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+            run.bundle = self.bundle(cluster_has_gpus=any(node.get("GPU", 0) >= 1 for node in nodes))
+            if not fits(run.bundle, self._nproc, nodes):
+                raise PlacementError(
+                    f"no Ray placement can ever hold this run: {self._nproc} rank(s) of {run.bundle} each "
+                    f"(nproc_per_node, ray_cpus_per_rank, ray_gpus_per_rank) on nodes with {nodes}")
+            run.names = [actor_name(self._model_id, run_id, rank) for rank in range(self._nproc)]
+            self._reserved.update(run.names)
+            # PACK: a run's ranks on one node where they fit. The group's lifetime is this process's Ray job:
+            # if the service dies, Ray removes the group and with it the actors placed in it.
+            run.group = placement_group([dict(run.bundle) for _ in range(self._nproc)], strategy="PACK",
+                                        name=f"{actor_prefix(self._model_id)}-{run_id}")
+
+    def _sweep(self) -> None:
+        """Kill every actor of this model's prefix that no live run of this process reserved: a crashed service's
+        (it may hold a GPU). Called under `_ray_lock`, before a run is placed."""
+        import ray
+
+        prefix = actor_prefix(self._model_id)
+        leftovers = [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+                     if entry.get("namespace") == self.namespace and entry["name"] not in self._reserved
+                     and (entry["name"] == prefix or entry["name"].startswith(prefix + "-"))]
+        for name in leftovers:
+            try:
+                ray.kill(ray.get_actor(name, namespace=self.namespace), no_restart=True)
+            except ValueError:
+                continue  # gone meanwhile
+            log.warning("killed leftover verl actor %s (no live run of this service owns it)", name)
+
+    def _start_actors(self, run_id: str, run: _Run) -> None:
+        """Start the run's actors in its group, each recorded in `run.actors` as soon as it exists, so whatever
         happens next (a cancel, an error) kills every actor this started."""
         import ray
 
         from ..verl.actor import PPORunner
 
-        self._connect()
-        self._kill_named()  # a leftover of a crashed service holds the name (and maybe a GPU)
-        gpus = ray.cluster_resources().get("GPU", 0) >= 1
         remote = ray.remote(PPORunner)
         for rank in range(self._nproc):
             if run.canceled:
                 return
             run.actors.append(
-                remote.options(**self.actor_options(rank, cluster_has_gpus=gpus)).remote(
+                remote.options(**self.actor_options(run_id, rank, group=run.group, bundle=run.bundle,
+                                                    slot=run.slot)).remote(
                     rank=rank, world_size=self._nproc, tmp_root=self._tmp_root
                 )
             )
 
-    def actor_options(self, rank: int, *, cluster_has_gpus: bool) -> dict[str, Any]:
-        """Ray options of rank `rank`. With `training_gpu_ids` the rank sees exactly GPU ids[rank] (exported in
-        the visible-devices variable; Ray leaves it alone for an actor that asks no GPU); otherwise Ray assigns one
-        GPU per rank when the cluster has any."""
+    def actor_options(self, run_id: str, rank: int, *, group: Any, bundle: dict[str, float],
+                      slot: int | None = None) -> dict[str, Any]:
+        """Ray options of rank `rank`: its bundle of the run's group. With `training_gpu_ids` the rank sees exactly
+        GPU ids[slot × nproc + rank] (exported in the visible-devices variable; Ray leaves it alone for an actor
+        that asks no GPU)."""
         options: dict[str, Any] = {
-            "name": actor_name(self._model_id, rank), "namespace": self.namespace, "lifetime": "detached",
+            "name": actor_name(self._model_id, run_id, rank), "namespace": self.namespace, "lifetime": "detached",
             "max_concurrency": 2,  # `progress` answers while `train` runs
-            "max_restarts": 0, "num_cpus": 1,
+            "max_restarts": 0, "num_cpus": bundle.get("CPU", 0.0),
         }
+        if group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=rank)
+        if bundle.get("GPU"):
+            options["num_gpus"] = bundle["GPU"]
         if self._gpu_ids:
-            options["runtime_env"] = {"env_vars": {self._visible_env: self._gpu_ids[rank]}}
-        elif cluster_has_gpus:
-            options["num_gpus"] = 1
+            assert slot is not None
+            options["runtime_env"] = {"env_vars": {self._visible_env: self._gpu_ids[slot * self._nproc + rank]}}
         return options
 
-    def _kill_named(self) -> None:
+    def _release(self, run: _Run) -> None:
+        """Kill the run's actors and remove its group (worker thread); its names are free again."""
         import ray
+        from ray.exceptions import RayError
 
-        for rank in range(self._nproc):
-            name = actor_name(self._model_id, rank)
-            try:
-                ray.kill(ray.get_actor(name, namespace=self.namespace), no_restart=True)
-            except ValueError:
-                continue  # no actor of that name
-            # The name is released asynchronously after the kill; a new actor cannot take it before.
-            deadline = time.monotonic() + _KILL_WAIT_S
-            while time.monotonic() < deadline:
-                try:
-                    ray.get_actor(name, namespace=self.namespace)
-                except ValueError:
-                    break
-                time.sleep(0.1)  # a worker thread, never the event loop
+        self._kill(run.actors)
+        if run.group is not None:
+            with suppress(RayError, ValueError):  # already gone with its job or node
+                ray.util.remove_placement_group(run.group)
+        with self._ray_lock:
+            self._reserved.difference_update(run.names)
 
     @staticmethod
     def _kill(actors: Sequence[Any]) -> None:
@@ -194,17 +281,25 @@ class VerlBackend:
             output = await repository.create_temp(training_run_id)
             await asyncio.to_thread(self._write_adapter, output, result["adapter_files"])
             meta = trained_metadata(job, result, settings=self._settings, trainer_backend=self.name)
-            meta["ray"] = {"namespace": self.namespace, "actor": actor_name(self._model_id), "nproc": self._nproc}
+            meta["ray"] = {"namespace": self.namespace, "actor": actor_name(self._model_id, training_run_id),
+                           "nproc": self._nproc, "bundle": run.bundle, "waited_seconds": round(run.waited_s, 3)}
+            if run.slot is not None:
+                meta["ray"]["gpu_ids"] = self._slot_ids(run.slot)
             return await repository.publish(output, meta)
         finally:
             self._runs.pop(training_run_id, None)
             await repository.remove_temp(training_run_id)
 
+    def _slot_ids(self, slot: int) -> list[str]:
+        return self._gpu_ids[slot * self._nproc:(slot + 1) * self._nproc]
+
     async def _execute(self, run_id: str, run: _Run, job: dict[str, Any], on_progress: OnProgress) -> dict[str, Any]:
         from ray.exceptions import RayActorError, RayError, RayTaskError
 
-        prepared = asyncio.ensure_future(asyncio.to_thread(self._prepare, run))
+        prepared: asyncio.Future[None] | None = None
         try:
+            await self._place(run_id, run, on_progress)
+            prepared = asyncio.ensure_future(asyncio.to_thread(self._start_actors, run_id, run))
             await asyncio.shield(prepared)  # a cancel of this task must not leave the thread starting actors unseen
             if run.canceled:  # stopped while the actors were starting
                 raise TrainingCanceled(f"run {run_id} canceled")
@@ -230,13 +325,69 @@ class VerlBackend:
             self._failure = f"ray: cannot connect to {self._ray_address or 'a local Ray'}: {exc}"
             raise RuntimeError(self._failure) from exc
         finally:
-            run.canceled = run.canceled or not prepared.done()  # the thread stops before its next actor
-            await asyncio.wait({prepared})  # then every actor it started is in run.actors
-            if not prepared.cancelled():
-                prepared.exception()  # retrieved (raised above when it mattered)
+            if prepared is not None:
+                run.canceled = run.canceled or not prepared.done()  # the thread stops before its next actor
+                await asyncio.wait({prepared})  # then every actor it started is in run.actors
+                if not prepared.cancelled():
+                    prepared.exception()  # retrieved (raised above when it mattered)
             if run.done is not None and not run.done.done():
                 run.done.cancel()
-            await asyncio.to_thread(self._kill, run.actors)
+            if run.names or run.group is not None:
+                await asyncio.to_thread(self._release, run)
+            if run.slot is not None:
+                self._free_slots.append(run.slot)
+                self._slot_freed.set()  # wakes the runs waiting for a slot
+                run.slot = None
+
+    async def _place(self, run_id: str, run: _Run, on_progress: OnProgress) -> None:
+        """Get the run's resources: a slot of the pinned GPUs (if any), then its placement group. While they are
+        taken by other runs the run waits, and says so once (`waiting`); `placed` follows with the wait (the time
+        spent waiting for a slot and for the group, not Ray's start-up)."""
+        started = time.monotonic()
+        waited = 0.0
+        waiting = False
+
+        async def still_waiting(what: str) -> None:
+            nonlocal waiting
+            if run.canceled:
+                raise TrainingCanceled(f"run {run_id} canceled")
+            so_far = waited + time.monotonic() - started
+            if self._placement_timeout_s is not None and so_far > self._placement_timeout_s:
+                raise PlacementError(f"no {what} for this run within ray_placement_timeout_seconds "
+                                     f"({self._placement_timeout_s:g} s)")
+            if not waiting:
+                waiting = True
+                log.info("training run %s waits for %s", run_id, what, extra={"training_run_id": run_id})
+                note = {"state": "waiting", "waiting_for": what, "nproc": self._nproc, "live_runs": len(self._runs)}
+                await on_progress({PLACEMENT: {**note, **({"bundle": run.bundle} if run.bundle else {})}})
+
+        if self._gpu_ids:
+            while not self._free_slots:
+                await still_waiting("slot of training_gpu_ids")
+                self._slot_freed.clear()
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self._slot_freed.wait(), self._progress_interval_s)
+            run.slot = self._free_slots.pop(0)
+        waited = time.monotonic() - started
+        group = asyncio.ensure_future(asyncio.to_thread(self._create_group, run_id, run))
+        try:
+            await asyncio.shield(group)  # the group it may create must reach `run.group`, whatever happens here
+        finally:
+            await asyncio.wait({group})
+        started = time.monotonic()  # the group is asked for now: the wait for it starts here
+        ready = asyncio.ensure_future(self._get(run.group.ready()))
+        try:
+            while not (await asyncio.wait({ready}, timeout=self._progress_interval_s))[0]:
+                await still_waiting("Ray resources")
+            ready.result()
+        finally:
+            ready.cancel()
+        run.waited_s = waited + time.monotonic() - started
+        note: dict[str, Any] = {"state": "placed", "waited_seconds": round(run.waited_s, 3), "bundle": run.bundle,
+                                "nproc": self._nproc}
+        if run.slot is not None:
+            note["gpu_ids"] = self._slot_ids(run.slot)
+        await on_progress({PLACEMENT: note})
 
     async def _follow(self, run: _Run, on_progress: OnProgress) -> list[dict[str, Any]]:
         """Await the ranks, forwarding rank 0's finished steps to `on_progress` as they come."""
@@ -272,10 +423,11 @@ class VerlBackend:
             (output / Path(name).name).write_bytes(data)  # a bare file name: nothing outside the temp dir
 
     async def cancel(self, training_run_id: str) -> bool:
+        """Stop this run only: its actors are killed (its group goes when `_execute` ends); other runs go on."""
         run = self._runs.get(training_run_id)
         if run is None or not run.actors:
             if run is not None:
-                run.canceled = True  # still starting: `_execute` stops once the actors exist
+                run.canceled = True  # waiting or still starting: `_execute` stops at its next look
             return False
         run.canceled = True
         await asyncio.to_thread(self._kill, run.actors)
