@@ -24,7 +24,7 @@ from ..common.errors import install_error_envelope
 from ..common.request_guards import GuardMiddleware
 from ..common.http_metrics import HttpMetricsMiddleware
 from .assembly import Gateway, build_gateway
-from .lora_manager import LoraError
+from .lora.lora_manager import LoraError
 from .domain_errors import error_answer
 from .routes import console, control, internal, lora, public
 from .security_headers import SecurityHeadersMiddleware

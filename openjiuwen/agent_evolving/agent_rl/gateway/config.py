@@ -40,8 +40,8 @@ from ..common.lineage import is_lineage
 from ..common.signing_keys import decode_key, is_agent_key_id
 from ..common import loopback
 from ..common.validation import ModelId, config_invalid, validation_problems
-from .hmac_auth import REPLAY_CAPACITY
-from .instances import valid_host
+from .auth.hmac_auth import REPLAY_CAPACITY
+from .instances.instances import valid_host
 
 MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
 MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is a few short strings per key

@@ -25,8 +25,8 @@ async def _serve(config_path: str) -> int:
     from ..common.quiet_server import QuietServer
     from .app import build_gateway, create_gateway_app
     from .config import GatewayConfigError, load_gateway_config, load_hmac_keys
-    from .console_auth import ConsoleAuth
-    from .hmac_auth import HmacVerifier
+    from .auth.hmac_auth import HmacVerifier
+    from .console.console_auth import ConsoleAuth
 
     try:
         config = load_gateway_config(config_path)

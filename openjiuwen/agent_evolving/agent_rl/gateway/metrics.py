@@ -14,11 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ..common.http_metrics import FAST_BUCKETS_S
 from ..common.lineage import DEFAULT_LINEAGE, parse_version_name, split_line
-from .instances import InstanceRegistry
+from .instances.instances import InstanceRegistry
 from ..common.lineage_labels import DEFAULT_IDLE_S, OTHER, LineageLabels
-from .lora_manager import LoraManager
-from .lora_types import LoraStatus
-from .sessions import SessionMap
+from .lora.lora_manager import LoraManager
+from .lora.lora_types import LoraStatus
+from .rl.sessions import SessionMap
 
 UPSTREAM_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 LORA_STATES = tuple(LoraStatus)

@@ -19,7 +19,7 @@ from ...common import loopback
 from ...common.lineage import InvalidLineage, split_line
 from ...common.errors import ApiError
 from ..assembly import Gateway
-from ..hmac_auth import Caller, KeyRole, request_target
+from ..auth.hmac_auth import Caller, KeyRole, request_target
 
 
 async def gateway_of(request: Request) -> Gateway:
