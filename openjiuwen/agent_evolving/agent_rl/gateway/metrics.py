@@ -64,7 +64,7 @@ class GatewayMetrics:
         self.rl_service_up = Gauge("gw_rl_service_up", "1 while the RL Service child is running", registry=r)
         self.rl_scrape_errors = Counter("gw_rl_scrape_errors_total",
                                         "Failed reads of the RL Service's /metrics while scraping", registry=r)
-        # Adapter paging (adapter_pager.py): on-demand and switch loads, and unloads to make room, per instance.
+        # Adapter paging (lora/adapter_pager.py): on-demand and switch loads, and unloads to make room, per instance.
         self.adapter_loads = Counter("gw_lora_adapter_loads_total", "LoRA adapters loaded on an instance by the gateway",
                                      ("instance",), registry=r)
         self.adapter_evictions = Counter("gw_lora_adapter_evictions_total",

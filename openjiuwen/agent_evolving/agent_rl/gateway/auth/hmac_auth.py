@@ -17,9 +17,9 @@ in `X-Signature` with `X-Timestamp` = Unix epoch milliseconds in ASCII decimal:
   it only when configured to (`global.acceptLegacySignatures`), and never with an agent key.
 
 A signed header sent twice is refused: the signature must cover the one value the gateway acts on. The messages
-cannot collide (the AIGW one starts with a digit) and neither can a console login token or cookie (console_auth.py:
-their own domain strings). The clock is an argument (`now_ms`), so every decision here is a pure function of its
-inputs and the replay caches.
+cannot collide (the AIGW one starts with a digit) and neither can a console login token or cookie
+(console/console_auth.py: their own domain strings). The clock is an argument (`now_ms`), so every decision here is a
+pure function of its inputs and the replay caches.
 """
 
 from __future__ import annotations

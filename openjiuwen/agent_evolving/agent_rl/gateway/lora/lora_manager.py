@@ -52,7 +52,8 @@ log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
 
 
 class UseHolder(Protocol):
-    """What holds an adapter's use until a request ends: the request's call (captured_call.py), or an ExitStack."""
+    """What holds an adapter's use until a request ends: the request's call (proxy/captured_call.py), or an
+    ExitStack."""
 
     def enter_context(self, cm: ContextManager[Any]) -> Any: ...
 
@@ -76,7 +77,7 @@ class LoraManager:
         task_reserved_slots: int = 1,
         max_leased_versions: int = 4,
     ) -> None:
-        """`addresses`: what a registration may name (instance_addresses.py). `capture_registered`: registered
+        """`addresses`: what a registration may name (instances/instance_addresses.py). `capture_registered`: registered
         instances serve captured traffic too (routing.py). `probe`: the health check a registration must pass before
         the instance serves (None: admit at once). `max_loras`: LoRA capacity per instance name (static instances'
         `maxLoras`), else `max_loras_default`; 0 is unlimited (adapter_pager.py). `task_reserved_slots`: slots of a
@@ -341,8 +342,8 @@ class LoraManager:
 
     async def page_in(self, instance: Instance, policy_model: str, counts: UseHolder, *, task: bool = True) -> None:
         """Before a request for `policy_model` goes to `instance` (the routing pick, no await since): on a paging
-        instance, count the use in `counts` (the request's call, captured_call.py; so the adapter is no victim until
-        the request ends) and load the version on demand. A request outside a Task (`task` False) first waits for
+        instance, count the use in `counts` (the request's call, proxy/captured_call.py; so the adapter is no victim
+        until the request ends) and load the version on demand. A request outside a Task (`task` False) first waits for
         a slot of those not reserved for Tasks (adapter_pager.py). LoraError 503 `lora_capacity_exhausted` / 502
         `lora_load_failed` / 503 `lora_unavailable`."""
         if not self.pager.pages(instance) or line_of_version(policy_model) is None:

@@ -12,9 +12,9 @@ returns or, for a stream, when the relay it was handed over to ends; a capture s
 the Task's count ends when the hook that ends the capture (`:after` or `:discard`) returns.
 
 Inside a Task the request goes upstream as sent, only the values vLLM itself would refuse answered first
-(capture_fields.py), and a Task started with a capture secret needs it on every call (capture_secret.py). Outside a
+(capture_fields.py), and a Task started with a capture secret needs it on every call (auth/capture_secret.py). Outside a
 Task the body goes upstream as the client sent it, but may name only the base model or the active version of a line,
-and a version of a lineage's line only when the caller may (lineage_access.py, issue 37 item 1): else the answer of
+and a version of a lineage's line only when the caller may (auth/lineage_access.py, issue 37 item 1): else the answer of
 an unknown model. A vLLM error answer reaches the client as JSON only (responses.upstream_error).
 
 A request counts in flight on its instance from the routing pick, before any page-in, and a page-in that failed is
@@ -87,8 +87,8 @@ class InferenceProxy:
         recheck: Callable[[], Awaitable[None]] | None = None,
         access: LineageAccess | None = None,
     ) -> None:
-        """`recheck`: an immediate health check of every instance (health.py), awaited once by a request that finds
-        no healthy instance before it gets 503 `no_healthy_instances` (issue 28 item 12). `access`: who may name a
+        """`recheck`: an immediate health check of every instance (instances/health.py), awaited once by a request that
+        finds no healthy instance before it gets 503 `no_healthy_instances` (issue 28 item 12). `access`: who may name a
         lineage's versions outside a Task (None: nobody but for the default line)."""
         self._metrics = metrics
         self._max_upstream_bytes = max_upstream_bytes

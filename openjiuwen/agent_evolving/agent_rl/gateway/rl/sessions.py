@@ -23,8 +23,8 @@ class Binding:
     agent_key: str | None = None
     # The lineage the Task's start was forwarded with (docs/lineages.md): an agent key's lineage limit applies to it.
     lineage: str = DEFAULT_LINEAGE
-    # SHA-256 of the Task's capture secret (capture_secret.py), or None: the session id alone captures. Kept here so
-    # that it lives and dies with the mapping it guards (never persisted: after a gateway restart the Task is gone).
+    # SHA-256 of the Task's capture secret (auth/capture_secret.py), or None: the session id alone captures. Kept here
+    # so that it lives and dies with the mapping it guards (never persisted: after a gateway restart the Task is gone).
     secret_digest: bytes | None = field(default=None, repr=False)
 
 
