@@ -21,11 +21,11 @@ from starlette.responses import Response
 
 from ..common.content_type import JsonBodyMiddleware
 from ..common.errors import install_error_envelope
-from ..common.request_guards import GuardMiddleware
 from ..common.http_metrics import HttpMetricsMiddleware
+from ..common.request_guards import GuardMiddleware
 from .assembly import Gateway, build_gateway
-from .lora.lora_manager import LoraError
 from .domain_errors import error_answer
+from .lora.lora_manager import LoraError
 from .routes import console, control, internal, lora, public
 from .security_headers import SecurityHeadersMiddleware
 

@@ -11,19 +11,19 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..common import packed_hook
-from .config import GatewayConfig
 from .auth.hmac_auth import HmacVerifier
+from .auth.lineage_access import LineageAccess
+from .config import GatewayConfig
 from .console.console import Console
 from .console.console_auth import ConsoleAuth
-from .instances.health import HealthMonitor, InstanceProbe
-from .rl.control import RLControl
 from .http11 import Http11Client
-from .auth.lineage_access import LineageAccess
+from .instances.health import HealthMonitor, InstanceProbe
 from .instances.instance_addresses import AddressPolicy
 from .instances.instances import Instance, InstanceRegistry
 from .lora.lora_manager import LoraManager
-from .proxy.inference import InferenceProxy
 from .metrics import GatewayMetrics
+from .proxy.inference import InferenceProxy
+from .rl.control import RLControl
 from .rl.rl_client import RLClient
 from .rl.sessions import SessionMap
 from .rl.supervisor import RLSupervisor

@@ -36,9 +36,9 @@ from pydantic import (
     model_validator,
 )
 
+from ..common import loopback
 from ..common.lineage import is_lineage
 from ..common.signing_keys import decode_key, is_agent_key_id
-from ..common import loopback
 from ..common.validation import ModelId, config_invalid, validation_problems
 from .auth.hmac_auth import REPLAY_CAPACITY
 from .instances.instances import valid_host

@@ -21,11 +21,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 async def _serve(config_path: str) -> int:
     from ..common.gc_tuning import tune_gc
-    from ..common.slow_clients import ConnectionLimits, server_config
     from ..common.quiet_server import QuietServer
+    from ..common.slow_clients import ConnectionLimits, server_config
     from .app import build_gateway, create_gateway_app
-    from .config import GatewayConfigError, load_gateway_config, load_hmac_keys
     from .auth.hmac_auth import HmacVerifier
+    from .config import GatewayConfigError, load_gateway_config, load_hmac_keys
     from .console.console_auth import ConsoleAuth
 
     try:

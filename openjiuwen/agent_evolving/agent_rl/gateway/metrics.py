@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ..common.http_metrics import FAST_BUCKETS_S
 from ..common.lineage import DEFAULT_LINEAGE, parse_version_name, split_line
-from .instances.instances import InstanceRegistry
 from ..common.lineage_labels import DEFAULT_IDLE_S, OTHER, LineageLabels
+from .instances.instances import InstanceRegistry
 from .lora.lora_manager import LoraManager
 from .lora.lora_types import LoraStatus
 from .rl.sessions import SessionMap

@@ -27,18 +27,18 @@ from typing import Any, ContextManager, Protocol
 
 import httpx
 
+from ...common.lineage import parse_version_name
+from ...common.policy_names import BASE_POLICY
+from ..instances.instance_addresses import AddressPolicy
+from ..instances.instances import Instance, InstanceRegistry
 from .adapter_pager import AdapterPager, PagingMetrics
 from .adapter_placement import Placement
 from .canary import Candidate, in_candidate_arm, parse_share
 from .holdings import Holdings
-from ..instances.instance_addresses import AddressPolicy
 from .instance_admission import Admission
-from ..instances.instances import Instance, InstanceRegistry
 from .leases import Leases
 from .lora_state_file import LoraStateFile
 from .lora_switch import Serving, Switch, Switcher
-from ...common.lineage import parse_version_name
-from ...common.policy_names import BASE_POLICY
 from .lora_types import ActiveLora, LoraError, LoraStatus
 from .lora_views import LoraViews
 from .owned_tasks import OwnedTasks

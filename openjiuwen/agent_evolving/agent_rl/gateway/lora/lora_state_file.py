@@ -15,8 +15,8 @@ from typing import Any
 
 import orjson
 
-from .canary import Candidate, parse_candidates
 from ...common.lineage import parse_version_name
+from .canary import Candidate, parse_candidates
 from .lora_types import LoraError
 
 STATE_FILE_VERSION = 1

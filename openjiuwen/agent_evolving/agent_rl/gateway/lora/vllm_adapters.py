@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 
-from ..instances.instances import Instance
 from ...common.lineage import InvalidLineage, parse_version_name, split_line
+from ..instances.instances import Instance
 from .lora_types import ActiveLora
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")

@@ -38,30 +38,30 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ...common import json_nesting
+from ...common.lineage import DEFAULT_LINEAGE, lineage_of_version, split_line
 from ...common.wire import headers as wire_headers
 from ..auth import capture_secret
-from ...common import json_nesting
-from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
-from .capture_hooks import CaptureHooks
-from .captured_call import CapturedCall, ProxiedCall
-from .capture_fields import FieldInvalid, check_request
+from ..auth.lineage_access import LineageAccess
+from ..domain_errors import error_answer
 from ..http11 import AnswerTooLarge, HttpError, Http11Client, StreamedAnswer
 from ..instances.instances import Instance
 from ..lora.lora_manager import LoraManager
-from ...common.lineage import DEFAULT_LINEAGE, lineage_of_version, split_line
-from ..auth.lineage_access import LineageAccess
-from ..domain_errors import error_answer
 from ..lora.lora_types import LoraError
 from ..lora.policy_lines import line_of_version, model_of_line
+from ..responses import envelope, json_response, upstream_error
+from ..rl.rl_client import CaptureFailed, RLClient
+from ..rl.sessions import Binding
+from ..rl.tasks import TaskTracker
+from .anthropic import AnthropicStreamWriter, anthropic_to_openai_request, openai_to_anthropic_response
+from .capture_fields import FieldInvalid, check_request
+from .capture_hooks import CaptureHooks
+from .captured_call import CapturedCall, ProxiedCall
 from .openai_shapes import (
     ClientWants, StreamAggregator, client_view_chunk, client_view_response, client_wants, parse_completion,
     stream_fields_refused,
 )
-from ..responses import envelope, json_response, upstream_error
-from ..rl.rl_client import CaptureFailed, RLClient
-from ..rl.sessions import Binding
 from .sse import DONE, encode_sse, iter_sse_batches
-from ..rl.tasks import TaskTracker
 
 if TYPE_CHECKING:
     from ..metrics import GatewayMetrics

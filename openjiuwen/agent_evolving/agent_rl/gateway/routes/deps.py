@@ -16,8 +16,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from ...common import loopback
-from ...common.lineage import InvalidLineage, split_line
 from ...common.errors import ApiError
+from ...common.lineage import InvalidLineage, split_line
 from ..assembly import Gateway
 from ..auth.hmac_auth import Caller, KeyRole, request_target
 
