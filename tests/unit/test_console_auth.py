@@ -1,5 +1,5 @@
-"""Web console credentials (gateway/console/console_auth.py): single-use login tokens and session cookies, with the clock
-as an argument; and `openjiuwen-rl rl console url`, whose link the gateway accepts."""
+"""Web console credentials (gateway/console/console_auth.py): single-use login tokens and session cookies, with the
+clock as an argument; and `openjiuwen-rl rl console url`, whose link the gateway accepts."""
 
 from __future__ import annotations
 
