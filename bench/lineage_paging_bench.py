@@ -34,9 +34,9 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from openjiuwen.agent_evolving.agent_rl.gateway.instance_addresses import AddressPolicy  # noqa: E402
-from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry  # noqa: E402
-from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraManager  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.instance_addresses import AddressPolicy  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.instances import Instance, InstanceRegistry  # noqa: E402
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.lora_manager import LoraManager  # noqa: E402
 from tests.support.fake_vllm import CHAT_PATH, LOAD_PATH, FakeVLLM  # noqa: E402
 
 MODEL = "tiny"

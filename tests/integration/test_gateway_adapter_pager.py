@@ -1,4 +1,4 @@
-"""Adapter paging (gateway/adapter_pager.py, docs/lineages.md "## Gateway"): capacity per instance, LRU eviction of
+"""Adapter paging (gateway/lora/adapter_pager.py, docs/lineages.md "## Gateway"): capacity per instance, LRU eviction of
 idle adapters only, single-flight on-demand loads, the page timeout; against a strict fake vLLM on a real socket that
 refuses a load past its `max_loras`."""
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.adapter_pager import AdapterPager
-from openjiuwen.agent_evolving.agent_rl.gateway.holdings import Holdings
-from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
-from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraManager
-from openjiuwen.agent_evolving.agent_rl.gateway.lora_types import ActiveLora, LoraError
-from openjiuwen.agent_evolving.agent_rl.gateway.vllm_adapters import AdapterClient, Load
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.instances import Instance, InstanceRegistry
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.adapter_pager import AdapterPager
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.holdings import Holdings
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.lora_manager import LoraManager
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.lora_types import ActiveLora, LoraError
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.vllm_adapters import AdapterClient, Load
 from tests.integration.test_gateway_lora_manager import LOOPBACK_ALLOWED
 from tests.support.fake_vllm import LOAD_PATH, UNLOAD_PATH, FakeVLLM
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.canary import in_candidate_arm, split_point
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.canary import in_candidate_arm, split_point
 from tests.support.gateway_errors import http_status
-from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.lora_manager import LoraError, LoraManager
 from tests.integration.test_gateway_lora_manager import (  # noqa: F401  (fixtures)
     MODEL, V1, V2, V3, activate, artifact, fakes, lora_root, make_manager, manager, pin, state_path,
 )

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway import health
-from openjiuwen.agent_evolving.agent_rl.gateway.health import HEALTH_PATH, HealthMonitor
-from openjiuwen.agent_evolving.agent_rl.gateway.instance_addresses import AddressPolicy
-from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
+from openjiuwen.agent_evolving.agent_rl.gateway.instances import health
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.health import HEALTH_PATH, HealthMonitor
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.instance_addresses import AddressPolicy
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.instances import Instance, InstanceRegistry
 from tests.support.gateway_errors import http_status
-from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.lora_manager import LoraError, LoraManager
 from tests.support.fake_vllm import FakeVLLM
 
 MODEL = "tiny"

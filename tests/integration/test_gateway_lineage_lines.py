@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
-from openjiuwen.agent_evolving.agent_rl.gateway.policy_lines import PolicyLines
-from openjiuwen.agent_evolving.agent_rl.gateway.lora_state_file import LoraStateFile
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.lora_manager import LoraError, LoraManager
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.policy_lines import PolicyLines
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.lora_state_file import LoraStateFile
 from tests.integration.test_gateway_lora_manager import managed
 from tests.support.fake_vllm import FakeVLLM
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.instance_addresses import AddressPolicy
-from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.instance_addresses import AddressPolicy
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.instances import Instance, InstanceRegistry
 from tests.support.gateway_errors import http_status
-from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.lora_manager import LoraError, LoraManager
 from tests.support.fake_vllm import LOAD_PATH, UNLOAD_PATH, FakeVLLM
 
 MODEL = "tiny"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.gateway_errors import http_status
-from openjiuwen.agent_evolving.agent_rl.gateway.instance_addresses import AddressPolicy
-from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
-from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraError, LoraManager
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.instance_addresses import AddressPolicy
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.instances import Instance, InstanceRegistry
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.lora_manager import LoraError, LoraManager
 from tests.integration.test_gateway_lora_manager import (  # noqa: F401  (fixtures)
     MODEL, V1, V2, activate, artifact, fakes, lora_root, state_path,
 )

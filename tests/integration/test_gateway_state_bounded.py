@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.instance_addresses import AddressPolicy
-from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
-from openjiuwen.agent_evolving.agent_rl.gateway.lora_manager import LoraManager
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.instance_addresses import AddressPolicy
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.instances import Instance, InstanceRegistry
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.lora_manager import LoraManager
 from tests.support.fake_vllm import FakeVLLM
 
 CAPACITY = 4

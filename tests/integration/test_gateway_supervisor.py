@@ -21,7 +21,7 @@ import orjson
 import pytest
 import yaml
 
-from openjiuwen.agent_evolving.agent_rl.gateway.supervisor import RLSupervisor, SupervisorError
+from openjiuwen.agent_evolving.agent_rl.gateway.rl.supervisor import RLSupervisor, SupervisorError
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from tests.support.redis_server import free_port
 from tests.support.service_app import start_headers
@@ -48,7 +48,7 @@ STAND_IN = (
 # The gateway stand-in for the parent-death test: starts a supervised child, prints its pid, then waits forever.
 GATEWAY = (
     "import asyncio, json, sys\n"
-    "from openjiuwen.agent_evolving.agent_rl.gateway.supervisor import RLSupervisor\n"
+    "from openjiuwen.agent_evolving.agent_rl.gateway.rl.supervisor import RLSupervisor\n"
     "async def main():\n"
     "    sup = RLSupervisor(command=json.loads(sys.argv[1]), config_path=sys.argv[2], endpoint=sys.argv[3],\n"
     "                       control_timeout_s=30)\n"

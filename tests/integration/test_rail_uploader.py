@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from openjiuwen.agent_evolving.agent_rl.common.signing_keys import SigningKey
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import Caller, HmacVerifier, KeyRole
+from openjiuwen.agent_evolving.agent_rl.gateway.auth.hmac_auth import Caller, HmacVerifier, KeyRole
 from openjiuwen.agent_evolving.agent_rl.rail import RLOnlineRail, TrajectoryUploader, UploaderClosed
 from openjiuwen.agent_evolving.agent_rl.rail.uploader import UPLOAD_PATH
 from tests.support.asgi_server import ThreadedServer

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.common.wire.routes import idempotent
-from openjiuwen.agent_evolving.agent_rl.gateway.rl_client import RLClient
+from openjiuwen.agent_evolving.agent_rl.gateway.rl.rl_client import RLClient
 
 
 class Flaky:

@@ -30,8 +30,8 @@ def service_app(tmp: Path) -> FastAPI:
 def gateway_app(tmp: Path) -> FastAPI:
     from openjiuwen.agent_evolving.agent_rl.gateway.app import build_gateway, create_gateway_app
     from openjiuwen.agent_evolving.agent_rl.gateway.config import gateway_config_from_mapping
-    from openjiuwen.agent_evolving.agent_rl.gateway.console_auth import ConsoleAuth
-    from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import HmacVerifier
+    from openjiuwen.agent_evolving.agent_rl.gateway.auth.hmac_auth import HmacVerifier
+    from openjiuwen.agent_evolving.agent_rl.gateway.console.console_auth import ConsoleAuth
 
     config = gateway_config_from_mapping({
         "global": {"hmacKeyFile": str(tmp / "keys.json")},

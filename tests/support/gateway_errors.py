@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from openjiuwen.agent_evolving.agent_rl.gateway.domain_errors import error_answer
-from openjiuwen.agent_evolving.agent_rl.gateway.lora_types import LoraError
-from openjiuwen.agent_evolving.agent_rl.gateway.rl_client import CaptureFailed
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.lora_types import LoraError
+from openjiuwen.agent_evolving.agent_rl.gateway.rl.rl_client import CaptureFailed
 
 
 def http_status(exc: LoraError | CaptureFailed) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import HmacVerifier
+from openjiuwen.agent_evolving.agent_rl.gateway.auth.hmac_auth import HmacVerifier
 
 
 def replay_entries_by_key(verifier: HmacVerifier) -> dict[str, int]:

@@ -23,7 +23,7 @@ import openai
 import pytest
 import redis as redis_sync
 
-from openjiuwen.agent_evolving.agent_rl.gateway.console_auth import COOKIE_NAME, ConsoleAuth, login_token
+from openjiuwen.agent_evolving.agent_rl.gateway.console.console_auth import COOKIE_NAME, ConsoleAuth, login_token
 from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import sign, sign_request
 from tests.support.fake_judge import FakeJudge
 from tests.support.fake_vllm import FakeVLLM

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from requests.auth import AuthBase
 from schemathesis import GenerationMode
 
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import SKEW_MS
+from openjiuwen.agent_evolving.agent_rl.gateway.auth.hmac_auth import SKEW_MS
 from openjiuwen.agent_evolving.agent_rl.common.hmac_signing import sign_request
 from tests.support.fake_judge import FakeJudge
 from tests.support.fake_vllm import FakeVLLM, Reply

@@ -26,7 +26,7 @@ import pytest
 from redis import Redis as SyncRedis
 
 from openjiuwen.agent_evolving.agent_rl.cli.operator import KEY_FILE_ENV, URL_ENV, main
-from openjiuwen.agent_evolving.agent_rl.gateway.console_auth import login_token
+from openjiuwen.agent_evolving.agent_rl.gateway.console.console_auth import login_token
 from tests.support.fake_vllm import FakeVLLM, Reply, ToolCall
 from tests.support.gateway_process import API_KEY, GatewayProcess
 from tests.system.test_gateway_lora import activate_v1, agent

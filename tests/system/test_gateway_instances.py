@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.cli.operator import KEY_FILE_ENV, URL_ENV, main
-from openjiuwen.agent_evolving.agent_rl.gateway.health import RECHECK_MIN_GAP_S
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.health import RECHECK_MIN_GAP_S
 from tests.support.fake_vllm import CHAT_PATH, FakeVLLM
 from tests.support.gateway_process import INS_KEY, LOOPBACK_REGISTRATION, GatewayProcess
 from tests.support.redis_server import free_port

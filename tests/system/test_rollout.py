@@ -23,7 +23,7 @@ from typing import Any
 import openai
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.console_auth import login_token
+from openjiuwen.agent_evolving.agent_rl.gateway.console.console_auth import login_token
 from tests.support.fake_vllm import CHAT_PATH, FakeVLLM
 from tests.support.gateway_process import API_KEY, GatewayProcess
 from tests.support.invariants import check_invariants

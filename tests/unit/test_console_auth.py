@@ -1,5 +1,5 @@
-"""Web console credentials (gateway/console_auth.py): single-use login tokens and session cookies, with the clock
-as an argument; and `openjiuwen-rl rl console url`, whose link the gateway accepts."""
+"""Web console credentials (gateway/console/console_auth.py): single-use login tokens and session cookies, with the
+clock as an argument; and `openjiuwen-rl rl console url`, whose link the gateway accepts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.cli.operator import KEY_ENV, main
-from openjiuwen.agent_evolving.agent_rl.gateway.console_auth import (
+from openjiuwen.agent_evolving.agent_rl.gateway.console.console_auth import (
     MAX_LOGIN_TTL_MS,
     ConsoleAuth,
     login_token,

@@ -1,4 +1,4 @@
-"""The console's lineage list (gateway/console.py `Console.lineages`) against a scripted RL answer, and the page
+"""The console's lineage list (gateway/console/console.py `Console.lineages`) against a scripted RL answer, and the page
 script's rule that no text ever becomes markup. The real RL Service's answer is covered by tests/system/test_console.py."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from openjiuwen.agent_evolving.agent_rl.gateway.console import Console
-from openjiuwen.agent_evolving.agent_rl.gateway.console_auth import COOKIE_NAME, ConsoleAuth
+from openjiuwen.agent_evolving.agent_rl.gateway.console.console import Console
+from openjiuwen.agent_evolving.agent_rl.gateway.console.console_auth import COOKIE_NAME, ConsoleAuth
 from openjiuwen.agent_evolving.agent_rl.gateway.responses import envelope
 
 KEY = b"k" * 32
-ASSETS = Path(__file__).resolve().parents[2] / "openjiuwen/agent_evolving/agent_rl/gateway/console_assets"
+ASSETS = Path(__file__).resolve().parents[2] / "openjiuwen/agent_evolving/agent_rl/gateway/console/console_assets"
 SUPPORT = {"lineage": "support", "line": "tiny:support", "first_used_at": "2026-12-01T00:00:00+00:00",
            "pending_samples": 3, "active_run": None}
 

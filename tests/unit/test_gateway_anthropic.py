@@ -12,15 +12,15 @@ import pytest
 from anthropic.types import RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from openjiuwen.agent_evolving.agent_rl.gateway.anthropic import (
+from openjiuwen.agent_evolving.agent_rl.gateway.proxy.anthropic import (
     AnthropicStreamWriter,
     anthropic_message_id,
     anthropic_to_openai_request,
     openai_to_anthropic_response,
     stop_reason,
 )
-from openjiuwen.agent_evolving.agent_rl.gateway.openai_shapes import StreamAggregator
-from openjiuwen.agent_evolving.agent_rl.gateway.sse import DONE, SSEDecoder, encode_sse
+from openjiuwen.agent_evolving.agent_rl.gateway.proxy.openai_shapes import StreamAggregator
+from openjiuwen.agent_evolving.agent_rl.gateway.proxy.sse import DONE, SSEDecoder, encode_sse
 from tests.conftest import FIXTURES, load_fixture
 
 try:  # the official SDKs moved from httpx to httpx2; the mock transport must come from the SDK's own library

@@ -7,8 +7,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway import capture_secret
-from openjiuwen.agent_evolving.agent_rl.gateway.capture_fields import FieldInvalid, check_request
+from openjiuwen.agent_evolving.agent_rl.gateway.auth import capture_secret
+from openjiuwen.agent_evolving.agent_rl.gateway.proxy.capture_fields import FieldInvalid, check_request
 from openjiuwen.agent_evolving.agent_rl.gateway.responses import upstream_error
 
 BASE = {"model": "tiny:v1", "messages": [{"role": "user", "content": "hi"}]}

@@ -1,4 +1,4 @@
-"""The gateway's captured call (gateway/captured_call.py): each of its three endings releases the Task's and the
+"""The gateway's captured call (gateway/proxy/captured_call.py): each of its three endings releases the Task's and the
 instance's in-flight counts exactly once, a second ending is a no-op, and an exception ends it as it should."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from typing import Any
 import orjson
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.captured_call import (
+from openjiuwen.agent_evolving.agent_rl.gateway.instances.instances import Instance, InstanceRegistry
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.holdings import Holdings
+from openjiuwen.agent_evolving.agent_rl.gateway.lora.routing import Router
+from openjiuwen.agent_evolving.agent_rl.gateway.proxy.captured_call import (
     ABORTED, COMMITTED, DISCARDED, CapturedCall, ProxiedCall,
 )
-from openjiuwen.agent_evolving.agent_rl.gateway.holdings import Holdings
-from openjiuwen.agent_evolving.agent_rl.gateway.instances import Instance, InstanceRegistry
-from openjiuwen.agent_evolving.agent_rl.gateway.routing import Router
-from openjiuwen.agent_evolving.agent_rl.gateway.sessions import Binding, SessionMap
+from openjiuwen.agent_evolving.agent_rl.gateway.rl.sessions import Binding, SessionMap
 
 T = "rl-task-1"
 INSTANCE = Instance("vllm-0", "m", "127.0.0.1", 8000)

@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway import hmac_auth
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import (
+from openjiuwen.agent_evolving.agent_rl.gateway.auth import hmac_auth
+from openjiuwen.agent_evolving.agent_rl.gateway.auth.hmac_auth import (
     INSTANCE,
     OPERATOR,
     REPLAY_CAPACITY,

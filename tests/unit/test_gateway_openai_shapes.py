@@ -10,7 +10,7 @@ import openai
 import orjson
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.openai_shapes import (
+from openjiuwen.agent_evolving.agent_rl.gateway.proxy.openai_shapes import (
     ClientWants,
     StreamAggregator,
     client_view_chunk,
@@ -18,7 +18,7 @@ from openjiuwen.agent_evolving.agent_rl.gateway.openai_shapes import (
     client_wants,
     parse_completion,
 )
-from openjiuwen.agent_evolving.agent_rl.gateway.sse import DONE, SSEDecoder, encode_sse
+from openjiuwen.agent_evolving.agent_rl.gateway.proxy.sse import DONE, SSEDecoder, encode_sse
 from openjiuwen.agent_evolving.agent_rl.online.capture.response import validate_response
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import unpack_ids, unpack_logprobs
 from tests.conftest import FIXTURES, load_fixture

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openjiuwen.agent_evolving.agent_rl.gateway.sse import (
+from openjiuwen.agent_evolving.agent_rl.gateway.proxy.sse import (
     DONE, EventTooLarge, SSEDecoder, SSEEvent, encode_sse, iter_sse_batches,
 )
 from tests.conftest import FIXTURES

@@ -15,7 +15,7 @@ import pytest
 
 from openjiuwen.agent_evolving.agent_rl.cli import main as cli_main
 from openjiuwen.agent_evolving.agent_rl.cli.operator import KEY_ENV, KEY_FILE_ENV, MODEL_ENV, URL_ENV, main
-from openjiuwen.agent_evolving.agent_rl.gateway.hmac_auth import HmacVerifier
+from openjiuwen.agent_evolving.agent_rl.gateway.auth.hmac_auth import HmacVerifier
 
 KEY = b"k" * 32
 HEX_KEY = "ab" * 32  # 64 hex digits: decoded to 32 bytes, as the gateway does

@@ -1,4 +1,4 @@
-"""LineageGuard (gateway/task_access.py): an agent key's lineage limit on Task stop and reward, checked after the
+"""LineageGuard (gateway/rl/task_access.py): an agent key's lineage limit on Task stop and reward, checked after the
 own-Task rule so that a 403 only ever names the caller's own Task."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import httpx
 import orjson
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.gateway.rl_client import RLAnswer
-from openjiuwen.agent_evolving.agent_rl.gateway.sessions import Binding, SessionMap
-from openjiuwen.agent_evolving.agent_rl.gateway.task_access import LineageGuard
+from openjiuwen.agent_evolving.agent_rl.gateway.rl.rl_client import RLAnswer
+from openjiuwen.agent_evolving.agent_rl.gateway.rl.sessions import Binding, SessionMap
+from openjiuwen.agent_evolving.agent_rl.gateway.rl.task_access import LineageGuard
 
 LIMITS = {"agent-a": frozenset({"support"}), "agent-none": frozenset()}
 

@@ -1,11 +1,11 @@
-"""The lineage a Task start names (gateway/task_lineage.py, docs/lineages.md wire 1)."""
+"""The lineage a Task start names (gateway/rl/task_lineage.py, docs/lineages.md wire 1)."""
 
 from __future__ import annotations
 
 import pytest
 
 from openjiuwen.agent_evolving.agent_rl.common.lineage import InvalidLineage
-from openjiuwen.agent_evolving.agent_rl.gateway.task_lineage import decode_start_body, requested_lineage
+from openjiuwen.agent_evolving.agent_rl.gateway.rl.task_lineage import decode_start_body, requested_lineage
 
 
 @pytest.mark.parametrize(("body", "lineage"), [

@@ -9,7 +9,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 
-from ..gateway.console_auth import login_token
+from ..gateway.console.console_auth import login_token
 from ..common.hmac_signing import HmacAuth
 from ..common.signing_keys import SigningKey
 

@@ -50,7 +50,7 @@ import orjson
 
 from ..common.wire import routes
 from ..common.policy_names import BASE_POLICY
-from ..gateway.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS
+from ..gateway.console.console_auth import DEFAULT_LOGIN_TTL_S, MAX_LOGIN_TTL_MS
 from ..common.signing_keys import KeyFileError, SigningKey, decode_key, load_signing_key
 from ..online.store.sample_status import ALL_SAMPLE_STATUSES
 from ..online.training.run_records import TERMINAL_STATUSES

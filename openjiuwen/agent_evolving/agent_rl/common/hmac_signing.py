@@ -9,7 +9,7 @@ the `X-Agent-Session-Id` header as sent (empty when absent). A signed request th
 route, method or query, nor re-targeted to another session or key. Header values cannot hold a line feed, so the
 fields cannot run into each other. Version 2 (method, target and body only) is no longer accepted: it left the
 session of a Task start unsigned. The AIGW form signs `timestamp ‖ body` only (`sign`). The gateway's verification
-(skew window, replay caches) lives in gateway/hmac_auth.py.
+(skew window, replay caches) lives in gateway/auth/hmac_auth.py.
 """
 
 from __future__ import annotations

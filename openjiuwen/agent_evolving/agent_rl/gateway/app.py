@@ -6,7 +6,7 @@ HMAC-signed control (service, Tasks, Training Runs, trajectories, rail upload, L
 registration with the api or the instance key, instance removal and listing with the api key only); loopback-only
 internal LoRA and canary routes for the RL Service child, checked against its bearer token and closed while no child
 is alive; the read-only web console under `/console` (a login token signed with the api key, exchanged for a session
-cookie; see console.py). Every route takes a JSON body or none (415 otherwise, before any route runs).
+cookie; see console/console.py). Every route takes a JSON body or none (415 otherwise, before any route runs).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from starlette.responses import Response
 
 from ..common.content_type import JsonBodyMiddleware
 from ..common.errors import install_error_envelope
-from ..common.request_guards import GuardMiddleware
 from ..common.http_metrics import HttpMetricsMiddleware
+from ..common.request_guards import GuardMiddleware
 from .assembly import Gateway, build_gateway
-from .lora_manager import LoraError
 from .domain_errors import error_answer
+from .lora.lora_manager import LoraError
 from .routes import console, control, internal, lora, public
 from .security_headers import SecurityHeadersMiddleware
 

@@ -11,23 +11,23 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..common import packed_hook
+from .auth.hmac_auth import HmacVerifier
+from .auth.lineage_access import LineageAccess
 from .config import GatewayConfig
-from .console import Console
-from .console_auth import ConsoleAuth
-from .control import RLControl
-from .health import HealthMonitor, InstanceProbe
-from .hmac_auth import HmacVerifier
+from .console.console import Console
+from .console.console_auth import ConsoleAuth
 from .http11 import Http11Client
-from .inference import InferenceProxy
-from .instance_addresses import AddressPolicy
-from .instances import Instance, InstanceRegistry
-from .lineage_access import LineageAccess
-from .lora_manager import LoraManager
+from .instances.health import HealthMonitor, InstanceProbe
+from .instances.instance_addresses import AddressPolicy
+from .instances.instances import Instance, InstanceRegistry
+from .lora.lora_manager import LoraManager
 from .metrics import GatewayMetrics
-from .rl_client import RLClient
-from .sessions import SessionMap
-from .supervisor import RLSupervisor
-from .tasks import TaskTracker
+from .proxy.inference import InferenceProxy
+from .rl.control import RLControl
+from .rl.rl_client import RLClient
+from .rl.sessions import SessionMap
+from .rl.supervisor import RLSupervisor
+from .rl.tasks import TaskTracker
 
 
 @dataclass

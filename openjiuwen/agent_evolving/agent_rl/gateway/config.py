@@ -35,13 +35,13 @@ from pydantic import (
     model_validator,
 )
 
+from ..common import loopback
 from ..common.lineage import is_lineage
 from ..common.signing_keys import decode_key, is_agent_key_id
-from ..common import loopback
 from ..common.bounded_files import FileReadError, read_bounded
 from ..common.validation import AbsolutePath, ModelId, NonBlank, config_invalid, validation_problems
-from .hmac_auth import REPLAY_CAPACITY
-from .instances import valid_host
+from .auth.hmac_auth import REPLAY_CAPACITY
+from .instances.instances import valid_host
 
 MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
 MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is a few short strings per key
@@ -249,7 +249,7 @@ class GlobalSection(_Model):
         default=67_108_864, alias="maxUpstreamBodyBytes")
     # Project gateway: accept the AIGW signature form (timestamp ‖ body; method, path and query unsigned) beside
     # version 3 (operator and instance keys only). Off by default: only then can no signed request be replayed on
-    # another route or re-targeted to another session (hmac_auth.py).
+    # another route or re-targeted to another session (auth/hmac_auth.py).
     accept_legacy_signatures: StrictBool = Field(default=False, alias="acceptLegacySignatures")
     # Project gateway: live (timestamp, signature) pairs remembered per key (api, instance, each agent key apart); a key
     # whose cache is full of live pairs has its further requests refused until some expire.
@@ -316,7 +316,7 @@ class LoraSection(_Model):
 
 
 class InstanceHealthSection(_Model):
-    """Project gateway (issue 19): periodic `GET /health` of every vLLM instance (health.py)."""
+    """Project gateway (issue 19): periodic `GET /health` of every vLLM instance (instances/health.py)."""
 
     interval_s: Duration = Field(default=10.0, alias="interval")
     timeout_s: Duration = Field(default=5.0, alias="timeout")
@@ -325,7 +325,7 @@ class InstanceHealthSection(_Model):
 
 class RegistrationSection(_Model):
     """Project gateway: what `register-instance` may add (issue 19: how many; issue 28 item 1: which addresses,
-    instance_addresses.py; item 2: whether registered instances serve captured traffic)."""
+    instances/instance_addresses.py; item 2: whether registered instances serve captured traffic)."""
 
     max_instances: Annotated[StrictInt, Field(ge=0, le=10_000)] = Field(default=64, alias="maxInstances")
     # Networks whose loopback, link-local, … addresses a registration may still name (e.g. "127.0.0.0/8" when vLLM

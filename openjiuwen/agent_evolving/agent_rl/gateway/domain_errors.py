@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from starlette.responses import Response
 
-from .lora_types import LoraError
+from .lora.lora_types import LoraError
 from .responses import envelope, passthrough
-from .rl_client import CaptureFailed
+from .rl.rl_client import CaptureFailed
 
 STATUS_OF_CODE = {
     "invalid_lora_request": 400,

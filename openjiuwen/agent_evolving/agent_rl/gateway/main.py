@@ -21,12 +21,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 async def _serve(config_path: str) -> int:
     from ..common.gc_tuning import tune_gc
-    from ..common.slow_clients import ConnectionLimits, server_config
     from ..common.quiet_server import QuietServer
+    from ..common.slow_clients import ConnectionLimits, server_config
     from .app import build_gateway, create_gateway_app
+    from .auth.hmac_auth import HmacVerifier
     from .config import GatewayConfigError, load_gateway_config, load_hmac_keys
-    from .console_auth import ConsoleAuth
-    from .hmac_auth import HmacVerifier
+    from .console.console_auth import ConsoleAuth
 
     try:
         config = load_gateway_config(config_path)

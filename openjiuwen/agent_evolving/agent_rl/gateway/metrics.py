@@ -14,11 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ..common.http_metrics import FAST_BUCKETS_S
 from ..common.lineage import DEFAULT_LINEAGE, parse_version_name, split_line
-from .instances import InstanceRegistry
 from ..common.lineage_labels import DEFAULT_IDLE_S, OTHER, LineageLabels
-from .lora_manager import LoraManager
-from .lora_types import LoraStatus
-from .sessions import SessionMap
+from .instances.instances import InstanceRegistry
+from .lora.lora_manager import LoraManager
+from .lora.lora_types import LoraStatus
+from .rl.sessions import SessionMap
 
 UPSTREAM_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 LORA_STATES = tuple(LoraStatus)
@@ -64,7 +64,7 @@ class GatewayMetrics:
         self.rl_service_up = Gauge("gw_rl_service_up", "1 while the RL Service child is running", registry=r)
         self.rl_scrape_errors = Counter("gw_rl_scrape_errors_total",
                                         "Failed reads of the RL Service's /metrics while scraping", registry=r)
-        # Adapter paging (adapter_pager.py): on-demand and switch loads, and unloads to make room, per instance.
+        # Adapter paging (lora/adapter_pager.py): on-demand and switch loads, and unloads to make room, per instance.
         self.adapter_loads = Counter("gw_lora_adapter_loads_total", "LoRA adapters loaded on an instance by the gateway",
                                      ("instance",), registry=r)
         self.adapter_evictions = Counter("gw_lora_adapter_evictions_total",

@@ -9,7 +9,7 @@ import orjson
 from starlette.responses import Response
 
 from ..common.errors import JSONBody, envelope
-from .rl_client import RLAnswer
+from .rl.rl_client import RLAnswer
 
 __all__ = ["envelope", "json_response", "passthrough", "upstream_error"]
 

@@ -1,8 +1,8 @@
 """Browser hardening headers on every gateway answer (issue 19 item 5).
 
 The gateway answers JSON, SSE and Prometheus text; only the console pages are meant to be rendered by a browser, and
-they set their own policy (scripts, styles and fetches from the gateway only; console.py). Every other answer gets
-`X-Content-Type-Options: nosniff` and a CSP that forbids everything, so a body that a browser would otherwise sniff
+they set their own policy (scripts, styles and fetches from the gateway only; console/console.py). Every other answer
+gets `X-Content-Type-Options: nosniff` and a CSP that forbids everything, so a body that a browser would otherwise sniff
 or render as HTML (an upstream error page, a reflected string) can never run script on the gateway's origin. Headers an answer already
 carries are kept; the middleware only fills in what is absent, for streams too (the headers leave with the first
 message of the answer).

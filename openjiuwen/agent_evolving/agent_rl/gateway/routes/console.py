@@ -1,4 +1,5 @@
-"""The read-only web console under `/console` (console.py: login token → session cookie, then read-only views)."""
+"""The read-only web console under `/console` (console/console.py: login token → session cookie, then read-only
+views)."""
 
 from __future__ import annotations
 

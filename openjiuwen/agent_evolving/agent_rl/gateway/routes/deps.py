@@ -16,10 +16,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from ...common import loopback
-from ...common.lineage import InvalidLineage, split_line
 from ...common.errors import ApiError
+from ...common.lineage import InvalidLineage, split_line
 from ..assembly import Gateway
-from ..hmac_auth import Caller, KeyRole, request_target
+from ..auth.hmac_auth import Caller, KeyRole, request_target
 
 
 async def gateway_of(request: Request) -> Gateway:

@@ -11,9 +11,9 @@ from starlette.responses import Response
 
 from ...common import json_nesting
 from ...common.errors import ApiError
-from ..responses import json_response
 from ..assembly import Gateway
-from ..policy_lines import model_of_version
+from ..lora.policy_lines import model_of_version
+from ..responses import json_response
 from .deps import GatewayDep, checked_line, internal_caller
 
 router = APIRouter(prefix="/internal/v1/rl", dependencies=[Depends(internal_caller)])
