@@ -12,7 +12,7 @@ from ..instances.instances import Instance, InstanceRefused, InstanceRegistry
 from .adapter_placement import Placement
 from .holdings import Holdings
 from .lora_types import ActiveLora, LoraError
-from .owned_tasks import OwnedTasks
+from .shielded_operations import ShieldedOperations
 from .policy_lines import PolicyLine, PolicyLines
 
 log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
@@ -20,7 +20,7 @@ log = logging.getLogger("openjiuwen.agent_rl.gateway.lora")
 
 class Admission:
     def __init__(self, registry: InstanceRegistry, holdings: Holdings, lines: PolicyLines, placement: Placement,
-                 tasks: OwnedTasks, *, timeout_s: float, addresses: AddressPolicy,
+                 operations: ShieldedOperations, *, timeout_s: float, addresses: AddressPolicy,
                  probe: Callable[[Instance], Awaitable[bool]] | None) -> None:
         """`addresses`: what a registration may name. `probe`: the health check a registration must pass before the
         instance serves (None: admit at once)."""
@@ -28,7 +28,7 @@ class Admission:
         self._holdings = holdings
         self._lines = lines
         self._placement = placement
-        self._tasks = tasks
+        self._operations = operations
         self._timeout_s = timeout_s
         self._addresses = addresses
         self._probe = probe
@@ -59,13 +59,13 @@ class Admission:
         if new:
             shown = "" if instance.host == host else f" (resolved from {host})"
             log.info("instance %s registered for %s at %s%s", name, model, instance.base_url, shown)
-        return await self._tasks.run(self._admit(instance, probed=False), f"lora-register:{name}")
+        return await self._operations.run(self._admit(instance, probed=False), f"lora-register:{name}")
 
     async def readmit(self, instance: Instance) -> None:
         """An instance that answers its health probe again: adapters first, then routing (health monitor)."""
         if instance.name in self._admitting:
             return
-        await self._tasks.run(self._admit(instance, probed=True), f"lora-readmit:{instance.name}")
+        await self._operations.run(self._admit(instance, probed=True), f"lora-readmit:{instance.name}")
 
     def remove(self, name: str) -> Instance:
         """Drop a registered instance (operator): out of routing and the quorum at once; requests already sent to it

@@ -10,8 +10,8 @@ health checks call, over one module per concern.
   state each of those changes, and vLLM's adapter calls.
 
 Concurrency (one event loop): a line's lock serializes its switches; a lock per version serializes every load and
-unload of that version (lora_locks.py). Mutating operations run as owned tasks shielded from the caller's
-cancellation (owned_tasks.py). Every vLLM call has a timeout taken from the operation's one deadline
+unload of that version (lora_locks.py). Mutating operations run as asyncio tasks shielded from the caller's
+cancellation (shielded_operations.py). Every vLLM call has a timeout taken from the operation's one deadline
 (`operation_timeout_s`).
 """
 
@@ -41,7 +41,7 @@ from .lora_state_file import LoraStateFile
 from .lora_switch import Serving, Switch, Switcher
 from .lora_types import ActiveLora, LoraError, LoraStatus
 from .lora_views import LoraViews
-from .owned_tasks import OwnedTasks
+from .shielded_operations import ShieldedOperations
 from .policy_lines import PolicyLine, PolicyLines, line_of_version, model_of_line
 from .routing import Router, require_serving
 from .vllm_adapters import AdapterClient
@@ -101,12 +101,12 @@ class LoraManager:
         self._max_leased_versions = max_leased_versions
         self._lines = PolicyLines()
         self._state_file = LoraStateFile(state_path)
-        self._tasks = OwnedTasks()
+        self._operations = ShieldedOperations()
         self._placement = Placement(registry, self.holdings, self.leases, self._lines, self._vllm,
                                     lora_root=Path(lora_root), pages=self.pager.pages)
         self._switcher = Switcher(registry, self.holdings, self._lines, self._placement, self._state_file,
                                   self._vllm, timeout_s=self._timeout_s)
-        self._admission = Admission(registry, self.holdings, self._lines, self._placement, self._tasks,
+        self._admission = Admission(registry, self.holdings, self._lines, self._placement, self._operations,
                                     timeout_s=self._timeout_s, addresses=addresses, probe=probe)
         self._views = LoraViews(registry, self.holdings, self.leases, self._lines, self.routing)
 
@@ -116,7 +116,7 @@ class LoraManager:
         self, *, base_model: str, lora_name: str, lora_path: str, expected_lora_name: str
     ) -> dict[str, Any]:
         """CAS-switch the model's active LoRA after loading it on every instance (§3.8). Raises LoraError."""
-        return await self._tasks.run(
+        return await self._operations.run(
             self._activate(base_model, lora_name, lora_path, expected_lora_name), f"lora-activate:{lora_name}"
         )
 
@@ -150,7 +150,7 @@ class LoraManager:
     async def deactivate(self, model: str) -> None:
         """New Tasks of the line `model` use base at once (DELETE /v1/loras/{line}); the old version is unloaded
         unless leased."""
-        await self._tasks.run(self._deactivate(model), f"lora-deactivate:{model}")
+        await self._operations.run(self._deactivate(model), f"lora-deactivate:{model}")
 
     async def _deactivate(self, model: str) -> None:
         line = self._lines.get(model)
@@ -173,7 +173,7 @@ class LoraManager:
         line = self._lines.get(line_name)
         before = sorted(Serving(line.active, line.candidate).versions()) if line is not None else []
         if before:
-            await self._tasks.run(self._retire(line_name), f"lora-retire:{line_name}")
+            await self._operations.run(self._retire(line_name), f"lora-retire:{line_name}")
         return {"status": "retired", "line": line_name, "versions": before}
 
     async def _retire(self, model: str) -> None:
@@ -192,7 +192,7 @@ class LoraManager:
         """Load `lora_name` on every instance as the model's candidate beside the active version, which must be
         `expected_lora_name` (CAS, as activation). One candidate per model: another one is 409 `canary_conflict`;
         the same one again is idempotent. Raises LoraError."""
-        return await self._tasks.run(
+        return await self._operations.run(
             self._start_canary(base_model, lora_name, lora_path, expected_lora_name, share),
             f"lora-canary:{lora_name}",
         )
@@ -228,7 +228,7 @@ class LoraManager:
     async def promote_canary(self, *, base_model: str, lora_name: str, expected_lora_name: str) -> dict[str, Any]:
         """Make the candidate `lora_name` the active version, replacing `expected_lora_name` (CAS). Already promoted
         (it is active, no candidate) → idempotent. Raises LoraError 409 `lora_cas_conflict` / `no_canary`."""
-        return await self._tasks.run(self._promote_canary(base_model, lora_name, expected_lora_name),
+        return await self._operations.run(self._promote_canary(base_model, lora_name, expected_lora_name),
                                      f"lora-promote:{lora_name}")
 
     async def _promote_canary(self, base_model: Any, lora_name: Any, expected: Any) -> dict[str, Any]:
@@ -259,7 +259,7 @@ class LoraManager:
     async def abort_canary(self, *, base_model: str, lora_name: str) -> dict[str, Any]:
         """Drop the candidate `lora_name`: new Tasks all go to the active version; Tasks pinned to the candidate
         keep it (leases). No candidate, and it is not active → idempotent. Raises LoraError 409."""
-        return await self._tasks.run(self._abort_canary(base_model, lora_name), f"lora-abort:{lora_name}")
+        return await self._operations.run(self._abort_canary(base_model, lora_name), f"lora-abort:{lora_name}")
 
     async def _abort_canary(self, base_model: Any, lora_name: Any) -> dict[str, Any]:
         deadline = self._now() + self._timeout_s
@@ -315,13 +315,13 @@ class LoraManager:
         """Retry loading the active adapter where it is missing, then `status(model)`."""
         line = self._lines.get(model)
         if line is not None and self._placement.needs_converge(line):
-            await self._tasks.run(self._placement.converge(line, self._now() + self._timeout_s),
+            await self._operations.run(self._placement.converge(line, self._now() + self._timeout_s),
                                   f"lora-refresh:{model}")
         return self.status(model)
 
     async def retry_failed(self) -> None:
         """Periodic repair: load the active adapters and candidates where they are missing, unload unused versions."""
-        await self._tasks.run(self._placement.repair(self._now() + self._timeout_s), "lora-retry")
+        await self._operations.run(self._placement.repair(self._now() + self._timeout_s), "lora-retry")
 
     # ------------------------------------------------------------------------------------------------ pinning
 
@@ -397,9 +397,9 @@ class LoraManager:
 
     async def release(self, lora_name: str) -> None:
         """Drop one lease; the last one of a version that is not active unloads it from every instance."""
-        if not self.leases.drop(lora_name) or self._placement.in_use(lora_name) or self._tasks.closed:
+        if not self.leases.drop(lora_name) or self._placement.in_use(lora_name) or self._operations.closed:
             return
-        await self._tasks.run(self._placement.collect_version(lora_name, self._now() + self._timeout_s),
+        await self._operations.run(self._placement.collect_version(lora_name, self._now() + self._timeout_s),
                               f"lora-unload:{lora_name}")
 
     # ------------------------------------------------------------------------------------------------ instances
@@ -444,7 +444,7 @@ class LoraManager:
         """At gateway start: read the state file (missing → every line on base) and load each active adapter on
         every instance; a failure or a missing artifact leaves the model explicitly `degraded`. A corrupt state
         file raises LoraError 500 `invalid_lora_state` (the gateway must not guess)."""
-        await self._tasks.run(self._restore(), "lora-restore")
+        await self._operations.run(self._restore(), "lora-restore")
 
     async def _restore(self) -> None:
         entries, candidates = await self._state_file.read()
@@ -469,9 +469,9 @@ class LoraManager:
 
     async def close(self) -> None:
         """Cancel and await the operations still running; close the HTTP client when it is ours. Idempotent."""
-        if self._tasks.closed:
+        if self._operations.closed:
             return
-        await self._tasks.close()
+        await self._operations.close()
         await self._vllm.aclose()
 
     def _now(self) -> float:

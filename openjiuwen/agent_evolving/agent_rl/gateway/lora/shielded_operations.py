@@ -1,4 +1,4 @@
-"""Mutating LoRA operations run as owned tasks shielded from the caller's cancellation: a client that goes away cannot
+"""Mutating LoRA operations run as asyncio tasks shielded from the caller's cancellation: a client that goes away cannot
 split "loaded everywhere" from "persisted and switched"."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from .lora_types import LoraError
 T = TypeVar("T")
 
 
-class OwnedTasks:
+class ShieldedOperations:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
