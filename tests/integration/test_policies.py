@@ -10,7 +10,7 @@ import pytest
 from openjiuwen.agent_evolving.agent_rl.online.capture.request import normalize_request
 from openjiuwen.agent_evolving.agent_rl.online.capture.response import validate_response
 from openjiuwen.agent_evolving.agent_rl.online.capture.sample import build_sample
-from openjiuwen.agent_evolving.agent_rl.online.policies import quantile_ms, reward_summary, t95
+from openjiuwen.agent_evolving.agent_rl.online.version_report import quantile_ms, reward_summary, t95
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.policy_stats import contribution
 from openjiuwen.agent_evolving.agent_rl.online.tasks.task_records import Task

@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from openjiuwen.agent_evolving.agent_rl.online.config import RewardPolicyConfig
 from openjiuwen.agent_evolving.agent_rl.online.rewards.ledger import RewardLedger
-from openjiuwen.agent_evolving.agent_rl.online.rewards.policy import RewardPolicy
+from openjiuwen.agent_evolving.agent_rl.online.rewards.reward_policy import RewardPolicy
 from openjiuwen.agent_evolving.agent_rl.online.store import keys, prompt_blocks
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample, pack_ids, pack_logprobs
 from openjiuwen.agent_evolving.agent_rl.online.store.prompt_blocks import BLOCK_IDS

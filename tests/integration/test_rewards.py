@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
 from openjiuwen.agent_evolving.agent_rl.online.rewards.config import RewardPolicyConfig
 from openjiuwen.agent_evolving.agent_rl.online.rewards.ledger import RewardLedger
-from openjiuwen.agent_evolving.agent_rl.online.rewards.policy import RewardPolicy
+from openjiuwen.agent_evolving.agent_rl.online.rewards.reward_policy import RewardPolicy
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import ALL_SAMPLE_STATUSES, SAMPLE_STATUSES
 from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore

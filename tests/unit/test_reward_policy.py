@@ -8,7 +8,7 @@ import pytest
 
 from openjiuwen.agent_evolving.agent_rl.online.config import ConfigError, config_from_mapping
 from openjiuwen.agent_evolving.agent_rl.online.rewards.config import RewardPolicyConfig
-from openjiuwen.agent_evolving.agent_rl.online.rewards.policy import RewardConflict, RewardPolicy
+from openjiuwen.agent_evolving.agent_rl.online.rewards.reward_policy import RewardConflict, RewardPolicy
 
 T0 = 1_750_000_000.0
 BASE = {"redis_url": "redis://127.0.0.1:1/0", "model_id": "m", "base_model_path": "/b", "lora_repository_path": "/l"}

@@ -45,7 +45,7 @@ from .api.trajectories import build_trajectories_router
 from .config import ConfigError, RLServiceConfig, load_config
 from .faults import CRASH_AT_ENV
 from .logs import configure_logging
-from .policies import PolicyReport
+from .version_report import PolicyReport
 from .training.backends import TrainerBackend
 from .watchdog import install_parent_death_watchdog
 from .wiring import ServiceDeps

@@ -30,7 +30,7 @@ from .rail_ingest.ingest import RailIngestor
 from .rail_ingest.jsonl_copy import RailRecorder
 from .retention import RetentionSweeper
 from .rewards.ledger import RewardLedger
-from .rewards.policy import RewardPolicy
+from .rewards.reward_policy import RewardPolicy
 from .rewards.sweeper import RewardDeadlineSweeper
 from .rollout.controller import RolloutController
 from .rollout.store import RolloutStore

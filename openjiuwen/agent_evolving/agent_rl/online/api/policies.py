@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from ...common.wire import routes as rl_routes
 from ...common.errors import JSONBody
 from ..lineages import LineageRegistry
-from ..policies import PolicyReport
+from ..version_report import PolicyReport
 from . import openapi
 from .lineages import known_lineage
 

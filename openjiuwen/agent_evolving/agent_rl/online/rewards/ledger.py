@@ -33,7 +33,7 @@ from ..store.sample_status import SampleStatus
 from ..store.trajectories import TrajectoryStore
 from ..store.tx import transact
 from ..store.fence import Fence
-from .policy import RewardConflict, RewardPolicy, iso_at
+from .reward_policy import RewardConflict, RewardPolicy, iso_at
 
 LATENCY_WINDOW = 1000  # lateness samples kept per source for the p50/p95 of the stats
 _FIELDS = ("status", "rewards", "source", "policy_version", "created_at", "lineage")

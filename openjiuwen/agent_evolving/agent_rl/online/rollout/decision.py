@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..policies import reward_summary, welch_delta
+from ..version_report import reward_summary, welch_delta
 from .config import RolloutConfig
 
 PROMOTE, ROLLBACK, WAIT = "promote", "rollback", "wait"

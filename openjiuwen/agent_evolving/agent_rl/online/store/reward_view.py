@@ -1,5 +1,5 @@
 """The store's side of reward policies: what a sample store asks of one (RewardRules, satisfied by
-rewards/policy.RewardPolicy and handed in by the composition root, so the store never imports the rewards package),
+rewards/reward_policy.RewardPolicy and handed in by the composition root, so the store never imports the rewards package),
 and the public view of a recorded reward state."""
 
 from __future__ import annotations
