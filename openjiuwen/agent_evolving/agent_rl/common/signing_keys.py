@@ -83,13 +83,15 @@ def signing_key_from_document(data: Any, *, source: str) -> SigningKey:
         key_id, text = data.get("agentKeyId"), data["agentHmacKey"]
         if not is_agent_key_id(key_id):
             raise KeyFileError(f"{source}: agentKeyId: required, matching [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
-        return SigningKey(_member_key(text, "agentHmacKey", source), key_id)
+        return SigningKey(member_key(text, "agentHmacKey", source), key_id)
     if "apiHmacKey" in data:
-        return SigningKey(_member_key(data["apiHmacKey"], "apiHmacKey", source))
+        return SigningKey(member_key(data["apiHmacKey"], "apiHmacKey", source))
     raise KeyFileError(f"{source}: neither apiHmacKey (the gateway's key file) nor agentHmacKey (an agent's key file)")
 
 
-def _member_key(text: Any, member: str, source: str) -> bytes:
+def member_key(text: Any, member: str, source: str) -> bytes:
+    """One key member of a key document (the gateway's key file, an agent's key file, the crypto socket's answer):
+    a non-empty string of 64 hex digits or 32..1024 bytes. Both processes' parsers read keys through it."""
     if not isinstance(text, str) or not text:
         raise KeyFileError(f"{source}: {member}: required, a non-empty string")
     try:

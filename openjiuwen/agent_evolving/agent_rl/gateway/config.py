@@ -37,7 +37,7 @@ from pydantic import (
 
 from ..common import loopback
 from ..common.lineage import is_lineage
-from ..common.signing_keys import decode_key, is_agent_key_id
+from ..common.signing_keys import KeyFileError, is_agent_key_id, member_key
 from ..common.bounded_files import FileReadError, read_bounded
 from ..common.validation import AbsolutePath, ModelId, NonBlank, config_invalid, validation_problems
 from .auth.hmac_auth import REPLAY_CAPACITY
@@ -472,13 +472,11 @@ def keys_from_document(data: Any, *, source: str) -> HmacKeys:
     other member may be a restriction this gateway would not apply, so it is refused. Ids are unique; no two keys of the document are equal."""
     if not isinstance(data, Mapping):
         raise GatewayConfigError(f"{source}: must be a JSON object")
-    api = data.get("apiHmacKey")
-    if not isinstance(api, str) or not api:
-        raise GatewayConfigError(f"{source}: apiHmacKey: required, a non-empty string")
+    api = _decoded(data.get("apiHmacKey"), "apiHmacKey", source)
     ins = data.get("insHmacKey")
     if ins is not None and not isinstance(ins, str):
         raise GatewayConfigError(f"{source}: insHmacKey: must be a string")
-    named = {"apiHmacKey": _decoded(api, "apiHmacKey", source)}
+    named = {"apiHmacKey": api}
     if ins:
         named["insHmacKey"] = _decoded(ins, "insHmacKey", source)
     agents, limits, caps = _agent_keys(data.get("agentHmacKeys"), source)
@@ -488,11 +486,11 @@ def keys_from_document(data: Any, *, source: str) -> HmacKeys:
                     agent_lineage_caps=caps)
 
 
-def _decoded(text: str, member: str, source: str) -> bytes:
+def _decoded(text: Any, member: str, source: str) -> bytes:
     try:
-        return decode_key(text)
-    except ValueError as exc:
-        raise GatewayConfigError(f"{source}: {member}: {exc}") from None
+        return member_key(text, member, source)
+    except KeyFileError as exc:
+        raise GatewayConfigError(str(exc)) from None
 
 
 def _agent_keys(entries: Any, source: str) -> tuple[dict[str, bytes], dict[str, frozenset[str]], dict[str, int]]:
@@ -520,8 +518,6 @@ def _agent_keys(entries: Any, source: str) -> tuple[dict[str, bytes], dict[str, 
             raise GatewayConfigError(f"{source}: {where}.id: must match [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
         if key_id in agents:
             raise GatewayConfigError(f"{source}: {where}.id: duplicate id {key_id!r}")
-        if not isinstance(text, str) or not text:
-            raise GatewayConfigError(f"{source}: {where}.key: required, a non-empty string")
         agents[key_id] = _decoded(text, f"{where}.key", source)
     return agents, limits, caps
 
