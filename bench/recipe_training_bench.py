@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -51,12 +52,14 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
 
 
-def samples(model_dir: Path, count: int, max_tokens: int, cache: Path) -> list[dict[str, Any]]:
+def samples(model_dir: Path, count: int, max_tokens: int, cache: Path | None) -> list[dict[str, Any]]:
+    from bench.training_samples import calculator_samples
+
+    if cache is None:
+        return calculator_samples(model_dir, count, seed=0, max_tokens=max_tokens)
     path = cache / f"calculator-{model_dir.name}-{count}x{max_tokens}-seed0.json"
     if path.exists():
         return orjson.loads(path.read_bytes())
-    from bench.training_samples import calculator_samples
-
     docs = calculator_samples(model_dir, count, seed=0, max_tokens=max_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(orjson.dumps(docs))
@@ -84,20 +87,28 @@ async def one_run(arm: str, python: str, model_dir: Path, docs: list[dict[str, A
         return None
 
     load = os.getloadavg()[0]
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)  # the worker's CPU: less at the mercy of other work than wall
     started = time.perf_counter()
     artifact = await backend.train(TrainingJob(training_run_id=f"run-{n:012x}", model_id="bench",
                                                base_model_path=str(model_dir), samples=docs, init_lora_name="base",
                                                init_lora_path=""), on_progress=ignore)
     wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
     meta = artifact.metadata
-    return {"arm": arm, "wall_seconds": round(wall, 2), "load_avg_at_start": load,
+    return {"arm": arm, "wall_seconds": round(wall, 2), "cpu_seconds": round(cpu_s, 2), "load_avg_at_start": load,
             "timings": meta.get("timings"), "ppo_seconds": sum(s["seconds"] for s in meta["ppo_step_metrics"]),
             "recomputed_samples": (meta.get("sampling") or {}).get("recomputed_samples")}
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    model_dir = Path(args.model_dir)
-    docs = samples(model_dir, args.samples, args.max_tokens, Path(args.cache))
+    if args.model_dir == "tiny":  # the smoke run's: a tiny random model, its samples drawn afresh
+        from openjiuwen.agent_evolving.agent_rl.model_makers.tiny import make_tiny_model
+
+        model_dir, cache = make_tiny_model(tmp / "tiny", seed=0), None
+    else:
+        model_dir, cache = Path(args.model_dir), Path(args.cache)
+    docs = samples(model_dir, args.samples, args.max_tokens, cache)
     settings = RECIPE
     (tmp / "train").mkdir(mode=0o700)
     arms = [("this tree", worker_python(tmp, None))]
@@ -108,16 +119,22 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         order = arms if r % 2 == 0 else arms[::-1]  # alternate which arm goes first
         for arm, python in order:
             runs.append(await one_run(arm, python, model_dir, docs, tmp, len(runs), settings))
-            print(f"  {arm}: {runs[-1]['wall_seconds']:.1f} s {runs[-1]['timings'] or ''}", flush=True)
-    summary = {arm: {"median_wall_seconds": statistics.median(x["wall_seconds"] for x in runs if x["arm"] == arm),
-                     "walls": [x["wall_seconds"] for x in runs if x["arm"] == arm]} for arm, _ in arms}
+            last = runs[-1]
+            print(f"  {arm}: wall {last['wall_seconds']:.1f} s, cpu {last['cpu_seconds']:.1f} s, load "
+                  f"{last['load_avg_at_start']:.1f} {last['timings'] or ''}", flush=True)
+    summary = {}
+    for arm, _ in arms:
+        mine = [x for x in runs if x["arm"] == arm]
+        summary[arm] = {"median_wall_seconds": statistics.median(x["wall_seconds"] for x in mine),
+                        "median_cpu_seconds": statistics.median(x["cpu_seconds"] for x in mine),
+                        "walls": [x["wall_seconds"] for x in mine], "cpus": [x["cpu_seconds"] for x in mine]}
     return {"samples": len(docs), "model": model_dir.name, "settings": settings.to_dict(),
             "baseline_src": args.baseline_src, "runs": runs, "summary": summary, "machine": machine_facts()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", default=str(SMOLLM2))
+    parser.add_argument("--model-dir", default=str(SMOLLM2), help="a Hugging Face directory, or `tiny` (smoke runs)")
     parser.add_argument("--samples", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=2, help="runs per arm (interleaved)")
@@ -131,7 +148,8 @@ def main() -> None:
     print(f"local backend, {result['model']}, {result['samples']} samples, SmolLM2 recipe; "
           f"load average at the end {result['machine']['load_avg']}")
     for arm, s in result["summary"].items():
-        print(f"  {arm:>10}: median {s['median_wall_seconds']:.1f} s  runs {s['walls']}")
+        print(f"  {arm:>10}: median wall {s['median_wall_seconds']:.1f} s {s['walls']}, "
+              f"median worker cpu {s['median_cpu_seconds']:.1f} s {s['cpus']}")
     print(f"  written to {out}")
 
 
