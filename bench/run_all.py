@@ -95,6 +95,24 @@ def _load(results: Path, name: str) -> dict | None:
     return orjson.loads(path.read_bytes()) if path.exists() else None
 
 
+def _recipe_training_section(results: Path) -> list[str]:
+    """The SmolLM2-recipe Training Run (bench/recipe_training_bench.py, run by hand: SmolLM2 and minutes per run),
+    when its result file is there; always where its measured history is."""
+    out = [f"A SmolLM2 Training Run with docs/learning.md's recipe, A/B against the trainer before its π_old fix: "
+           f"[{NOTES}]({NOTES}#training-runs) (`bench/recipe_training_bench.py`).", ""]
+    rt = _load(results, "recipe-training")
+    if not rt:
+        return out
+    out += ["| trainer | runs | median wall s | median worker CPU s | phases of this tree's last run (s) |",
+            "|---|---:|---:|---:|---|"]
+    last = next((r for r in reversed(rt["runs"]) if r.get("timings")), None)
+    for arm, s in rt["summary"].items():
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in last["timings"].items()) if last and arm == "this tree" else ""
+        out.append(f"| {arm} | {len(s['walls'])} | {s['median_wall_seconds']:.1f} | {s['median_cpu_seconds']:.1f} | "
+                   f"{phases} |")
+    return out + ["", f"Load average at the end: {' / '.join(f'{x:.2f}' for x in rt['machine']['load_avg'])}.", ""]
+
+
 def _verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
@@ -424,6 +442,7 @@ def render(mode: str, seconds: dict[str, float], results: Path = RESULTS, machin
             f"{tr['sequence_tokens_per_second_wall']:.0f} |",
             "",
         ]
+    out += _recipe_training_section(results)
     out += _load_section(results) + _chaos_section(results)
     peers_measured = bool(cap) and any(k.startswith("peer:") for r in cap["results"] for k in r)
     out += [

@@ -11,6 +11,8 @@ by less than 0.15 in either direction: that is the noise the 0.4 threshold stand
 
 from __future__ import annotations
 
+import json
+
 import random
 from pathlib import Path
 
@@ -93,6 +95,15 @@ async def test_one_run_raises_the_rewarded_margin(redis, redis_url, tmp_path, ti
     assert run.metrics["steps"] == 1 and step["samples"] == SAMPLES and step["tokens"] == SAMPLES * LENGTH
     for key in ("loss", "kl", "clip_fraction", "grad_norm", "tokens_per_second"):
         assert key in step
+    # Issue 38: where the run's time went, phase by phase, and the report over its seeded sample of 16 rows (the
+    # tiny model reproduces its own logprobs: no mismatch on them).
+    timings = run.metrics["timings"]
+    assert set(timings) == {"load", "pi_old", "steps", "save", "publish"} and all(t >= 0 for t in timings.values())
+    assert timings["steps"] >= step["seconds"] * 0.99 and timings["load"] > 0
+    report = run.metrics["sampling"]
+    assert report["recomputed_samples"] == 16 and report["logprob_mismatch_max"] < 1e-4
+    assert report["tokens"] == 16 * LENGTH and report["pi_old_reused_samples"] == 0  # bypass: no row reads π_old
+    assert json.loads((adapter / "metadata.json").read_text())["timings"]["steps"] == timings["steps"]
 
 
 async def test_random_labels_do_not_move_the_margin(redis, redis_url, tmp_path, tiny_model):

@@ -70,6 +70,9 @@ SEPARATE: dict[str, list[str]] = {
     "bench/stale_claim_bench.py": ["--stale", "0", "100", "--reps", "1"],
     # issue 35: greedy samples trained with `correct` vs sampled ones vs excluded, one seed on a few prompts.
     "bench/greedy_bench.py": ["--seeds", "0", "--prompts", "4", "--held-out", "2", "--length", "4"],
+    # issue 38 item 4: the SmolLM2-recipe Training Run, A/B; the tiny model, 4 samples, this tree as the baseline.
+    "bench/recipe_training_bench.py": ["--model-dir", "tiny", "--samples", "4", "--max-tokens", "4", "--repeats", "1",
+                                       "--baseline-src", "."],
 }
 
 

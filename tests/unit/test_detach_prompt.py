@@ -94,3 +94,39 @@ def test_a_shared_prompt_prefix_is_run_once_with_the_same_log_probs(model):
 def test_trainer_threads_are_read_from_the_local_section_of_the_ppo_yaml():
     assert PPOSettings().num_threads == 0  # one per CPU, as before
     assert apply_tree(PPOSettings(), {"local": {"num_threads": 1}}).num_threads == 1
+
+
+def shared_prefix_rows(seed: int, rows: int = 4, p: int = 30, r: int = 5, shared_len: int = 12, extra: int = 0):
+    """Left-padded rows that start with the same `shared_len` tokens (an agent's system prompt); with `extra`, the
+    first `extra` tokens after it are the same too (micro-batches whose own shared prefix is longer)."""
+    torch.manual_seed(seed)
+    shared = torch.arange(3, 3 + shared_len + extra)
+    ids = torch.randint(3, 300, (rows, p + r))
+    mask = torch.ones(rows, p + r, dtype=torch.long)
+    for row, pad in enumerate((0, 4, 9, 2)[:rows]):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+        ids[row, pad : pad + shared_len + (extra if row else 0)] = shared[: shared_len + (extra if row else 0)]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos, ids[:, p:], mask[:, p:].bool()
+
+
+def test_a_kept_shared_prefix_gives_each_micro_batch_the_same_log_probs_and_gradient(model):
+    """`SharedPrefix` (issue 38): the prefix computed by the first micro-batch is reused, cut to what each later one
+    shares with it; log-probs and the LoRA's gradient are those of computing it per micro-batch."""
+    from openjiuwen.agent_evolving.agent_rl.online.training.ppo_math import SharedPrefix
+
+    micro_batches = [shared_prefix_rows(3, shared_len=17), shared_prefix_rows(4), shared_prefix_rows(5, extra=5)]
+    kept = SharedPrefix()
+    for ids, mask, pos, resp, rmask in micro_batches:
+        grads, logps = [], []
+        for prefix in (None, kept):
+            model.zero_grad(set_to_none=True)
+            out = response_log_probs(model, ids, mask, pos, resp, torch.ones(4), detach_prompt=True, prefix=prefix)
+            out.log_probs[rmask].sum().backward()
+            logps.append(out.log_probs.detach())
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
+        assert torch.allclose(logps[0][rmask], logps[1][rmask], atol=1e-5)
+        assert torch.allclose(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+    # The first micro-batch's 17 shared tokens stay kept: the later ones (12 shared) took a cut copy of them.
+    assert kept.agreeing(torch.arange(3, 20)) == 17

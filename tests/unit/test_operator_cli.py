@@ -471,6 +471,14 @@ def test_train_stop_and_get(gw: FakeGateway, capsys) -> None:
     out = capsys.readouterr().out
     assert "2.5% (ppo_clip+constrained_tis); constrained 2\n" in out
     assert "shaped     json_schema×2, penalties×1\n" in out
+    # Issue 38: the report's sample size, and where the run's time went.
+    trained["metrics"]["sampling"] = dict(report, recomputed_samples=16)
+    trained["metrics"]["timings"] = {"load": 7.92, "pi_old": 1.234, "publish": 0.08, "save": 0.16, "steps": 30.4}
+    gw.on("GET", "/v1/rl/training/runs/run-0123456789ab", ok(trained))
+    assert run_cli(gw, "train", "get", "run-0123456789ab") == 0
+    out = capsys.readouterr().out
+    assert "2.5% (ppo_clip); over 16 recomputed samples\n" in out
+    assert "timings    load 7.9 s, pi_old 1.2 s, steps 30.4 s, save 0.2 s, publish 0.1 s\n" in out
 
 
 # ---------------------------------------------------------------------------------------------- help and dispatch

@@ -125,7 +125,7 @@ def test_the_local_trainer_trains_constrained_rows_against_pi_old(model) -> None
     """The local trainer's PPO step takes its old logprobs and weights from `behaviour_correction`: flagging a row
     as constrained changes the loss it reports to exactly the rule's, and the sampling report says so."""
     from openjiuwen.agent_evolving.agent_rl.online.training import ppo_math
-    from openjiuwen.agent_evolving.agent_rl.online.training.local_worker import _PPOUpdate
+    from openjiuwen.agent_evolving.agent_rl.online.training.ppo_update import PPOUpdate
     from peft import LoraConfig, get_peft_model
 
     settings = PPOSettings(use_kl_in_reward=False, entropy_coeff=0.0, ppo_mini_batch_size=4, ppo_micro_batch_size=4,
@@ -144,11 +144,12 @@ def test_the_local_trainer_trains_constrained_rows_against_pi_old(model) -> None
     losses = []
     for constrained in (False, True):
         b = batch(constrained)
-        update = _PPOUpdate(peft, b, settings)
+        update = PPOUpdate(peft, b, settings)
+        update.fix_log_probs("base")
         assert update.sampling["constrained_samples"] == int(constrained)
         assert update.sampling["correction"] == ("ppo_clip+constrained_tis" if constrained else "ppo_clip")
         step = update.step(1, [0, 1])
-        pi_old = update._forward_all()  # lr 0: the weights did not move
+        pi_old = update.forward_rows(range(len(b)))  # lr 0: the weights did not move
         old, weights = ppo_math.behaviour_correction(b.old_log_probs, pi_old, b.corrected, settings)
         rewards, _ = ppo_math.token_level_rewards(b.token_level_scores, b.response_mask,
                                                   behaviour_log_probs=b.old_log_probs, ref_log_probs=None,

@@ -130,6 +130,7 @@ def show_run(run: dict[str, Any]) -> None:
         ("steps", metrics.get("steps")),
         ("sampling", _run_sampling_text(metrics.get("sampling"))),
         ("shaped", _counts_text(metrics.get("constraints"))),  # the run's samples per constraint kind
+        ("timings", _timings_text(metrics.get("timings"))),
         ("created", run.get("created_at")),
         ("started", run.get("started_at")),
         ("finished", run.get("finished_at")),
@@ -228,6 +229,17 @@ def _counts_text(counts: Any) -> str | None:
     return ", ".join(f"{kind}×{n}" for kind, n in counts.items())
 
 
+RUN_PHASES = ("load", "pi_old", "steps", "save", "publish")  # a Training Run's phases in the order they run
+
+
+def _timings_text(timings: Any) -> str | None:
+    """Where the run's time went (`metrics.timings`, seconds per phase), in the order the phases run."""
+    if not isinstance(timings, dict):
+        return None
+    order = [name for name in RUN_PHASES if name in timings] + [name for name in timings if name not in RUN_PHASES]
+    return ", ".join(f"{name} {_num(timings[name], '.1f')} s" for name in order)
+
+
 def _run_sampling_text(report: Any) -> str | None:
     """The run's sampling report in one line: temperatures, truncated samples, captured vs recomputed logprobs."""
     if not isinstance(report, dict):
@@ -237,7 +249,8 @@ def _run_sampling_text(report: Any) -> str | None:
             f"|captured − recomputed| mean {_num(report.get('logprob_mismatch_mean'), '.2g')}, "
             f"max {_num(report.get('logprob_mismatch_max'), '.2g')}; "
             f"ratios clipped {_num(report.get('ratio_clipped_share'), '.1%')} ({report.get('correction')})"
-            + (f"; constrained {report['constrained_samples']}" if report.get("constrained_samples") else ""))
+            + (f"; constrained {report['constrained_samples']}" if report.get("constrained_samples") else "")
+            + (f"; over {report['recomputed_samples']} recomputed samples" if "recomputed_samples" in report else ""))
 
 
 def show_items(items: list[dict[str, Any]]) -> None:

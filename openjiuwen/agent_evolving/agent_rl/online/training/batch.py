@@ -42,6 +42,7 @@ class ConvertedBatch:
     temperatures: torch.Tensor  # [B] float32, the temperature each sample is trained at (drawn at; 1 if greedy)
     truncated: torch.Tensor  # [B] bool, its sampling cut the distribution (top_p / top_k / min_p)
     corrected: torch.Tensor  # [B] bool, its sampling was constrained: always trained with truncated IS weights
+    greedy: torch.Tensor  # [B] bool, drawn greedily: its behaviour logprobs are 0, not the policy's (pi_old.py)
     uid: list[str]
     sample_ids: list[str]
     rl_task_ids: list[str | None]
@@ -144,6 +145,7 @@ def convert_samples(
         temperatures=torch.tensor([r[5].train_temperature for r in rows], dtype=torch.float32),
         truncated=torch.tensor([r[5].truncates for r in rows], dtype=torch.bool),
         corrected=torch.tensor([r[6] for r in rows], dtype=torch.bool),
+        greedy=torch.tensor([r[5].greedy for r in rows], dtype=torch.bool),
         uid=[_uid(s, advantage_estimator) for s in picked],
         sample_ids=[str(s["sample_id"]) for s in picked],
         rl_task_ids=[s.get("rl_task_id") for s in picked],

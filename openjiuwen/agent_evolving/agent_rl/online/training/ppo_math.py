@@ -7,6 +7,7 @@ trainer processes (torch and verl are heavy).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ def response_log_probs(
     *,
     with_entropy: bool = False,
     detach_prompt: bool = False,
+    prefix: SharedPrefix | None = None,
 ) -> TokenStats:
     """Log-probabilities (and entropies) of the response tokens under `model` at each row's temperature
     (`temperatures` [B]): log softmax(logits / T) over the whole vocabulary, the policy each sample was drawn from
@@ -52,11 +54,12 @@ def response_log_probs(
     then run the last prompt token and the response with autograd on top of it. The log-probabilities are the same
     (the forward pass is unchanged); the gradient no longer flows into the prompt tokens' keys/values through the
     LoRA. For agent turns whose prompt (system prompt, examples, history) is ten times the response, this cuts the
-    backward pass and the stored activations to the response tokens (docs/learning.md)."""
+    backward pass and the stored activations to the response tokens (docs/learning.md). `prefix`: the shared prompt
+    prefix's keys/values kept across the calls of one weight state (`SharedPrefix`)."""
     resp_len = responses.shape[1]
     split = input_ids.shape[1] - resp_len - 1  # tokens run without autograd
     if detach_prompt and split > 0:
-        cache, mask_head = _prompt_cache(model, input_ids, attention_mask, position_ids, split)
+        cache, mask_head = _prompt_cache(model, input_ids, attention_mask, position_ids, split, prefix)
         out = model(input_ids=input_ids[:, split:], attention_mask=torch.cat([mask_head, attention_mask[:, split:]], 1),
                     position_ids=position_ids[:, split:], past_key_values=cache, use_cache=True)
         logits = out.logits[:, :-1, :].float()
@@ -73,9 +76,40 @@ def response_log_probs(
     return TokenStats(log_probs, entropy)
 
 
+class SharedPrefix:
+    """The keys/values of the prompt prefix that rows share (an agent's system prompt and examples), for one row,
+    kept across the micro-batches that run with the same weights: a mini-batch's micro-batches before its optimizer
+    step, a whole pass without autograd. Its owner makes a new one whenever the weights change (a stale one would
+    feed the old weights' keys/values to the new ones). The first micro-batch computes it; each later one takes the
+    longest leading part its own shared prefix agrees with (keys/values of a causal model's first k tokens do not
+    depend on the tokens after them)."""
+
+    def __init__(self) -> None:
+        self._tokens: torch.Tensor | None = None  # [L]
+        self._cache: Any = None  # one row's cache of those L tokens, never extended in place
+
+    def agreeing(self, tokens: torch.Tensor) -> int:
+        """How many leading tokens of `tokens` [n] the kept prefix holds."""
+        if self._tokens is None:
+            return 0
+        n = min(len(tokens), len(self._tokens))
+        differ = torch.nonzero(tokens[:n] != self._tokens[:n])
+        return n if differ.numel() == 0 else int(differ[0, 0])
+
+    def keep(self, tokens: torch.Tensor, cache: Any) -> None:
+        self._tokens, self._cache = tokens.clone(), copy.deepcopy(cache)
+
+    def cache_for(self, length: int) -> Any:
+        """A copy of the kept cache cut to its first `length` tokens, for the caller to extend."""
+        cache = copy.deepcopy(self._cache)
+        cache.crop(length)
+        return cache
+
+
 @torch.no_grad()
 def _prompt_cache(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, split: int
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, split: int,
+    prefix: SharedPrefix | None = None,
 ) -> tuple[Any, torch.Tensor]:
     """Keys/values of the first `split` columns (left-padded prompts, all but their last token), and the attention
     mask the cache's key positions carry. The leading tokens every row shares (an agent's system prompt and
@@ -99,9 +133,17 @@ def _prompt_cache(
                      position_ids=position_ids[:, :split], use_cache=True, logits_to_keep=1)
         return head.past_key_values, attention_mask[:, :split]
     first = int(starts[0])
-    head = model(input_ids=input_ids[:1, first : first + shared], attention_mask=attention_mask[:1, first : first + shared],
-                 position_ids=position_ids[:1, first : first + shared], use_cache=True, logits_to_keep=1)
-    cache = head.past_key_values
+    kept = 0 if prefix is None else prefix.agreeing(input_ids[0, first : first + shared])
+    if kept >= 2:
+        shared = kept
+        cache = prefix.cache_for(shared)
+    else:
+        head = model(input_ids=input_ids[:1, first : first + shared],
+                     attention_mask=attention_mask[:1, first : first + shared],
+                     position_ids=position_ids[:1, first : first + shared], use_cache=True, logits_to_keep=1)
+        cache = head.past_key_values
+        if prefix is not None:
+            prefix.keep(input_ids[0, first : first + shared], cache)
     cache.batch_repeat_interleave(rows)
     width = int(real.max()) - shared  # columns after the shared part, up to the split
     cols = torch.arange(split - width, split)
@@ -233,6 +275,7 @@ def sampling_report(
     truncated: torch.Tensor,
     settings: PPOSettings,
     corrected: torch.Tensor | None = None,
+    measured: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """How far the captured (behaviour) logprobs are from the ones the trainer computes with the parent weights
     before the first update, over the trained tokens (`metrics.sampling` of the run record).
@@ -243,8 +286,11 @@ def sampling_report(
     `ratio_clipped_share`: the tokens whose importance ratio exp(recomputed − captured) the run's correction clips,
     above `tis_cap` with TIS, else outside PPO's clip range (bypass mode: the first update's ratio).
     `constrained_samples`: the rows trained with the constrained correction (`behaviour_correction`); they are left
-    out of `untruncated_mismatch_max`, whose gap they have by design."""
-    mask = response_mask > 0
+    out of `untruncated_mismatch_max`, whose gap they have by design.
+    `measured` [B] bool: the rows `recomputed` holds (the local trainer's sample, pi_old.py; None: every row). The
+    gaps, `tokens` and `ratio_clipped_share` are over them (`recomputed_samples`); the counts over the batch."""
+    measured = torch.ones_like(truncated) if measured is None else measured
+    mask = (response_mask > 0) & measured.view(-1, 1)
     gap = (captured - recomputed).abs()[mask]
     corrected = torch.zeros_like(truncated) if corrected is None else corrected
     ratio = torch.exp(torch.clamp(recomputed - captured, max=20.0))
@@ -274,6 +320,7 @@ def sampling_report(
         "ratio_clipped_share": float(clipped.float().mean().item()) if tokens else 0.0,
         "correction": correction,
         "constrained_samples": constrained,
+        "recomputed_samples": int(measured.sum().item()),
     }
 
 

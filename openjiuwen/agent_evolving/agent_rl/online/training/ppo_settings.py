@@ -49,6 +49,9 @@ class PPOSettings:
     # Local backend only: torch threads of the trainer (0: one per CPU). On cores shared with vLLM and other work, 2
     # threads spinning at OpenMP barriers ran a SmolLM2 micro-batch 7x slower than 1 thread (docs/learning.md).
     num_threads: int = 0
+    # Local backend only: rows whose π_old the sampling report recomputes (a seeded sample; pi_old.py). Recomputing
+    # every row doubled a SmolLM2 run (issue 38); the rows the loss needs π_old for are forwarded whatever this is.
+    sampling_report_rows: int = 16
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +89,7 @@ YAML_PATHS: dict[str, str] = {
     # Not a verl key: the local backend's own (verl ignores a top-level `local` section).
     "local.detach_prompt": "detach_prompt",
     "local.num_threads": "num_threads",
+    "local.sampling_report_rows": "sampling_report_rows",
 }
 
 # ONLINE_RL_<NAME> → setting (CONTRACT §7; the verl-only sizes have no meaning for the local backend).

@@ -449,7 +449,7 @@ class TrainingRunner:
         meta = artifact.metadata
         patch = {
             k: meta[k] for k in ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples",
-                                 "sampling", "constraints")
+                                 "sampling", "constraints", "timings")
             if meta.get(k) is not None
         }
         return await self._runs.mark_trained(

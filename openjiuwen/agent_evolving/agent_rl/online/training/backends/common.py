@@ -52,6 +52,7 @@ def artifact_metadata(
         "prompt_truncated_samples": metrics.get("prompt_truncated_samples", 0),
         "response_truncated_samples": metrics.get("response_truncated_samples", 0),
         "sampling": metrics.get("sampling"),
+        "timings": metrics.get("timings"),
         "constraints": constraint_counts(job.samples),
     }
 

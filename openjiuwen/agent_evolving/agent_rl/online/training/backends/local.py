@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,6 +67,7 @@ class LocalBackend:
                 "training_run_id": training_run_id,
                 "base_model_path": job.base_model_path,
                 "init_lora_path": job.init_lora_path if job.from_lora else "",
+                "parent_version": job.init_lora_name,  # whose captured logprobs are π_old (pi_old.py)
                 "output_dir": str(output),
                 "batch_path": str(run_dir / "batch.json"),
                 "settings": self._settings.to_dict(),
@@ -73,7 +75,11 @@ class LocalBackend:
             await asyncio.to_thread(self._write_inputs, run_dir, spec, job.samples)
             result = await self._run_worker(training_run_id, run_dir / "spec.json", on_progress)
             meta = trained_metadata(job, result, settings=self._settings, trainer_backend=self.name)
-            return await repository.publish(output, meta)
+            published = time.perf_counter()
+            artifact = await repository.publish(output, meta)
+            if isinstance(artifact.metadata.get("timings"), dict):  # the run record's split; metadata.json has the rest
+                artifact.metadata["timings"]["publish"] = round(time.perf_counter() - published, 3)
+            return artifact
         finally:
             self._canceled.discard(training_run_id)
             await repository.remove_temp(training_run_id)
