@@ -147,7 +147,7 @@ actor_rollout_ref:
   actor:
     optim:
       lr: 2.0e-3
-    ppo_epochs: 40
+    ppo_epochs: 8
 data:
   max_prompt_length: 64
   max_response_length: 64

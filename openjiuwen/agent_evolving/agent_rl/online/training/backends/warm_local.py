@@ -45,6 +45,7 @@ class _Trainer:
         self.waiters: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         self.reader: asyncio.Task[None] | None = None
+        self.closing = False  # killed by `close`: its end is no failure worth a warning
 
     def send(self, request: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -132,7 +133,7 @@ class WarmLocalBackend(LocalBackend):
             code = t.proc.returncode
             for queue in t.waiters.values():  # every run it held fails; the runner gives the batches back
                 queue.put_nowait({"event": _GONE, "error": f"warm trainer exited with code {code}: {tail}"})
-            if code is not None:
+            if code is not None and not t.closing:
                 log.warning("warm trainer (pid %d) exited with code %s", t.proc.pid, code)
 
     async def _run_worker(self, run_id: str, spec_path: Path, on_progress: OnProgress) -> dict[str, Any]:
@@ -196,6 +197,7 @@ class WarmLocalBackend(LocalBackend):
         t = self._trainer
         if t is None:
             return
+        t.closing = True
         t.kill()
         if t.proc.stdin is not None:
             t.proc.stdin.close()
