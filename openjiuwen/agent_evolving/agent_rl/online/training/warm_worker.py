@@ -92,7 +92,9 @@ class Inbox:
         with self._cond:
             while not self._queue:
                 self._cond.wait()
-        time.sleep(gather_s)  # concurrent runs are claimed together but their requests arrive one by one
+            full = len(self._queue) >= max_group
+        if not full:  # one run at a time (max_group 1) or a full group: nothing to wait for
+            time.sleep(gather_s)  # concurrent runs are claimed together but their requests arrive one by one
         with self._cond:
             group, self._queue = self._queue[:max_group], self._queue[max_group:]
             return group
