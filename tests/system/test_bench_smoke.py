@@ -68,6 +68,8 @@ SEPARATE: dict[str, list[str]] = {
                                      "8", "--reps", "2"],
     # issue 37: a claim behind stale samples, quiet and under a flooder; 0 and 100 stale samples, one claim each.
     "bench/stale_claim_bench.py": ["--stale", "0", "100", "--reps", "1"],
+    # issue 36 item 6: per-run vs warm trainer, 2 lineages of 4 short samples on the tiny model (its --quick).
+    "bench/lineage_training_bench.py": ["--quick"],
     # issue 35: greedy samples trained with `correct` vs sampled ones vs excluded, one seed on a few prompts.
     "bench/greedy_bench.py": ["--seeds", "0", "--prompts", "4", "--held-out", "2", "--length", "4"],
     # issue 38 item 4: the SmolLM2-recipe Training Run, A/B; the tiny model, 4 samples, this tree as the baseline.

@@ -18,6 +18,7 @@ from openjiuwen.agent_evolving.agent_rl.online.config import (
     config_from_mapping,
     load_config,
 )
+from openjiuwen.agent_evolving.agent_rl.online.config import LocalTrainerConfig
 from openjiuwen.agent_evolving.agent_rl.online.rollout.config import RolloutConfig
 from openjiuwen.agent_evolving.agent_rl.common.constraints import GRAMMAR_KINDS, KINDS, POLICY_DEFAULTS, policy_key
 from openjiuwen.agent_evolving.agent_rl.online.training.constrained import ConstrainedSamplesConfig
@@ -113,6 +114,7 @@ def test_defaults_match_the_contract() -> None:
         "ray_cpus_per_rank": 1.0,
         "ray_placement_timeout_seconds": None,
         "training_tmp_root": "/tmp/agent_rl_online",
+        "local": LocalTrainerConfig(),
         "lora_repository_path": "/var/lib/openjiuwen-rl/loras",
         "trajectory_retention_seconds": 604800,
         "task_retention_seconds": 604800,

@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    StrictBool,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -137,6 +138,20 @@ class LineagesConfig(BaseModel):
     metrics_label_top_k: Annotated[StrictInt, Field(ge=0, le=1000)] = 20
 
 
+class LocalTrainerConfig(BaseModel):
+    """The `local` trainer backend's processes (docs/training.md "Warm trainer")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # false: a fresh trainer process per Training Run (loads the base model each time). true: one long-lived trainer
+    # keeps the base model loaded and trains the runs in flight together, each with its own adapter.
+    warm_trainer: StrictBool = False
+    # Warm trainer only: runs trained together in one step at most, and how long it waits after a run arrives for
+    # the others claimed with it.
+    max_runs_per_step: Annotated[StrictInt, Field(ge=1, le=64)] = 8
+    gather_seconds: Annotated[float, Field(ge=0, le=10, strict=True, allow_inf_nan=False)] = 0.2
+
+
 class RLServiceConfig(BaseModel):
     """Every setting of one RL Service process (CONTRACT §8). Unknown keys are rejected."""
 
@@ -184,6 +199,7 @@ class RLServiceConfig(BaseModel):
     # verl: how long a run may wait for its resources (shown as waiting meanwhile); null = until placed or stopped.
     ray_placement_timeout_seconds: Seconds | None = None
     training_tmp_root: NonBlank = "/tmp/agent_rl_online"
+    local: LocalTrainerConfig = LocalTrainerConfig()  # trainer_backend local only
     lora_repository_path: AbsolutePath
 
     # Retention.

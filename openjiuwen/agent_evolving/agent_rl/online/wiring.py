@@ -324,6 +324,11 @@ def make_backend(config: RLServiceConfig, repository: LoraRepository) -> Trainer
             ppo_config_path=config.ppo_config_path,
             env=os.environ,
         )
+        if config.local.warm_trainer:
+            from .training.backends.warm_local import WarmLocalBackend
+
+            return WarmLocalBackend(repository, settings=settings, tmp_root=config.training_tmp_root,
+                                    max_group=config.local.max_runs_per_step, gather_s=config.local.gather_seconds)
         return LocalBackend(repository, settings=settings, tmp_root=config.training_tmp_root)
     from .training.backends.verl import VerlBackend
     from .training.verl.compose import compose_ppo_config, settings_from_config
