@@ -160,7 +160,7 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
     from openjiuwen.agent_evolving.agent_rl.common.lineage import DEFAULT_LINEAGE, line_of
     from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
     from openjiuwen.agent_evolving.agent_rl.online.training.pauses import LineagePauses
-    from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
+    from openjiuwen.agent_evolving.agent_rl.online.training.training_policy import TrainingPolicyConfig
     from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
     from openjiuwen.agent_evolving.agent_rl.online.training.scheduler import TrainingScheduler
     from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED

@@ -171,7 +171,7 @@ async def run_case(redis_url: str, tmp: Path, model_dir: Path, pool: Any, *, siz
     from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
     from openjiuwen.agent_evolving.agent_rl.online.store import keys
     from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
-    from openjiuwen.agent_evolving.agent_rl.online.wiring import make_backend
+    from openjiuwen.agent_evolving.agent_rl.online.assembly import make_backend
     from tests.support.fake_gateway import FakeGateway
     from tests.support.service_app import make_config, running_app
 

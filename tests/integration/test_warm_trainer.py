@@ -28,7 +28,7 @@ from openjiuwen.agent_evolving.agent_rl.online.training.backends import Training
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.local import LocalBackend
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.warm_local import WarmLocalBackend
 from openjiuwen.agent_evolving.agent_rl.online.training.ppo_settings import PPOSettings
-from openjiuwen.agent_evolving.agent_rl.online.wiring import make_backend
+from openjiuwen.agent_evolving.agent_rl.online.assembly import make_backend
 from tests.support import learning as L
 from tests.support.fake_gateway import FakeGateway
 from tests.support.invariants import check_invariants

@@ -67,7 +67,7 @@ from openjiuwen.agent_evolving.agent_rl.common.lineage import DEFAULT_LINEAGE, l
 from openjiuwen.agent_evolving.agent_rl.online.store import keys, prompt_blocks
 from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import ALL_SAMPLE_STATUSES, SampleStatus
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import decode_meta
-from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
+from openjiuwen.agent_evolving.agent_rl.online.training.training_policy import TrainingPolicyConfig
 
 PREFIX = keys.PREFIX
 CLAIMED_STATUSES = ("training",)  # statuses whose samples belong to a live run of their line

@@ -22,8 +22,8 @@ from openjiuwen.agent_evolving.agent_rl.online.config import LocalTrainerConfig
 from openjiuwen.agent_evolving.agent_rl.online.rollout.config import RolloutConfig
 from openjiuwen.agent_evolving.agent_rl.common.constraints import GRAMMAR_KINDS, KINDS, POLICY_DEFAULTS, policy_key
 from openjiuwen.agent_evolving.agent_rl.online.training.constrained import ConstrainedSamplesConfig
-from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
-from openjiuwen.agent_evolving.agent_rl.online.wiring import make_judge
+from openjiuwen.agent_evolving.agent_rl.online.training.training_policy import TrainingPolicyConfig
+from openjiuwen.agent_evolving.agent_rl.online.assembly import make_judge
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "rl-service.example.yaml"

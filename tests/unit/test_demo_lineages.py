@@ -28,7 +28,7 @@ def test_the_two_lineage_demo_trains_every_lineage_automatically_once_a_round_is
     scheduler train each of the demo's lineages (not only the default line) at exactly one round of samples."""
     from openjiuwen.agent_evolving.agent_rl.demo.stack_config import lineage_training_policy
     from openjiuwen.agent_evolving.agent_rl.online.training.eligibility import LineState, judge_line
-    from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
+    from openjiuwen.agent_evolving.agent_rl.online.training.training_policy import TrainingPolicyConfig
 
     policy = TrainingPolicyConfig(**lineage_training_policy(192))
     for o in OBJECTIVES:

@@ -6,7 +6,7 @@ import pytest
 
 from openjiuwen.agent_evolving.agent_rl.online.training import eligibility as el
 from openjiuwen.agent_evolving.agent_rl.online.training.eligibility import LineState, choose, judge_line, rank
-from openjiuwen.agent_evolving.agent_rl.online.training.policy import TrainingPolicyConfig
+from openjiuwen.agent_evolving.agent_rl.online.training.training_policy import TrainingPolicyConfig
 
 NOW = 10_000.0
 

@@ -10,7 +10,7 @@ import pytest
 
 from openjiuwen.agent_evolving.agent_rl.online.config import ConfigError, config_from_mapping
 from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
-from openjiuwen.agent_evolving.agent_rl.online.wiring import make_backend
+from openjiuwen.agent_evolving.agent_rl.online.assembly import make_backend
 from openjiuwen.agent_evolving.agent_rl.online.training.backends.verl import (
     VerlBackend,
     actor_name,

@@ -34,7 +34,7 @@ from ..common.validation import AbsolutePath, ModelId, NonBlank, config_invalid,
 from .rewards.config import RewardPolicyConfig
 from .rollout.config import RolloutConfig
 from .training.constrained import ConstrainedSamplesConfig
-from .training.policy import TrainingPolicyConfig
+from .training.training_policy import TrainingPolicyConfig
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

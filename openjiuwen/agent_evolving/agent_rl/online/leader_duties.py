@@ -3,7 +3,7 @@
 The worker coordinator (workers/coordinator.py) calls these under the lease: `take_office` once it won it (startup
 or takeover recovery, then the singleton loops), `leave_office` when it loses it or the service stops, `follow` on
 a follower's beat. Every Redis write these duties make goes through the term's fence (store/fence.py), so a
-deposed leader's late write is refused. The parts are built by wiring.py; this class only runs them.
+deposed leader's late write is refused. The parts are built by assembly.py; this class only runs them.
 """
 
 from __future__ import annotations

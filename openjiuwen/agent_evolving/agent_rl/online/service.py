@@ -1,4 +1,4 @@
-"""RL Service process entry: the one place that reads the environment; it wires the parts (wiring.py), builds the
+"""RL Service process entry: the one place that reads the environment; it wires the parts (assembly.py), builds the
 app from them and serves it.
 
 Run it as `python -m openjiuwen.agent_evolving.agent_rl.online.service --config FILE`, or serve the factory
@@ -48,7 +48,7 @@ from .logs import configure_logging
 from .version_report import PolicyReport
 from .training.backends import TrainerBackend
 from .watchdog import install_parent_death_watchdog
-from .wiring import ServiceDeps
+from .assembly import ServiceDeps
 from .workers.coordinator import Placement
 from .workers.forward import LeaderForwarding
 from .workers.group import WORKER_ENV, WorkerGroup, WorkerSlot

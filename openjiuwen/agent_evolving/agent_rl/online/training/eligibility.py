@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .policy import TrainingPolicyConfig
+from .training_policy import TrainingPolicyConfig
 
 MIN_PENDING, MAX_WAIT = "min_pending_samples", "max_wait_seconds"
 # Why a line is not eligible now, in the order checked.

@@ -3,7 +3,7 @@
 
 `ppo_config_path` is the same YAML the verl backend composes (verl's nested layout, e.g.
 `actor_rollout_ref.actor.optim.lr`); the local backend reads the keys listed in `YAML_PATHS` and ignores the
-verl-only rest. The environment is passed in by the wiring (`wiring.py` `make_backend`), which reads it for the backend.
+verl-only rest. The environment is passed in by the composition root (`assembly.py` `make_backend`), which reads it for the backend.
 """
 
 from __future__ import annotations

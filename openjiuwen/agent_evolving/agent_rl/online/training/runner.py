@@ -40,7 +40,7 @@ from ..store.trajectories import TrajectoryStore
 from ..store.fence import LeaseLost
 from .backends import PLACEMENT, TrainerBackend, TrainingJob
 from .freshness import ACTIVATION, Freshness
-from .policy import TrainingPolicyConfig
+from .training_policy import TrainingPolicyConfig
 from .run_records import RunStage, RunStatus, TrainingRun, empty_metrics, manual_trigger, new_run_id
 from .runs import RunNotFound, RunStore
 
@@ -100,7 +100,7 @@ class TrainingRunner:
         self._failure: str | None = None
         self._redis_outage_s = redis_outage_s
         self._rollout = rollout  # canary / manual: a new version becomes the candidate, not the active one
-        # The machine-wide room, and each lineage's fair-share weight and batch cap (training/policy.py).
+        # The machine-wide room, and each lineage's fair-share weight and batch cap (training/training_policy.py).
         self._policy = policy or TrainingPolicyConfig()
         self._freshness = freshness
 

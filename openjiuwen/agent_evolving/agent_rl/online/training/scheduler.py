@@ -50,7 +50,7 @@ from ..store.fence import Fence
 from .eligibility import (HOUR_S, INTERVAL, QUOTA, ROLLOUT_DECIDING, RUN_ACTIVE, WAITING, LineState, Verdict,
                           judge_line, rank)
 from .pauses import LineagePauses
-from .policy import TrainingPolicyConfig
+from .training_policy import TrainingPolicyConfig
 from .runs import RunStore, stored_float
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""The RL Service's wiring: builds every long-lived part of one process from its config and connects them.
+"""The RL Service's composition root (named as the gateway's, gateway/assembly.py): builds every long-lived part of
+one process from its config and connects them.
 
 No I/O and no environment beyond the trainer backend's own variables: the process entry (service.py) reads the
 environment and runs the app; the leader's duties (leader_duties.py) run the parts the leader alone runs.
