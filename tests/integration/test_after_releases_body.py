@@ -26,15 +26,15 @@ def live_responses(marker: str) -> int:
 
 async def test_the_parsed_response_is_gone_while_the_commit_waits_on_redis(redis, redis_url, tmp_path):
     async with running_app(make_config(redis_url, tmp_path)) as (app, client):
-        registry = app.state.deps.pipeline._registry
+        ledger = app.state.deps.pipeline._ledger
         seen: list[int] = []
-        real_commit = registry.commit
+        real_commit = ledger.commit
 
         async def commit(*args, **kwargs):
             seen.append(live_responses(marker))
             return await real_commit(*args, **kwargs)
 
-        registry.commit = commit
+        ledger.commit = commit
         assert (await start_task(client, "s1", "t1")).status_code == 201
         hook = {"rl_task_id": "t1", "capture_id": "c1", "agent_turn_id": None}
         before = await client.post("/internal/v1/completions:before", json={**hook, "request": REQUEST})
