@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -47,9 +48,22 @@ def make_backend(repository, tmp_path: Path, ppo_yaml: str = PPO_YAML, model_id:
     (tmp_path / "ppo.yaml").write_text(ppo_yaml)
     tree = compose_ppo_config(advantage_estimator="reinforce_plus_plus", tis_cap=None,
                               ppo_config_path=str(tmp_path / "ppo.yaml"), env={})
+    # A placement that never comes fails the test within minutes instead of stalling the suite.
+    kwargs.setdefault("placement_timeout_s", PLACEMENT_TIMEOUT_S)
     return VerlBackend(repository, model_id=model_id, ppo_config=tree,
                        settings=settings_from_config(tree, tis_cap=None, ppo_samples_per_step=0),
                        tmp_root=tmp_path / "train-tmp", progress_interval_s=0.2, **kwargs)
+
+
+PLACEMENT_TIMEOUT_S = 180.0
+
+
+def wait_for_free_cpus(count: float, timeout_s: float = 120.0) -> None:
+    """Ray frees a killed actor's CPU and a removed group's bundles asynchronously: a test that needs the whole
+    local cluster waits for the previous test's to be given back (a CI run once found one still held)."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0.0) < count and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 async def test_a_run_through_the_service_trains_publishes_and_learns(redis, redis_url, tmp_path, local_ray):
@@ -326,6 +340,7 @@ async def test_two_ranks_shard_the_batch_and_export_one_adapter(tmp_path, tiny_m
     model over both, 5 samples (mini-batches of 4 and 1: the second is padded for rank 1), one adapter from rank 0."""
     from openjiuwen.agent_evolving.agent_rl.online.lora.repository import LoraRepository
 
+    wait_for_free_cpus(2)
     backend = make_backend(LoraRepository(str(tmp_path / "loras"), model_id="tiny"), tmp_path, nproc_per_node=2)
     seen: list[dict] = []
 
