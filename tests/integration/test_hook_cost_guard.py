@@ -12,10 +12,13 @@ thread's, so the Redis server's own work and every wait are left out.
 from __future__ import annotations
 
 import orjson
+import pytest
 
 from bench.hooks_bench import MODEL, synthetic_exchange
 from tests.support.cost_ratio import RatioGuard, interleaved_ratios, thread_cpu
 from tests.support.service_app import make_config, running_app, start_task
+
+pytestmark = pytest.mark.alone  # a CPU ratio: other tests on the same cores would move it
 
 BEFORE, AFTER = "/internal/v1/completions:before", "/internal/v1/completions:after"
 # Median ratio measured on the 2-core development machine (2026-12-04, load average 5-12 from other work): 2.4-2.6

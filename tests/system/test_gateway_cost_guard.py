@@ -20,7 +20,8 @@ from tests.support.cost_ratio import RatioGuard, interleaved_ratios, process_cpu
 from tests.support.fake_vllm import FakeVLLM, Reply
 from tests.support.gateway_process import GatewayProcess
 
-pytestmark = pytest.mark.system
+# alone: a CPU ratio, which other tests on the same cores would move
+pytestmark = [pytest.mark.system, pytest.mark.alone]
 
 SESSION = "s-cost-guard"
 CALLS_PER_BLOCK = 8
