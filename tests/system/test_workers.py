@@ -41,7 +41,14 @@ def health(url: str) -> dict:
 
 
 def live_workers(svc: ServiceProcess) -> bool:
-    return len(worker_pids(svc.pid)) == WORKERS and health(svc.url)["workers"]["live"] == WORKERS
+    if len(worker_pids(svc.pid)) != WORKERS:
+        return False
+    try:
+        return health(svc.url)["workers"]["live"] == WORKERS
+    except httpx.TransportError:
+        # The kernel may hand the connection to a replacement that has bound the shared port but is not accepting
+        # yet (seconds on busy cores): not serving yet, so poll again.
+        return False
 
 
 def leader(svc: ServiceProcess, redis_url: str) -> Holder | None:
