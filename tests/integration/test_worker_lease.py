@@ -758,7 +758,7 @@ async def test_a_deposed_leader_never_rewrites_a_lineage_lines_active_marker(red
             if writer == "run_activation":
                 await deps.runner._activation.succeed(run)
             else:
-                await deps.rollout._now_active("a", LoraRef(**lora), run.training_run_id)
+                await deps.rollout._changes.now_active("a", LoraRef(**lora), run.training_run_id)
 
         runs._fence = await stale_term(redis)
         with pytest.raises(LeaseLost):
