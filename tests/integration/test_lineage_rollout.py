@@ -96,12 +96,12 @@ async def test_two_lineages_each_decided_by_their_own_arms(service, redis, tmp_p
     # b paused by the operator (body {"lineage"}): the round decides a alone.
     paused = await client.post("/v1/rl/rollout/pause", json={"lineage": "b"})
     assert (paused.status_code, paused.json()["status"]) == (200, "paused"), paused.text
-    decisions = await deps.rollout.tick()
+    decisions = await deps.rollout_decisions.tick()
     assert (decisions["a"].action, decisions["a"].reason) == ("promote", "not_worse")
     assert decisions["b"].action == "rollback"  # what it would do; paused, so not done
     assert (await client.get("/v1/rl/rollout", params={"lineage": "b"})).json()["current"]["status"] == "paused"
     assert (await client.post("/v1/rl/rollout/resume", json={"lineage": "b"})).json()["status"] == "running"
-    decisions = await deps.rollout.tick()
+    decisions = await deps.rollout_decisions.tick()
     assert (decisions["b"].action, decisions["b"].reason) == ("rollback", "regression")
 
     after_a = (await client.get("/v1/rl/rollout", params={"lineage": "a"})).json()
@@ -187,7 +187,7 @@ async def test_rollout_gauges_carry_the_lineage_of_each_live_canary_only(service
     await rewarded_task(client, "ta-c0", "a", f"{A}:v1", 0.9)
     await rewarded_task(client, "tb-a0", "b", "base", 0.2)
     await rewarded_task(client, "tb-a1", "b", "base", 0.4)
-    decisions = await deps.rollout.tick()
+    decisions = await deps.rollout_decisions.tick()
     assert decisions["a"].action == decisions["b"].action == "wait"  # min_tasks 3: nothing decided yet
     series = await rollout_series(client)
 
@@ -208,7 +208,7 @@ async def test_rollout_gauges_carry_the_lineage_of_each_live_canary_only(service
     # b's canary ends (operator rollback): the next round drops b's series, a's stay. Bounded by live canaries.
     r = await client.post("/v1/rl/rollout/rollback", json={"lineage": "b"})
     assert r.status_code == 200, r.text
-    await deps.rollout.tick()
+    await deps.rollout_decisions.tick()
     assert await redis.smembers(keys.ROLLOUT_LIVE_LINEAGES) == {b"a"}
     series = await rollout_series(client)
     assert {dict(labels)["lineage"] for _, labels in series} == {"default", "a"}
@@ -236,6 +236,6 @@ async def test_a_lines_arms_read_only_that_lines_tasks(service, redis, monkeypat
         return await real_mget(names, *args)
 
     monkeypatch.setattr(deps.rollout._redis, "mget", counting_mget)
-    candidate, active = await deps.rollout.arms(await deps.rollout.in_progress(A))
+    candidate, active = await deps.rollout._evaluation.arms(await deps.rollout.in_progress(A))
     assert (candidate.tasks, active.tasks, candidate.ended, active.ended) == (1, 1, 1, 1)
     assert sorted(read) == sorted(keys.task(t) for t in ("ta-c0", "ta-a0"))  # was 202 records

@@ -258,7 +258,7 @@ async def test_stop_as_training_completes_keeps_artifact_without_activation(make
         ids = await publish(app.state.deps, 3)
         runner = app.state.deps.runner
         run_id = (await client.post("/v1/rl/training/runs")).json()["training_run_id"]
-        runner._stop_requested.add(run_id)  # the stop arrives while train() returns its artifact
+        runner._executions.request_stop(run_id)  # the stop arrives while train() returns its artifact
         done = await wait_for_run(runner, run_id)
         assert (done.status, done.stage) == ("canceled", "activating")
         assert Path(done.lora_path, "metadata.json").is_file()
@@ -400,7 +400,7 @@ async def test_run_record_vanishing_while_training_keeps_the_service_healthy(mak
             await asyncio.sleep(0.01)
         await redis.delete(keys.training_run(run_id))
         await _wait_settled(redis, ids)
-        execution = app.state.deps.runner._executions.get(run_id)
+        execution = app.state.deps.runner._executions.task(run_id)
         if execution is not None:
             await asyncio.gather(execution, return_exceptions=True)
         health = await client.get("/health")

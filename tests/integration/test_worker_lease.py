@@ -750,15 +750,15 @@ async def test_a_deposed_leader_never_rewrites_a_lineage_lines_active_marker(red
     async with running_app(make_config(redis_url, tmp_path)) as (app, _):
         deps = app.state.deps
         runs = deps.runner._runs
-        marker = deps.runner._repository.for_line(line).model_dir / "active"
+        marker = deps.repository.for_line(line).model_dir / "active"
         run = TrainingRun(training_run_id=new_run_id(), status="running", stage="activating", sample_count=1,
                           policy_versions={}, created_at=now_iso(), lineage="a", **lora)
 
         async def write() -> None:
             if writer == "run_activation":
-                await deps.runner._succeed(run)
+                await deps.runner._activation.succeed(run)
             else:
-                await deps.rollout._now_active("a", LoraRef(**lora), run.training_run_id)
+                await deps.rollout._changes.now_active("a", LoraRef(**lora), run.training_run_id)
 
         runs._fence = await stale_term(redis)
         with pytest.raises(LeaseLost):

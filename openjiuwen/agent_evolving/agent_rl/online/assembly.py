@@ -33,7 +33,10 @@ from .retention import RetentionSweeper
 from .rewards.ledger import RewardLedger
 from .rewards.reward_policy import RewardPolicy
 from .rewards.sweeper import RewardDeadlineSweeper
+from .rollout.changes import RolloutChanges
 from .rollout.controller import RolloutController
+from .rollout.decision_loop import DecisionLoop
+from .rollout.evaluation import CanaryEvaluation
 from .rollout.store import RolloutStore
 from .store import keys
 from .store.trajectories import TrajectoryStore
@@ -88,6 +91,7 @@ class ServiceDeps:
     runner: TrainingRunner
     metrics: ServiceMetrics
     rollout: RolloutController
+    rollout_decisions: DecisionLoop  # the leader's decision loop over the live canaries
     membership: Membership
     scheduler: TrainingScheduler
     fence: Fence  # every leader-only write goes through it (store/fence.py)
@@ -129,7 +133,8 @@ class ServiceDeps:
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
         gateway = _make_gateway_client(config, token, metrics)
         backend = backend or make_backend(config, repository)
-        rollout, runner, runs = _make_training(config, redis, store, backend, repository, gateway, metrics, fence)
+        rollout, decisions, runner, runs = _make_training(
+            config, redis, store, backend, repository, gateway, metrics, fence)
         deps = cls(
             config=config,
             redis=redis,
@@ -154,6 +159,7 @@ class ServiceDeps:
             runner=runner,
             metrics=metrics,
             rollout=rollout,
+            rollout_decisions=decisions,
             membership=membership,
             scheduler=TrainingScheduler(
                 redis, runs=runs, runner=runner, store=store, rollout=rollout,
@@ -192,9 +198,9 @@ class ServiceDeps:
 def _make_duties(deps: ServiceDeps) -> LeaderDuties:
     return LeaderDuties(
         deps.redis, fence=deps.fence, lifecycle=deps.lifecycle, rewards=deps.rewards, rail=deps.rail,
-        rollout=deps.rollout, runner=deps.runner, sweeper=deps.sweeper, reward_ledger=deps.reward_ledger,
-        reward_sweeper=deps.reward_sweeper, scheduler=deps.scheduler, lineages=deps.lineage_lifecycle,
-        training_tmp_root=deps.config.training_tmp_root,
+        rollout=deps.rollout, rollout_decisions=deps.rollout_decisions, runner=deps.runner, sweeper=deps.sweeper,
+        reward_ledger=deps.reward_ledger, reward_sweeper=deps.reward_sweeper, scheduler=deps.scheduler,
+        lineages=deps.lineage_lifecycle, training_tmp_root=deps.config.training_tmp_root,
         # The coordinator is built after the duties it runs: the call finds it then, at shutdown.
         wait_alone=lambda timeout_s: deps.coordinator.wait_alone(timeout_s),
     )
@@ -245,18 +251,25 @@ def _make_training(
     gateway: GatewayLoraClient,
     metrics: ServiceMetrics,
     fence: Fence,
-) -> tuple[RolloutController, TrainingRunner, RunStore]:
-    """Training Runs and the rollout of what they produce: the rollout controller, the runner, the run store."""
+) -> tuple[RolloutController, DecisionLoop, TrainingRunner, RunStore]:
+    """Training Runs and the rollout of what they produce: the rollout controller and its decision loop, the runner,
+    the run store."""
     runs = RunStore(
         redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds, fence=fence,
         metrics=metrics,
     )
     freshness = Freshness(redis, runs, metrics)
-    rollout = RolloutController(
-        redis, RolloutStore(redis, fence=fence), gateway, repository, config=config.rollout, model_id=config.model_id,
-        base_model_path=config.base_model_path, observe_policy=runs.observe_policy, active_run=runs.active_of,
-        metrics=metrics, on_promoted=freshness.promoted,
+    rollouts = RolloutStore(redis, fence=fence)
+    changes = RolloutChanges(
+        rollouts, gateway, repository, model_id=config.model_id, base_model_path=config.base_model_path,
+        observe_policy=runs.observe_policy, metrics=metrics, on_promoted=freshness.promoted,
     )
+    evaluation = CanaryEvaluation(redis, config.rollout)
+    rollout = RolloutController(
+        redis, rollouts, gateway, repository, changes, evaluation, config=config.rollout, model_id=config.model_id,
+        base_model_path=config.base_model_path, active_run=runs.active_of,
+    )
+    decisions = DecisionLoop(rollouts, changes, evaluation, config=config.rollout, metrics=metrics)
     runner = TrainingRunner(
         runs,
         store,
@@ -274,7 +287,7 @@ def _make_training(
         policy=config.training_policy,
         freshness=freshness,
     )
-    return rollout, runner, runs
+    return rollout, decisions, runner, runs
 
 
 def _make_retention_sweeper(

@@ -23,6 +23,7 @@ from .retention import RetentionSweeper
 from .rewards.ledger import RewardLedger
 from .rewards.sweeper import RewardDeadlineSweeper
 from .rollout.controller import RolloutController
+from .rollout.decision_loop import DecisionLoop
 from .lineage_backfill import ListingBackfill
 from .training.runner import TrainingRunner
 from .training.scheduler import TrainingScheduler
@@ -52,6 +53,7 @@ class LeaderDuties:
         rewards: RewardProjector,
         rail: RailIngestor,
         rollout: RolloutController,
+        rollout_decisions: DecisionLoop,
         runner: TrainingRunner,
         sweeper: RetentionSweeper,
         reward_ledger: RewardLedger,
@@ -67,6 +69,7 @@ class LeaderDuties:
         self._rewards = rewards
         self._rail = rail
         self._rollout = rollout
+        self._rollout_decisions = rollout_decisions
         self._runner = runner
         self._sweeper = sweeper
         self._reward_ledger = reward_ledger
@@ -97,7 +100,7 @@ class LeaderDuties:
             await self._reward_sweeper.sweep_once()
         await self._check_training_root()
         self._sweeper.start()
-        self._rollout.start()
+        self._rollout_decisions.start()
         if self.run_reward_sweeper:
             self._reward_sweeper.start()
         self._scheduler.start()  # automatic training (a no-op unless `training_policy.auto`)
@@ -111,7 +114,7 @@ class LeaderDuties:
         await self._lineages.stop()
         await self._reward_sweeper.stop()
         await self._sweeper.stop()
-        await self._rollout.stop()
+        await self._rollout_decisions.stop()
         if not shutdown:
             await self._runner.relinquish()
             return

@@ -2,8 +2,8 @@
 health checks call, over one module per concern.
 
 - policy_lines.py: what each line serves (active version, canary candidate) and the one lookup of a line;
-- lora_switch.py: the one switch routine behind activate, deactivate and the canary steps; this module only decides
-  each switch (argument checks, compare-and-swap on the expected version) under the line's lock;
+- line_switches.py: the decision of each switch (argument checks, compare-and-swap on the expected version) under
+  the line's lock; lora_switch.py: the one switch routine behind activate, deactivate and the canary steps;
 - adapter_placement.py: which instance holds which version, and the repairs (converge, load missing, collect);
 - instance_admission.py: registration, readmission and removal of instances;
 - lora_views.py: the status bodies; holdings.py, leases.py, routing.py, lora_state_file.py, vllm_adapters.py: the
@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable, Mapping
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, ContextManager, Protocol
 
@@ -33,17 +31,18 @@ from ..instances.instance_addresses import AddressPolicy
 from ..instances.instances import Instance, InstanceRegistry
 from .adapter_pager import AdapterPager, PagingMetrics
 from .adapter_placement import Placement
-from .canary import Candidate, in_candidate_arm, parse_share
+from .canary import Candidate, in_candidate_arm
 from .holdings import Holdings
 from .instance_admission import Admission
 from .leases import Leases
+from .line_switches import LineSwitches
 from .lora_state_file import LoraStateFile
-from .lora_switch import Serving, Switch, Switcher
-from .lora_types import ActiveLora, LoraError, LoraStatus
+from .lora_switch import Serving, Switcher
+from .lora_types import ActiveLora, LoraError
 from .lora_views import LoraViews
 from .shielded_operations import ShieldedOperations
-from .policy_lines import PolicyLine, PolicyLines, line_of_version, model_of_line
-from .routing import Router, require_serving
+from .policy_lines import PolicyLines, line_of_version, model_of_line
+from .routing import Router
 from .vllm_adapters import AdapterClient
 
 __all__ = ["LoraError", "LoraManager"]
@@ -109,6 +108,8 @@ class LoraManager:
         self._admission = Admission(registry, self.holdings, self._lines, self._placement, self._operations,
                                     timeout_s=self._timeout_s, addresses=addresses, probe=probe)
         self._views = LoraViews(registry, self.holdings, self.leases, self._lines, self.routing)
+        self._switches = LineSwitches(registry, self._lines, self._placement, self._switcher, self._views,
+                                      timeout_s=self._timeout_s)
 
     # ------------------------------------------------------------------------------------------------ activation
 
@@ -117,53 +118,13 @@ class LoraManager:
     ) -> dict[str, Any]:
         """CAS-switch the model's active LoRA after loading it on every instance (§3.8). Raises LoraError."""
         return await self._operations.run(
-            self._activate(base_model, lora_name, lora_path, expected_lora_name), f"lora-activate:{lora_name}"
+            self._switches.activate(base_model, lora_name, lora_path, expected_lora_name), f"lora-activate:{lora_name}"
         )
-
-    async def _activate(self, base_model: Any, lora_name: Any, lora_path: Any, expected: Any) -> dict[str, Any]:
-        deadline = self._now() + self._timeout_s
-        model, path = await self._checked_target(base_model, lora_name, lora_path, expected)
-        wanted = ActiveLora(lora_name, path)
-
-        def decide(line: PolicyLine) -> Switch | None:
-            current = line.active
-            if current is not None and current.lora_name == lora_name:
-                if os.path.normpath(current.lora_path) == os.path.normpath(path):
-                    return None  # idempotent, whatever expected_lora_name says
-                raise LoraError("lora_cas_conflict", f"{lora_name} is already active from another path")
-            if line.candidate is not None:  # one version in flight at a time: the canary decides first
-                raise LoraError("canary_conflict",
-                                f"{line.candidate.lora_name} is the candidate of {model}: promote or abort it first")
-            current_name = current.lora_name if current is not None else BASE_POLICY
-            if current_name != expected:
-                raise LoraError("lora_cas_conflict", f"active policy is {current_name}, expected {expected}")
-            entry = {"lora_name": lora_name, "lora_path": path, "base_model": base_model,
-                     "activated_at": datetime.now(timezone.utc).isoformat()}
-            return Switch(Serving(wanted, None), f"activated {lora_name} (was {current_name})", load=wanted,
-                          active_entry=entry)
-
-        serving = await self._switcher.switch(model, decide, deadline=deadline,
-                                              wait_until=self._switcher.load_deadline(deadline))
-        active = serving.active or wanted  # `wanted`, or the same version stored by an earlier request
-        return {"status": LoraStatus.ACTIVE, "active_lora": active.public()}
 
     async def deactivate(self, model: str) -> None:
         """New Tasks of the line `model` use base at once (DELETE /v1/loras/{line}); the old version is unloaded
         unless leased."""
-        await self._operations.run(self._deactivate(model), f"lora-deactivate:{model}")
-
-    async def _deactivate(self, model: str) -> None:
-        line = self._lines.get(model)
-        if line is None or line.active is None:
-            return
-
-        def decide(line: PolicyLine) -> Switch | None:
-            if line.active is None:
-                return None
-            return Switch(Serving(None, line.candidate), f"deactivated {line.active.lora_name}; {model} serves base",
-                          active_entry=None)
-
-        await self._switcher.switch(model, decide, deadline=None, wait_until=None)  # every holder is bounded
+        await self._operations.run(self._switches.deactivate(model), f"lora-deactivate:{model}")
 
     async def retire(self, line_name: str) -> dict[str, Any]:
         """A lineage archived or deleted (docs/lineages.md "Lifecycle"): its line stops serving its candidate and its
@@ -173,16 +134,8 @@ class LoraManager:
         line = self._lines.get(line_name)
         before = sorted(Serving(line.active, line.candidate).versions()) if line is not None else []
         if before:
-            await self._operations.run(self._retire(line_name), f"lora-retire:{line_name}")
+            await self._operations.run(self._switches.retire(line_name), f"lora-retire:{line_name}")
         return {"status": "retired", "line": line_name, "versions": before}
-
-    async def _retire(self, model: str) -> None:
-        def decide(line: PolicyLine) -> Switch | None:
-            if line.active is None and line.candidate is None:
-                return None
-            return Switch(Serving(None, None), f"retired {model}: it serves nothing now", active_entry=None)
-
-        await self._switcher.switch(model, decide, deadline=None, wait_until=None)  # every holder is bounded
 
     # ------------------------------------------------------------------------------------------------ canary
 
@@ -193,105 +146,25 @@ class LoraManager:
         `expected_lora_name` (CAS, as activation). One candidate per model: another one is 409 `canary_conflict`;
         the same one again is idempotent. Raises LoraError."""
         return await self._operations.run(
-            self._start_canary(base_model, lora_name, lora_path, expected_lora_name, share),
+            self._switches.start_canary(base_model, lora_name, lora_path, expected_lora_name, share),
             f"lora-canary:{lora_name}",
         )
-
-    async def _start_canary(self, base_model: Any, lora_name: Any, lora_path: Any, expected: Any,
-                            share: object) -> dict[str, Any]:
-        deadline = self._now() + self._timeout_s
-        model, path = await self._checked_target(base_model, lora_name, lora_path, expected)
-        try:
-            fraction = parse_share(share)
-        except ValueError as exc:
-            raise LoraError("invalid_lora_request", str(exc)) from exc
-
-        def decide(line: PolicyLine) -> Switch | None:
-            current = line.candidate
-            if current is not None:
-                if current.lora_name == lora_name and os.path.normpath(current.lora_path) == os.path.normpath(path):
-                    return None  # a repeated start (a lost answer): idempotent
-                raise LoraError("canary_conflict", f"{current.lora_name} is already the candidate of {model}")
-            active_name = line.active.lora_name if line.active is not None else BASE_POLICY
-            if active_name == lora_name:
-                raise LoraError("lora_cas_conflict", f"{lora_name} is already active")
-            if active_name != expected:
-                raise LoraError("lora_cas_conflict", f"active policy is {active_name}, expected {expected}")
-            wanted = Candidate(lora_name, path, fraction, datetime.now(timezone.utc).isoformat(), base_model)
-            return Switch(Serving(line.active, wanted),
-                          f"canary {lora_name} started for {fraction * 100:.0f}% of new Tasks (active {active_name})",
-                          load=ActiveLora(lora_name, path))
-
-        await self._switcher.switch(model, decide, deadline=deadline, wait_until=self._switcher.load_deadline(deadline))
-        return self.canary_status(model)
 
     async def promote_canary(self, *, base_model: str, lora_name: str, expected_lora_name: str) -> dict[str, Any]:
         """Make the candidate `lora_name` the active version, replacing `expected_lora_name` (CAS). Already promoted
         (it is active, no candidate) → idempotent. Raises LoraError 409 `lora_cas_conflict` / `no_canary`."""
-        return await self._operations.run(self._promote_canary(base_model, lora_name, expected_lora_name),
-                                     f"lora-promote:{lora_name}")
-
-    async def _promote_canary(self, base_model: Any, lora_name: Any, expected: Any) -> dict[str, Any]:
-        deadline = self._now() + self._timeout_s
-        model = _checked_name(base_model, lora_name, expected)
-
-        def decide(line: PolicyLine) -> Switch | None:
-            candidate = line.candidate
-            active_name = line.active.lora_name if line.active is not None else BASE_POLICY
-            if candidate is None:
-                if active_name == lora_name:
-                    return None  # promoted already (a lost answer)
-                raise LoraError("no_canary", f"{model} has no candidate")
-            if candidate.lora_name != lora_name:
-                raise LoraError("lora_cas_conflict", f"the candidate is {candidate.lora_name}, not {lora_name}")
-            if active_name != expected:
-                raise LoraError("lora_cas_conflict", f"active policy is {active_name}, expected {expected}")
-            entry = {"lora_name": candidate.lora_name, "lora_path": candidate.lora_path,
-                     "base_model": candidate.base_model or str(base_model),
-                     "activated_at": datetime.now(timezone.utc).isoformat()}
-            # One state-file write: active and candidate together.
-            return Switch(Serving(ActiveLora(candidate.lora_name, candidate.lora_path), None),
-                          f"canary {lora_name} promoted (was {active_name})", active_entry=entry)
-
-        await self._switcher.switch(model, decide, deadline=deadline, wait_until=deadline)
-        return self.canary_status(model)
+        return await self._operations.run(self._switches.promote_canary(base_model, lora_name, expected_lora_name),
+                                          f"lora-promote:{lora_name}")
 
     async def abort_canary(self, *, base_model: str, lora_name: str) -> dict[str, Any]:
         """Drop the candidate `lora_name`: new Tasks all go to the active version; Tasks pinned to the candidate
         keep it (leases). No candidate, and it is not active → idempotent. Raises LoraError 409."""
-        return await self._operations.run(self._abort_canary(base_model, lora_name), f"lora-abort:{lora_name}")
-
-    async def _abort_canary(self, base_model: Any, lora_name: Any) -> dict[str, Any]:
-        deadline = self._now() + self._timeout_s
-        model = _checked_name(base_model, lora_name, BASE_POLICY)
-
-        def decide(line: PolicyLine) -> Switch | None:
-            candidate = line.candidate
-            if candidate is None:
-                if line.active is not None and line.active.lora_name == lora_name:
-                    raise LoraError("lora_cas_conflict", f"{lora_name} was promoted")
-                return None  # aborted already (a lost answer)
-            if candidate.lora_name != lora_name:
-                raise LoraError("lora_cas_conflict", f"the candidate is {candidate.lora_name}, not {lora_name}")
-            return Switch(Serving(line.active, None), f"canary {lora_name} aborted")
-
-        await self._switcher.switch(model, decide, deadline=deadline, wait_until=deadline)
-        return self.canary_status(model)
+        return await self._operations.run(self._switches.abort_canary(base_model, lora_name),
+                                          f"lora-abort:{lora_name}")
 
     def candidate(self, model: str) -> Candidate | None:
         line = self._lines.get(model)
         return line.candidate if line is not None else None
-
-    async def _checked_target(self, base_model: Any, lora_name: Any, lora_path: Any, expected: Any) -> tuple[str, str]:
-        """(model, path) of a version to load; 400 on a bad name or path, 503 when no instance can take it."""
-        if not isinstance(lora_path, str):
-            raise LoraError("invalid_lora_request", "lora_path must be a string")
-        model = _checked_name(base_model, lora_name, expected)
-        problem = await self._placement.artifact_problem(lora_path)
-        if problem is not None:
-            raise LoraError("invalid_lora_request", problem)
-        require_serving(self._registry, model_of_line(model))
-        return model, lora_path
 
     # ------------------------------------------------------------------------------------------------ status
 
@@ -477,14 +350,3 @@ class LoraManager:
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
-
-def _checked_name(base_model: Any, lora_name: Any, expected: Any) -> str:
-    """The line of `lora_name` (docs/lineages.md); 400 unless every argument is a string and the name is
-    `<line>:v<N>`. (`base_model` is the base model's path on the wire; the routes check the line's model.)"""
-    for what, value in (("base_model", base_model), ("lora_name", lora_name), ("expected_lora_name", expected)):
-        if not isinstance(value, str):
-            raise LoraError("invalid_lora_request", f"{what} must be a string")
-    parsed = parse_version_name(lora_name)
-    if parsed is None:
-        raise LoraError("invalid_lora_request", "lora_name must be `<line>:v<N>`")
-    return parsed[0]

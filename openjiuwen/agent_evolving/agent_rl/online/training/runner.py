@@ -9,9 +9,10 @@ lineage and `training_policy.max_concurrent_runs` together (training/runs.py, in
           canceled ◀──── stop ──┘  failed          stop: gateway switched? ─▶ succeeded | canceled
    (samples back to pending for canceled/failed before `activating`)
 ```
-Training runs in the backend (a child process or Ray), never on the event loop; this class only awaits it, one
-execution (an asyncio task) per live run, so up to `max_concurrent_runs` `backend.train` calls run at once, each for
-a different lineage.
+Training runs in the backend (a child process or Ray), never on the event loop; one execution (an asyncio task,
+run_executions.py) per live run awaits it, so up to `max_concurrent_runs` `backend.train` calls run at once, each for
+a different lineage; a trained run's version goes live through run_activation.py. This class is the runs' public
+face: start (the claim), stop, recover, get.
 
 Only the leader runs this (workers/): every write of a run goes through its fence, and a write refused because its
 term is over (`LeaseLost`) ends the execution without settling anything — the next leader's `recover` does.
@@ -21,26 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from typing import TYPE_CHECKING, Any
 
 from ..errors import Conflict, DomainError, NotFound
 from .. import faults
-from ...common.ids import now_iso, parse_iso_epoch, policy_lag_version
+from ...common.ids import now_iso, policy_lag_version
 from ...common.lineage import DEFAULT_LINEAGE, line_of
 from ..lora.gateway_client import GatewayError, GatewayLoraClient
-from ..lora.repository import Artifact, LoraRepository
+from ..lora.repository import LoraRepository
 from ..store.trajectories import TrajectoryStore
 from ..store.fence import LeaseLost
-from .backends import PLACEMENT, TrainerBackend, TrainingJob
-from .freshness import ACTIVATION, Freshness
+from .backends import TrainerBackend
+from .durable_writes import REDIS_DOWN, REDIS_OUTAGE_S, DurableWrites
+from .freshness import Freshness
 from .training_policy import TrainingPolicyConfig
+from .run_activation import RunActivation
+from .run_executions import RunExecutions
 from .run_records import RunStage, RunStatus, TrainingRun, empty_metrics, manual_trigger, new_run_id
 from .runs import RunNotFound, RunStore
 
@@ -50,11 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("openjiuwen.agent_rl.online.training")
 
-T = TypeVar("T")
-# A run's own state writes outlive a Redis outage of up to this long (then the execution fails for good and health
-# reports it); the backoff between tries doubles from 0.1 s up to 2 s.
-REDIS_OUTAGE_S = 600.0
-_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 class GatewayUnavailable(DomainError):
     """The active policy could not be read from the gateway at run start (502, no run created)."""
@@ -82,27 +75,26 @@ class TrainingRunner:
         freshness: Freshness | None = None,
     ) -> None:
         self._runs = runs
-        self._store = store
         self._backend = backend
-        self._repository = repository
         self._gateway = gateway
         self._model_id = model_id
-        self._base_model_path = base_model_path
         self._min_samples = min_samples
         self._max_samples = max_samples
         self._max_policy_lag = max_policy_lag
-        self._tmp_root = Path(tmp_root)
         self._metrics = metrics
         self._lock = asyncio.Lock()
-        self._executions: dict[str, asyncio.Task[None]] = {}
-        self._claim_checks: set[asyncio.Task[None]] = set()  # claims whose EXEC answer was lost (_settle_lost_claim)
-        self._stop_requested: set[str] = set()
-        self._failure: str | None = None
-        self._redis_outage_s = redis_outage_s
         self._rollout = rollout  # canary / manual: a new version becomes the candidate, not the active one
         # The machine-wide room, and each lineage's fair-share weight and batch cap (training/training_policy.py).
         self._policy = policy or TrainingPolicyConfig()
-        self._freshness = freshness
+        durable = DurableWrites(redis_outage_s)
+        self._activation = RunActivation(
+            runs, repository, gateway, durable, model_id=model_id, base_model_path=base_model_path, metrics=metrics,
+            rollout=rollout, freshness=freshness,
+        )
+        self._executions = RunExecutions(
+            runs, store, backend, repository, self._activation, durable, model_id=model_id,
+            base_model_path=base_model_path, tmp_root=tmp_root, metrics=metrics,
+        )
 
     # ------------------------------------------------------------------ API
 
@@ -142,7 +134,7 @@ class TrainingRunner:
         async with self._lock:
             live = await self._runs.active_runs()
             for run in live:
-                self._adopt(run)
+                self._executions.adopt(run)
             mine = next((run for run in live if run.lineage == lineage), None)
             if mine is not None:
                 return mine, False
@@ -187,10 +179,10 @@ class TrainingRunner:
                     max_active=room,
                     share_cost=1.0 / policy.weight,
                 )
-            except _REDIS_DOWN:
+            except REDIS_DOWN:
                 # Redis may have applied the claim's EXEC and lost only its answer: the run would then sit queued
                 # with its batch claimed and nothing executing it. Look again once Redis answers.
-                self._settle_lost_claim(draft.training_run_id)
+                self._executions.settle_lost_claim(draft.training_run_id)
                 raise
             if claim.existing:
                 assert claim.run is not None
@@ -206,7 +198,7 @@ class TrainingRunner:
             if self._metrics is not None:
                 self._metrics.run_started(str(trigger.get("kind")))
                 self._metrics.run_claimed(lineage, (claim.run.freshness or {}).get("eligible_wait_seconds"))
-            self._launch(claim.run)
+            self._executions.launch(claim.run)
             log.info("training run %s claimed %d sample(s) of %s on parent %s", claim.run.training_run_id,
                      claim.run.sample_count, line, parent.lora_name,
                      extra={"training_run_id": claim.run.training_run_id})
@@ -231,14 +223,14 @@ class TrainingRunner:
         try:
             return await self._stop(run)
         except RunNotFound:
-            await self._abandon(run)
+            await self._executions.abandon(run)
             raise
 
     async def _stop(self, run: TrainingRun) -> TrainingRun:
         run_id = run.training_run_id
-        self._stop_requested.add(run_id)
+        self._executions.request_stop(run_id)
         await self._runs.append_event(run_id, "stop_requested", {"stage": run.stage})
-        task = self._executions.get(run_id)
+        task = self._executions.task(run_id)
         if run.stage in (RunStage.QUEUED, RunStage.TRAINING):
             stopped = await self._backend.cancel(run_id)
             if task is not None:
@@ -248,10 +240,15 @@ class TrainingRunner:
             run = await self.get(run_id)
             if not run.terminal and run.stage != RunStage.ACTIVATING:
                 run = await self._runs.finish(run_id, RunStatus.CANCELED, restore_samples=True)
-                await self._cleanup(run_id)
+                await self._executions.cleanup(run_id)
                 return run
-        if not run.terminal:
-            return await self._stop_activation(run_id, task)
+        if not run.terminal:  # activating: once its execution is over, the gateway tells what happened
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            run = await self.get(run_id)
+            if not run.terminal:
+                return await self._activation.stop(run)
         return run
 
     async def recover(self) -> list[TrainingRun]:
@@ -268,7 +265,7 @@ class TrainingRunner:
         try:
             return await self._recover(run)
         except RunNotFound:
-            await self._abandon(run)
+            await self._executions.abandon(run)
             return None
 
     async def _recover(self, run: TrainingRun) -> TrainingRun:
@@ -279,18 +276,16 @@ class TrainingRunner:
             run = await self._runs.finish(
                 run.training_run_id, RunStatus.FAILED, failure_reason="service_restarted", restore_samples=True
             )
-            await self._cleanup(run.training_run_id)
+            await self._executions.cleanup(run.training_run_id)
             return run
         log.info("training run %s was activating at restart; retrying the activation", run.training_run_id,
                  extra={"training_run_id": run.training_run_id})
-        return await self._activate(run)
+        return await self._activation.activate(run)
 
     async def shutdown(self) -> None:
         """Stop the active run of this process as `POST .../stop` would."""
-        for check in list(self._claim_checks):
-            check.cancel()
-        await asyncio.gather(*self._claim_checks, return_exceptions=True)
-        for run_id in list(self._executions):
+        await self._executions.cancel_claim_checks()
+        for run_id in self._executions.run_ids():
             try:
                 await self.stop(run_id)
             except LeaseLost as exc:
@@ -304,337 +299,8 @@ class TrainingRunner:
         """This worker lost the leader lease (workers/coordinator.py): stop every execution of this process without
         settling its record. The next leader's takeover recovery settles it (`recover`); a settle from here could
         race that. A cancelled execution writes nothing (the local backend kills its trainer on the way)."""
-        running = [*self._claim_checks, *self._executions.values()]
-        for task in running:
-            task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
+        await self._executions.cancel_all()
 
     def check_health(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
+        self._executions.check_health()  # a failed execution is sticky until restart
         self._backend.check_health()
-
-    # ------------------------------------------------------------ execution
-
-    def _adopt(self, run: TrainingRun) -> None:
-        """Launch a queued run that no execution of this process owns: a claim whose answer was lost. (Startup
-        recovery settles queued runs before the service serves, so every other queued run has its execution.)"""
-        if run.stage == RunStage.QUEUED and not run.terminal and run.training_run_id not in self._executions:
-            log.warning("training run %s was claimed without an execution; launching it", run.training_run_id,
-                        extra={"training_run_id": run.training_run_id})
-            self._launch(run)
-
-    def _settle_lost_claim(self, run_id: str) -> None:
-        async def settle() -> None:
-            run = await self._durable(f"run {run_id} claim outcome", lambda: self._runs.get(run_id))
-            if run is not None:
-                self._adopt(run)
-
-        task = asyncio.create_task(settle(), name=f"training-run-claim:{run_id}")
-        self._claim_checks.add(task)
-        task.add_done_callback(self._claim_checks.discard)
-
-    def _launch(self, run: TrainingRun) -> None:
-        run_id = run.training_run_id
-        task = asyncio.create_task(self._execute(run), name=f"training-run:{run_id}")
-        self._executions[run_id] = task
-
-        def done(t: asyncio.Task[None]) -> None:
-            self._executions.pop(run_id, None)
-            self._stop_requested.discard(run_id)
-            if not t.cancelled() and t.exception() is not None:
-                # Sticky until restart: the run's state may be inconsistent with what this process believes.
-                self._failure = f"training run {run_id} execution failed: {t.exception()!r}"
-                log.error("training run %s execution failed", run_id, exc_info=t.exception(),
-                          extra={"training_run_id": run_id})
-
-        task.add_done_callback(done)
-
-    async def _durable(self, what: str, write: Callable[[], Awaitable[T]]) -> T:
-        """Run one state write of a run's execution, retried while Redis is unreachable: an execution that gave up
-        on a blip would leave its run non-terminal with its batch claimed until a restart. Every write it wraps is
-        idempotent (a terminal record is returned unchanged, a repeated move finds nothing left to move), so a try
-        that Redis applied although its answer was lost is harmless to repeat."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._redis_outage_s
-        delay = 0.1
-        while True:
-            try:
-                return await write()
-            except _REDIS_DOWN as exc:
-                if loop.time() + delay > deadline:
-                    raise
-                log.warning("%s: Redis unavailable (%s); retrying in %.1f s", what, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-
-    async def _execute(self, run: TrainingRun) -> None:
-        try:
-            try:
-                await self._execute_steps(run)
-            except RunNotFound:
-                # Nothing is left to record progress or an outcome in. Failing the task would make /health report a
-                # sticky failure until a restart and leave the batch claimed; releasing it lets the next run claim.
-                await self._abandon(run)
-        except LeaseLost as exc:
-            # Not a failure of the run: this worker is no longer the leader. Nothing more is written or removed
-            # here; the next leader's recovery settles the run and its temporary files.
-            log.warning("training run %s: execution stopped, %s", run.training_run_id, exc,
-                        extra={"training_run_id": run.training_run_id})
-
-    async def _abandon(self, run: TrainingRun) -> None:
-        run_id = run.training_run_id
-        restored = await asyncio.shield(self._durable(f"run {run_id} abandon", lambda: self._runs.abandon(run)))
-        log.warning("training run %s: its record vanished; %d sample(s) back to pending", run_id, restored,
-                    extra={"training_run_id": run_id})
-        await self._cleanup(run_id)
-
-    async def _execute_steps(self, run: TrainingRun) -> None:
-        run_id = run.training_run_id
-        run = await self._durable(f"run {run_id} start", lambda: self._runs.update(
-            run_id,
-            lambda r: r.evolve(status=RunStatus.RUNNING.value, stage=RunStage.TRAINING.value, started_at=now_iso()),
-            event=("training_started", {}),
-        ))
-        if run.terminal:
-            return
-        if run.started_at:
-            self._stage("queued", "ok", parse_iso_epoch(run.started_at) - parse_iso_epoch(run.created_at))
-        started = time.perf_counter()
-        try:
-            samples = await self._store.get_documents(run.sample_ids)
-            job = TrainingJob(
-                training_run_id=run_id,
-                model_id=self._model_id,
-                base_model_path=self._base_model_path,
-                samples=samples,
-                init_lora_name=run.parent_lora_name,
-                init_lora_path=run.parent_lora_path,
-                line=run.line(self._model_id),
-            )
-            artifact = await self._backend.train(job, on_progress=self._progress_recorder(run_id))
-            await asyncio.to_thread(self._repository.for_line(run.line(self._model_id)).validate_artifact, artifact)
-            faults.reached("run.trained")
-        except asyncio.CancelledError:
-            self._stage("training", "canceled", time.perf_counter() - started)
-            raise  # `stop` settles the record
-        except Exception as exc:
-            canceled = run_id in self._stop_requested
-            self._stage("training", "canceled" if canceled else "failed", time.perf_counter() - started)
-            reason = None if canceled else (str(exc) or type(exc).__name__)
-            if not canceled:
-                log.warning("training run %s failed: %s", run_id, reason, extra={"training_run_id": run_id})
-            status = RunStatus.CANCELED if canceled else RunStatus.FAILED
-            await asyncio.shield(self._durable(f"run {run_id} {status.value}", lambda: self._runs.finish(
-                run_id, status, failure_reason=reason, restore_samples=True,
-            )))
-            await self._cleanup(run_id)
-            return
-        self._stage("training", "ok", time.perf_counter() - started)
-        run = await asyncio.shield(self._durable(f"run {run_id} trained", lambda: self._mark_trained(run_id, artifact)))
-        if self._metrics is not None and artifact.metadata.get("sampling"):
-            self._metrics.run_sampling(artifact.metadata["sampling"])
-        if run.terminal:
-            return
-        if run_id in self._stop_requested:
-            # Stop arrived as training completed: the artifact and the trained samples stay, nothing is activated.
-            await asyncio.shield(
-                self._durable(f"run {run_id} canceled", lambda: self._runs.finish(run_id, RunStatus.CANCELED))
-            )
-            return
-        faults.reached("run.marked")
-        await self._activate(run)
-
-    async def _mark_trained(self, run_id: str, artifact: Artifact) -> TrainingRun:
-        meta = artifact.metadata
-        patch = {
-            k: meta[k] for k in ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples",
-                                 "sampling", "constraints", "timings")
-            if meta.get(k) is not None
-        }
-        return await self._runs.mark_trained(
-            run_id, lora_name=artifact.lora_name, lora_path=artifact.lora_path,
-            dropped_ids=list(meta.get("dropped_sample_ids") or []), metrics_patch=patch,
-        )
-
-    @staticmethod
-    def _step_change(step: dict[str, Any]) -> Callable[[TrainingRun], TrainingRun]:
-        def change(run: TrainingRun) -> TrainingRun:
-            metrics = dict(run.metrics)
-            metrics["step_metrics"] = list(metrics.get("step_metrics", [])) + [step]
-            metrics["steps"] = len(metrics["step_metrics"])
-            for key in ("dropped_samples", "prompt_truncated_samples", "response_truncated_samples"):
-                if key in step:
-                    metrics[key] = step[key]
-            return run.evolve(metrics=metrics)
-
-        return change
-
-    def _progress_recorder(self, run_id: str) -> Callable[[dict[str, Any]], Any]:
-        async def record(step: dict[str, Any]) -> None:
-            if PLACEMENT in step:  # where the run stands in getting its resources: no step (backends/__init__.py)
-                note = dict(step[PLACEMENT])
-
-                def place(run: TrainingRun) -> TrainingRun:
-                    return run.evolve(metrics={**run.metrics, PLACEMENT: note})
-
-                kind = "resources_placed" if note.get("state") == "placed" else "waiting_for_resources"
-                change, event = place, (kind, note)
-            else:
-                change, event = self._step_change(step), ("ppo_step", step)
-            try:
-                await self._runs.update(run_id, change, event=event)
-            except _REDIS_DOWN as exc:  # progress is informational: a lost step never fails the training
-                log.warning("run %s: progress step not recorded (%s)", run_id, exc)
-            except LeaseLost as exc:
-                # Deposed mid-training: cancel the execution, as a relinquish would (every backend kills its
-                # trainer on cancellation, which it sees at its next await); nothing more of this run is written.
-                log.warning("run %s: progress step refused (%s); stopping the execution", run_id, exc)
-                execution = self._executions.get(run_id)
-                if execution is not None:
-                    execution.cancel()
-
-        return record
-
-    async def _activate(self, run: TrainingRun) -> TrainingRun:
-        assert run.lora_name and run.lora_path
-        if self._rollout is not None and self._rollout.gated:
-            return await self._begin_canary(run)
-        await self._runs.append_event(run.training_run_id, "activation_attempt", {
-            "lora_name": run.lora_name, "expected_lora_name": run.parent_lora_name,
-        })
-        started = time.perf_counter()
-        try:
-            await self._gateway.activate(
-                base_model=self._base_model_path, lora_name=run.lora_name, lora_path=run.lora_path,
-                expected=run.parent_lora_name, run_id=run.training_run_id,
-            )
-        except asyncio.CancelledError:
-            self._activation_done("canceled", time.perf_counter() - started)
-            raise
-        except GatewayError as exc:
-            self._activation_done("failed", time.perf_counter() - started)
-            log.warning("activation of %s failed: %s", run.lora_name, exc,
-                        extra={"training_run_id": run.training_run_id, "lora_name": run.lora_name})
-            # Bound here: a shielded write may outlive this `except` (a cancelled caller), which unbinds `exc`.
-            error = str(exc)
-            return await asyncio.shield(self._durable(f"run {run.training_run_id} failed", lambda: self._runs.finish(
-                run.training_run_id, RunStatus.FAILED, failure_reason=error,
-                before=[("activation_failed", {"lora_name": run.lora_name, "error": error})],
-            )))
-        self._activation_done("ok", time.perf_counter() - started)
-        faults.reached("run.activated")
-        return await asyncio.shield(self._succeed(run))
-
-    async def _begin_canary(self, run: TrainingRun) -> TrainingRun:
-        """Canary / manual rollout: the version becomes the gateway's candidate; the run succeeds with it (what
-        becomes of the version is the rollout's story, in both timelines)."""
-        assert self._rollout is not None
-        run_id = run.training_run_id
-        await self._runs.append_event(run_id, "activation_attempt", {
-            "lora_name": run.lora_name, "expected_lora_name": run.parent_lora_name, "as": "candidate",
-        })
-        started = time.perf_counter()
-        try:
-            record = await self._rollout.begin(run)
-        except asyncio.CancelledError:
-            self._activation_done("canceled", time.perf_counter() - started)
-            raise
-        except (GatewayError, Conflict) as exc:
-            self._activation_done("failed", time.perf_counter() - started)
-            log.warning("canary of %s could not start: %s", run.lora_name, exc,
-                        extra={"training_run_id": run_id, "lora_name": run.lora_name})
-            error = str(exc)  # bound here: the shielded write may outlive this `except`
-            return await asyncio.shield(self._durable(f"run {run_id} failed", lambda: self._runs.finish(
-                run_id, RunStatus.FAILED, failure_reason=error,
-                before=[("activation_failed", {"lora_name": run.lora_name, "error": error})],
-            )))
-        self._activation_done("ok", time.perf_counter() - started)
-        log.info("training run %s succeeded: %s is the candidate of rollout %s", run_id, run.lora_name,
-                 record.rollout_id, extra={"training_run_id": run_id, "lora_name": run.lora_name})
-        return await asyncio.shield(self._durable(f"run {run_id} succeeded", lambda: self._runs.finish(
-            run_id, RunStatus.SUCCEEDED,
-            before=[("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record.rollout_id})],
-        )))
-
-    def _stage(self, stage: str, outcome: str, seconds: float) -> None:
-        if self._metrics is not None:
-            self._metrics.stage(stage, outcome, seconds)
-
-    def _activation_done(self, outcome: str, seconds: float) -> None:
-        self._stage("activating", outcome, seconds)
-        if self._metrics is not None:
-            self._metrics.activation(outcome, seconds)
-
-    async def _succeed(self, run: TrainingRun) -> TrainingRun:
-        assert run.lora_name and run.lora_path
-        run_id = run.training_run_id
-        # The fenced write first, on every line (the default line's observed policy is the AIGW key, another
-        # line's is its field of `policy:observed_lines`): a deposed leader stops before it writes the repository's
-        # marker (a file carries no token; the next leader, activating the same artifact again, writes the same).
-        line = run.line(self._model_id)
-        await self._durable(f"run {run_id} policy",
-                            lambda: self._runs.observe_policy(run.lora_name, run.lora_path, line=line))
-        await self._repository.for_line(line).write_active(run.lora_name, run.lora_path, run_id)
-        log.info("training run %s succeeded: %s active", run_id, run.lora_name,
-                 extra={"training_run_id": run_id, "lora_name": run.lora_name})
-        fresh = await self._measure_freshness(run)
-        return await self._durable(f"run {run_id} succeeded", lambda: self._runs.finish(
-            run_id, RunStatus.SUCCEEDED, before=[("activation_succeeded", {"lora_name": run.lora_name})],
-            freshness=fresh,
-        ))
-
-    async def _measure_freshness(self, run: TrainingRun) -> dict[str, Any] | None:
-        """The version is the line's policy from now: its samples' sample-to-policy latency (a measurement: a
-        Redis blip loses it, never the run's success)."""
-        if self._freshness is None:
-            return None
-        try:
-            return await self._freshness.measure(run, at=time.time(), via=ACTIVATION)
-        except _REDIS_DOWN as exc:
-            log.warning("run %s: freshness not measured (%s)", run.training_run_id, exc)
-            return None
-
-    async def _stop_activation(self, run_id: str, task: asyncio.Task[None] | None) -> TrainingRun:
-        if task is not None and not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        run = await self.get(run_id)
-        if run.terminal:
-            return run
-        if self._rollout is not None and self._rollout.gated:
-            return await self._stop_canary_start(run)
-        try:
-            policy = await self._gateway.read_policy_retrying(line=run.line(self._model_id))
-        except GatewayError as exc:
-            return await self._runs.finish(
-                run_id, RunStatus.CANCELED, failure_reason=f"activation outcome unknown: {exc}"
-            )
-        if policy.lora_name == run.lora_name:
-            return await self._succeed(run)
-        return await self._runs.finish(run_id, RunStatus.CANCELED)
-
-    async def _stop_canary_start(self, run: TrainingRun) -> TrainingRun:
-        """A stop while the version was becoming the candidate: a canary that got its record goes on (the run
-        succeeded); otherwise the gateway's candidate, if it got that far, is dropped so that no candidate is left
-        without a rollout."""
-        assert self._rollout is not None and run.lora_name
-        record = await self._rollout.record_of(run)
-        if record is not None:
-            return await self._runs.finish(run.training_run_id, RunStatus.SUCCEEDED, before=[
-                ("candidate_loaded", {"lora_name": run.lora_name, "rollout_id": record.rollout_id})])
-        try:
-            await self._gateway.abort_canary(base_model=self._base_model_path, lora_name=run.lora_name)
-        except GatewayError as exc:
-            return await self._runs.finish(run.training_run_id, RunStatus.CANCELED,
-                                           failure_reason=f"candidate outcome unknown: {exc}")
-        return await self._runs.finish(run.training_run_id, RunStatus.CANCELED)
-
-    async def _cleanup(self, run_id: str) -> None:
-        await self._repository.remove_temp(run_id)
-        await asyncio.to_thread(self._remove_tmp_dirs, run_id)
-
-    def _remove_tmp_dirs(self, run_id: str) -> None:
-        if self._tmp_root.is_dir():
-            for entry in self._tmp_root.glob(f"{run_id}*"):
-                shutil.rmtree(entry, ignore_errors=True)
