@@ -1,5 +1,5 @@
 """The one bounded reader of start-up files (common/bounded_files.py): regular files only, a byte limit, and the
-private-mode check for key files, on the opened file."""
+private-mode check for key files, on the opened file; and the one strict JSON parse of configs and key files."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from openjiuwen.agent_evolving.agent_rl.common.bounded_files import FileReadError, read_bounded
+from openjiuwen.agent_evolving.agent_rl.common.bounded_files import FileReadError, read_bounded, read_json, read_text
 
 
 def test_reads_a_file_up_to_its_limit(tmp_path: Path) -> None:
@@ -38,3 +38,20 @@ def test_a_private_file_must_be_private(tmp_path: Path) -> None:
         read_bounded(path, "keys", 100, private_to="the gateway's user")
     path.chmod(0o700)  # execute bits leak nothing
     assert read_bounded(path, "keys", 100, private_to="the gateway's user") == b"{}"
+
+
+def test_json_is_utf8_without_duplicate_keys_and_never_quoted(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_bytes(b'{"a": {"b": 1}, "c": [1, 2]}')
+    assert read_json(path, "keys", 100) == {"a": {"b": 1}, "c": [1, 2]}
+    path.write_bytes(b'{"a": {"b": 1, "b": 2}}')  # the last one would silently win
+    with pytest.raises(FileReadError, match=r"^keys: duplicate key 'b'$"):
+        read_json(path, "keys", 100)
+    path.write_bytes(b'{"apiHmacKey": "SECRET')
+    with pytest.raises(FileReadError, match=r"^keys: invalid JSON at line 1, column \d+: ") as info:
+        read_json(path, "keys", 100)
+    assert "SECRET" not in str(info.value)
+    path.write_bytes(b'{"a": "\xff"}')
+    for read in (read_json, read_text):
+        with pytest.raises(FileReadError, match=r"^keys: not valid UTF-8$"):
+            read(path, "keys", 100)

@@ -648,8 +648,10 @@ def test_training_policy_is_off_by_default_and_validated() -> None:
     ({"min_interval_seconds": -1}, "training_policy.min_interval_seconds"),
     ({"auto": "yes"}, "training_policy.auto"),
     # Per-lineage overrides (docs/lineages.md): names by common/lineage.py, per-line fields only, the merge valid.
-    ({"lineages": {"Bad_Name": {}}}, "training_policy: lineages.Bad_Name: not a lineage name other than default"),
-    ({"lineages": {"default": {}}}, "training_policy: lineages.default: not a lineage name other than default"),
+    ({"lineages": {"Bad_Name": {}}},
+     "training_policy.lineages.Bad_Name.[key]: must be a lineage name other than default"),
+    ({"lineages": {"default": {}}},
+     "training_policy.lineages.default.[key]: must be a lineage name other than default"),
     ({"lineages": {"up": {"max_concurrent_runs": 2}}}, "training_policy.lineages.up.max_concurrent_runs"),
     ({"lineages": {"up": {"min_pending_samples": 0}}}, "training_policy.lineages.up.min_pending_samples"),
     ({"min_pending_samples": 8, "lineages": {"up": {"min_batch_on_wait": 9}}},

@@ -15,15 +15,13 @@ import pytest
 from openjiuwen.agent_evolving.agent_rl.gateway.config import (
     GatewayConfig,
     GatewayConfigError,
-    HmacKeys,
     format_duration,
     gateway_config_from_mapping,
-    keys_from_document,
     load_gateway_config,
     load_hmac_keys,
     parse_duration,
 )
-from openjiuwen.agent_evolving.agent_rl.common.signing_keys import decode_key
+from openjiuwen.agent_evolving.agent_rl.common.signing_keys import HmacKeys, decode_key, gateway_keys_from_document
 
 API_KEY = "api-key-0123456789abcdef-SECRET-x"  # 33 characters: used as its UTF-8 bytes
 INS_KEY_HEX = "9f" * 32  # 64 hex digits: decoded to 32 bytes
@@ -573,7 +571,7 @@ def test_instance_health_and_registration_defaults_and_bounds(tmp_path: Path):
 
 
 def test_an_agent_keys_lineage_limit_is_read_and_absent_means_every_lineage() -> None:
-    keys = keys_from_document({"apiHmacKey": API_KEY, "agentHmacKeys": [
+    keys = gateway_keys_from_document({"apiHmacKey": API_KEY, "agentHmacKeys": [
         {"id": "a", "key": AGENT_KEY_HEX, "lineages": ["support", "default"]},
         {"id": "b", "key": OTHER_AGENT_KEY},
         {"id": "c", "key": "c" * 64, "lineages": []},
@@ -584,7 +582,7 @@ def test_an_agent_keys_lineage_limit_is_read_and_absent_means_every_lineage() ->
 
 
 def test_an_agent_keys_registration_cap_is_read_and_absent_means_none_of_its_own() -> None:
-    keys = keys_from_document({"apiHmacKey": API_KEY, "agentHmacKeys": [
+    keys = gateway_keys_from_document({"apiHmacKey": API_KEY, "agentHmacKeys": [
         {"id": "a", "key": AGENT_KEY_HEX, "maxLineages": 3, "lineages": ["x", "y"]},
         {"id": "b", "key": OTHER_AGENT_KEY},
         {"id": "c", "key": "c" * 64, "maxLineages": 0},

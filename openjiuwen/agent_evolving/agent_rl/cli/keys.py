@@ -26,8 +26,13 @@ from typing import Any
 import orjson
 
 from ..common.private_files import write_private
-from ..common.signing_keys import KeyFileError, is_agent_key_id, read_key_document
-from ..gateway.config import AGENT_KEY_MAX_LINEAGES, GatewayConfigError, keys_from_document
+from ..common.signing_keys import (
+    AGENT_KEY_MAX_LINEAGES,
+    KeyFileError,
+    gateway_keys_from_document,
+    is_agent_key_id,
+    read_key_document,
+)
 
 
 class KeysError(Exception):
@@ -91,8 +96,8 @@ def add_agent(key_id: str, gateway_keys: Path, out: Path, *, max_lineages: int |
         entry[AGENT_KEY_MAX_LINEAGES] = max_lineages
     updated = {**document, "agentHmacKeys": [*entries, entry]}
     try:
-        keys_from_document(updated, source=str(gateway_keys))  # what the gateway will check at its next start
-    except GatewayConfigError as exc:
+        gateway_keys_from_document(updated, source=str(gateway_keys))  # what the gateway checks at its next start
+    except KeyFileError as exc:
         raise KeysError(str(exc)) from None
     _create(out, {"agentKeyId": key_id, "agentHmacKey": key})
     try:

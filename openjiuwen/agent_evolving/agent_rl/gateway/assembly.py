@@ -55,7 +55,7 @@ def build_gateway(
     agent_lineage_caps: Mapping[str, int] | None = None,
 ) -> Gateway:
     """`agent_lineages`, `agent_lineage_caps`: the lineage limit and the registration cap of each agent key that has
-    one (config.HmacKeys)."""
+    one (common/signing_keys.HmacKeys)."""
     online = config.online_rl
     model_id = online.model_id  # the gateway's own setting, checked against the child's /health
     metrics = GatewayMetrics(lineage_top_k=config.metrics.lineage_label_top_k,  # per app: its own CollectorRegistry

@@ -1,10 +1,11 @@
-"""Gateway configuration (CONTRACT §3.1): the AIGW JSON shape as frozen pydantic models, and the HMAC key loader.
+"""Gateway configuration (CONTRACT §3.1): the AIGW JSON shape as frozen pydantic models, and where the HMAC keys
+come from (the key document itself is parsed by common/signing_keys.py).
 
 The config is parsed once, at the edge. Durations are Go strings (`300ms`, `1m30s`) stored as float seconds in
 fields named with `_s`. Every model refuses unknown keys. Error messages name the field, never a value, and the HMAC
 keys (which never sit in the config itself: they come from `global.hmacKeyFile` or `global.cryptoSock`) never
 appear in any message, repr or log line. The key file must be private to its owner (no read or write permission for
-group or others), and no two keys of the document may be equal: each holder's key must prove that holder.
+group or others), and no two keys of the document may be equal (common/signing_keys.py checks both).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import asyncio
 import json
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,34 +21,43 @@ from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     PlainSerializer,
     StrictBool,
     StrictInt,
     StrictStr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
 from ..common import loopback
-from ..common.lineage import is_lineage
-from ..common.signing_keys import KeyFileError, is_agent_key_id, member_key
-from ..common.bounded_files import FileReadError, read_bounded
-from ..common.validation import AbsolutePath, ModelId, NonBlank, config_invalid, validation_problems
+from ..common.bounded_files import MAX_CONFIG_BYTES, FileReadError, parse_json, read_json
+from ..common.signing_keys import (
+    MAX_KEY_DOCUMENT_BYTES,
+    HmacKeys,
+    KeyFileError,
+    gateway_keys_from_document,
+    read_gateway_keys,
+)
+from ..common.validation import (
+    AbsolutePath,
+    BodyLimitBytes,
+    ConfigModel,
+    ConnectionCap,
+    LineageLabelTopK,
+    ModelId,
+    NamedLineage,
+    NonBlank,
+    NonNegativeInt,
+    PositiveInt,
+    config_invalid,
+    validate_config,
+)
 from .auth.hmac_auth import REPLAY_CAPACITY
 from .instances.instances import valid_host
 
-MAX_CONFIG_BYTES = 1024 * 1024  # a gateway config is a few KiB
-MAX_KEY_DOCUMENT_BYTES = 64 * 1024  # the key JSON is a few short strings per key
 KEY_SOCKET_TIMEOUT_S = 5.0
-AGENT_KEY_LINEAGES = "lineages"  # an agent key entry's lineage limit (docs/gateway.md, docs/lineages.md)
-# an agent key entry's cap on the lineages it may register (docs/lineages.md "Lifecycle", docs/security.md)
-AGENT_KEY_MAX_LINEAGES = "maxLineages"
-MAX_LINEAGES_CAP = 1_000_000
 
 _DURATION_UNITS_S = {
     "ns": 1e-9,
@@ -187,13 +195,6 @@ def _check_listen(value: str) -> str:
     return value
 
 
-def _check_lineage(value: str) -> str:
-    if not is_lineage(value) or value == "default":
-        raise config_invalid("must be a lineage name other than default (lower-case letters, digits and '-', "
-                             "1-63 characters, not 'v' followed by digits)")
-    return value
-
-
 def _check_network(value: str) -> str:
     try:
         ip_network(value)
@@ -225,41 +226,39 @@ def _check_loopback_url(value: str) -> str:
 
 
 Token = Annotated[StrictStr, AfterValidator(_no_whitespace)]
-
-
-class _Model(BaseModel):
-    # Aliases only (the AIGW camelCase names): a snake_case key is as unknown as any other.
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+PathText = Annotated[StrictStr, AfterValidator(_check_path)]
+# LoRA adapter slots of an instance (0: unlimited, or none reserved).
+SlotCount = Annotated[StrictInt, Field(ge=0, le=100_000)]
 
 
 # --- the models -----------------------------------------------------------------------------------------------
+# They take the AIGW camelCase names (aliases) only: a snake_case key is as unknown as any other.
 
 
-class GlobalSection(_Model):
+class GlobalSection(ConfigModel):
     listen: Annotated[StrictStr, AfterValidator(_check_listen)] = "127.0.0.1:8080"
-    hmac_key_file: Annotated[StrictStr, AfterValidator(_check_path)] | None = Field(default=None, alias="hmacKeyFile")
-    crypto_sock: Annotated[StrictStr, AfterValidator(_check_path)] | None = Field(default=None, alias="cryptoSock")
+    hmac_key_file: PathText | None = Field(default=None, alias="hmacKeyFile")
+    crypto_sock: PathText | None = Field(default=None, alias="cryptoSock")
     # Project gateway: a bound on every request body (inference routes are unsigned, so anyone who reaches the port
     # could otherwise make it buffer any amount). Larger bodies get 413 `payload_too_large`.
-    max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(default=33_554_432, alias="maxBodyBytes")
+    max_body_bytes: BodyLimitBytes = Field(default=33_554_432, alias="maxBodyBytes")
     # Project gateway: a bound on what a vLLM instance's answer may make the gateway hold: a JSON answer, an error
     # answer, one SSE event, a captured stream in all (past it 502 `upstream_too_large`, or the stream ends). 64 MiB
     # is about five times the largest answer a capture asks for (131,072 tokens with their logprobs, ~100 bytes each).
-    max_upstream_body_bytes: Annotated[StrictInt, Field(ge=1024)] = Field(
-        default=67_108_864, alias="maxUpstreamBodyBytes")
+    max_upstream_body_bytes: BodyLimitBytes = Field(default=67_108_864, alias="maxUpstreamBodyBytes")
     # Project gateway: accept the AIGW signature form (timestamp ‖ body; method, path and query unsigned) beside
     # version 3 (operator and instance keys only). Off by default: only then can no signed request be replayed on
     # another route or re-targeted to another session (auth/hmac_auth.py).
     accept_legacy_signatures: StrictBool = Field(default=False, alias="acceptLegacySignatures")
     # Project gateway: live (timestamp, signature) pairs remembered per key (api, instance, each agent key apart); a key
     # whose cache is full of live pairs has its further requests refused until some expire.
-    replay_cache_size: Annotated[StrictInt, Field(ge=1)] = Field(default=REPLAY_CAPACITY, alias="replayCacheSize")
+    replay_cache_size: PositiveInt = Field(default=REPLAY_CAPACITY, alias="replayCacheSize")
     # Project gateway, slow clients (common/slow_clients.py): a request head must be complete within headerTimeout
     # (else 408), an idle kept-alive connection closes after keepAliveTimeout, and past maxConnections the oldest
     # connection without a complete head is closed to make room.
     header_timeout_s: Duration = Field(default=10.0, alias="headerTimeout")
     keep_alive_timeout_s: Duration = Field(default=5.0, alias="keepAliveTimeout")
-    max_connections: Annotated[StrictInt, Field(ge=16)] = Field(default=4096, alias="maxConnections")
+    max_connections: ConnectionCap = Field(default=4096, alias="maxConnections")
 
     @model_validator(mode="after")
     def _exactly_one_key_source(self) -> "GlobalSection":
@@ -276,14 +275,14 @@ class GlobalSection(_Model):
         return _split_listen(self.listen)[1]
 
 
-class InstanceConfig(_Model):
+class InstanceConfig(ConfigModel):
     name: Token
     model: Token
     instance_ip: Annotated[StrictStr, AfterValidator(_host)] = Field(alias="instanceIp")
     port: Annotated[int, BeforeValidator(_port)]
     # Project gateway (adapter paging, docs/lineages.md): LoRA adapters this instance may hold at once (its vLLM
     # `--max-cpu-loras`); absent: `lora.maxLorasPerInstance`; 0: unlimited.
-    max_loras: Annotated[StrictInt, Field(ge=0, le=100_000)] | None = Field(default=None, alias="maxLoras")
+    max_loras: SlotCount | None = Field(default=None, alias="maxLoras")
 
     @property
     def base_url(self) -> str:
@@ -292,30 +291,29 @@ class InstanceConfig(_Model):
         return f"http://{host}:{self.port}"
 
 
-class LoraSection(_Model):
+class LoraSection(ConfigModel):
     root: AbsolutePath
-    state_path: Annotated[StrictStr, AfterValidator(_check_path)] = Field(alias="statePath")
+    state_path: PathText = Field(alias="statePath")
     operation_timeout_s: Duration = Field(default=60.0, alias="operationTimeout")
     # Project gateway (adapter paging, docs/lineages.md): adapters an instance holds at once unless its own `maxLoras`
     # says otherwise (0: unlimited, every active version on every instance as before), and how long a request waits
     # for a slot to free before 503 `lora_capacity_exhausted`.
-    max_loras_per_instance: Annotated[StrictInt, Field(ge=0, le=100_000)] = Field(
-        default=0, alias="maxLorasPerInstance")
+    max_loras_per_instance: SlotCount = Field(default=0, alias="maxLorasPerInstance")
     page_timeout_s: Duration = Field(default=30.0, alias="pageTimeout")
     # Project gateway (issue 37 item 2): slots of each paging instance that requests outside a Task never keep in
     # use, so that traffic outside Tasks cannot starve Tasks of slots (docs/lineages.md "Tasks first").
-    task_reserved_slots: Annotated[StrictInt, Field(ge=0, le=100_000)] = Field(default=1, alias="taskReservedSlots")
+    task_reserved_slots: SlotCount = Field(default=1, alias="taskReservedSlots")
     # Project gateway (issue 37): versions of a line that running Tasks may keep loaded besides the line's active
     # version and canary candidate; the Tasks pinned to older ones are stopped (docs/lineages.md "Leases").
     max_leased_versions: Annotated[StrictInt, Field(ge=0, le=10_000)] = Field(
         default=4, alias="maxLeasedVersionsPerLine")
     # Project gateway (issue 37 item 1): lineages whose active version anyone may name outside a Task, as the
     # default line's; any other lineage's versions take a signed request (docs/lineages.md "Private lines").
-    open_lineages: list[Annotated[StrictStr, AfterValidator(_check_lineage)]] = Field(
+    open_lineages: list[NamedLineage] = Field(
         default_factory=list, alias="openLineages")
 
 
-class InstanceHealthSection(_Model):
+class InstanceHealthSection(ConfigModel):
     """Project gateway (issue 19): periodic `GET /health` of every vLLM instance (instances/health.py)."""
 
     interval_s: Duration = Field(default=10.0, alias="interval")
@@ -323,7 +321,7 @@ class InstanceHealthSection(_Model):
     failure_threshold: Annotated[StrictInt, Field(ge=1, le=100)] = Field(default=3, alias="failureThreshold")
 
 
-class RegistrationSection(_Model):
+class RegistrationSection(ConfigModel):
     """Project gateway: what `register-instance` may add (issue 19: how many; issue 28 item 1: which addresses,
     instances/instance_addresses.py; item 2: whether registered instances serve captured traffic)."""
 
@@ -341,30 +339,30 @@ class RegistrationSection(_Model):
         return [ip_network(n) for n in self.allowed_networks]
 
 
-class MetricsSection(_Model):
+class MetricsSection(ConfigModel):
     """Project gateway: the bounded `lineage` label of per-request metrics (common/lineage_labels.py,
     docs/lineages.md)."""
 
     # Lineages with their own label beside `default`; every other lineage is `other` (0: all of them).
-    lineage_label_top_k: Annotated[StrictInt, Field(ge=0, le=1000)] = Field(default=20, alias="lineageLabelTopK")
+    lineage_label_top_k: LineageLabelTopK = Field(default=20, alias="lineageLabelTopK")
     # How long a labelled lineage may go without captured traffic before another lineage may take its slot.
     lineage_label_idle_s: Duration = Field(default=3600.0, alias="lineageLabelIdle")
 
 
-class OnlineRLSection(_Model):
+class OnlineRLSection(ConfigModel):
     command: list[NonBlank] = Field(min_length=1)
     # The model id the RL Service child serves (= its config's `model_id`): the gateway reads it here, never from the
     # child's config, and checks the child's /health answer against it.
     model_id: ModelId = Field(alias="modelId")
-    config_path: Annotated[StrictStr, AfterValidator(_check_path)] = Field(alias="configPath")
+    config_path: PathText = Field(alias="configPath")
     endpoint: Annotated[StrictStr, AfterValidator(_check_loopback_url)] = "http://127.0.0.1:18081"
     hook_timeout_s: Duration = Field(default=30.0, alias="hookTimeout")
-    hook_retries: Annotated[StrictInt, Field(ge=0)] = Field(default=2, alias="hookRetries")
+    hook_retries: NonNegativeInt = Field(default=2, alias="hookRetries")
     drain_timeout_s: Duration = Field(default=120.0, alias="drainTimeout")
     control_timeout_s: Duration = Field(default=300.0, alias="controlTimeout")
 
 
-class GatewayConfig(_Model):
+class GatewayConfig(ConfigModel):
     global_: GlobalSection = Field(alias="global")
     instances: list[InstanceConfig] = Field(default_factory=list)
     lora: LoraSection
@@ -391,43 +389,7 @@ class GatewayConfig(_Model):
 
 def gateway_config_from_mapping(data: Any, *, source: str = "gateway config") -> GatewayConfig:
     """Validate an already parsed JSON object; raise GatewayConfigError naming each offending field."""
-    if not isinstance(data, Mapping):
-        raise GatewayConfigError(f"{source}: must be a JSON object, got {type(data).__name__}")
-    try:
-        return GatewayConfig.model_validate(dict(data))
-    except ValidationError as exc:
-        problems = validation_problems(exc)  # never the values: key material may be one
-    raise GatewayConfigError(f"{source}: {problems}")
-
-
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise GatewayConfigError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _read_json(path: Path, what: str, limit: int) -> Any:
-    where = f"{what} {path}"
-    try:
-        data = read_bounded(path, where, limit)
-    except FileReadError as exc:
-        raise GatewayConfigError(str(exc)) from None
-    return _parse_json(data, where)
-
-
-def _parse_json(data: bytes, where: str) -> Any:
-    try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=_unique_object)
-    except UnicodeDecodeError:
-        raise GatewayConfigError(f"{where}: not valid UTF-8") from None
-    except json.JSONDecodeError as exc:
-        # Position and problem only: the document may hold key material.
-        raise GatewayConfigError(f"{where}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-    except GatewayConfigError as exc:
-        raise GatewayConfigError(f"{where}: {exc}") from None
+    return validate_config(GatewayConfig, data, source=source, error=GatewayConfigError, shape="a JSON object")
 
 
 def load_gateway_config(path: str | os.PathLike[str]) -> GatewayConfig:
@@ -437,125 +399,14 @@ def load_gateway_config(path: str | os.PathLike[str]) -> GatewayConfig:
     :raises GatewayConfigError: on any I/O, parse or validation error, naming the offending field.
     """
     resolved = Path(os.path.expanduser(os.fspath(path)))
-    data = _read_json(resolved, "gateway config", MAX_CONFIG_BYTES)
+    try:
+        data = read_json(resolved, f"gateway config {resolved}", MAX_CONFIG_BYTES)
+    except FileReadError as exc:
+        raise GatewayConfigError(str(exc)) from None
     return gateway_config_from_mapping(data, source=f"gateway config {resolved}")
 
 
 # --- HMAC keys --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HmacKeys:
-    """The HMAC keys (CONTRACT §3.1, §3.2): the operator's, the instance key, and the agent keys by id. The repr shows
-    only their sizes and the agent key ids."""
-
-    api: bytes = field(repr=False)
-    ins: bytes | None = field(default=None, repr=False)
-    agents: Mapping[str, bytes] = field(default_factory=dict, repr=False)
-    # agent key id → the lineages it may start Tasks in; a key absent here may use every lineage
-    agent_lineages: Mapping[str, frozenset[str]] = field(default_factory=dict)
-    # agent key id → how many lineages it may register (its first Task in a lineage new to the RL Service); absent:
-    # no cap of its own (`lineages.max_count` still bounds the registry)
-    agent_lineage_caps: Mapping[str, int] = field(default_factory=dict)
-
-    def __repr__(self) -> str:
-        ins = "none" if self.ins is None else f"<{len(self.ins)} bytes>"
-        return f"HmacKeys(api=<{len(self.api)} bytes>, ins={ins}, agents={sorted(self.agents)})"
-
-
-def keys_from_document(data: Any, *, source: str) -> HmacKeys:
-    """`{"apiHmacKey": str, "insHmacKey": str?, "agentHmacKeys": [{"id": str, "key": str}]?}` → HmacKeys.
-
-    Other top-level members are ignored (AIGW's crypto socket may send more); an absent, null or empty `insHmacKey`
-    means register-instance accepts only the api key; an absent or null `agentHmacKeys` means no agent keys. An agent
-    key entry has `id`, `key` and optionally `lineages` (the lineages it may start Tasks in; absent: all): any
-    other member may be a restriction this gateway would not apply, so it is refused. Ids are unique; no two keys of the document are equal."""
-    if not isinstance(data, Mapping):
-        raise GatewayConfigError(f"{source}: must be a JSON object")
-    api = _decoded(data.get("apiHmacKey"), "apiHmacKey", source)
-    ins = data.get("insHmacKey")
-    if ins is not None and not isinstance(ins, str):
-        raise GatewayConfigError(f"{source}: insHmacKey: must be a string")
-    named = {"apiHmacKey": api}
-    if ins:
-        named["insHmacKey"] = _decoded(ins, "insHmacKey", source)
-    agents, limits, caps = _agent_keys(data.get("agentHmacKeys"), source)
-    named.update({f"agentHmacKeys[{i}] (id {key_id!r})": key for i, (key_id, key) in enumerate(agents.items())})
-    _refuse_equal_keys(named, source)
-    return HmacKeys(api=named["apiHmacKey"], ins=named.get("insHmacKey"), agents=agents, agent_lineages=limits,
-                    agent_lineage_caps=caps)
-
-
-def _decoded(text: Any, member: str, source: str) -> bytes:
-    try:
-        return member_key(text, member, source)
-    except KeyFileError as exc:
-        raise GatewayConfigError(str(exc)) from None
-
-
-def _agent_keys(entries: Any, source: str) -> tuple[dict[str, bytes], dict[str, frozenset[str]], dict[str, int]]:
-    """(key by id, lineage limit by id, registration cap by id, for the keys that have them)."""
-    if entries is None:
-        return {}, {}, {}
-    if not isinstance(entries, list):
-        raise GatewayConfigError(f"{source}: agentHmacKeys: must be a list of {{\"id\", \"key\"}} objects")
-    agents: dict[str, bytes] = {}
-    limits: dict[str, frozenset[str]] = {}
-    caps: dict[str, int] = {}
-    optional = {AGENT_KEY_LINEAGES, AGENT_KEY_MAX_LINEAGES}
-    for i, entry in enumerate(entries):
-        where = f"agentHmacKeys[{i}]"
-        # A member this gateway does not know may be a restriction it would not apply: refused (fail closed).
-        if not isinstance(entry, Mapping) or not {"id", "key"} <= set(entry) <= {"id", "key", *optional}:
-            raise GatewayConfigError(f"{source}: {where}: must be an object with exactly the members id and key "
-                                     f"(and optionally {AGENT_KEY_LINEAGES}, {AGENT_KEY_MAX_LINEAGES})")
-        if AGENT_KEY_LINEAGES in entry:
-            limits[str(entry["id"])] = _lineage_limit(entry[AGENT_KEY_LINEAGES], f"{source}: {where}")
-        if AGENT_KEY_MAX_LINEAGES in entry:
-            caps[str(entry["id"])] = _lineage_cap(entry[AGENT_KEY_MAX_LINEAGES], f"{source}: {where}")
-        key_id, text = entry["id"], entry["key"]
-        if not is_agent_key_id(key_id):
-            raise GatewayConfigError(f"{source}: {where}.id: must match [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
-        if key_id in agents:
-            raise GatewayConfigError(f"{source}: {where}.id: duplicate id {key_id!r}")
-        agents[key_id] = _decoded(text, f"{where}.key", source)
-    return agents, limits, caps
-
-
-def _lineage_cap(value: Any, where: str) -> int:
-    """How many lineages an agent key may register: an integer in 0..1,000,000 (0: none)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LINEAGES_CAP:
-        raise GatewayConfigError(f"{where}.{AGENT_KEY_MAX_LINEAGES}: must be an integer in 0..{MAX_LINEAGES_CAP} "
-                                 "(0: the key registers no lineage)")
-    return value
-
-
-def _lineage_limit(value: Any, where: str) -> frozenset[str]:
-    """The lineages an agent key may use: a list of lineage names (empty: none; a typo must not grant everything)."""
-    if not isinstance(value, list) or not all(is_lineage(name) for name in value):
-        raise GatewayConfigError(f"{where}.{AGENT_KEY_LINEAGES}: must be a list of lineage names (lower-case letters, "
-                                 "digits and '-', 1-63 characters, not 'v' followed by digits)")
-    return frozenset(value)
-
-
-def _refuse_equal_keys(named: Mapping[str, bytes], source: str) -> None:
-    """Each key proves one holder: a key shared by two roles (or two agents) would let either act as the other."""
-    seen: dict[bytes, str] = {}
-    for member, key in named.items():
-        if key in seen:
-            raise GatewayConfigError(f"{source}: {member} is the same key as {seen[key]}; every role and every agent "
-                                     "needs its own key")
-        seen[key] = member
-
-
-def _read_key_file(path: Path) -> Any:
-    """The key file's JSON, refused when group or others may read or write it (checked on the opened file)."""
-    where = f"hmacKeyFile {path}"
-    try:
-        data = read_bounded(path, where, MAX_KEY_DOCUMENT_BYTES, private_to="the gateway's user")
-    except FileReadError as exc:
-        raise GatewayConfigError(str(exc)) from None
-    return _parse_json(data, where)
 
 
 async def _read_key_socket(path: str, timeout_s: float) -> bytes:
@@ -598,11 +449,13 @@ async def load_hmac_keys(config: GatewayConfig, *, timeout_s: float = KEY_SOCKET
     :raises GatewayConfigError: naming the source and the member, never quoting key material.
     """
     section = config.global_
-    if section.hmac_key_file is not None:
-        path = Path(os.path.expanduser(section.hmac_key_file))
-        data = await asyncio.to_thread(_read_key_file, path)
-        return keys_from_document(data, source=f"hmacKeyFile {path}")
-    assert section.crypto_sock is not None  # the model guarantees exactly one source
-    raw = await _read_key_socket(section.crypto_sock, timeout_s)
-    data = _parse_json(raw, f"cryptoSock {section.crypto_sock}")
-    return keys_from_document(data, source=f"cryptoSock {section.crypto_sock}")
+    try:
+        if section.hmac_key_file is not None:
+            path = Path(os.path.expanduser(section.hmac_key_file))
+            return await asyncio.to_thread(read_gateway_keys, path, where=f"hmacKeyFile {path}")
+        assert section.crypto_sock is not None  # the model guarantees exactly one source
+        where = f"cryptoSock {section.crypto_sock}"
+        raw = await _read_key_socket(section.crypto_sock, timeout_s)
+        return gateway_keys_from_document(parse_json(raw, where), source=where)
+    except (FileReadError, KeyFileError) as exc:
+        raise GatewayConfigError(str(exc)) from None

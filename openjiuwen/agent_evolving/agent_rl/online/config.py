@@ -8,7 +8,6 @@ and no error message built here ever contains an input value.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -16,21 +15,31 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     SecretStr,
     StrictBool,
     StrictInt,
     StrictStr,
-    ValidationError,
     ValidationInfo,
     field_validator,
 )
 
 from ..common import loopback
-from ..common.bounded_files import FileReadError, read_bounded
-from ..common.validation import AbsolutePath, ModelId, NonBlank, config_invalid, validation_problems
+from ..common.bounded_files import MAX_CONFIG_BYTES, FileReadError, read_text
+from ..common.validation import (
+    AbsolutePath,
+    BodyLimitBytes,
+    ConfigModel,
+    ConnectionCap,
+    LineageLabelTopK,
+    ModelId,
+    NonBlank,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    config_invalid,
+    validate_config,
+)
 from .rewards.config import RewardPolicyConfig
 from .rollout.config import RolloutConfig
 from .training.constrained import ConstrainedSamplesConfig
@@ -39,7 +48,6 @@ from .training.training_policy import TrainingPolicyConfig
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 FORBIDDEN_CONFIG_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
-MAX_CONFIG_BYTES = 1024 * 1024  # a config is a few KiB; refuse to slurp anything huge
 
 
 class ConfigError(ValueError):
@@ -115,17 +123,11 @@ def _check_log_level(value: str) -> str:
 
 
 HttpUrl = Annotated[StrictStr, AfterValidator(_check_http_url)]
-PositiveInt = Annotated[StrictInt, Field(ge=1)]
-NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
-# Strict floats still accept ints (30 → 30.0) but never bools or strings.
-PositiveFloat = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
 Seconds = PositiveFloat
 
 
-class LineagesConfig(BaseModel):
+class LineagesConfig(ConfigModel):
     """Lineages (docs/lineages.md): named lines of LoRA versions on the model, registered on first use."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Registered lineages besides `default`; a Task start that would register one more is refused (409).
     max_count: PositiveInt = 1000
@@ -135,13 +137,11 @@ class LineagesConfig(BaseModel):
     lifecycle_interval_seconds: PositiveInt = 60
     # Lineages with their own `lineage` label on the RL Service's freshness histograms beside `default` (the rest
     # are `other`; common/lineage_labels.py), so thousands of lineages stay a bounded set of series.
-    metrics_label_top_k: Annotated[StrictInt, Field(ge=0, le=1000)] = 20
+    metrics_label_top_k: LineageLabelTopK = 20
 
 
-class LocalTrainerConfig(BaseModel):
+class LocalTrainerConfig(ConfigModel):
     """The `local` trainer backend's processes (docs/training.md "Warm trainer")."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     # false: a fresh trainer process per Training Run (loads the base model each time). true: one long-lived trainer
     # keeps the base model loaded and trains the runs in flight together, each with its own adapter.
@@ -152,10 +152,8 @@ class LocalTrainerConfig(BaseModel):
     gather_seconds: Annotated[float, Field(ge=0, le=10, strict=True, allow_inf_nan=False)] = 0.2
 
 
-class RLServiceConfig(BaseModel):
+class RLServiceConfig(ConfigModel):
     """Every setting of one RL Service process (CONTRACT §8). Unknown keys are rejected."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     # Process and peers.
     listen_host: Annotated[StrictStr, AfterValidator(_check_listen_host)] = "127.0.0.1"
@@ -226,12 +224,12 @@ class RLServiceConfig(BaseModel):
     constrained_samples: ConstrainedSamplesConfig = ConstrainedSamplesConfig()
 
     # HTTP and logging.
-    max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 33554432
+    max_body_bytes: BodyLimitBytes = 33554432
     # Slow clients (common/slow_clients.py): head deadline (408 after it), idle keep-alive, and the connection cap past
     # which the oldest connection without a complete request head is closed.
     http_header_timeout_seconds: Seconds = 10.0
     http_keep_alive_seconds: Seconds = 5.0
-    http_max_connections: Annotated[StrictInt, Field(ge=16)] = 4096
+    http_max_connections: ConnectionCap = 4096
     record_dir: StrictStr = "records"  # JSONL copy of stored rail samples (rail_ingest/jsonl_copy.py); "" = none
     record_max_bytes: PositiveInt = 67108864
     record_backup_count: PositiveInt = 5
@@ -362,15 +360,10 @@ def _resolve_config_path(path: str | os.PathLike[str]) -> Path:
 
 
 def _read_config_text(path: Path) -> str:
-    where = f"config file {path}"
     try:
-        data = read_bounded(path, where, MAX_CONFIG_BYTES)
+        return read_text(path, f"config file {path}", MAX_CONFIG_BYTES)
     except FileReadError as exc:
         raise ConfigError(str(exc)) from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{where}: not valid UTF-8") from None
 
 
 def _parse_yaml(text: str, path: Path) -> Any:
@@ -385,14 +378,9 @@ def _parse_yaml(text: str, path: Path) -> Any:
 
 
 def config_from_mapping(data: Any, *, source: str = "config") -> RLServiceConfig:
-    """Validate an already parsed mapping; raise ConfigError naming each offending field (never its value)."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{source}: must be a mapping of settings, got {type(data).__name__}")
-    try:
-        return RLServiceConfig.model_validate(dict(data))
-    except ValidationError as exc:
-        problems = validation_problems(exc)  # never the values: the Redis password may be one
-    raise ConfigError(f"{source}: {problems}")
+    """Validate an already parsed mapping; raise ConfigError naming each offending field (never its value: the Redis
+    password may be one)."""
+    return validate_config(RLServiceConfig, data, source=source, error=ConfigError, shape="a mapping of settings")
 
 
 def load_config(path: str | os.PathLike[str]) -> RLServiceConfig:

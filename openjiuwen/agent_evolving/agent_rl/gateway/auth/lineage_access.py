@@ -27,8 +27,8 @@ from .hmac_auth import HmacVerifier, KeyRole, request_target
 class LineageAccess:
     def __init__(self, verifier: HmacVerifier, *, agent_lineages: Mapping[str, frozenset[str]],
                  open_lineages: frozenset[str] = frozenset()) -> None:
-        """`agent_lineages`: the limit of each agent key that has one (config.HmacKeys); `open_lineages`: lineages
-        whose versions anyone may name outside a Task."""
+        """`agent_lineages`: the limit of each agent key that has one (common/signing_keys.HmacKeys);
+        `open_lineages`: lineages whose versions anyone may name outside a Task."""
         self._verifier = verifier
         self._agent_lineages = dict(agent_lineages)
         self._open = frozenset(open_lineages)

@@ -12,39 +12,40 @@ policy, not a merge, so what a lineage's samples wait for reads from one place.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import Field, model_validator
 
-from ...common.lineage import DEFAULT_LINEAGE, is_lineage
-from ...common.validation import config_invalid
+from ...common.validation import (
+    ConfigModel,
+    LoopIntervalSeconds,
+    NamedLineage,
+    PositiveFloat,
+    PositiveInt,
+    UnitInterval,
+    config_invalid,
+)
 
 BUILTIN_SOURCES = ("terminal", "judge")
 SOURCE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 MAX_SOURCES = 16
 
-Weight = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
-Score = Annotated[float, Field(ge=0, le=1, strict=True, allow_inf_nan=False)]
 Aggregation = Literal["weighted_mean", "last", "min"]
 Fallback = Literal["skip", "default", "drop"]
 
 
 
-class RewardSourceConfig(BaseModel):
+class RewardSourceConfig(ConfigModel):
     """One reward source. External sources need `deadline_seconds`; `default_score` is set iff `fallback: default`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    weight: Weight = 1.0
-    deadline_seconds: Annotated[StrictInt, Field(ge=1)] | None = None
+    weight: PositiveFloat = 1.0
+    deadline_seconds: PositiveInt | None = None
     fallback: Fallback | None = None
-    default_score: Score | None = None
+    default_score: UnitInterval | None = None
 
 
-class RewardRulesConfig(BaseModel):
+class RewardRulesConfig(ConfigModel):
     """The sources and their aggregation: the whole policy of one lineage (`reward_policy.lineages.<name>`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     aggregation: Aggregation = "weighted_mean"
     sources: dict[str, RewardSourceConfig] = Field(default_factory=dict)
@@ -77,14 +78,7 @@ class RewardPolicyConfig(RewardRulesConfig):
 
     # The sweeper wakes at the earliest deadline it knows of, and at least this often to see deadlines of samples
     # published by other service processes.
-    sweep_interval_seconds: Annotated[float, Field(gt=0, le=3600, strict=True, allow_inf_nan=False)] = 10.0
-    # Per-lineage policies (docs/lineages.md): a lineage listed here follows its own sources and aggregation.
-    lineages: dict[str, RewardRulesConfig] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _check_lineages(self) -> "RewardPolicyConfig":
-        for name in self.lineages:
-            # `default` is the top-level policy itself: an entry for it would be a second, conflicting one.
-            if not is_lineage(name) or name == DEFAULT_LINEAGE:
-                raise config_invalid(f"lineages.{name}: not a lineage name other than default")
-        return self
+    sweep_interval_seconds: LoopIntervalSeconds = 10.0
+    # Per-lineage policies (docs/lineages.md): a lineage listed here follows its own sources and aggregation
+    # (`default` is the top-level policy itself: an entry for it would be a second, conflicting one).
+    lineages: dict[NamedLineage, RewardRulesConfig] = Field(default_factory=dict)

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from ...common.validation import ConfigModel
 
 Policy = Literal["correct", "exclude"]
 
 
-class ConstrainedSamplesConfig(BaseModel):
+class ConstrainedSamplesConfig(ConfigModel):
     """One key per constraint kind (every grammar kind shares `grammar`); the defaults are
     common/constraints.POLICY_DEFAULTS, with their reasons in docs/training.md."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     grammar: Policy = "correct"
     greedy: Policy = "exclude"

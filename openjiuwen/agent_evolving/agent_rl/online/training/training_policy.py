@@ -11,45 +11,45 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, StrictBool, ValidationError, model_validator
 
-from ...common.lineage import DEFAULT_LINEAGE, is_lineage
-from ...common.validation import config_invalid
+from ...common.validation import (
+    ConfigModel,
+    LoopIntervalSeconds,
+    NamedLineage,
+    PositiveFloat,
+    PositiveInt,
+    config_invalid,
+)
 
 _Seconds = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
-_Positive = Annotated[StrictInt, Field(ge=1)]
-_Wait = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
 _Weight = Annotated[float, Field(gt=0, le=1000, strict=True, allow_inf_nan=False)]
 MAX_CONCURRENT_RUNS = 64
 
 
-class LineageTrainingOverride(BaseModel):
+class LineageTrainingOverride(ConfigModel):
     """`training_policy.lineages.<name>`: the per-line fields one lineage sets differently; absent = inherited."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     auto: StrictBool | None = None
-    min_pending_samples: _Positive | None = None
-    max_wait_seconds: _Wait | None = None  # an explicit null means "never a smaller batch" (see `fields_set`)
-    min_batch_on_wait: _Positive | None = None
+    min_pending_samples: PositiveInt | None = None
+    max_wait_seconds: PositiveFloat | None = None  # an explicit null means "never a smaller batch" (see `fields_set`)
+    min_batch_on_wait: PositiveInt | None = None
     min_interval_seconds: _Seconds | None = None
     weight: _Weight | None = None
-    max_runs_per_hour: _Positive | None = None  # an explicit null means "no quota" (see `fields_set`)
-    max_samples_per_run: _Positive | None = None  # likewise
+    max_runs_per_hour: PositiveInt | None = None  # an explicit null means "no quota" (see `fields_set`)
+    max_samples_per_run: PositiveInt | None = None  # likewise
 
 
-class TrainingPolicyConfig(BaseModel):
+class TrainingPolicyConfig(ConfigModel):
     """When the leader starts a Training Run by itself (training/scheduler.py)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     auto: StrictBool = False
     # A line is trained once this many eligible samples are pending...
-    min_pending_samples: _Positive = 32
+    min_pending_samples: PositiveInt = 32
     # ...or, with fewer, once its oldest pending sample has waited this long and at least `min_batch_on_wait` are
     # pending (null: never a smaller batch).
-    max_wait_seconds: _Wait | None = None
-    min_batch_on_wait: _Positive = 1
+    max_wait_seconds: PositiveFloat | None = None
+    min_batch_on_wait: PositiveInt = 1
     # Between the end of a line's previous run and the start of its next one.
     min_interval_seconds: _Seconds = 0.0
     # Fair share among eligible lines (training/scheduler.py): a line with weight 2 gets two runs for each run of a
@@ -57,13 +57,14 @@ class TrainingPolicyConfig(BaseModel):
     weight: _Weight = 1.0
     # Quotas of automatic training: runs started per rolling hour (manual runs count, and are never refused), and the
     # largest batch one run of the line claims (below the service's `max_samples_per_run`; manual runs too). Null: none.
-    max_runs_per_hour: _Positive | None = None
-    max_samples_per_run: _Positive | None = None
+    max_runs_per_hour: PositiveInt | None = None
+    max_samples_per_run: PositiveInt | None = None
     # Training Runs live at once on this service, every line together (manual runs included), at most one per
     # lineage (training/runs.py). Size it against the trainer: docs/training.md "Concurrent runs".
     max_concurrent_runs: Annotated[int, Field(ge=1, le=MAX_CONCURRENT_RUNS, strict=True)] = 1
-    poll_interval_seconds: Annotated[float, Field(gt=0, le=3600, strict=True, allow_inf_nan=False)] = 5.0
-    lineages: dict[str, LineageTrainingOverride] = Field(default_factory=dict)
+    poll_interval_seconds: LoopIntervalSeconds = 5.0
+    # `default` is the top-level policy itself: an entry for it would be a second, conflicting one.
+    lineages: dict[NamedLineage, LineageTrainingOverride] = Field(default_factory=dict)
 
     _resolved: dict[str, "TrainingPolicyConfig"] = PrivateAttr(default_factory=dict)
 
@@ -77,9 +78,6 @@ class TrainingPolicyConfig(BaseModel):
             raise config_invalid("max_samples_per_run must be >= min_batch_on_wait")
         resolved = {}
         for name, override in self.lineages.items():
-            # `default` is the top-level policy itself: an entry for it would be a second, conflicting one.
-            if not is_lineage(name) or name == DEFAULT_LINEAGE:
-                raise config_invalid(f"lineages.{name}: not a lineage name other than default")
             merged = self.model_dump(exclude={"lineages"}) | override.model_dump(include=override.model_fields_set)
             try:
                 resolved[name] = TrainingPolicyConfig(**merged)
