@@ -60,7 +60,7 @@ class TrainingPolicyConfig(BaseModel):
     max_runs_per_hour: _Positive | None = None
     max_samples_per_run: _Positive | None = None
     # Training Runs live at once on this service, every line together (manual runs included), at most one per
-    # lineage (training/runs.py). Size it against the trainer: docs/training.md "Concurrent runs".
+    # lineage (training/run_claims.py). Size it against the trainer: docs/training.md "Concurrent runs".
     max_concurrent_runs: Annotated[int, Field(ge=1, le=MAX_CONCURRENT_RUNS, strict=True)] = 1
     poll_interval_seconds: Annotated[float, Field(gt=0, le=3600, strict=True, allow_inf_nan=False)] = 5.0
     lineages: dict[str, LineageTrainingOverride] = Field(default_factory=dict)
