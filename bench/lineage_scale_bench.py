@@ -5,7 +5,7 @@ lineage, the automatic-training scheduler's tick, and the claim of a batch on th
         [--samples 64] [--batches 8 64] [--reps 20] [--out FILE]
 
 A private redis-server on a free port in a temp dir; nothing else runs. Lineages are registered as the start EXEC of
-their first Task registers them (`ZADD rl:v1:lineages NX`); samples go in through `TrajectoryStore.insert_if_absent`
+their first Task registers them (`ZADD rl:v1:lineages NX`); samples go in through `SamplePublisher.insert_if_absent`
 (the publication path: hash, the line's pending index and counters, its due-index entry), each a small sample (3 prompt
 and 2 response tokens). Measured:
 
@@ -18,7 +18,7 @@ and 2 response tokens). Measured:
   `min_pending_samples`: after the warm-up tick judged them, a tick reads no line but the default one) and once with
   every line eligible (an eligible line stays due: each tick judges them all). The warm-up tick of each new scheduler
   judges every registered line once (what a leader's first tick does) and is not counted;
-- the claim (`RunStore.claim`, the transaction behind `POST /v1/rl/training/runs`) of `--batches` samples from the
+- the claim (`RunClaims.claim`, the transaction behind `POST /v1/rl/training/runs`) of `--batches` samples from the
   default line and from a lineage's line, each followed by `finish(..., restore_samples=True)` (not counted).
 
 Commands exclude INFO and CLIENT (the measurement's own and redis-py's connection setup). Prints tables, writes JSON.
@@ -127,7 +127,7 @@ async def measure_tick(redis, scheduler, runner, reps: int) -> dict[str, Any]:
             "commands": {"min": min(cmds), "max": max(cmds)}, "chosen": list(runner.chosen)}
 
 
-async def measure_claims(redis, runs, store, lineage: str, batches: list[int], reps: int) -> list[dict[str, Any]]:
+async def measure_claims(redis, claims, runs, lineage: str, batches: list[int], reps: int) -> list[dict[str, Any]]:
     from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
     from openjiuwen.agent_evolving.agent_rl.online.training.run_records import (
         RunStage, RunStatus, TrainingRun, new_run_id,
@@ -142,8 +142,8 @@ async def measure_claims(redis, runs, store, lineage: str, batches: list[int], r
                                 created_at=now_iso(), lineage=lineage)
             before = await commands(redis)
             t0 = time.perf_counter()
-            result = await runs.claim(draft, parent_version=0, max_policy_lag=None, min_samples=batch,
-                                      max_samples=batch)
+            result = await claims.claim(draft, parent_version=0, max_policy_lag=None, min_samples=batch,
+                                        max_samples=batch)
             wall_ms.append((time.perf_counter() - t0) * 1000)
             cmds.append(await commands(redis) - before)
             assert result.run is not None and result.run.sample_count == batch, result
@@ -158,28 +158,32 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
     from redis.asyncio import Redis
 
     from openjiuwen.agent_evolving.agent_rl.common.lineage import DEFAULT_LINEAGE, line_of
-    from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
+    from openjiuwen.agent_evolving.agent_rl.online.assembly import make_sample_store
     from openjiuwen.agent_evolving.agent_rl.online.training.pauses import LineagePauses
     from openjiuwen.agent_evolving.agent_rl.online.training.training_policy import TrainingPolicyConfig
-    from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
+    from openjiuwen.agent_evolving.agent_rl.online.training.run_claims import RunClaims
+    from openjiuwen.agent_evolving.agent_rl.online.training.run_reads import RunReads
+    from openjiuwen.agent_evolving.agent_rl.online.training.run_transitions import RunTransitions
     from openjiuwen.agent_evolving.agent_rl.online.training.scheduler import TrainingScheduler
     from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 
     redis = Redis.from_url(redis_url)
-    store = TrajectoryStore(redis, owner=MODEL, model_id=MODEL)
-    runs = RunStore(redis, store, model_id=MODEL, run_retention_s=3600, fence=UNFENCED)
+    store = make_sample_store(redis, model_id=MODEL)
+    runs = RunTransitions(redis, store.line, model_id=MODEL, run_retention_s=3600, fence=UNFENCED)
+    run_claims = RunClaims(redis, store.line, store.outdated, model_id=MODEL, fence=UNFENCED)
     runner = _StartsNothing()
 
     def scheduler(min_pending: int) -> TrainingScheduler:
         policy = TrainingPolicyConfig(auto=True, min_pending_samples=min_pending)
-        return TrainingScheduler(redis, runs=runs, runner=runner, store=store, rollout=None,  # type: ignore[arg-type]
+        return TrainingScheduler(redis, runs=RunReads(redis), runner=runner, line=store.line,  # type: ignore[arg-type]
+                                 outdated=store.outdated, rollout=None,
                                  pauses=LineagePauses(redis, model_id=MODEL), fence=UNFENCED, policy=policy,
                                  model_id=MODEL,
                                  max_policy_lag=None, clock=lambda: float(T0 + 10 * args.samples))
 
     try:
         # The default line's samples first, so every tick below sees the same default line.
-        await store.insert_if_absent([sample(DEFAULT_LINEAGE, n) for n in range(args.samples)])
+        await store.publisher.insert_if_absent([sample(DEFAULT_LINEAGE, n) for n in range(args.samples)])
         registered = with_samples = 0
         reg_bytes = sample_bytes = 0
         ticks = []
@@ -192,7 +196,7 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
             before = await used_memory(redis)
             for i in range(with_samples, target):
                 name = lineage_name(i)
-                await store.insert_if_absent([sample(name, n) for n in range(args.samples)])
+                await store.publisher.insert_if_absent([sample(name, n) for n in range(args.samples)])
             sample_bytes += await used_memory(redis) - before
             with_samples = target
             row: dict[str, Any] = {"registered": size, "lines_with_samples": target}
@@ -223,7 +227,7 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
 
         claims = []
         for lineage in (DEFAULT_LINEAGE, probe):
-            claims += await measure_claims(redis, runs, store, lineage, args.batches, args.reps)
+            claims += await measure_claims(redis, run_claims, runs, lineage, args.batches, args.reps)
         print(f"claim ({args.reps} reps): {'line':>12} {'batch':>6} {'p50 ms':>8} {'p99 ms':>8} {'cmds':>6}")
         for row in claims:
             print(f"  {row['lineage']:>23} {row['batch']:>6} {row['wall_ms']['median']:8.2f} "

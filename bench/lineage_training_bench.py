@@ -198,7 +198,7 @@ async def run_case(redis_url: str, tmp: Path, model_dir: Path, pool: Any, *, siz
                 deps = app.state.deps
                 started = time.perf_counter()
                 for name in names:
-                    await deps.store.insert_if_absent([PackedSample.from_document(d)
+                    await deps.samples.publisher.insert_if_absent([PackedSample.from_document(d)
                                                        for d in lineage_docs(name, pool, samples)])
                 published_at, published_perf = time.time(), time.perf_counter()
                 records: dict[str, Any] = {}

@@ -4,9 +4,9 @@ Service's start-up recovery time with 10k active Tasks.
     .venv/bin/python bench/scaling_bench.py [--quick] [--sizes 10000 100000 1000000] [--active-tasks 10000]
 
 A private redis-server; the store is seeded directly and pipelined in its stored layout (a bench, not a workload:
-each seeded sample is a small valid hash). Claim = `RunStore.claim` (the transaction behind `POST
+each seeded sample is a small valid hash). Claim = `RunClaims.claim` (the transaction behind `POST
 /v1/rl/training/runs`), each followed by `finish(..., restore_samples=True)` so the pool keeps its size; stats =
-`TrajectoryStore.stats` (what `GET /v1/rl/trajectories/stats` returns). Recovery = the RL Service process from spawn to
+`SampleStats.stats` (what `GET /v1/rl/trajectories/stats` returns). Recovery = the RL Service process from spawn to
 `/health` 200 with N active Tasks in Redis (every one is aborted `service_restarted` before it serves), minus the same
 with none. Prints a table, writes bench/results/scaling.json.
 """
@@ -62,7 +62,7 @@ async def seed_samples(redis, store, start: int, stop: int) -> None:
                     "run_id": "", "sample_json": packed.meta_blob(), "prompt_ids": packed.prompt_ids,
                     "response_ids": packed.response_ids, "response_logprobs": packed.response_logprobs})
                 scores[sid] = T0 + n
-            pipe.zadd(store.index_key("pending"), scores)
+            pipe.zadd(store.line.index_key("pending"), scores)
             pipe.hincrby(stats_key, "status:pending", hi - lo)
             pipe.hincrby(stats_key, "source:rl_task", hi - lo)
             pipe.hincrby(stats_key, "pending_policy:base", hi - lo)
@@ -73,16 +73,18 @@ async def measure_store(redis_url: str, sizes: list[int], reps: int) -> list[dic
     from redis.asyncio import Redis
 
     from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
-    from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
+    from openjiuwen.agent_evolving.agent_rl.online.assembly import make_sample_store
     from openjiuwen.agent_evolving.agent_rl.online.training.run_records import (
         RunStage, RunStatus, TrainingRun, new_run_id,
     )
-    from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
+    from openjiuwen.agent_evolving.agent_rl.online.training.run_claims import RunClaims
+    from openjiuwen.agent_evolving.agent_rl.online.training.run_transitions import RunTransitions
     from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 
     redis = Redis.from_url(redis_url)
-    store = TrajectoryStore(redis, owner=MODEL, model_id=MODEL)
-    runs = RunStore(redis, store, model_id=MODEL, run_retention_s=3600, fence=UNFENCED)
+    store = make_sample_store(redis, model_id=MODEL)
+    runs = RunTransitions(redis, store.line, model_id=MODEL, run_retention_s=3600, fence=UNFENCED)
+    claims = RunClaims(redis, store.line, store.outdated, model_id=MODEL, fence=UNFENCED)
     rows = []
     seeded = 0
     try:
@@ -97,13 +99,13 @@ async def measure_store(redis_url: str, sizes: list[int], reps: int) -> list[dic
                                     stage=RunStage.QUEUED.value, sample_count=0, policy_versions={},
                                     created_at=now_iso())
                 t0 = time.perf_counter()
-                result = await runs.claim(draft, parent_version=0, max_policy_lag=None, min_samples=CLAIM_BATCH,
-                                          max_samples=CLAIM_BATCH)
+                result = await claims.claim(draft, parent_version=0, max_policy_lag=None, min_samples=CLAIM_BATCH,
+                                            max_samples=CLAIM_BATCH)
                 claim_ms.append((time.perf_counter() - t0) * 1000)
                 assert result.run is not None and result.run.sample_count == CLAIM_BATCH, result
                 await runs.finish(result.run.training_run_id, RunStatus.CANCELED, restore_samples=True)
                 t0 = time.perf_counter()
-                stats = await store.stats()
+                stats = await store.stats.stats(store.line)
                 stats_ms.append((time.perf_counter() - t0) * 1000)
                 assert stats["by_status"]["pending"] == size, stats
             info = await redis.info("memory")

@@ -1,6 +1,6 @@
 """What stale pending samples cost a claim (issue 37, suspected "stale backlogs"; docs/reliability.md): samples that lag
 their line's policy past `max_policy_lag` stay in the line's pending index, the oldest first, and the claim behind
-`POST /v1/rl/training/runs` (`RunStore.claim`) reads one hash per stale sample before it finds its batch, under a
+`POST /v1/rl/training/runs` (`RunClaims.claim`) reads one hash per stale sample before it finds its batch, under a
 WATCH of that index. A flooder that keeps publishing to the line touches the index and aborts the claim's EXEC, and
 every retry reads the stale samples again.
 
@@ -11,7 +11,7 @@ oldest) and `--batch` samples of its current version v5; the claim runs with par
 1, so every `base` sample is stale. Measured per claim: wall time, Redis commands (INFO commandstats delta, INFO and
 CLIENT left out), HGETs, and transaction attempts; then the same claim while a flooder publishes one more sample to
 the line every `--flood-ms`, with the EXECs that WATCH aborted. Then both again as a run start makes them since issue
-36 item 3 (`retired` in the JSON): `RunStore.retire_outdated` first (the line's lagging samples become `outdated`),
+36 item 3 (`retired` in the JSON): `RunClaims.retire_outdated` first (the line's lagging samples become `outdated`),
 then the claim; the time and commands count both. Prints a table, writes JSON. No target.
 """
 
@@ -62,7 +62,7 @@ async def hgets(redis) -> int:
     return int(stats.get("cmdstat_hget", {}).get("calls", 0))
 
 
-async def one_claim(redis, runs, batch: int, attempts: list[int], *, retire: bool = False) -> dict[str, Any]:
+async def one_claim(redis, claims, runs, batch: int, attempts: list[int], *, retire: bool = False) -> dict[str, Any]:
     from openjiuwen.agent_evolving.agent_rl.common.ids import now_iso
     from openjiuwen.agent_evolving.agent_rl.online.store.tx import RedisContention
     from openjiuwen.agent_evolving.agent_rl.online.training.run_records import (
@@ -76,9 +76,9 @@ async def one_claim(redis, runs, batch: int, attempts: list[int], *, retire: boo
     t0 = time.perf_counter()
     try:
         if retire:  # what `TrainingRunner.start` does before its claim since issue 36
-            await runs.retire_outdated(LINE, current_version=CURRENT, max_policy_lag=LAG)
-        result = await runs.claim(draft, parent_version=CURRENT, max_policy_lag=LAG, min_samples=batch,
-                                  max_samples=batch)
+            await claims.retire_outdated(LINE, current_version=CURRENT, max_policy_lag=LAG)
+        result = await claims.claim(draft, parent_version=CURRENT, max_policy_lag=LAG, min_samples=batch,
+                                    max_samples=batch)
     except RedisContention:  # every attempt lost its WATCH: the run would not start (503 at the route)
         result = None
     wall_ms = (time.perf_counter() - t0) * 1000
@@ -103,8 +103,9 @@ async def flood(store, start: int, every_s: float, stop: asyncio.Event) -> int:
 async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
     from redis.asyncio import Redis
 
-    from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
-    from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
+    from openjiuwen.agent_evolving.agent_rl.online.assembly import make_sample_store
+    from openjiuwen.agent_evolving.agent_rl.online.training.run_claims import RunClaims
+    from openjiuwen.agent_evolving.agent_rl.online.training.run_transitions import RunTransitions
     from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 
     redis = Redis.from_url(redis_url)
@@ -112,23 +113,24 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         for stale in args.stale:
             await redis.flushdb()  # the bench's own private server
-            store = TrajectoryStore(redis, owner=MODEL, model_id=MODEL).for_line(LINE)
-            runs = RunStore(redis, TrajectoryStore(redis, owner=MODEL, model_id=MODEL), model_id=MODEL,
-                            run_retention_s=3600, fence=UNFENCED)
+            samples = make_sample_store(redis, model_id=MODEL)
+            store = samples.publisher.for_lineage(LINEAGE)
+            claims = RunClaims(redis, samples.line, samples.outdated, model_id=MODEL, fence=UNFENCED)
+            runs = RunTransitions(redis, samples.line, model_id=MODEL, run_retention_s=3600, fence=UNFENCED)
             attempts: list[int] = []
-            scan = runs._oldest_eligible  # noqa: SLF001 - counted, not changed: one call per transaction attempt
+            scan = claims._oldest_eligible  # noqa: SLF001 - counted, not changed: one call per transaction attempt
 
             async def counted(*a: Any, **k: Any) -> Any:
                 attempts.append(1)
                 return await scan(*a, **k)
 
-            runs._oldest_eligible = counted  # noqa: SLF001
+            claims._oldest_eligible = counted  # noqa: SLF001
             await publish(store, 0, stale, "base")
             await publish(store, stale, args.batch, f"{LINE}:v{CURRENT}")
-            await one_claim(redis, runs, args.batch, attempts)  # warm: pooled connections open
+            await one_claim(redis, claims, runs, args.batch, attempts)  # warm: pooled connections open
             row: dict[str, Any] = {"stale": stale, "batch": args.batch}
             for retire in (False, True):
-                part = await measure(redis, runs, store, args, attempts, retire=retire)
+                part = await measure(redis, claims, runs, store, args, attempts, retire=retire)
                 if retire:
                     row["retired"] = part
                 else:
@@ -143,14 +145,14 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows}
 
 
-async def measure(redis, runs, store, args: argparse.Namespace, attempts: list[int], *,
+async def measure(redis, claims, runs, store, args: argparse.Namespace, attempts: list[int], *,
                   retire: bool) -> dict[str, Any]:
     """The claims quiet, then under the flooder (`retire`: each after `retire_outdated`, as a run start does)."""
-    quiet = [await one_claim(redis, runs, args.batch, attempts, retire=retire) for _ in range(args.reps)]
+    quiet = [await one_claim(redis, claims, runs, args.batch, attempts, retire=retire) for _ in range(args.reps)]
     stop = asyncio.Event()
     flooder = asyncio.create_task(flood(store, 10_000_000 * (1 + retire), args.flood_ms / 1000, stop))
     exec_before = int((await redis.info("commandstats")).get("cmdstat_exec", {}).get("calls", 0))
-    flooded = [await one_claim(redis, runs, args.batch, attempts, retire=retire) for _ in range(args.reps)]
+    flooded = [await one_claim(redis, claims, runs, args.batch, attempts, retire=retire) for _ in range(args.reps)]
     stop.set()
     published = await flooder
     execs = int((await redis.info("commandstats")).get("cmdstat_exec", {}).get("calls", 0)) - exec_before

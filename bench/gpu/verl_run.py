@@ -145,7 +145,7 @@ async def run(size_name: str, workdir: Path, *, model_name: str = "generated", r
         app, client = await stack.enter_async_context(running_app(config))
         deps = app.state.deps
         docs = L.documents(prompt, responses, logprobs, rewards, model_id)
-        await deps.store.insert_if_absent([PackedSample.from_document(d) for d in docs])
+        await deps.samples.publisher.insert_if_absent([PackedSample.from_document(d) for d in docs])
         run_started = time.perf_counter()
         answer = await client.post("/v1/rl/training/runs")
         if answer.status_code != 201:
@@ -251,7 +251,7 @@ async def run_concurrent(size_name: str, workdir: Path, lineages: int, *, model_
             docs = [dict(d, sample_id=f"{name}-{d['sample_id']}", trajectory_id=f"{name}-{d['trajectory_id']}",
                          rl_task_id=f"{name}-{d['rl_task_id']}", lineage=name)
                     for d in L.documents(prompt, responses, logprobs, rewards[name], model_id)]
-            await deps.store.insert_if_absent([PackedSample.from_document(d) for d in docs])
+            await deps.samples.publisher.insert_if_absent([PackedSample.from_document(d) for d in docs])
         run_started = time.perf_counter()
         run_ids = {}
         for name in names:

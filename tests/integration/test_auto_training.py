@@ -40,7 +40,7 @@ async def publish(deps, count: int, *, age_s: float = 0.0) -> list[str]:
                               response=RESPONSE, validated=validated)
         sample.meta["created_at"] = datetime.fromtimestamp(time.time() - age_s + i * 1e-6, UTC).isoformat()
         sample.meta["judge"] = {"score": 1.0, "source": "terminal"}
-        await deps.store.insert_if_absent([sample])
+        await deps.samples.publisher.insert_if_absent([sample])
         ids.append(f"c{i:05d}")
     return ids
 

@@ -121,7 +121,7 @@ async def test_the_choices_of_one_request_are_one_sample_each_of_one_group(servi
         assert doc["trajectory"]["response_text"] == f"choice {i}"
         assert doc["trajectory"]["prompt_ids"] == samples[0]["trajectory"]["prompt_ids"]
         assert doc["judge"]["score"] == 0.5
-    stored = await app.state.deps.store.get_documents(["c1", "c1.1", "c1.2"])  # what a run claims
+    stored = await app.state.deps.samples.documents.get_documents(["c1", "c1.1", "c1.2"])  # what a run claims
     batch = convert_samples(stored, pad_token_id=0, max_prompt_length=64, max_response_length=8,
                             advantage_estimator="grpo")
     assert batch.uid == ["t1:c1"] * 3  # one GRPO group: one prompt's choices
@@ -154,12 +154,12 @@ async def test_a_sample_stored_before_constraints_existed_still_loads_and_trains
     del old["sampling"]["constraints"]
     old["sample_id"] = old["trajectory_id"] = "legacy-1"
     old["rl_task_id"] = old["task_id"] = None
-    store = app.state.deps.store
-    assert await store.insert_if_absent([PackedSample.from_document(old)]) == ["legacy-1"]
+    store = app.state.deps.samples
+    assert await store.publisher.insert_if_absent([PackedSample.from_document(old)]) == ["legacy-1"]
     doc = await sample(client, "legacy-1")
     assert "constraints" not in doc["sampling"] and doc["status"] == "pending" and doc.get("exclusion") is None
     listed = {i["sample_id"]: i for i in (await client.get("/v1/rl/trajectories")).json()["items"]}
     assert listed["legacy-1"]["exclusion"] is None
-    batch = convert_samples(await store.get_documents(["legacy-1"]), pad_token_id=0, max_prompt_length=64,
+    batch = convert_samples(await store.documents.get_documents(["legacy-1"]), pad_token_id=0, max_prompt_length=64,
                             max_response_length=16)
     assert batch.corrected.tolist() == [False] and batch.temperatures.tolist() == [1.0]

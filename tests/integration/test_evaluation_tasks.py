@@ -128,11 +128,13 @@ async def test_retention_removes_old_evaluation_samples_and_keeps_the_aggregates
     app, client = service
     await rewarded(client, 1, 1.0, evaluation=True)
     await rewarded(client, 2, 0.0, evaluation=False)
-    store = app.state.deps.store
-    assert await store.sweep_expired(fence=UNFENCED, retention_seconds=3600, now=time.time()) == 0  # not old yet
+    store = app.state.deps.samples
+    sweep = store.deletion.sweep_expired
+    assert await sweep(store.line, fence=UNFENCED, retention_seconds=3600, now=time.time()) == 0  # not old yet
     # pending never expires
-    assert await store.sweep_expired(fence=UNFENCED, retention_seconds=3600, now=time.time() + 7200) == 1
-    assert await sample_status(store, "c1-0") is None and await sample_status(store, "c2-0") == "pending"
+    assert await sweep(store.line, fence=UNFENCED, retention_seconds=3600, now=time.time() + 7200) == 1
+    documents = store.documents
+    assert await sample_status(documents, "c1-0") is None and await sample_status(documents, "c2-0") == "pending"
     stats = (await client.get("/v1/rl/trajectories/stats")).json()
     assert stats["by_status"] == {"pending": 1, "training": 0, "trained": 0, "failed": 0} and stats["total"] == 1
     (base,) = (await client.get("/v1/rl/policies")).json()["items"]
@@ -143,7 +145,7 @@ async def test_rolled_back_publication_removes_evaluation_samples(service, redis
     app, client = service
     await rewarded(client, 1, 1.0, evaluation=True)
     # A failed publication's roll-back (turn publisher) deletes what it inserted, evaluation samples included.
-    assert await app.state.deps.store.delete_pending(["c1-0"]) == 1
+    assert await app.state.deps.samples.deletion.delete_pending(["c1-0"]) == 1
     (base,) = (await client.get("/v1/rl/policies")).json()["items"]
     assert base["samples"] == 0 and base["evaluation"]["samples"] == 0
     assert (await client.get("/v1/rl/trajectories/stats")).json()["total"] == 0
@@ -153,14 +155,14 @@ async def test_invariant_checker_flags_a_trainable_evaluation_sample(service, re
     app, client = service
     await rewarded(client, 1, 1.0, evaluation=True)
     await check_invariants(redis, model_id=MODEL_ID)
-    store = app.state.deps.store
+    store = app.state.deps.samples
     # Move it to `pending` consistently (hash, indexes, counters in one EXEC): only the evaluation rule can object.
     # The sample table forbids this move (`queue_move` raises), so the test writes what such a move would write.
     stats = keys.traj_stats(store.owner)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(keys.traj("c1-0"), mapping={"status": "pending", "updated_at": "2026-01-01T00:00:00+00:00"})
-        pipe.zrem(store.index_key(SampleStatus.EVALUATION), "c1-0")
-        pipe.zadd(store.index_key("pending"), {"c1-0": 1.0})
+        pipe.zrem(store.line.index_key(SampleStatus.EVALUATION), "c1-0")
+        pipe.zadd(store.line.index_key("pending"), {"c1-0": 1.0})
         pipe.hincrby(stats, f"status:{SampleStatus.EVALUATION}", -1)
         pipe.hincrby(stats, "status:pending", 1)
         pipe.hincrby(stats, "pending_policy:base", 1)

@@ -37,7 +37,7 @@ async def publish(deps, instances: list[str | None], *, start: int = 0) -> list[
                               validated=validate_response(RESPONSE, policy_model=MODEL_ID), instance=instance)
         sample.meta["created_at"] = f"2026-01-01T00:00:{i % 60:02d}.{i:06d}+00:00"
         sample.meta["judge"] = {"score": 1.0, "source": "terminal"}
-        await deps.store.insert_if_absent([sample])
+        await deps.samples.publisher.insert_if_absent([sample])
         out.append(f"c{i:04d}")
     return out
 
@@ -126,7 +126,7 @@ async def test_exclusion_reaches_every_lineages_line(service, redis):
         sample = build_sample(task, capture_id=f"c{i:04d}", agent_turn_id=None, request=REQUEST, response=RESPONSE,
                               validated=validate_response(RESPONSE, policy_model=MODEL_ID), instance=instance)
         sample.meta["judge"] = {"score": 1.0, "source": "terminal"}
-        assert await deps.store.insert_if_absent([sample]) == [f"c{i:04d}"]
+        assert await deps.samples.publisher.insert_if_absent([sample]) == [f"c{i:04d}"]
         ids.append(f"c{i:04d}")
     answer = (await client.post("/v1/rl/trajectories/exclude", json={"instance": "rogue"})).json()
     assert answer["excluded"] == 3

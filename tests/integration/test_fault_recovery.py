@@ -42,7 +42,7 @@ async def publication_cut_after_insert(deps, t: str, turn: str) -> str:
     samples = [PackedSample.decode_staged(blob) for _, blob in staged]
     for sample in samples:
         sample.meta["judge"] = {"score": 0.8, "source": "judge", "tag": "feedback"}
-    inserted = await deps.store.insert_if_absent(samples)
+    inserted = await deps.samples.publisher.insert_if_absent(samples)
     assert len(inserted) == 1
     return inserted[0]
 
@@ -167,7 +167,7 @@ async def test_startup_finishes_a_reward_projection_cut_by_a_crash(redis, redis_
         await redis.set(keys.reward("t1"), orjson.dumps({"reward": 0.5, "status": "projecting", "sample_count": 0}))
         first = PackedSample.decode_staged(await redis.get(keys.staged("t1", "c0")))
         first.meta["judge"] = {"score": 0.5, "source": "terminal"}
-        assert await deps.store.insert_if_absent([first]) == ["c0"]
+        assert await deps.samples.publisher.insert_if_absent([first]) == ["c0"]
         # Nobody repeats the reward: the next process start completes it anyway.
         async with running_app(config) as (_, restarted):
             assert orjson.loads(await redis.get(keys.reward("t1"))) == {

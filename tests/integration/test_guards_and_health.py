@@ -296,7 +296,7 @@ async def test_unexpected_exception_is_exactly_the_500_envelope(redis, redis_url
         deps = app.state.deps
         monkeypatch.setattr(deps.registry, "require", _boom)
         monkeypatch.setattr(deps.ledger, "discard", _boom)  # `:discard` reads no Task first (its script does)
-        monkeypatch.setattr(deps.store, "stats", _boom)
+        monkeypatch.setattr(deps.samples.stats, "stats", _boom)
         for method, path, body in (
             ("GET", "/v1/rl/tasks/t1", None),
             ("POST", "/v1/rl/tasks/t1/stop", None),

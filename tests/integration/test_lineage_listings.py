@@ -126,7 +126,7 @@ async def test_run_listing_per_lineage_across_pages_and_retention(service, redis
     deps, client = service
     order = ["a", "default", "a", "b", "a"]
     for i, lineage in enumerate(order):
-        await publish(deps.store, lineage, 1, start=i, score=1.0)
+        await publish(deps.samples, lineage, 1, start=i, score=1.0)
     runs = []
     for lineage in order:
         r = await client.post("/v1/rl/training/runs", json={"lineage": lineage})

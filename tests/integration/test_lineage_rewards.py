@@ -46,7 +46,7 @@ async def clean(redis) -> None:
 
 async def test_an_external_reward_moves_a_lineage_sample_in_its_own_line(service, redis):
     deps, client = service
-    [sample_id] = await publish(deps.store, "a", 1, start=0, score=0.5)
+    [sample_id] = await publish(deps.samples, "a", 1, start=0, score=0.5)
     assert await members(redis, LINE_A, "awaiting_rewards") == [sample_id]
     assert await redis.zrange(keys.reward_deadlines(LINE_A), 0, -1) == [sample_id.encode()]
     for source in ("business", "human"):
@@ -68,8 +68,8 @@ async def test_an_external_reward_moves_a_lineage_sample_in_its_own_line(service
 
 async def test_the_deadline_sweeper_applies_fallbacks_to_lineage_samples(service, redis):
     deps, _ = service
-    a_ids = await publish(deps.store, "a", 2, start=0, score=0.5)
-    [default_id] = await publish(deps.store, "default", 1, start=5, score=0.5)
+    a_ids = await publish(deps.samples, "a", 2, start=0, score=0.5)
+    [default_id] = await publish(deps.samples, "default", 1, start=5, score=0.5)
     # The line's hint is at (or below) its earliest deadline: business, an hour after publication.
     [(line, hint)] = await redis.zrange(keys.REWARD_DUE_LINES, 0, -1, withscores=True)
     assert line.decode() == LINE_A and hint <= time.time() + 3600
@@ -106,8 +106,8 @@ async def test_a_busy_default_line_never_starves_the_due_lineage_lines(service, 
     def fallbacks(counts: dict[str, int]) -> int:
         return counts.get("reward_fallback:business", 0)
 
-    await publish(deps.store, "default", 6, start=0, score=0.5)
-    a_ids = await publish(deps.store, "a", 3, start=10, score=0.5)
+    await publish(deps.samples, "default", 6, start=0, score=0.5)
+    a_ids = await publish(deps.samples, "a", 3, start=10, score=0.5)
     # Line a is due: 2 default samples (half of 4), then 2 of a's.
     assert (await ledger.sweep_due(fence=UNFENCED, now=past_business, limit=4)).visited == 4
     assert (fallbacks(await counters(redis, MODEL_ID)), fallbacks(await counters(redis, LINE_A))) == (2, 2)
@@ -116,7 +116,7 @@ async def test_a_busy_default_line_never_starves_the_due_lineage_lines(service, 
     assert (fallbacks(await counters(redis, MODEL_ID)), fallbacks(await counters(redis, LINE_A))) == (5, 3)
     assert await redis.zscore(keys.REWARD_DUE_LINES, LINE_A) > past_business  # a's next: human, a day later
     # No line due: the default line's last one, the whole limit its own.
-    await publish(deps.store, "default", 4, start=20, score=0.5)
+    await publish(deps.samples, "default", 4, start=20, score=0.5)
     assert (await ledger.sweep_due(fence=UNFENCED, now=past_business, limit=4)).visited == 4
     assert fallbacks(await counters(redis, MODEL_ID)) == 9
     assert await members(redis, LINE_A, "awaiting_rewards") == a_ids  # still waiting for human
@@ -125,7 +125,7 @@ async def test_a_busy_default_line_never_starves_the_due_lineage_lines(service, 
 
 async def test_a_line_whose_hint_is_not_due_is_not_visited(service, redis):
     deps, _ = service
-    await publish(deps.store, "a", 1, start=0, score=0.5)
+    await publish(deps.samples, "a", 1, start=0, score=0.5)
     # A line with a hint in the future: the sweeper does not read its set (so it does not apply a due deadline
     # placed there by hand, which a real publication would have lowered the hint for).
     await redis.zadd(keys.reward_deadlines(LINE_A), {"c0000": 1.0})
@@ -136,8 +136,8 @@ async def test_a_line_whose_hint_is_not_due_is_not_visited(service, redis):
 
 async def test_a_lineage_follows_its_own_reward_policy(service, redis):
     deps, client = service
-    [b_id] = await publish(deps.store, "b", 1, start=0, score=0.5)
-    [a_id] = await publish(deps.store, "a", 1, start=1, score=0.5)
+    [b_id] = await publish(deps.samples, "b", 1, start=0, score=0.5)
+    [a_id] = await publish(deps.samples, "a", 1, start=1, score=0.5)
     # `b` waits for thumbs only (its override); `a` for the top-level business and human.
     detail = (await client.get(f"/v1/rl/trajectories/{b_id}")).json()
     assert (detail["status"], list(detail["rewards"]["waiting_for"])) == ("awaiting_rewards", ["thumbs"])
@@ -151,7 +151,7 @@ async def test_a_lineage_follows_its_own_reward_policy(service, redis):
         "pending", "min", 0.25)
     assert await members(redis, f"{MODEL_ID}:b", "pending") == [b_id]
     # thumbs falls back to `drop` for b's samples: a second one is dropped at its deadline, on b's line.
-    [b2] = await publish(deps.store, "b", 1, start=2, score=0.5)
+    [b2] = await publish(deps.samples, "b", 1, start=2, score=0.5)
     result = await deps.reward_sweeper.sweep_once(now=time.time() + 120)
     assert result.dropped == 1 and await redis.exists(keys.traj(b2)) == 0
     assert (await counters(redis, f"{MODEL_ID}:b"))["reward_dropped"] == 1
@@ -161,8 +161,8 @@ async def test_a_lineage_follows_its_own_reward_policy(service, redis):
 
 async def test_retention_removes_old_samples_of_lineage_lines(service, redis):
     deps, _ = service
-    a_ids = await publish(deps.store, "a", 2, start=0, score=0.5)
-    line = deps.store.for_line(LINE_A)
+    a_ids = await publish(deps.samples, "a", 2, start=0, score=0.5)
+    line = deps.samples.line.for_line(LINE_A)
     await deps.reward_sweeper.sweep_once(now=time.time() + 90000)  # every deadline passed: pending
     now = time.time()
     await move(redis, line, a_ids, "training", at=now)

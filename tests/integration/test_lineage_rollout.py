@@ -51,7 +51,7 @@ async def rewarded_task(client, task_id: str, lineage: str, policy: str, reward:
 
 
 async def canary_of(deps, client, lineage: str) -> dict:
-    await publish(deps.store, lineage, 2, start={"a": 0, "b": 10}[lineage], score=1.0)
+    await publish(deps.samples, lineage, 2, start={"a": 0, "b": 10}[lineage], score=1.0)
     r = await client.post("/v1/rl/training/runs", json={"lineage": lineage})
     assert r.status_code == 201, r.text  # was 409 lineage_rollout_unsupported
     run = await wait_for_run(deps.runner, r.json()["training_run_id"])
@@ -76,7 +76,7 @@ async def test_two_lineages_each_decided_by_their_own_arms(service, redis, tmp_p
     assert await deps.rollout.in_progress() is None and (await deps.rollout.in_progress(A)).rollout_id == \
         ro_a["rollout_id"]
     # The line's own next run waits for its canary; the run store is per line too.
-    await publish(deps.store, "a", 2, start=20, score=1.0)
+    await publish(deps.samples, "a", 2, start=20, score=1.0)
     held = await client.post("/v1/rl/training/runs", json={"lineage": "a"})
     assert (held.status_code, held.json()["error"]["code"]) == (409, "rollout_in_progress")
 
@@ -127,7 +127,7 @@ async def test_two_lineages_each_decided_by_their_own_arms(service, redis, tmp_p
 
 async def test_rollout_routes_name_a_line(service, redis):
     deps, client, gateway = service
-    await publish(deps.store, "a", 1, start=0, score=1.0)  # registers `a`
+    await publish(deps.samples, "a", 1, start=0, score=1.0)  # registers `a`
 
     def code(resp):
         return resp.status_code, resp.json()["error"]["code"]

@@ -50,7 +50,7 @@ async def publish(deps, lineage: str, count: int, *, age_s: float, policy: str =
                               validated=validate_response(RESPONSE, policy_model=MODEL_ID))
         sample.meta["created_at"] = datetime.fromtimestamp(time.time() - age_s + len(ids) * 1e-3, UTC).isoformat()
         sample.meta["judge"] = {"score": 1.0, "source": "terminal"}
-        assert await deps.store.insert_if_absent([sample]) == [f"c{i:05d}"]
+        assert await deps.samples.publisher.insert_if_absent([sample]) == [f"c{i:05d}"]
         ids.append(f"c{i:05d}")
     return ids
 
@@ -397,10 +397,10 @@ async def publish_one_each(deps, lineages: list[str]) -> None:
                 split = prompt_blocks.split_prompt(sample.prompt_ids)
                 for digest, block in split[0]:
                     acquired[digest] = (block, acquired.get(digest, (block, 0))[1] + 1)
-                store = deps.store.for_lineage(lineage)
-                store._queue_insert(tx, sample, split, excluded=set(), now=now,  # noqa: SLF001 - batched set-up
-                                    now_epoch=datetime.fromisoformat(now).timestamp())
-                tx.sadd(keys.TRAJ_USERS, store.owner)
+                publisher = deps.samples.publisher.for_lineage(lineage)
+                publisher._queue_insert(tx, sample, split, excluded=set(), now=now,  # noqa: SLF001 - batched set-up
+                                        now_epoch=datetime.fromisoformat(now).timestamp())
+                tx.sadd(keys.TRAJ_USERS, deps.samples.line.for_lineage(lineage).owner)
             prompt_blocks.queue_acquire(tx, acquired)
             await tx.execute()
 

@@ -29,7 +29,7 @@ async def publish(store, lineage: str, count: int, *, start: int, score: float, 
     """Publish `count` samples of `lineage` straight through the store (oldest first), its lineage registered as
     its first Task start would have."""
     if lineage != "default":
-        await store._redis.zadd(keys.LINEAGES, {lineage: 1.0}, nx=True)
+        await store.publisher._redis.zadd(keys.LINEAGES, {lineage: 1.0}, nx=True)
     ids = []
     for i in range(start, start + count):
         task = Task(f"t{i}", f"s{i}", MODEL_ID, policy, "terminal", "finalized", "2026-01-01T00:00:00+00:00",
@@ -38,7 +38,7 @@ async def publish(store, lineage: str, count: int, *, start: int, score: float, 
                               validated=validate_response(RESPONSE, policy_model=MODEL_ID))
         sample.meta["created_at"] = f"2026-01-01T00:00:{i % 60:02d}.{i:06d}+00:00"
         sample.meta["judge"] = {"score": score, "source": "terminal"}
-        assert await store.insert_if_absent([sample]) == [f"c{i:04d}"]
+        assert await store.publisher.insert_if_absent([sample]) == [f"c{i:04d}"]
         ids.append(f"c{i:04d}")
     return ids
 
@@ -56,8 +56,8 @@ async def service(redis, redis_url, tmp_path):
 
 async def test_two_lineages_train_their_own_samples(service, redis, tmp_path):
     deps, client, gateway, backend = service
-    a_ids = await publish(deps.store, "a", 3, start=0, score=1.0)
-    b_ids = await publish(deps.store, "b", 3, start=10, score=-1.0)
+    a_ids = await publish(deps.samples, "a", 3, start=0, score=1.0)
+    b_ids = await publish(deps.samples, "b", 3, start=10, score=-1.0)
     # Each line's samples sit in its own pending index; nothing reached the default line's.
     assert await redis.zrange(keys.traj_index(f"{MODEL_ID}:a", "pending"), 0, -1) == [i.encode() for i in a_ids]
     assert await redis.zrange(keys.traj_index(f"{MODEL_ID}:b", "pending"), 0, -1) == [i.encode() for i in b_ids]
@@ -84,7 +84,7 @@ async def test_two_lineages_train_their_own_samples(service, redis, tmp_path):
     assert b'"lora_name":"base"' in await redis.get(keys.POLICY_OBSERVED)  # the default line's, not a lineage's
 
     # The next run of `a` continues from `a`'s v1 and numbers per line.
-    await publish(deps.store, "a", 1, start=20, score=1.0, policy=f"{MODEL_ID}:a:v1")
+    await publish(deps.samples, "a", 1, start=20, score=1.0, policy=f"{MODEL_ID}:a:v1")
     r = await client.post("/v1/rl/training/runs", json={"lineage": "a"})
     second = await wait_for_run(deps.runner, r.json()["training_run_id"])
     assert (second.lora_name, second.parent_lora_name) == (f"{MODEL_ID}:a:v2", f"{MODEL_ID}:a:v1")
@@ -96,8 +96,8 @@ async def test_two_lineages_train_their_own_samples(service, redis, tmp_path):
 
 async def test_invariant_checker_flags_a_sample_in_another_lines_index(service, redis):
     deps, *_ = service
-    [sample_id] = await publish(deps.store, "a", 1, start=0, score=1.0)
-    await publish(deps.store, "b", 1, start=1, score=1.0)
+    [sample_id] = await publish(deps.samples, "a", 1, start=0, score=1.0)
+    await publish(deps.samples, "b", 1, start=1, score=1.0)
     # Move the sample into b's pending index by hand (what a claim bug across lines would do).
     await redis.zrem(keys.traj_index(f"{MODEL_ID}:a", "pending"), sample_id)
     await redis.zadd(keys.traj_index(f"{MODEL_ID}:b", "pending"), {sample_id: 1.0})
@@ -107,7 +107,7 @@ async def test_invariant_checker_flags_a_sample_in_another_lines_index(service, 
 
 async def test_run_records_of_the_default_line_carry_no_lineage(service, redis):
     deps, client, gateway, _ = service
-    await publish(deps.store, "default", 2, start=0, score=1.0)
+    await publish(deps.samples, "default", 2, start=0, score=1.0)
     r = await client.post("/v1/rl/training/runs", json={"lineage": "default"})
     assert r.status_code == 201 and "lineage" not in r.json()
     run = await wait_for_run(deps.runner, r.json()["training_run_id"])
@@ -133,7 +133,7 @@ async def test_lineages_are_listed_newest_first_page_by_page(service, redis):
     deps, client, _, _ = service
     for i, lineage in enumerate(("a", "b", "c")):
         await redis.zadd(keys.LINEAGES, {lineage: 1_700_000_000.0 + i})
-    await publish(deps.store, "b", 2, start=0, score=1.0)
+    await publish(deps.samples, "b", 2, start=0, score=1.0)
     first = await client.get("/v1/rl/lineages", params={"limit": 2})
     assert first.status_code == 200, first.text
     assert [(i["lineage"], i["line"], i["pending_samples"], i["active_run"]) for i in first.json()["items"]] == [
@@ -148,9 +148,9 @@ async def test_lineages_are_listed_newest_first_page_by_page(service, redis):
 
 async def test_policies_of_one_lineage(service, redis):
     deps, client, _, _ = service
-    await publish(deps.store, "a", 1, start=0, score=1.0, policy=f"{MODEL_ID}:a:v1")
-    await publish(deps.store, "a", 1, start=1, score=1.0, policy="base")
-    await publish(deps.store, "default", 1, start=2, score=1.0, policy=f"{MODEL_ID}:v1")
+    await publish(deps.samples, "a", 1, start=0, score=1.0, policy=f"{MODEL_ID}:a:v1")
+    await publish(deps.samples, "a", 1, start=1, score=1.0, policy="base")
+    await publish(deps.samples, "default", 1, start=2, score=1.0, policy=f"{MODEL_ID}:v1")
     names = lambda r: [i["policy_version"] for i in r.json()["items"]]  # noqa: E731
     assert names(await client.get("/v1/rl/policies", params={"lineage": "a"})) == ["base", f"{MODEL_ID}:a:v1"]
     assert names(await client.get("/v1/rl/policies", params={"lineage": "default"})) == ["base", f"{MODEL_ID}:v1"]
@@ -163,8 +163,8 @@ async def test_policies_of_one_lineage(service, redis):
 
 async def test_a_registered_lineage_has_its_own_view_pause_and_resume(service, redis):
     deps, client, _, _ = service
-    await publish(deps.store, "a", 3, start=0, score=1.0)  # registers `a`
-    await publish(deps.store, "default", 1, start=5, score=1.0)
+    await publish(deps.samples, "a", 3, start=0, score=1.0)  # registers `a`
+    await publish(deps.samples, "default", 1, start=5, score=1.0)
     view = (await client.get("/v1/rl/lineages/a")).json()
     assert (view["lineage"], view["line"], view["paused"]) == ("a", f"{MODEL_ID}:a", False)
     assert view["scheduler"]["pending_samples"] == 3  # its own line's count, not the default line's (1)
@@ -181,7 +181,7 @@ async def test_samples_and_counters_of_a_lineage_are_listed_with_its_name(servic
     """`GET /v1/rl/trajectories?lineage=` and `/stats?lineage=` read that lineage's line; without it, the default
     line's, exactly as before lineages."""
     deps, client = service[0], service[1]
-    [sample_id] = await publish(deps.store, "support", 1, start=900, score=1.0)
+    [sample_id] = await publish(deps.samples, "support", 1, start=900, score=1.0)
     listed = (await client.get("/v1/rl/trajectories", params={"lineage": "support"})).json()["items"]
     assert [i["sample_id"] for i in listed] == [sample_id]
     assert sample_id not in [i["sample_id"] for i in (await client.get("/v1/rl/trajectories")).json()["items"]]

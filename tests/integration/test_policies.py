@@ -104,8 +104,8 @@ def judged_sample(n: int, votes: list, score: float):
 
 async def test_judge_agreement_and_rollback(service, redis):
     app, client = service
-    store = app.state.deps.store
-    await store.insert_if_absent([judged_sample(1, [8, 6, "fail"], 0.7), judged_sample(2, [9, 9], 0.9),
+    store = app.state.deps.samples
+    await store.publisher.insert_if_absent([judged_sample(1, [8, 6, "fail"], 0.7), judged_sample(2, [9, 9], 0.9),
                                   judged_sample(3, [5], 0.5)])
     await publish(app.state.deps, 1, score=0.8)  # a terminal sample outside a reward: no reward observation
     item = (await client.get("/v1/rl/policies")).json()["items"][0]
@@ -114,7 +114,7 @@ async def test_judge_agreement_and_rollback(service, redis):
     assert item["judge_agreement"] == pytest.approx(1 - (0.2 + 0.0) / 2)  # single-vote samples do not count
     assert item["completion_latency_ms"] is None  # built outside a capture: no reservation time
     # A rolled-back publication takes its contribution away in the same EXEC that deletes the samples.
-    assert await store.delete_pending(["j1", "j2"]) == 2
+    assert await store.deletion.delete_pending(["j1", "j2"]) == 2
     item = (await client.get("/v1/rl/policies")).json()["items"][0]
     assert (item["samples"], item["reward"]["n"], item["reward"]["mean"]) == (2, 1, pytest.approx(0.5))
     assert (item["reward_sources"], item["judge_agreement"], item["reward"]["ci95"]) == (

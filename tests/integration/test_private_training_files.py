@@ -103,7 +103,7 @@ async def run_once(redis_url: str, tmp: Path, model_dir: Path, docs: list[dict[s
         try:
             async with running_app(config, backend=backend) as (app, client):
                 deps = app.state.deps
-                await deps.store.insert_if_absent([PackedSample.from_document(d) for d in docs])
+                await deps.samples.publisher.insert_if_absent([PackedSample.from_document(d) for d in docs])
                 r = await client.post("/v1/rl/training/runs")
                 assert r.status_code == 201, r.text
                 return await wait_for_run(deps.runner, r.json()["training_run_id"]), backend

@@ -19,7 +19,7 @@ from openjiuwen.agent_evolving.agent_rl.online.rewards.reward_policy import Rewa
 from openjiuwen.agent_evolving.agent_rl.online.store import keys, prompt_blocks
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample, pack_ids, pack_logprobs
 from openjiuwen.agent_evolving.agent_rl.online.store.prompt_blocks import BLOCK_IDS
-from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
+from openjiuwen.agent_evolving.agent_rl.online.assembly import SampleStore, make_sample_store
 from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 from tests.conftest import load_fixture
 from tests.integration.test_trajectory_store import MODEL, T0, iso_at, make_doc, move
@@ -46,8 +46,8 @@ def sample(sample_id: str, prompt: list[int], *, created: float = T0) -> PackedS
 
 
 @pytest.fixture
-def store(redis: Redis) -> TrajectoryStore:
-    return TrajectoryStore(redis, owner=MODEL, model_id=MODEL)
+def store(redis: Redis) -> SampleStore:
+    return make_sample_store(redis, model_id=MODEL)
 
 
 async def blocks(redis: Redis) -> dict[str, int]:
@@ -63,21 +63,21 @@ async def holds_invariants(redis: Redis) -> None:
     assert report.ok, report.describe()
 
 
-async def prompts_read(store: TrajectoryStore, sample_ids: list[str]) -> dict[str, list[int]]:
-    return {d["sample_id"]: d["trajectory"]["prompt_ids"] for d in await store.get_documents(sample_ids)}
+async def prompts_read(store: SampleStore, sample_ids: list[str]) -> dict[str, list[int]]:
+    return {d["sample_id"]: d["trajectory"]["prompt_ids"] for d in await store.documents.get_documents(sample_ids)}
 
 
-async def test_a_conversation_stores_each_repeated_prompt_id_once(redis: Redis, store: TrajectoryStore) -> None:
+async def test_a_conversation_stores_each_repeated_prompt_id_once(redis: Redis, store: SampleStore) -> None:
     prompts = conversation(1)
     # Terminal Tasks publish all turns at once, delayed-feedback Tasks turn by turn: both share.
-    await store.insert_if_absent([sample("t0", prompts[0]), sample("t1", prompts[1])])
-    await store.insert_if_absent([sample("t2", prompts[2])])
-    await store.insert_if_absent([sample("t3", prompts[3])])
+    await store.publisher.insert_if_absent([sample("t0", prompts[0]), sample("t1", prompts[1])])
+    await store.publisher.insert_if_absent([sample("t2", prompts[2])])
+    await store.publisher.insert_if_absent([sample("t3", prompts[3])])
 
     ids_ = [f"t{k}" for k in range(4)]
     assert await prompts_read(store, ids_) == dict(zip(ids_, prompts))
     for k, prompt in enumerate(prompts):
-        detail = await store.detail(f"t{k}")
+        detail = await store.documents.detail(f"t{k}")
         assert detail is not None
         assert detail["trajectory"]["prompt_ids"] == prompt == detail["response"]["prompt_token_ids"]
         assert detail["trajectory"]["input_ids"] == prompt + [7, 8, 9]
@@ -96,10 +96,10 @@ async def test_a_conversation_stores_each_repeated_prompt_id_once(redis: Redis, 
     await holds_invariants(redis)
 
 
-async def test_conversations_with_one_system_prompt_share_its_blocks(redis: Redis, store: TrajectoryStore) -> None:
+async def test_conversations_with_one_system_prompt_share_its_blocks(redis: Redis, store: SampleStore) -> None:
     system = conversation(2, turns=1, first=3 * BLOCK_IDS + 10)[0]
     a, b = system + [1] * 400, system + [2] * 400
-    await store.insert_if_absent([sample("a", a), sample("b", b)])
+    await store.publisher.insert_if_absent([sample("a", a), sample("b", b)])
     refs = sorted((await blocks(redis)).values())
     # 3 shared system blocks (refs 2), then one block of each conversation (refs 1).
     assert refs == [1, 1, 2, 2, 2]
@@ -107,13 +107,13 @@ async def test_conversations_with_one_system_prompt_share_its_blocks(redis: Redi
     await holds_invariants(redis)
 
 
-async def test_each_deletion_path_releases_its_references(redis: Redis, store: TrajectoryStore) -> None:
+async def test_each_deletion_path_releases_its_references(redis: Redis, store: SampleStore) -> None:
     prompts = conversation(3)
-    await store.insert_if_absent([sample(f"d{k}", p, created=T0 + k) for k, p in enumerate(prompts)])
+    await store.publisher.insert_if_absent([sample(f"d{k}", p, created=T0 + k) for k, p in enumerate(prompts)])
     before = await blocks(redis)
 
     # Roll-back of a failed publication: the last turn goes, and with it the blocks only it referenced.
-    assert await store.delete_pending(["d3"]) == 1
+    assert await store.deletion.delete_pending(["d3"]) == 1
     after = await blocks(redis)
     assert len(after) == len(prompts[2]) // BLOCK_IDS < len(before)
     assert all(after[h] == before[h] - 1 for h in after if before[h] > 1 and h in after)
@@ -121,14 +121,14 @@ async def test_each_deletion_path_releases_its_references(redis: Redis, store: T
     await holds_invariants(redis)
 
     # Retention: trained samples older than the retention leave, releasing theirs.
-    await move(redis, store, ["d0", "d1"], "training")
-    await move(redis, store, ["d0", "d1"], "trained", at=T0)
-    assert await store.sweep_expired(fence=UNFENCED, retention_seconds=10, now=T0 + 100) == 2
+    await move(redis, store.line, ["d0", "d1"], "training")
+    await move(redis, store.line, ["d0", "d1"], "trained", at=T0)
+    assert await store.deletion.sweep_expired(store.line, fence=UNFENCED, retention_seconds=10, now=T0 + 100) == 2
     assert await prompts_read(store, ["d2"]) == {"d2": prompts[2]}
     assert set((await blocks(redis)).values()) == {1}
     await holds_invariants(redis)
 
-    assert await store.delete_pending(["d2"]) == 1
+    assert await store.deletion.delete_pending(["d2"]) == 1
     assert await blocks(redis) == {}
     await holds_invariants(redis)
 
@@ -136,11 +136,12 @@ async def test_each_deletion_path_releases_its_references(redis: Redis, store: T
 async def test_a_reward_policy_drop_releases_its_references(redis: Redis) -> None:
     policy = RewardPolicy(RewardPolicyConfig.model_validate(
         {"sources": {"audit": {"deadline_seconds": 60, "fallback": "drop"}}}))
-    store = TrajectoryStore(redis, owner=MODEL, model_id=MODEL, reward_policy=policy)
-    ledger = RewardLedger(redis, store, policy, owner=MODEL)
+    store = make_sample_store(redis, model_id=MODEL, reward_policy=policy)
+    ledger = RewardLedger(redis, store.line, policy, owner=MODEL)
     prompts = conversation(4, turns=2)
     now = time.time()
-    await store.insert_if_absent([sample("kept", prompts[0], created=now), sample("dropped", prompts[1], created=now)])
+    await store.publisher.insert_if_absent([sample("kept", prompts[0], created=now),
+                                            sample("dropped", prompts[1], created=now)])
     await ledger.attach("kept", "audit", 1.0)
     assert (await ledger.sweep_due(fence=UNFENCED, now=now + 61)).dropped == 1
     assert not await redis.exists(keys.traj("dropped"))
@@ -149,7 +150,7 @@ async def test_a_reward_policy_drop_releases_its_references(redis: Redis) -> Non
     await holds_invariants(redis)
 
 
-async def test_samples_stored_with_a_plain_prompt_still_read(redis: Redis, store: TrajectoryStore) -> None:
+async def test_samples_stored_with_a_plain_prompt_still_read(redis: Redis, store: SampleStore) -> None:
     """A hash written before prefix sharing (whole prompt in `prompt_ids`, no `prompt_blocks`) reads as before and
     is deleted without touching the blocks of a newer sample with the same prefix."""
     prompts = conversation(5, turns=2)
@@ -163,52 +164,52 @@ async def test_samples_stored_with_a_plain_prompt_still_read(redis: Redis, store
     await redis.zadd(keys.traj_index(MODEL, "pending"), {"old": T0})
     await redis.hset(keys.traj_stats(MODEL), mapping={"status:pending": 1, "source:rl_task": 1,
                                                        "pending_policy:base": 1})
-    await store.insert_if_absent([sample("new", prompts[1], created=T0 + 1)])
+    await store.publisher.insert_if_absent([sample("new", prompts[1], created=T0 + 1)])
     assert await prompts_read(store, ["old", "new"]) == {"old": prompts[0], "new": prompts[1]}
-    assert (await store.detail("old"))["trajectory"]["prompt_ids"] == prompts[0]
+    assert (await store.documents.detail("old"))["trajectory"]["prompt_ids"] == prompts[0]
     shared = await blocks(redis)
     await holds_invariants(redis)
 
-    assert await store.delete_pending(["old"]) == 1
+    assert await store.deletion.delete_pending(["old"]) == 1
     assert await blocks(redis) == shared
     assert await prompts_read(store, ["new"]) == {"new": prompts[1]}
     await holds_invariants(redis)
 
 
 async def test_a_sample_deleted_between_the_two_reads_is_simply_absent(
-    redis: Redis, store: TrajectoryStore, monkeypatch: pytest.MonkeyPatch
+    redis: Redis, store: SampleStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompts = conversation(6, turns=2)
-    await store.insert_if_absent([sample("stays", prompts[0]), sample("goes", prompts[1], created=T0 + 1)])
+    await store.publisher.insert_if_absent([sample("stays", prompts[0]), sample("goes", prompts[1], created=T0 + 1)])
     real = prompt_blocks.read_blocks
     calls = []
 
     async def deleting_first(redis_: Redis, digests: Any) -> dict[bytes, bytes | None]:
         calls.append(1)
         if len(calls) == 1:  # the sample's hash was read; now it and its last references disappear
-            assert await store.delete_pending(["goes"]) == 1
+            assert await store.deletion.delete_pending(["goes"]) == 1
         return await real(redis_, digests)
 
     monkeypatch.setattr(prompt_blocks, "read_blocks", deleting_first)
     assert await prompts_read(store, ["stays", "goes"]) == {"stays": prompts[0]}
     assert len(calls) == 2  # read again once, and found gone
     calls.clear()
-    await store.insert_if_absent([sample("goes", prompts[1], created=T0 + 1)])
-    assert await store.detail("goes") is None
+    await store.publisher.insert_if_absent([sample("goes", prompts[1], created=T0 + 1)])
+    assert await store.documents.detail("goes") is None
 
 
-async def test_a_missing_block_of_an_existing_sample_is_an_error(redis: Redis, store: TrajectoryStore) -> None:
+async def test_a_missing_block_of_an_existing_sample_is_an_error(redis: Redis, store: SampleStore) -> None:
     prompt = conversation(7, turns=1)[0]
-    await store.insert_if_absent([sample("s", prompt)])
+    await store.publisher.insert_if_absent([sample("s", prompt)])
     async for key in redis.scan_iter(match=BLOCK_PATTERN):
         await redis.delete(key)
         break
     with pytest.raises(RuntimeError, match="invariant P"):
-        await store.get_documents(["s"])
+        await store.documents.get_documents(["s"])
 
 
 async def test_concurrent_publications_and_deletions_keep_refcounts_exact(
-    redis: Redis, store: TrajectoryStore
+    redis: Redis, store: SampleStore
 ) -> None:
     """Racing inserts, roll-backs and sweeps over samples that share blocks: each EXEC moves references with its
     sample, so at the end every block's `refs` equals its referencing samples and the prompts read back exactly."""
@@ -222,21 +223,22 @@ async def test_concurrent_publications_and_deletions_keep_refcounts_exact(
         for _ in range(12):
             picked = local.sample(names, 3)
             if local.random() < 0.6:
-                await store.insert_if_absent([sample(s, prompt_of[s], created=T0 + names.index(s)) for s in picked])
+                await store.publisher.insert_if_absent(
+                    [sample(s, prompt_of[s], created=T0 + names.index(s)) for s in picked])
             else:
-                await store.delete_pending(picked)
+                await store.deletion.delete_pending(picked)
 
     await asyncio.gather(*(worker(rng.randrange(10**6)) for _ in range(6)))
-    present = [s for s in names if await sample_status(store, s) is not None]
+    present = [s for s in names if await sample_status(store.documents, s) is not None]
     assert await prompts_read(store, present) == {s: prompt_of[s] for s in present}
     await holds_invariants(redis)
-    await store.delete_pending(names)
+    await store.deletion.delete_pending(names)
     assert await blocks(redis) == {}
 
 
-async def test_the_checker_names_each_broken_block(redis: Redis, store: TrajectoryStore) -> None:
+async def test_the_checker_names_each_broken_block(redis: Redis, store: SampleStore) -> None:
     prompts = conversation(11, turns=2, first=3 * BLOCK_IDS)
-    await store.insert_if_absent([sample("x", prompts[0]), sample("y", prompts[1])])
+    await store.publisher.insert_if_absent([sample("x", prompts[0]), sample("y", prompts[1])])
     digests = prompt_blocks.unpack_digests(await redis.hget(keys.traj("y"), "prompt_blocks"))
     shared, own = prompt_blocks.block_key(digests[0]), prompt_blocks.block_key(digests[-1])
     await redis.hincrby(shared, "refs", 1)

@@ -19,7 +19,7 @@ from openjiuwen.agent_evolving.agent_rl.online.errors import InvalidInput, Judge
 from openjiuwen.agent_evolving.agent_rl.online.rail_ingest.ingest import RailIngestor
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.codec import PackedSample
-from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
+from openjiuwen.agent_evolving.agent_rl.online.assembly import SampleStore, make_sample_store
 from tests.support.samples import sample_status
 
 MODEL = "qwen-test"
@@ -82,8 +82,8 @@ def batch(*samples: dict[str, Any], **fields: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def store(redis: Redis) -> TrajectoryStore:
-    return TrajectoryStore(redis, owner=MODEL, model_id=MODEL)
+def store(redis: Redis) -> SampleStore:
+    return make_sample_store(redis, model_id=MODEL)
 
 
 @pytest.fixture
@@ -92,8 +92,8 @@ def judge() -> FakeJudge:
 
 
 @pytest.fixture
-def ingestor(redis: Redis, store: TrajectoryStore, judge: FakeJudge) -> RailIngestor:
-    return RailIngestor(redis, store, judge, model_id=MODEL, retention_seconds=RETENTION_S)
+def ingestor(redis: Redis, store: SampleStore, judge: FakeJudge) -> RailIngestor:
+    return RailIngestor(redis, store.publisher, judge, model_id=MODEL, retention_seconds=RETENTION_S)
 
 
 async def staged_members(redis: Redis) -> list[str]:
@@ -190,8 +190,8 @@ async def test_partially_valid_batch_reports_rejections(ingestor: RailIngestor, 
     assert await staged_members(redis) == [f"{TRAJ}:0"]
 
 
-async def test_no_judge_is_refused(redis: Redis, store: TrajectoryStore) -> None:
-    ingestor = RailIngestor(redis, store, None, model_id=MODEL, retention_seconds=RETENTION_S)
+async def test_no_judge_is_refused(redis: Redis, store: SampleStore) -> None:
+    ingestor = RailIngestor(redis, store.publisher, None, model_id=MODEL, retention_seconds=RETENTION_S)
     with pytest.raises(InvalidInput) as err:
         await ingestor.ingest(batch(rail_sample(0)))
     assert err.value.code == "judge_not_configured"
@@ -260,7 +260,7 @@ async def test_unknown_policy_version_becomes_base(ingestor: RailIngestor, redis
 
 
 async def test_prev_feedback_judges_the_earliest_staged_sample(
-    ingestor: RailIngestor, judge: FakeJudge, redis: Redis, store: TrajectoryStore
+    ingestor: RailIngestor, judge: FakeJudge, redis: Redis, store: SampleStore
 ) -> None:
     await ingestor.ingest(batch(rail_sample(0), rail_sample(1)))
     await ingestor.ingest(batch(rail_sample(2), trajectory_id="traj-2"))
@@ -272,10 +272,10 @@ async def test_prev_feedback_judges_the_earliest_staged_sample(
     assert await staged_members(redis) == [f"{TRAJ}:1", "traj-2:2", f"{TRAJ}:3"]
     assert await redis.exists(keys.pending_judge(SESSION, TRAJ, 0)) == 0
 
-    doc = (await store.get_documents([f"{TRAJ}:0"]))[0]
+    doc = (await store.documents.get_documents([f"{TRAJ}:0"]))[0]
     assert doc["judge"] == FakeResult(0.8).as_sample_judge("prev_feedback")
     assert doc["trajectory"]["response_ids"] == [200, 201]
-    assert await sample_status(store, f"{TRAJ}:0") == "pending"
+    assert await sample_status(store.documents, f"{TRAJ}:0") == "pending"
 
     for feedback in ("plain text", {"text": "t"}, {"feedback": "f"}):
         await ingestor.ingest(batch(prev_feedback=feedback))
@@ -285,17 +285,18 @@ async def test_prev_feedback_judges_the_earliest_staged_sample(
 
 
 async def test_session_done_flushes_every_staged_sample(
-    ingestor: RailIngestor, judge: FakeJudge, redis: Redis, store: TrajectoryStore
+    ingestor: RailIngestor, judge: FakeJudge, redis: Redis, store: SampleStore
 ) -> None:
     await ingestor.ingest(batch(rail_sample(0), rail_sample(1)))
     result = await ingestor.ingest(batch(rail_sample(2), session_done=True))
     assert (result["accepted"], result["judged"], result["session_flushed"]) == (1, 3, 3)
     assert sorted(judge.calls) == [("reply 0", ""), ("reply 1", ""), ("reply 2", "")]
-    tags = {d["sample_id"]: d["judge"]["tag"] for d in await store.get_documents([f"{TRAJ}:{n}" for n in range(3)])}
+    documents = await store.documents.get_documents([f"{TRAJ}:{n}" for n in range(3)])
+    tags = {d["sample_id"]: d["judge"]["tag"] for d in documents}
     assert tags == {f"{TRAJ}:0": "session_flush", f"{TRAJ}:1": "session_flush", f"{TRAJ}:2": "session_done"}
     assert await staged_members(redis) == []
     assert await redis.exists(*(keys.pending_judge(SESSION, TRAJ, n) for n in range(3))) == 0
-    stats = await store.stats()
+    stats = await store.stats.stats(store.line)
     assert stats["by_status"]["pending"] == 3 and stats["by_source"] == {"rail": 3}
 
     # a retried upload of stored samples is accepted but neither staged nor judged again
@@ -304,9 +305,9 @@ async def test_session_done_flushes_every_staged_sample(
     assert len(judge.calls) == 3
 
 
-async def test_judge_failures_are_reported_and_not_stored(redis: Redis, store: TrajectoryStore) -> None:
+async def test_judge_failures_are_reported_and_not_stored(redis: Redis, store: SampleStore) -> None:
     judge = FakeJudge(fail_on=("reply 0", "reply 2"))
-    ingestor = RailIngestor(redis, store, judge, model_id=MODEL, retention_seconds=RETENTION_S)
+    ingestor = RailIngestor(redis, store.publisher, judge, model_id=MODEL, retention_seconds=RETENTION_S)
     await ingestor.ingest(batch(rail_sample(0), rail_sample(1), rail_sample(2)))
     first = await ingestor.ingest(batch(prev_feedback="meh"))
     assert (first["judged"], first["judge_failed"]) == (0, 1)
@@ -365,7 +366,7 @@ async def client(ingestor: RailIngestor) -> Any:
         yield c
 
 
-async def test_upload_route(client: httpx.AsyncClient, redis: Redis, store: TrajectoryStore) -> None:
+async def test_upload_route(client: httpx.AsyncClient, redis: Redis, store: SampleStore) -> None:
     ok = await client.post("/v1/gateway/upload/batch", json=batch(rail_sample(0), user_id="bob", session_done=True))
     assert ok.status_code == 200
     assert ok.json() == {
@@ -388,7 +389,8 @@ async def test_upload_route(client: httpx.AsyncClient, redis: Redis, store: Traj
         resp = await client.post("/v1/gateway/upload/batch", content=raw, headers={"content-type": "application/json"})
         assert (resp.status_code, resp.json()["error"]["code"]) == (400, "invalid_request")
 
-    async with rail_client(RailIngestor(redis, store, None, model_id=MODEL, retention_seconds=RETENTION_S)) as bare:
+    bare_ingestor = RailIngestor(redis, store.publisher, None, model_id=MODEL, retention_seconds=RETENTION_S)
+    async with rail_client(bare_ingestor) as bare:
         no_judge = await bare.post("/v1/gateway/upload/batch", json=batch(rail_sample(1)))
     assert (no_judge.status_code, no_judge.json()["error"]["code"]) == (400, "judge_not_configured")
     assert orjson.loads(no_judge.content)["error"]["message"]

@@ -9,13 +9,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from openjiuwen.agent_evolving.agent_rl.online.rail_ingest.ingest import RailIngestor
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
-from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
+from openjiuwen.agent_evolving.agent_rl.online.assembly import make_sample_store
 from tests.integration.test_rail import MODEL, RETENTION_S, SESSION, TRAJ, FakeJudge, batch, rail_sample
 from tests.support.invariants import check_invariants
 
 
 def make(redis: Redis, judge: FakeJudge) -> RailIngestor:
-    return RailIngestor(redis, TrajectoryStore(redis, owner=MODEL, model_id=MODEL), judge, model_id=MODEL,
+    return RailIngestor(redis, make_sample_store(redis, model_id=MODEL).publisher, judge, model_id=MODEL,
                         retention_seconds=RETENTION_S)
 
 

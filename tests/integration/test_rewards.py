@@ -18,9 +18,9 @@ from openjiuwen.agent_evolving.agent_rl.online.rewards.ledger import RewardLedge
 from openjiuwen.agent_evolving.agent_rl.online.rewards.reward_policy import RewardPolicy
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
 from openjiuwen.agent_evolving.agent_rl.online.store.sample_status import ALL_SAMPLE_STATUSES, SAMPLE_STATUSES
-from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
+from openjiuwen.agent_evolving.agent_rl.online.assembly import SampleStore, make_sample_store
 from openjiuwen.agent_evolving.agent_rl.online.training.run_records import TrainingRun, new_run_id
-from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
+from openjiuwen.agent_evolving.agent_rl.online.training.run_claims import RunClaims
 from openjiuwen.agent_evolving.agent_rl.online.store.fence import UNFENCED
 from tests.conftest import load_fixture
 from tests.integration.test_trajectory_store import make_doc, move, packed
@@ -46,10 +46,10 @@ def code(resp: Any) -> tuple[int, str]:
     return resp.status_code, resp.json()["error"]["code"]
 
 
-def make_store(redis: Redis, policy: dict[str, Any] | None = POLICY) -> tuple[TrajectoryStore, RewardLedger]:
+def make_store(redis: Redis, policy: dict[str, Any] | None = POLICY) -> tuple[SampleStore, RewardLedger]:
     reward_policy = RewardPolicy(RewardPolicyConfig.model_validate(policy) if policy is not None else None)
-    store = TrajectoryStore(redis, owner=MODEL_ID, model_id=MODEL_ID, reward_policy=reward_policy)
-    return store, RewardLedger(redis, store, reward_policy, owner=MODEL_ID)
+    store = make_sample_store(redis, model_id=MODEL_ID, reward_policy=reward_policy)
+    return store, RewardLedger(redis, store.line, reward_policy, owner=MODEL_ID)
 
 
 def doc(sample_id: str, *, score: float = 0.6, source: str = "judge", created: float | None = None) -> dict[str, Any]:
@@ -116,7 +116,7 @@ async def test_terminal_sample_waits_then_becomes_pending_with_the_aggregate(ser
     assert {n: s["kind"] for n, s in detail["rewards"]["sources"].items()} == {
         "terminal": "published", "business": "arrived", "human": "arrived"}
     # The trainer sees the aggregate too.
-    (document,) = await deps.store.get_documents(["c1"])
+    (document,) = await deps.samples.documents.get_documents(["c1"])
     assert document["judge"]["score"] == pytest.approx(0.76)
     stats = (await client.get("/v1/rl/trajectories/stats")).json()
     assert (stats["by_status"]["awaiting_rewards"], stats["by_status"]["pending"]) == (0, 1)
@@ -156,12 +156,12 @@ async def test_route_errors_idempotency_and_conflicts(service, redis):
 
 async def test_refused_once_in_a_training_run_or_trained(service, redis):
     deps, client = service
-    await deps.store.insert_if_absent(packed(doc("a"), doc("b")))
+    await deps.samples.publisher.insert_if_absent(packed(doc("a"), doc("b")))
     for sample_id in ("a", "b"):
         await deps.reward_ledger.attach(sample_id, "business", 1.0)
         await deps.reward_ledger.attach(sample_id, "human", 1.0)
-    await move(redis, deps.store, ["a", "b"], "training")
-    await move(redis, deps.store, ["b"], "trained")
+    await move(redis, deps.samples.line, ["a", "b"], "training")
+    await move(redis, deps.samples.line, ["b"], "trained")
     for sample_id, status in (("a", "training"), ("b", "trained")):
         r = await client.post(f"/v1/rl/trajectories/{sample_id}/rewards", json={"source": "business", "score": 1.0})
         assert code(r) == (409, "reward_conflict") and status in r.json()["error"]["message"]
@@ -170,7 +170,7 @@ async def test_refused_once_in_a_training_run_or_trained(service, redis):
 
 async def test_batch_form_answers_each_item(service, redis):
     deps, client = service
-    await deps.store.insert_if_absent(packed(doc("a"), doc("b")))
+    await deps.samples.publisher.insert_if_absent(packed(doc("a"), doc("b")))
     items = [
         {"trajectory_id": "a", "source": "business", "score": 1.0},
         {"trajectory_id": "a", "source": "human", "score": 0.0},
@@ -214,7 +214,7 @@ async def test_background_sweeper_releases_at_the_deadline(redis, redis_url, tmp
               "sweep_interval_seconds": 1.0}
     async with running_app(make_config(redis_url, tmp_path, reward_policy=policy)) as (app, client):
         assert app.state.deps.reward_sweeper.running
-        await app.state.deps.store.insert_if_absent(packed(doc("a", score=0.75)))
+        await app.state.deps.samples.publisher.insert_if_absent(packed(doc("a", score=0.75)))
         # The sweeper learnt of the deadline only on its next wake (≤ interval): it sleeps until the earliest one.
         deadline = time.monotonic() + 8
         while (await client.get("/v1/rl/trajectories/a")).json()["status"] != "pending":
@@ -237,7 +237,7 @@ async def test_deadlines_apply_each_fallback_and_drop(redis):
         "audit": {"deadline_seconds": 7200, "fallback": "drop"},
     }}
     store, ledger = make_store(redis, policy)
-    await store.insert_if_absent(packed(doc("kept"), doc("dropped")))
+    await store.publisher.insert_if_absent(packed(doc("kept"), doc("dropped")))
     await ledger.attach("kept", "audit", 1.0)
     now = time.time()
     assert (await ledger.sweep_due(fence=UNFENCED, now=now + 3599)).visited == 0
@@ -248,35 +248,35 @@ async def test_deadlines_apply_each_fallback_and_drop(redis):
     assert not await redis.exists(keys.traj("dropped"))
     third = await ledger.sweep_due(fence=UNFENCED, now=now + 86401)  # human skipped: released
     assert (third.visited, third.released) == (1, 1)
-    (kept,) = await store.get_documents(["kept"])
+    (kept,) = await store.documents.get_documents(["kept"])
     assert kept["judge"]["score"] == pytest.approx((0.6 + 0.0 * 3 + 1.0) / 5)
     assert {n: s["kind"] for n, s in kept["rewards"]["sources"].items()} == {
         "judge": "published", "audit": "arrived", "business": "default", "human": "skipped"}
     stats = await ledger.stats()
     assert stats["dropped"] == 1 and stats["waiting"] == 0
     assert {n: s["fallback"] for n, s in stats["sources"].items()} == {"business": 2, "human": 1, "audit": 1}
-    assert (await store.stats())["by_source"] == {"rl_task": 1}
+    assert (await store.stats.stats(store.line))["by_source"] == {"rl_task": 1}
     assert await consistent(redis) == {"awaiting_rewards": 0, "pending": 1, "training": 0, "trained": 0, "failed": 0,
                                            "evaluation": 0, "excluded": 0, "outdated": 0}
 
 
 async def test_a_late_score_replaces_the_fallback_while_pending(redis):
     store, ledger = make_store(redis)
-    await store.insert_if_absent(packed(doc("a", score=0.6)))
+    await store.publisher.insert_if_absent(packed(doc("a", score=0.6)))
     await ledger.sweep_due(fence=UNFENCED, now=time.time() + 90000)
-    assert (await store.get_documents(["a"]))[0]["judge"]["score"] == pytest.approx(0.6 / 4)
+    assert (await store.documents.get_documents(["a"]))[0]["judge"]["score"] == pytest.approx(0.6 / 4)
     answer = await ledger.attach("a", "business", 1.0)
     assert (answer["status"], answer["recorded"]) == ("pending", True)
-    assert (await store.get_documents(["a"]))[0]["judge"]["score"] == pytest.approx(3.6 / 4)
+    assert (await store.documents.get_documents(["a"]))[0]["judge"]["score"] == pytest.approx(3.6 / 4)
     await consistent(redis)
 
 
 async def test_the_run_claim_takes_only_pending(redis):
     store, ledger = make_store(redis)
-    await store.insert_if_absent(packed(*(doc(f"w{i}") for i in range(3)), doc("r")))
+    await store.publisher.insert_if_absent(packed(*(doc(f"w{i}") for i in range(3)), doc("r")))
     await ledger.attach("r", "business", 1.0)
     await ledger.attach("r", "human", 1.0)
-    runs = RunStore(redis, store, model_id=MODEL_ID, run_retention_s=60, fence=UNFENCED)
+    runs = RunClaims(redis, store.line, store.outdated, model_id=MODEL_ID, fence=UNFENCED)
     draft = TrainingRun(new_run_id(), "pending", "queued", 0, {}, now_iso())
     refused = await runs.claim(draft, parent_version=0, max_policy_lag=None, min_samples=2, max_samples=8)
     assert (refused.run, refused.eligible) == (None, 1)
@@ -287,15 +287,15 @@ async def test_the_run_claim_takes_only_pending(redis):
 
 async def test_rollback_of_a_failed_publication_removes_waiting_samples(redis):
     store, ledger = make_store(redis)
-    inserted = await store.insert_if_absent(packed(doc("a"), doc("b")))
-    assert await store.delete_pending(inserted) == 2
+    inserted = await store.publisher.insert_if_absent(packed(doc("a"), doc("b")))
+    assert await store.deletion.delete_pending(inserted) == 2
     assert await consistent(redis) == dict.fromkeys(STATUSES, 0)
     assert await ledger.next_deadline() is None
 
 
 async def test_concurrent_sweepers_move_each_sample_once(redis, redis_url):
     store, ledger = make_store(redis)
-    await store.insert_if_absent(packed(*(doc(f"s{i}") for i in range(40))))
+    await store.publisher.insert_if_absent(packed(*(doc(f"s{i}") for i in range(40))))
     other_redis = Redis.from_url(redis_url)
     try:
         _, other = make_store(other_redis)
@@ -340,7 +340,7 @@ async def test_restart_in_the_middle_of_a_deadline_sweep(redis, redis_url, tmp_p
         "audit": {"deadline_seconds": 1, "fallback": "drop"},
     }}
     store, ledger = make_store(redis, policy)
-    await store.insert_if_absent(packed(*(doc(f"s{i:02d}") for i in range(30))))
+    await store.publisher.insert_if_absent(packed(*(doc(f"s{i:02d}") for i in range(30))))
     for i in range(0, 30, 2):  # half have their audit: they fall back on business and become pending
         await ledger.attach(f"s{i:02d}", "audit", 1.0)
     crashing = CrashingRedis.from_url(redis_url)
@@ -398,7 +398,7 @@ async def test_a_sample_published_before_the_policy_accepts_rewards(redis):
     store, ledger = make_store(redis)
     answer = await ledger.attach("old", "business", 0.8)
     assert (answer["status"], answer["recorded"]) == ("pending", True)
-    (document,) = await store.get_documents(["old"])
+    (document,) = await store.documents.get_documents(["old"])
     assert document["judge"]["score"] == pytest.approx((0.4 + 0.8 * 3) / 4)
     assert set(document["rewards"]["sources"]) == {"terminal", "business"}
     await consistent(redis)
@@ -407,7 +407,7 @@ async def test_a_sample_published_before_the_policy_accepts_rewards(redis):
 async def test_samples_waiting_when_the_policy_is_removed_are_released(redis, redis_url, tmp_path):
     policy = {"sources": {"business": {"deadline_seconds": 1, "fallback": "drop"}}}
     store, _ = make_store(redis, policy)
-    await store.insert_if_absent(packed(doc("a", score=0.7)))
+    await store.publisher.insert_if_absent(packed(doc("a", score=0.7)))
     async with running_app(make_config(redis_url, tmp_path)) as (app, client):
         assert app.state.deps.reward_sweeper.running  # it runs while samples wait, policy or not
         stats = (await client.get("/v1/rl/trajectories/stats")).json()
@@ -439,7 +439,7 @@ async def test_fuzzed_bodies_never_give_a_5xx(service, redis):
     import random
 
     deps, client = service
-    await deps.store.insert_if_absent(packed(doc("c1")))
+    await deps.samples.publisher.insert_if_absent(packed(doc("c1")))
     rng = random.Random(10)
     for i in range(300):
         body = _random_json(rng)

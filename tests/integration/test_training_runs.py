@@ -40,7 +40,7 @@ async def publish(deps, count: int, *, policy: str = "base", start: int = 0, sco
                               response=RESPONSE, validated=validated)
         sample.meta["created_at"] = f"2026-01-01T00:00:{i % 60:02d}.{i:06d}+00:00"
         sample.meta["judge"] = {"score": score, "source": "terminal"}
-        await deps.store.insert_if_absent([sample])
+        await deps.samples.publisher.insert_if_absent([sample])
         ids.append(f"c{i:04d}")
     return ids
 

@@ -176,7 +176,7 @@ async def test_a_sigkilled_trainer_fails_its_runs_gives_the_batches_back_and_is_
             deps = app.state.deps
             await redis.zadd(keys.LINEAGES, {"a": 1.0, "b": 2.0})
             for name in "ab":
-                await deps.store.insert_if_absent([PackedSample.from_document(d) for d in batches[name]])
+                await deps.samples.publisher.insert_if_absent([PackedSample.from_document(d) for d in batches[name]])
             ids = {name: {d["sample_id"] for d in batches[name]} for name in "ab"}
             runs = {}
             for name in "ab":

@@ -28,9 +28,11 @@ from openjiuwen.agent_evolving.agent_rl.online.retention import RetentionSweeper
 from openjiuwen.agent_evolving.agent_rl.online.rollout.record import LoraRef, Rollout
 from openjiuwen.agent_evolving.agent_rl.online.rollout.store import RolloutStore
 from openjiuwen.agent_evolving.agent_rl.online.store import keys
-from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
+from openjiuwen.agent_evolving.agent_rl.online.assembly import make_sample_store
 from openjiuwen.agent_evolving.agent_rl.online.training.run_records import RunStatus, TrainingRun, new_run_id
-from openjiuwen.agent_evolving.agent_rl.online.training.runs import RunStore
+from openjiuwen.agent_evolving.agent_rl.online.store.sample_deletion import SampleDeletion
+from openjiuwen.agent_evolving.agent_rl.online.training.run_claims import RunClaims
+from openjiuwen.agent_evolving.agent_rl.online.training.run_transitions import RunTransitions
 from openjiuwen.agent_evolving.agent_rl.online.training.scheduler import TrainingScheduler
 from openjiuwen.agent_evolving.agent_rl.online.workers.coordinator import Placement, WorkerCoordinator, make_fence
 from openjiuwen.agent_evolving.agent_rl.online.store.fence import (
@@ -437,30 +439,35 @@ async def duty_state(redis: Redis) -> dict[bytes, tuple[bytes, bool]]:
     return out
 
 
-def run_store(redis: Redis, fence: Fence) -> RunStore:
-    return RunStore(redis, TrajectoryStore(redis, owner=MODEL_ID, model_id=MODEL_ID), model_id=MODEL_ID,
-                    run_retention_s=60, fence=fence)
+def run_claims(redis: Redis, fence: Fence) -> RunClaims:
+    store = make_sample_store(redis, model_id=MODEL_ID)
+    return RunClaims(redis, store.line, store.outdated, model_id=MODEL_ID, fence=fence)
+
+
+def run_transitions(redis: Redis, fence: Fence) -> RunTransitions:
+    return RunTransitions(redis, make_sample_store(redis, model_id=MODEL_ID).line, model_id=MODEL_ID,
+                          run_retention_s=60, fence=fence)
 
 
 def retention(redis: Redis, fence: Fence) -> RetentionSweeper:
-    store = TrajectoryStore(redis, owner=MODEL_ID, model_id=MODEL_ID)
-    return RetentionSweeper(redis, store, RewardProjector(redis, store), fence=fence, owner=MODEL_ID,
-                            task_retention_s=60, reward_timeout_s=60, trajectory_retention_s=60, run_retention_s=60,
-                            interval_s=60)
+    store = make_sample_store(redis, model_id=MODEL_ID)
+    return RetentionSweeper(redis, store.line, store.deletion, RewardProjector(redis, store.publisher), fence=fence,
+                            owner=MODEL_ID, task_retention_s=60, reward_timeout_s=60, trajectory_retention_s=60,
+                            run_retention_s=60, interval_s=60)
 
 
 async def pending_samples(redis: Redis, count: int = 2) -> list[str]:
     store, _ = make_store(redis, policy=None)
     ids = [f"s{i}" for i in range(count)]
-    await store.insert_if_absent(packed(*(doc(i) for i in ids)))
+    await store.publisher.insert_if_absent(packed(*(doc(i) for i in ids)))
     return ids
 
 
 async def active_run(redis: Redis) -> TrainingRun:
     await pending_samples(redis)
     draft = TrainingRun(new_run_id(), "pending", "queued", 0, {}, now_iso())
-    claim = await run_store(redis, UNFENCED).claim(draft, parent_version=0, max_policy_lag=None, min_samples=1,
-                                                   max_samples=8)
+    claim = await run_claims(redis, UNFENCED).claim(draft, parent_version=0, max_policy_lag=None, min_samples=1,
+                                                    max_samples=8)
     assert claim.run is not None
     return claim.run
 
@@ -468,42 +475,42 @@ async def active_run(redis: Redis) -> TrainingRun:
 async def case_run_claim(redis: Redis, _: Setup) -> Write:
     await pending_samples(redis)
     draft = TrainingRun(new_run_id(), "pending", "queued", 0, {}, now_iso())
-    return lambda fence: run_store(redis, fence).claim(draft, parent_version=0, max_policy_lag=None, min_samples=1,
-                                                       max_samples=8)
+    return lambda fence: run_claims(redis, fence).claim(draft, parent_version=0, max_policy_lag=None,
+                                                        min_samples=1, max_samples=8)
 
 
 async def case_run_progress(redis: Redis, _: Setup) -> Write:
     run_id = (await active_run(redis)).training_run_id
-    return lambda fence: run_store(redis, fence).update(run_id, lambda r: r.evolve(stage="training"),
-                                                        event=("ppo_step", {"step": 1}))
+    return lambda fence: run_transitions(redis, fence).update(run_id, lambda r: r.evolve(stage="training"),
+                                                              event=("ppo_step", {"step": 1}))
 
 
 async def case_run_trained(redis: Redis, _: Setup) -> Write:
     run_id = (await active_run(redis)).training_run_id
-    await run_store(redis, UNFENCED).update(run_id, lambda r: r.evolve(status="running", stage="training"))
-    return lambda fence: run_store(redis, fence).mark_trained(run_id, lora_name=f"{MODEL_ID}:v1", lora_path="/l/v1",
-                                                              dropped_ids=[], metrics_patch={})
+    await run_transitions(redis, UNFENCED).update(run_id, lambda r: r.evolve(status="running", stage="training"))
+    return lambda fence: run_transitions(redis, fence).mark_trained(
+        run_id, lora_name=f"{MODEL_ID}:v1", lora_path="/l/v1", dropped_ids=[], metrics_patch={})
 
 
 async def case_run_finish(redis: Redis, _: Setup) -> Write:
     run_id = (await active_run(redis)).training_run_id
-    return lambda fence: run_store(redis, fence).finish(run_id, RunStatus.FAILED, failure_reason="service_restarted",
-                                                        restore_samples=True)
+    return lambda fence: run_transitions(redis, fence).finish(
+        run_id, RunStatus.FAILED, failure_reason="service_restarted", restore_samples=True)
 
 
 async def case_run_abandon(redis: Redis, _: Setup) -> Write:
     run = await active_run(redis)
     await redis.delete(keys.training_run(run.training_run_id))  # the record vanished
-    return lambda fence: run_store(redis, fence).abandon(run)
+    return lambda fence: run_transitions(redis, fence).abandon(run)
 
 
 async def case_run_event(redis: Redis, _: Setup) -> Write:
     run_id = (await active_run(redis)).training_run_id
-    return lambda fence: run_store(redis, fence).append_event(run_id, "recovered", {"stage": "training"})
+    return lambda fence: run_transitions(redis, fence).append_event(run_id, "recovered", {"stage": "training"})
 
 
 async def case_observed_policy(redis: Redis, _: Setup) -> Write:
-    return lambda fence: run_store(redis, fence).observe_policy(f"{MODEL_ID}:v1", "/l/v1")
+    return lambda fence: run_transitions(redis, fence).observe_policy(f"{MODEL_ID}:v1", "/l/v1")
 
 
 def canary(rollout_id: str) -> Rollout:
@@ -543,8 +550,8 @@ async def case_retention_terminal_tasks(redis: Redis, _: Setup) -> Write:
 async def case_retention_samples(redis: Redis, _: Setup) -> Write:
     store, _ = make_store(redis, policy=None)
     ids = await pending_samples(redis)
-    await move(redis, store, ids, "training")
-    await move(redis, store, ids, "trained", at=T_OLD)
+    await move(redis, store.line, ids, "training")
+    await move(redis, store.line, ids, "trained", at=T_OLD)
     return lambda fence: retention(redis, fence).sweep_once()
 
 
@@ -556,7 +563,7 @@ async def case_retention_listings(redis: Redis, _: Setup) -> Write:
 
 async def case_reward_deadlines(redis: Redis, _: Setup) -> Write:
     store, ledger = make_store(redis)
-    await store.insert_if_absent(packed(doc("w1")))
+    await store.publisher.insert_if_absent(packed(doc("w1")))
     return lambda fence: ledger.sweep_due(fence=fence, now=time.time() + 90000)
 
 
@@ -603,12 +610,13 @@ async def test_every_leader_only_write_is_refused_once_its_term_is_over(redis, r
 
 
 # The leader's writers: each takes a fence it cannot leave out (no default), so a new call site is fenced or fails.
-LEADER_WRITERS = ("RunStore", "RolloutStore", "RetentionSweeper", "RewardDeadlineSweeper", "RewardLedger.sweep_due",
-                  "TrajectoryStore.sweep_expired", "TaskLifecycle.recover", "TaskRegistry.drop_stale_active",
-                  "TrainingScheduler")
+LEADER_WRITERS = ("RunClaims", "RunTransitions", "RolloutStore", "RetentionSweeper", "RewardDeadlineSweeper",
+                  "RewardLedger.sweep_due", "SampleDeletion.sweep_expired", "TaskLifecycle.recover",
+                  "TaskRegistry.drop_stale_active", "TrainingScheduler")
 # Modules written only by the leader: no Redis write may bypass the fence (no `transact`, no write command on the
 # client or on a pipeline of its own), but for the listed functions, which any worker runs.
-LEADER_MODULES = {"training/runs.py": {"list_page"}, "rollout/store.py": set(), "retention.py": set(),
+LEADER_MODULES = {"training/run_claims.py": set(), "training/run_transitions.py": set(),
+                  "training/run_reads.py": {"list_page"}, "rollout/store.py": set(), "retention.py": set(),
                   "rewards/sweeper.py": set(), "training/scheduler.py": set()}
 # Leader-only functions of modules that any worker also writes from (scanned alone: the module may use `transact`).
 LEADER_FUNCTIONS = {"rewards/ledger.py": {"sweep_due", "_sweep_line", "_expire_one", "_refresh_hint"}}
@@ -627,9 +635,10 @@ def test_every_leader_only_writer_goes_through_the_fence() -> None:
     from openjiuwen.agent_evolving.agent_rl.online.rewards.sweeper import RewardDeadlineSweeper
     from openjiuwen.agent_evolving.agent_rl.online.tasks.registry import TaskRegistry
 
-    objects = {"RunStore": RunStore, "RolloutStore": RolloutStore, "RetentionSweeper": RetentionSweeper,
-               "RewardDeadlineSweeper": RewardDeadlineSweeper, "RewardLedger.sweep_due": RewardLedger.sweep_due,
-               "TrajectoryStore.sweep_expired": TrajectoryStore.sweep_expired,
+    objects = {"RunClaims": RunClaims, "RunTransitions": RunTransitions, "RolloutStore": RolloutStore,
+               "RetentionSweeper": RetentionSweeper, "RewardDeadlineSweeper": RewardDeadlineSweeper,
+               "RewardLedger.sweep_due": RewardLedger.sweep_due,
+               "SampleDeletion.sweep_expired": SampleDeletion.sweep_expired,
                "TaskLifecycle.recover": TaskLifecycle.recover,
                "TaskRegistry.drop_stale_active": TaskRegistry.drop_stale_active,
                "TrainingScheduler": TrainingScheduler}

@@ -71,7 +71,7 @@ async def train_once(redis_url, tmp_path, model_dir, prompt, responses, logprobs
         async with running_app(config) as (app, client):
             deps = app.state.deps
             docs = L.documents(prompt, responses, logprobs, rewards, "tiny")
-            await deps.store.insert_if_absent([PackedSample.from_document(d) for d in docs])
+            await deps.samples.publisher.insert_if_absent([PackedSample.from_document(d) for d in docs])
             r = await client.post("/v1/rl/training/runs")
             assert r.status_code == 201, r.text
             run = await wait_for_run(deps.runner, r.json()["training_run_id"])

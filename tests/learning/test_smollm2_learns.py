@@ -89,7 +89,7 @@ async def test_one_run_raises_the_rewarded_margin_of_smollm2(redis, redis_url, t
             deps = app.state.deps
             sampling = Sampling.of_request({"temperature": temperature}).record()
             docs = L.documents(prompt, responses, logprobs, rewards, MODEL_ID, sampling)
-            await deps.store.insert_if_absent([PackedSample.from_document(d) for d in docs])
+            await deps.samples.publisher.insert_if_absent([PackedSample.from_document(d) for d in docs])
             r = await client.post("/v1/rl/training/runs")
             assert r.status_code == 201, r.text
             run = await wait_for_run(deps.runner, r.json()["training_run_id"])

@@ -370,7 +370,8 @@ async def test_stop_through_the_service_kills_the_actor_and_restores_the_samples
         backend = make_backend(LoraRepository(config.lora_repository_path, model_id="tiny"), tmp_path)
         async with running_app(config, backend=backend) as (app, client):
             deps = app.state.deps
-            await deps.store.insert_if_absent([PackedSample.from_document(d) for d in few_samples(tiny_model)])
+            await deps.samples.publisher.insert_if_absent(
+                [PackedSample.from_document(d) for d in few_samples(tiny_model)])
             run_id = (await client.post("/v1/rl/training/runs")).json()["training_run_id"]
             await _wait_for_own_actor(backend, run_id)
             stopped = await client.post(f"/v1/rl/training/runs/{run_id}/stop")
@@ -420,7 +421,7 @@ async def test_concurrent_runs_wait_for_resources_and_a_stop_or_a_death_ends_onl
             for name in "abc":
                 docs = [dict(d, sample_id=f"{name}-{i}", trajectory_id=f"{name}-{i}", rl_task_id=f"{name}{i}",
                              lineage=name) for i, d in enumerate(few_samples(tiny_model))]
-                await deps.store.insert_if_absent([PackedSample.from_document(d) for d in docs])
+                await deps.samples.publisher.insert_if_absent([PackedSample.from_document(d) for d in docs])
                 batches[name] = [d["sample_id"] for d in docs]
 
             async def start(name: str) -> str:

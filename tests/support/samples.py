@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from openjiuwen.agent_evolving.agent_rl.online.store.trajectories import TrajectoryStore
+from openjiuwen.agent_evolving.agent_rl.online.store.sample_documents import SampleDocuments
 
 
-async def sample_status(store: TrajectoryStore, sample_id: str) -> str | None:
+async def sample_status(documents: SampleDocuments, sample_id: str) -> str | None:
     """The sample's status; None when the id is unknown or malformed."""
-    doc = await store.detail(sample_id)
+    doc = await documents.detail(sample_id)
     return None if doc is None else doc["status"]

@@ -663,7 +663,7 @@ def test_bad_training_policies_are_refused_by_name(policy: dict, message: str) -
 
 
 def test_concurrent_runs_are_accepted_with_every_backend() -> None:
-    """Up to 64 runs at once (training/runs.py); verl places each run on its own Ray resources (docs/training.md
+    """Up to 64 runs at once (training/run_claims.py); verl places each run on its own Ray resources (docs/training.md
     "Concurrent verl runs")."""
     assert make(training_policy={"max_concurrent_runs": 4}).training_policy.max_concurrent_runs == 4
     verl = make(trainer_backend="verl", training_policy={"max_concurrent_runs": 8}, ray_gpus_per_rank=0.5,

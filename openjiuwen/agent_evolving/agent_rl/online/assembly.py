@@ -8,6 +8,7 @@ environment and runs the app; the leader's duties (leader_duties.py) run the par
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,14 +40,25 @@ from .rollout.decision_loop import DecisionLoop
 from .rollout.evaluation import CanaryEvaluation
 from .rollout.store import RolloutStore
 from .store import keys
-from .store.trajectories import TrajectoryStore
+from .store.instance_exclusion import InstanceExclusion
+from .store.outdated_samples import OutdatedSamples
+from .store.reward_view import RewardRules
+from .store.sample_deletion import SampleDeletion
+from .store.sample_documents import SampleDocuments
+from .store.sample_line import SampleLine
+from .store.sample_listing import SampleListing
+from .store.sample_metrics import SampleMetrics
+from .store.sample_publisher import SamplePublisher
+from .store.sample_stats import SampleStats
 from .tasks.registry import TaskRegistry
 from .tasks.signals import TaskSignals
 from .training.backends import TrainerBackend
 from .training.freshness import Freshness
 from .training.pauses import LineagePauses
 from .training.runner import TrainingRunner
-from .training.runs import RunStore
+from .training.run_claims import RunClaims
+from .training.run_reads import RunReads
+from .training.run_transitions import RunTransitions
 from .training.scheduler import TrainingScheduler
 from .workers.coordinator import Placement, WorkerCoordinator, make_fence
 from .store.fence import Fence
@@ -65,6 +77,43 @@ class OwnerMismatch(RuntimeError):
     """The Redis database belongs to another model id."""
 
 
+@dataclass(frozen=True)
+class SampleStore:
+    """The samples of one model (store/), one part per job; each holder is handed the parts it uses."""
+
+    line: SampleLine  # the default line: key names and queued moves; `for_line` / `for_lineage` give the others
+    publisher: SamplePublisher  # publication (the capture path)
+    listing: SampleListing
+    documents: SampleDocuments
+    exclusion: InstanceExclusion
+    deletion: SampleDeletion
+    outdated: OutdatedSamples
+    stats: SampleStats
+
+
+def make_sample_store(
+    redis: Redis,
+    *,
+    model_id: str,
+    max_policy_lag: int | None = None,
+    reward_policy: RewardRules | None = None,
+    metrics: SampleMetrics | None = None,
+    constrained: Mapping[str, str] | None = None,
+) -> SampleStore:
+    """The sample store of `model_id`, its parts sharing one default line."""
+    line = SampleLine(owner=model_id, model_id=model_id, reward_policy=reward_policy)
+    return SampleStore(
+        line=line,
+        publisher=SamplePublisher(redis, line, metrics=metrics, constrained=constrained),
+        listing=SampleListing(redis),
+        documents=SampleDocuments(redis, line),
+        exclusion=InstanceExclusion(redis, line),
+        deletion=SampleDeletion(redis, line),
+        outdated=OutdatedSamples(redis, metrics=metrics),
+        stats=SampleStats(redis, max_policy_lag=max_policy_lag),
+    )
+
+
 @dataclass
 class ServiceDeps:
     """Every long-lived part of one service process, wired. Building it does no I/O; the process entry's lifespan
@@ -75,7 +124,7 @@ class ServiceDeps:
     registry: TaskRegistry
     ledger: CaptureLedger  # a Task's captures (the hooks' path)
     turns: TurnLedger  # a Task's turn publication (delayed feedback)
-    store: TrajectoryStore
+    samples: SampleStore
     judge: "Judge | None"
     publisher: TurnPublisher
     pipeline: CapturePipeline
@@ -123,25 +172,26 @@ class ServiceDeps:
         ledger = CaptureLedger(redis, signals=registry.signals)
         turns = TurnLedger(redis, signals=registry.signals)
         reward_policy = RewardPolicy(config.reward_policy)  # empty (unconfigured) when the section is absent
-        store = TrajectoryStore(
-            redis, owner=config.model_id, model_id=config.model_id, max_policy_lag=config.max_policy_lag,
-            reward_policy=reward_policy, metrics=metrics, constrained=config.constrained_samples.policy(),
+        samples = make_sample_store(
+            redis, model_id=config.model_id, max_policy_lag=config.max_policy_lag, reward_policy=reward_policy,
+            metrics=metrics, constrained=config.constrained_samples.policy(),
         )
-        reward_ledger = RewardLedger(redis, store, reward_policy, owner=config.model_id)
-        publisher = TurnPublisher(registry, turns, store, metered_judge, metrics=metrics, membership=membership)
-        rewards = RewardProjector(redis, store)
+        reward_ledger = RewardLedger(redis, samples.line, reward_policy, owner=config.model_id)
+        publisher = TurnPublisher(registry, turns, samples.publisher, samples.deletion, metered_judge, metrics=metrics,
+                                  membership=membership)
+        rewards = RewardProjector(redis, samples.publisher)
         repository = LoraRepository(config.lora_repository_path, model_id=config.model_id)
         gateway = _make_gateway_client(config, token, metrics)
         backend = backend or make_backend(config, repository)
-        rollout, decisions, runner, runs = _make_training(
-            config, redis, store, backend, repository, gateway, metrics, fence)
+        rollout, decisions, runner, reads = _make_training(
+            config, redis, samples, backend, repository, gateway, metrics, fence)
         deps = cls(
             config=config,
             redis=redis,
             registry=registry,
             ledger=ledger,
             turns=turns,
-            store=store,
+            samples=samples,
             judge=judge,
             publisher=publisher,
             pipeline=CapturePipeline(registry, ledger, turns, publisher,
@@ -149,10 +199,10 @@ class ServiceDeps:
             lifecycle=TaskLifecycle(registry, turns, publisher, model_id=config.model_id,
                                     judge_configured=judge is not None),
             rewards=rewards,
-            sweeper=_make_retention_sweeper(config, redis, store, rewards, metrics, fence),
+            sweeper=_make_retention_sweeper(config, redis, samples, rewards, metrics, fence),
             reward_ledger=reward_ledger,
             reward_sweeper=RewardDeadlineSweeper(reward_ledger, fence=fence, interval_s=reward_policy.sweep_interval_s),
-            rail=_make_rail_ingestor(config, redis, store, metered_judge, membership),
+            rail=_make_rail_ingestor(config, redis, samples.publisher, metered_judge, membership),
             repository=repository,
             gateway=gateway,
             backend=backend,
@@ -162,15 +212,16 @@ class ServiceDeps:
             rollout_decisions=decisions,
             membership=membership,
             scheduler=TrainingScheduler(
-                redis, runs=runs, runner=runner, store=store, rollout=rollout,
+                redis, runs=reads, runner=runner, line=samples.line, outdated=samples.outdated, rollout=rollout,
                 pauses=LineagePauses(redis, model_id=config.model_id), fence=fence, policy=config.training_policy,
                 model_id=config.model_id, max_policy_lag=config.max_policy_lag,
             ),
             fence=fence,
-            lineages=LineageRegistry(redis, model_id=config.model_id, runs=runs),
+            lineages=LineageRegistry(redis, model_id=config.model_id, runs=reads),
             lineage_lifecycle=LineageLifecycle(
                 redis, gateway=gateway, fence=fence, model_id=config.model_id,
-                purge=LineagePurge(redis, store, repository, model_id=config.model_id, fence=fence),
+                purge=LineagePurge(redis, samples.line, samples.deletion, repository, model_id=config.model_id,
+                                   fence=fence),
                 base_model_path=config.base_model_path, idle_archive_s=config.lineages.idle_archive_seconds,
                 interval_s=config.lineages.lifecycle_interval_seconds,
             ),
@@ -245,20 +296,21 @@ def _make_gateway_client(config: RLServiceConfig, token: str | None, metrics: Se
 def _make_training(
     config: RLServiceConfig,
     redis: Redis,
-    store: TrajectoryStore,
+    samples: SampleStore,
     backend: TrainerBackend,
     repository: LoraRepository,
     gateway: GatewayLoraClient,
     metrics: ServiceMetrics,
     fence: Fence,
-) -> tuple[RolloutController, DecisionLoop, TrainingRunner, RunStore]:
+) -> tuple[RolloutController, DecisionLoop, TrainingRunner, RunReads]:
     """Training Runs and the rollout of what they produce: the rollout controller and its decision loop, the runner,
-    the run store."""
-    runs = RunStore(
-        redis, store, model_id=config.model_id, run_retention_s=config.run_retention_seconds, fence=fence,
+    the run reads."""
+    runs = RunTransitions(
+        redis, samples.line, model_id=config.model_id, run_retention_s=config.run_retention_seconds, fence=fence,
         metrics=metrics,
     )
-    freshness = Freshness(redis, runs, metrics)
+    reads = RunReads(redis)
+    freshness = Freshness(redis, reads, runs, metrics)
     rollouts = RolloutStore(redis, fence=fence)
     changes = RolloutChanges(
         rollouts, gateway, repository, model_id=config.model_id, base_model_path=config.base_model_path,
@@ -267,15 +319,17 @@ def _make_training(
     evaluation = CanaryEvaluation(redis, config.rollout)
     rollout = RolloutController(
         redis, rollouts, gateway, repository, changes, evaluation, config=config.rollout, model_id=config.model_id,
-        base_model_path=config.base_model_path, active_run=runs.active_of,
+        base_model_path=config.base_model_path, active_run=reads.active_of,
     )
     decisions = DecisionLoop(rollouts, changes, evaluation, config=config.rollout, metrics=metrics)
     runner = TrainingRunner(
         runs,
-        store,
+        samples.documents,
         backend,
         repository,
         gateway,
+        claims=RunClaims(redis, samples.line, samples.outdated, model_id=config.model_id, fence=fence),
+        run_reads=reads,
         model_id=config.model_id,
         base_model_path=config.base_model_path,
         min_samples=config.min_samples_for_training,
@@ -287,16 +341,17 @@ def _make_training(
         policy=config.training_policy,
         freshness=freshness,
     )
-    return rollout, decisions, runner, runs
+    return rollout, decisions, runner, reads
 
 
 def _make_retention_sweeper(
-    config: RLServiceConfig, redis: Redis, store: TrajectoryStore, rewards: RewardProjector, metrics: ServiceMetrics,
+    config: RLServiceConfig, redis: Redis, samples: SampleStore, rewards: RewardProjector, metrics: ServiceMetrics,
     fence: Fence,
 ) -> RetentionSweeper:
     return RetentionSweeper(
         redis,
-        store,
+        samples.line,
+        samples.deletion,
         rewards,
         fence=fence,
         owner=config.model_id,
@@ -310,13 +365,13 @@ def _make_retention_sweeper(
 
 
 def _make_rail_ingestor(
-    config: RLServiceConfig, redis: Redis, store: TrajectoryStore, judge: "Judge | None", membership: Membership,
+    config: RLServiceConfig, redis: Redis, samples: SamplePublisher, judge: "Judge | None", membership: Membership,
 ) -> RailIngestor:
     recorder = RailRecorder(
         config.record_dir, max_bytes=config.record_max_bytes, backup_count=config.record_backup_count
     )
     return RailIngestor(
-        redis, store, judge, model_id=config.model_id, retention_seconds=config.trajectory_retention_seconds,
+        redis, samples, judge, model_id=config.model_id, retention_seconds=config.trajectory_retention_seconds,
         recorder=recorder, membership=membership,
     )
 

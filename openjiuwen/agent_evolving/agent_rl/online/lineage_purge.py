@@ -41,7 +41,8 @@ from .store import keys
 from .store.codec import text
 from .store.lineage_listing import RUN_LISTING, TASK_LISTING
 from .store.sample_status import ALL_SAMPLE_STATUSES
-from .store.trajectories import TrajectoryStore
+from .store.sample_deletion import SampleDeletion
+from .store.sample_line import SampleLine
 from .tasks.task_keys import keys_of_tasks
 from .store.fence import Fence
 
@@ -54,9 +55,9 @@ _REWARD_ARRIVED = "reward_arrived:"
 
 
 class LineagePurge:
-    def __init__(self, redis: Redis, store: TrajectoryStore, repository: LoraRepository, *, model_id: str,
-                 fence: Fence) -> None:
-        self._redis, self._store, self._repository = redis, store, repository
+    def __init__(self, redis: Redis, line: SampleLine, deletion: SampleDeletion, repository: LoraRepository, *,
+                 model_id: str, fence: Fence) -> None:
+        self._redis, self._line, self._deletion, self._repository = redis, line, deletion, repository
         self._model_id, self._fence = model_id, fence
 
     async def run(self, lineage: str, *, remove_files: bool) -> dict[str, int]:
@@ -85,7 +86,7 @@ class LineagePurge:
         return total
 
     async def _tasks(self, lineage: str) -> int:
-        line = self._store.for_line(line_of(self._model_id, lineage))
+        line = self._line.for_line(line_of(self._model_id, lineage))
 
         async def remove(ids: list[str]) -> None:
             found = await keys_of_tasks(self._redis, ids)
@@ -94,7 +95,7 @@ class LineagePurge:
             captured = [c for task in found for c in task.captures]
 
             async def body(pipe: Pipeline) -> None:
-                samples = [row for row in await line.rows_to_delete(captured) if row is not None]
+                samples = [row for row in await self._deletion.rows_to_delete(captured) if row is not None]
                 pipe.multi()
                 # A Task leaves with every key it owns, every index that lists it and its samples, in one EXEC: no
                 # listing names a Task that is gone, no sample names a Task that is gone (invariant 4), and the
@@ -105,7 +106,7 @@ class LineagePurge:
                     pipe.zrem(index, *ids)
                 pipe.srem(keys.ACTIVE_TASKS, *ids)
                 TASK_LISTING.queue_forget(pipe, ids, [lineage] * len(ids))
-                line.queue_delete(pipe, samples)
+                self._deletion.queue_delete(line, pipe, samples)
                 await pipe.execute()
 
             await self._fence.transact(self._redis, body, *(keys.traj(c) for c in captured))
@@ -113,11 +114,11 @@ class LineagePurge:
         return await self._batches(keys.tasks_by_lineage(lineage), remove)
 
     async def _samples(self, lineage: str) -> int:
-        line = self._store.for_line(line_of(self._model_id, lineage))
+        line = self._line.for_line(line_of(self._model_id, lineage))
         total = 0
         for status in ALL_SAMPLE_STATUSES:
             async def remove(ids: list[str], status: str = status) -> None:
-                await line.delete_in_status(status, ids, self._fence)
+                await self._deletion.delete_in_status(line, status, ids, self._fence)
 
             total += await self._batches(line.index_key(status), remove)
         return total
@@ -178,7 +179,7 @@ class LineagePurge:
 
     async def _finish(self, lineage: str) -> bool:
         """Remove what is left in one EXEC once the lineage holds no record; False when a straggler appeared."""
-        line = self._store.for_line(line_of(self._model_id, lineage))
+        line = self._line.for_line(line_of(self._model_id, lineage))
         indexes = [line.index_key(status) for status in ALL_SAMPLE_STATUSES]
         task_indexes = [keys.tasks_by_lineage(lineage), *(keys.tasks_by_lineage_status(lineage, s)
                                                            for s in TASK_STATUSES)]

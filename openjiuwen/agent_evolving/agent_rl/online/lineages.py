@@ -21,13 +21,13 @@ from .store import keys
 from .store.codec import text
 from .store.listing import newest_first
 from .store.sample_status import SampleStatus
-from .training.runs import RunStore
+from .training.run_reads import RunReads
 
 _SCOPE = "lineages"
 
 
 class LineageRegistry:
-    def __init__(self, redis: Redis, *, model_id: str, runs: RunStore) -> None:
+    def __init__(self, redis: Redis, *, model_id: str, runs: RunReads) -> None:
         self._redis = redis
         self._model_id = model_id
         self._runs = runs

@@ -28,7 +28,8 @@ from .rewards.projector import RewardProjector
 from .store import keys
 from .store.codec import text
 from .store.lineage_listing import RUN_LISTING, TASK_LISTING
-from .store.trajectories import TrajectoryStore
+from .store.sample_deletion import SampleDeletion
+from .store.sample_line import SampleLine
 from ..common.wire.task_states import TASK_STATUSES
 from .tasks.task_keys import keys_of_task
 from .tasks.task_records import Task, TerminalReward
@@ -44,7 +45,8 @@ class RetentionSweeper:
     def __init__(
         self,
         redis: Redis,
-        store: TrajectoryStore,
+        line: SampleLine,
+        deletion: SampleDeletion,
         rewards: RewardProjector,
         *,
         owner: str,
@@ -56,7 +58,8 @@ class RetentionSweeper:
         fence: Fence,
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
-        self._redis, self._fence, self._store, self._rewards = redis, fence, store, rewards
+        self._redis, self._fence, self._rewards = redis, fence, rewards
+        self._line, self._deletion = line, deletion  # the default line; the sweep deletes through `deletion`
         self._owner = owner
         # How long each kind of record lives, and how often the sweep runs.
         self._task_retention_s, self._reward_timeout_s = task_retention_s, reward_timeout_s
@@ -70,8 +73,8 @@ class RetentionSweeper:
         now = time.time() if now is None else now
         expired = await self._expire_unrewarded(now)
         gc = await self._ttl_terminal_tasks()
-        samples = await self._store.sweep_expired(retention_seconds=self._trajectory_retention_s, now=now, limit=BATCH,
-                                                  fence=self._fence)
+        samples = await self._deletion.sweep_expired(self._line, retention_seconds=self._trajectory_retention_s,
+                                                     now=now, limit=BATCH, fence=self._fence)
         samples += await self._sweep_lineage_lines(now)
         listings = await self._forget_expired_listings(now)
         return {"tasks_ttl": gc, "reward_expired": expired, "samples_removed": samples, "listings_removed": listings}
@@ -86,11 +89,11 @@ class RetentionSweeper:
         removed = 0
         for lineage in lineages:
             try:
-                line = self._store.for_line(line_of(self._owner, lineage))
+                line = self._line.for_line(line_of(self._owner, lineage))
             except ValueError:
                 continue  # not a lineage name: never registered by us
-            removed += await line.sweep_expired(retention_seconds=self._trajectory_retention_s, now=now, limit=BATCH,
-                                                fence=self._fence)
+            removed += await self._deletion.sweep_expired(line, retention_seconds=self._trajectory_retention_s,
+                                                          now=now, limit=BATCH, fence=self._fence)
         return removed
 
     async def _forget_expired_listings(self, now: float) -> int:
@@ -160,7 +163,7 @@ class RetentionSweeper:
         raw_task = await self._redis.get(keys.task(t))
         lineage = Task.from_json(raw_task).lineage if raw_task else None
         # The dropped samples are counted on the Task's own line (docs/lineages.md).
-        stats_key = self._store.for_lineage(lineage).stats_key
+        stats_key = self._line.for_lineage(lineage).stats_key
 
         # Invariant 3: the staged samples go with the `expired` state and the move to gc; the counter of dropped
         # samples moves in the same step, so it never double counts when two sweepers race.

@@ -127,7 +127,11 @@ def create_app(
     app.include_router(build_hooks_router(hooks, deps.lifecycle, deps.registry))
     app.include_router(build_rewards_router(deps.reward_ledger))
     reward_stats = deps.reward_ledger.stats if deps.reward_ledger.policy.configured else None
-    app.include_router(build_trajectories_router(deps.store, deps.lineages, reward_stats=reward_stats))
+    samples = deps.samples
+    app.include_router(build_trajectories_router(
+        samples.line, deps.lineages, stats=samples.stats, listing=samples.listing, documents=samples.documents,
+        exclusion=samples.exclusion, reward_stats=reward_stats,
+    ))
     app.include_router(build_rail_router(deps.rail))
     app.include_router(build_training_router(deps.runner, deps.lineages))
     app.include_router(build_policies_router(PolicyReport(deps.redis, model_id=config.model_id), deps.lineages))
@@ -139,7 +143,7 @@ def create_app(
         coordinator = deps.coordinator
         app.add_middleware(LeaderForwarding, is_leader=lambda: coordinator.is_leader, leader=coordinator.leader)
     app.add_middleware(GuardMiddleware, token=token, max_body_bytes=config.max_body_bytes)
-    app.include_router(build_metrics_router(deps.metrics, deps.redis, deps.store.stats))
+    app.include_router(build_metrics_router(deps.metrics, deps.redis, partial(samples.stats.stats, samples.line)))
     # Outermost: every answer is counted, the guards' 401/413 included.
     app.add_middleware(HttpMetricsMiddleware, observe=deps.metrics.http)
     # In front of all of it, the hooks' lean path: the same checks, answers and counts as the stack above.

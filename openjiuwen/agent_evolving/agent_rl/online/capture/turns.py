@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from ..errors import Conflict, JudgeFailed
 from .. import faults
 from ..store.codec import PackedSample
-from ..store.trajectories import TrajectoryStore
+from ..store.sample_deletion import SampleDeletion
+from ..store.sample_publisher import SamplePublisher
 from ...common.wire.task_states import FinishReason
 from ..tasks.task_records import Task, TurnPublication
 from ..tasks.registry import TaskRegistry
@@ -38,13 +39,14 @@ class PublicationTimeout(Conflict):
 
 class TurnPublisher:
     def __init__(
-        self, registry: TaskRegistry, turns: TurnLedger, store: TrajectoryStore, judge: "Judge | None", *,
-        metrics: "ServiceMetrics | None" = None, membership: Membership = SOLO,
+        self, registry: TaskRegistry, turns: TurnLedger, samples: SamplePublisher, deletion: SampleDeletion,
+        judge: "Judge | None", *, metrics: "ServiceMetrics | None" = None, membership: Membership = SOLO,
     ) -> None:
         self._registry = registry  # a Task's abort and its change signals
         self._turns = turns
         self._membership = membership
-        self._store = store
+        self._samples = samples
+        self._deletion = deletion  # rolls a failed publication back
         self._judge = judge
         self._metrics = metrics
         # One claim-and-publish at a time per (Task, turn) in this process; a lock nobody holds or awaits goes away.
@@ -116,7 +118,7 @@ class TurnPublisher:
                 )
                 for sample, result in zip(samples, results):
                     sample.meta["judge"] = result.as_sample_judge(tag)
-                inserted = await self._store.insert_if_absent(samples)
+                inserted = await self._samples.insert_if_absent(samples)
                 faults.reached("turn.inserted")
             reward = sum(r.score for r in results) / len(results) if samples else None
             await self._turns.complete_publish(t, turn_id, [c for c, _ in staged], reward=reward,
@@ -131,7 +133,7 @@ class TurnPublisher:
     async def _take_over(self, t: str, turn_id: str) -> None:
         """Remove what a failed publisher inserted (still pending) before publishing the turn again."""
         ids = await self._turns.turn_capture_ids(t, turn_id)
-        removed = await self._store.delete_pending(ids) if ids else 0
+        removed = await self._deletion.delete_pending(ids) if ids else 0
         log.warning("taking over the publication of turn %s of task %s (%d stale sample(s) removed)",
                     turn_id, t, removed)
 
@@ -146,7 +148,7 @@ class TurnPublisher:
         if current is None or await self._turns.publish_state(rl_task_id, current) != TurnPublication.PUBLISHING:
             return []
         ids = await self._turns.turn_capture_ids(rl_task_id, current)
-        deleted = await self._store.delete_pending(ids, fence=fence) if ids else 0
+        deleted = await self._deletion.delete_pending(ids, fence=fence) if ids else 0
         await self._turns.fail_publish(rl_task_id, current, fence=fence)
         log.warning("abandoned the publication of turn %s of task %s (%d sample(s) rolled back)",
                     current, rl_task_id, deleted)
@@ -161,6 +163,6 @@ class TurnPublisher:
             log.warning("publication of turn %s of task %s was taken over by %s", turn_id, t, holder)
             return
         if inserted:
-            await self._store.delete_pending(inserted)
+            await self._deletion.delete_pending(inserted)
         await self._turns.fail_publish(t, turn_id)
         await self._registry.abort(t, FinishReason.CAPTURE_FAILED)

@@ -31,7 +31,7 @@ from ...common.policy_names import BASE_POLICY
 from ..errors import InvalidInput, JudgeFailed
 from ..store import keys
 from ..store.codec import PackedSample
-from ..store.trajectories import TrajectoryStore
+from ..store.sample_publisher import SamplePublisher
 from ..store.tx import transact
 from ..workers.membership import SOLO, Membership
 from .samples import INVALID, PROTOCOL_VERSION, BatchContext, StagedSample, build_rail_sample
@@ -74,7 +74,7 @@ class RailIngestor:
     def __init__(
         self,
         redis: Redis,
-        store: TrajectoryStore,
+        samples: SamplePublisher,
         judge: Judge | None,
         *,
         model_id: str,
@@ -85,7 +85,7 @@ class RailIngestor:
         self._recorder = recorder  # the optional JSONL copy of stored samples (`record_dir`, jsonl_copy.py)
         self._membership = membership  # whose in-flight pops are left from a dead worker
         self._redis = redis
-        self._store = store
+        self._samples = samples
         self._judge = judge
         self._model_id = model_id
         self._retention_s = retention_seconds
@@ -344,7 +344,7 @@ class RailIngestor:
                 judged.append(result)
         if judged:
             outcome.judged += len(judged)
-            inserted = await self._store.insert_if_absent(judged)
+            inserted = await self._samples.insert_if_absent(judged)
             if self._recorder is not None and inserted:
                 by_id = {str(s.meta["sample_id"]): s for s in reversed(judged)}  # the first of a duplicate id won
                 await self._recorder.record([by_id[sample_id] for sample_id in inserted])

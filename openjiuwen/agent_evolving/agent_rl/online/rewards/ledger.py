@@ -30,7 +30,7 @@ from ...common.ids import InvalidIdentifier
 from ..store import keys, prompt_blocks
 from ..store.codec import decode_meta, text
 from ..store.sample_status import SampleStatus
-from ..store.trajectories import TrajectoryStore
+from ..store.sample_line import SampleLine
 from ..store.tx import transact
 from ..store.fence import Fence
 from .reward_policy import RewardConflict, RewardPolicy, iso_at
@@ -53,15 +53,15 @@ class SweepResult:
 
 
 class RewardLedger:
-    def __init__(self, redis: Redis, store: TrajectoryStore, policy: RewardPolicy, *, owner: str) -> None:
+    def __init__(self, redis: Redis, line: SampleLine, policy: RewardPolicy, *, owner: str) -> None:
         self._redis = redis
-        self._store = store
+        self._line = line  # the default line; a sample's own line is found from it
         self._policy = policy
         self._owner = owner
         self._stats_key = keys.traj_stats(owner)
         self._deadlines_key = keys.reward_deadlines(owner)
 
-    def _policy_of(self, line: TrajectoryStore) -> RewardPolicy:
+    def _policy_of(self, line: SampleLine) -> RewardPolicy:
         """The policy of a line's samples; the (unconfigured) top-level one once the policy left the config, so
         samples still waiting from it are released at their next sweep."""
         return line.reward_policy or self._policy
@@ -88,7 +88,7 @@ class RewardLedger:
             status, raw_state, sample_source, policy_version, created_at, lineage = (text(v) for v in row)
             if status is None:
                 raise NotFound("trajectory not found")
-            line = self._store.for_lineage(lineage)  # the sample's own line: its indexes, counters, policy
+            line = self._line.for_lineage(lineage)  # the sample's own line: its indexes, counters, policy
             policy = self._policy_of(line)
             if source not in policy.external:
                 raise InvalidInput("invalid_reward_source",
@@ -133,7 +133,7 @@ class RewardLedger:
     def _queue_after_change(
         self,
         pipe: Pipeline,
-        line: TrajectoryStore,
+        line: SampleLine,
         sample_id: str,
         state: dict[str, Any],
         new_status: str,
@@ -188,12 +188,12 @@ class RewardLedger:
         due_lines = await self._redis.zrange(
             keys.REWARD_DUE_LINES, "-inf", repr(now), byscore=True, offset=0, num=_LINES_PER_SWEEP
         )
-        total = await self._sweep_line(self._store, now, limit // 2 if due_lines else limit, fence)
+        total = await self._sweep_line(self._line, now, limit // 2 if due_lines else limit, fence)
         for raw in due_lines:
             if total.visited >= limit:
                 break
             try:
-                line = self._store.for_line(text(raw) or "")
+                line = self._line.for_line(text(raw) or "")
             except (InvalidIdentifier, ValueError):
                 # Never written by us; keep the hint clean (a leader write like any other: fenced).
                 await fence.write(self._redis, lambda pipe, raw=raw: pipe.zrem(keys.REWARD_DUE_LINES, raw))
@@ -203,10 +203,10 @@ class RewardLedger:
             await self._refresh_hint(line, fence)
             total = total + part
         if due_lines and total.visited < limit:  # the share the due lines did not use
-            total = total + await self._sweep_line(self._store, now, limit - total.visited, fence)
+            total = total + await self._sweep_line(self._line, now, limit - total.visited, fence)
         return total
 
-    async def _refresh_hint(self, line: TrajectoryStore, fence: Fence) -> None:
+    async def _refresh_hint(self, line: SampleLine, fence: Fence) -> None:
         """Reset the line's due-hint entry to the earliest deadline its set holds now, or remove it when the set is
         empty; through the sweeper's fence, so a deposed leader never moves the hint."""
 
@@ -224,7 +224,7 @@ class RewardLedger:
 
         await fence.transact(self._redis, body, line.deadlines_key)
 
-    async def _sweep_line(self, line: TrajectoryStore, now: float, limit: int, fence: Fence) -> SweepResult:
+    async def _sweep_line(self, line: SampleLine, now: float, limit: int, fence: Fence) -> SweepResult:
         if limit <= 0:  # (a LIMIT count of 0 must not be read as "no limit" anywhere down the line)
             return SweepResult()
         due = await self._redis.zrange(line.deadlines_key, "-inf", repr(now), byscore=True, offset=0, num=limit)
@@ -236,7 +236,7 @@ class RewardLedger:
             fallbacks += fired
         return SweepResult(len(due), released, dropped, fallbacks)
 
-    async def _expire_one(self, line: TrajectoryStore, sample_id: str, now: float, fence: Fence) -> tuple[str, int]:
+    async def _expire_one(self, line: SampleLine, sample_id: str, now: float, fence: Fence) -> tuple[str, int]:
         try:
             key = keys.traj(sample_id)
         except InvalidIdentifier:
@@ -247,7 +247,7 @@ class RewardLedger:
         async def body(pipe: Pipeline) -> tuple[str, int]:
             row = await pipe.hmget(key, _FIELDS)
             status, raw_state, source, policy_version, created_at, lineage = (text(v) for v in row)
-            if status != SampleStatus.AWAITING_REWARDS or line is not self._store.for_lineage(lineage):
+            if status != SampleStatus.AWAITING_REWARDS or line is not self._line.for_lineage(lineage):
                 # Deadline-index invariant: only `awaiting_rewards` samples of the line have an entry in its set.
                 pipe.multi()
                 pipe.zrem(line.deadlines_key, sample_id)

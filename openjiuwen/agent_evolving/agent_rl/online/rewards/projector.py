@@ -20,7 +20,7 @@ from ...common.ids import is_token_id, now_iso, parse_iso_epoch
 from ..store import keys
 from ..store.codec import PackedSample
 from ..store.policy_stats import add_task_reward
-from ..store.trajectories import TrajectoryStore
+from ..store.sample_publisher import SamplePublisher
 from ..store.tx import transact
 from ...common.wire.task_states import RewardMode, TaskStatus
 from ..tasks.task_records import TERMINAL_REWARD_TRANSITIONS, Task, TerminalReward
@@ -39,9 +39,9 @@ def parse_reward_body(body: dict[str, Any]) -> float:
 
 
 class RewardProjector:
-    def __init__(self, redis: Redis, store: TrajectoryStore) -> None:
+    def __init__(self, redis: Redis, samples: SamplePublisher) -> None:
         self._redis = redis
-        self._store = store
+        self._samples = samples
 
     async def reward(self, rl_task_id: str, value: float, *, agent_key: str | None = None) -> int:
         """The terminal reward of a finalized Task; the number of samples it published. `agent_key`: the calling
@@ -116,7 +116,7 @@ class RewardProjector:
                 sample.meta["judge"] = {"score": value, "source": "terminal"}
                 samples.append(sample)
         if samples:
-            await self._store.insert_if_absent(samples)
+            await self._samples.insert_if_absent(samples)
             faults.reached("reward.inserted")
         reward_key = keys.reward(t)
 

@@ -26,8 +26,9 @@ POLICY_OBSERVED = PREFIX + "policy:observed"
 # marker so that a deposed leader stops before the file write (docs/lineages.md).
 POLICY_OBSERVED_LINES = PREFIX + "policy:observed_lines"
 RAIL_INFLIGHT_SESSIONS = PREFIX + "rail:inflight_sessions"  # sessions with popped rail samples not yet stored
-# Active Training Runs (training/runs.py, invariant 6 per line): the default lineage's run in `training_run:active`
-# (STRING, the AIGW key, unchanged), every other lineage's in `training_runs:active_lineages` (HASH lineage → run id).
+# Active Training Runs (training/run_transitions.py, invariant 6 per line): the default lineage's run in
+# `training_run:active` (STRING, the AIGW key, unchanged), every other lineage's in `training_runs:active_lineages`
+# (HASH lineage → run id).
 # A pointer is set in the claim's EXEC and deleted in the run's terminal EXEC; together they name every live run, at
 # most `training_policy.max_concurrent_runs`, one per lineage. A `training_run:active` written before runs were
 # concurrent may name a run of another lineage: it is read as that run's pointer and settled like any other.

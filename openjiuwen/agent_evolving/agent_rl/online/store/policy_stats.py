@@ -1,6 +1,6 @@
 """Per-policy-version aggregates, maintained incrementally in Redis (`rl:v1:policy_stats:{version}`, a HASH).
 
-A sample adds its contribution in the same MULTI that publishes it (`TrajectoryStore.insert_if_absent`) and a
+A sample adds its contribution in the same MULTI that publishes it (`SamplePublisher.insert_if_absent`) and a
 rolled-back publication takes it away again, so `GET /v1/rl/policies` reads O(versions) hashes and never scans
 samples. The reward statistics count independent rewards: a Judge-scored sample is one, while a terminal reward is
 one per Task (all its completions share it), added by the reward's completing MULTI (`add_task_reward`).
@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ...common import ids
 from . import keys
 
 # Completion latency bucket upper bounds in milliseconds; the last bucket is `+Inf`.
@@ -85,3 +86,14 @@ def queue_contribution(pipe: Any, key: str, meta: dict[str, Any], response_token
         pipe.hincrby(key, name, sign * n)
     for name, x in floats.items():
         pipe.hincrbyfloat(key, name, sign * x)
+
+
+def queue_sample_contribution(pipe: Any, policy_version: str, meta: dict[str, Any], response_ids: bytes,
+                              sign: int) -> None:
+    """Queue a sample's contribution (+1) to its version's aggregates, or its removal (-1) by a rolled-back
+    publication, in the caller's MULTI; the version joins `POLICY_VERSIONS` with its first sample."""
+    if not ids.is_token_id(policy_version):
+        return  # not a name a key may carry; such a version is simply not reported
+    queue_contribution(pipe, keys.policy_stats(policy_version), meta, len(response_ids) // 4, sign)
+    if sign > 0:
+        pipe.sadd(keys.POLICY_VERSIONS, policy_version)

@@ -6,7 +6,7 @@ under a reward policy; a sample of an evaluation Task enters `evaluation` at pub
 retention; a sample served by an instance an operator excluded is `excluded` (at publication, by the exclusion, or
 when the run that held it gives it back) and never reaches a Training Run; a pending sample whose policy lags its
 line's past `max_policy_lag` becomes `outdated` and never reaches one either. Insertion and deletion are not moves:
-`TrajectoryStore.queue_move` checks every move against the table.
+`SampleLine.queue_move` checks every move against the table.
 """
 
 from __future__ import annotations

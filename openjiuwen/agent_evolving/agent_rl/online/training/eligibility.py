@@ -7,8 +7,8 @@ either `min_pending_samples` eligible samples wait (reason `min_pending_samples`
 `max_wait_seconds` with at least `min_batch_on_wait` eligible (reason `max_wait_seconds`).
 
 Among eligible lines the order is fair share, never backlog: start-time fair queuing over lineages. Each run of a
-lineage advances its tag by 1 / its `weight` (written in the claim's EXEC, training/runs.py); a line's start tag is
-its tag, or the clock (the start tag of the last run started) when that is later, so a lineage that waited idle
+lineage advances its tag by 1 / its `weight` (written in the claim's EXEC, training/run_claims.py); a line's start tag
+is its tag, or the clock (the start tag of the last run started) when that is later, so a lineage that waited idle
 holds no credit and one that just became eligible is never behind a busy one. The smallest start tag goes first;
 ties (lineages never trained, say) by the longest wait, then by line. So however many runs a flooding lineage has
 queued, another lineage that becomes eligible waits for at most the runs already started and one run of each

@@ -5,7 +5,7 @@ When the version a run trained becomes its line's policy — the run's activatio
 promotion of its canary — each sample the run trained (`trained` under that run: dropped ones were not trained on)
 contributes its latency from creation to that moment. The run record gets the count, p50, p95 and max in
 `freshness.sample_to_policy_seconds` with `policy_at` and `policy_via`; the histogram `rl_sample_to_policy_seconds`
-gets every sample. The claim recorded the other half, the line's eligible-to-run wait (training/runs.py).
+gets every sample. The claim recorded the other half, the line's eligible-to-run wait (training/run_claims.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from ..store import keys
 from ..store.codec import text
 from ..store.sample_status import SampleStatus
 from .run_records import TrainingRun
-from .runs import RunStore
+from .run_reads import RunReads
+from .run_transitions import RunTransitions
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
@@ -43,8 +44,10 @@ def summary(latencies: Sequence[float]) -> dict[str, Any] | None:
 
 
 class Freshness:
-    def __init__(self, redis: Redis, runs: RunStore, metrics: "ServiceMetrics | None" = None) -> None:
-        self._redis, self._runs, self._metrics = redis, runs, metrics
+    def __init__(
+        self, redis: Redis, reads: RunReads, runs: RunTransitions, metrics: "ServiceMetrics | None" = None
+    ) -> None:
+        self._redis, self._reads, self._runs, self._metrics = redis, reads, runs, metrics
 
     async def measure(self, run: TrainingRun, *, at: float, via: str) -> dict[str, Any]:
         """The `freshness` fields of `run` once its version became the line's policy at epoch `at` (histogram
@@ -56,7 +59,7 @@ class Freshness:
 
     async def promoted(self, run_id: str, at: float) -> None:
         """A canary of `run_id` was promoted at epoch `at`: measure and patch its (terminal) record."""
-        run = await self._runs.get(run_id)
+        run = await self._reads.get(run_id)
         if run is None:
             return  # expired meanwhile: nothing to record in
         await self._runs.record_freshness(run_id, await self.measure(run, at=at, via=PROMOTION))

@@ -20,7 +20,7 @@ from ..lora.repository import LoraRepository
 from .durable_writes import REDIS_DOWN, DurableWrites
 from .freshness import ACTIVATION, Freshness
 from .run_records import RunStatus, TrainingRun
-from .runs import RunStore
+from .run_transitions import RunTransitions
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
@@ -32,7 +32,7 @@ log = logging.getLogger("openjiuwen.agent_rl.online.training")
 class RunActivation:
     def __init__(
         self,
-        runs: RunStore,
+        runs: RunTransitions,
         repository: LoraRepository,
         gateway: GatewayLoraClient,
         durable: DurableWrites,

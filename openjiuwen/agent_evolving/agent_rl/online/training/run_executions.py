@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 from .. import faults
 from ...common.ids import now_iso, parse_iso_epoch
 from ..lora.repository import Artifact, LoraRepository
-from ..store.trajectories import TrajectoryStore
+from ..store.sample_documents import SampleDocuments
 from ..store.fence import LeaseLost
 from .backends import PLACEMENT, TrainerBackend, TrainingJob
 from .durable_writes import REDIS_DOWN, DurableWrites
 from .run_activation import RunActivation
 from .run_records import RunStage, RunStatus, TrainingRun
-from .runs import RunNotFound, RunStore
+from .run_reads import RunReads
+from .run_transitions import RunNotFound, RunTransitions
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
@@ -37,8 +38,9 @@ log = logging.getLogger("openjiuwen.agent_rl.online.training")
 class RunExecutions:
     def __init__(
         self,
-        runs: RunStore,
-        store: TrajectoryStore,
+        runs: RunTransitions,
+        run_reads: RunReads,
+        documents: SampleDocuments,
         backend: TrainerBackend,
         repository: LoraRepository,
         activation: RunActivation,
@@ -50,7 +52,8 @@ class RunExecutions:
         metrics: "ServiceMetrics | None" = None,
     ) -> None:
         self._runs = runs
-        self._store = store
+        self._run_reads = run_reads
+        self._documents = documents
         self._backend = backend
         self._repository = repository
         self._activation = activation
@@ -104,7 +107,7 @@ class RunExecutions:
 
     def settle_lost_claim(self, run_id: str) -> None:
         async def settle() -> None:
-            run = await self._durable(f"run {run_id} claim outcome", lambda: self._runs.get(run_id))
+            run = await self._durable(f"run {run_id} claim outcome", lambda: self._run_reads.get(run_id))
             if run is not None:
                 self.adopt(run)
 
@@ -168,7 +171,7 @@ class RunExecutions:
             self._stage("queued", "ok", parse_iso_epoch(run.started_at) - parse_iso_epoch(run.created_at))
         started = time.perf_counter()
         try:
-            samples = await self._store.get_documents(run.sample_ids)
+            samples = await self._documents.get_documents(run.sample_ids)
             job = TrainingJob(
                 training_run_id=run_id,
                 model_id=self._model_id,

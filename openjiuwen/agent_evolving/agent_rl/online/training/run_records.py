@@ -30,7 +30,7 @@ class RunStage(StrEnum):
 
 # What the runner does today: a claimed run starts (`running`) or is stopped/failed before it starts (a stop, a
 # restart); a running one ends succeeded (activated, or its canary started), failed or canceled. Ends are sticky:
-# `RunStore` returns a terminal record unchanged, so a move out of one is a bug and raises.
+# `RunTransitions` returns a terminal record unchanged, so a move out of one is a bug and raises.
 RUN_TRANSITIONS = Transitions("training run", {
     RunStatus.PENDING: {RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELED},
     RunStatus.RUNNING: {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELED},

@@ -1,5 +1,5 @@
 """The Training Runner: Training Runs from claim to activation (CONTRACT §4.7, D2–D4, D11), at most one live run per
-lineage and `training_policy.max_concurrent_runs` together (training/runs.py, invariant 6 per line).
+lineage and `training_policy.max_concurrent_runs` together (training/run_claims.py, invariant 6 per line).
 
 ```
  start ─▶ pending/queued ─▶ running/training ─▶ running/activating ─▶ succeeded
@@ -31,7 +31,7 @@ from ...common.ids import now_iso, policy_lag_version
 from ...common.lineage import DEFAULT_LINEAGE, line_of
 from ..lora.gateway_client import GatewayError, GatewayLoraClient
 from ..lora.repository import LoraRepository
-from ..store.trajectories import TrajectoryStore
+from ..store.sample_documents import SampleDocuments
 from ..store.fence import LeaseLost
 from .backends import TrainerBackend
 from .durable_writes import REDIS_DOWN, REDIS_OUTAGE_S, DurableWrites
@@ -40,7 +40,9 @@ from .training_policy import TrainingPolicyConfig
 from .run_activation import RunActivation
 from .run_executions import RunExecutions
 from .run_records import RunStage, RunStatus, TrainingRun, empty_metrics, manual_trigger, new_run_id
-from .runs import RunNotFound, RunStore
+from .run_claims import RunClaims
+from .run_reads import RunReads
+from .run_transitions import RunNotFound, RunTransitions
 
 if TYPE_CHECKING:
     from ..metrics import ServiceMetrics
@@ -56,12 +58,14 @@ class GatewayUnavailable(DomainError):
 class TrainingRunner:
     def __init__(
         self,
-        runs: RunStore,
-        store: TrajectoryStore,
+        runs: RunTransitions,
+        documents: SampleDocuments,
         backend: TrainerBackend,
         repository: LoraRepository,
         gateway: GatewayLoraClient,
         *,
+        claims: RunClaims,
+        run_reads: RunReads,
         model_id: str,
         base_model_path: str,
         min_samples: int,
@@ -75,6 +79,8 @@ class TrainingRunner:
         freshness: Freshness | None = None,
     ) -> None:
         self._runs = runs
+        self._claims = claims
+        self._run_reads = run_reads
         self._backend = backend
         self._gateway = gateway
         self._model_id = model_id
@@ -92,23 +98,23 @@ class TrainingRunner:
             rollout=rollout, freshness=freshness,
         )
         self._executions = RunExecutions(
-            runs, store, backend, repository, self._activation, durable, model_id=model_id,
+            runs, run_reads, documents, backend, repository, self._activation, durable, model_id=model_id,
             base_model_path=base_model_path, tmp_root=tmp_root, metrics=metrics,
         )
 
     # ------------------------------------------------------------------ API
 
     async def list_runs(self, limit: int, cursor: str | None, lineage: str | None = None) -> dict[str, Any]:
-        return await self._runs.list_page(limit, cursor, lineage)
+        return await self._run_reads.list_page(limit, cursor, lineage)
 
     async def events(self, run_id: str) -> list[dict[str, Any]]:
-        items = await self._runs.events(run_id)
+        items = await self._run_reads.events(run_id)
         if items is None:
             raise NotFound("training run not found")
         return items
 
     async def get(self, run_id: str) -> TrainingRun:
-        run = await self._runs.get(run_id)
+        run = await self._run_reads.get(run_id)
         if run is None:
             raise RunNotFound(run_id)
         return run
@@ -123,7 +129,7 @@ class TrainingRunner:
         own cap). `lineage`: the line it trains (docs/lineages.md): its own pending samples, from its active
         version, to its next `<line>:vN`.
 
-        At most one live run per lineage and `max_concurrent_runs` together (training/runs.py): a start of another
+        At most one live run per lineage and `max_concurrent_runs` together (training/run_claims.py): a start of another
         lineage while that many are live is a Conflict `training_run_conflict`."""
         trigger = trigger or manual_trigger()
         line = line_of(self._model_id, lineage)
@@ -132,7 +138,7 @@ class TrainingRunner:
         minimum = min(self._min_samples if min_samples is None else min_samples, cap)
         room = self._policy.max_concurrent_runs
         async with self._lock:
-            live = await self._runs.active_runs()
+            live = await self._run_reads.active_runs()
             for run in live:
                 self._executions.adopt(run)
             mine = next((run for run in live if run.lineage == lineage), None)
@@ -154,7 +160,7 @@ class TrainingRunner:
             await self._runs.observe_policy(parent.lora_name, parent.lora_path, line=line)
             parent_version = policy_lag_version(parent.lora_name, line)
             # Samples lagging the parent past `max_policy_lag` would never be claimed: they leave `pending` first.
-            await self._runs.retire_outdated(line, current_version=parent_version,
+            await self._claims.retire_outdated(line, current_version=parent_version,
                                              max_policy_lag=self._max_policy_lag)
             draft = TrainingRun(
                 training_run_id=new_run_id(),
@@ -170,7 +176,7 @@ class TrainingRunner:
                 lineage=lineage,
             )
             try:
-                claim = await self._runs.claim(
+                claim = await self._claims.claim(
                     draft,
                     parent_version=parent_version,
                     max_policy_lag=self._max_policy_lag,
@@ -254,7 +260,7 @@ class TrainingRunner:
     async def recover(self) -> list[TrainingRun]:
         """Startup or takeover: settle every live run (CONTRACT §4.7 Recover), each independently and at once (an
         activation retried for one line does not hold the others' batches), and return them settled."""
-        outcomes = await asyncio.gather(*(self._recover_one(run) for run in await self._runs.active_runs()),
+        outcomes = await asyncio.gather(*(self._recover_one(run) for run in await self._run_reads.active_runs()),
                                         return_exceptions=True)
         for outcome in outcomes:  # every recovery ran to its end; then the first failure (LeaseLost, Redis) is raised
             if isinstance(outcome, BaseException):

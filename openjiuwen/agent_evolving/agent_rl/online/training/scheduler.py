@@ -19,7 +19,7 @@ eligible counts from the O(1) stats hash, net of the samples lagging the line's 
 sample; the previous run end; an operator pause; the fair-share tag; the recent starts of a lineage under a quota) is
 read after the WATCH, and the entries and the lines' `eligible_since` are written in its EXEC, so a sample that
 becomes pending meanwhile fails the EXEC rather than being judged away. Lines holding samples that lag their policy
-past `max_policy_lag` then have those samples moved to `outdated` (training/runs.py `retire_outdated`).
+past `max_policy_lag` then have those samples moved to `outdated` (store/outdated_samples.py).
 """
 
 from __future__ import annotations
@@ -44,14 +44,17 @@ from ..store import keys
 from ..store.codec import text
 from ..store.lineage_listing import RUN_LISTING
 from ..store.sample_status import SampleStatus
-from ..store.trajectories import TrajectoryStore, stale_pending
+from ..store.outdated_samples import OutdatedSamples
+from ..store.sample_line import SampleLine
+from ..store.sample_stats import stale_pending
 from ..store.tx import RedisContention
 from ..store.fence import Fence
 from .eligibility import (HOUR_S, INTERVAL, QUOTA, ROLLOUT_DECIDING, RUN_ACTIVE, WAITING, LineState, Verdict,
                           judge_line, rank)
 from .pauses import LineagePauses
 from .training_policy import TrainingPolicyConfig
-from .runs import RunStore, stored_float
+from .run_claims import stored_float
+from .run_reads import RunReads
 
 if TYPE_CHECKING:
     from ..rollout.controller import RolloutController
@@ -80,9 +83,10 @@ class TrainingScheduler:
         self,
         redis: Redis,
         *,
-        runs: RunStore,
+        runs: RunReads,
         runner: "TrainingRunner",
-        store: TrajectoryStore,
+        line: SampleLine,
+        outdated: OutdatedSamples,
         rollout: "RolloutController | None",
         pauses: LineagePauses,
         fence: Fence,
@@ -91,7 +95,7 @@ class TrainingScheduler:
         max_policy_lag: int | None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._redis, self._store, self._pauses = redis, store, pauses
+        self._redis, self._lines, self._outdated, self._pauses = redis, line, outdated, pauses
         self._runs, self._runner, self._rollout = runs, runner, rollout
         self._fence = fence  # the due index, `eligible_since` and outdated samples are leader-only writes
         self._policy, self._model_id, self._max_policy_lag = policy, model_id, max_policy_lag
@@ -129,7 +133,7 @@ class TrainingScheduler:
         others = [lineage for lineage in lineages if lineage != DEFAULT_LINEAGE]
         async with self._redis.pipeline(transaction=False) as reads:
             for line, lineage in lines:
-                store = self._store.for_line(line)  # the line's own pending index and counters
+                store = self._lines.for_line(line)  # the line's own pending index and counters
                 reads.hgetall(store.stats_key)
                 reads.zrange(store.index_key(SampleStatus.PENDING), 0, 0, withscores=True)
                 if quotas[lineage] is not None:  # the lineage's newest starts within the hour, at most its quota
@@ -288,8 +292,9 @@ class TrainingScheduler:
         """Lines holding samples that lag their observed policy past `max_policy_lag`: those become `outdated`."""
         for state in states:
             if state.pending > state.eligible:
-                moved = await self._runs.retire_outdated(state.line, current_version=state.policy_version,
-                                                         max_policy_lag=self._max_policy_lag)
+                moved = await self._outdated.retire_outdated(
+                    self._lines.for_line(state.line), current_version=state.policy_version,
+                    max_policy_lag=self._max_policy_lag, fence=self._fence)
                 if moved:
                     log.info("%d sample(s) of %s are outdated (policy lag past %s)", moved, state.line,
                              self._max_policy_lag)

@@ -60,7 +60,7 @@ class TrainingPolicyConfig(ConfigModel):
     max_runs_per_hour: PositiveInt | None = None
     max_samples_per_run: PositiveInt | None = None
     # Training Runs live at once on this service, every line together (manual runs included), at most one per
-    # lineage (training/runs.py). Size it against the trainer: docs/training.md "Concurrent runs".
+    # lineage (training/run_claims.py). Size it against the trainer: docs/training.md "Concurrent runs".
     max_concurrent_runs: Annotated[int, Field(ge=1, le=MAX_CONCURRENT_RUNS, strict=True)] = 1
     poll_interval_seconds: LoopIntervalSeconds = 5.0
     # `default` is the top-level policy itself: an entry for it would be a second, conflicting one.
