@@ -176,7 +176,7 @@ async def test_a_pointer_written_before_concurrent_runs_is_guarded_and_recovered
             tx.hdel(keys.ACTIVE_LINEAGE_RUNS, "up")
             tx.set(keys.ACTIVE_RUN, run_id)
             await tx.execute()
-        assert [run.training_run_id for run in await deps.runner._runs.active_runs()] == [run_id]
+        assert [run.training_run_id for run in await deps.runner._run_reads.active_runs()] == [run_id]
         await publish(deps, "default", 3, age_s=10)
         refused = await client.post("/v1/rl/training/runs")  # room for 2, but the default slot is held
         assert (refused.status_code, refused.json()["error"]["code"]) == (409, "training_run_conflict")

@@ -158,7 +158,7 @@ async def test_invariant_checker_flags_a_trainable_evaluation_sample(service, re
     store = app.state.deps.samples
     # Move it to `pending` consistently (hash, indexes, counters in one EXEC): only the evaluation rule can object.
     # The sample table forbids this move (`queue_move` raises), so the test writes what such a move would write.
-    stats = keys.traj_stats(store.owner)
+    stats = keys.traj_stats(store.line.owner)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(keys.traj("c1-0"), mapping={"status": "pending", "updated_at": "2026-01-01T00:00:00+00:00"})
         pipe.zrem(store.line.index_key(SampleStatus.EVALUATION), "c1-0")

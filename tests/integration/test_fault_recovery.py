@@ -185,7 +185,7 @@ async def test_training_run_whose_claim_answer_was_lost_still_executes(tmp_path,
     chaos suite's `redis:pause`): the start answers 500, yet the claimed run executes instead of sitting queued
     with its batch claimed, and a second start returns that run."""
     async with rewarded_samples(tmp_path, 2, train_s=0.3) as (server, gateway, app, client, backend):
-        runs = app.state.deps.runner._runs
+        runs = app.state.deps.runner._claims
         applied = runs.claim
 
         async def claim_answer_lost(*args, **kwargs):

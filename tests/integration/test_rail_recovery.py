@@ -54,7 +54,7 @@ async def test_a_failing_store_puts_the_popped_samples_back_for_the_retry(redis:
     judge = FakeJudge()
     ingestor = make(redis, judge)
     await ingestor.ingest(batch(rail_sample(0), rail_sample(1)))
-    store = ingestor._store
+    store = ingestor._samples
     real_insert = store.insert_if_absent
 
     async def broken(samples):

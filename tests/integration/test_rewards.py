@@ -393,7 +393,7 @@ async def test_delayed_feedback_turns_wait_for_the_human_review(redis, redis_url
 
 async def test_a_sample_published_before_the_policy_accepts_rewards(redis):
     plain, _ = make_store(redis, None)
-    await plain.insert_if_absent(packed(doc("old", score=0.4, source="terminal")))
+    await plain.publisher.insert_if_absent(packed(doc("old", score=0.4, source="terminal")))
     assert not await redis.hexists(keys.traj("old"), "rewards")
     store, ledger = make_store(redis)
     answer = await ledger.attach("old", "business", 0.8)

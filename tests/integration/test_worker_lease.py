@@ -703,12 +703,15 @@ class S:
             pipe.zadd("b", {t: 1})
             await pipe.execute()
 """,
-        "training/runs.py": """
+        "training/run_transitions.py": """
 class R:
     async def observe_policy(self, name, path):
         await self._redis.set("k", name)
     async def append_event(self, run_id, kind, data):
         await events.EventLog(self._redis).append("s", kind, data)
+""",
+        "training/run_reads.py": """
+class R:
     async def list_page(self):
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.zrem("runs", "gone")
@@ -717,8 +720,9 @@ class R:
     hits = [hit for module, source in before.items()
             for hit in unfenced_writes(module, source, LEADER_MODULES[module])]
     assert hits == ["retention.py: imports transact", "retention.py:6 pipe.zrem('a', t)",
-                    "retention.py:7 pipe.zadd('b', {t: 1})", "training/runs.py:4 self._redis.set('k', name)",
-                    "training/runs.py:6 events.EventLog(self._redis).append('s', kind, data)"]
+                    "retention.py:7 pipe.zadd('b', {t: 1})",
+                    "training/run_transitions.py:4 self._redis.set('k', name)",
+                    "training/run_transitions.py:6 events.EventLog(self._redis).append('s', kind, data)"]
     # The reward sweeper's hint writes as they were before the fence (issue 27 review): a registered script called
     # without the term's token and a plain ZREM, found in the leader's functions only (`attach` is any worker's).
     ledger_before = """
