@@ -259,6 +259,19 @@ def test_bad_aigw_endpoint_is_refused(url: str) -> None:
     assert "aigw_endpoint:" in error_of(aigw_endpoint=url)
 
 
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("http://h :8080", "must be an http(s) URL without whitespace"),
+        ("http://h:99999", "must be a valid http(s) URL"),
+        ("ftp://h", "must be an http:// or https:// URL with a host"),
+        ("http://h/#top", "must be a base URL without query or fragment"),
+    ],
+)
+def test_bad_aigw_endpoint_says_why(url: str, reason: str) -> None:
+    assert f"aigw_endpoint: {reason}" in error_of(aigw_endpoint=url)
+
+
 # --- judge ------------------------------------------------------------------------------------------------------
 
 

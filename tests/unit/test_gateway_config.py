@@ -232,6 +232,20 @@ def test_the_rl_endpoint_is_an_ip_literal_of_loopback(tmp_path: Path, endpoint: 
     assert "IP literal of loopback" in error_of(data)
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "reason"),
+    [
+        ("http://127.0.0.1:18081 ", "must be an http URL on loopback without whitespace"),
+        ("http://127.0.0.1:99999", "must be an http URL on loopback such as http://127.0.0.1:18081"),
+        ("http://127.0.0.1:18081/v1", "must be a base URL without credentials, path, query or fragment"),
+    ],
+)
+def test_a_bad_rl_endpoint_says_why(tmp_path: Path, endpoint: str, reason: str):
+    data = example(tmp_path)
+    data["onlineRL"]["endpoint"] = endpoint
+    assert f"onlineRL.endpoint: {reason}" in error_of(data)
+
+
 def test_errors_do_not_echo_values(tmp_path: Path):
     data = example(tmp_path)
     data["onlineRL"]["endpoint"] = "http://user:pw-SECRET@127.0.0.1:18081"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
+from urllib.parse import SplitResult, urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 from pydantic_core import PydanticCustomError
@@ -84,6 +85,19 @@ def check_model_id(value: str) -> str:
     if ".." in value.replace("\\", "/").split("/"):
         raise config_invalid("must not contain a '..' path segment")
     return value
+
+
+def split_url(value: str, *, whitespace: str, malformed: str) -> SplitResult:
+    """A configured URL's parts, refused (with the caller's messages) when it holds whitespace or its port is bad;
+    each process then applies its own rules on scheme and host."""
+    if any(c.isspace() for c in value):
+        raise config_invalid(whitespace)
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError:
+        raise config_invalid(malformed) from None
+    return parts
 
 
 def check_named_lineage(value: str) -> str:

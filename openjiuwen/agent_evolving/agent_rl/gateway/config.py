@@ -17,7 +17,6 @@ import re
 from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -52,6 +51,7 @@ from ..common.validation import (
     NonNegativeInt,
     PositiveInt,
     config_invalid,
+    split_url,
     validate_config,
 )
 from .auth.hmac_auth import REPLAY_CAPACITY
@@ -210,14 +210,9 @@ def _check_path(value: str) -> str:
 
 
 def _check_loopback_url(value: str) -> str:
-    if any(c.isspace() for c in value):
-        raise config_invalid("must be an http URL on loopback without whitespace")
-    try:
-        parts = urlsplit(value)
-        host = parts.hostname
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        raise config_invalid("must be an http URL on loopback such as http://127.0.0.1:18081") from None
+    parts = split_url(value, whitespace="must be an http URL on loopback without whitespace",
+                      malformed="must be an http URL on loopback such as http://127.0.0.1:18081")
+    host = parts.hostname
     if parts.scheme != "http" or host is None or not loopback.is_loopback_ip(host):
         raise config_invalid(f"must be an http URL on {loopback.ALLOWED}, such as http://127.0.0.1:18081")
     if parts.username or parts.password or parts.query or parts.fragment or parts.path not in ("", "/"):

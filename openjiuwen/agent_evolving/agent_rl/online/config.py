@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -38,6 +37,7 @@ from ..common.validation import (
     PositiveFloat,
     PositiveInt,
     config_invalid,
+    split_url,
     validate_config,
 )
 from .rewards.config import RewardPolicyConfig
@@ -65,13 +65,8 @@ def _check_listen_host(value: str) -> str:
 
 
 def _check_http_url(value: str) -> str:
-    if any(c.isspace() for c in value):
-        raise config_invalid("must be an http(s) URL without whitespace")
-    try:
-        parts = urlsplit(value)
-        parts.port  # noqa: B018 - raises ValueError on a malformed port
-    except ValueError:
-        raise config_invalid("must be a valid http(s) URL") from None
+    parts = split_url(value, whitespace="must be an http(s) URL without whitespace",
+                      malformed="must be a valid http(s) URL")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise config_invalid("must be an http:// or https:// URL with a host")
     if parts.query or parts.fragment:
