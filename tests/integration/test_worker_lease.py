@@ -75,6 +75,18 @@ def coordinator(redis: Redis, slot: int, log: list, *, boot: str = "b1", count: 
                              beat_s=beat_s), duties
 
 
+async def until(condition: Callable[[], bool], *, seconds: float) -> None:
+    """Poll `condition` every 50 ms for up to `seconds`; the caller asserts it afterwards."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def took_over(log: list[tuple[float, str, str]]) -> bool:
+    """A new leader's duties have started. `is_leader` turns true a loop turn before: the office is its own task."""
+    return any(what == "takeover" for _, _, what in log)
+
+
 def term(lease: LeaderLease, epoch: int) -> LeaseFence:
     """The fence of `lease`'s holder, holding the term `epoch`."""
     fence = LeaseFence(lease.holder.value)
@@ -139,10 +151,7 @@ async def test_a_leader_that_stops_renewing_hands_over_after_its_duties_stopped(
     assert a._beat is not None
     a._beat.cancel()
     began = time.monotonic()
-    for _ in range(60):
-        if b.is_leader:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: b.is_leader and took_over(log), seconds=3)
     try:
         assert b.is_leader and not a.is_leader
         events = [(who, what) for _, who, what in log]
@@ -183,10 +192,7 @@ async def test_a_leader_cut_off_from_redis_stops_its_duties_before_the_lease_exp
                 assert not b.is_leader  # nobody can acquire while Redis is stopped
             finally:
                 server.resume()
-            for _ in range(80):
-                if a.is_leader or b.is_leader:
-                    break
-                await asyncio.sleep(0.05)
+            await until(lambda: (a.is_leader or b.is_leader) and took_over(log), seconds=4)
             assert a.is_leader or b.is_leader
             kinds = [what for _, _, what in log]
             assert kinds[:3] == ["first", "deposed", "takeover"]
@@ -344,10 +350,7 @@ async def test_a_leader_frozen_past_its_ttl_lands_none_of_its_queued_writes(redi
         with pytest.raises(LeaseLost, match="lease holds term 2"):  # Redis refused it, not the overdue timer
             await queued
         assert await redis.get(keys.POLICY_OBSERVED) is None
-        for _ in range(60):
-            if b.is_leader and not a.is_leader:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: b.is_leader and not a.is_leader and took_over(log), seconds=3)
         assert b.is_leader and b.epoch == 2 and not a.is_leader
         assert [(who, what) for _, who, what in log] == [("w0", "first"), ("w0", "deposed"), ("w1", "takeover")]
     finally:
