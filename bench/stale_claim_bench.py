@@ -114,7 +114,7 @@ async def run(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
         for stale in args.stale:
             await redis.flushdb()  # the bench's own private server
             samples = make_sample_store(redis, model_id=MODEL)
-            store = samples.publisher.for_lineage(LINEAGE)
+            store = samples.publisher  # every sample names LINEAGE: published on its line
             claims = RunClaims(redis, samples.line, samples.outdated, model_id=MODEL, fence=UNFENCED)
             runs = RunTransitions(redis, samples.line, model_id=MODEL, run_retention_s=3600, fence=UNFENCED)
             attempts: list[int] = []

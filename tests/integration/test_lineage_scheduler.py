@@ -397,10 +397,10 @@ async def publish_one_each(deps, lineages: list[str]) -> None:
                 split = prompt_blocks.split_prompt(sample.prompt_ids)
                 for digest, block in split[0]:
                     acquired[digest] = (block, acquired.get(digest, (block, 0))[1] + 1)
-                publisher = deps.samples.publisher.for_lineage(lineage)
-                publisher._queue_insert(tx, sample, split, excluded=set(), now=now,  # noqa: SLF001 - batched set-up
-                                        now_epoch=datetime.fromisoformat(now).timestamp())
-                tx.sadd(keys.TRAJ_USERS, deps.samples.line.for_lineage(lineage).owner)
+                line = deps.samples.line.for_lineage(lineage)
+                deps.samples.publisher._queue_insert(  # noqa: SLF001 - batched set-up
+                    tx, line, sample, split, excluded=set(), now=now, now_epoch=datetime.fromisoformat(now).timestamp())
+                tx.sadd(keys.TRAJ_USERS, line.owner)
             prompt_blocks.queue_acquire(tx, acquired)
             await tx.execute()
 

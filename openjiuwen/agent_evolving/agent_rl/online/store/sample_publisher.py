@@ -24,7 +24,7 @@ from .tx import transact
 
 
 class SamplePublisher:
-    """Inserts samples into one line (and, through `for_lineage`, into the line of each sample's lineage)."""
+    """Inserts samples, each into the line of its lineage (docs/lineages.md)."""
 
     def __init__(
         self,
@@ -40,21 +40,6 @@ class SamplePublisher:
         # The `constrained_samples` setting (common/constraints.py): a sample carrying a kind it excludes is
         # published `excluded`, with its `exclusion`.
         self._constrained: Mapping[str, str] = constrained if constrained is not None else POLICY_DEFAULTS
-        self._owner = line.owner
-        self.lineage = line.lineage
-        self._reward_policy = line.reward_policy
-        self._lines: dict[str, SamplePublisher] = {}
-
-    def for_lineage(self, lineage: str | None) -> "SamplePublisher":
-        """The publisher of one lineage's line of this model (this one for its own line). Cheap: key names only."""
-        line = self._line.for_lineage(lineage)
-        if line is self._line:
-            return self
-        publisher = self._lines.get(line.owner)
-        if publisher is None:
-            publisher = SamplePublisher(self._redis, line, metrics=self._metrics, constrained=self._constrained)
-            self._lines[line.owner] = publisher
-        return publisher
 
     async def insert_if_absent(self, samples: Sequence[PackedSample]) -> list[str]:
         """Insert every sample whose hash has no `status` yet, as `pending` (or, under a reward policy with
@@ -66,12 +51,13 @@ class SamplePublisher:
         by_lineage: dict[str, list[PackedSample]] = {}
         for sample in samples:
             by_lineage.setdefault(str(sample.meta.get("lineage") or DEFAULT_LINEAGE), []).append(sample)
-        if set(by_lineage) - {self.lineage}:
-            # A sample belongs to its Task's lineage's line (docs/lineages.md): each line's samples go to its store.
-            inserted = []
-            for lineage, group in by_lineage.items():
-                inserted += await self.for_lineage(lineage).insert_if_absent(group)
-            return inserted
+        inserted: list[str] = []
+        for lineage, group in by_lineage.items():  # one transaction per line: a line's keys change together
+            inserted += await self._insert(self._line.for_lineage(lineage), group)
+        return inserted
+
+    async def _insert(self, line: SampleLine, samples: Sequence[PackedSample]) -> list[str]:
+        """`insert_if_absent` for samples of `line` only."""
         by_id: dict[str, PackedSample] = {}
         for sample in samples:
             by_id.setdefault(str(sample.meta["sample_id"]), sample)  # the first of duplicate ids wins
@@ -108,9 +94,9 @@ class SamplePublisher:
             prompt_blocks.queue_acquire(pipe, acquired)
             now_epoch = ids.parse_iso_epoch(now)
             for sample_id in fresh:
-                self._queue_insert(pipe, by_id[sample_id], split[sample_id], excluded=excluded, now=now,
+                self._queue_insert(pipe, line, by_id[sample_id], split[sample_id], excluded=excluded, now=now,
                                    now_epoch=now_epoch)
-            pipe.sadd(keys.TRAJ_USERS, self._owner)
+            pipe.sadd(keys.TRAJ_USERS, line.owner)
             await pipe.execute()
             return fresh
 
@@ -133,10 +119,10 @@ class SamplePublisher:
         return {"reason": "constraint", "kinds": list(kinds)} if kinds else None
 
     def _queue_insert(
-        self, pipe: Pipeline, sample: PackedSample, split: tuple[list[tuple[bytes, bytes]], bytes], *,
+        self, pipe: Pipeline, line: SampleLine, sample: PackedSample, split: tuple[list[tuple[bytes, bytes]], bytes], *,
         excluded: set[str], now: str, now_epoch: float,
     ) -> None:
-        """Queue, in `insert_if_absent`'s MULTI, one fresh sample: its hash, status index, counters, policy stats
+        """Queue, in `insert_if_absent`'s MULTI, one fresh sample of `line`: its hash, status index, counters, policy stats
         and (under a reward policy) its reward state and deadline. `split`: its prompt's shared blocks and tail."""
         meta = sample.meta
         sample_id = str(meta["sample_id"])
@@ -150,20 +136,21 @@ class SamplePublisher:
         final = (SampleStatus.EVALUATION if meta.get("evaluation") is True
                  else SampleStatus.EXCLUDED if instance in excluded or exclusion is not None else None)
         status, extra = final or SampleStatus.PENDING, {}
-        if self._reward_policy is not None:
+        reward_policy = line.reward_policy
+        if reward_policy is not None:
             # An evaluation or excluded sample keeps a reward state (external sources may still post to an
             # evaluation one) but never enters `awaiting_rewards` nor the deadline index.
-            state = self._reward_policy.initial(meta.get("judge"), now_epoch)
-            status = final or self._reward_policy.status(state)
+            state = reward_policy.initial(meta.get("judge"), now_epoch)
+            status = final or reward_policy.status(state)
             extra = {"rewards": orjson.dumps(state)}
             if status == SampleStatus.AWAITING_REWARDS:
-                self._line.queue_deadline(pipe, sample_id, self._reward_policy.next_deadline(state))
+                line.queue_deadline(pipe, sample_id, reward_policy.next_deadline(state))
         blocks, tail = split
         pipe.hset(
             keys.traj(sample_id),
             mapping={
                 "sample_id": sample_id,
-                "user_id": str(meta.get("user_id") or self._owner),
+                "user_id": str(meta.get("user_id") or line.owner),
                 "session_id": str(meta.get("session_id") or ""),
                 "rl_task_id": str(meta.get("rl_task_id") or ""),
                 "source": source,
@@ -183,11 +170,11 @@ class SamplePublisher:
                 **({"sampling": orjson.dumps(meta["sampling"])} if meta.get("sampling") else {}),
                 **({"exclusion": orjson.dumps(exclusion)} if exclusion is not None else {}),
                 # The line's owner of a non-default sample (its indexes and counters); absent for default.
-                **({"lineage": self.lineage} if self.lineage != DEFAULT_LINEAGE else {}),
+                **({"lineage": line.lineage} if line.lineage != DEFAULT_LINEAGE else {}),
             },
         )
-        pipe.zadd(self._line.index_key(status), {sample_id: ids.parse_iso_epoch(created_at)})
+        pipe.zadd(line.index_key(status), {sample_id: ids.parse_iso_epoch(created_at)})
         if status == SampleStatus.PENDING:
-            self._line.queue_waiting(pipe, ids.parse_iso_epoch(created_at))
-        self._line.queue_counters(pipe, status, source, policy_version, +1)
+            line.queue_waiting(pipe, ids.parse_iso_epoch(created_at))
+        line.queue_counters(pipe, status, source, policy_version, +1)
         queue_sample_contribution(pipe, policy_version, meta, sample.response_ids, +1)
