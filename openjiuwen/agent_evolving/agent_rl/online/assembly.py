@@ -56,7 +56,10 @@ from .training.backends import TrainerBackend
 from .training.freshness import Freshness
 from .training.pauses import LineagePauses
 from .training.runner import TrainingRunner
+from .training.durable_writes import DurableWrites
+from .training.run_activation import RunActivation
 from .training.run_claims import RunClaims
+from .training.run_executions import RunExecutions
 from .training.run_reads import RunReads
 from .training.run_transitions import RunTransitions
 from .training.scheduler import TrainingScheduler
@@ -322,24 +325,30 @@ def _make_training(
         base_model_path=config.base_model_path, active_run=reads.active_of,
     )
     decisions = DecisionLoop(rollouts, changes, evaluation, config=config.rollout, metrics=metrics)
+    durable = DurableWrites()  # both parts wait out the same Redis outage budget
+    activation = RunActivation(
+        runs, repository, gateway, durable, model_id=config.model_id, base_model_path=config.base_model_path,
+        metrics=metrics, rollout=rollout, freshness=freshness,
+    )
+    executions = RunExecutions(
+        runs, reads, samples.documents, backend, repository, activation, durable, model_id=config.model_id,
+        base_model_path=config.base_model_path, tmp_root=config.training_tmp_root, metrics=metrics,
+    )
     runner = TrainingRunner(
         runs,
-        samples.documents,
         backend,
-        repository,
         gateway,
         claims=RunClaims(redis, samples.line, samples.outdated, model_id=config.model_id, fence=fence),
         run_reads=reads,
+        executions=executions,
+        activation=activation,
         model_id=config.model_id,
-        base_model_path=config.base_model_path,
         min_samples=config.min_samples_for_training,
         max_samples=config.max_samples_per_run,
         max_policy_lag=config.max_policy_lag,
-        tmp_root=config.training_tmp_root,
         metrics=metrics,
         rollout=rollout,
         policy=config.training_policy,
-        freshness=freshness,
     )
     return rollout, decisions, runner, reads
 

@@ -73,6 +73,16 @@ class RunExecutions:
         """The run's execution in this process, if it has one."""
         return self._tasks.get(run_id)
 
+    async def end(self, run_id: str, *, cancel: bool) -> None:
+        """Wait for the run's execution in this process to end, cancelling it first when `cancel` (a stop the backend
+        could not deliver). Nothing to wait for without one."""
+        task = self._tasks.get(run_id)
+        if task is None:
+            return
+        if cancel and not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
     def run_ids(self) -> list[str]:
         return list(self._tasks)
 

@@ -23,11 +23,6 @@ class RunReads:
         raw = await self._redis.get(keys.training_run(run_id))
         return None if raw is None else TrainingRun.from_json(raw)
 
-    async def last_end(self, line: str) -> float | None:
-        """Epoch the line's previous run ended (any terminal status), None when it never had one."""
-        raw = await self._redis.hget(keys.TRAINING_LAST_END, line)
-        return None if raw is None else float(raw)
-
     async def active_runs(self) -> list[TrainingRun]:
         """Every live run, named by the pointers (one consistent read of both, then their records)."""
         async with self._redis.pipeline(transaction=True) as reads:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import Conflict, DomainError, NotFound
@@ -30,12 +29,9 @@ from .. import faults
 from ...common.ids import now_iso, policy_lag_version
 from ...common.lineage import DEFAULT_LINEAGE, line_of
 from ..lora.gateway_client import GatewayError, GatewayLoraClient
-from ..lora.repository import LoraRepository
-from ..store.sample_documents import SampleDocuments
 from ..store.fence import LeaseLost
 from .backends import TrainerBackend
-from .durable_writes import REDIS_DOWN, REDIS_OUTAGE_S, DurableWrites
-from .freshness import Freshness
+from .durable_writes import REDIS_DOWN
 from .training_policy import TrainingPolicyConfig
 from .run_activation import RunActivation
 from .run_executions import RunExecutions
@@ -59,28 +55,26 @@ class TrainingRunner:
     def __init__(
         self,
         runs: RunTransitions,
-        documents: SampleDocuments,
         backend: TrainerBackend,
-        repository: LoraRepository,
         gateway: GatewayLoraClient,
         *,
         claims: RunClaims,
         run_reads: RunReads,
+        executions: RunExecutions,
+        activation: RunActivation,
         model_id: str,
-        base_model_path: str,
         min_samples: int,
         max_samples: int,
         max_policy_lag: int | None,
-        tmp_root: str | Path,
         metrics: "ServiceMetrics | None" = None,
-        redis_outage_s: float = REDIS_OUTAGE_S,
         rollout: "RolloutController | None" = None,
         policy: TrainingPolicyConfig | None = None,
-        freshness: Freshness | None = None,
     ) -> None:
         self._runs = runs
         self._claims = claims
         self._run_reads = run_reads
+        self._executions = executions
+        self._activation = activation
         self._backend = backend
         self._gateway = gateway
         self._model_id = model_id
@@ -92,15 +86,6 @@ class TrainingRunner:
         self._rollout = rollout  # canary / manual: a new version becomes the candidate, not the active one
         # The machine-wide room, and each lineage's fair-share weight and batch cap (training/training_policy.py).
         self._policy = policy or TrainingPolicyConfig()
-        durable = DurableWrites(redis_outage_s)
-        self._activation = RunActivation(
-            runs, repository, gateway, durable, model_id=model_id, base_model_path=base_model_path, metrics=metrics,
-            rollout=rollout, freshness=freshness,
-        )
-        self._executions = RunExecutions(
-            runs, run_reads, documents, backend, repository, self._activation, durable, model_id=model_id,
-            base_model_path=base_model_path, tmp_root=tmp_root, metrics=metrics,
-        )
 
     # ------------------------------------------------------------------ API
 
@@ -236,22 +221,16 @@ class TrainingRunner:
         run_id = run.training_run_id
         self._executions.request_stop(run_id)
         await self._runs.append_event(run_id, "stop_requested", {"stage": run.stage})
-        task = self._executions.task(run_id)
         if run.stage in (RunStage.QUEUED, RunStage.TRAINING):
             stopped = await self._backend.cancel(run_id)
-            if task is not None:
-                if not stopped:
-                    task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await self._executions.end(run_id, cancel=not stopped)
             run = await self.get(run_id)
             if not run.terminal and run.stage != RunStage.ACTIVATING:
                 run = await self._runs.finish(run_id, RunStatus.CANCELED, restore_samples=True)
                 await self._executions.cleanup(run_id)
                 return run
         if not run.terminal:  # activating: once its execution is over, the gateway tells what happened
-            if task is not None and not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await self._executions.end(run_id, cancel=True)
             run = await self.get(run_id)
             if not run.terminal:
                 return await self._activation.stop(run)
