@@ -55,3 +55,10 @@ def test_json_is_utf8_without_duplicate_keys_and_never_quoted(tmp_path: Path) ->
     for read in (read_json, read_text):
         with pytest.raises(FileReadError, match=r"^keys: not valid UTF-8$"):
             read(path, "keys", 100)
+
+
+def test_json_nested_past_the_parser_depth_is_a_read_error(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_bytes(b"[" * 50_000)  # the stdlib parser would raise RecursionError, which no caller handles
+    with pytest.raises(FileReadError, match=r"^keys: JSON nested too deeply$"):
+        read_json(path, "keys", 100_000)

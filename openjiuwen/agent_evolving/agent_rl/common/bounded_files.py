@@ -90,6 +90,8 @@ def parse_json(data: bytes, where: str) -> Any:
         raise FileReadError(f"{where}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
     except _DuplicateKey as exc:
         raise FileReadError(f"{where}: duplicate key {exc.key!r}") from None
+    except RecursionError:  # the stdlib parser recurses per nesting level
+        raise FileReadError(f"{where}: JSON nested too deeply") from None
 
 
 def read_json(path: str | os.PathLike[str], where: str, limit: int, *, private_to: str | None = None) -> Any:
