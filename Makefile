@@ -86,15 +86,15 @@ chromium:
 # (pytest-xdist; one module per worker at a time, so a module's servers start once), then the tests marked `alone`
 # (CPU ratio guards, which other tests on the same cores would move) with nothing beside them. Each part may select
 # nothing for a narrow PYTEST_ARGS (pytest's exit status 5). TEST_WORKERS=0 runs the first part in one process.
+# PYTEST_ARGS goes to both parts, as the shell splits it (quotes kept), so it selects with paths and -k, not -m or -n.
 TEST_WORKERS ?= 4
-PYTEST_PARTS := "-n $(TEST_WORKERS) --dist loadscope -m 'not alone'" "-m alone"
 
 test: venv venv-vllm venv-compat redis-server chromium
-	@ran=0; for part in $(PYTEST_PARTS); do \
-		echo "$(PY) -m pytest -q $$part $(PYTEST_ARGS)"; \
-		eval "$(PY) -m pytest -q $$part $(PYTEST_ARGS)"; rc=$$?; \
-		[ $$rc -eq 5 ] && continue; [ $$rc -eq 0 ] || exit $$rc; ran=1; \
-	done; [ $$ran -eq 1 ] || { echo "error: PYTEST_ARGS selected no test" >&2; exit 5; }
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not alone" $(PYTEST_ARGS); \
+	parallel=$$?; [ $$parallel -eq 0 ] || [ $$parallel -eq 5 ] || exit $$parallel; \
+	$(PY) -m pytest -q -m alone $(PYTEST_ARGS); \
+	alone=$$?; [ $$alone -eq 0 ] || [ $$alone -eq 5 ] || exit $$alone; \
+	if [ $$parallel -eq 5 ] && [ $$alone -eq 5 ]; then echo "error: PYTEST_ARGS selected no test" >&2; exit 5; fi
 
 # The torchvision wheel pip pulls in beside the CPU torch fails at import; vLLM serves text models without these
 # three, so they are removed. The stamp makes a second `make demo` reuse the environment.
