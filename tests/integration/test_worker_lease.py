@@ -43,6 +43,7 @@ from openjiuwen.agent_evolving.agent_rl.online.workers.membership import Members
 from tests.integration.test_rewards import doc, make_store
 from tests.integration.test_trajectory_store import move, packed
 from tests.support.redis_server import RedisServer, free_port
+from tests.support.waiting import wait_for_async
 from tests.support.service_app import MODEL_ID, make_config, running_app, start_task
 
 
@@ -73,13 +74,6 @@ def coordinator(redis: Redis, slot: int, log: list, *, boot: str = "b1", count: 
     duties = RecordingDuties(f"w{slot}", log, make_fence(placement))
     return WorkerCoordinator(redis, placement, membership, duties, duties.fence, ttl_s=ttl_s, margin_s=margin_s,
                              beat_s=beat_s), duties
-
-
-async def until(condition: Callable[[], bool], *, seconds: float) -> None:
-    """Poll `condition` every 50 ms for up to `seconds`; the caller asserts it afterwards."""
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
 
 
 def took_over(log: list[tuple[float, str, str]]) -> bool:
@@ -151,8 +145,8 @@ async def test_a_leader_that_stops_renewing_hands_over_after_its_duties_stopped(
     assert a._beat is not None
     a._beat.cancel()
     began = time.monotonic()
-    await until(lambda: b.is_leader and took_over(log), seconds=3)
     try:
+        await wait_for_async(lambda: b.is_leader and took_over(log), timeout_s=3, what="w1 taking over")
         assert b.is_leader and not a.is_leader
         events = [(who, what) for _, who, what in log]
         assert events == [("w0", "first"), ("w0", "deposed"), ("w1", "takeover")]
@@ -181,19 +175,15 @@ async def test_a_leader_cut_off_from_redis_stops_its_duties_before_the_lease_exp
             server.pause()
             paused_at = time.monotonic()
             try:
-                for _ in range(40):
-                    if not a.is_leader:
-                        break
-                    await asyncio.sleep(0.05)
+                await wait_for_async(lambda: not a.is_leader, timeout_s=2, what="w0 deposed")
                 deposed_at = time.monotonic()
-                assert not a.is_leader
                 # Deposed while the lease Redis holds was still valid (its TTL counts from the last renewal).
                 assert deposed_at - paused_at < ttl_ms / 1000.0
                 assert not b.is_leader  # nobody can acquire while Redis is stopped
             finally:
                 server.resume()
-            await until(lambda: (a.is_leader or b.is_leader) and took_over(log), seconds=4)
-            assert a.is_leader or b.is_leader
+            await wait_for_async(lambda: (a.is_leader or b.is_leader) and took_over(log), timeout_s=4,
+                                 what="a leader taking over after the pause")
             kinds = [what for _, _, what in log]
             assert kinds[:3] == ["first", "deposed", "takeover"]
         finally:
@@ -350,7 +340,8 @@ async def test_a_leader_frozen_past_its_ttl_lands_none_of_its_queued_writes(redi
         with pytest.raises(LeaseLost, match="lease holds term 2"):  # Redis refused it, not the overdue timer
             await queued
         assert await redis.get(keys.POLICY_OBSERVED) is None
-        await until(lambda: b.is_leader and not a.is_leader and took_over(log), seconds=3)
+        await wait_for_async(lambda: b.is_leader and not a.is_leader and took_over(log), timeout_s=3,
+                             what="w1 taking over from the frozen w0")
         assert b.is_leader and b.epoch == 2 and not a.is_leader
         assert [(who, what) for _, who, what in log] == [("w0", "first"), ("w0", "deposed"), ("w1", "takeover")]
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -22,11 +23,16 @@ def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, what: str = "c
         time.sleep(0.05)
 
 
-async def wait_for_async(predicate: Callable[[], Awaitable[T]], timeout_s: float = 10.0, what: str = "condition") -> T:
-    """`wait_for` for a coroutine predicate inside an event loop (the code under test runs in the same loop)."""
+async def wait_for_async(
+    predicate: Callable[[], Awaitable[T] | T], timeout_s: float = 10.0, what: str = "condition",
+) -> T:
+    """`wait_for` inside an event loop (the code under test runs in the same loop); `predicate` may be a coroutine
+    function or a plain one."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = await predicate()
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if time.monotonic() >= deadline:
